@@ -1,0 +1,93 @@
+"""Python API: `vocabspec.load(...)` wires a target model, its tokenizer and a proposer.
+
+    import vocabspec
+    lm = vocabspec.load("smollm2", draft="pld")
+    print(lm.generate("Tell me a joke", chat=True, max_new_tokens=64).text)
+    for piece in lm.stream("Once upon a time", max_new_tokens=32):
+        print(piece, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .generate import Engine, GenerationConfig, GenerationResult
+from .loading import load_model
+from .sampling import SamplingParams
+from .tokenizer import load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DRAFTS = ("none", "eagle", "pld")
+BUNDLED_DRAFTERS = Path(__file__).parent / "drafters"
+
+
+def bundled_drafter_dir(model: str) -> Path | None:
+    path = BUNDLED_DRAFTERS / model
+    return path if (path / "config.json").exists() else None
+
+
+class LanguageModel:
+    def __init__(self, engine: Engine, name: str):
+        self.engine = engine
+        self.name = name
+        self.tokenizer = engine.tokenizer
+
+    def encode_prompt(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, (str, list)):
+            raise ValueError("prompt must be a string or a list of chat messages")
+        if isinstance(prompt, list) or chat:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            return self.tokenizer.encode_chat(messages)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return self.tokenizer.encode(prompt)
+
+    def _config(self, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+                stop=()) -> GenerationConfig:
+        if isinstance(stop, str):
+            stop = (stop,)
+        return GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop or ()),
+                                sampling=SamplingParams(temperature=temperature, top_p=top_p,
+                                                        top_k=top_k, seed=seed))
+
+    def stream(self, prompt, chat: bool = False, **kwargs):
+        """Iterate over text pieces as they are generated; `.result` on the iterator at the end."""
+        return self.engine.stream(self.encode_prompt(prompt, chat), self._config(**kwargs))
+
+    def generate(self, prompt, chat: bool = False, **kwargs) -> GenerationResult:
+        return self.engine.generate(self.encode_prompt(prompt, chat), self._config(**kwargs))
+
+
+def make_proposer(model, draft: str, draft_path: str | None, model_name: str,
+                  depth: int = 6, top_k: int = 10, total_tokens: int = 60):
+    from .drafter import EagleDrafter, EagleProposer
+    from .pld import PromptLookupProposer
+
+    if draft not in DRAFTS:
+        raise ValueError(f"unknown draft method {draft!r} (choose from {', '.join(DRAFTS)})")
+    if draft == "none":
+        return None
+    if draft == "pld":
+        return PromptLookupProposer(device=model.device)
+    path = draft_path or bundled_drafter_dir(model_name)
+    if path is None:
+        raise ValueError(f"no drafter is bundled for {model_name!r}: pass --draft-path DIR "
+                         "(an EAGLE checkpoint directory)")
+    if path == "random":
+        drafter = EagleDrafter.random(model)
+    else:
+        drafter = EagleDrafter.load(path, model)
+    return EagleProposer(drafter, depth=depth, top_k=top_k, total_tokens=total_tokens)
+
+
+def load(model: str = "smollm2", draft: str = "none", draft_path: str | None = None,
+         dtype: str = "float32", device: str = "cpu", max_seq_len: int | None = None,
+         depth: int = 6, tree_top_k: int = 10, total_tokens: int = 60) -> LanguageModel:
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    target, path = load_model(model, dtype=DTYPES[dtype], device=device, max_seq_len=max_seq_len)
+    tokenizer = load_tokenizer(path)
+    proposer = make_proposer(target, draft, draft_path, model, depth, tree_top_k, total_tokens)
+    return LanguageModel(Engine(target, tokenizer, proposer), model)

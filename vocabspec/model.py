@@ -1,0 +1,281 @@
+"""The target model: one readable decoder-only transformer for Llama and Gemma 3.
+
+A forward pass takes token ids, their positions and (optionally) a mask over the new tokens,
+so a whole draft tree is scored in one pass against the cached context. It returns the last
+layer's hidden states before the final norm (the drafter's input feature) and logits for the
+requested rows only, because the LM head is the expensive part with large vocabularies.
+
+Gemma 3 differs from Llama in: scaled embeddings, RMSNorm around both sub-blocks, QK norm,
+GELU-tanh MLP, a query scale of query_pre_attn_scalar**-0.5, and sliding-window layers with
+their own RoPE base (every `sliding_window_pattern`-th layer is global).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .kv_cache import KVCache
+
+
+@dataclass
+class ModelArgs:
+    arch: str                      # "llama" or "gemma3"
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    rope_base: float
+    max_seq_len: int = 4096
+    rope_local_base: float = 10000.0
+    sliding_window: int | None = None
+    sliding_window_pattern: int = 6
+    query_pre_attn_scalar: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.arch not in ("llama", "gemma3"):
+            raise ValueError(f"unsupported architecture {self.arch!r} (supported: llama, gemma3)")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+    def is_sliding(self, layer: int) -> bool:
+        return (self.arch == "gemma3" and self.sliding_window is not None
+                and (layer + 1) % self.sliding_window_pattern != 0)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32. Gemma's (1 + w) is already folded into the weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(head_dim: int, base: float, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (1, heads, n, head_dim); cos/sin: (n, head_dim). Rotate-half (NeoX/HF) convention.
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args = args
+        self.layer = layer
+        self.q_size = args.n_heads * args.head_dim
+        self.kv_size = args.n_kv_heads * args.head_dim
+        self.wqkv = nn.Linear(args.dim, self.q_size + 2 * self.kv_size, bias=False)
+        self.wo = nn.Linear(self.q_size, args.dim, bias=False)
+        if args.arch == "gemma3":
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.scale = (args.query_pre_attn_scalar or args.head_dim) ** -0.5
+        else:
+            self.q_norm = self.k_norm = None
+            self.scale = args.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, cache: KVCache, mask, key_start: int):
+        n = x.shape[0]
+        args = self.args
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, args.n_heads, args.head_dim)
+        k = k.view(n, args.n_kv_heads, args.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(0, 1).unsqueeze(0), cos, sin)
+        k = apply_rope(k.transpose(0, 1).unsqueeze(0), cos, sin)
+        v = v.view(n, args.n_kv_heads, args.head_dim).transpose(0, 1).unsqueeze(0)
+        keys, values = cache.write(self.layer, k, v)
+        if key_start:
+            keys, values = keys[:, :, key_start:], values[:, :, key_start:]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=args.n_kv_heads != args.n_heads)
+        return self.wo(out.squeeze(0).transpose(0, 1).reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.hidden = args.intermediate_size
+        self.w_gate_up = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.w_down = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.gemma = args.arch == "gemma3"
+
+    def forward(self, x):
+        gate, up = self.w_gate_up(x).split(self.hidden, dim=-1)
+        gate = F.gelu(gate, approximate="tanh") if self.gemma else F.silu(gate)
+        return self.w_down(gate * up)
+
+
+class Block(nn.Module):
+    """One decoder layer; the EAGLE drafter reuses it with its own cache."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn = Attention(args, layer)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+        if args.arch == "gemma3":
+            self.post_attn_norm = RMSNorm(args.dim, args.norm_eps)
+            self.post_mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        else:
+            self.post_attn_norm = self.post_mlp_norm = None
+
+    def forward(self, x, cos, sin, cache, mask, key_start):
+        h = self.attn(self.attn_norm(x), cos, sin, cache, mask, key_start)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return x + h
+
+
+class AttentionPlan:
+    """Masks and RoPE rows for one forward, shared by all layers of the same kind."""
+
+    def __init__(self, args: ModelArgs, cache: KVCache, positions: torch.Tensor,
+                 tree_mask: torch.Tensor | None, rope: dict):
+        n = positions.shape[0]
+        past = cache.length
+        pending = cache.pending
+        device = positions.device
+        self.rows = {}
+        for kind, (cos, sin) in rope.items():
+            self.rows[kind] = (cos[positions], sin[positions])
+        if tree_mask is None and (n > 1 or pending):
+            tree_mask = torch.cat([torch.ones(n, pending, dtype=torch.bool, device=device),
+                                   torch.ones(n, n, dtype=torch.bool, device=device).tril()], dim=1)
+        if tree_mask is None:
+            global_mask = None
+        else:
+            global_mask = torch.cat([torch.ones(n, past, dtype=torch.bool, device=device),
+                                     tree_mask], dim=1)
+        self.masks = {"global": (global_mask, 0)}
+        if args.sliding_window is not None and args.arch == "gemma3":
+            if pending:
+                raise NotImplementedError("sliding-window layers need an empty pending block")
+            window = args.sliding_window
+            # Committed slot i holds position i, so keys older than the window are sliced off.
+            key_start = max(0, min(int(positions.min()) - window + 1, past))
+            key_positions = torch.cat([torch.arange(key_start, past, device=device), positions])
+            in_window = (positions[:, None] - key_positions[None, :]) < window
+            if global_mask is None and bool(in_window.all()):
+                local_mask = None
+            else:
+                base = global_mask[:, key_start:] if global_mask is not None else True
+                local_mask = in_window & base
+            self.masks["local"] = (local_mask, key_start)
+
+    def for_layer(self, args: ModelArgs, layer: int):
+        kind = "local" if args.is_sliding(layer) else "global"
+        cos, sin = self.rows[kind if kind in self.rows else "global"]
+        mask, key_start = self.masks[kind]
+        return cos, sin, mask, key_start
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.embed_scale = math.sqrt(args.dim) if args.arch == "gemma3" else None
+        self.rope = {}
+        self._init_rope()
+
+    def _init_rope(self):
+        args = self.args
+        device = self.embed.weight.device
+        self.rope = {"global": tuple(t.to(device) for t in
+                                     rope_tables(args.head_dim, args.rope_base, args.max_seq_len))}
+        if args.arch == "gemma3" and args.sliding_window is not None:
+            self.rope["local"] = tuple(t.to(device) for t in rope_tables(
+                args.head_dim, args.rope_local_base, args.max_seq_len))
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def to(self, *a, **kw):
+        out = super().to(*a, **kw)
+        self._init_rope()
+        return out
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        args = self.args
+        return KVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_len or args.max_seq_len,
+                       self.dtype, self.device)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits from pre-norm hidden states (rows, dim) -> (rows, vocab), in float32."""
+        return F.linear(self.norm(hidden), self.embed.weight).float()
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                tree_mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None,
+                all_logits: bool = False):
+        """Run `tokens` (n,) at `positions` (n,) after the committed cache.
+
+        tree_mask (n, pending + n): which pending and new tokens each new token sees
+        (default: all pending ones and the new ones causally).
+        Logits are computed for `logits_rows` (indices), for every row if `all_logits`,
+        else for the last row only. The cache holds the new tokens as pending until
+        `cache.commit`. Returns (hidden (n, dim) before the final norm, logits (m, vocab)).
+        """
+        n = tokens.shape[0]
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if int(positions.max()) >= self.args.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is beyond max_seq_len "
+                             f"{self.args.max_seq_len}")
+        cache.check_room(n)
+        plan = AttentionPlan(self.args, cache, positions, tree_mask, self.rope)
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            cos, sin, mask, key_start = plan.for_layer(self.args, i)
+            x = layer(x, cos, sin, cache, mask, key_start)
+        cache.advance(n)
+        if all_logits:
+            logits = self.lm_head(x)
+        elif logits_rows is not None:
+            logits = self.lm_head(x[logits_rows])
+        else:
+            logits = self.lm_head(x[-1:])
+        return x, logits

@@ -1,0 +1,39 @@
+"""Prompt-lookup drafting: propose what followed the latest earlier occurrence of the context's
+last n-gram. No model, no training; it shares the tree and verification code with EAGLE."""
+
+from __future__ import annotations
+
+import torch
+
+from .tree import DraftTree, chain_tree
+
+
+class PromptLookupProposer:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_draft: int = 10,
+                 device: torch.device | str = "cpu"):
+        if not 1 <= min_ngram <= max_ngram or num_draft < 1:
+            raise ValueError("need 1 <= min_ngram <= max_ngram and num_draft >= 1")
+        self.max_ngram, self.min_ngram, self.num_draft = max_ngram, min_ngram, num_draft
+        self.max_tree_tokens = num_draft
+        self.device = torch.device(device)
+        self.context: list[int] = []
+
+    def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
+        self.context = list(prompt_ids) + [first_token]
+
+    def observe(self, accepted, hidden, next_token) -> None:
+        self.context.extend(accepted[1:] + [next_token])
+
+    def propose(self, root_token: int) -> DraftTree:
+        return chain_tree(root_token, self.lookup(self.context), self.device)
+
+    def lookup(self, context: list[int]) -> list[int]:
+        for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
+            suffix = context[-n:]
+            # Latest earlier match first: recent text predicts best.
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start:start + n] == suffix:
+                    follow = context[start + n:start + n + self.num_draft]
+                    if follow:
+                        return follow
+        return []

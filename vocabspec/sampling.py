@@ -1,0 +1,62 @@
+"""Turning logits into the distribution we sample from, and sampling it reproducibly.
+
+Every decoding method calls the same `target_probs`, so vanilla sampling and speculative
+verification draw from exactly the same processed distribution (temperature, then top-k,
+then top-p, as transformers orders them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0     # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0               # 0 means no top-k cut
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(rows, vocab) float logits -> (rows, vocab) float32 probabilities after processing."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative <= 1.0 - params.top_p
+        drop_sorted[..., -1] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a (vocab,) distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,139 @@
+"""Draft trees: EAGLE-2's context-aware dynamic tree, and the masks the target needs.
+
+Node values are log-probabilities summed along the path (log of EAGLE-2's value, the product
+of draft confidences). Building follows EAGLE-2: the root's top-k children form depth 1; at
+each expansion step the top-k nodes of the newest layer (by value) are expanded into their
+top-k children each; finally all drafted nodes are reranked by value and the best
+`total_tokens` kept, ties going to shallower nodes so that the kept set stays a connected tree.
+
+A `DraftTree` is flattened depth by depth with the root (the last sampled token, not yet in
+the target's cache) at index 0; node i's parent index is smaller than i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor    # (n + 1,) root first
+    parents: torch.Tensor   # (n + 1,) parent index, -1 for the root
+    depths: torch.Tensor    # (n + 1,) 0 for the root
+    # Each node's children in draft order (most confident first): verification tries them so.
+    children: list[list[int]]
+
+    @property
+    def size(self) -> int:
+        """Drafted tokens, the root excluded."""
+        return self.tokens.numel() - 1
+
+    def attention_mask(self) -> torch.Tensor:
+        """(n + 1, n + 1) bool: node i sees node j iff j is i or one of its ancestors."""
+        n = self.tokens.numel()
+        mask = torch.eye(n, dtype=torch.bool)
+        parents = self.parents.tolist()
+        for i in range(1, n):
+            mask[i] |= mask[parents[i]]
+        return mask.to(self.tokens.device)
+
+    def positions(self, start: int) -> torch.Tensor:
+        return self.depths + start
+
+    def path_to(self, node: int) -> list[int]:
+        path = []
+        parents = self.parents.tolist()
+        while node != -1:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
+
+    def leaf_paths(self) -> torch.Tensor:
+        """Root-to-leaf retrieval paths, (leaves, max_depth + 1), padded with -1."""
+        leaves = [i for i, kids in enumerate(self.children) if not kids]
+        paths = [self.path_to(leaf) for leaf in leaves]
+        width = max(len(p) for p in paths)
+        return torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.long)
+
+
+def chain_tree(root: int, tokens: list[int], device: torch.device | None = None) -> DraftTree:
+    """A single path (prompt lookup, or no draft at all)."""
+    n = len(tokens) + 1
+    return DraftTree(
+        tokens=torch.tensor([root] + list(tokens), dtype=torch.long, device=device),
+        parents=torch.arange(-1, n - 1, dtype=torch.long, device=device),
+        depths=torch.arange(n, dtype=torch.long, device=device),
+        children=[[i + 1] for i in range(n - 1)] + [[]],
+    )
+
+
+class TreeBuilder:
+    """Collects drafted nodes level by level, then reranks them into a DraftTree.
+
+    Node ids are indices into the builder's flat lists; id 0 is the root.
+    """
+
+    def __init__(self, root_token: int, top_k: int, total_tokens: int):
+        if top_k < 1 or total_tokens < 1:
+            raise ValueError(f"top_k and total_tokens must be >= 1, got {top_k}, {total_tokens}")
+        self.top_k = top_k
+        self.total_tokens = total_tokens
+        self.token = [root_token]
+        self.parent = [-1]
+        self.depth = [0]
+        self.value = [0.0]        # log of the product of confidences along the path
+        self.newest: list[int] = [0]
+
+    def add_children(self, parents: list[int], tokens: torch.Tensor, log_probs: torch.Tensor) -> list[int]:
+        """Attach children: row r of tokens/log_probs (k each) hangs under parents[r]."""
+        tokens_l, log_probs_l = tokens.tolist(), log_probs.tolist()
+        new = []
+        for parent, row_tokens, row_lp in zip(parents, tokens_l, log_probs_l):
+            base = self.value[parent]
+            for token, lp in zip(row_tokens, row_lp):
+                new.append(len(self.token))
+                self.token.append(token)
+                self.parent.append(parent)
+                self.depth.append(self.depth[parent] + 1)
+                self.value.append(base + lp)
+        self.newest = new
+        return new
+
+    def frontier(self) -> list[int]:
+        """The top_k nodes of the newest layer by value: the next to expand."""
+        newest = self.newest
+        if len(newest) <= self.top_k:
+            return list(newest)
+        values = torch.tensor([self.value[i] for i in newest], dtype=torch.float64)
+        order = torch.topk(values, self.top_k).indices.tolist()
+        return [newest[i] for i in order]
+
+    def build(self, device: torch.device | None = None) -> DraftTree:
+        """Rerank all drafted nodes, keep the best total_tokens, flatten depth by depth."""
+        candidates = list(range(1, len(self.token)))
+        # Higher value first; on equal value the shallower node, then the earlier drafted. A
+        # child's value never exceeds its parent's, so every kept node's parent is kept too.
+        candidates.sort(key=lambda i: (-self.value[i], self.depth[i], i))
+        by_depth: dict[int, list[int]] = {}
+        for node in candidates[: self.total_tokens]:
+            by_depth.setdefault(self.depth[node], []).append(node)
+        order, flat_index = [0], {0: 0}
+        for depth in sorted(by_depth):
+            # Siblings stay together, in their parents' order, most confident first.
+            level = sorted(by_depth[depth],
+                           key=lambda i: (flat_index[self.parent[i]], -self.value[i], i))
+            for node in level:
+                flat_index[node] = len(order)
+                order.append(node)
+        parents = [-1] + [flat_index[self.parent[i]] for i in order[1:]]
+        children: list[list[int]] = [[] for _ in order]
+        for idx in range(1, len(order)):
+            children[parents[idx]].append(idx)
+        return DraftTree(
+            tokens=torch.tensor([self.token[i] for i in order], dtype=torch.long, device=device),
+            parents=torch.tensor(parents, dtype=torch.long, device=device),
+            depths=torch.tensor([self.depth[i] for i in order], dtype=torch.long, device=device),
+            children=children,
+        )
