@@ -1,0 +1,77 @@
+"""Shared fixtures: the two real bundled models (float32) and tiny random models of both
+architectures. Real models load once per session; their dequantized weights are cached."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from vocabspec.loading import load_model
+from vocabspec.model import ModelArgs, Transformer
+from vocabspec.tokenizer import load_tokenizer
+
+torch.set_num_threads(2)
+
+SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+class Loaded:
+    def __init__(self, name):
+        self.name = name
+        self.model, self.path = load_model(name)
+        self.tokenizer = load_tokenizer(self.path)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        if self.tokenizer.chat_template:
+            return self.tokenizer.encode_chat([{"role": "user", "content": text}])
+        return self.tokenizer.encode(f"Question: {text}\nAnswer:")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return Loaded("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    return Loaded("gemma3")
+
+
+@pytest.fixture(scope="session", params=["smollm2", "gemma3"])
+def real_model(request):
+    return request.getfixturevalue(request.param)
+
+
+def spec_bench_prompts() -> list[tuple[str, str]]:
+    """One first-turn prompt per Spec-Bench category (13), read from ../shared by path."""
+    if not SPEC_BENCH.exists():
+        pytest.skip(f"Spec-Bench questions not found at {SPEC_BENCH}")
+    seen = {}
+    for line in SPEC_BENCH.read_text().splitlines():
+        q = json.loads(line)
+        seen.setdefault(q["category"], q["turns"][0])
+    return sorted(seen.items())
+
+
+def tiny_args(arch: str, **overrides) -> ModelArgs:
+    base = dict(arch=arch, vocab_size=97, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
+                intermediate_size=48, norm_eps=1e-6, rope_base=10000.0, max_seq_len=256,
+                eos_token_ids=[])
+    if arch == "gemma3":
+        base.update(sliding_window=6, sliding_window_pattern=2, query_pre_attn_scalar=8.0,
+                    rope_base=1e6)
+    base.update(overrides)
+    return ModelArgs(**base)
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(tiny_args(arch, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.5)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,106 @@
+"""Command-line behaviour: clear errors with exit code 2 and no traceback; JSON output."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vocabspec.drafter import DrafterMismatch, EagleDrafter
+from vocabspec.loading import ModelLoadError, load_model
+
+from conftest import tiny_model
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "vocabspec.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", ""], "prompt is empty"),
+    (["generate", "hi", "--top-p", "1.5"], "top_p"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--max-new-tokens", "0"], "positive integer"),
+    (["generate", "hi", "--max-new-tokens", "lots"], "positive integer"),
+    (["generate", "hi", "--dtype", "float64"], "invalid choice"),
+    (["generate", "hi", "--model", "/no/such/model.gguf"], "neither a bundled name"),
+    (["generate", "hi", "--model", "llama9"], "neither a bundled name"),
+])
+def test_bad_arguments_fail_cleanly(args, message):
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_corrupt_gguf_is_named(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    proc = run_cli("generate", "hi", "--model", str(bad))
+    assert proc.returncode == 2 and str(bad) in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(ModelLoadError, match="broken.gguf"):
+        load_model(str(bad))
+
+
+def test_truncated_real_gguf_is_refused(tmp_path, smollm2):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(smollm2.path.read_bytes()[: 5_000_000])
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        load_model(str(cut))
+
+
+def test_generate_json(smollm2):
+    proc = run_cli("generate", "--model", "smollm2", "--chat", "--json", "--max-new-tokens", "8",
+                   "--draft", "pld", "Say hello.")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["new_tokens"] == 8 and out["text"] and out["tokens_per_s"] > 0
+    assert out["steps"] >= 1 and out["mean_accept_len"] >= 1.0
+
+
+def test_chat_on_base_model_is_refused(gemma3):
+    from vocabspec.api import LanguageModel
+    from vocabspec.generate import Engine
+
+    lm = LanguageModel(Engine(gemma3.model, gemma3.tokenizer), "gemma3")
+    with pytest.raises(ValueError, match="no chat template"):
+        lm.generate("hi", chat=True, max_new_tokens=2)
+
+
+def test_over_long_prompt_is_refused_and_engine_still_works(smollm2):
+    from vocabspec.generate import Engine, GenerationConfig
+
+    engine = Engine(smollm2.model, smollm2.tokenizer)
+    with pytest.raises(ValueError, match="context window"):
+        engine.generate([5] * 5000, GenerationConfig(max_new_tokens=4))
+    with pytest.raises(ValueError, match="context window"):
+        engine.generate([5] * 10, GenerationConfig(max_new_tokens=4090))
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([], GenerationConfig(max_new_tokens=4))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.generate([10**7], GenerationConfig(max_new_tokens=4))
+    assert engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=3)).new_tokens == 3
+
+
+def test_drafter_roundtrip_and_mismatch(tmp_path):
+    llama = tiny_model("llama")
+    drafter = EagleDrafter.random(llama, seed=2)
+    drafter.save(tmp_path / "d")
+    loaded = EagleDrafter.load(tmp_path / "d", llama)
+    tokens, features = torch.tensor([1, 2, 3]), torch.randn(3, llama.args.dim)
+    a = drafter(tokens, features, torch.arange(3), drafter.new_cache(8))
+    b = loaded(tokens, features, torch.arange(3), loaded.new_cache(8))
+    torch.testing.assert_close(a, b)
+    other = tiny_model("llama", dim=48, head_dim=12)
+    with pytest.raises(DrafterMismatch, match="hidden_size"):
+        EagleDrafter.load(tmp_path / "d", other)
+    gemma = tiny_model("gemma3")
+    with pytest.raises(DrafterMismatch, match="llama target"):
+        EagleDrafter.load(tmp_path / "d", gemma)
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(DrafterMismatch, match="unreadable"):
+        EagleDrafter.load(tmp_path / "d", llama)
+    with pytest.raises(DrafterMismatch, match="missing"):
+        EagleDrafter.load(tmp_path / "nothing", llama)

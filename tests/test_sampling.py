@@ -1,0 +1,97 @@
+"""Speculative sampling draws from exactly the target's distribution.
+
+On a tiny random model the exact distribution of the first two generated tokens is computed
+from the target's own logits; thousands of speculative runs (random drafter, a real tree) must
+match it under a chi-square test, at temperature 1 and with top-p < 1 / top-k."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from vocabspec.drafter import EagleDrafter, EagleProposer
+from vocabspec.generate import Engine, GenerationConfig
+from vocabspec.sampling import SamplingParams, target_probs
+from vocabspec.tree import chain_tree
+from vocabspec.verify import verify_sampling
+
+from conftest import tiny_model
+
+VOCAB = 8
+
+
+def exact_two_token_distribution(model, prompt, params):
+    cache = model.new_cache()
+    with torch.inference_mode():
+        _, logits = model(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+        cache.commit()
+        p1 = target_probs(logits, params)[0]
+        joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+        for a in range(VOCAB):
+            if p1[a] == 0:
+                continue
+            _, l2 = model(torch.tensor([a]), torch.tensor([len(prompt)]), cache)
+            cache.discard()
+            joint[a] = p1[a].double() * target_probs(l2, params)[0].double()
+    return joint.flatten()
+
+
+def sampled_counts(engine, prompt, params, runs):
+    counts = torch.zeros(VOCAB * VOCAB)
+    for seed in range(runs):
+        config = GenerationConfig(max_new_tokens=2, stop_on_eos=False,
+                                  sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed))
+        a, b = engine.generate(prompt, config).tokens
+        counts[a * VOCAB + b] += 1
+    return counts
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.8, top_p=0.7),
+                                    SamplingParams(temperature=1.0, top_k=3)],
+                         ids=["t1", "t0.8-top_p0.7", "t1-top_k3"])
+def test_speculative_sampling_matches_target_distribution(params):
+    model = tiny_model("llama", seed=3, vocab_size=VOCAB, n_layers=2)
+    prompt = [1, 2, 3, 4]
+    expected = exact_two_token_distribution(model, prompt, params)
+    proposer = EagleProposer(EagleDrafter.random(model, seed=5), depth=2, top_k=3, total_tokens=6)
+    runs = 3000
+    counts = sampled_counts(Engine(model, None, proposer), prompt, params, runs)
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token the processed target distribution excludes"
+    # Pool cells with tiny expectations so the chi-square approximation holds.
+    exp_counts = expected[keep] * runs
+    big = exp_counts >= 5
+    obs = torch.cat([counts[keep][big], counts[keep][~big].sum()[None]])
+    exp = torch.cat([exp_counts[big], exp_counts[~big].sum()[None]])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    obs, exp = obs.double().numpy(), exp.double().numpy()
+    stat, p_value = chisquare(obs, exp / exp.sum() * obs.sum())
+    assert p_value > 1e-3, f"chi-square p={p_value:.2e}"
+    # And the drafter really was used: some drafted tokens were accepted.
+    assert proposer.cache.length > 0
+
+
+def test_verify_sampling_single_node_is_exact():
+    # One node, children 2 then 0: P(emit x) must equal p(x) for every x.
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0]]).repeat(4, 1)
+    params = SamplingParams(temperature=1.0)
+    p = target_probs(logits[:1], params)[0].double()
+    tree = chain_tree(9, [2])
+    tree.children[0] = [1]
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    runs = 20000
+    for _ in range(runs):
+        verdict = verify_sampling(tree, logits, params, generator)
+        token = 2 if len(verdict.path) > 1 else verdict.next_token
+        counts[token] += 1
+    observed = counts.double().numpy()
+    stat, p_value = chisquare(observed, (p / p.sum()).numpy() * observed.sum())
+    assert p_value > 1e-3
+
+
+def test_sampling_parameters_are_validated():
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)

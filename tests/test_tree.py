@@ -1,0 +1,103 @@
+"""EAGLE-2 tree construction against hand-worked cases (Figure 7 of the paper)."""
+
+import math
+
+import torch
+
+from vocabspec.tree import TreeBuilder, chain_tree
+
+WORDS = ["It", "is", "has", "a", "the", "to", "good", "nice", "be", "do"]
+ID = {w: i for i, w in enumerate(WORDS)}
+
+
+def lp(*probs):
+    return torch.tensor([[math.log(p) for p in probs]])
+
+
+def ids(*words):
+    return torch.tensor([[ID[w] for w in words]])
+
+
+def figure7_builder(total_tokens=7):
+    b = TreeBuilder(ID["It"], top_k=2, total_tokens=total_tokens)
+    b.add_children([0], ids("is", "has"), lp(0.6, 0.2))
+    frontier = b.frontier()
+    assert [WORDS[b.token[i]] for i in frontier] == ["is", "has"]
+    b.add_children(frontier, torch.cat([ids("a", "the"), ids("to", "a")]),
+                   torch.cat([lp(0.8, 0.1), lp(0.7, 0.1)]))
+    frontier = b.frontier()
+    # values: a 0.48, the 0.06, to 0.14, a 0.02 -> expand "a" (0.48) and "to" (0.14)
+    assert [WORDS[b.token[i]] for i in frontier] == ["a", "to"]
+    assert [round(math.exp(b.value[i]), 4) for i in frontier] == [0.48, 0.14]
+    b.add_children(frontier, torch.cat([ids("good", "nice"), ids("be", "do")]),
+                   torch.cat([lp(0.7, 0.1), lp(0.6, 0.2)]))
+    return b
+
+
+def test_figure7_values():
+    b = figure7_builder()
+    values = sorted((WORDS[b.token[i]], b.depth[i], round(math.exp(b.value[i]), 4))
+                    for i in range(1, len(b.token)))
+    assert values == sorted([("is", 1, 0.6), ("has", 1, 0.2), ("a", 2, 0.48), ("the", 2, 0.06),
+                             ("to", 2, 0.14), ("a", 2, 0.02), ("good", 3, 0.336), ("nice", 3, 0.048),
+                             ("be", 3, 0.084), ("do", 3, 0.028)])
+
+
+def test_figure7_rerank_flatten_and_mask():
+    tree = figure7_builder().build()
+    assert [WORDS[t] for t in tree.tokens.tolist()] == ["It", "is", "has", "a", "the", "to", "good", "be"]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3, 5]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3, 3]
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0, 0, 1, 0],
+        [1, 0, 1, 0, 0, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(tree.attention_mask(), expected)
+    assert tree.positions(100).tolist() == [100, 101, 101, 102, 102, 102, 103, 103]
+    paths = {tuple(p for p in row if p >= 0) for row in tree.leaf_paths().tolist()}
+    assert paths == {(0, 1, 3, 6), (0, 1, 4), (0, 2, 5, 7)}
+    assert tree.children[1] == [3, 4]   # "a" (0.8) before "the" (0.1): draft order
+
+
+def test_smaller_budget_keeps_best_nodes():
+    tree = figure7_builder(total_tokens=3).build()
+    assert [WORDS[t] for t in tree.tokens.tolist()] == ["It", "is", "a", "good"]
+
+
+def test_ties_prefer_shallower_nodes_and_stay_connected():
+    b = TreeBuilder(0, top_k=2, total_tokens=2)
+    b.add_children([0], torch.tensor([[1, 2]]), torch.tensor([[0.0, math.log(0.5)]]))
+    b.add_children([1], torch.tensor([[3, 4]]), torch.tensor([[0.0, -5.0]]))
+    # Node 3 ties with its parent (value 1.0): the parent must come first.
+    tree = b.build()
+    assert tree.tokens.tolist() == [0, 1, 3]
+    b = TreeBuilder(0, top_k=2, total_tokens=1)
+    b.add_children([0], torch.tensor([[1, 2]]), torch.tensor([[0.0, -1.0]]))
+    b.add_children([1], torch.tensor([[3, 4]]), torch.tensor([[0.0, -1.0]]))
+    assert b.build().tokens.tolist() == [0, 1]
+
+
+def test_random_trees_are_connected():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        b = TreeBuilder(0, top_k=3, total_tokens=int(torch.randint(1, 30, (1,), generator=g)))
+        b.add_children([0], torch.arange(3)[None], torch.rand(1, 3, generator=g).log())
+        for _ in range(4):
+            f = b.frontier()
+            b.add_children(f, torch.randint(0, 50, (len(f), 3), generator=g),
+                           torch.rand(len(f), 3, generator=g).log())
+        tree = b.build()
+        parents = tree.parents.tolist()
+        assert all(0 <= parents[i] < i for i in range(1, len(parents)))
+        assert tree.depths.tolist() == sorted(tree.depths.tolist())
+
+
+def test_chain_tree():
+    tree = chain_tree(5, [6, 7])
+    assert tree.parents.tolist() == [-1, 0, 1]
+    assert torch.equal(tree.attention_mask(), torch.ones(3, 3, dtype=torch.bool).tril())
