@@ -235,6 +235,13 @@ def load_hf_dir(path: Path, max_seq_len: int | None = None):
         args.rope_local_base = rope_params.get("sliding_attention", {}).get(
             "rope_theta", config.get("rope_local_base_freq", 10000.0))
         args.sliding_window_pattern = config.get("sliding_window_pattern", 6)
+        layer_types = config.get("layer_types")
+        if layer_types:
+            args.sliding_window_pattern = layer_types.index("full_attention") + 1 \
+                if "full_attention" in layer_types else len(layer_types) + 1
+            if [args.is_sliding(i) for i in range(args.n_layers)] != \
+                    [t == "sliding_attention" for t in layer_types]:
+                raise ModelLoadError(f"{config_path}: layer_types {layer_types} is not periodic")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no .safetensors weight files")
