@@ -64,7 +64,43 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    train = sub.add_parser("train", help="train an EAGLE drafter for a model (data, features, training)")
+    from .train import TrainConfig
+    defaults = TrainConfig()
+    train.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
+    train.add_argument("--out", default=None, help="work directory (default runs/train-MODEL)")
+    train.add_argument("--stages", default="data,features,train",
+                       help="comma-separated subset of data,features,train")
+    train.add_argument("--ship", action="store_true",
+                       help="copy the trained drafter (bfloat16) into the package as the bundled default")
+    for name, kind in (("conversations", _positive_int), ("heldout", _positive_int),
+                       ("max_len", _positive_int), ("epochs", _positive_int),
+                       ("accumulate", _positive_int), ("top_candidates", _positive_int),
+                       ("negatives", _non_negative_int), ("max_steps", _non_negative_int),
+                       ("lr", _float), ("noise", _float), ("cls_weight", _float)):
+        train.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name))
+    train.add_argument("--feature-dtype", default=defaults.feature_dtype, choices=["float32", "bfloat16"])
+    train.add_argument("--full-vocab-loss", action="store_true",
+                       help="exact cross-entropy over the whole vocabulary (slow on a CPU)")
+    train.add_argument("--threads", type=_positive_int, default=None)
     return parser
+
+
+def cmd_train(args) -> int:
+    import torch
+
+    from .train import TrainConfig, run
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    stages = tuple(s for s in args.stages.split(",") if s)
+    unknown = set(stages) - {"data", "features", "train"}
+    if unknown:
+        raise ValueError(f"unknown stage(s) {', '.join(sorted(unknown))} (data, features, train)")
+    fields = {k: getattr(args, k) for k in TrainConfig.__dataclass_fields__ if hasattr(args, k)}
+    fields["out"] = args.out or f"runs/train-{args.model}"
+    run(TrainConfig(**fields), stages=stages, ship=args.ship)
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -100,7 +136,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate}
+COMMANDS = {"generate": cmd_generate, "train": cmd_train}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,370 @@
+"""Training an EAGLE drafter for a target model, on a CPU, in three resumable stages.
+
+1. data:     ShareGPT conversations -> token sequences in the target's prompt format
+             (chat template, or the base-model frame of `prompts.py`); held-out ones kept apart.
+2. features: target forward passes; each shard stores the tokens, the last-layer hidden
+             states (pre-norm, bfloat16) and the target's top candidate ids per position.
+3. train:    EAGLE's loss: smooth-L1 regression of the next feature + 0.1 x cross-entropy
+             between the target's and the drafter's next-token distributions through the
+             frozen LM head.
+
+The cross-entropy over the whole vocabulary (262k rows for Gemma) would dominate a CPU
+training step, so it runs over a candidate set per sequence: the union of the target's top
+candidates at every position plus uniformly sampled negatives. The target's distribution is
+concentrated on its top tokens, so restricting both softmaxes to that set keeps the gradient
+that matters; the negatives keep the drafter from putting mass outside the set.
+
+Each stage writes its output atomically and skips work already on disk, so an interrupted run
+resumes where it stopped (training resumes from its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .drafter import EagleDrafter
+from .model import Transformer
+from .prompts import encode_conversation
+
+
+@dataclass
+class TrainConfig:
+    model: str = "smollm2"
+    out: str = "runs/train-smollm2"
+    conversations: int = 1200       # training conversations (after the held-out ones)
+    heldout: int = 48
+    max_len: int = 1024             # tokens per sequence (longer conversations are cut)
+    feature_dtype: str = "bfloat16"  # target dtype for feature extraction (faster on AVX-512 bf16)
+    shard_tokens: int = 65536
+    top_candidates: int = 32        # target top ids stored per position
+    negatives: int = 1024           # random negatives added to each sequence's candidate set
+    full_vocab_loss: bool = False   # exact cross-entropy over the whole vocabulary instead
+    epochs: int = 2
+    lr: float = 1e-3
+    warmup_steps: int = 40
+    accumulate: int = 2             # sequences per optimizer step
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    cls_weight: float = 0.1         # EAGLE's weight of the token loss
+    noise: float = 0.2              # uniform noise on input features, in units of each dim's std
+    checkpoint_every: int = 200     # optimizer steps
+    seed: int = 0
+    max_steps: int = 0              # stop early (0: run all epochs)
+
+
+class _NoCache:
+    """Stands in for a KV cache when a whole sequence is processed at once during training."""
+
+    length = 0
+    pending = 0
+
+    def write(self, layer, keys, values):
+        return keys, values
+
+    def advance(self, n):
+        pass
+
+
+def _atomic_save(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------- 1. data
+
+def prepare_sequences(cfg: TrainConfig, tokenizer) -> dict:
+    from .sharegpt import iter_conversations
+
+    out = Path(cfg.out) / "sequences.pt"
+    if out.exists():
+        return torch.load(out)
+    conversations = list(iter_conversations())
+    random.Random(cfg.seed).shuffle(conversations)
+    wanted = cfg.heldout + cfg.conversations
+    if len(conversations) < wanted:
+        raise ValueError(f"ShareGPT has {len(conversations)} usable conversations, {wanted} asked for")
+    split = {"heldout": [], "train": [], "heldout_ids": [], "train_ids": [], "heldout_prompts": []}
+    for index, (conv_id, turns) in enumerate(tqdm(conversations[:wanted], desc="tokenizing",
+                                                  unit="conv")):
+        ids = encode_conversation(tokenizer, turns, answer_open=False, example=False)[:cfg.max_len]
+        part = "heldout" if index < cfg.heldout else "train"
+        split[part].append(ids)
+        split[part + "_ids"].append(conv_id)
+        if part == "heldout":
+            split["heldout_prompts"].append(encode_conversation(tokenizer, turns[:1], answer_open=True))
+    split["train_tokens"] = sum(map(len, split["train"]))
+    _atomic_save(split, out)
+    return split
+
+
+# ---------------------------------------------------------------------------- 2. features
+
+def _shard_plan(sequences: list[list[int]], shard_tokens: int) -> list[tuple[int, int]]:
+    plan, start, size = [], 0, 0
+    for i, seq in enumerate(sequences):
+        size += len(seq)
+        if size >= shard_tokens:
+            plan.append((start, i + 1))
+            start, size = i + 1, 0
+    if start < len(sequences):
+        plan.append((start, len(sequences)))
+    return plan
+
+
+@torch.inference_mode()
+def _features(model: Transformer, cache, ids: list[int], top: int):
+    cache.reset()
+    tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
+    positions = torch.arange(len(ids), device=model.device)
+    hidden, _ = model(tokens, positions, cache)
+    cache.discard()
+    candidates = torch.cat([torch.topk(model.lm_head(rows), top, dim=-1).indices
+                            for rows in hidden.split(256)])
+    return hidden.to(torch.bfloat16).cpu(), candidates.to(torch.int32).cpu()
+
+
+def extract_features(cfg: TrainConfig, model: Transformer, split: dict) -> list[Path]:
+    """Write shards `features/{train,heldout}-NNNNN.pt`; existing shards are kept."""
+    directory = Path(cfg.out) / "features"
+    directory.mkdir(parents=True, exist_ok=True)
+    cache = model.new_cache(cfg.max_len)
+    paths = []
+    for part in ("heldout", "train"):
+        sequences = split[part]
+        plan = _shard_plan(sequences, cfg.shard_tokens)
+        todo = [(n, a, b) for n, (a, b) in enumerate(plan)
+                if not (directory / f"{part}-{n:05d}.pt").exists()]
+        paths += [directory / f"{part}-{n:05d}.pt" for n in range(len(plan))]
+        total = sum(len(s) for _, a, b in todo for s in sequences[a:b])
+        with tqdm(total=total, desc=f"features ({part})", unit="tok", unit_scale=True) as bar:
+            for n, a, b in todo:
+                shard = {"tokens": [], "hidden": [], "candidates": []}
+                for ids in sequences[a:b]:
+                    hidden, candidates = _features(model, cache, ids, cfg.top_candidates)
+                    shard["tokens"].append(torch.tensor(ids, dtype=torch.int32))
+                    shard["hidden"].append(hidden)
+                    shard["candidates"].append(candidates)
+                    bar.update(len(ids))
+                _atomic_save(shard, directory / f"{part}-{n:05d}.pt")
+    return paths
+
+
+def load_shards(cfg: TrainConfig, part: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    sequences = []
+    for path in sorted((Path(cfg.out) / "features").glob(f"{part}-*.pt")):
+        shard = torch.load(path)
+        sequences += list(zip(shard["tokens"], shard["hidden"], shard["candidates"]))
+    return [s for s in sequences if s[0].numel() >= 3]
+
+
+# ---------------------------------------------------------------------------- 3. train
+
+def draft_states(drafter: EagleDrafter, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """Drafter states for a whole sequence at once: input i is (token i+1, feature i)."""
+    positions = torch.arange(tokens.shape[0] - 1, device=features.device)
+    return drafter(tokens[1:], features[:-1], positions, _NoCache())
+
+
+def feature_std(sequences, limit: int = 64) -> torch.Tensor:
+    """Per-dimension std of the target's features. Pre-norm hidden states have a few huge
+    outlier dimensions (|h| up to 4.5e3 for SmolLM2, 8e4 for Gemma 3); regressing and adding
+    noise in units of each dimension's std keeps them from drowning the rest."""
+    rows = torch.cat([hidden.float() for _, hidden, _ in sequences[:limit]])
+    return rows.std(0).clamp_min(1e-3)
+
+
+def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainConfig,
+                  std: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+    target = drafter.target
+    tokens = tokens.long()
+    features = hidden.float()
+    inputs = features
+    if cfg.noise > 0 and generator is not None:
+        inputs = features + (torch.rand(features.shape, generator=generator) * 2 - 1) * (cfg.noise * std)
+    predicted = draft_states(drafter, tokens, inputs)        # predicts features[1:]
+    wanted = features[1:]
+    regression = F.smooth_l1_loss(predicted / std, wanted / std)
+    head = target.embed.weight
+    if cfg.full_vocab_loss:
+        rows = head
+    else:
+        pool = [candidates[1:].reshape(-1).long()]
+        if cfg.negatives:
+            pool.append(torch.randint(head.shape[0], (cfg.negatives,), generator=generator))
+        rows = head[torch.unique(torch.cat(pool))]
+    with torch.no_grad():
+        target_probs = F.softmax(F.linear(target.norm(wanted), rows).float(), dim=-1)
+    draft_log_probs = F.log_softmax(F.linear(target.norm(predicted), rows).float(), dim=-1)
+    classification = -(target_probs * draft_log_probs).sum(-1).mean()
+    loss = regression + cfg.cls_weight * classification
+    with torch.no_grad():
+        accuracy = (draft_log_probs.argmax(-1) == target_probs.argmax(-1)).float().mean()
+    return loss, {"regression": regression.item(), "classification": classification.item(),
+                  "accuracy": float(accuracy), "candidates": rows.shape[0]}
+
+
+@torch.no_grad()
+def evaluate(drafter: EagleDrafter, heldout, limit: int = 48) -> dict:
+    """Next-token top-1 agreement with the target over the full vocabulary, held-out data.
+
+    step1: from the target's own features (the first draft token of each step);
+    step2: from the drafter's predicted feature (what deeper tree levels see).
+    """
+    target = drafter.target
+    hits1 = hits2 = count1 = count2 = 0
+    for tokens, hidden, candidates in heldout[:limit]:
+        tokens, features = tokens.long(), hidden.float()
+        wanted = candidates[:, 0].long()          # target argmax at each position
+        predicted = draft_states(drafter, tokens, features)
+        hits1 += int((target.lm_head(predicted).argmax(-1) == wanted[1:]).sum())
+        count1 += predicted.shape[0]
+        if tokens.shape[0] >= 4:
+            # Second step: feature i replaced by the drafter's prediction of it.
+            mixed = torch.cat([features[:1], predicted], dim=0)
+            again = draft_states(drafter, tokens, mixed)[1:]
+            hits2 += int((target.lm_head(again).argmax(-1) == wanted[2:]).sum())
+            count2 += again.shape[0]
+    return {"top1_step1": hits1 / max(count1, 1), "top1_step2": hits2 / max(count2, 1)}
+
+
+def _lr(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDrafter:
+    out = Path(cfg.out)
+    train_set = load_shards(cfg, "train")
+    heldout = load_shards(cfg, "heldout")
+    if not train_set:
+        raise ValueError(f"no training features under {out / 'features'}: run the features stage")
+    torch.manual_seed(cfg.seed)
+    drafter = EagleDrafter.random(target, seed=cfg.seed).float().train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(0.9, 0.95))
+    steps_per_epoch = math.ceil(len(train_set) / cfg.accumulate)
+    total = steps_per_epoch * cfg.epochs
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps)
+    step, history = 0, []
+    checkpoint = out / "checkpoint.pt"
+    if checkpoint.exists():
+        state = torch.load(checkpoint)
+        drafter.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, history = state["step"], state["history"]
+        log(f"resuming from step {step}/{total}")
+    generator = torch.Generator().manual_seed(cfg.seed + step)
+    std = feature_std(train_set)
+    started = time.perf_counter()
+    tokens_seen = 0
+    bar = tqdm(total=total, initial=step, desc="training", unit="step")
+    while step < total:
+        epoch, index = divmod(step, steps_per_epoch)
+        order = list(range(len(train_set)))
+        random.Random(cfg.seed + epoch).shuffle(order)
+        batch = order[index * cfg.accumulate:(index + 1) * cfg.accumulate]
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, total, cfg)
+        optimizer.zero_grad(set_to_none=True)
+        stats = []
+        for i in batch:
+            loss, info = sequence_loss(drafter, *train_set[i], cfg, std, generator)
+            (loss / len(batch)).backward()
+            stats.append(info)
+            tokens_seen += train_set[i][0].numel()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        optimizer.step()
+        step += 1
+        mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+        bar.set_postfix(acc=f"{mean['accuracy']:.3f}", cls=f"{mean['classification']:.2f}",
+                        reg=f"{mean['regression']:.3f}",
+                        tok_s=f"{tokens_seen / (time.perf_counter() - started):.0f}")
+        bar.update(1)
+        if step % cfg.checkpoint_every == 0 or step == total:
+            drafter.eval()
+            metrics = {"step": step, "train": mean, **evaluate(drafter, heldout)}
+            drafter.train()
+            history.append(metrics)
+            log(json.dumps(metrics))
+            _atomic_save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
+                          "step": step, "history": history, "config": asdict(cfg)}, checkpoint)
+    bar.close()
+    drafter.eval().requires_grad_(False)
+    return drafter
+
+
+# ---------------------------------------------------------------------------- the pipeline
+
+def measure_tau(drafter: EagleDrafter, target: Transformer, prompts: list[list[int]],
+                max_new_tokens: int = 64) -> float:
+    """Mean accepted length (bonus token counted) of greedy EAGLE-2 decoding on a few prompts."""
+    from .drafter import EagleProposer
+    from .generate import Engine, GenerationConfig
+
+    engine = Engine(target, None, EagleProposer(drafter))
+    lengths = []
+    for ids in prompts:
+        result = engine.generate(ids, GenerationConfig(max_new_tokens=max_new_tokens))
+        lengths += [s.accept_length for s in result.steps]
+    return sum(lengths) / max(len(lengths), 1)
+
+
+def ship_dir(model_name: str) -> Path:
+    return Path(__file__).parent / "drafters" / model_name
+
+
+def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = False,
+        log=print) -> dict:
+    from .loading import load_model
+    from .tokenizer import load_tokenizer
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    report: dict = {"config": asdict(cfg)}
+    _, path = load_model(cfg.model, max_seq_len=cfg.max_len + 8)
+    tokenizer = load_tokenizer(path)
+    t0 = time.perf_counter()
+    split = prepare_sequences(cfg, tokenizer)
+    report["train_sequences"] = len(split["train"])
+    report["train_tokens"] = split["train_tokens"]
+    if "features" in stages or "train" in stages:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.feature_dtype]
+        extractor, _ = load_model(cfg.model, dtype=dtype, max_seq_len=cfg.max_len + 8)
+        t1 = time.perf_counter()
+        extract_features(cfg, extractor, split)
+        report["features_seconds"] = round(time.perf_counter() - t1, 1)
+        del extractor
+    if "train" in stages:
+        target, _ = load_model(cfg.model, max_seq_len=4096)
+        t2 = time.perf_counter()
+        drafter = train_drafter(cfg, target, log=log)
+        report["train_seconds"] = round(time.perf_counter() - t2, 1)
+        final = evaluate(drafter, load_shards(cfg, "heldout"))
+        report.update(final)
+        report["tau_heldout_prompts"] = round(measure_tau(drafter, target,
+                                                          split["heldout_prompts"][:4]), 3)
+        report["total_seconds"] = round(time.perf_counter() - t0, 1)
+        log(json.dumps({k: v for k, v in report.items() if k != "config"}))
+        extra = {"training": {k: v for k, v in report.items() if k != "config"}}
+        drafter.save(out / "drafter", extra=extra)
+        if ship:
+            shipped = EagleDrafter.load(out / "drafter", target).to(torch.bfloat16)
+            shipped.save(ship_dir(cfg.model), extra=extra)
+            log(f"shipped to {ship_dir(cfg.model)}")
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    return report
