@@ -2,6 +2,7 @@
 architectures. Real models load once per session; their dequantized weights are cached."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from vocabspec.loading import load_model
 from vocabspec.model import ModelArgs, Transformer
 from vocabspec.tokenizer import load_tokenizer
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("VOCABSPEC_TEST_THREADS", "2")))
 
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 

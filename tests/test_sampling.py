@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from vocabspec.draft_vocab import FullVocab, SpecVocab, StaticSubset
 from vocabspec.drafter import EagleDrafter, EagleProposer
 from vocabspec.generate import Engine, GenerationConfig
 from vocabspec.sampling import SamplingParams, target_probs
@@ -45,15 +46,28 @@ def sampled_counts(engine, prompt, params, runs):
     return counts
 
 
+def make_head(kind, model):
+    weight = model.embed.weight
+    if kind == "full":
+        return FullVocab(weight)
+    if kind == "subset":        # FR-Spec / VocabTrim: drafts only from 5 of the 8 tokens
+        return StaticSubset(weight, torch.tensor([0, 2, 3, 5, 7]))
+    generator = torch.Generator().manual_seed(7)   # SpecVocab with an untrained rank-2 ranker
+    return SpecVocab(weight, torch.randn(2, weight.shape[1], generator=generator),
+                     torch.randn(VOCAB, 2, generator=generator), candidates=4)
+
+
+@pytest.mark.parametrize("head", ["full", "subset", "spec"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
                                     SamplingParams(temperature=0.8, top_p=0.7),
                                     SamplingParams(temperature=1.0, top_k=3)],
                          ids=["t1", "t0.8-top_p0.7", "t1-top_k3"])
-def test_speculative_sampling_matches_target_distribution(params):
+def test_speculative_sampling_matches_target_distribution(params, head):
     model = tiny_model("llama", seed=3, vocab_size=VOCAB, n_layers=2)
     prompt = [1, 2, 3, 4]
     expected = exact_two_token_distribution(model, prompt, params)
-    proposer = EagleProposer(EagleDrafter.random(model, seed=5), depth=2, top_k=3, total_tokens=6)
+    proposer = EagleProposer(EagleDrafter.random(model, seed=5), head=make_head(head, model),
+                             depth=2, top_k=3, total_tokens=6)
     runs = 3000
     counts = sampled_counts(Engine(model, None, proposer), prompt, params, runs)
     keep = expected > 0

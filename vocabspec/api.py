@@ -28,6 +28,15 @@ def bundled_drafter_dir(model: str) -> Path | None:
     return path if (path / "config.json").exists() else None
 
 
+def _weights_key(path) -> str:
+    """Identifies a drafter's weights, so a retrained drafter gets its tree size re-chosen."""
+    weights = Path(str(path)) / "model.safetensors"
+    if not weights.exists():
+        return str(path)
+    stat = weights.stat()
+    return f"{weights.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+
+
 class LanguageModel:
     def __init__(self, engine: Engine, name: str):
         self.engine = engine
@@ -61,10 +70,16 @@ class LanguageModel:
 
 
 def make_proposer(model, draft: str, draft_path: str | None, model_name: str,
-                  depth: int = 6, top_k: int = 10, total_tokens: int = 60):
+                  depth: int = 6, top_k: int = 10, total_tokens: int | str = 60,
+                  draft_vocab: str = "full", token_map: str | None = None, ranker: str | None = None,
+                  tokenizer=None, log=None):
+    from .draft_vocab import make_draft_vocab, parse_draft_vocab
     from .drafter import EagleDrafter, EagleProposer
     from .pld import PromptLookupProposer
 
+    parse_draft_vocab(draft_vocab)
+    if draft != "eagle" and draft_vocab != "full":
+        raise ValueError(f"--draft-vocab {draft_vocab} applies to the EAGLE drafter only (--draft eagle)")
     if draft not in DRAFTS:
         raise ValueError(f"unknown draft method {draft!r} (choose from {', '.join(DRAFTS)})")
     if draft == "none":
@@ -79,15 +94,40 @@ def make_proposer(model, draft: str, draft_path: str | None, model_name: str,
         drafter = EagleDrafter.random(model)
     else:
         drafter = EagleDrafter.load(path, model)
-    return EagleProposer(drafter, depth=depth, top_k=top_k, total_tokens=total_tokens)
+    files = bundled_drafter_dir(model_name)
+    if files is None and path != "random":
+        files = Path(path)
+    head = make_draft_vocab(draft_vocab, model.embed.weight, files, token_map, ranker)
+    if total_tokens == "auto":
+        from .autotune import choose_total_tokens
+
+        if tokenizer is None:
+            raise ValueError("total_tokens='auto' needs the model's tokenizer")
+        total_tokens = choose_total_tokens(model, drafter, head, tokenizer, depth=depth, top_k=top_k,
+                                           key=f"{model_name}|{_weights_key(path)}|{draft_vocab}",
+                                           log=log)
+    elif isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 1:
+        raise ValueError(f"total_tokens must be a positive integer or 'auto', got {total_tokens!r}")
+    return EagleProposer(drafter, head=head, depth=depth, top_k=top_k, total_tokens=total_tokens)
 
 
 def load(model: str = "smollm2", draft: str = "none", draft_path: str | None = None,
          dtype: str = "float32", device: str = "cpu", max_seq_len: int | None = None,
-         depth: int = 6, tree_top_k: int = 10, total_tokens: int = 60) -> LanguageModel:
+         depth: int = 6, tree_top_k: int = 10, total_tokens: int | str = "auto",
+         draft_vocab: str = "full", token_map: str | None = None,
+         ranker: str | None = None, log=None) -> LanguageModel:
+    """Load a target model with an optional proposer.
+
+    draft: none | eagle | pld. draft_vocab (EAGLE only): full | fr:N | trim:N | spec:K.
+    total_tokens: drafted tokens verified per step, or "auto" to choose it by timing the
+    target on this machine (cached per machine and model).
+    """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if draft not in DRAFTS:
+        raise ValueError(f"unknown draft method {draft!r} (choose from {', '.join(DRAFTS)})")
     target, path = load_model(model, dtype=DTYPES[dtype], device=device, max_seq_len=max_seq_len)
     tokenizer = load_tokenizer(path)
-    proposer = make_proposer(target, draft, draft_path, model, depth, tree_top_k, total_tokens)
+    proposer = make_proposer(target, draft, draft_path, model, depth, tree_top_k, total_tokens,
+                             draft_vocab, token_map, ranker, tokenizer=tokenizer, log=log)
     return LanguageModel(Engine(target, tokenizer, proposer), model)

@@ -23,6 +23,10 @@ _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
+def _total_tokens(text: str):
+    return "auto" if text == "auto" else _int_at_least(1, "a positive integer or 'auto'")(text)
+
+
 def _float(text: str) -> float:
     try:
         value = float(text)
@@ -47,7 +51,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="EAGLE drafter directory ('random' for an untrained one)")
     parser.add_argument("--depth", type=_non_negative_int, default=6, help="tree expansion steps")
     parser.add_argument("--tree-top-k", type=_positive_int, default=10, help="children per expanded node")
-    parser.add_argument("--total-tokens", type=_positive_int, default=60, help="drafted tokens verified per step")
+    parser.add_argument("--total-tokens", type=_total_tokens, default="auto",
+                        help="drafted tokens verified per step, or 'auto' (timed on this machine)")
+    parser.add_argument("--draft-vocab", default="full",
+                        help="drafter LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), spec:K (SpecVocab)")
+    parser.add_argument("--token-map", default=None, help="token map file for fr:N / trim:N")
+    parser.add_argument("--ranker", default=None, help="ranker file for spec:K")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +92,150 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--full-vocab-loss", action="store_true",
                        help="exact cross-entropy over the whole vocabulary (slow on a CPU)")
     train.add_argument("--threads", type=_positive_int, default=None)
+
+    vocab = sub.add_parser("vocab", help="rank tokens by frequency and write a draft token map")
+    vocab.add_argument("--model", default="smollm2")
+    vocab.add_argument("--source", default="sharegpt",
+                       help="sharegpt (FR-Spec corpus), target (VocabTrim: the target's own "
+                            "greedy predictions, from `vocabspec train` features), or files")
+    vocab.add_argument("--files", nargs="*", default=[], help="extra text files to count")
+    vocab.add_argument("--features", default=None,
+                       help="feature directory for --source target (default runs/train-MODEL/features)")
+    vocab.add_argument("--size", type=_positive_int, default=None,
+                       help="tokens to keep (default: the whole ranked vocabulary)")
+    vocab.add_argument("--format", default="sglang", choices=["sglang", "eagle3"],
+                       help="sglang: torch-saved id list; eagle3: d2t/t2d safetensors")
+    vocab.add_argument("--out", required=True, help="output file")
+
+    ranker = sub.add_parser("ranker", help="train SpecVocab's low-rank ranker by distillation")
+    ranker.add_argument("--model", default="smollm2")
+    ranker.add_argument("--draft-path", default=None, help="drafter (default: the bundled one)")
+    ranker.add_argument("--features", default=None, help="default runs/train-MODEL")
+    ranker.add_argument("--rank", type=_positive_int, default=None, help="d' (default d/16)")
+    ranker.add_argument("--sequences", type=_positive_int, default=None, help="training sequences")
+    ranker.add_argument("--epochs", type=_positive_int, default=1)
+    ranker.add_argument("--out", default=None, help="default: next to the bundled drafter")
+
+    bench = sub.add_parser("bench", help="Spec-Bench: every method side by side, with plots")
+    bench.add_argument("--questions", default="../shared/data/spec_bench/question.jsonl")
+    bench.add_argument("--model", default="smollm2")
+    bench.add_argument("--methods", default="vanilla,pld,eagle2,eagle2+fr:32k,eagle2+trim:32k,eagle2+spec:2048",
+                       help="comma-separated: vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, eagle2+spec:K")
+    bench.add_argument("--out", default=None, help="output directory (default runs/bench-MODEL)")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=1024)
+    bench.add_argument("--per-category", type=_positive_int, default=None, help="questions per category")
+    bench.add_argument("--temperature", type=_float, default=0.0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--threads", type=_positive_int, default=None)
+    bench.add_argument("--depth", type=_non_negative_int, default=6)
+    bench.add_argument("--tree-top-k", type=_positive_int, default=10)
+    bench.add_argument("--total-tokens", type=_total_tokens, default="auto")
+    bench.add_argument("--no-warmup", action="store_true")
     return parser
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from .bench import BenchConfig, parse_method, run_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    for method in methods:
+        parse_method(method)
+    if args.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {args.temperature}")
+    cfg = BenchConfig(questions=args.questions, model=args.model, methods=methods,
+                      out=args.out or f"runs/bench-{args.model}", max_new_tokens=args.max_new_tokens,
+                      per_category=args.per_category, temperature=args.temperature, seed=args.seed,
+                      dtype=args.dtype, device=args.device, depth=args.depth,
+                      tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
+                      warmup=not args.no_warmup)
+    summary = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
+    print(open(f"{cfg.out}/report.md").read())
+    bad = {n: m["mismatched_questions"] for n, m in summary["methods"].items() if m.get("mismatched_questions")}
+    if bad:
+        print(f"vocabspec: LOSSLESSNESS VIOLATION: greedy output differs from vanilla: {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_vocab(args) -> int:
+    from pathlib import Path
+
+    from .loading import load_model
+    from .token_map import (count_files, count_sharegpt, count_target_predictions, rank,
+                            save_eagle3, save_token_map)
+    from .tokenizer import load_tokenizer
+
+    model, path = load_model(args.model, max_seq_len=64)
+    tokenizer = load_tokenizer(path)
+    vocab = model.args.vocab_size
+    if args.source == "sharegpt":
+        counts = count_sharegpt(tokenizer)
+        fallback = []
+    elif args.source == "target":
+        features = Path(args.features or f"runs/train-{args.model}/features")
+        counts = count_target_predictions(features)
+        fallback = rank(count_sharegpt(tokenizer), vocab)   # corpus order for unseen tokens
+    elif args.source == "files":
+        if not args.files:
+            raise ValueError("--source files needs --files PATH ...")
+        counts, fallback = count_files(tokenizer, args.files), []
+    else:
+        raise ValueError(f"unknown source {args.source!r} (sharegpt, target, files)")
+    if args.files and args.source != "files":
+        counts.update(count_files(tokenizer, args.files))
+    ranked = rank(counts, vocab, fallback)
+    size = args.size or len(ranked)
+    if size > vocab:
+        raise ValueError(f"--size {size} exceeds the vocabulary ({vocab})")
+    ranked = ranked[:size]
+    seen = sum(1 for t in ranked if counts.get(t))
+    covered = sum(counts.get(t, 0) for t in ranked) / max(sum(counts.values()), 1)
+    if args.format == "sglang":
+        save_token_map(ranked, args.out)
+    else:
+        save_eagle3(ranked, vocab, args.out)
+    print(f"wrote {args.out}: {size} tokens ({seen} counted), covering {covered:.2%} of "
+          f"{sum(counts.values())} counted tokens")
+    return 0
+
+
+def cmd_ranker(args) -> int:
+    from pathlib import Path
+
+    from .api import bundled_drafter_dir
+    from .drafter import EagleDrafter
+    from .loading import load_model
+    from .ranker import save_ranker, train_ranker
+    from .train import TrainConfig, load_shards
+
+    target, _ = load_model(args.model)
+    draft_path = args.draft_path or bundled_drafter_dir(args.model)
+    if draft_path is None:
+        raise ValueError(f"no drafter bundled for {args.model}: pass --draft-path")
+    drafter = EagleDrafter.load(draft_path, target).float()
+    cfg = TrainConfig(model=args.model, out=args.features or f"runs/train-{args.model}")
+    train_set, heldout = load_shards(cfg, "train"), load_shards(cfg, "heldout")
+    if not train_set:
+        raise ValueError(f"no feature shards under {cfg.out}/features: run vocabspec train first")
+    rank = args.rank or max(1, target.args.dim // 16)
+    down, vocab, metrics = train_ranker(drafter, train_set, heldout, rank, epochs=args.epochs,
+                                        max_sequences=args.sequences)
+    out = Path(args.out) if args.out else Path(draft_path) / "ranker.safetensors"
+    save_ranker(down.to(torch_dtype()), vocab.to(torch_dtype()), out, meta=metrics)
+    print(f"wrote {out}: {metrics}")
+    return 0
+
+
+def torch_dtype():
+    import torch
+
+    return torch.bfloat16
 
 
 def cmd_train(args) -> int:
@@ -117,7 +269,9 @@ def cmd_generate(args) -> int:
         raise ValueError("the prompt is empty")
     lm = load(args.model, draft=args.draft, draft_path=args.draft_path, dtype=args.dtype,
               device=args.device, max_seq_len=args.max_seq_len, depth=args.depth,
-              tree_top_k=args.tree_top_k, total_tokens=args.total_tokens)
+              tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
+              draft_vocab=args.draft_vocab, token_map=args.token_map, ranker=args.ranker,
+              log=lambda message: print(message, file=sys.stderr))
     generation = lm.stream(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                            seed=args.seed, stop=args.stop)
@@ -136,7 +290,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "train": cmd_train}
+COMMANDS = {"generate": cmd_generate, "train": cmd_train, "vocab": cmd_vocab, "ranker": cmd_ranker, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

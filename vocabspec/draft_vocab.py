@@ -7,50 +7,176 @@ scores the full target vocabulary, so every strategy is lossless.
 - FullVocab: the target's whole LM head (EAGLE-2).
 - StaticSubset: the head's rows for a fixed ranked token list (FR-Spec from corpus
   frequencies, VocabTrim from target-generated text); the softmax runs over the subset.
+- SpecVocab: a low-rank ranker (W_vocab @ W_down, d' ~ d/16) scores every token cheaply;
+  the rows of one tree level share one candidate set (the union of each row's best tokens),
+  and the exact head runs over those candidates only, in one matmul.
+
+Each strategy adds its time to `timings` ("head": the matmuls, "topk": softmax and top-k,
+"rank": the ranker) so the benchmark can break drafting time down.
 """
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 
-class FullVocab:
+class _Timed:
+    """Accumulates wall time per phase; syncs an accelerator so the split is honest."""
+
+    def __init__(self):
+        self.timings: dict[str, float] = {}
+        self.sync = False
+
+    def _tick(self, name: str, since: float) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.timings[name] = self.timings.get(name, 0.0) + (now - since)
+        return now
+
+    def _top(self, logits: torch.Tensor, k: int, since: float):
+        k = min(k, logits.shape[-1])
+        top = torch.topk(logits, k, dim=-1)
+        log_probs = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
+        self._tick("topk", since)
+        return top.indices, log_probs
+
+
+class FullVocab(_Timed):
     name = "full"
 
     def __init__(self, head_weight: torch.Tensor):
+        super().__init__()
         self.weight = head_weight
+        self.size = head_weight.shape[0]
 
     def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
         logits = F.linear(states, self.weight).float()
-        top = torch.topk(logits, k, dim=-1)
-        log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
-        return top.indices, top.values - log_z
-
-    def logits(self, states: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits (training and evaluation)."""
-        return F.linear(states, self.weight).float()
+        return self._top(logits, k, self._tick("head", start))
 
 
-class StaticSubset:
+class StaticSubset(_Timed):
     """Draft over a fixed token list: the head's rows for those tokens, ids mapped back."""
 
-    def __init__(self, head_weight: torch.Tensor, token_ids: torch.Tensor, name: str = "subset"):
+    def __init__(self, head_weight: torch.Tensor, token_ids, name: str = "subset"):
+        super().__init__()
         token_ids = torch.as_tensor(token_ids, dtype=torch.long)
         vocab = head_weight.shape[0]
-        if token_ids.numel() == 0:
-            raise ValueError("a draft vocabulary needs at least one token")
+        if token_ids.dim() != 1 or token_ids.numel() == 0:
+            raise ValueError("a draft vocabulary needs a non-empty list of token ids")
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab:
             raise ValueError(f"draft vocabulary holds ids outside the target vocabulary [0, {vocab})")
         if torch.unique(token_ids).numel() != token_ids.numel():
             raise ValueError("draft vocabulary lists a token twice")
         self.name = name
+        self.size = token_ids.numel()
         self.draft_to_target = token_ids.to(head_weight.device)
         self.weight = head_weight[self.draft_to_target].contiguous()
 
     def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
         logits = F.linear(states, self.weight).float()
-        k = min(k, logits.shape[-1])
-        top = torch.topk(logits, k, dim=-1)
-        log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
-        return self.draft_to_target[top.indices], top.values - log_z
+        indices, log_probs = self._top(logits, k, self._tick("head", start))
+        return self.draft_to_target[indices], log_probs
+
+
+class SpecVocab(_Timed):
+    """Per-step vocabulary speculation: a low-rank ranker picks candidates, the exact head
+    scores only those."""
+
+    name = "spec"
+
+    def __init__(self, head_weight: torch.Tensor, down: torch.Tensor, vocab: torch.Tensor,
+                 candidates: int = 2048):
+        super().__init__()
+        if down.dim() != 2 or vocab.dim() != 2 or down.shape[1] != head_weight.shape[1] \
+                or vocab.shape != (head_weight.shape[0], down.shape[0]):
+            raise ValueError(f"ranker shapes {tuple(down.shape)} / {tuple(vocab.shape)} do not fit "
+                             f"a head of {tuple(head_weight.shape)}")
+        if candidates < 1:
+            raise ValueError("SpecVocab needs at least one candidate")
+        self.weight = head_weight
+        self.down = down.to(head_weight)
+        self.vocab = vocab.to(head_weight)
+        self.candidates = min(candidates, head_weight.shape[0])
+        self.size = self.candidates
+
+    def candidate_ids(self, states: torch.Tensor) -> torch.Tensor:
+        """One shared candidate set for all rows of a tree level: the union of each row's
+        best candidates/rows tokens by ranker score (so every row keeps its own top tokens),
+        at most `candidates` ids, scored by the exact head in one matmul."""
+        scores = F.linear(F.linear(states, self.down), self.vocab)
+        per_row = max(1, self.candidates // scores.shape[0])
+        ids = torch.topk(scores, per_row, dim=-1).indices
+        return ids[0] if ids.shape[0] == 1 else torch.unique(ids)
+
+    def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        ids = self.candidate_ids(states)
+        start = self._tick("rank", start)
+        logits = F.linear(states, self.weight[ids]).float()
+        indices, log_probs = self._top(logits, k, self._tick("head", start))
+        return ids[indices], log_probs
+
+
+# ---------------------------------------------------------------------------- choosing one
+
+def parse_draft_vocab(spec: str) -> tuple[str, int | None]:
+    """'full' | 'fr:N' | 'trim:N' | 'spec:K' -> (kind, size); sizes accept a k suffix (32k)."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError("draft vocabulary must be full, fr:N, trim:N or spec:K")
+    kind, _, size = spec.partition(":")
+    if kind == "full" and not size:
+        return "full", None
+    if kind not in ("fr", "trim", "spec") or not size:
+        raise ValueError(f"unknown draft vocabulary {spec!r} (use full, fr:N, trim:N or spec:K, "
+                         "e.g. fr:32k, spec:2048)")
+    text = size.lower()
+    multiplier = 1024 if text.endswith("k") else 1
+    try:
+        value = int(text[:-1] if text.endswith("k") else text) * multiplier
+    except ValueError:
+        raise ValueError(f"draft vocabulary size must be a positive integer (or Nk), got {size!r}")
+    if value < 1:
+        raise ValueError(f"draft vocabulary size must be positive, got {size!r}")
+    return kind, value
+
+
+def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
+                     token_map: str | Path | None = None, ranker: str | Path | None = None):
+    """Build the strategy `spec` for a target head, reading token maps / the ranker from
+    `files` (the bundled drafter directory) unless paths are given."""
+    from .token_map import load_token_map
+
+    kind, size = parse_draft_vocab(spec)
+    vocab = head_weight.shape[0]
+    if kind == "full":
+        return FullVocab(head_weight)
+    if kind in ("fr", "trim"):
+        path = Path(token_map) if token_map else (files / f"token_map_{kind}.pt" if files else None)
+        if path is None or not path.exists():
+            raise ValueError(f"--draft-vocab {spec} needs a token map: none bundled here "
+                             f"({path}); make one with `vocabspec vocab` and pass --token-map")
+        ids = load_token_map(path, vocab)
+        if size > vocab:
+            raise ValueError(f"draft vocabulary of {size} tokens is larger than the target's {vocab}")
+        if size > ids.numel():
+            raise ValueError(f"token map {path} ranks only {ids.numel()} tokens, {size} asked for")
+        return StaticSubset(head_weight, ids[:size], name=f"{kind}:{size}")
+    from .ranker import load_ranker
+
+    path = Path(ranker) if ranker else (files / "ranker.safetensors" if files else None)
+    if path is None or not path.exists():
+        raise ValueError(f"--draft-vocab {spec} needs a trained ranker: none bundled here ({path}); "
+                         "train one with `vocabspec ranker` and pass --ranker")
+    down, vocab_proj = load_ranker(path, head_weight)
+    if size > vocab:
+        raise ValueError(f"SpecVocab candidate count {size} exceeds the vocabulary ({vocab})")
+    strategy = SpecVocab(head_weight, down, vocab_proj, candidates=size)
+    strategy.name = f"spec:{size}"
+    return strategy

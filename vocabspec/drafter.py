@@ -14,6 +14,7 @@ model.safetensors holding fc.weight (+ fc.bias) and layers.0.* in Hugging Face n
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,20 +49,25 @@ def drafter_args(target: ModelArgs) -> ModelArgs:
 
 
 class EagleDrafter(nn.Module):
-    def __init__(self, target: Transformer):
+    def __init__(self, target: Transformer, input_norm: bool = False):
         super().__init__()
         self.args = drafter_args(target.args)
         dim = self.args.dim
         self.fc = nn.Linear(2 * dim, dim, bias=True)
         self.layer = Block(self.args, 0)
+        # EAGLE-1/2 drafters (and SGLang's LlamaForCausalLMEagle) feed fc's output to attention
+        # without the layer's input norm; keep that unless a checkpoint carries one.
+        self.input_norm = input_norm
+        if not input_norm:
+            self.layer.attn_norm = nn.Identity()
         # Shared with the target, never trained: not registered as parameters.
         self.__dict__["target"] = target
 
     @classmethod
-    def random(cls, target: Transformer, seed: int = 0) -> "EagleDrafter":
+    def random(cls, target: Transformer, seed: int = 0, input_norm: bool = False) -> "EagleDrafter":
         """An untrained drafter (tests, and measuring the engine's overhead)."""
         generator = torch.Generator().manual_seed(seed)
-        drafter = cls(target)
+        drafter = cls(target, input_norm=input_norm)
         with torch.no_grad():
             for name, p in drafter.named_parameters():
                 if name.endswith("norm.weight"):
@@ -156,7 +162,7 @@ class EagleDrafter(nn.Module):
         arch = config.get("vocabspec", {}).get("arch", "llama")
         if arch != ta.arch:
             raise DrafterMismatch(f"drafter {directory} is for a {arch} target, not {ta.arch}")
-        drafter = cls(target)
+        drafter = cls(target, input_norm="layers.0.input_layernorm.weight" in state)
         a = drafter.args
         ours = {"fc.weight": state.get("fc.weight"), "fc.bias": state.get("fc.bias")}
         if ours["fc.bias"] is None:
@@ -170,10 +176,7 @@ class EagleDrafter(nn.Module):
             names["mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
         for mine in drafter.layer.state_dict():
             if mine in names:
-                value = get(names[mine])
-                if value is None and mine == "attn_norm.weight":
-                    value = torch.ones(a.dim)  # EAGLE-1/2 drafters skip their first input norm
-                ours["layer." + mine] = value
+                ours["layer." + mine] = get(names[mine])
         missing = [k for k, v in ours.items() if v is None]
         if missing:
             raise DrafterMismatch(f"drafter {directory}: tensors missing: {', '.join(missing)}")
@@ -199,18 +202,39 @@ class EagleProposer:
         self.drafter = drafter
         self.target = drafter.target
         self.head = head or FullVocab(self.target.embed.weight)
+        self.head.sync = self.target.device.type == "cuda"
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_tree_tokens = total_tokens
         self.cache = drafter.new_cache(self.target.args.max_seq_len + depth * top_k + 1)
         self.last_state = None
-        self.timings = {"layer": 0.0, "head": 0.0, "tree": 0.0}
+        self.timings = {"layer": 0.0, "total": 0.0}
+
+    def time_breakdown(self) -> dict[str, float]:
+        """Seconds spent drafting, split as in FR-Spec's Figure 6: decoder layer (with fc), LM
+        head matmuls, softmax/top-k, ranker (SpecVocab), and tree bookkeeping (the rest)."""
+        parts = {"layer": self.timings["layer"]}
+        parts.update(self.head.timings)
+        parts["tree"] = max(0.0, self.timings["total"] - sum(parts.values()))
+        return parts
+
+    def reset_timings(self) -> None:
+        self.timings = {"layer": 0.0, "total": 0.0}
+        self.head.timings = {}
+
+    def _layer(self, *args, **kwargs) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.drafter(*args, **kwargs)
+        if self.head.sync:
+            torch.cuda.synchronize()
+        self.timings["layer"] += time.perf_counter() - start
+        return out
 
     def _run(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
         device = self.target.device
         start = self.cache.length
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
         positions = torch.arange(start, start + len(tokens), device=device)
-        out = self.drafter(ids, features, positions, self.cache)
+        out = self._layer(ids, features, positions, self.cache)
         self.cache.commit()
         return out
 
@@ -219,12 +243,20 @@ class EagleProposer:
         self.last_state = self._run(prompt_ids[1:] + [first_token], prompt_hidden)[-1:]
 
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
+        start = time.perf_counter()
         self.last_state = self._run(accepted[1:] + [next_token], hidden)[-1:]
+        self.timings["total"] += time.perf_counter() - start
 
     def _top_k(self, states: torch.Tensor):
         return self.head.top_k(self.target.norm(states), self.top_k)
 
     def propose(self, root_token: int) -> DraftTree:
+        start = time.perf_counter()
+        tree = self._grow(root_token)
+        self.timings["total"] += time.perf_counter() - start
+        return tree
+
+    def _grow(self, root_token: int) -> DraftTree:
         builder = TreeBuilder(root_token, self.top_k, self.total_tokens)
         tokens, log_probs = self._top_k(self.last_state)
         builder.add_children([0], tokens, log_probs)
@@ -247,7 +279,7 @@ class EagleProposer:
             ids = torch.tensor([builder.token[n] for n in frontier], dtype=torch.long, device=device)
             features = torch.stack([state_of[builder.parent[n]] for n in frontier])
             positions = torch.tensor([base - 1 + builder.depth[n] for n in frontier], device=device)
-            states = self.drafter(ids, features, positions, self.cache, tree_mask=mask)
+            states = self._layer(ids, features, positions, self.cache, tree_mask=mask)
             for row, node in enumerate(frontier):
                 slot_of[node] = n_pending + row
                 state_of[node] = states[row]

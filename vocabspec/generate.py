@@ -50,6 +50,7 @@ class StepRecord:
     tree_size: int           # drafted tokens verified
     draft_seconds: float
     verify_seconds: float
+    path_ranks: tuple[int, ...] = ()   # value ranks of the accepted drafts (see DraftTree.ranks)
 
 
 @dataclass
@@ -216,8 +217,9 @@ class Generation:
                 if proposer is not None:
                     proposer.observe(accepted, hidden[path], verdict.next_token)
                 t3 = time.perf_counter()
+                ranks = tuple(tree.ranks[i] for i in verdict.path[1:]) if tree.ranks else ()
                 result.steps.append(StepRecord(len(verdict.path), tree.size,
-                                               (t1 - t0) + (t3 - t2), t2 - t1))
+                                               (t1 - t0) + (t3 - t2), t2 - t1, ranks))
                 token = verdict.next_token
                 emitted = accepted[1:] + [token]
 

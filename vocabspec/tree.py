@@ -24,6 +24,9 @@ class DraftTree:
     depths: torch.Tensor    # (n + 1,) 0 for the root
     # Each node's children in draft order (most confident first): verification tries them so.
     children: list[list[int]]
+    # Each node's place in the value ranking (0 = most valuable draft; -1 for the root): the
+    # tree of the best m nodes is exactly the nodes ranked below m (autotune uses this).
+    ranks: list[int] | None = None
 
     @property
     def size(self) -> int:
@@ -66,6 +69,7 @@ def chain_tree(root: int, tokens: list[int], device: torch.device | None = None)
         parents=torch.arange(-1, n - 1, dtype=torch.long, device=device),
         depths=torch.arange(n, dtype=torch.long, device=device),
         children=[[i + 1] for i in range(n - 1)] + [[]],
+        ranks=list(range(-1, n - 1)),
     )
 
 
@@ -116,6 +120,7 @@ class TreeBuilder:
         # Higher value first; on equal value the shallower node, then the earlier drafted. A
         # child's value never exceeds its parent's, so every kept node's parent is kept too.
         candidates.sort(key=lambda i: (-self.value[i], self.depth[i], i))
+        rank_of = {node: r for r, node in enumerate(candidates[: self.total_tokens])}
         by_depth: dict[int, list[int]] = {}
         for node in candidates[: self.total_tokens]:
             by_depth.setdefault(self.depth[node], []).append(node)
@@ -136,4 +141,5 @@ class TreeBuilder:
             parents=torch.tensor(parents, dtype=torch.long, device=device),
             depths=torch.tensor([self.depth[i] for i in order], dtype=torch.long, device=device),
             children=children,
+            ranks=[-1] + [rank_of[i] for i in order[1:]],
         )

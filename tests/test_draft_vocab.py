@@ -1,0 +1,115 @@
+"""Draft-vocabulary strategies and token-map files: ids map back to the target vocabulary,
+an exact ranker reproduces the full head, files round-trip, bad files are refused."""
+
+import pytest
+import torch
+
+from vocabspec.draft_vocab import (FullVocab, SpecVocab, StaticSubset, make_draft_vocab,
+                                   parse_draft_vocab)
+from vocabspec.ranker import load_ranker, save_ranker, svd_init
+from vocabspec.token_map import eagle3_tensors, load_token_map, rank, save_eagle3, save_token_map
+
+torch.manual_seed(0)
+HEAD = torch.randn(500, 16)
+STATES = torch.randn(7, 16)
+
+
+def test_parse_draft_vocab():
+    assert parse_draft_vocab("full") == ("full", None)
+    assert parse_draft_vocab("fr:32k") == ("fr", 32768)
+    assert parse_draft_vocab("trim:8000") == ("trim", 8000)
+    assert parse_draft_vocab("spec:2048") == ("spec", 2048)
+    for bad in ("", "fr", "fr:", "fr:0", "fr:-3", "fr:abc", "bogus:12", "full:3"):
+        with pytest.raises(ValueError):
+            parse_draft_vocab(bad)
+
+
+def test_static_subset_maps_back_to_target_ids():
+    ids = torch.randperm(500)[:120]
+    tokens, log_probs = StaticSubset(HEAD, ids).top_k(STATES, 5)
+    logits = STATES @ HEAD[ids].T
+    expected = ids[torch.topk(logits, 5).indices]
+    assert torch.equal(tokens, expected)
+    assert torch.allclose(log_probs, torch.topk(torch.log_softmax(logits, -1), 5).values, atol=1e-5)
+    assert set(tokens.flatten().tolist()) <= set(ids.tolist())
+
+
+def test_static_subset_rejects_bad_lists():
+    for bad in (torch.tensor([1, 2, 2]), torch.tensor([0, 500]), torch.tensor([-1]), torch.tensor([], dtype=torch.long)):
+        with pytest.raises(ValueError):
+            StaticSubset(HEAD, bad)
+
+
+def test_full_rank_ranker_reproduces_full_head():
+    # A ranker equal to the head itself (rank = d) must pick the true top tokens: the rows of
+    # a tree level share one candidate set that holds each row's own best 64 // 7 tokens.
+    spec = SpecVocab(HEAD, torch.eye(16), HEAD.clone(), candidates=64)
+    full_tokens, _ = FullVocab(HEAD).top_k(STATES, 5)
+    tokens, _ = spec.top_k(STATES, 5)
+    assert torch.equal(tokens, full_tokens)
+    one_row, _ = spec.top_k(STATES[:1], 5)
+    assert torch.equal(one_row, FullVocab(HEAD).top_k(STATES[:1], 5)[0])
+    # One shared candidate set for all rows, gathered once.
+    assert spec.candidate_ids(STATES).numel() <= 64
+    assert {"rank", "head", "topk"} <= set(spec.timings)
+
+
+def test_svd_ranker_recall_is_high_for_the_top_token():
+    down, vocab = svd_init(HEAD, 8)
+    spec = SpecVocab(HEAD, down, vocab, candidates=100)
+    ids = spec.candidate_ids(STATES[:1])
+    assert int(FullVocab(HEAD).top_k(STATES[:1], 1)[0]) in ids.tolist()
+
+
+def test_token_map_round_trips(tmp_path):
+    ids = torch.randperm(500)[:64].tolist()
+    save_token_map(ids, tmp_path / "map.pt")
+    assert load_token_map(tmp_path / "map.pt", 500).tolist() == ids
+    assert isinstance(torch.load(tmp_path / "map.pt"), list)  # SGLang's format: a plain list
+    save_eagle3(ids, 500, tmp_path / "d2t.safetensors")
+    back = load_token_map(tmp_path / "d2t.safetensors", 500).tolist()
+    assert back == sorted(ids)
+    t = eagle3_tensors(ids, 500)
+    assert t["t2d"].sum() == 64 and t["t2d"][ids].all()
+    assert torch.equal(torch.arange(64) + t["d2t"], torch.tensor(sorted(ids)))
+
+
+def test_bad_token_maps_are_refused(tmp_path):
+    save_token_map([1, 2, 900], tmp_path / "big.pt")
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        load_token_map(tmp_path / "big.pt", 500)
+    save_token_map([1, 2, 2], tmp_path / "dup.pt")
+    with pytest.raises(ValueError, match="twice"):
+        load_token_map(tmp_path / "dup.pt", 500)
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="unreadable"):
+        load_token_map(tmp_path / "junk.pt", 500)
+    with pytest.raises(FileNotFoundError):
+        load_token_map(tmp_path / "missing.pt", 500)
+
+
+def test_make_draft_vocab_explains_missing_files(tmp_path):
+    with pytest.raises(ValueError, match="token map"):
+        make_draft_vocab("fr:16", HEAD, tmp_path)
+    with pytest.raises(ValueError, match="ranker"):
+        make_draft_vocab("spec:16", HEAD, tmp_path)
+    save_token_map(list(range(40)), tmp_path / "token_map_fr.pt")
+    strategy = make_draft_vocab("fr:16", HEAD, tmp_path)
+    assert strategy.size == 16
+    with pytest.raises(ValueError, match="ranks only 40"):
+        make_draft_vocab("fr:64", HEAD, tmp_path)
+
+
+def test_ranker_file_must_fit_the_head(tmp_path):
+    down, vocab = svd_init(HEAD, 4)
+    save_ranker(down, vocab, tmp_path / "r.safetensors")
+    d, v = load_ranker(tmp_path / "r.safetensors", HEAD)
+    assert d.shape == (4, 16) and v.shape == (500, 4)
+    with pytest.raises(ValueError, match="another model"):
+        load_ranker(tmp_path / "r.safetensors", torch.randn(300, 16))
+
+
+def test_rank_orders_by_count_then_fallback():
+    from collections import Counter
+
+    assert rank(Counter({5: 3, 2: 3, 7: 9}), 10, fallback=[9, 5])[:5] == [7, 2, 5, 9, 0]

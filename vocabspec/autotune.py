@@ -1,0 +1,113 @@
+"""Choosing the draft tree size (`total_tokens`) for this machine, model and drafter.
+
+On a GPU verifying 60 tokens costs about as much as verifying one; on a CPU the target's
+forward grows with the tree, so the best tree is much smaller and machine-dependent. We
+measure both sides once and maximise expected tokens per second:
+
+    speed(m) = tau(m) / (draft_seconds + forward_seconds(m + 1))
+
+tau(m) comes from one calibration run with a large tree: the tree of the best m nodes is
+exactly the nodes of value rank < m, and greedy verification follows the same path through
+it, so the accepted length at size m is the accepted path cut at the first node ranked >= m.
+forward_seconds is the target's tree-masked forward, timed at each candidate size. The result
+is cached per machine, model, dtype and drafter (VOCABSPEC_CACHE/autotune.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+CANDIDATE_SIZES = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+CALIBRATION_QUESTIONS = (
+    "Write a short paragraph about why people enjoy walking in the mountains.",
+    "Explain how a bicycle's gears make it easier to ride uphill.",
+)
+
+
+def accept_length_at(path_ranks: tuple[int, ...], size: int) -> int:
+    kept = 0
+    for rank in path_ranks:
+        if rank >= size:
+            break
+        kept += 1
+    return kept + 1
+
+
+def forward_seconds(model, sizes, context: int = 256, repeats: int = 3) -> dict[int, float]:
+    cache = model.new_cache(context + max(sizes) + 1)
+    device = model.device
+    with torch.inference_mode():
+        ids = torch.randint(model.args.vocab_size, (context,), device=device)
+        model(ids, torch.arange(context, device=device), cache)
+        cache.commit()
+        timings = {}
+        for n in sizes:
+            tokens = torch.randint(model.args.vocab_size, (n + 1,), device=device)
+            positions = torch.arange(context, context + n + 1, device=device)
+            mask = torch.ones(n + 1, n + 1, dtype=torch.bool, device=device).tril()
+            runs = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                model(tokens, positions, cache, tree_mask=mask, all_logits=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                runs.append(time.perf_counter() - start)
+                cache.discard()
+            timings[n] = statistics.median(runs[1:])
+    return timings
+
+
+def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
+              max_new_tokens: int = 48) -> dict:
+    from .drafter import EagleProposer
+    from .generate import Engine, GenerationConfig
+    from .prompts import encode_conversation
+
+    largest = max(CANDIDATE_SIZES)
+    proposer = EagleProposer(drafter, head=head, depth=depth, top_k=top_k, total_tokens=largest)
+    engine = Engine(model, tokenizer, proposer)
+    steps = []
+    for question in CALIBRATION_QUESTIONS:
+        ids = encode_conversation(tokenizer, [("user", question)], answer_open=True)
+        steps += engine.generate(ids, GenerationConfig(max_new_tokens=max_new_tokens)).steps
+    draft = statistics.median(s.draft_seconds for s in steps)
+    forwards = forward_seconds(model, CANDIDATE_SIZES)
+    table = {}
+    for m in CANDIDATE_SIZES:
+        tau = sum(accept_length_at(s.path_ranks, m) for s in steps) / len(steps)
+        table[m] = {"tau": round(tau, 3), "forward_s": round(forwards[m], 5),
+                    "tokens_per_s": round(tau / (draft + forwards[m]), 2)}
+    best = max(table, key=lambda m: table[m]["tokens_per_s"])
+    return {"total_tokens": best, "draft_s": round(draft, 5), "table": table, "steps": len(steps)}
+
+
+def _cache_key(model, key: str) -> str:
+    return "|".join([key, str(model.dtype), str(model.device), str(torch.get_num_threads()),
+                     torch.__version__, platform.processor() or platform.machine(),
+                     str(os.cpu_count())])
+
+
+def choose_total_tokens(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
+                        log=None) -> int:
+    from .loading import cache_dir
+
+    path = cache_dir() / "autotune.json"
+    try:
+        known = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        known = {}
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}")
+    if full_key not in known:
+        if log:
+            log("choosing the draft tree size for this machine (once; cached)...")
+        known[full_key] = calibrate(model, tokenizer, drafter, head, depth, top_k)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(path)
+    return int(known[full_key]["total_tokens"])

@@ -1,0 +1,351 @@
+"""Spec-Bench style benchmark: every method on the same questions, side by side, in one run.
+
+Methods are interleaved question by question (machine drift hits all alike) and share one
+target model. Each speculative method's greedy output is compared token by token with
+vanilla decoding's in the same run; mismatches are counted and reported.
+
+Method names: vanilla, pld, eagle2 (full vocabulary), eagle2+fr:32k, eagle2+trim:32k,
+eagle2+spec:2048 (any size after the colon).
+
+Output directory: answers.jsonl (Spec-Bench's fields), summary.json, report.md (tables per
+category), speedup.png and draft_breakdown.png.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .generate import Engine, GenerationConfig
+from .prompts import encode_conversation, stop_strings
+from .sampling import SamplingParams
+
+CATEGORY_ORDER = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                  "humanities", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+@dataclass
+class BenchConfig:
+    questions: str
+    model: str = "smollm2"
+    methods: tuple[str, ...] = ("vanilla", "pld", "eagle2")
+    out: str = "runs/bench"
+    max_new_tokens: int = 1024
+    per_category: int | None = None
+    temperature: float = 0.0
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    depth: int = 6
+    tree_top_k: int = 10
+    total_tokens: int | str = "auto"
+    warmup: bool = True
+
+
+def parse_method(name: str) -> tuple[str, str]:
+    """-> (draft, draft_vocab)."""
+    if name in ("vanilla", "none"):
+        return "none", "full"
+    if name == "pld":
+        return "pld", "full"
+    if name == "eagle2":
+        return "eagle", "full"
+    if name.startswith("eagle2+"):
+        from .draft_vocab import parse_draft_vocab
+
+        vocab = name[len("eagle2+"):]
+        parse_draft_vocab(vocab)
+        return "eagle", vocab
+    raise ValueError(f"unknown method {name!r} (vanilla, pld, eagle2, eagle2+fr:N, "
+                     "eagle2+trim:N, eagle2+spec:K)")
+
+
+def load_questions(path: str | Path, per_category: int | None) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"questions file {path} does not exist")
+    questions, seen = [], defaultdict(int)
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+            turns, category = q["turns"], q["category"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{number}: not a Spec-Bench question ({exc})") from exc
+        if per_category is not None and seen[category] >= per_category:
+            continue
+        seen[category] += 1
+        questions.append({"question_id": q.get("question_id", number), "category": category,
+                          "turns": [str(t) for t in turns]})
+    if not questions:
+        raise ValueError(f"{path} holds no questions")
+    return questions
+
+
+def copy_fraction(prompt: list[int], output: list[int], n: int = 4) -> float:
+    """Share of output tokens that end an n-gram also found in the prompt (base models tend to
+    repeat their prompt, which flatters every speculative method)."""
+    grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    if len(output) < n:
+        return 0.0
+    hits = sum(tuple(output[i - n + 1:i + 1]) in grams for i in range(n - 1, len(output)))
+    return hits / (len(output) - n + 1)
+
+
+@dataclass
+class MethodRun:
+    name: str
+    engine: Engine
+    draft_vocab: str
+    stats: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+
+
+def build_methods(cfg: BenchConfig, log=print):
+    from .api import DTYPES, bundled_drafter_dir, make_proposer
+    from .loading import load_model
+    from .tokenizer import load_tokenizer
+
+    parsed = [(m, *parse_method(m)) for m in cfg.methods]
+    target, path = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
+    tokenizer = load_tokenizer(path)
+    runs = []
+    for name, draft, vocab in parsed:
+        proposer = make_proposer(target, draft, None, cfg.model, cfg.depth, cfg.tree_top_k,
+                                 cfg.total_tokens, vocab, tokenizer=tokenizer, log=log)
+        if proposer is not None and hasattr(proposer, "total_tokens"):
+            log(f"{name}: total_tokens={proposer.total_tokens}")
+        runs.append(MethodRun(name, Engine(target, tokenizer, proposer), vocab))
+    return target, tokenizer, runs
+
+
+def _drafter_params(run: MethodRun, target) -> int:
+    proposer = run.engine.proposer
+    if proposer is None or not hasattr(proposer, "drafter"):
+        return 0
+    layer = sum(p.numel() for p in proposer.drafter.parameters())
+    head = proposer.head
+    dim = target.args.dim
+    rows = getattr(head, "size", target.args.vocab_size)
+    extra = head.down.numel() + head.vocab.numel() if hasattr(head, "down") else 0
+    return layer + rows * dim + extra
+
+
+def run_bench(cfg: BenchConfig, log=print) -> dict:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    questions = load_questions(cfg.questions, cfg.per_category)
+    if "vanilla" not in cfg.methods:
+        raise ValueError("the methods must include vanilla: speedups and losslessness are measured against it")
+    target, tokenizer, runs = build_methods(cfg, log)
+    sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
+    config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling,
+                              stop=stop_strings(tokenizer))
+    if cfg.warmup:
+        warm = encode_conversation(tokenizer, [("user", "Say hello.")], answer_open=True)
+        for run in runs:
+            run.engine.generate(warm, GenerationConfig(max_new_tokens=16, sampling=sampling))
+    for run in runs:
+        if hasattr(run.engine.proposer, "reset_timings"):
+            run.engine.proposer.reset_timings()
+    mismatches = defaultdict(list)
+    copy = []
+    answers = open(out / "answers.jsonl", "w")
+    total_turns = sum(len(q["turns"]) for q in questions) * len(runs)
+    bar = tqdm(total=total_turns, desc=f"bench {cfg.model}", unit="turn")
+    for q in questions:
+        outputs = {}
+        for run in runs:
+            history, choice = [], {"index": 0, "turns": [], "new_tokens": [], "wall_time": [],
+                                   "decoding_steps": [], "accept_lengths": [], "token_ids": []}
+            for turn in q["turns"]:
+                history.append(("user", turn))
+                ids = encode_conversation(tokenizer, history, answer_open=True)
+                ids = ids[-(run.engine.cache.max_len - cfg.max_new_tokens - 80):]
+                result = run.engine.generate(ids, config)
+                history.append(("assistant", result.text))
+                lengths = [s.accept_length for s in result.steps]
+                choice["turns"].append(result.text)
+                choice["new_tokens"].append(result.new_tokens)
+                choice["wall_time"].append(round(result.seconds, 4))
+                choice["decoding_steps"].append(len(lengths))
+                choice["accept_lengths"].append(lengths)
+                choice["token_ids"].append(result.tokens)
+                stats = run.stats[q["category"]]
+                stats["tokens"] += result.new_tokens
+                stats["seconds"] += result.seconds
+                stats["steps"] += len(lengths)
+                stats["accepted"] += sum(lengths)
+                stats["draft_seconds"] += sum(s.draft_seconds for s in result.steps)
+                stats["verify_seconds"] += sum(s.verify_seconds for s in result.steps)
+                if run.name == "vanilla":
+                    copy.append((copy_fraction(ids, result.tokens), result.new_tokens))
+                bar.update(1)
+            outputs[run.name] = choice["token_ids"]
+            record = {"question_id": q["question_id"], "category": q["category"],
+                      "model_id": f"{cfg.model}-{run.name}", "method": run.name,
+                      "choices": [choice], "tstamp": time.time()}
+            answers.write(json.dumps(record) + "\n")
+        if cfg.temperature == 0:
+            for name, turns in outputs.items():
+                if name != "vanilla" and turns != outputs["vanilla"]:
+                    mismatches[name].append(q["question_id"])
+        bar.set_postfix(mismatches=sum(map(len, mismatches.values())))
+    bar.close()
+    answers.close()
+    summary = summarise(cfg, runs, target, mismatches, copy)
+    summary["questions"] = len(questions)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "report.md").write_text(report_markdown(summary))
+    plot(summary, out)
+    return summary
+
+
+def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
+    categories = [c for c in CATEGORY_ORDER if c in runs[0].stats] + \
+        sorted(c for c in runs[0].stats if c not in CATEGORY_ORDER)
+    target_params = sum(p.numel() for p in target.parameters())
+    methods = {}
+    for run in runs:
+        per_cat = {}
+        for cat in categories + ["overall"]:
+            rows = [run.stats[c] for c in categories] if cat == "overall" else [run.stats[cat]]
+            tokens = sum(r["tokens"] for r in rows)
+            seconds = sum(r["seconds"] for r in rows)
+            steps = sum(r["steps"] for r in rows)
+            accepted = sum(r["accepted"] for r in rows)
+            per_cat[cat] = {"tau": accepted / steps if steps else 0.0,
+                            "tokens_per_s": tokens / seconds if seconds else 0.0,
+                            "tokens": int(tokens), "seconds": seconds,
+                            "draft_seconds": sum(r["draft_seconds"] for r in rows),
+                            "verify_seconds": sum(r["verify_seconds"] for r in rows)}
+        entry = {"categories": per_cat}
+        proposer = run.engine.proposer
+        if proposer is not None and hasattr(proposer, "time_breakdown"):
+            entry["draft_breakdown_s"] = proposer.time_breakdown()
+            entry["total_tokens"] = proposer.total_tokens
+            # VocabTrim's memory-bound speedup: tau / (c * gamma + 1), c = drafter/target
+            # parameters read per draft step, gamma = draft forward steps per round.
+            c = _drafter_params(run, target) / target_params
+            gamma = proposer.depth + 1
+            entry["mbsu"] = per_cat["overall"]["tau"] / (c * gamma + 1)
+        if cfg.temperature == 0 and run.name != "vanilla":
+            entry["mismatched_questions"] = mismatches.get(run.name, [])
+        methods[run.name] = entry
+    base = methods["vanilla"]["categories"]
+    for entry in methods.values():
+        for cat, row in entry["categories"].items():
+            row["speedup"] = row["tokens_per_s"] / base[cat]["tokens_per_s"] if base[cat]["tokens_per_s"] else 0.0
+    weight = sum(n for _, n in copy)
+    return {
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": _machine(),
+        "categories": categories,
+        "vanilla_prompt_copy_fraction": sum(f * n for f, n in copy) / weight if weight else 0.0,
+        "methods": methods,
+    }
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def report_markdown(summary: dict) -> str:
+    cfg = summary["config"]
+    lines = [f"# Spec-Bench: {cfg['model']} ({cfg['dtype']}, "
+             f"{'greedy' if cfg['temperature'] == 0 else 'temperature ' + str(cfg['temperature'])}, "
+             f"max {cfg['max_new_tokens']} new tokens)", "",
+             f"{summary['date']} on {summary['machine']}. Vanilla output copies its prompt "
+             f"(4-gram overlap) for {summary['vanilla_prompt_copy_fraction']:.1%} of its tokens.", ""]
+    methods = summary["methods"]
+    names = list(methods)
+    lines += ["## Overall", "", "| method | tau | tokens/s | speedup | tree size | MBSU | greedy mismatches |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name in names:
+        entry = methods[name]
+        row = entry["categories"]["overall"]
+        mism = entry.get("mismatched_questions")
+        mbsu = f"{entry['mbsu']:.2f}" if "mbsu" in entry else "-"
+        mism_text = "-" if mism is None else f"{len(mism)}" + (f" (questions {mism})" if mism else "")
+        lines.append(f"| {name} | {row['tau']:.2f} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | "
+                     f"{entry.get('total_tokens', '-')} | {mbsu} | {mism_text} |")
+    for metric, label in (("speedup", "speedup over vanilla"), ("tau", "tau (mean accepted length)"),
+                          ("tokens_per_s", "tokens/s")):
+        lines += ["", f"## {label} per category", "",
+                  "| category | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+        for cat in summary["categories"] + ["overall"]:
+            cells = [methods[n]["categories"][cat][metric] for n in names]
+            lines.append(f"| {cat} | " + " | ".join(f"{v:.2f}" for v in cells) + " |")
+    breakdown = {n: m["draft_breakdown_s"] for n, m in methods.items() if "draft_breakdown_s" in m}
+    if breakdown:
+        parts = sorted({p for b in breakdown.values() for p in b})
+        lines += ["", "## Drafting time breakdown (seconds, whole run)", "",
+                  "| method | " + " | ".join(parts) + " | verify |", "| --- |" + " --- |" * (len(parts) + 1)]
+        for name, b in breakdown.items():
+            verify = methods[name]["categories"]["overall"]["verify_seconds"]
+            lines.append(f"| {name} | " + " | ".join(f"{b.get(p, 0.0):.2f}" for p in parts)
+                         + f" | {verify:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, out: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    methods = summary["methods"]
+    names = [n for n in methods if n != "vanilla"]
+    cats = summary["categories"] + ["overall"]
+    fig, ax = plt.subplots(figsize=(max(8, len(cats) * 0.9), 4.5))
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        values = [methods[name]["categories"][c]["speedup"] for c in cats]
+        ax.bar([x + i * width for x in range(len(cats))], values, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(cats))])
+    ax.set_xticklabels(cats, rotation=40, ha="right")
+    ax.set_ylabel("speedup over vanilla")
+    ax.set_title(f"Spec-Bench speedup, {summary['config']['model']} ({summary['config']['dtype']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=110)
+    plt.close(fig)
+    breakdown = {n: m["draft_breakdown_s"] for n, m in methods.items() if "draft_breakdown_s" in m}
+    if breakdown:
+        parts = ["layer", "head", "rank", "topk", "tree"]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        bottoms = [0.0] * len(breakdown)
+        for part in parts:
+            values = []
+            for name in breakdown:
+                steps = methods[name]["categories"]["overall"]["tokens"] / max(methods[name]["categories"]["overall"]["tau"], 1e-9)
+                values.append(1000 * breakdown[name].get(part, 0.0) / max(steps, 1))
+            ax.bar(list(breakdown), values, bottom=bottoms, label=part)
+            bottoms = [b + v for b, v in zip(bottoms, values)]
+        ax.set_ylabel("drafting ms per step")
+        ax.set_title("Drafting time breakdown per method")
+        ax.legend(fontsize=8)
+        plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+        fig.tight_layout()
+        fig.savefig(out / "draft_breakdown.png", dpi=110)
+        plt.close(fig)

@@ -1,0 +1,121 @@
+"""SpecVocab's low-rank ranker: training by distillation, and its file.
+
+The ranker scores every token as (W_vocab @ W_down) x with rank d' ~ d/16, sixteen times
+cheaper than the LM head. It only has to put the right tokens among its top ~2048 candidates;
+the exact head then scores those. It starts from the truncated SVD of the LM head (the best
+rank-d' approximation of the head itself) and is distilled on the frozen drafter's states
+(what it sees when drafting) towards the target's next-token distribution at the same
+position (stored as the target's top candidates in the feature shards).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .drafter import EagleDrafter
+
+
+def svd_init(head_weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = head_weight.float()
+    u, s, v = torch.svd_lowrank(weight, q=rank + 16, niter=4)
+    down = v[:, :rank].T.contiguous()                 # (rank, d)
+    vocab = (u[:, :rank] * s[:rank]).contiguous()      # (V, rank)
+    return down, vocab
+
+
+def save_ranker(down: torch.Tensor, vocab: torch.Tensor, path: str | Path, meta: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {k: str(v) for k, v in (meta or {}).items()}
+    save_file({"down.weight": down.contiguous(), "vocab.weight": vocab.contiguous()}, str(path),
+              metadata=metadata)
+
+
+def load_ranker(path: str | Path, head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+        down, vocab = tensors["down.weight"], tensors["vocab.weight"]
+    except Exception as exc:
+        raise ValueError(f"ranker {path} is unreadable ({exc})") from exc
+    if down.shape[1] != head_weight.shape[1] or vocab.shape[0] != head_weight.shape[0] \
+            or vocab.shape[1] != down.shape[0]:
+        raise ValueError(f"ranker {path} ({tuple(vocab.shape)} x {tuple(down.shape)}) does not fit "
+                         f"this target's head {tuple(head_weight.shape)}: made for another model?")
+    return down.to(head_weight), vocab.to(head_weight)
+
+
+def _teacher(target, features: torch.Tensor, candidates: torch.Tensor):
+    """Target distribution over its stored top candidates at each position."""
+    logits = torch.einsum("nd,nkd->nk", target.norm(features), target.embed.weight[candidates])
+    return candidates, F.softmax(logits.float(), dim=-1)
+
+
+@torch.no_grad()
+def recall(drafter: EagleDrafter, down, vocab, sequences, k: int = 2048) -> dict:
+    """How often the target's next token, and the drafter's own top-1, are among the ranker's
+    top-k candidates for the drafter's state."""
+    from .train import draft_states
+
+    target = drafter.target
+    hits_target = hits_draft = count = 0
+    for tokens, hidden, candidates in sequences:
+        states = target.norm(draft_states(drafter, tokens.long(), hidden.float()))
+        top = torch.topk(F.linear(F.linear(states, down), vocab), k, dim=-1).indices
+        wanted = candidates[1:, 0].long()
+        drafted = F.linear(states, target.embed.weight).argmax(-1)
+        hits_target += int((top == wanted[:, None]).any(-1).sum())
+        hits_draft += int((top == drafted[:, None]).any(-1).sum())
+        count += wanted.numel()
+    return {"recall_target": hits_target / max(count, 1), "recall_draft": hits_draft / max(count, 1),
+            "positions": count}
+
+
+def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: int = 1,
+                 lr: float = 2e-3, max_sequences: int | None = None, seed: int = 0, log=print):
+    from .train import draft_states
+
+    target = drafter.target
+    head = target.embed.weight.float()
+    down, vocab = svd_init(head, rank)
+    log(f"SVD init: {recall(drafter, down, vocab, heldout[:16])}")
+    down.requires_grad_(True)
+    vocab.requires_grad_(True)
+    optimizer = torch.optim.Adam([down, vocab], lr=lr)
+    order = list(range(len(train_set)))
+    random.Random(seed).shuffle(order)
+    order = order[:max_sequences] if max_sequences else order
+    total = len(order) * epochs
+    started = time.perf_counter()
+    with tqdm(total=total, desc="ranker", unit="seq") as bar:
+        for step in range(total):
+            tokens, hidden, candidates = train_set[order[step % len(order)]]
+            with torch.no_grad():
+                states = target.norm(draft_states(drafter, tokens.long(), hidden.float()))
+                ids, probs = _teacher(target, hidden[1:].float(), candidates[1:].long())
+            for group in optimizer.param_groups:
+                group["lr"] = lr * (1 - step / total)
+            scores = F.linear(F.linear(states, down), vocab)
+            log_probs = scores - torch.logsumexp(scores, dim=-1, keepdim=True)
+            loss = -(probs * log_probs.gather(1, ids)).sum(-1).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.update(1)
+    down, vocab = down.detach(), vocab.detach()
+    metrics = recall(drafter, down, vocab, heldout)
+    metrics["train_seconds"] = round(time.perf_counter() - started, 1)
+    metrics["sequences"] = len(order)
+    metrics["rank"] = rank
+    log(f"trained: {metrics}")
+    return down, vocab, metrics

@@ -1,0 +1,140 @@
+"""Ranked token lists for static draft vocabularies: counting, and the files they live in.
+
+FR-Spec ranks tokens by their frequency in a corpus (here the ShareGPT conversations in the
+target's own prompt format, plus any text files). VocabTrim ranks them by how often the target
+itself produces them: we count the target's greedy next-token choice at every position of the
+training conversations (teacher-forced generation, one token per context, already computed when
+the drafter's features were extracted) and, optionally, tokens of free-running generations.
+Tokens never counted follow in corpus order, so a list of any length can be cut from it.
+
+Formats, both read and written:
+- SGLang / FR-Spec token map: `torch.save` of a list of token ids, most frequent first
+  (SGLang's --speculative-token-map).
+- EAGLE-3: `d2t` (draft id -> target id offset, target = draft + d2t[draft]) and `t2d`
+  (bool mask over the target vocabulary), in a safetensors file; draft ids ascend.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+
+def rank(counts: Counter, vocab: int, fallback: Iterable[int] = ()) -> list[int]:
+    """Token ids by descending count (ties: lower id first), then `fallback` order, then the
+    rest of the vocabulary by id."""
+    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if 0 <= t < vocab]
+    seen = set(ranked)
+    for t in list(fallback) + list(range(vocab)):
+        if t not in seen and 0 <= t < vocab:
+            seen.add(t)
+            ranked.append(t)
+    return ranked
+
+
+def count_sharegpt(tokenizer, limit: int | None = None, progress: bool = True) -> Counter:
+    from tqdm import tqdm
+
+    from .prompts import encode_conversation
+    from .sharegpt import iter_conversations
+
+    counts: Counter = Counter()
+    for index, (_, turns) in enumerate(tqdm(iter_conversations(), desc="counting ShareGPT",
+                                            unit="conv", disable=not progress)):
+        if limit is not None and index >= limit:
+            break
+        counts.update(encode_conversation(tokenizer, turns, answer_open=False, example=False))
+    return counts
+
+
+def count_files(tokenizer, paths: Iterable[str | Path]) -> Counter:
+    counts: Counter = Counter()
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"corpus file {path} does not exist")
+        counts.update(tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"),
+                                       add_bos=False))
+    return counts
+
+
+def count_target_predictions(feature_dir: Path) -> Counter:
+    """The target's greedy next token at every position of the extracted training data."""
+    counts: Counter = Counter()
+    shards = sorted(Path(feature_dir).glob("train-*.pt"))
+    if not shards:
+        raise FileNotFoundError(f"no feature shards under {feature_dir}: run "
+                                "`vocabspec train --stages data,features` first")
+    for path in shards:
+        shard = torch.load(path)
+        for candidates in shard["candidates"]:
+            counts.update(candidates[:, 0].tolist())
+    return counts
+
+
+def count_generated(lm, prompts: list, max_new_tokens: int, progress: bool = True) -> Counter:
+    """Tokens of the target's own greedy answers to `prompts` (VocabTrim's data)."""
+    from tqdm import tqdm
+
+    counts: Counter = Counter()
+    for prompt in tqdm(prompts, desc="generating", unit="prompt", disable=not progress):
+        result = lm.engine.generate(prompt, lm._config(max_new_tokens=max_new_tokens))
+        counts.update(result.tokens)
+    return counts
+
+
+# ---------------------------------------------------------------------------- files
+
+def save_token_map(ids: list[int] | torch.Tensor, path: str | Path) -> None:
+    """SGLang / FR-Spec format: a torch-saved list of ints, most frequent first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save([int(t) for t in ids], path)
+
+
+def eagle3_tensors(ids, vocab: int) -> dict[str, torch.Tensor]:
+    used = sorted(int(t) for t in ids)
+    d2t = torch.tensor([t - i for i, t in enumerate(used)], dtype=torch.long)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    return {"d2t": d2t, "t2d": t2d}
+
+
+def save_eagle3(ids, vocab: int, path: str | Path) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(eagle3_tensors(ids, vocab), str(path))
+
+
+def load_token_map(path: str | Path, vocab: int | None = None) -> torch.Tensor:
+    """Token ids from an SGLang token map (.pt list or tensor) or EAGLE-3 d2t/t2d (.safetensors)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"token map {path} does not exist")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(path))
+            if "d2t" not in tensors:
+                raise ValueError("no d2t tensor")
+            d2t = tensors["d2t"].long()
+            ids = torch.arange(d2t.numel()) + d2t
+        else:
+            data = torch.load(path, weights_only=True)
+            ids = torch.as_tensor(data, dtype=torch.long)
+    except Exception as exc:
+        raise ValueError(f"token map {path} is unreadable ({exc})") from exc
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"token map {path} must hold a non-empty list of token ids")
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"token map {path} holds ids outside the target vocabulary [0, {vocab}): "
+                         "was it made for another model?")
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError(f"token map {path} lists a token twice")
+    return ids
