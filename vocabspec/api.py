@@ -54,12 +54,17 @@ class LanguageModel:
         return self.tokenizer.encode(prompt)
 
     def _config(self, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                stop=()) -> GenerationConfig:
+                stop=(), cancel=None, deadline=None) -> GenerationConfig:
         if isinstance(stop, str):
             stop = (stop,)
-        return GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop or ()),
+        if stop is None:
+            stop = ()
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError("stop must be a string or a list of strings")
+        return GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop),
                                 sampling=SamplingParams(temperature=temperature, top_p=top_p,
-                                                        top_k=top_k, seed=seed))
+                                                        top_k=top_k, seed=seed),
+                                cancel=cancel, deadline=deadline)
 
     def stream(self, prompt, chat: bool = False, **kwargs):
         """Iterate over text pieces as they are generated; `.result` on the iterator at the end."""

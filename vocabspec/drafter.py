@@ -1,11 +1,12 @@
 """The EAGLE drafter and the proposer that grows EAGLE-2 dynamic trees with it.
 
 Drafter: fc(concat(token embedding, target feature)) -> one decoder layer of the target's
-architecture -> the target's final norm -> a draft LM-head strategy. The embedding and norm
-are the target's own (frozen); the drafter keeps its own KV cache of accepted context.
+architecture -> a draft LM-head strategy. The embedding is the target's own (frozen); the
+drafter keeps its own KV cache of accepted context.
 
-Features are the target's last-layer hidden states before its final norm. The drafter input
-at position i pairs feature h_i with token t_{i+1} and predicts h_{i+1} (so t_{i+2}).
+Features follow EAGLE-1/2 (and SGLang): the target's last-layer hidden states after its final
+norm, the vectors its LM head multiplies. The drafter input at position i pairs feature f_i
+with token t_{i+1} and predicts f_{i+1}, which the head turns into t_{i+2}.
 
 Checkpoints use EAGLE's layout: a directory with config.json (one hidden layer) and
 model.safetensors holding fc.weight (+ fc.bias) and layers.0.* in Hugging Face names.
@@ -79,7 +80,7 @@ class EagleDrafter(nn.Module):
         return drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
     def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
-        """Drafter states (n, dim), before the final norm, for (token, feature) pairs."""
+        """Predicted next features (n, dim) for (token, feature) pairs."""
         x = self.fc(torch.cat([self.target.embed_tokens(tokens), features], dim=-1))
         cos, sin = self.target.rope["global"]
         n = tokens.shape[0]
@@ -114,7 +115,7 @@ class EagleDrafter(nn.Module):
             "head_dim": a.head_dim, "num_hidden_layers": 1, "vocab_size": a.vocab_size,
             "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_base,
             "max_position_embeddings": a.max_seq_len, "bias": True,
-            "vocabspec": {"arch": a.arch, "feature": "pre_norm", **(extra or {})},
+            "vocabspec": {"arch": a.arch, "feature": "post_norm", **(extra or {})},
         }
         (directory / "config.json").write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in self.eagle_state_dict().items()},
@@ -240,15 +241,15 @@ class EagleProposer:
 
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
         self.cache.reset()
-        self.last_state = self._run(prompt_ids[1:] + [first_token], prompt_hidden)[-1:]
+        self.last_state = self._run(prompt_ids[1:] + [first_token], self.target.norm(prompt_hidden))[-1:]
 
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
         start = time.perf_counter()
-        self.last_state = self._run(accepted[1:] + [next_token], hidden)[-1:]
+        self.last_state = self._run(accepted[1:] + [next_token], self.target.norm(hidden))[-1:]
         self.timings["total"] += time.perf_counter() - start
 
     def _top_k(self, states: torch.Tensor):
-        return self.head.top_k(self.target.norm(states), self.top_k)
+        return self.head.top_k(states, self.top_k)
 
     def propose(self, root_token: int) -> DraftTree:
         start = time.perf_counter()

@@ -35,6 +35,10 @@ class GenerationConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     stop_on_eos: bool = True
+    # Checked between steps: a set event ends the generation ("cancelled"), and so does
+    # passing the deadline (time.monotonic() seconds; "time").
+    cancel: object | None = None
+    deadline: float | None = None
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -199,6 +203,12 @@ class Generation:
                 if delta:
                     yield delta
                 if result.stop_reason:
+                    break
+                if config.cancel is not None and config.cancel.is_set():
+                    result.stop_reason = "cancelled"
+                    break
+                if config.deadline is not None and time.monotonic() > config.deadline:
+                    result.stop_reason = "time"
                     break
                 # Near the end of the window, fall back to plain steps rather than overflow.
                 can_draft = cache.length + tree_room <= cache.max_len

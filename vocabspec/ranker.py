@@ -64,12 +64,12 @@ def _teacher(target, features: torch.Tensor, candidates: torch.Tensor):
 def recall(drafter: EagleDrafter, down, vocab, sequences, k: int = 2048) -> dict:
     """How often the target's next token, and the drafter's own top-1, are among the ranker's
     top-k candidates for the drafter's state."""
-    from .train import draft_states
+    from .train import draft_states, features_of
 
     target = drafter.target
     hits_target = hits_draft = count = 0
     for tokens, hidden, candidates in sequences:
-        states = target.norm(draft_states(drafter, tokens.long(), hidden.float()))
+        states = draft_states(drafter, tokens.long(), features_of(target, hidden))
         top = torch.topk(F.linear(F.linear(states, down), vocab), k, dim=-1).indices
         wanted = candidates[1:, 0].long()
         drafted = F.linear(states, target.embed.weight).argmax(-1)
@@ -82,7 +82,7 @@ def recall(drafter: EagleDrafter, down, vocab, sequences, k: int = 2048) -> dict
 
 def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: int = 1,
                  lr: float = 2e-3, max_sequences: int | None = None, seed: int = 0, log=print):
-    from .train import draft_states
+    from .train import draft_states, features_of
 
     target = drafter.target
     head = target.embed.weight.float()
@@ -100,7 +100,7 @@ def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: i
         for step in range(total):
             tokens, hidden, candidates = train_set[order[step % len(order)]]
             with torch.no_grad():
-                states = target.norm(draft_states(drafter, tokens.long(), hidden.float()))
+                states = draft_states(drafter, tokens.long(), features_of(target, hidden))
                 ids, probs = _teacher(target, hidden[1:].float(), candidates[1:].long())
             for group in optimizer.param_groups:
                 group["lr"] = lr * (1 - step / total)

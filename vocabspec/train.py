@@ -3,7 +3,8 @@
 1. data:     ShareGPT conversations -> token sequences in the target's prompt format
              (chat template, or the base-model frame of `prompts.py`); held-out ones kept apart.
 2. features: target forward passes; each shard stores the tokens, the last-layer hidden
-             states (pre-norm, bfloat16) and the target's top candidate ids per position.
+             states (before the final norm, bfloat16; the drafter's features are these after
+             the norm) and the target's top candidate ids per position.
 3. train:    EAGLE's loss: smooth-L1 regression of the next feature + 0.1 x cross-entropy
              between the target's and the drafter's next-token distributions through the
              frozen LM head.
@@ -176,19 +177,24 @@ def draft_states(drafter: EagleDrafter, tokens: torch.Tensor, features: torch.Te
     return drafter(tokens[1:], features[:-1], positions, _NoCache())
 
 
-def feature_std(sequences, limit: int = 64) -> torch.Tensor:
-    """Per-dimension std of the target's features. Pre-norm hidden states have a few huge
-    outlier dimensions (|h| up to 4.5e3 for SmolLM2, 8e4 for Gemma 3); regressing and adding
-    noise in units of each dimension's std keeps them from drowning the rest."""
-    rows = torch.cat([hidden.float() for _, hidden, _ in sequences[:limit]])
-    return rows.std(0).clamp_min(1e-3)
+def features_of(target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
+    """The drafter's features: stored hidden states through the target's final norm."""
+    return target.norm(hidden.float())
+
+
+def feature_std(target: Transformer, sequences, limit: int = 64) -> torch.Tensor:
+    """Per-dimension std of the features. A few dimensions are far larger than the rest;
+    regressing and adding noise in units of each dimension's std keeps them from drowning
+    the others."""
+    rows = torch.cat([features_of(target, hidden) for _, hidden, _ in sequences[:limit]])
+    return rows.std(0).clamp_min(1e-4)
 
 
 def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainConfig,
                   std: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
     target = drafter.target
     tokens = tokens.long()
-    features = hidden.float()
+    features = features_of(target, hidden)
     inputs = features
     if cfg.noise > 0 and generator is not None:
         inputs = features + (torch.rand(features.shape, generator=generator) * 2 - 1) * (cfg.noise * std)
@@ -204,8 +210,8 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
             pool.append(torch.randint(head.shape[0], (cfg.negatives,), generator=generator))
         rows = head[torch.unique(torch.cat(pool))]
     with torch.no_grad():
-        target_probs = F.softmax(F.linear(target.norm(wanted), rows).float(), dim=-1)
-    draft_log_probs = F.log_softmax(F.linear(target.norm(predicted), rows).float(), dim=-1)
+        target_probs = F.softmax(F.linear(wanted, rows).float(), dim=-1)
+    draft_log_probs = F.log_softmax(F.linear(predicted, rows).float(), dim=-1)
     classification = -(target_probs * draft_log_probs).sum(-1).mean()
     loss = regression + cfg.cls_weight * classification
     with torch.no_grad():
@@ -224,16 +230,17 @@ def evaluate(drafter: EagleDrafter, heldout, limit: int = 48) -> dict:
     target = drafter.target
     hits1 = hits2 = count1 = count2 = 0
     for tokens, hidden, candidates in heldout[:limit]:
-        tokens, features = tokens.long(), hidden.float()
+        tokens, features = tokens.long(), features_of(target, hidden)
         wanted = candidates[:, 0].long()          # target argmax at each position
+        head = target.embed.weight
         predicted = draft_states(drafter, tokens, features)
-        hits1 += int((target.lm_head(predicted).argmax(-1) == wanted[1:]).sum())
+        hits1 += int((F.linear(predicted, head).argmax(-1) == wanted[1:]).sum())
         count1 += predicted.shape[0]
         if tokens.shape[0] >= 4:
             # Second step: feature i replaced by the drafter's prediction of it.
             mixed = torch.cat([features[:1], predicted], dim=0)
             again = draft_states(drafter, tokens, mixed)[1:]
-            hits2 += int((target.lm_head(again).argmax(-1) == wanted[2:]).sum())
+            hits2 += int((F.linear(again, head).argmax(-1) == wanted[2:]).sum())
             count2 += again.shape[0]
     return {"top1_step1": hits1 / max(count1, 1), "top1_step2": hits2 / max(count2, 1)}
 
@@ -268,7 +275,7 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
         step, history = state["step"], state["history"]
         log(f"resuming from step {step}/{total}")
     generator = torch.Generator().manual_seed(cfg.seed + step)
-    std = feature_std(train_set)
+    std = feature_std(target, train_set)
     started = time.perf_counter()
     tokens_seen = 0
     bar = tqdm(total=total, initial=step, desc="training", unit="step")

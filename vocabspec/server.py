@@ -1,0 +1,300 @@
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (both with
+`stream: true` as server-sent events), /v1/models and /health, on FastAPI + uvicorn.
+
+One model has one KV cache, so generations run one at a time on a single worker thread;
+requests wait in a bounded queue (503 when it is full). A streaming client that disconnects
+cancels its generation at the next step. Requests are bounded in size, in max_tokens and in
+generation time. Every bad request gets a 400 with an OpenAI-style error body, and the server
+goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .api import LanguageModel
+from .generate import GenerationResult
+
+
+@dataclass
+class ServerLimits:
+    max_request_bytes: int = 1_000_000
+    max_tokens_cap: int = 2048          # largest max_tokens a request may ask for
+    default_max_tokens: int = 256
+    max_seconds: float = 300.0          # generation time per request
+    max_queue: int = 64                 # requests waiting or running
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+def _number(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (kind is int and not float(value).is_integer()):
+        raise BadRequest(f"'{name}' must be {'an integer' if kind is int else 'a number'}", name)
+    value = kind(value)
+    if value != value or (low is not None and (value <= low if low_open else value < low)) \
+            or (high is not None and value > high):
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise BadRequest(f"'{name}' must be in {bounds}, got {value}", name)
+    return value
+
+
+class Server:
+    def __init__(self, lm: LanguageModel, model_name: str, limits: ServerLimits | None = None):
+        self.lm = lm
+        self.model_name = model_name
+        self.limits = limits or ServerLimits()
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocabspec-gen")
+        self.waiting = 0
+        self.counts = {"served": 0, "cancelled": 0, "failed": 0}
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------ requests -> generation
+
+    def parse(self, body, chat: bool) -> tuple[list[int], dict]:
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        model = body.get("model", self.model_name)
+        if model != self.model_name:
+            raise BadRequest(f"unknown model {model!r}; this server serves {self.model_name!r}",
+                             "model", status=404)
+        limits = self.limits
+        max_tokens = _number(body, "max_tokens", limits.default_max_tokens, int, 1, limits.max_tokens_cap)
+        if chat and "max_completion_tokens" in body:
+            max_tokens = _number(body, "max_completion_tokens", max_tokens, int, 1, limits.max_tokens_cap)
+        params = dict(
+            max_new_tokens=max_tokens,
+            temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0, low_open=True),
+            top_k=_number(body, "top_k", 0, int, 0, None),
+            seed=_number(body, "seed", None, int, None, None),
+        )
+        if _number(body, "n", 1, int, 1, 1) != 1:
+            raise BadRequest("only n=1 is supported", "n")
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and (not isinstance(stop, list) or len(stop) > 4
+                                 or not all(isinstance(s, str) and s for s in stop)):
+            raise BadRequest("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+        params["stop"] = tuple(stop or ())
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                    and isinstance(m.get("content"), str) for m in messages):
+                raise BadRequest("'messages' must be a non-empty list of {role, content} objects "
+                                 "with role system, user or assistant and string content", "messages")
+            if not any(m["content"].strip() for m in messages):
+                raise BadRequest("the messages are empty", "messages")
+            if not self.lm.tokenizer.chat_template:
+                raise BadRequest(f"{self.model_name} is a base model without a chat template: "
+                                 "use /v1/completions", "messages")
+            ids = self.lm.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]}
+                                                 for m in messages])
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                raise BadRequest("'prompt' must be a string", "prompt")
+            if not prompt.strip():
+                raise BadRequest("the prompt is empty", "prompt")
+            ids = self.lm.tokenizer.encode(prompt)
+        try:
+            config = self.lm._config(**params)
+            self.lm.engine.check_prompt(ids, config)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "prompt" if "prompt" in str(exc) else None) from exc
+        return ids, params
+
+    def admit(self) -> None:
+        with self.lock:
+            if self.waiting >= self.limits.max_queue:
+                raise BadRequest("the server is busy; try again later", status=503)
+            self.waiting += 1
+
+    def release(self, result: GenerationResult | None) -> None:
+        with self.lock:
+            self.waiting -= 1
+            if result is None:
+                self.counts["failed"] += 1
+            elif result.stop_reason == "cancelled":
+                self.counts["cancelled"] += 1
+            else:
+                self.counts["served"] += 1
+
+    def run(self, ids, params, cancel: threading.Event, on_piece=None) -> GenerationResult:
+        """Blocking: runs on the worker thread."""
+        config = self.lm._config(**params, cancel=cancel,
+                                 deadline=time.monotonic() + self.limits.max_seconds)
+        generation = self.lm.engine.stream(ids, config)
+        for piece in generation:
+            if on_piece is not None:
+                on_piece(piece)
+        return generation.result
+
+    # ------------------------------------------------------------ responses
+
+    def usage(self, result: GenerationResult) -> dict:
+        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.new_tokens,
+                "total_tokens": result.prompt_tokens + result.new_tokens,
+                "speculative": {"mean_accept_len": round(result.mean_accept_len, 3),
+                                "steps": len(result.steps),
+                                "tokens_per_s": round(result.tokens_per_s, 2)}}
+
+    @staticmethod
+    def finish_reason(result: GenerationResult) -> str:
+        return "length" if result.stop_reason in ("length", "time") else "stop"
+
+    def body(self, chat: bool, rid: str, created: int, text: str | None, result=None, delta=None) -> dict:
+        kind = "chat.completion" if chat else "text_completion"
+        if delta is not None:
+            kind += ".chunk" if chat else ""
+        choice: dict = {"index": 0, "finish_reason": self.finish_reason(result) if result else None}
+        if chat:
+            if delta is not None:
+                choice["delta"] = delta
+            else:
+                choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text if text is not None else ""
+            choice["logprobs"] = None
+        out = {"id": rid, "object": kind, "created": created, "model": self.model_name,
+               "choices": [choice]}
+        if result is not None:
+            out["usage"] = self.usage(result)
+        return out
+
+
+def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None = None):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    server = Server(lm, model_name, limits)
+    app = FastAPI(title="vocabspec", version="0.1")
+    app.state.server = server
+
+    def error(exc: BadRequest) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status < 500 else "server_busy"
+        return JSONResponse({"error": {"message": exc.message, "type": kind, "param": exc.param,
+                                       "code": None}}, status_code=exc.status)
+
+    async def read_json(request: Request):
+        raw = await request.body()
+        if len(raw) > server.limits.max_request_bytes:
+            raise BadRequest(f"request body over {server.limits.max_request_bytes} bytes", status=413)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest("the request body is not valid UTF-8")
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise BadRequest(f"the request body is not valid JSON ({exc})")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "waiting": server.waiting, **server.counts}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": 0, "owned_by": "vocabspec"}]}
+
+    async def complete(request: Request, chat: bool):
+        try:
+            body = await read_json(request)
+            ids, params = server.parse(body, chat)
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise BadRequest("'stream' must be true or false", "stream")
+            server.admit()
+        except BadRequest as exc:
+            return error(exc)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        cancel = threading.Event()
+        loop = asyncio.get_running_loop()
+        if not stream:
+            result = None
+            try:
+                result = await loop.run_in_executor(server.worker, server.run, ids, params, cancel)
+            except Exception as exc:  # keep serving whatever one generation does
+                return error(BadRequest(f"generation failed: {exc}", status=500))
+            finally:
+                server.release(result)
+            return server.body(chat, rid, created, result.text, result)
+
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_piece(piece: str):
+            loop.call_soon_threadsafe(queue.put_nowait, ("piece", piece))
+
+        def work():
+            result = None
+            try:
+                result = server.run(ids, params, cancel, on_piece)
+                loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
+            except Exception as exc:
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", str(exc)))
+            finally:
+                server.release(result)
+
+        future = loop.run_in_executor(server.worker, work)
+
+        async def events():
+            try:
+                if chat:
+                    first = server.body(chat, rid, created, None, delta={"role": "assistant", "content": ""})
+                    yield f"data: {json.dumps(first)}\n\n"
+                while True:
+                    kind, value = await queue.get()
+                    if kind == "piece":
+                        delta = {"content": value} if chat else None
+                        chunk = server.body(chat, rid, created, value, delta=delta) if chat else \
+                            server.body(chat, rid, created, value, delta={})
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                    elif kind == "done":
+                        final = server.body(chat, rid, created, "", value, delta={})
+                        yield f"data: {json.dumps(final)}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                    else:
+                        yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
+                        return
+            finally:
+                cancel.set()   # a client that went away stops its generation at the next step
+                await asyncio.shield(future)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    return app
+
+
+def serve(lm: LanguageModel, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          limits: ServerLimits | None = None) -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(lm, model_name, limits), host=host, port=port, log_level="info")
