@@ -27,6 +27,16 @@ def run_cli(*args, timeout=300):
     (["generate", "hi", "--dtype", "float64"], "invalid choice"),
     (["generate", "hi", "--model", "/no/such/model.gguf"], "neither a bundled name"),
     (["generate", "hi", "--model", "llama9"], "neither a bundled name"),
+    (["generate", "hi", "--draft-vocab", "fr:lots"], "draft vocabulary size"),
+    (["generate", "hi", "--draft-vocab", "huge:3"], "unknown draft vocabulary"),
+    (["generate", "hi", "--draft", "pld", "--draft-vocab", "fr:32k"], "EAGLE drafter only"),
+    (["generate", "hi", "--draft", "eagle", "--draft-vocab", "fr:8k", "--token-map", "/no/map.pt"],
+     "token map"),
+    (["generate", "hi", "--total-tokens", "many"], "positive integer or 'auto'"),
+    (["bench", "--methods", "vanilla,warp9"], "unknown method"),
+    (["bench", "--questions", "/no/questions.jsonl", "--methods", "vanilla"], "does not exist"),
+    (["train", "--stages", "data,bake"], "unknown stage"),
+    (["vocab", "--source", "files", "--out", "/tmp/x.pt"], "--files"),
 ])
 def test_bad_arguments_fail_cleanly(args, message):
     proc = run_cli(*args)

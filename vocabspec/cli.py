@@ -133,7 +133,53 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tree-top-k", type=_positive_int, default=10)
     bench.add_argument("--total-tokens", type=_total_tokens, default="auto")
     bench.add_argument("--no-warmup", action="store_true")
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming)")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=_positive_int, default=8000)
+    serve.add_argument("--max-tokens-cap", type=_positive_int, default=2048,
+                       help="largest max_tokens a request may ask for")
+    serve.add_argument("--max-seconds", type=_float, default=300.0, help="generation time per request")
+    serve.add_argument("--max-queue", type=_positive_int, default=64, help="requests waiting or running")
+
+    export = sub.add_parser("export", help="write the drafter (EAGLE/SGLang layout) and the draft "
+                                           "vocabulary (SGLang token map, EAGLE-3 d2t/t2d)")
+    export.add_argument("--model", default="smollm2")
+    export.add_argument("--draft-path", default=None, help="drafter directory (default: bundled)")
+    export.add_argument("--draft-vocab", default=None, help="fr:N or trim:N to export as a token map")
+    export.add_argument("--token-map", default=None, help="token map file to cut fr:N/trim:N from")
+    export.add_argument("--out", required=True, help="output directory")
     return parser
+
+
+def cmd_serve(args) -> int:
+    import torch
+
+    from .api import load
+    from .server import ServerLimits, serve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load(args.model, draft=args.draft, draft_path=args.draft_path, dtype=args.dtype,
+              device=args.device, max_seq_len=args.max_seq_len, depth=args.depth,
+              tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
+              draft_vocab=args.draft_vocab, token_map=args.token_map, ranker=args.ranker,
+              log=lambda message: print(message, file=sys.stderr))
+    limits = ServerLimits(max_tokens_cap=args.max_tokens_cap, max_seconds=args.max_seconds,
+                          max_queue=args.max_queue)
+    serve(lm, args.model, host=args.host, port=args.port, limits=limits)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .export import export
+
+    written = export(args.model, args.out, draft_path=args.draft_path, draft_vocab=args.draft_vocab,
+                     token_map=args.token_map)
+    for path in written:
+        print(path)
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -290,7 +336,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "train": cmd_train, "vocab": cmd_vocab, "ranker": cmd_ranker, "bench": cmd_bench}
+COMMANDS = {"generate": cmd_generate, "train": cmd_train, "vocab": cmd_vocab, "ranker": cmd_ranker, "bench": cmd_bench,
+            "serve": cmd_serve, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

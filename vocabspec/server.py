@@ -8,7 +8,6 @@ generation time. Every bad request gets a 400 with an OpenAI-style error body, a
 goes on serving.
 """
 
-from __future__ import annotations
 
 import asyncio
 import json

@@ -1,0 +1,56 @@
+"""The benchmark's CI smoke run: two questions per Spec-Bench category, short outputs, every
+kind of method, greedy (losslessness checked against vanilla in the same run) and sampled."""
+
+import json
+
+import pytest
+
+from vocabspec.bench import copy_fraction, load_questions, parse_method
+from vocabspec.cli import main
+
+from conftest import SPEC_BENCH
+
+
+def test_parse_method():
+    assert parse_method("vanilla") == ("none", "full")
+    assert parse_method("eagle2+fr:32k") == ("eagle", "fr:32k")
+    with pytest.raises(ValueError):
+        parse_method("eagle2+fr:")
+
+
+def test_copy_fraction():
+    assert copy_fraction([1, 2, 3, 4, 5], [1, 2, 3, 4, 9, 9, 9, 9]) == pytest.approx(1 / 5)
+    assert copy_fraction([1, 2, 3, 4], [7, 8]) == 0.0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_bench_smoke(tmp_path, temperature):
+    if not SPEC_BENCH.exists():
+        pytest.skip("Spec-Bench questions not found")
+    assert len(load_questions(SPEC_BENCH, 2)) == 26
+    out = tmp_path / "bench"
+    methods = "vanilla,pld,eagle2,eagle2+fr:8k,eagle2+spec:512" if temperature == 0 else "vanilla,eagle2+fr:8k"
+    code = main(["bench", "--questions", str(SPEC_BENCH), "--model", "smollm2", "--methods", methods,
+                 "--per-category", "2" if temperature == 0 else "1", "--max-new-tokens", "6",
+                 "--depth", "3", "--tree-top-k", "4", "--total-tokens", "12",
+                 "--temperature", str(temperature), "--out", str(out)])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    names = methods.split(",")
+    assert list(summary["methods"]) == names
+    assert len(summary["categories"]) == 13
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == summary["questions"] * len(names)
+    for record in answers:
+        choice = record["choices"][0]
+        assert len(choice["turns"]) == len(choice["new_tokens"]) == len(choice["wall_time"]) \
+            == len(choice["accept_lengths"])
+    for name in names[1:]:
+        overall = summary["methods"][name]["categories"]["overall"]
+        assert overall["tokens"] > 0 and overall["speedup"] > 0
+        if temperature == 0:
+            assert summary["methods"][name]["mismatched_questions"] == []
+    assert summary["methods"]["vanilla"]["categories"]["overall"]["tau"] == pytest.approx(1.0)
+    assert (out / "speedup.png").stat().st_size > 1000
+    assert (out / "draft_breakdown.png").stat().st_size > 1000
+    assert "| overall |" in (out / "report.md").read_text()

@@ -1,0 +1,55 @@
+"""`vocabspec export` writes what SGLang / vLLM read: the EAGLE checkpoint layout and the token
+map (SGLang list, EAGLE-3 d2t/t2d); the files are read back and checked key by key."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vocabspec.cli import main
+from vocabspec.drafter import EagleDrafter
+from vocabspec.token_map import load_token_map, save_token_map
+
+EAGLE_KEYS = {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+              "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
+              "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight",
+              "layers.0.mlp.down_proj.weight", "layers.0.post_attention_layernorm.weight"}
+
+
+def test_export_round_trip(smollm2, tmp_path, capsys):
+    model = smollm2.model
+    drafter = EagleDrafter.random(model, seed=4)
+    drafter.save(tmp_path / "drafter")
+    ranked = torch.randperm(model.args.vocab_size)[:5000].tolist()
+    save_token_map(ranked, tmp_path / "map.pt")
+    out = tmp_path / "export"
+    assert main(["export", "--model", "smollm2", "--draft-path", str(tmp_path / "drafter"),
+                 "--draft-vocab", "fr:4096", "--token-map", str(tmp_path / "map.pt"),
+                 "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    a = model.args
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 1
+    assert (config["hidden_size"], config["vocab_size"], config["num_key_value_heads"]) == \
+        (a.dim, a.vocab_size, a.n_kv_heads)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == EAGLE_KEYS          # no input norm on layer 0, as EAGLE-1/2
+    assert tensors["fc.weight"].shape == (a.dim, 2 * a.dim)
+    assert tensors["layers.0.self_attn.k_proj.weight"].shape == (a.n_kv_heads * a.head_dim, a.dim)
+    assert torch.equal(tensors["fc.weight"], drafter.fc.weight)
+    # The exported drafter loads back and drafts the same.
+    again = EagleDrafter.load(out, model)
+    assert torch.equal(again.layer.mlp.w_down.weight, drafter.layer.mlp.w_down.weight)
+    # Token map: SGLang's list of the 4096 most frequent, and EAGLE-3's d2t/t2d.
+    token_map = torch.load(out / "token_map.pt")
+    assert isinstance(token_map, list) and token_map == ranked[:4096]
+    d2t = load_file(str(out / "d2t_t2d.safetensors"))
+    assert d2t["d2t"].shape == (4096,) and d2t["t2d"].shape == (a.vocab_size,)
+    assert d2t["t2d"].sum() == 4096
+    assert load_token_map(out / "d2t_t2d.safetensors").tolist() == sorted(ranked[:4096])
+
+
+def test_export_refuses_spec_vocab_and_bad_paths(tmp_path, capsys):
+    assert main(["export", "--model", "smollm2", "--draft-path", str(tmp_path / "nope"),
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "missing config.json" in capsys.readouterr().err

@@ -1,0 +1,169 @@
+"""The OpenAI-compatible server, for real on loopback: streaming, bad input (a 4xx each, and the
+server keeps serving), a disconnecting client cancels its generation, and a load test (8
+concurrent clients, 200 requests) with no failure, bounded memory and greedy results identical
+to single-client runs."""
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+import vocabspec
+from vocabspec.server import ServerLimits, create_app
+
+PROMPTS = ["Name a colour.", "What is 2 + 2?", "Say hi.", "Name a fruit.", "Write one word."]
+
+
+def rss_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    import uvicorn
+
+    lm = vocabspec.load("smollm2", draft="pld", max_seq_len=1024)
+    app = create_app(lm, "smollm2", ServerLimits(max_tokens_cap=256, max_seconds=60, max_queue=64))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield base, lm, app
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+def chat(base, content, **extra):
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": content}],
+            "max_tokens": 6, "temperature": 0, **extra}
+    return httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+
+
+def test_models_health_and_completion(server):
+    base, lm, _ = server
+    assert httpx.get(base + "/v1/models").json()["data"][0]["id"] == "smollm2"
+    response = chat(base, "Say hi.")
+    assert response.status_code == 200
+    data = response.json()
+    expected = lm.generate("Say hi.", chat=True, max_new_tokens=6)
+    assert data["choices"][0]["message"]["content"] == expected.text
+    usage = data["usage"]
+    assert usage["completion_tokens"] == expected.new_tokens
+    assert usage["speculative"]["steps"] >= 1 and usage["speculative"]["mean_accept_len"] >= 1
+    text = httpx.post(base + "/v1/completions", json={"prompt": "The capital of France is",
+                                                      "max_tokens": 5, "temperature": 0}, timeout=60)
+    assert text.status_code == 200 and text.json()["choices"][0]["text"]
+
+
+def test_streaming_matches_non_streaming(server):
+    base, lm, _ = server
+    body = {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 12,
+            "temperature": 0, "stream": True}
+    pieces, final = [], None
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            pieces.append(chunk["choices"][0]["delta"].get("content", ""))
+            if chunk.get("usage"):
+                final = chunk
+    assert "".join(pieces) == lm.generate("Name a fruit.", chat=True, max_new_tokens=12).text
+    assert final["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+BAD_REQUESTS = {
+    "empty prompt": ("/v1/completions", {"prompt": "   "}),
+    "prompt over the context window": ("/v1/completions", {"prompt": "word " * 3000}),
+    "max_tokens 0": ("/v1/completions", {"prompt": "hi", "max_tokens": 0}),
+    "max_tokens absurd": ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}),
+    "temperature < 0": ("/v1/completions", {"prompt": "hi", "temperature": -0.5}),
+    "top_p 0": ("/v1/completions", {"prompt": "hi", "top_p": 0}),
+    "top_p > 1": ("/v1/completions", {"prompt": "hi", "top_p": 1.5}),
+    "unknown model": ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}),
+    "prompt wrong type": ("/v1/completions", {"prompt": 42}),
+    "max_tokens wrong type": ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}),
+    "stream wrong type": ("/v1/completions", {"prompt": "hi", "stream": "yes"}),
+    "messages missing": ("/v1/chat/completions", {"prompt": "hi"}),
+    "message without content": ("/v1/chat/completions", {"messages": [{"role": "user"}]}),
+    "bad role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+    "body not an object": ("/v1/completions", [1, 2, 3]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_requests_get_4xx_and_server_keeps_serving(server, case):
+    base, _, _ = server
+    path, body = BAD_REQUESTS[case]
+    response = httpx.post(base + path, json=body, timeout=60)
+    assert 400 <= response.status_code < 500, (case, response.status_code, response.text)
+    assert response.json()["error"]["message"]
+    assert chat(base, "Say hi.").status_code == 200
+
+
+def test_malformed_json_and_invalid_utf8(server):
+    base, _, _ = server
+    for raw in (b'{"prompt": "hi", ', b'\xff\xfe{"prompt": "hi"}'):
+        response = httpx.post(base + "/v1/completions", content=raw,
+                              headers={"content-type": "application/json"}, timeout=30)
+        assert response.status_code == 400
+        assert response.json()["error"]["message"]
+    assert chat(base, "Say hi.").status_code == 200
+
+
+def test_disconnecting_client_cancels_generation(server):
+    base, _, app = server
+    before = app.state.server.counts["cancelled"]
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break          # one chunk, then hang up
+    for _ in range(100):
+        if app.state.server.counts["cancelled"] > before:
+            break
+        time.sleep(0.1)
+    assert app.state.server.counts["cancelled"] == before + 1
+    assert chat(base, "Say hi.").status_code == 200
+
+
+def test_load_8_clients_200_requests(server):
+    base, lm, _ = server
+    expected = {p: lm.generate(p, chat=True, max_new_tokens=4).text for p in PROMPTS}
+    rss_before = rss_mb()
+
+    def one(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        response = chat(base, prompt, max_tokens=4)
+        return prompt, response.status_code, response.json()
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(one, range(200)))
+    elapsed = time.perf_counter() - started
+    failures = [(p, s) for p, s, _ in results if s != 200]
+    assert not failures, failures[:5]
+    wrong = [p for p, _, data in results if data["choices"][0]["message"]["content"] != expected[p]]
+    assert not wrong, f"{len(wrong)} results differ from single-client runs"
+    assert elapsed < 300
+    assert rss_mb() - rss_before < 300, "memory grew under load"
+    assert httpx.get(base + "/health").json()["waiting"] == 0

@@ -1,0 +1,62 @@
+"""Carrying a drafter and its draft vocabulary to a distributed serving engine.
+
+Writes, in one directory:
+- config.json + model.safetensors: the drafter in the EAGLE-1/2 checkpoint layout that SGLang
+  (--speculative-algorithm EAGLE --speculative-draft-model-path DIR) and vLLM (method "eagle")
+  read: fc.weight/fc.bias and layers.0.* in Hugging Face names, no input norm on layer 0,
+  features taken after the target's final norm.
+- token_map.pt: the static draft vocabulary as SGLang's --speculative-token-map (a torch-saved
+  list of target token ids, most frequent first).
+- d2t_t2d.safetensors: the same vocabulary as EAGLE-3's d2t / t2d tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def export(model: str, out: str | Path, draft_path: str | None = None, draft_vocab: str | None = None,
+           token_map: str | None = None) -> list[Path]:
+    from .api import bundled_drafter_dir
+    from .draft_vocab import parse_draft_vocab
+    from .drafter import EagleDrafter
+    from .loading import load_model
+    from .token_map import load_token_map, save_eagle3, save_token_map
+
+    target, _ = load_model(model, max_seq_len=64)
+    source = Path(draft_path) if draft_path else bundled_drafter_dir(model)
+    if source is None:
+        raise ValueError(f"no drafter bundled for {model!r}: pass --draft-path")
+    drafter = EagleDrafter.load(source, target)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights_dtype = next(iter(_tensors(source).values())).dtype
+    drafter.to(weights_dtype).save(out)
+    config = json.loads((out / "config.json").read_text())
+    config["torch_dtype"] = str(weights_dtype).replace("torch.", "")
+    config["tie_word_embeddings"] = True
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    written = [out / "config.json", out / "model.safetensors"]
+    if draft_vocab:
+        kind, size = parse_draft_vocab(draft_vocab)
+        if kind not in ("fr", "trim"):
+            raise ValueError(f"--draft-vocab {draft_vocab}: only static vocabularies (fr:N, trim:N) "
+                             "have a token map; SGLang and vLLM have no SpecVocab ranker")
+        path = Path(token_map) if token_map else source / f"token_map_{kind}.pt"
+        ids = load_token_map(path, target.args.vocab_size)
+        if size > ids.numel():
+            raise ValueError(f"token map {path} ranks only {ids.numel()} tokens, {size} asked for")
+        ids = ids[:size]
+        save_token_map(ids, out / "token_map.pt")
+        save_eagle3(ids, target.args.vocab_size, out / "d2t_t2d.safetensors")
+        written += [out / "token_map.pt", out / "d2t_t2d.safetensors"]
+    return written
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
