@@ -245,6 +245,21 @@ def evaluate(drafter: EagleDrafter, heldout, limit: int = 48) -> dict:
     return {"top1_step1": hits1 / max(count1, 1), "top1_step2": hits2 / max(count2, 1)}
 
 
+def _scale_fc_to_inputs(drafter: EagleDrafter, feature_std: torch.Tensor) -> None:
+    """Data-dependent start: divide fc's input columns by each input dimension's std.
+
+    Token embeddings are much smaller than the features (SmolLM2: std 0.14 vs 2.0), so with a
+    plain random start the new token barely reaches the layer and takes many steps to be heard.
+    Rescaling the weights (not the inputs) keeps EAGLE's architecture and checkpoint layout."""
+    target = drafter.target
+    with torch.no_grad():
+        ids = torch.arange(0, target.args.vocab_size, max(1, target.args.vocab_size // 8192),
+                           device=target.device)
+        embed_std = target.embed_tokens(ids).float().std(0).clamp_min(1e-4)
+        scale = torch.cat([1 / embed_std, 1 / feature_std]).to(drafter.fc.weight)
+        drafter.fc.weight.mul_(scale[None, :])
+
+
 def _lr(step: int, total: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -259,7 +274,9 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
     if not train_set:
         raise ValueError(f"no training features under {out / 'features'}: run the features stage")
     torch.manual_seed(cfg.seed)
+    std = feature_std(target, train_set)
     drafter = EagleDrafter.random(target, seed=cfg.seed).float().train().requires_grad_(True)
+    _scale_fc_to_inputs(drafter, std)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(len(train_set) / cfg.accumulate)
@@ -275,7 +292,6 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
         step, history = state["step"], state["history"]
         log(f"resuming from step {step}/{total}")
     generator = torch.Generator().manual_seed(cfg.seed + step)
-    std = feature_std(target, train_set)
     started = time.perf_counter()
     tokens_seen = 0
     bar = tqdm(total=total, initial=step, desc="training", unit="step")
