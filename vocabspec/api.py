@@ -104,11 +104,11 @@ def make_proposer(model, draft: str, draft_path: str | None, model_name: str,
         files = Path(path)
     head = make_draft_vocab(draft_vocab, model.embed.weight, files, token_map, ranker)
     if total_tokens == "auto":
-        from .autotune import choose_total_tokens
+        from .autotune import choose_tree
 
         if tokenizer is None:
             raise ValueError("total_tokens='auto' needs the model's tokenizer")
-        total_tokens = choose_total_tokens(model, drafter, head, tokenizer, depth=depth, top_k=top_k,
+        depth, total_tokens = choose_tree(model, drafter, head, tokenizer, depth=depth, top_k=top_k,
                                            key=f"{model_name}|{_weights_key(path)}|{draft_vocab}",
                                            log=log)
     elif isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 1:
@@ -124,8 +124,8 @@ def load(model: str = "smollm2", draft: str = "none", draft_path: str | None = N
     """Load a target model with an optional proposer.
 
     draft: none | eagle | pld. draft_vocab (EAGLE only): full | fr:N | trim:N | spec:K.
-    total_tokens: drafted tokens verified per step, or "auto" to choose it by timing the
-    target on this machine (cached per machine and model).
+    total_tokens: drafted tokens verified per step, or "auto" to choose it and the depth (at
+    most `depth`) by timing the target and drafter on this machine (cached per machine and model).
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")

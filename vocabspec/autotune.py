@@ -1,10 +1,11 @@
-"""Choosing the draft tree size (`total_tokens`) for this machine, model and drafter.
+"""Choosing the draft tree's size for this machine, model and drafter: `total_tokens` and `depth`.
 
 On a GPU verifying 60 tokens costs about as much as verifying one; on a CPU the target's
-forward grows with the tree, so the best tree is much smaller and machine-dependent. We
-measure both sides once and maximise expected tokens per second:
+forward grows with the tree, and each drafting level costs a drafter layer plus an LM head, so
+the best tree is much smaller and machine-dependent. We measure both sides once and maximise
+expected tokens per second over depth d (up to the one asked for) and size m:
 
-    speed(m) = tau(m) / (draft_seconds + forward_seconds(m + 1))
+    speed(d, m) = tau(d, m) / (draft_seconds(d) + forward_seconds(m + 1))
 
 tau(m) comes from one calibration run with a large tree: the tree of the best m nodes is
 exactly the nodes of value rank < m, and greedy verification follows the same path through
@@ -24,6 +25,7 @@ import time
 import torch
 
 CANDIDATE_SIZES = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+CANDIDATE_DEPTHS = (1, 2, 3, 4, 6)
 CALIBRATION_QUESTIONS = (
     "Write a short paragraph about why people enjoy walking in the mountains.",
     "Explain how a bicycle's gears make it easier to ride uphill.",
@@ -64,27 +66,32 @@ def forward_seconds(model, sizes, context: int = 256, repeats: int = 3) -> dict[
 
 
 def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
-              max_new_tokens: int = 48) -> dict:
+              max_new_tokens: int = 40) -> dict:
     from .drafter import EagleProposer
     from .generate import Engine, GenerationConfig
     from .prompts import encode_conversation
 
     largest = max(CANDIDATE_SIZES)
-    proposer = EagleProposer(drafter, head=head, depth=depth, top_k=top_k, total_tokens=largest)
-    engine = Engine(model, tokenizer, proposer)
-    steps = []
-    for question in CALIBRATION_QUESTIONS:
-        ids = encode_conversation(tokenizer, [("user", question)], answer_open=True)
-        steps += engine.generate(ids, GenerationConfig(max_new_tokens=max_new_tokens)).steps
-    draft = statistics.median(s.draft_seconds for s in steps)
     forwards = forward_seconds(model, CANDIDATE_SIZES)
-    table = {}
-    for m in CANDIDATE_SIZES:
-        tau = sum(accept_length_at(s.path_ranks, m) for s in steps) / len(steps)
-        table[m] = {"tau": round(tau, 3), "forward_s": round(forwards[m], 5),
-                    "tokens_per_s": round(tau / (draft + forwards[m]), 2)}
-    best = max(table, key=lambda m: table[m]["tokens_per_s"])
-    return {"total_tokens": best, "draft_s": round(draft, 5), "table": table, "steps": len(steps)}
+    prompts = [encode_conversation(tokenizer, [("user", q)], answer_open=True)
+               for q in CALIBRATION_QUESTIONS]
+    table, best = {}, None
+    for d in sorted({c for c in CANDIDATE_DEPTHS if c <= depth} | {depth}):
+        proposer = EagleProposer(drafter, head=head, depth=d, top_k=top_k, total_tokens=largest)
+        engine = Engine(model, tokenizer, proposer)
+        engine.generate(prompts[0], GenerationConfig(max_new_tokens=4))   # warm-up
+        steps = []
+        for ids in prompts:
+            steps += engine.generate(ids, GenerationConfig(max_new_tokens=max_new_tokens)).steps
+        draft = statistics.median(s.draft_seconds for s in steps)
+        for m in CANDIDATE_SIZES:
+            tau = sum(accept_length_at(s.path_ranks, m) for s in steps) / len(steps)
+            row = {"depth": d, "total_tokens": m, "tau": round(tau, 3), "draft_s": round(draft, 5),
+                   "forward_s": round(forwards[m], 5), "tokens_per_s": round(tau / (draft + forwards[m]), 2)}
+            table[f"{d}/{m}"] = row
+            if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
+                best = row
+    return {"depth": best["depth"], "total_tokens": best["total_tokens"], "table": table}
 
 
 def _cache_key(model, key: str) -> str:
@@ -93,8 +100,9 @@ def _cache_key(model, key: str) -> str:
                      str(os.cpu_count())])
 
 
-def choose_total_tokens(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
-                        log=None) -> int:
+def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
+                log=None) -> tuple[int, int]:
+    """(depth, total_tokens) for this machine; depth at most the one given."""
     from .loading import cache_dir
 
     path = cache_dir() / "autotune.json"
@@ -102,7 +110,7 @@ def choose_total_tokens(model, drafter, head, tokenizer, depth: int, top_k: int,
         known = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):
         known = {}
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}")
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v2")
     if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
@@ -110,4 +118,5 @@ def choose_total_tokens(model, drafter, head, tokenizer, depth: int, top_k: int,
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(known, indent=1))
         tmp.replace(path)
-    return int(known[full_key]["total_tokens"])
+    chosen = known[full_key]
+    return int(chosen["depth"]), int(chosen["total_tokens"])

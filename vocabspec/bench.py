@@ -5,7 +5,8 @@ target model. Each speculative method's greedy output is compared token by token
 vanilla decoding's in the same run; mismatches are counted and reported.
 
 Method names: vanilla, pld, eagle2 (full vocabulary), eagle2+fr:32k, eagle2+trim:32k,
-eagle2+spec:2048 (any size after the colon).
+eagle2+spec:2048 (any size after the colon); a suffix @DEPTHxTOKENS fixes the tree
+(eagle2@6x60), otherwise the tree is the one chosen for this machine (--total-tokens auto).
 
 Output directory: answers.jsonl (Spec-Bench's fields), summary.json, report.md (tables per
 category), speedup.png and draft_breakdown.png.
@@ -48,8 +49,20 @@ class BenchConfig:
     warmup: bool = True
 
 
+def parse_tree(name: str) -> tuple[str, tuple[int, int] | None]:
+    """'eagle2+fr:32k@6x60' -> ('eagle2+fr:32k', (6, 60)): a fixed depth and tree size."""
+    base, at, tree = name.partition("@")
+    if not at:
+        return name, None
+    depth, x, total = tree.partition("x")
+    if not (x and depth.isdigit() and total.isdigit() and int(total) > 0):
+        raise ValueError(f"method {name!r}: write a fixed tree as @DEPTHxTOKENS, e.g. eagle2@6x60")
+    return base, (int(depth), int(total))
+
+
 def parse_method(name: str) -> tuple[str, str]:
     """-> (draft, draft_vocab)."""
+    name, _ = parse_tree(name)
     if name in ("vanilla", "none"):
         return "none", "full"
     if name == "pld":
@@ -112,15 +125,16 @@ def build_methods(cfg: BenchConfig, log=print):
     from .loading import load_model
     from .tokenizer import load_tokenizer
 
-    parsed = [(m, *parse_method(m)) for m in cfg.methods]
+    parsed = [(m, *parse_method(m), parse_tree(m)[1]) for m in cfg.methods]
     target, path = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
     tokenizer = load_tokenizer(path)
     runs = []
-    for name, draft, vocab in parsed:
-        proposer = make_proposer(target, draft, None, cfg.model, cfg.depth, cfg.tree_top_k,
-                                 cfg.total_tokens, vocab, tokenizer=tokenizer, log=log)
+    for name, draft, vocab, tree in parsed:
+        depth, total = tree if tree else (cfg.depth, cfg.total_tokens)
+        proposer = make_proposer(target, draft, None, cfg.model, depth, cfg.tree_top_k,
+                                 total, vocab, tokenizer=tokenizer, log=log)
         if proposer is not None and hasattr(proposer, "total_tokens"):
-            log(f"{name}: total_tokens={proposer.total_tokens}")
+            log(f"{name}: depth={proposer.depth}, total_tokens={proposer.total_tokens}")
         runs.append(MethodRun(name, Engine(target, tokenizer, proposer), vocab))
     return target, tokenizer, runs
 
@@ -230,6 +244,7 @@ def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
         if proposer is not None and hasattr(proposer, "time_breakdown"):
             entry["draft_breakdown_s"] = proposer.time_breakdown()
             entry["total_tokens"] = proposer.total_tokens
+            entry["depth"] = proposer.depth
             # VocabTrim's memory-bound speedup: tau / (c * gamma + 1), c = drafter/target
             # parameters read per draft step, gamma = draft forward steps per round.
             c = _drafter_params(run, target) / target_params
@@ -277,16 +292,17 @@ def report_markdown(summary: dict) -> str:
              f"(4-gram overlap) for {summary['vanilla_prompt_copy_fraction']:.1%} of its tokens.", ""]
     methods = summary["methods"]
     names = list(methods)
-    lines += ["## Overall", "", "| method | tau | tokens/s | speedup | tree size | MBSU | greedy mismatches |",
+    lines += ["## Overall", "", "| method | tau | tokens/s | speedup | tree depth/size | MBSU | greedy mismatches |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for name in names:
         entry = methods[name]
         row = entry["categories"]["overall"]
         mism = entry.get("mismatched_questions")
         mbsu = f"{entry['mbsu']:.2f}" if "mbsu" in entry else "-"
+        tree = f"{entry['depth']}/{entry['total_tokens']}" if "depth" in entry else "-"
         mism_text = "-" if mism is None else f"{len(mism)}" + (f" (questions {mism})" if mism else "")
         lines.append(f"| {name} | {row['tau']:.2f} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | "
-                     f"{entry.get('total_tokens', '-')} | {mbsu} | {mism_text} |")
+                     f"{tree} | {mbsu} | {mism_text} |")
     for metric, label in (("speedup", "speedup over vanilla"), ("tau", "tau (mean accepted length)"),
                           ("tokens_per_s", "tokens/s")):
         lines += ["", f"## {label} per category", "",

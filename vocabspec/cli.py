@@ -49,10 +49,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="proposer: none (vanilla), eagle (EAGLE-2 tree), pld (prompt lookup)")
     parser.add_argument("--draft-path", default=None,
                         help="EAGLE drafter directory ('random' for an untrained one)")
-    parser.add_argument("--depth", type=_non_negative_int, default=6, help="tree expansion steps")
+    parser.add_argument("--depth", type=_non_negative_int, default=6, help="tree expansion steps (with --total-tokens auto: the deepest tried)")
     parser.add_argument("--tree-top-k", type=_positive_int, default=10, help="children per expanded node")
     parser.add_argument("--total-tokens", type=_total_tokens, default="auto",
-                        help="drafted tokens verified per step, or 'auto' (timed on this machine)")
+                        help="drafted tokens verified per step, or 'auto': tree size and depth chosen by "
+                             "timing this machine")
     parser.add_argument("--draft-vocab", default="full",
                         help="drafter LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), spec:K (SpecVocab)")
     parser.add_argument("--token-map", default=None, help="token map file for fr:N / trim:N")
