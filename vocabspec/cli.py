@@ -255,6 +255,8 @@ def cmd_vocab(args) -> int:
 def cmd_ranker(args) -> int:
     from pathlib import Path
 
+    import torch
+
     from .api import bundled_drafter_dir
     from .drafter import EagleDrafter
     from .loading import load_model
@@ -274,15 +276,10 @@ def cmd_ranker(args) -> int:
     down, vocab, metrics = train_ranker(drafter, train_set, heldout, rank, epochs=args.epochs,
                                         max_sequences=args.sequences)
     out = Path(args.out) if args.out else Path(draft_path) / "ranker.safetensors"
-    save_ranker(down.to(torch_dtype()), vocab.to(torch_dtype()), out, meta=metrics)
+    save_ranker(down.to(torch.bfloat16), vocab.to(torch.bfloat16), out, meta=metrics)
     print(f"wrote {out}: {metrics}")
     return 0
 
-
-def torch_dtype():
-    import torch
-
-    return torch.bfloat16
 
 
 def cmd_train(args) -> int:

@@ -55,8 +55,9 @@ def load_ranker(path: str | Path, head_weight: torch.Tensor) -> tuple[torch.Tens
 
 
 def _teacher(target, features: torch.Tensor, candidates: torch.Tensor):
-    """Target distribution over its stored top candidates at each position."""
-    logits = torch.einsum("nd,nkd->nk", target.norm(features), target.embed.weight[candidates])
+    """Target distribution over its stored top candidates at each position (features are
+    already through the target's final norm)."""
+    logits = torch.einsum("nd,nkd->nk", features, target.embed.weight[candidates])
     return candidates, F.softmax(logits.float(), dim=-1)
 
 
@@ -100,8 +101,9 @@ def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: i
         for step in range(total):
             tokens, hidden, candidates = train_set[order[step % len(order)]]
             with torch.no_grad():
-                states = draft_states(drafter, tokens.long(), features_of(target, hidden))
-                ids, probs = _teacher(target, hidden[1:].float(), candidates[1:].long())
+                features = features_of(target, hidden)
+                states = draft_states(drafter, tokens.long(), features)
+                ids, probs = _teacher(target, features[1:], candidates[1:].long())
             for group in optimizer.param_groups:
                 group["lr"] = lr * (1 - step / total)
             scores = F.linear(F.linear(states, down), vocab)

@@ -263,9 +263,8 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
                 while True:
                     kind, value = await queue.get()
                     if kind == "piece":
-                        delta = {"content": value} if chat else None
-                        chunk = server.body(chat, rid, created, value, delta=delta) if chat else \
-                            server.body(chat, rid, created, value, delta={})
+                        chunk = server.body(chat, rid, created, value,
+                                            delta={"content": value} if chat else {})
                         yield f"data: {json.dumps(chunk)}\n\n"
                     elif kind == "done":
                         final = server.body(chat, rid, created, "", value, delta={})

@@ -4,7 +4,7 @@ FR-Spec ranks tokens by their frequency in a corpus (here the ShareGPT conversat
 target's own prompt format, plus any text files). VocabTrim ranks them by how often the target
 itself produces them: we count the target's greedy next-token choice at every position of the
 training conversations (teacher-forced generation, one token per context, already computed when
-the drafter's features were extracted) and, optionally, tokens of free-running generations.
+the drafter's features were extracted).
 Tokens never counted follow in corpus order, so a list of any length can be cut from it.
 
 Formats, both read and written:
@@ -72,17 +72,6 @@ def count_target_predictions(feature_dir: Path) -> Counter:
         shard = torch.load(path)
         for candidates in shard["candidates"]:
             counts.update(candidates[:, 0].tolist())
-    return counts
-
-
-def count_generated(lm, prompts: list, max_new_tokens: int, progress: bool = True) -> Counter:
-    """Tokens of the target's own greedy answers to `prompts` (VocabTrim's data)."""
-    from tqdm import tqdm
-
-    counts: Counter = Counter()
-    for prompt in tqdm(prompts, desc="generating", unit="prompt", disable=not progress):
-        result = lm.engine.generate(prompt, lm._config(max_new_tokens=max_new_tokens))
-        counts.update(result.tokens)
     return counts
 
 

@@ -352,15 +352,14 @@ def ship_dir(model_name: str) -> Path:
 
 def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = False,
         log=print) -> dict:
-    from .loading import load_model
+    from .loading import load_model, resolve_model_path
     from .tokenizer import load_tokenizer
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     report: dict = {"config": asdict(cfg)}
-    _, path = load_model(cfg.model, max_seq_len=cfg.max_len + 8)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model))
     t0 = time.perf_counter()
     split = prepare_sequences(cfg, tokenizer)
     report["train_sequences"] = len(split["train"])
