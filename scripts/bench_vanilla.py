@@ -1,5 +1,7 @@
 """Vanilla greedy decoding: vocabspec's lean model against transformers' `generate` on the same
 GGUF, both bundled models, both dtypes, measured side by side (interleaved) in one run.
+The lean model runs twice: with its packed oneDNN weights (the default) and with plain
+F.linear (VOCABSPEC_PACKED_LINEAR=0), which shows what the packing is worth.
 Also the engine's overhead with an untrained (random) EAGLE drafter, with its time breakdown.
 
     python scripts/bench_vanilla.py --new-tokens 64 --repeats 3
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -54,12 +57,17 @@ def bench_model(name, dtype_name, new_tokens, repeats, random_tree):
     spec = Engine(model, tokenizer, EagleProposer(EagleDrafter.random(model), **random_tree))
     lean.generate(ids, GenerationConfig(max_new_tokens=4))  # warm-up
     time_hf(ref, ids, 4)
-    rows = {"lean": [], "hf": [], "random_eagle": []}
-    same = True
+    rows = {"lean": [], "lean_plain": [], "hf": [], "random_eagle": []}
+    same = same_plain = True
     breakdown = None
     for _ in range(repeats):  # interleaved so drift hits all alike
         ours = lean.generate(ids, config)
         rows["lean"].append(ours.tokens_per_s)
+        os.environ["VOCABSPEC_PACKED_LINEAR"] = "0"
+        plain = lean.generate(ids, config)
+        os.environ.pop("VOCABSPEC_PACKED_LINEAR")
+        rows["lean_plain"].append(plain.tokens_per_s)
+        same_plain &= plain.tokens == ours.tokens
         hf_tokens, seconds = time_hf(ref, ids, new_tokens)
         rows["hf"].append(new_tokens / seconds)
         same &= hf_tokens == ours.tokens
@@ -71,10 +79,11 @@ def bench_model(name, dtype_name, new_tokens, repeats, random_tree):
                      "total_s": r.seconds, "mean_accept_len": r.mean_accept_len}
     med = {k: statistics.median(v) for k, v in rows.items()}
     return {"model": name, "dtype": dtype_name, "lean_tok_s": round(med["lean"], 2),
-            "hf_tok_s": round(med["hf"], 2), "lean_over_hf": round(med["lean"] / med["hf"], 3),
+            "lean_plain_tok_s": round(med["lean_plain"], 2), "hf_tok_s": round(med["hf"], 2), "lean_over_hf": round(med["lean"] / med["hf"], 3),
             "random_eagle_tok_s": round(med["random_eagle"], 2),
             "random_eagle_over_vanilla": round(med["random_eagle"] / med["lean"], 3),
-            "same_tokens_as_hf": same, "random_eagle_breakdown": breakdown}
+            "packed_over_plain": round(med["lean"] / med["lean_plain"], 3), "same_tokens_as_hf": same,
+            "same_tokens_packed_plain": same_plain, "random_eagle_breakdown": breakdown}
 
 
 def main():
@@ -97,12 +106,12 @@ def main():
     meta = {"date": str(date.today()), "machine": f"{platform.processor() or platform.machine()}, "
             f"{torch.get_num_threads()} threads, torch {torch.__version__}",
             "new_tokens": args.new_tokens, "repeats": args.repeats, "tree": tree}
-    print("\n| model | dtype | lean tok/s | transformers tok/s | lean / transformers | same tokens | "
+    print("\n| model | dtype | lean tok/s | lean, plain F.linear | transformers tok/s | lean / transformers | same tokens | "
           "random-drafter EAGLE tok/s | its ratio to vanilla | draft s / verify s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         b = r["random_eagle_breakdown"]
-        print(f"| {r['model']} | {r['dtype']} | {r['lean_tok_s']} | {r['hf_tok_s']} | "
+        print(f"| {r['model']} | {r['dtype']} | {r['lean_tok_s']} | {r['lean_plain_tok_s']} | {r['hf_tok_s']} | "
               f"{r['lean_over_hf']}x | {r['same_tokens_as_hf']} | {r['random_eagle_tok_s']} | "
               f"{r['random_eagle_over_vanilla']}x | {b['draft_s']:.2f} / {b['verify_s']:.2f} |")
     if args.out:

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from .linear import packing_enabled
+
 CANDIDATE_SIZES = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 CANDIDATE_DEPTHS = (1, 2, 3, 4, 6)
 CALIBRATION_QUESTIONS = (
@@ -95,7 +97,9 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
 
 
 def _cache_key(model, key: str) -> str:
+    # The matmul path changes every timing, so it is part of what the choice depends on.
     return "|".join([key, str(model.dtype), str(model.device), str(torch.get_num_threads()),
+                     "packed" if packing_enabled() else "plain",
                      torch.__version__, platform.processor() or platform.machine(),
                      str(os.cpu_count())])
 
@@ -110,7 +114,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
         known = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):
         known = {}
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v2")
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v3")
     if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .linear import linear
+
 
 class _Timed:
     """Accumulates wall time per phase; syncs an accelerator so the split is honest."""
@@ -56,7 +58,7 @@ class FullVocab(_Timed):
 
     def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
-        logits = F.linear(states, self.weight).float()
+        logits = linear(states, self.weight).float()
         return self._top(logits, k, self._tick("head", start))
 
 
@@ -80,7 +82,7 @@ class StaticSubset(_Timed):
 
     def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
-        logits = F.linear(states, self.weight).float()
+        logits = linear(states, self.weight).float()
         indices, log_probs = self._top(logits, k, self._tick("head", start))
         return self.draft_to_target[indices], log_probs
 
@@ -110,7 +112,7 @@ class SpecVocab(_Timed):
         """One shared candidate set for all rows of a tree level: the union of each row's
         best candidates/rows tokens by ranker score (so every row keeps its own top tokens),
         at most `candidates` ids, scored by the exact head in one matmul."""
-        scores = F.linear(F.linear(states, self.down), self.vocab)
+        scores = linear(linear(states, self.down), self.vocab)
         per_row = max(1, self.candidates // scores.shape[0])
         ids = torch.topk(scores, per_row, dim=-1).indices
         return ids[0] if ids.shape[0] == 1 else torch.unique(ids)

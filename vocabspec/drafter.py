@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .draft_vocab import FullVocab
 from .kv_cache import KVCache
+from .linear import Linear
 from .model import Block, ModelArgs, Transformer
 from .tree import DraftTree, TreeBuilder
 
@@ -54,7 +54,7 @@ class EagleDrafter(nn.Module):
         super().__init__()
         self.args = drafter_args(target.args)
         dim = self.args.dim
-        self.fc = nn.Linear(2 * dim, dim, bias=True)
+        self.fc = Linear(2 * dim, dim, bias=True)
         self.layer = Block(self.args, 0)
         # EAGLE-1/2 drafters (and SGLang's LlamaForCausalLMEagle) feed fc's output to attention
         # without the layer's input norm; keep that unless a checkpoint carries one.

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
+from .linear import Linear, linear
 
 
 @dataclass
@@ -88,8 +89,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.q_size = args.n_heads * args.head_dim
         self.kv_size = args.n_kv_heads * args.head_dim
-        self.wqkv = nn.Linear(args.dim, self.q_size + 2 * self.kv_size, bias=False)
-        self.wo = nn.Linear(self.q_size, args.dim, bias=False)
+        self.wqkv = Linear(args.dim, self.q_size + 2 * self.kv_size, bias=False)
+        self.wo = Linear(self.q_size, args.dim, bias=False)
         if args.arch == "gemma3":
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
@@ -121,8 +122,8 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.hidden = args.intermediate_size
-        self.w_gate_up = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
-        self.w_down = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w_gate_up = Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.w_down = Linear(args.intermediate_size, args.dim, bias=False)
         self.gemma = args.arch == "gemma3"
 
     def forward(self, x):
@@ -246,7 +247,7 @@ class Transformer(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from pre-norm hidden states (rows, dim) -> (rows, vocab), in float32."""
-        return F.linear(self.norm(hidden), self.embed.weight).float()
+        return linear(self.norm(hidden), self.embed.weight).float()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None,
