@@ -1,7 +1,8 @@
 """Greedy speculative decoding must emit exactly the tokens of vanilla decoding (same weights,
 float32, same device), for every proposer and every draft vocabulary, on a prompt from every
-Spec-Bench category: a random drafter, the trained (bundled) drafter with the full head,
-FR-Spec, VocabTrim and SpecVocab heads, and prompt lookup."""
+Spec-Bench category: a random drafter, the trained (bundled) drafter with the full head and
+prompt lookup on every category; the FR-Spec, VocabTrim and SpecVocab heads in turn, each on
+a third of the categories (a head changes what is drafted, never how it is verified)."""
 
 import pytest
 
@@ -38,13 +39,16 @@ def test_greedy_lossless_every_category(real_model):
     vanilla = Engine(real_model.model, real_model.tokenizer)
     speculative = {name: Engine(real_model.model, real_model.tokenizer, p)
                    for name, p in proposers(real_model).items()}
+    rotating = [name for name in speculative if name.startswith("eagle-trained-") and not name.endswith("full")]
     mismatches = []
     steps = []
-    for category, text in spec_bench_prompts():
+    for index, (category, text) in enumerate(spec_bench_prompts()):
         ids = real_model.prompt_ids(text[:1200])
         reference = vanilla.generate(ids, config).tokens
         assert len(reference) > 0
         for name, engine in speculative.items():
+            if name in rotating and rotating.index(name) != index % len(rotating):
+                continue
             out = engine.generate(ids, config)
             if out.tokens != reference:
                 mismatches.append((category, name))
@@ -65,3 +69,16 @@ def test_pld_accepts_on_repetitive_text(smollm2):
     ref = Engine(smollm2.model, smollm2.tokenizer).generate(ids, GenerationConfig(max_new_tokens=24))
     assert out.tokens == ref.tokens
     assert out.mean_accept_len > 1.5
+
+
+def test_stop_string_inside_a_multi_token_step(smollm2):
+    """A step that accepts several tokens must stop exactly where one-token decoding stops."""
+    ids = smollm2.tokenizer.encode("one two three four five six seven one two three four five six seven one two three")
+    config = GenerationConfig(max_new_tokens=24, stop=[" one"])
+    ref = Engine(smollm2.model, smollm2.tokenizer).generate(ids, config)
+    out = Engine(smollm2.model, smollm2.tokenizer, PromptLookupProposer()).generate(ids, config)
+    assert ref.stop_reason == out.stop_reason == "stop"
+    assert out.tokens == ref.tokens and out.text == ref.text
+    assert " one" not in out.text
+    # The case under test happened: accepted tokens after the stop string were dropped.
+    assert 1 + sum(s.accept_length for s in out.steps) > len(out.tokens)

