@@ -10,40 +10,31 @@ would compare against. Needs `pip install llama-cpp-python` (builds from source)
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
 
-from bench_vanilla import prompt_ids
+from bench_vanilla import common_arguments, prompt_ids
 from vocabspec.generate import Engine, GenerationConfig
 from vocabspec.loading import load_model
 from vocabspec.tokenizer import load_tokenizer
 
 
-def time_llamacpp(llm, ids, new_tokens):
-    llm.reset()
-    out = []
+def time_llamacpp(llm, ids, new_tokens) -> float:
+    """Seconds for llama.cpp to prefill `ids` and decode `new_tokens` greedily."""
     start = time.perf_counter()
-    for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-        out.append(token)
-        if len(out) == new_tokens:
+    for count, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True), start=1):
+        if count == new_tokens:
             break
-    return out, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 def main():
     from llama_cpp import Llama
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default="smollm2,gemma3")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = common_arguments(new_tokens=48).parse_args()
     torch.set_num_threads(args.threads)
     for name in args.models.split(","):
         engines = {}
@@ -59,7 +50,7 @@ def main():
             engine.generate(ids, GenerationConfig(max_new_tokens=4))
         rows = {key: [] for key in ["llama.cpp", *engines]}
         for _ in range(args.repeats):
-            _, seconds = time_llamacpp(llm, ids, args.new_tokens)
+            seconds = time_llamacpp(llm, ids, args.new_tokens)
             rows["llama.cpp"].append(args.new_tokens / seconds)
             for dtype, engine in engines.items():
                 rows[dtype].append(engine.generate(ids, config).tokens_per_s)

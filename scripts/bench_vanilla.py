@@ -33,6 +33,17 @@ def prompt_ids(tokenizer):
     return tokenizer.encode(f"Question: {PROMPT}\nAnswer:")
 
 
+def common_arguments(new_tokens: int) -> argparse.ArgumentParser:
+    """Options shared by the vanilla-decoding comparisons (this script, bench_llamacpp.py)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="smollm2,gemma3")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser
+
+
 def time_hf(ref, ids, new_tokens):
     with torch.inference_mode():
         start = time.perf_counter()
@@ -87,12 +98,7 @@ def bench_model(name, dtype_name, new_tokens, repeats, random_tree):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default="smollm2,gemma3")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = common_arguments(new_tokens=64)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -23,6 +23,7 @@ from vocabspec.bench import load_questions
 from vocabspec.generate import GenerationConfig
 from vocabspec.linear import linear
 from vocabspec.prompts import encode_conversation
+from vocabspec.ranker import hits_in_top
 from vocabspec.train import draft_states, features_of
 
 QUESTIONS = "../shared/data/spec_bench/question.jsonl"
@@ -58,10 +59,10 @@ def main():
             wanted = logits[first + 1:first + 1 + count].argmax(-1)
             drafted = linear(states, target.embed.weight).argmax(-1)
             scores = ranker.scores(states)      # exactly what SpecVocab ranks by when drafting
-            for k in ks:
-                top = torch.topk(scores, k, dim=-1).indices
-                hits[k][0] += int((top == wanted[:, None]).any(-1).sum())
-                hits[k][1] += int((top == drafted[:, None]).any(-1).sum())
+            for k, found in hits_in_top(scores, wanted, ks).items():
+                hits[k][0] += found
+            for k, found in hits_in_top(scores, drafted, ks).items():
+                hits[k][1] += found
             positions += count
     result = {"model": args.model, "questions": len(questions), "positions": positions,
               "recall_target": {k: round(h[0] / positions, 4) for k, h in hits.items()},

@@ -113,3 +113,11 @@ def test_rank_orders_by_count_then_fallback():
     from collections import Counter
 
     assert rank(Counter({5: 3, 2: 3, 7: 9}), 10, fallback=[9, 5])[:5] == [7, 2, 5, 9, 0]
+
+
+def test_hits_in_top_counts_rows_whose_token_is_ranked_within_k():
+    from vocabspec.ranker import hits_in_top
+
+    scores = torch.tensor([[0.9, 0.1, 0.5, 0.3], [0.2, 0.8, 0.6, 0.4], [0.1, 0.2, 0.3, 0.4]])
+    tokens = torch.tensor([2, 1, 0])          # ranks 2nd, 1st and 4th in their rows
+    assert hits_in_top(scores, tokens, [1, 2, 3, 4]) == {1: 1, 2: 2, 3: 2, 4: 3}

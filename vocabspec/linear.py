@@ -53,11 +53,11 @@ def _version(weight: torch.Tensor) -> int:
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
     """The oneDNN-packed copy of `weight`, built on first use and whenever the weight changed."""
+    ident = id(weight)
     key = (weight.data_ptr(), _version(weight), weight.dtype, tuple(weight.shape))
-    entry = _packs.get(id(weight))
+    entry = _packs.get(ident)
     if entry is not None and entry[0]() is weight and entry[1] == key:
         return entry[2]
-    ident = id(weight)
     pack = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     _packs[ident] = (weakref.ref(weight, lambda _ref: _packs.pop(ident, None)), key, pack)
     return pack

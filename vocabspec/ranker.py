@@ -61,6 +61,12 @@ def _teacher(target, features: torch.Tensor, candidates: torch.Tensor):
     return candidates, F.softmax(logits.float(), dim=-1)
 
 
+def hits_in_top(scores: torch.Tensor, tokens: torch.Tensor, ks) -> dict[int, int]:
+    """For each k in ks: how many rows of `scores` rank their row's token among their top k."""
+    top = torch.topk(scores, max(ks), dim=-1).indices
+    return {k: int((top[:, :k] == tokens[:, None]).any(-1).sum()) for k in ks}
+
+
 @torch.no_grad()
 def recall(drafter: EagleDrafter, down, vocab, sequences, k: int = 2048) -> dict:
     """How often the target's next token, and the drafter's own top-1, are among the ranker's
@@ -71,11 +77,11 @@ def recall(drafter: EagleDrafter, down, vocab, sequences, k: int = 2048) -> dict
     hits_target = hits_draft = count = 0
     for tokens, hidden, candidates in sequences:
         states = draft_states(drafter, tokens.long(), features_of(target, hidden))
-        top = torch.topk(F.linear(F.linear(states, down), vocab), k, dim=-1).indices
+        scores = F.linear(F.linear(states, down), vocab)
         wanted = candidates[1:, 0].long()
         drafted = F.linear(states, target.embed.weight).argmax(-1)
-        hits_target += int((top == wanted[:, None]).any(-1).sum())
-        hits_draft += int((top == drafted[:, None]).any(-1).sum())
+        hits_target += hits_in_top(scores, wanted, [k])[k]
+        hits_draft += hits_in_top(scores, drafted, [k])[k]
         count += wanted.numel()
     return {"recall_target": hits_target / max(count, 1), "recall_draft": hits_draft / max(count, 1),
             "positions": count}
