@@ -7,8 +7,8 @@ call. oneDNN with the weight reordered once into its blocked layout streams it a
 and it gives each row the same bits whatever the number of rows, so a token scored inside a
 verification tree gets the logits it would get decoded alone.
 
-Measured on the 2-core AVX-512 CPU (SmolLM2's 49,152 x 576 LM head): float32 10.8 -> 5.6 ms
-for one row and 24.7 -> 7.2 ms for twelve; bfloat16 4.9 -> 3.3 ms for one row.
+Measured on the 2-core AVX-512 CPU, float32 (scripts/bench_forward.py, BENCHMARKS.md):
+SmolLM2's 49,152 x 576 LM head 10.3 -> 5.0 ms for one row and 17.2 -> 5.4 ms for twelve.
 
 Everything else (GPU tensors, autograd, other dtypes, VOCABSPEC_PACKED_LINEAR=0) goes to
 F.linear. Packs are cached per weight and rebuilt when the weight changes (training steps,

@@ -1,0 +1,82 @@
+"""Per-call costs behind the decoding speed, packed oneDNN weights vs plain F.linear, interleaved:
+the target's forward over n new tokens after a 300-token context (n = 1 is plain decoding,
+n > 1 a verification tree), its LM head alone, and SpecVocab's ranking with float32 vs
+bfloat16 ranker weights.
+
+    python scripts/bench_forward.py --models smollm2,gemma3 --repeats 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from vocabspec.linear import linear
+from vocabspec.loading import load_model
+
+CONTEXT = 300
+
+
+def median_ms(fn, repeats: int, modes: dict) -> dict:
+    """Median milliseconds of fn() under each mode, modes interleaved call by call."""
+    times = {name: [] for name in modes}
+    for _ in range(repeats + 1):            # the first round warms up (and builds the packs)
+        for name, packed in modes.items():
+            os.environ["VOCABSPEC_PACKED_LINEAR"] = "1" if packed else "0"
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    os.environ.pop("VOCABSPEC_PACKED_LINEAR", None)
+    return {name: round(statistics.median(t[1:]) * 1e3, 2) for name, t in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="smollm2,gemma3")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--sizes", default="1,4,12,24,64")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    modes = {"packed": True, "plain": False}
+    for name in args.models.split(","):
+        model, _ = load_model(name, dtype=getattr(torch, args.dtype))
+        cache = model.new_cache(CONTEXT + 128)
+        head = model.embed.weight
+        rank = max(1, model.args.dim // 16)
+        down = torch.randn(rank, model.args.dim)
+        vocab = torch.randn(head.shape[0], rank)
+        row = {"model": name, "dtype": args.dtype, "forward_ms": {}, "head_ms": {}}
+        with torch.inference_mode():
+            model(torch.randint(0, 1000, (CONTEXT,)), torch.arange(CONTEXT), cache)
+            cache.commit()
+            for n in (int(s) for s in args.sizes.split(",")):
+                tokens, positions = torch.randint(0, 1000, (n,)), torch.arange(CONTEXT, CONTEXT + n)
+                mask = torch.ones(n, n, dtype=torch.bool).tril()
+
+                def forward():
+                    model(tokens, positions, cache, tree_mask=mask, all_logits=True)
+                    cache.discard()
+
+                row["forward_ms"][n] = median_ms(forward, args.repeats, modes)
+            for rows in (1, 12):
+                states = torch.randn(rows, model.args.dim, dtype=head.dtype)
+                row["head_ms"][rows] = median_ms(lambda: linear(states, head), args.repeats, modes)
+            states = torch.randn(1, model.args.dim)
+            ranking = {}
+            for label, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+                d, v, x = down.to(dtype), vocab.to(dtype), states.to(dtype)
+                ranking[label] = median_ms(lambda: torch.topk(linear(linear(x, d), v), 2048),
+                                           args.repeats, {"packed": True})["packed"]
+            row["specvocab_ranking_ms_one_row"] = ranking
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
