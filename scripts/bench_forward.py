@@ -1,7 +1,10 @@
 """Per-call costs behind the decoding speed, packed oneDNN weights vs plain F.linear, interleaved:
 the target's forward over n new tokens after a 300-token context (n = 1 is plain decoding,
 n > 1 a verification tree), its LM head alone, and SpecVocab's ranking with float32 vs
-bfloat16 ranker weights.
+bfloat16 ranker weights. Then one draft-head call per strategy (top 10 tokens for 1 row, the
+root, and for 8 rows, a tree level): the full head, a 32k static subset (FR-Spec / VocabTrim;
+which 32k rows does not change the cost) and SpecVocab with 2048 candidates, beside SpecVocab
+as it was before its two-pass top-k and index_select gather ("spec_plain_topk").
 
     python scripts/bench_forward.py --models smollm2,gemma3 --repeats 10
 """
@@ -75,7 +78,40 @@ def main():
                 ranking[label] = median_ms(lambda: torch.topk(linear(linear(x, d), v), 2048),
                                            args.repeats, {"packed": True})["packed"]
             row["specvocab_ranking_ms_one_row"] = ranking
+            row["draft_head_ms"] = draft_head_costs(head, down, vocab, args.repeats)
         print(json.dumps(row), flush=True)
+
+
+def draft_head_costs(head, down, vocab, repeats) -> dict:
+    import torch.nn.functional as F
+
+    from vocabspec.draft_vocab import FullVocab, SpecVocab, StaticSubset
+
+    strategies = {"full": FullVocab(head), "fr:32k": StaticSubset(head, torch.arange(32768)),
+                  "spec:2048": SpecVocab(head, down, vocab, candidates=2048)}
+    spec = strategies["spec:2048"]
+
+    def plain_topk(states, k):      # SpecVocab before the two-pass top-k and index_select
+        scores = spec.scores(states)
+        per_row = max(1, spec.candidates // scores.shape[0])
+        ids = torch.topk(scores, per_row, dim=-1).indices
+        ids = ids[0] if ids.shape[0] == 1 else torch.unique(ids)
+        logits = F.linear(states, head[ids]).float()
+        return torch.topk(logits, k, dim=-1)
+
+    out = {}
+    for rows in (1, 8):
+        states = torch.randn(rows, head.shape[1], dtype=head.dtype)
+        calls = {name: (lambda s=strategy: s.top_k(states, 10)) for name, strategy in strategies.items()}
+        calls["spec_plain_topk"] = lambda: plain_topk(states, 10)
+        times = {name: [] for name in calls}
+        for _ in range(3 * repeats + 1):     # strategies interleaved call by call
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - start)
+        out[rows] = {name: round(statistics.median(t[1:]) * 1e3, 2) for name, t in times.items()}
+    return out
 
 
 if __name__ == "__main__":

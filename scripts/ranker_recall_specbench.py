@@ -1,5 +1,7 @@
 """SpecVocab ranker recall on Spec-Bench: how often the target's next token (and the drafter's
 own top-1) is among the ranker's top-k candidates, at every position the target generated.
+For scale, the same recall for the drafter's exact full-vocabulary head: the most any ranker
+of the drafter's state could reach.
 
 For each question (first turn), vanilla greedy decoding writes the answer; one target forward
 over prompt + answer gives the features the drafter sees when it drafts the first token of a
@@ -42,7 +44,7 @@ def main():
     target, drafter = lm.engine.model, lm.engine.proposer.drafter
     ranker = make_draft_vocab("spec:2048", target.embed.weight, bundled_drafter_dir(args.model))
     questions = load_questions(args.questions, args.per_category)
-    hits = {k: [0, 0] for k in ks}
+    hits = {k: [0, 0, 0] for k in ks}
     positions = 0
     with torch.inference_mode():
         for q in tqdm(questions, desc="recall", unit="question"):
@@ -57,16 +59,20 @@ def main():
             first, count = len(ids) - 1, len(answer) - 1
             states = states[first:first + count]
             wanted = logits[first + 1:first + 1 + count].argmax(-1)
-            drafted = linear(states, target.embed.weight).argmax(-1)
+            exact = linear(states, target.embed.weight)
+            drafted = exact.argmax(-1)
             scores = ranker.scores(states)      # exactly what SpecVocab ranks by when drafting
             for k, found in hits_in_top(scores, wanted, ks).items():
                 hits[k][0] += found
             for k, found in hits_in_top(scores, drafted, ks).items():
                 hits[k][1] += found
+            for k, found in hits_in_top(exact, wanted, ks).items():
+                hits[k][2] += found
             positions += count
     result = {"model": args.model, "questions": len(questions), "positions": positions,
               "recall_target": {k: round(h[0] / positions, 4) for k, h in hits.items()},
-              "recall_drafter_top1": {k: round(h[1] / positions, 4) for k, h in hits.items()}}
+              "recall_drafter_top1": {k: round(h[1] / positions, 4) for k, h in hits.items()},
+              "full_head_recall_target": {k: round(h[2] / positions, 4) for k, h in hits.items()}}
     print(json.dumps(result))
 
 

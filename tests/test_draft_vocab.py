@@ -121,3 +121,16 @@ def test_hits_in_top_counts_rows_whose_token_is_ranked_within_k():
     scores = torch.tensor([[0.9, 0.1, 0.5, 0.3], [0.2, 0.8, 0.6, 0.4], [0.1, 0.2, 0.3, 0.4]])
     tokens = torch.tensor([2, 1, 0])          # ranks 2nd, 1st and 4th in their rows
     assert hits_in_top(scores, tokens, [1, 2, 3, 4]) == {1: 1, 2: 2, 3: 2, 4: 3}
+
+
+def test_two_pass_top_ids_find_the_same_scores_as_topk():
+    from vocabspec.draft_vocab import top_ids
+
+    generator = torch.Generator().manual_seed(0)
+    for rows, size, k in ((1, 4096, 64), (3, 4096, 100), (1, 1000, 7), (2, 64, 16), (1, 96, 20)):
+        scores = torch.randn(rows, size, generator=generator)
+        ids = top_ids(scores, k)
+        assert ids.shape == (rows, k)
+        assert torch.equal(scores.gather(1, ids).sort(-1).values,
+                           torch.topk(scores, k, dim=-1).values.sort(-1).values)
+        assert all(row.unique().numel() == k for row in ids)

@@ -82,3 +82,15 @@ def test_stop_string_inside_a_multi_token_step(smollm2):
     assert " one" not in out.text
     # The case under test happened: accepted tokens after the stop string were dropped.
     assert 1 + sum(s.accept_length for s in out.steps) > len(out.tokens)
+
+
+def test_stream_never_shows_the_start_of_a_stop_string(smollm2):
+    """A stop string spanning several tokens: its first tokens are held back, not streamed and
+    then contradicted by the final text."""
+    ids = smollm2.tokenizer.encode("one two three four five six seven one two three four five six seven one two three")
+    config = GenerationConfig(max_new_tokens=24, stop=[" seven one"])
+    for proposer in (None, PromptLookupProposer()):
+        generation = Engine(smollm2.model, smollm2.tokenizer, proposer).stream(ids, config)
+        pieces = list(generation)
+        assert generation.result.stop_reason == "stop"
+        assert "".join(pieces) == generation.result.text == " six"

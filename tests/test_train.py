@@ -61,3 +61,52 @@ def test_training_lowers_loss_and_resumes(tmp_path):
     drafter.save(tmp_path / "drafter")
     again = EagleDrafter.load(tmp_path / "drafter", model)
     assert torch.equal(again.fc.weight, drafter.fc.weight)
+    # A second round from this drafter, with other settings, starts afresh from it and keeps
+    # the first round's checkpoint.
+    second = TrainConfig(out=str(tmp_path), epochs=30, accumulate=2, lr=1e-3, warmup_steps=2,
+                         checkpoint_every=5, max_steps=5, noise=0.0, negatives=8, unroll=2,
+                         init=str(tmp_path / "drafter"))
+    train_drafter(second, model, log=logs.append)
+    assert any("moved to checkpoint-" in line for line in logs)
+    assert torch.load(tmp_path / "checkpoint.pt")["history"][-1]["step"] == 5
+    assert len(list(tmp_path.glob("checkpoint-*.pt"))) == 1
+
+
+def test_unrolled_loss_adds_a_step_on_predicted_features():
+    import torch.nn.functional as F
+
+    from vocabspec.train import draft_states, features_of
+
+    model = tiny_model("llama", vocab_size=40)
+    drafter = EagleDrafter.random(model).float()
+    tokens = torch.randint(40, (12,))
+    hidden = torch.randn(12, model.args.dim)
+    candidates = torch.arange(40).repeat(12, 1)
+    std = torch.ones(model.args.dim)
+    cfg = dict(negatives=0, noise=0.0)
+    _, one = sequence_loss(drafter, tokens, hidden, candidates, TrainConfig(unroll=1, **cfg), std)
+    _, two = sequence_loss(drafter, tokens, hidden, candidates, TrainConfig(unroll=2, **cfg), std)
+    # Step 2 by hand: feature i replaced by the drafter's prediction of it.
+    with torch.no_grad():
+        features = features_of(model, hidden)
+        predicted = draft_states(drafter, tokens, features)
+        again = draft_states(drafter, tokens, torch.cat([features[:1], predicted]))[1:]
+        second = F.smooth_l1_loss(again, features[2:]).item()
+    assert abs(two["regression"] - (one["regression"] + second) / 2) < 1e-5
+    assert "accuracy_step2" in two and "accuracy_step2" not in one
+
+
+class _CharTokenizer:
+    chat_template = None
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_self_distilled_answers_end_at_eos_or_the_stop_string():
+    from vocabspec.train import _cut_answer
+
+    text = [ord(c) for c in "Paris.\n\nQuestion: next"]
+    assert _cut_answer(text, {ord(".")}, _CharTokenizer()) == [ord(c) for c in "Paris."]
+    assert _cut_answer(text, set(), _CharTokenizer()) == [ord(c) for c in "Paris.\n\nQuestion:"]
+    assert _cut_answer(text[:6], set(), _CharTokenizer()) == text[:6]

@@ -47,6 +47,7 @@ class BenchConfig:
     tree_top_k: int = 10
     total_tokens: int | str = "auto"
     warmup: bool = True
+    draft_path: str | None = None     # EAGLE drafter for the eagle2 methods (default: bundled)
 
 
 def parse_tree(name: str) -> tuple[str, tuple[int, int] | None]:
@@ -131,7 +132,7 @@ def build_methods(cfg: BenchConfig, log=print):
     runs = []
     for name, draft, vocab, tree in parsed:
         depth, total = tree if tree else (cfg.depth, cfg.total_tokens)
-        proposer = make_proposer(target, draft, None, cfg.model, depth, cfg.tree_top_k,
+        proposer = make_proposer(target, draft, cfg.draft_path, cfg.model, depth, cfg.tree_top_k,
                                  total, vocab, tokenizer=tokenizer, log=log)
         if proposer is not None and hasattr(proposer, "total_tokens"):
             log(f"{name}: depth={proposer.depth}, total_tokens={proposer.total_tokens}")

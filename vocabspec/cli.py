@@ -87,8 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
                        ("max_len", _positive_int), ("epochs", _positive_int),
                        ("accumulate", _positive_int), ("top_candidates", _positive_int),
                        ("negatives", _non_negative_int), ("max_steps", _non_negative_int),
-                       ("lr", _float), ("noise", _float), ("cls_weight", _float)):
+                       ("lr", _float), ("noise", _float), ("cls_weight", _float),
+                       ("distill_new_tokens", _positive_int), ("distill_batch", _positive_int),
+                       ("unroll", _positive_int), ("checkpoint_every", _positive_int),
+                       ("warmup_steps", _non_negative_int)):
         train.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name))
+    train.add_argument("--self-distill", type=_non_negative_int, default=defaults.self_distill,
+                       help="also train on the target's own greedy answers to this many unused "
+                            "ShareGPT prompts (self-distillation)")
+    train.add_argument("--init", default=defaults.init,
+                       help="start from this drafter directory instead of a random drafter")
     train.add_argument("--feature-dtype", default=defaults.feature_dtype, choices=["float32", "bfloat16"])
     train.add_argument("--full-vocab-loss", action="store_true",
                        help="exact cross-entropy over the whole vocabulary (slow on a CPU)")
@@ -134,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tree-top-k", type=_positive_int, default=10)
     bench.add_argument("--total-tokens", type=_total_tokens, default="auto")
     bench.add_argument("--no-warmup", action="store_true")
+    bench.add_argument("--draft-path", default=None,
+                       help="EAGLE drafter directory for the eagle2 methods (default: the bundled one)")
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming)")
     add_model_args(serve)
@@ -200,7 +210,7 @@ def cmd_bench(args) -> int:
                       per_category=args.per_category, temperature=args.temperature, seed=args.seed,
                       dtype=args.dtype, device=args.device, depth=args.depth,
                       tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
-                      warmup=not args.no_warmup)
+                      warmup=not args.no_warmup, draft_path=args.draft_path)
     summary = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
     print(open(f"{cfg.out}/report.md").read())
     bad = {n: m["mismatched_questions"] for n, m in summary["methods"].items() if m.get("mismatched_questions")}

@@ -120,16 +120,35 @@ class SpecVocab(_Timed):
         at most `candidates` ids, scored by the exact head in one matmul."""
         scores = self.scores(states)
         per_row = max(1, self.candidates // scores.shape[0])
-        ids = torch.topk(scores, per_row, dim=-1).indices
+        ids = top_ids(scores, per_row) if scores.shape[0] == 1 else torch.topk(scores, per_row, dim=-1).indices
         return ids[0] if ids.shape[0] == 1 else torch.unique(ids)
 
     def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
         ids = self.candidate_ids(states)
         start = self._tick("rank", start)
-        logits = F.linear(states, self.weight[ids]).float()
+        # index_select, not weight[ids]: a quarter of the time for 2048 rows of Gemma's head.
+        logits = F.linear(states, self.weight.index_select(0, ids)).float()
         indices, log_probs = self._top(logits, k, self._tick("head", start))
         return ids[indices], log_probs
+
+
+def top_ids(scores: torch.Tensor, k: int, block: int = 8) -> torch.Tensor:
+    """Indices of the k largest scores of each row, as a set (not sorted), in two cheap passes.
+
+    The k largest scores all lie in the k blocks with the largest maxima (the k-th largest score
+    is at least the k-th largest block maximum), so a top-k over block maxima and then over
+    those blocks' members finds them. For one row of Gemma's 262k scores: 1.0 ms instead of
+    torch.topk's 1.7 ms (2 threads). Ties at the k-th value may pick other tokens of that value.
+    """
+    rows, size = scores.shape
+    if size % block or size // block <= k:
+        return torch.topk(scores, k, dim=-1).indices
+    blocks = scores.view(rows, size // block, block)
+    best_blocks = torch.topk(blocks.amax(-1), k, dim=-1).indices
+    members = torch.gather(blocks, 1, best_blocks[..., None].expand(-1, -1, block))
+    inner = torch.topk(members.reshape(rows, -1), k, dim=-1).indices
+    return best_blocks.gather(1, inner // block) * block + inner % block
 
 
 # ---------------------------------------------------------------------------- choosing one

@@ -173,6 +173,7 @@ class Generation:
         self.config = config
         self.result = GenerationResult(prompt_tokens=len(prompt_ids))
         self.text = TextStream(engine.tokenizer)
+        self.streamed = ""      # text already yielded; never retracted
 
     def __iter__(self) -> Iterator[str]:
         engine, config, result = self.engine, self.config, self.result
@@ -242,7 +243,6 @@ class Generation:
         """Append tokens to the output one at a time, stopping at EOS, max_new_tokens or a stop
         string exactly where one-token decoding would stop, even inside a multi-token step."""
         result, config = self.result, self.config
-        before = self.text.text
         for token in new_tokens:
             if config.stop_on_eos and token in self.engine.eos_ids:
                 result.stop_reason = "eos"
@@ -257,7 +257,23 @@ class Generation:
         if not config.stop:
             self.text.update(result.tokens)
         result.text = self.text.text
-        return result.text[len(before):] if result.text.startswith(before) else ""
+        # Text that may be the start of a stop string is held back until the next tokens
+        # show whether the stop string follows (then it is cut, never streamed).
+        end = len(result.text) if result.stop_reason else self._streamable(result.text)
+        if not result.text.startswith(self.streamed) or end <= len(self.streamed):
+            return ""
+        delta = result.text[len(self.streamed):end]
+        self.streamed += delta
+        return delta
+
+    def _streamable(self, text: str) -> int:
+        held = 0
+        for stop in self.config.stop:
+            for size in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:size]):
+                    held = size
+                    break
+        return len(text) - held
 
     def _cut_at_stop_string(self) -> bool:
         self.text.update(self.result.tokens)

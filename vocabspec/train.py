@@ -2,12 +2,16 @@
 
 1. data:     ShareGPT conversations -> token sequences in the target's prompt format
              (chat template, or the base-model frame of `prompts.py`); held-out ones kept apart.
+             Optionally (self-distillation) the target's own greedy answers to further ShareGPT
+             prompts, which is the text a drafter sees at run time.
 2. features: target forward passes; each shard stores the tokens, the last-layer hidden
              states (before the final norm, bfloat16; the drafter's features are these after
              the norm) and the target's top candidate ids per position.
 3. train:    EAGLE's loss: smooth-L1 regression of the next feature + 0.1 x cross-entropy
              between the target's and the drafter's next-token distributions through the
-             frozen LM head.
+             frozen LM head. With `unroll` > 1 the drafter is also trained on its own predicted
+             features (step k reads the features step k-1 predicted), as deeper tree levels do
+             at run time; each step's loss counts equally.
 
 The cross-entropy over the whole vocabulary (262k rows for Gemma) would dominate a CPU
 training step, so it runs over a candidate set per sequence: the union of the target's top
@@ -60,6 +64,11 @@ class TrainConfig:
     checkpoint_every: int = 200     # optimizer steps
     seed: int = 0
     max_steps: int = 0              # stop early (0: run all epochs)
+    self_distill: int = 0           # ShareGPT prompts the target answers itself (0: none)
+    distill_new_tokens: int = 256   # tokens per self-distilled answer, at most
+    distill_batch: int = 32         # prompts generated together
+    unroll: int = 1                 # drafting steps trained per position (1: EAGLE's loss)
+    init: str = ""                  # drafter directory to start from (default: random start)
 
 
 class _NoCache:
@@ -109,6 +118,93 @@ def prepare_sequences(cfg: TrainConfig, tokenizer) -> dict:
     return split
 
 
+def _distill_prompts(cfg: TrainConfig, tokenizer) -> list[list[int]]:
+    """First user turns of ShareGPT conversations that are neither training nor held-out ones."""
+    from .sharegpt import iter_conversations
+
+    conversations = list(iter_conversations())
+    random.Random(cfg.seed).shuffle(conversations)
+    room = cfg.max_len - cfg.distill_new_tokens
+    prompts = []
+    for _, turns in conversations[cfg.heldout + cfg.conversations:]:
+        ids = encode_conversation(tokenizer, turns[:1], answer_open=True)
+        if len(ids) <= room:          # a cut prompt would lose its chat template's frame
+            prompts.append(ids)
+        if len(prompts) == cfg.self_distill:
+            return prompts
+    raise ValueError(f"ShareGPT has only {len(prompts)} unused prompts of at most {room} tokens, "
+                     f"{cfg.self_distill} asked for")
+
+
+def _cut_answer(answer: list[int], eos_ids: set[int], tokenizer) -> list[int]:
+    """The answer up to its first end-of-sequence token (kept) or base-model stop string."""
+    from .prompts import stop_strings
+
+    for i, token in enumerate(answer):
+        if token in eos_ids:
+            return answer[:i + 1]
+    for stop in stop_strings(tokenizer):
+        text = tokenizer.decode(answer)
+        if stop in text:
+            # Shortest prefix whose text reaches the stop string: a drafter then learns to
+            # propose it, which is where the engine stops.
+            for end in range(1, len(answer) + 1):
+                if stop in tokenizer.decode(answer[:end]):
+                    return answer[:end]
+    return answer
+
+
+def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[list[int]]:
+    """Prompt + the target's greedy answer, for `cfg.self_distill` unused ShareGPT prompts.
+
+    Generation runs in batches through transformers (same weights, bfloat16): the engine's
+    model decodes one sequence at a time, and a 32-row batch costs about what one row does on
+    a memory-bound CPU. Prompts are sorted by length so padding stays short. The file is
+    rewritten after every batch, so an interrupted run resumes at the next batch.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    out = Path(cfg.out) / "distilled.pt"
+    done = torch.load(out) if out.exists() else {"sequences": [], "prompts": 0}
+    prompts = sorted(_distill_prompts(cfg, tokenizer), key=len)
+    if done["prompts"] >= len(prompts):
+        return done["sequences"]
+    logging.set_verbosity_error()
+    if model_path.suffix == ".gguf":
+        hf = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
+                                                  dtype=torch.bfloat16)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.bfloat16)
+    hf.eval()
+    eos_ids = set(hf.generation_config.eos_token_id if isinstance(hf.generation_config.eos_token_id, list)
+                  else [hf.generation_config.eos_token_id]) - {None}
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    pad = tokenizer.eos_token_id or 0
+    bar = tqdm(total=len(prompts), initial=done["prompts"], desc="self-distillation", unit="prompt")
+    generated = 0
+    started = time.perf_counter()
+    while done["prompts"] < len(prompts):
+        batch = prompts[done["prompts"]:done["prompts"] + cfg.distill_batch]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            output = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=cfg.distill_new_tokens, pad_token_id=pad)
+        for prompt, row in zip(batch, output[:, width:].tolist()):
+            answer = _cut_answer(row, eos_ids, tokenizer)
+            done["sequences"].append(prompt + answer)
+            generated += len(answer)
+        done["prompts"] += len(batch)
+        _atomic_save(done, out)
+        bar.set_postfix(answer_tok_s=f"{generated / (time.perf_counter() - started):.0f}")
+        bar.update(len(batch))
+    bar.close()
+    return done["sequences"]
+
+
 # ---------------------------------------------------------------------------- 2. features
 
 def _shard_plan(sequences: list[list[int]], shard_tokens: int) -> list[tuple[int, int]]:
@@ -136,13 +232,13 @@ def _features(model: Transformer, cache, ids: list[int], top: int):
 
 
 def extract_features(cfg: TrainConfig, model: Transformer, split: dict) -> list[Path]:
-    """Write shards `features/{train,heldout}-NNNNN.pt`; existing shards are kept."""
+    """Write shards `features/{heldout,train,distill}-NNNNN.pt`; existing shards are kept."""
     directory = Path(cfg.out) / "features"
     directory.mkdir(parents=True, exist_ok=True)
     cache = model.new_cache(cfg.max_len)
     paths = []
-    for part in ("heldout", "train"):
-        sequences = split[part]
+    for part in ("heldout", "train", "distill"):
+        sequences = split.get(part, [])
         plan = _shard_plan(sequences, cfg.shard_tokens)
         todo = [(n, a, b) for n, (a, b) in enumerate(plan)
                 if not (directory / f"{part}-{n:05d}.pt").exists()]
@@ -198,9 +294,7 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
     inputs = features
     if cfg.noise > 0 and generator is not None:
         inputs = features + (torch.rand(features.shape, generator=generator) * 2 - 1) * (cfg.noise * std)
-    predicted = draft_states(drafter, tokens, inputs)        # predicts features[1:]
     wanted = features[1:]
-    regression = F.smooth_l1_loss(predicted / std, wanted / std)
     head = target.embed.weight
     if cfg.full_vocab_loss:
         rows = head
@@ -211,13 +305,25 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
         rows = head[torch.unique(torch.cat(pool))]
     with torch.no_grad():
         target_probs = F.softmax(F.linear(wanted, rows).float(), dim=-1)
-    draft_log_probs = F.log_softmax(F.linear(predicted, rows).float(), dim=-1)
-    classification = -(target_probs * draft_log_probs).sum(-1).mean()
+    regression = classification = 0.0
+    info = {}
+    steps = min(cfg.unroll, tokens.shape[0] - 2)
+    for step in range(steps):
+        predicted = draft_states(drafter, tokens, inputs)    # row i predicts features[i + 1]
+        # Row i of step k has read k predicted features in a chain; the first k rows have not.
+        mine = predicted[step:]
+        step_regression = F.smooth_l1_loss(mine / std, wanted[step:] / std)
+        draft_log_probs = F.log_softmax(F.linear(mine, rows).float(), dim=-1)
+        step_classification = -(target_probs[step:] * draft_log_probs).sum(-1).mean()
+        regression = regression + step_regression / steps
+        classification = classification + step_classification / steps
+        with torch.no_grad():
+            accuracy = (draft_log_probs.argmax(-1) == target_probs[step:].argmax(-1)).float().mean()
+        info["accuracy" if step == 0 else f"accuracy_step{step + 1}"] = float(accuracy)
+        inputs = torch.cat([features[:1], predicted])
     loss = regression + cfg.cls_weight * classification
-    with torch.no_grad():
-        accuracy = (draft_log_probs.argmax(-1) == target_probs.argmax(-1)).float().mean()
-    return loss, {"regression": regression.item(), "classification": classification.item(),
-                  "accuracy": float(accuracy), "candidates": rows.shape[0]}
+    return loss, {"regression": float(regression), "classification": float(classification),
+                  **info, "candidates": rows.shape[0]}
 
 
 @torch.no_grad()
@@ -260,6 +366,11 @@ def _scale_fc_to_inputs(drafter: EagleDrafter, feature_std: torch.Tensor) -> Non
         drafter.fc.weight.mul_(scale[None, :])
 
 
+def _run_identity(config: dict) -> dict:
+    """The settings that make two training runs the same run (resumable from each other)."""
+    return {k: v for k, v in config.items() if k not in ("max_steps", "checkpoint_every", "out")}
+
+
 def _lr(step: int, total: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -269,27 +380,37 @@ def _lr(step: int, total: int, cfg: TrainConfig) -> float:
 
 def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDrafter:
     out = Path(cfg.out)
-    train_set = load_shards(cfg, "train")
+    train_set = load_shards(cfg, "train") + load_shards(cfg, "distill")
     heldout = load_shards(cfg, "heldout")
     if not train_set:
         raise ValueError(f"no training features under {out / 'features'}: run the features stage")
     torch.manual_seed(cfg.seed)
     std = feature_std(target, train_set)
-    drafter = EagleDrafter.random(target, seed=cfg.seed).float().train().requires_grad_(True)
-    _scale_fc_to_inputs(drafter, std)
+    if cfg.init:
+        drafter = EagleDrafter.load(cfg.init, target)
+    else:
+        drafter = EagleDrafter.random(target, seed=cfg.seed)
+        _scale_fc_to_inputs(drafter, std)
+    drafter = drafter.float().train().requires_grad_(True)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(len(train_set) / cfg.accumulate)
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
-    step, history = 0, []
+    step, history, seconds_before = 0, [], 0.0
     checkpoint = out / "checkpoint.pt"
+    if checkpoint.exists() and _run_identity(torch.load(checkpoint)["config"]) != _run_identity(asdict(cfg)):
+        # Another run's checkpoint (say, the one --init starts from): kept, not resumed.
+        kept = out / f"checkpoint-{time.strftime('%Y%m%d-%H%M%S')}.pt"
+        checkpoint.replace(kept)
+        log(f"{checkpoint} belongs to a run with other settings: moved to {kept.name}")
     if checkpoint.exists():
         state = torch.load(checkpoint)
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
+        seconds_before = state.get("seconds", 0.0)
         log(f"resuming from step {step}/{total}")
     generator = torch.Generator().manual_seed(cfg.seed + step)
     started = time.perf_counter()
@@ -324,9 +445,12 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
             history.append(metrics)
             log(json.dumps(metrics))
             _atomic_save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
-                          "step": step, "history": history, "config": asdict(cfg)}, checkpoint)
+                          "step": step, "history": history, "config": asdict(cfg),
+                          "seconds": seconds_before + time.perf_counter() - started}, checkpoint)
     bar.close()
     drafter.eval().requires_grad_(False)
+    # Training time over every session of this run (resumed runs included).
+    drafter.train_seconds = torch.load(checkpoint).get("seconds") if checkpoint.exists() else None
     return drafter
 
 
@@ -359,11 +483,17 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     report: dict = {"config": asdict(cfg)}
-    tokenizer = load_tokenizer(resolve_model_path(cfg.model))
+    model_path = resolve_model_path(cfg.model)
+    tokenizer = load_tokenizer(model_path)
     t0 = time.perf_counter()
     split = prepare_sequences(cfg, tokenizer)
     report["train_sequences"] = len(split["train"])
     report["train_tokens"] = split["train_tokens"]
+    if cfg.self_distill:
+        split["distill"] = distill_sequences(cfg, tokenizer, model_path)
+        report["distill_sequences"] = len(split["distill"])
+        report["distill_tokens"] = sum(map(len, split["distill"]))
+        report["distill_seconds"] = round(time.perf_counter() - t0, 1)
     if "features" in stages or "train" in stages:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.feature_dtype]
         extractor, _ = load_model(cfg.model, dtype=dtype, max_seq_len=cfg.max_len + 8)
@@ -375,7 +505,8 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
         target, _ = load_model(cfg.model, max_seq_len=4096)
         t2 = time.perf_counter()
         drafter = train_drafter(cfg, target, log=log)
-        report["train_seconds"] = round(time.perf_counter() - t2, 1)
+        seconds = drafter.train_seconds
+        report["train_seconds"] = round(time.perf_counter() - t2 if seconds is None else seconds, 1)
         final = evaluate(drafter, load_shards(cfg, "heldout"))
         report.update(final)
         report["tau_heldout_prompts"] = round(measure_tau(drafter, target,
