@@ -41,3 +41,57 @@ def test_accept_length_at():
     assert accept_length_at((0, 3, 7), 5) == 3
     assert accept_length_at((0, 3, 7), 1) == 2
     assert accept_length_at((), 8) == 1
+
+
+def test_forward_times_never_decrease_with_size():
+    from vocabspec.autotune import monotone
+
+    assert monotone({2: 0.10, 4: 0.12, 8: 0.11, 16: 0.20, 12: 0.09}) == \
+        {2: 0.10, 4: 0.12, 8: 0.12, 12: 0.12, 16: 0.20}
+
+
+def test_pick_prefers_the_smallest_tree_within_tolerance():
+    from vocabspec.autotune import pick
+
+    table = {"1/8": {"depth": 1, "total_tokens": 8, "tokens_per_s": 9.8},
+             "1/24": {"depth": 1, "total_tokens": 24, "tokens_per_s": 10.0},
+             "2/8": {"depth": 2, "total_tokens": 8, "tokens_per_s": 9.9},
+             "1/4": {"depth": 1, "total_tokens": 4, "tokens_per_s": 9.0}}
+    assert pick(table, tolerance=0.03) == table["1/8"]      # 9.8 is within 3% of 10.0
+    assert pick(table, tolerance=0.0) == table["1/24"]
+    assert pick(table, tolerance=0.15) == table["1/4"]
+
+
+def test_strategies_share_one_forward_timing_and_choices_are_cached(smollm2, tmp_path, monkeypatch):
+    import json
+
+    from vocabspec.autotune import choose_tree, pick
+    from vocabspec.draft_vocab import FullVocab, StaticSubset
+    from vocabspec.drafter import EagleDrafter
+
+    import vocabspec.autotune as autotune
+
+    monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "CANDIDATE_SIZES", (2, 4, 8))     # a quick calibration
+    monkeypatch.setattr(autotune, "CALIBRATION_NEW_TOKENS", 8)
+    model = smollm2.model
+    drafter = EagleDrafter.random(model)
+    heads = {"full": FullVocab(model.embed.weight),
+             "fr": StaticSubset(model.embed.weight, torch.arange(2000), name="fr")}
+    chosen = {name: choose_tree(model, drafter, head, smollm2.tokenizer, depth=1, top_k=4,
+                                key=f"test|{name}") for name, head in heads.items()}
+    known = json.loads((tmp_path / "autotune.json").read_text())
+    assert sum(key.startswith("forward|") for key in known) == 1
+    tables = [entry["table"] for key, entry in known.items() if not key.startswith("forward|")]
+    assert len(tables) == 2
+    assert [row["forward_s"] for row in tables[0].values()] == \
+        [row["forward_s"] for row in tables[1].values()]
+    for name, (depth, total) in chosen.items():
+        table = next(e["table"] for k, e in known.items() if k.startswith(f"test|{name}|"))
+        best = pick(table)
+        assert (depth, total) == (best["depth"], best["total_tokens"])
+    # A second call reads the cache instead of calibrating again.
+    (tmp_path / "autotune.json").write_text(json.dumps(
+        {k: ({**e, "total_tokens": 7} if k.startswith("test|full|") else e) for k, e in known.items()}))
+    assert choose_tree(model, drafter, heads["full"], smollm2.tokenizer, depth=1, top_k=4,
+                       key="test|full")[1] == 7

@@ -110,3 +110,48 @@ def test_self_distilled_answers_end_at_eos_or_the_stop_string():
     assert _cut_answer(text, {ord(".")}, _CharTokenizer()) == [ord(c) for c in "Paris."]
     assert _cut_answer(text, set(), _CharTokenizer()) == [ord(c) for c in "Paris.\n\nQuestion:"]
     assert _cut_answer(text[:6], set(), _CharTokenizer()) == text[:6]
+
+
+def test_self_distillation_resumes_per_prompt_and_grows_without_redoing(tmp_path, monkeypatch):
+    import vocabspec.train as train
+
+    calls = []
+
+    def fake_generate(cfg, tokenizer, model_path, todo, done, out):
+        calls.append([tuple(p) for p in todo])
+        for prompt in todo:
+            done["prompts"].append(prompt)
+            done["sequences"].append(prompt + [99])
+        _atomic_save(done, out)
+
+    pool = [[1, 2], [3], [4, 5, 6], [7], [8, 9]]
+    monkeypatch.setattr(train, "_generate_answers", fake_generate)
+    monkeypatch.setattr(train, "_distill_prompts", lambda cfg, tok: pool[:cfg.self_distill])
+    cfg = TrainConfig(out=str(tmp_path), self_distill=3)
+    first = train.distill_sequences(cfg, None, tmp_path / "model.gguf")
+    assert first == [[3, 99], [1, 2, 99], [4, 5, 6, 99]]      # shortest prompts first
+    cfg.self_distill = 5
+    grown = train.distill_sequences(cfg, None, tmp_path / "model.gguf")
+    assert calls[1] == [(7,), (8, 9)]                           # only the new prompts
+    assert grown[:3] == first and grown[3:] == [[7, 99], [8, 9, 99]]
+    cfg.self_distill = 2                                        # fewer: nothing generated
+    assert train.distill_sequences(cfg, None, tmp_path / "model.gguf") == [[3, 99], [1, 2, 99]]
+    assert len(calls) == 2
+    # The first file format (a count of prompts done) is read back by prompt prefixes.
+    _atomic_save({"sequences": [[3, 99], [1, 2, 99]], "prompts": 2}, tmp_path / "distilled.pt")
+    cfg.self_distill = 3
+    assert train.distill_sequences(cfg, None, tmp_path / "model.gguf") == first
+    assert calls[2] == [(4, 5, 6)]
+
+
+def test_feature_shards_of_a_grown_sequence_list_are_rebuilt(tmp_path):
+    from vocabspec.train import extract_features, load_shards
+
+    model = tiny_model("llama", vocab_size=40)
+    cfg = TrainConfig(out=str(tmp_path), shard_tokens=20, top_candidates=4, max_len=64)
+    sequences = [[i % 40 for i in range(start, start + 12)] for start in range(5)]
+    extract_features(cfg, model, {"distill": sequences[:3]})     # shards (0, 2), (2, 3)
+    extract_features(cfg, model, {"distill": sequences})         # shards (0, 2), (2, 4), (4, 5)
+    assert [t.tolist() for t, _, _ in load_shards(cfg, "distill")] == sequences
+    extract_features(cfg, model, {"distill": sequences[:2]})     # shrunk: one shard left
+    assert [t.tolist() for t, _, _ in load_shards(cfg, "distill")] == sequences[:2]

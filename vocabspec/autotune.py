@@ -10,8 +10,13 @@ expected tokens per second over depth d (up to the one asked for) and size m:
 tau(m) comes from one calibration run with a large tree: the tree of the best m nodes is
 exactly the nodes of value rank < m, and greedy verification follows the same path through
 it, so the accepted length at size m is the accepted path cut at the first node ranked >= m.
-forward_seconds is the target's tree-masked forward, timed at each candidate size. The result
-is cached per machine, model, dtype and drafter (VOCABSPEC_CACHE/autotune.json).
+forward_seconds is the target's tree-masked forward, timed at each candidate size once per
+model and machine and shared by every drafter and draft vocabulary, so that their choices
+differ by their drafting, not by timing noise; it is made non-decreasing in m (a larger
+forward is never really cheaper). Among the candidates within TOLERANCE of the best predicted
+speed the smallest tree wins: a difference that small is noise on a shared machine, and the
+smaller tree costs less where the estimate is wrong. Results are cached per machine, model,
+dtype and drafter (VOCABSPEC_CACHE/autotune.json).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from .linear import packing_enabled
 
 CANDIDATE_SIZES = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 CANDIDATE_DEPTHS = (1, 2, 3, 4, 6)
+TOLERANCE = 0.03
+CALIBRATION_NEW_TOKENS = 40
 CALIBRATION_QUESTIONS = (
     "Write a short paragraph about why people enjoy walking in the mountains.",
     "Explain how a bicycle's gears make it easier to ride uphill.",
@@ -67,32 +74,47 @@ def forward_seconds(model, sizes, context: int = 256, repeats: int = 3) -> dict[
     return timings
 
 
+def monotone(timings: dict[int, float]) -> dict[int, float]:
+    """Each size's time raised to the largest time of any smaller size."""
+    result, highest = {}, 0.0
+    for n in sorted(timings):
+        highest = max(highest, timings[n])
+        result[n] = highest
+    return result
+
+
+def pick(table: dict[str, dict], tolerance: float = TOLERANCE) -> dict:
+    """The cheapest row (fewest tokens verified, then shallowest) whose predicted speed is
+    within `tolerance` of the best."""
+    fastest = max(row["tokens_per_s"] for row in table.values())
+    close = [row for row in table.values() if row["tokens_per_s"] >= (1 - tolerance) * fastest]
+    return min(close, key=lambda row: (row["total_tokens"], row["depth"]))
+
+
 def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
-              max_new_tokens: int = 40) -> dict:
+              forwards: dict[int, float]) -> dict:
     from .drafter import EagleProposer
     from .generate import Engine, GenerationConfig
     from .prompts import encode_conversation
 
     largest = max(CANDIDATE_SIZES)
-    forwards = forward_seconds(model, CANDIDATE_SIZES)
     prompts = [encode_conversation(tokenizer, [("user", q)], answer_open=True)
                for q in CALIBRATION_QUESTIONS]
-    table, best = {}, None
+    table = {}
     for d in sorted({c for c in CANDIDATE_DEPTHS if c <= depth} | {depth}):
         proposer = EagleProposer(drafter, head=head, depth=d, top_k=top_k, total_tokens=largest)
         engine = Engine(model, tokenizer, proposer)
         engine.generate(prompts[0], GenerationConfig(max_new_tokens=4))   # warm-up
         steps = []
         for ids in prompts:
-            steps += engine.generate(ids, GenerationConfig(max_new_tokens=max_new_tokens)).steps
+            steps += engine.generate(ids, GenerationConfig(max_new_tokens=CALIBRATION_NEW_TOKENS)).steps
         draft = statistics.median(s.draft_seconds for s in steps)
         for m in CANDIDATE_SIZES:
             tau = sum(accept_length_at(s.path_ranks, m) for s in steps) / len(steps)
-            row = {"depth": d, "total_tokens": m, "tau": round(tau, 3), "draft_s": round(draft, 5),
-                   "forward_s": round(forwards[m], 5), "tokens_per_s": round(tau / (draft + forwards[m]), 2)}
-            table[f"{d}/{m}"] = row
-            if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
-                best = row
+            table[f"{d}/{m}"] = {"depth": d, "total_tokens": m, "tau": round(tau, 3),
+                                 "draft_s": round(draft, 5), "forward_s": round(forwards[m], 5),
+                                 "tokens_per_s": round(tau / (draft + forwards[m]), 2)}
+    best = pick(table)
     return {"depth": best["depth"], "total_tokens": best["total_tokens"], "table": table}
 
 
@@ -104,23 +126,39 @@ def _cache_key(model, key: str) -> str:
                      str(os.cpu_count())])
 
 
+def _load(path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(path, known: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(known, indent=1))
+    tmp.replace(path)
+
+
 def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
                 log=None) -> tuple[int, int]:
     """(depth, total_tokens) for this machine; depth at most the one given."""
     from .loading import cache_dir
 
     path = cache_dir() / "autotune.json"
-    try:
-        known = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        known = {}
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v3")
+    known = _load(path)
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v4")
     if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
-        known[full_key] = calibrate(model, tokenizer, drafter, head, depth, top_k)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(path)
+        # The forward's time depends on the model's shapes, not on its weights or drafter.
+        args = model.args
+        shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
+                f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
+        forward_key = _cache_key(model, f"forward|{shape}|v4")
+        if forward_key not in known:
+            known[forward_key] = {str(n): t for n, t in forward_seconds(model, CANDIDATE_SIZES).items()}
+        forwards = monotone({int(n): t for n, t in known[forward_key].items()})
+        known[full_key] = calibrate(model, tokenizer, drafter, head, depth, top_k, forwards)
+        _store(path, known)
     chosen = known[full_key]
     return int(chosen["depth"]), int(chosen["total_tokens"])

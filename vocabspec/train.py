@@ -154,22 +154,52 @@ def _cut_answer(answer: list[int], eos_ids: set[int], tokenizer) -> list[int]:
     return answer
 
 
+def _load_distilled(path: Path, prompts: list[list[int]]) -> dict:
+    """Answers generated so far, as {"prompts": [...], "sequences": [...]} in generation order.
+
+    Files of the first format kept only a count of prompts done; their prompts are recovered
+    as the longest current prompt that prefixes each sequence (others are dropped)."""
+    if not path.exists():
+        return {"prompts": [], "sequences": []}
+    done = torch.load(path)
+    if isinstance(done["prompts"], list):
+        return done
+    by_length = sorted(prompts, key=len, reverse=True)
+    migrated = {"prompts": [], "sequences": []}
+    for sequence in done["sequences"]:
+        prompt = next((p for p in by_length if sequence[:len(p)] == p), None)
+        if prompt is not None:
+            migrated["prompts"].append(prompt)
+            migrated["sequences"].append(sequence)
+    return migrated
+
+
 def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[list[int]]:
     """Prompt + the target's greedy answer, for `cfg.self_distill` unused ShareGPT prompts.
 
     Generation runs in batches through transformers (same weights, bfloat16): the engine's
     model decodes one sequence at a time, and a 32-row batch costs about what one row does on
-    a memory-bound CPU. Prompts are sorted by length so padding stays short. The file is
-    rewritten after every batch, so an interrupted run resumes at the next batch.
+    a memory-bound CPU. Prompts are sorted by length so padding stays short. Answers are kept
+    per prompt and the file is rewritten after every batch, so an interrupted run resumes at
+    the next batch and a later run asking for more prompts generates only the new ones (they
+    come after the old answers, so the old feature shards stay valid).
     """
+    out = Path(cfg.out) / "distilled.pt"
+    prompts = _distill_prompts(cfg, tokenizer)
+    done = _load_distilled(out, prompts)
+    finished = {tuple(p) for p in done["prompts"]}
+    todo = sorted((p for p in prompts if tuple(p) not in finished), key=len)
+    if todo:
+        _generate_answers(cfg, tokenizer, model_path, todo, done, out)
+    wanted = {tuple(p) for p in prompts}
+    return [s for p, s in zip(done["prompts"], done["sequences"]) if tuple(p) in wanted]
+
+
+def _generate_answers(cfg: TrainConfig, tokenizer, model_path: Path, todo: list[list[int]],
+                      done: dict, out: Path) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
-    out = Path(cfg.out) / "distilled.pt"
-    done = torch.load(out) if out.exists() else {"sequences": [], "prompts": 0}
-    prompts = sorted(_distill_prompts(cfg, tokenizer), key=len)
-    if done["prompts"] >= len(prompts):
-        return done["sequences"]
     logging.set_verbosity_error()
     if model_path.suffix == ".gguf":
         hf = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
@@ -182,11 +212,11 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     pad = tokenizer.eos_token_id or 0
-    bar = tqdm(total=len(prompts), initial=done["prompts"], desc="self-distillation", unit="prompt")
+    bar = tqdm(total=len(todo), desc="self-distillation", unit="prompt")
     generated = 0
     started = time.perf_counter()
-    while done["prompts"] < len(prompts):
-        batch = prompts[done["prompts"]:done["prompts"] + cfg.distill_batch]
+    for start in range(0, len(todo), cfg.distill_batch):
+        batch = todo[start:start + cfg.distill_batch]
         width = max(map(len, batch))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
@@ -195,14 +225,13 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
                                  max_new_tokens=cfg.distill_new_tokens, pad_token_id=pad)
         for prompt, row in zip(batch, output[:, width:].tolist()):
             answer = _cut_answer(row, eos_ids, tokenizer)
+            done["prompts"].append(prompt)
             done["sequences"].append(prompt + answer)
             generated += len(answer)
-        done["prompts"] += len(batch)
         _atomic_save(done, out)
         bar.set_postfix(answer_tok_s=f"{generated / (time.perf_counter() - started):.0f}")
         bar.update(len(batch))
     bar.close()
-    return done["sequences"]
 
 
 # ---------------------------------------------------------------------------- 2. features
@@ -231,6 +260,15 @@ def _features(model: Transformer, cache, ids: list[int], top: int):
     return hidden.to(torch.bfloat16).cpu(), candidates.to(torch.int32).cpu()
 
 
+def _shard_matches(path: Path, sequences: list[list[int]]) -> bool:
+    """Whether an existing shard holds exactly these sequences (a sequence list that grew, as
+    self-distillation asked for more answers, changes its last shard)."""
+    if not path.exists():
+        return False
+    tokens = torch.load(path, mmap=True)["tokens"]
+    return len(tokens) == len(sequences) and all(t.tolist() == s for t, s in zip(tokens, sequences))
+
+
 def extract_features(cfg: TrainConfig, model: Transformer, split: dict) -> list[Path]:
     """Write shards `features/{heldout,train,distill}-NNNNN.pt`; existing shards are kept."""
     directory = Path(cfg.out) / "features"
@@ -241,7 +279,9 @@ def extract_features(cfg: TrainConfig, model: Transformer, split: dict) -> list[
         sequences = split.get(part, [])
         plan = _shard_plan(sequences, cfg.shard_tokens)
         todo = [(n, a, b) for n, (a, b) in enumerate(plan)
-                if not (directory / f"{part}-{n:05d}.pt").exists()]
+                if not _shard_matches(directory / f"{part}-{n:05d}.pt", sequences[a:b])]
+        for stale in sorted(directory.glob(f"{part}-*.pt"))[len(plan):]:
+            stale.unlink()          # left by a longer sequence list than this run's
         paths += [directory / f"{part}-{n:05d}.pt" for n in range(len(plan))]
         total = sum(len(s) for _, a, b in todo for s in sequences[a:b])
         with tqdm(total=total, desc=f"features ({part})", unit="tok", unit_scale=True) as bar:
