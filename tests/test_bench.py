@@ -14,8 +14,11 @@ from conftest import SPEC_BENCH
 def test_parse_method():
     assert parse_method("vanilla") == ("none", "full")
     assert parse_method("eagle2+fr:32k") == ("eagle", "fr:32k")
-    with pytest.raises(ValueError):
-        parse_method("eagle2+fr:")
+    assert parse_method("eagle2+pld") == ("eagle+pld", "full")
+    assert parse_method("eagle2+spec:2048+pld@1x8") == ("eagle+pld", "spec:2048")
+    for bad in ("eagle2+fr:", "eagle2pld", "eagle2+", "eagle3"):
+        with pytest.raises(ValueError):
+            parse_method(bad)
 
 
 def test_copy_fraction():

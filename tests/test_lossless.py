@@ -1,7 +1,7 @@
 """Greedy speculative decoding must emit exactly the tokens of vanilla decoding (same weights,
 float32, same device), for every proposer and every draft vocabulary, on a prompt from every
-Spec-Bench category: a random drafter, the trained (bundled) drafter with the full head and
-prompt lookup on every category; the FR-Spec, VocabTrim and SpecVocab heads in turn, each on
+Spec-Bench category: a random drafter, the trained (bundled) drafter with the full head, the
+same with prompt lookup's path grafted on, and prompt lookup alone on every category; the FR-Spec, VocabTrim and SpecVocab heads in turn, each on
 a third of the categories (a head changes what is drafted, never how it is verified)."""
 
 import pytest
@@ -10,6 +10,7 @@ from vocabspec.api import bundled_drafter_dir
 from vocabspec.draft_vocab import make_draft_vocab
 from vocabspec.drafter import EagleDrafter, EagleProposer
 from vocabspec.generate import Engine, GenerationConfig
+from vocabspec.hybrid import EagleLookupProposer
 from vocabspec.pld import PromptLookupProposer
 
 from conftest import spec_bench_prompts
@@ -31,6 +32,7 @@ def proposers(loaded):
     for vocab in ("full", "fr:8k", "trim:8k", "spec:1024"):
         head = make_draft_vocab(vocab, loaded.model.embed.weight, files)
         found[f"eagle-trained-{vocab}"] = EagleProposer(trained, head=head, **TREE[loaded.name])
+    found["eagle-trained-full+pld"] = EagleLookupProposer(trained, **TREE[loaded.name])
     return found
 
 
@@ -57,6 +59,8 @@ def test_greedy_lossless_every_category(real_model):
             if name == "eagle-trained-full":
                 steps += out.steps
     assert not mismatches, f"speculative output differs from vanilla: {mismatches}"
+    # Prompt lookup's paths really were grafted onto the trees (and verified).
+    assert speculative["eagle-trained-full+pld"].proposer.grafted > 0
     # The trained drafter really drafts: well over one token per step on average.
     tau = sum(s.accept_length for s in steps) / len(steps)
     assert tau > 1.5, f"trained drafter's mean accepted length only {tau:.2f}"

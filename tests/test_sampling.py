@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 from vocabspec.draft_vocab import FullVocab, SpecVocab, StaticSubset
 from vocabspec.drafter import EagleDrafter, EagleProposer
 from vocabspec.generate import Engine, GenerationConfig
+from vocabspec.hybrid import EagleLookupProposer
 from vocabspec.sampling import SamplingParams, target_probs
 from vocabspec.tree import chain_tree
 from vocabspec.verify import verify_sampling
@@ -65,9 +66,28 @@ def make_head(kind, model):
 def test_speculative_sampling_matches_target_distribution(params, head):
     model = tiny_model("llama", seed=3, vocab_size=VOCAB, n_layers=2)
     prompt = [1, 2, 3, 4]
-    expected = exact_two_token_distribution(model, prompt, params)
     proposer = EagleProposer(EagleDrafter.random(model, seed=5), head=make_head(head, model),
                              depth=2, top_k=3, total_tokens=6)
+    assert_samples_match(model, proposer, prompt, params)
+    # And the drafter really was used: some drafted tokens were accepted.
+    assert proposer.cache.length > 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.8, top_p=0.7)],
+                         ids=["t1", "t0.8-top_p0.7"])
+def test_sampling_with_prompt_lookup_grafted_matches_target_distribution(params):
+    """Prompt lookup's path is a deterministic candidate like the drafter's: still exact. The
+    prompt holds every token twice, so every first token has a lookup continuation."""
+    model = tiny_model("llama", seed=3, vocab_size=VOCAB, n_layers=2)
+    proposer = EagleLookupProposer(EagleDrafter.random(model, seed=5), depth=2, top_k=3,
+                                   total_tokens=6)
+    assert_samples_match(model, proposer, list(range(VOCAB)) * 2, params)
+    assert proposer.grafted > 0
+
+
+def assert_samples_match(model, proposer, prompt, params):
+    expected = exact_two_token_distribution(model, prompt, params)
     runs = 3000
     counts = sampled_counts(Engine(model, None, proposer), prompt, params, runs)
     keep = expected > 0
@@ -82,8 +102,6 @@ def test_speculative_sampling_matches_target_distribution(params, head):
     obs, exp = obs.double().numpy(), exp.double().numpy()
     stat, p_value = chisquare(obs, exp / exp.sum() * obs.sum())
     assert p_value > 1e-3, f"chi-square p={p_value:.2e}"
-    # And the drafter really was used: some drafted tokens were accepted.
-    assert proposer.cache.length > 0
 
 
 def test_verify_sampling_single_node_is_exact():

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from vocabspec.tree import TreeBuilder, chain_tree
+from vocabspec.tree import TreeBuilder, chain_tree, graft_chain
 
 WORDS = ["It", "is", "has", "a", "the", "to", "good", "nice", "be", "do"]
 ID = {w: i for i, w in enumerate(WORDS)}
@@ -101,3 +101,28 @@ def test_chain_tree():
     tree = chain_tree(5, [6, 7])
     assert tree.parents.tolist() == [-1, 0, 1]
     assert torch.equal(tree.attention_mask(), torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+def test_graft_chain_shares_the_existing_prefix_and_appends_the_rest():
+    tree = figure7_builder().build()            # It -> is -> a -> good ...
+    words = [WORDS[t] for t in tree.tokens.tolist()]
+    grafted, added = graft_chain(tree, [ID["is"], ID["a"], ID["be"], ID["do"]])
+    assert added == 2                            # "is a" is already there
+    tokens, parents = grafted.tokens.tolist(), grafted.parents.tolist()
+    assert tokens[:len(words)] == tree.tokens.tolist()
+    be, do = len(words), len(words) + 1
+    assert [WORDS[tokens[be]], WORDS[tokens[do]]] == ["be", "do"]
+    assert WORDS[tokens[parents[be]]] == "a" and WORDS[tokens[parents[parents[be]]]] == "is"
+    assert parents[do] == be and grafted.children[be] == [do]
+    assert grafted.depths[be] == 3 and grafted.depths[do] == 4
+    assert grafted.ranks[be:] == [-1, -1]
+    # The mask lets the new nodes see exactly their ancestors.
+    mask = grafted.attention_mask()
+    assert mask[do].nonzero().flatten().tolist() == sorted(grafted.path_to(do))
+    # Siblings stay distinct; a chain the tree already holds adds nothing.
+    for kids in grafted.children:
+        assert len({tokens[k] for k in kids}) == len(kids)
+    same, added = graft_chain(tree, [ID["is"], ID["a"]])
+    assert added == 0 and same is tree
+    fresh, added = graft_chain(tree, [ID["do"]])  # a new child of the root, tried last
+    assert added == 1 and fresh.children[0][-1] == len(words)

@@ -19,7 +19,7 @@ from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DRAFTS = ("none", "eagle", "pld")
+DRAFTS = ("none", "eagle", "pld", "eagle+pld")
 BUNDLED_DRAFTERS = Path(__file__).parent / "drafters"
 
 
@@ -83,7 +83,7 @@ def make_proposer(model, draft: str, draft_path: str | None, model_name: str,
     from .pld import PromptLookupProposer
 
     parse_draft_vocab(draft_vocab)
-    if draft != "eagle" and draft_vocab != "full":
+    if not draft.startswith("eagle") and draft_vocab != "full":
         raise ValueError(f"--draft-vocab {draft_vocab} applies to the EAGLE drafter only (--draft eagle)")
     if draft not in DRAFTS:
         raise ValueError(f"unknown draft method {draft!r} (choose from {', '.join(DRAFTS)})")
@@ -113,6 +113,12 @@ def make_proposer(model, draft: str, draft_path: str | None, model_name: str,
                                            log=log)
     elif isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 1:
         raise ValueError(f"total_tokens must be a positive integer or 'auto', got {total_tokens!r}")
+    if draft == "eagle+pld":
+        # The tree size is the one chosen for EAGLE alone; the lookup path comes on top.
+        from .hybrid import EagleLookupProposer
+
+        return EagleLookupProposer(drafter, head=head, depth=depth, top_k=top_k,
+                                   total_tokens=total_tokens)
     return EagleProposer(drafter, head=head, depth=depth, top_k=top_k, total_tokens=total_tokens)
 
 
@@ -123,7 +129,8 @@ def load(model: str = "smollm2", draft: str = "none", draft_path: str | None = N
          ranker: str | None = None, log=None) -> LanguageModel:
     """Load a target model with an optional proposer.
 
-    draft: none | eagle | pld. draft_vocab (EAGLE only): full | fr:N | trim:N | spec:K.
+    draft: none | eagle | pld | eagle+pld (EAGLE-2's tree plus prompt lookup's path).
+    draft_vocab (EAGLE only): full | fr:N | trim:N | spec:K.
     total_tokens: drafted tokens verified per step, or "auto" to choose it and the depth (at
     most `depth`) by timing the target and drafter on this machine (cached per machine and model).
     """

@@ -5,8 +5,10 @@ target model. Each speculative method's greedy output is compared token by token
 vanilla decoding's in the same run; mismatches are counted and reported.
 
 Method names: vanilla, pld, eagle2 (full vocabulary), eagle2+fr:32k, eagle2+trim:32k,
-eagle2+spec:2048 (any size after the colon); a suffix @DEPTHxTOKENS fixes the tree
-(eagle2@6x60), otherwise the tree is the one chosen for this machine (--total-tokens auto).
+eagle2+spec:2048 (any size after the colon); "+pld" after any eagle2 method grafts prompt
+lookup's continuation onto its tree (eagle2+pld, eagle2+fr:32k+pld); a suffix @DEPTHxTOKENS
+fixes the tree (eagle2@6x60), otherwise the tree is the one chosen for this machine
+(--total-tokens auto).
 
 Output directory: answers.jsonl (Spec-Bench's fields), summary.json, report.md (tables per
 category), speedup.png and draft_breakdown.png.
@@ -70,14 +72,19 @@ def parse_method(name: str) -> tuple[str, str]:
         return "pld", "full"
     if name == "eagle2":
         return "eagle", "full"
-    if name.startswith("eagle2+"):
+    if name.startswith("eagle2"):
         from .draft_vocab import parse_draft_vocab
 
-        vocab = name[len("eagle2+"):]
-        parse_draft_vocab(vocab)
-        return "eagle", vocab
+        draft, rest = "eagle", name[len("eagle2"):]
+        if rest.endswith("+pld"):
+            draft, rest = "eagle+pld", rest[:-len("+pld")]
+        if rest == "":
+            return draft, "full"
+        if rest.startswith("+"):
+            parse_draft_vocab(rest[1:])
+            return draft, rest[1:]
     raise ValueError(f"unknown method {name!r} (vanilla, pld, eagle2, eagle2+fr:N, "
-                     "eagle2+trim:N, eagle2+spec:K)")
+                     "eagle2+trim:N, eagle2+spec:K; +pld after any eagle2 method adds prompt lookup)")
 
 
 def load_questions(path: str | Path, per_category: int | None) -> list[dict]:

@@ -45,8 +45,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
     parser.add_argument("--max-seq-len", type=_positive_int, default=None,
                         help="KV cache size in tokens (default 4096, capped by the model)")
-    parser.add_argument("--draft", default="none", choices=["none", "eagle", "pld"],
-                        help="proposer: none (vanilla), eagle (EAGLE-2 tree), pld (prompt lookup)")
+    parser.add_argument("--draft", default="none", choices=["none", "eagle", "pld", "eagle+pld"],
+                        help="proposer: none (vanilla), eagle (EAGLE-2 tree), pld (prompt lookup), "
+                             "eagle+pld (EAGLE-2's tree plus prompt lookup's path)")
     parser.add_argument("--draft-path", default=None,
                         help="EAGLE drafter directory ('random' for an untrained one)")
     parser.add_argument("--depth", type=_non_negative_int, default=6, help="tree expansion steps (with --total-tokens auto: the deepest tried)")
@@ -129,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--questions", default="../shared/data/spec_bench/question.jsonl")
     bench.add_argument("--model", default="smollm2")
     bench.add_argument("--methods", default="vanilla,pld,eagle2,eagle2+fr:32k,eagle2+trim:32k,eagle2+spec:2048",
-                       help="comma-separated: vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, eagle2+spec:K")
+                       help="comma-separated: vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, eagle2+spec:K; "
+                            "+pld after an eagle2 method adds prompt lookup (eagle2+pld)")
     bench.add_argument("--out", default=None, help="output directory (default runs/bench-MODEL)")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=1024)
     bench.add_argument("--per-category", type=_positive_int, default=None, help="questions per category")

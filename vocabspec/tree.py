@@ -7,7 +7,8 @@ top-k children each; finally all drafted nodes are reranked by value and the bes
 `total_tokens` kept, ties going to shallower nodes so that the kept set stays a connected tree.
 
 A `DraftTree` is flattened depth by depth with the root (the last sampled token, not yet in
-the target's cache) at index 0; node i's parent index is smaller than i.
+the target's cache) at index 0; node i's parent index is smaller than i. `graft_chain` adds a
+path from another source (prompt lookup) after those nodes, sharing the prefix already there.
 """
 
 from __future__ import annotations
@@ -71,6 +72,36 @@ def chain_tree(root: int, tokens: list[int], device: torch.device | None = None)
         children=[[i + 1] for i in range(n - 1)] + [[]],
         ranks=list(range(-1, n - 1)),
     )
+
+
+def graft_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, int]:
+    """The tree with `chain` as a path from the root: existing nodes are followed while they
+    carry the chain's tokens, the rest is appended (ranked -1: outside the value ranking).
+    Returns the tree and how many nodes were added. Children stay distinct per node, which
+    exact sampling verification needs."""
+    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    children = [list(kids) for kids in tree.children]
+    ranks = list(tree.ranks) if tree.ranks is not None else [-1] * len(tokens)
+    node, added = 0, 0
+    for token in chain:
+        match = next((c for c in children[node] if tokens[c] == token), None)
+        if match is None:
+            match = len(tokens)
+            tokens.append(token)
+            parents.append(node)
+            depths.append(depths[node] + 1)
+            children.append([])
+            ranks.append(-1)
+            children[node].append(match)
+            added += 1
+        node = match
+    if not added:
+        return tree, 0
+    device = tree.tokens.device
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                     parents=torch.tensor(parents, dtype=torch.long, device=device),
+                     depths=torch.tensor(depths, dtype=torch.long, device=device),
+                     children=children, ranks=ranks), added
 
 
 class TreeBuilder:
