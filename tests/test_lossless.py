@@ -98,3 +98,18 @@ def test_stream_never_shows_the_start_of_a_stop_string(smollm2):
         pieces = list(generation)
         assert generation.result.stop_reason == "stop"
         assert "".join(pieces) == generation.result.text == " six"
+
+
+def test_eagle_with_lookup_switches_to_copying_and_back(smollm2):
+    """On text that repeats, the hybrid proposes the lookup path alone once it is being
+    followed (no drafter call), and its output stays vanilla's."""
+    ids = smollm2.tokenizer.encode("one two three four five six seven one two three four five six seven one two three")
+    config = GenerationConfig(max_new_tokens=24)
+    proposer = EagleLookupProposer(EagleDrafter.load(bundled_drafter_dir("smollm2"), smollm2.model),
+                                   depth=2, top_k=4, total_tokens=8)
+    out = Engine(smollm2.model, smollm2.tokenizer, proposer).generate(ids, config)
+    ref = Engine(smollm2.model, smollm2.tokenizer).generate(ids, config)
+    assert out.tokens == ref.tokens
+    assert 0 < proposer.copy_steps < len(out.steps)
+    with pytest.raises(ValueError):
+        EagleLookupProposer(EagleDrafter.random(smollm2.model), copy_after=0)

@@ -8,6 +8,12 @@ unchanged and needs nothing from the drafter (greedy follows the target's argmax
 tries each node's children as deterministic candidates), so the union of both drafts stays
 lossless. The grafted path costs up to `num_draft` more tokens in the target's forward, and
 only where it leaves the drafter's tree.
+
+Copy mode: while the answer is copying (the last step accepted at least `copy_after` tokens
+of the lookup path), the next step proposes the lookup path alone and skips the drafter's
+tree, whose layer and head calls are then wasted time; the first step whose lookup path
+falls short goes back to both. The drafter still reads every accepted token, so its state
+is current when its tree is needed again.
 """
 
 from __future__ import annotations
@@ -16,33 +22,58 @@ import time
 
 from .drafter import EagleProposer
 from .pld import PromptLookupProposer
-from .tree import DraftTree, graft_chain
+from .tree import DraftTree, chain_tree, graft_chain
 
 
 class EagleLookupProposer(EagleProposer):
-    def __init__(self, *args, lookup: PromptLookupProposer | None = None, **kwargs):
+    def __init__(self, *args, lookup: PromptLookupProposer | None = None, copy_after: int = 2,
+                 **kwargs):
         super().__init__(*args, **kwargs)
+        if copy_after < 1:
+            raise ValueError(f"copy_after must be >= 1, got {copy_after}")
         self.lookup = lookup or PromptLookupProposer(device=self.target.device)
         self.max_tree_tokens = self.total_tokens + self.lookup.num_draft
+        self.copy_after = copy_after
         self.grafted = 0        # nodes added by prompt lookup, over all steps
+        self.copy_steps = 0     # steps that proposed the lookup path alone
+        self._chain: list[int] = []
+        self._copying = False
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         super().reset(prompt_ids, prompt_hidden, first_token)
         self.lookup.reset(prompt_ids, prompt_hidden, first_token)
+        self._chain, self._copying = [], False
 
     def observe(self, accepted, hidden, next_token) -> None:
         super().observe(accepted, hidden, next_token)
         self.lookup.observe(accepted, hidden, next_token)
+        followed = 0
+        for drafted, token in zip(self._chain, accepted[1:]):
+            if drafted != token:
+                break
+            followed += 1
+        self._copying = followed >= self.copy_after
 
     def propose(self, root_token: int) -> DraftTree:
-        tree = super().propose(root_token)
         start = time.perf_counter()
-        tree, added = graft_chain(tree, self.lookup.lookup(self.lookup.context))
+        self._chain = self.lookup.lookup(self.lookup.context)
+        if self._copying and self._chain:
+            self.copy_steps += 1
+            self.grafted += len(self._chain)
+            tree = chain_tree(root_token, self._chain, self.target.device)
+            self._count_lookup(time.perf_counter() - start)
+            return tree
+        looked_up = time.perf_counter() - start
+        tree = super().propose(root_token)          # counts its own time
+        start = time.perf_counter()
+        tree, added = graft_chain(tree, self._chain)
         self.grafted += added
-        spent = time.perf_counter() - start
-        self.timings["lookup"] = self.timings.get("lookup", 0.0) + spent
-        self.timings["total"] += spent
+        self._count_lookup(looked_up + time.perf_counter() - start)
         return tree
+
+    def _count_lookup(self, seconds: float) -> None:
+        self.timings["lookup"] = self.timings.get("lookup", 0.0) + seconds
+        self.timings["total"] += seconds
 
     def time_breakdown(self) -> dict[str, float]:
         parts = super().time_breakdown()
