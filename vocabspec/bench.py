@@ -70,8 +70,6 @@ def parse_method(name: str) -> tuple[str, str]:
         return "none", "full"
     if name == "pld":
         return "pld", "full"
-    if name == "eagle2":
-        return "eagle", "full"
     if name.startswith("eagle2"):
         from .draft_vocab import parse_draft_vocab
 

@@ -213,7 +213,8 @@ class EagleProposer:
     def time_breakdown(self) -> dict[str, float]:
         """Seconds spent drafting, split as in FR-Spec's Figure 6: decoder layer (with fc), LM
         head matmuls, softmax/top-k, ranker (SpecVocab), and tree bookkeeping (the rest)."""
-        parts = {"layer": self.timings["layer"]}
+        # Every phase a proposer times besides the total (a subclass may add its own).
+        parts = {k: v for k, v in self.timings.items() if k != "total"}
         parts.update(self.head.timings)
         parts["tree"] = max(0.0, self.timings["total"] - sum(parts.values()))
         return parts

@@ -74,9 +74,3 @@ class EagleLookupProposer(EagleProposer):
     def _count_lookup(self, seconds: float) -> None:
         self.timings["lookup"] = self.timings.get("lookup", 0.0) + seconds
         self.timings["total"] += seconds
-
-    def time_breakdown(self) -> dict[str, float]:
-        parts = super().time_breakdown()
-        parts["lookup"] = self.timings.get("lookup", 0.0)
-        parts["tree"] = max(0.0, parts["tree"] - parts["lookup"])
-        return parts
