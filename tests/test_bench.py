@@ -57,3 +57,34 @@ def test_bench_smoke(tmp_path, temperature):
     assert (out / "speedup.png").stat().st_size > 1000
     assert (out / "draft_breakdown.png").stat().st_size > 1000
     assert "| overall |" in (out / "report.md").read_text()
+
+
+def test_an_interrupted_bench_resumes_with_its_finished_questions(tmp_path, capsys):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                                 for i, (c, t) in enumerate([("qa", "Name a primary colour."),
+                                                             ("qa", "What is 2 + 3?"),
+                                                             ("writing", "Write a haiku about rain.")])))
+    out = tmp_path / "bench"
+    args = ["bench", "--questions", str(questions), "--model", "smollm2", "--max-new-tokens", "5",
+            "--methods", "vanilla,pld,eagle2+fr:8k@2x6", "--out", str(out), "--no-warmup"]
+    assert main(args) == 0
+    full = json.loads((out / "summary.json").read_text())
+    lines = (out / "answers.jsonl").read_text().splitlines()
+    assert len(lines) == 9
+    # Interrupted inside the third question: two of its three records written, the last cut off.
+    (out / "answers.jsonl").write_text("\n".join(lines[:7]) + "\n" + lines[7][:40])
+    assert main(args + ["--resume"]) == 0
+    resumed = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert [r["tstamp"] for r in resumed[:6]] == [json.loads(line)["tstamp"] for line in lines[:6]]
+    assert [r["tstamp"] for r in resumed[6:]] != [json.loads(line)["tstamp"] for line in lines[6:]]
+    summary = json.loads((out / "summary.json").read_text())
+    for name, entry in full["methods"].items():      # greedy: the same tokens, the same taus
+        for key in ("tokens", "tau"):
+            assert summary["methods"][name]["categories"]["overall"][key] == \
+                pytest.approx(entry["categories"]["overall"][key])
+    assert summary["methods"]["eagle2+fr:8k@2x6"]["mismatched_questions"] == []
+    kept = (out / "answers.jsonl").read_text()
+    assert main([a if a != "5" else "6" for a in args] + ["--resume"]) == 2
+    assert "other settings (max_new_tokens)" in capsys.readouterr().err
+    assert (out / "answers.jsonl").read_text() == kept         # refused before touching it

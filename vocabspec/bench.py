@@ -11,7 +11,9 @@ fixes the tree (eagle2@6x60), otherwise the tree is the one chosen for this mach
 (--total-tokens auto).
 
 Output directory: answers.jsonl (Spec-Bench's fields), summary.json, report.md (tables per
-category), speedup.png and draft_breakdown.png.
+category), speedup.png and draft_breakdown.png, and run.json (the settings and the trees used).
+answers.jsonl is written question by question with what the summary needs, so `--resume`
+continues an interrupted run where it stopped (same settings, same trees).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class BenchConfig:
     total_tokens: int | str = "auto"
     warmup: bool = True
     draft_path: str | None = None     # EAGLE drafter for the eagle2 methods (default: bundled)
+    resume: bool = False              # keep the finished questions of an interrupted run in `out`
 
 
 def parse_tree(name: str) -> tuple[str, tuple[int, int] | None]:
@@ -124,9 +127,12 @@ class MethodRun:
     engine: Engine
     draft_vocab: str
     stats: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    breakdown: dict = field(default_factory=dict)     # drafting seconds per phase
 
 
-def build_methods(cfg: BenchConfig, log=print):
+def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
+    """The target and one engine per method; `trees` (method -> [depth, total tokens]) fixes
+    trees that would otherwise be chosen again (a resumed run keeps its first run's)."""
     from .api import DTYPES, bundled_drafter_dir, make_proposer
     from .loading import load_model
     from .tokenizer import load_tokenizer
@@ -137,6 +143,8 @@ def build_methods(cfg: BenchConfig, log=print):
     runs = []
     for name, draft, vocab, tree in parsed:
         depth, total = tree if tree else (cfg.depth, cfg.total_tokens)
+        if trees and trees.get(name):
+            depth, total = trees[name]
         proposer = make_proposer(target, draft, cfg.draft_path, cfg.model, depth, cfg.tree_top_k,
                                  total, vocab, tokenizer=tokenizer, log=log)
         if proposer is not None and hasattr(proposer, "total_tokens"):
@@ -163,7 +171,14 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     questions = load_questions(cfg.questions, cfg.per_category)
     if "vanilla" not in cfg.methods:
         raise ValueError("the methods must include vanilla: speedups and losslessness are measured against it")
-    target, tokenizer, runs = build_methods(cfg, log)
+    settings = _run_settings(cfg)
+    previous = _previous_run(out, settings, questions, cfg.methods) if cfg.resume else None
+    if cfg.resume:
+        log(f"resuming: {len(previous['records'])} of {len(questions)} questions already answered"
+            if previous else f"nothing to resume in {out}: starting a new run")
+    target, tokenizer, runs = build_methods(cfg, log, trees=previous["trees"] if previous else None)
+    settings["trees"] = {run.name: _tree_of(run) for run in runs}
+    (out / "run.json").write_text(json.dumps(settings, indent=2))
     sampling = SamplingParams(temperature=cfg.temperature, seed=cfg.seed)
     config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling,
                               stop=stop_strings(tokenizer))
@@ -176,55 +191,136 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             run.engine.proposer.reset_timings()
     mismatches = defaultdict(list)
     copy = []
-    answers = open(out / "answers.jsonl", "w")
-    total_turns = sum(len(q["turns"]) for q in questions) * len(runs)
-    bar = tqdm(total=total_turns, desc=f"bench {cfg.model}", unit="turn")
+    done = previous["records"] if previous else {}
+    with open(out / "answers.jsonl", "w") as answers:
+        for q in questions:                 # a resumed run keeps its finished questions
+            for record in done.get(q["question_id"], []):
+                answers.write(json.dumps(record) + "\n")
+        todo = [q for q in questions if q["question_id"] not in done]
+        total_turns = sum(len(q["turns"]) for q in questions) * len(runs)
+        bar = tqdm(total=total_turns, initial=total_turns - sum(len(q["turns"]) for q in todo) * len(runs),
+                   desc=f"bench {cfg.model}", unit="turn")
+        for q in todo:
+            records = [_answer(cfg, run, q, tokenizer, config, bar) for run in runs]
+            for record in records:
+                answers.write(json.dumps(record) + "\n")
+            answers.flush()
+            done[q["question_id"]] = records
+            bar.set_postfix(mismatches=sum(map(len, _mismatches(cfg, records))))
+        bar.close()
     for q in questions:
-        outputs = {}
-        for run in runs:
-            history, choice = [], {"index": 0, "turns": [], "new_tokens": [], "wall_time": [],
-                                   "decoding_steps": [], "accept_lengths": [], "token_ids": []}
-            for turn in q["turns"]:
-                history.append(("user", turn))
-                ids = encode_conversation(tokenizer, history, answer_open=True)
-                ids = ids[-(run.engine.cache.max_len - cfg.max_new_tokens - 80):]
-                result = run.engine.generate(ids, config)
-                history.append(("assistant", result.text))
-                lengths = [s.accept_length for s in result.steps]
-                choice["turns"].append(result.text)
-                choice["new_tokens"].append(result.new_tokens)
-                choice["wall_time"].append(round(result.seconds, 4))
-                choice["decoding_steps"].append(len(lengths))
-                choice["accept_lengths"].append(lengths)
-                choice["token_ids"].append(result.tokens)
-                stats = run.stats[q["category"]]
-                stats["tokens"] += result.new_tokens
-                stats["seconds"] += result.seconds
-                stats["steps"] += len(lengths)
-                stats["accepted"] += sum(lengths)
-                stats["draft_seconds"] += sum(s.draft_seconds for s in result.steps)
-                stats["verify_seconds"] += sum(s.verify_seconds for s in result.steps)
-                if run.name == "vanilla":
-                    copy.append((copy_fraction(ids, result.tokens), result.new_tokens))
-                bar.update(1)
-            outputs[run.name] = choice["token_ids"]
-            record = {"question_id": q["question_id"], "category": q["category"],
-                      "model_id": f"{cfg.model}-{run.name}", "method": run.name,
-                      "choices": [choice], "tstamp": time.time()}
-            answers.write(json.dumps(record) + "\n")
-        if cfg.temperature == 0:
-            for name, turns in outputs.items():
-                if name != "vanilla" and turns != outputs["vanilla"]:
-                    mismatches[name].append(q["question_id"])
-        bar.set_postfix(mismatches=sum(map(len, mismatches.values())))
-    bar.close()
-    answers.close()
+        records = done[q["question_id"]]
+        for run, record in zip(runs, records):
+            _fold(run, record)
+        copy += records[cfg.methods.index("vanilla")]["copy"]
+        for name in _mismatches(cfg, records):
+            mismatches[name].append(q["question_id"])
     summary = summarise(cfg, runs, target, mismatches, copy)
     summary["questions"] = len(questions)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "report.md").write_text(report_markdown(summary))
     plot(summary, out)
     return summary
+
+
+def _answer(cfg: BenchConfig, run: MethodRun, q: dict, tokenizer, config, bar) -> dict:
+    """One method's answers to every turn of a question, as a Spec-Bench record; the record
+    also keeps what the summary needs (timings, drafting breakdown), so a run can resume."""
+    history, choice = [], {"index": 0, "turns": [], "new_tokens": [], "wall_time": [],
+                           "decoding_steps": [], "accept_lengths": [], "token_ids": []}
+    stats, copy = defaultdict(float), []
+    before = _breakdown(run)
+    for turn in q["turns"]:
+        history.append(("user", turn))
+        ids = encode_conversation(tokenizer, history, answer_open=True)
+        ids = ids[-(run.engine.cache.max_len - cfg.max_new_tokens - 80):]
+        result = run.engine.generate(ids, config)
+        history.append(("assistant", result.text))
+        lengths = [s.accept_length for s in result.steps]
+        choice["turns"].append(result.text)
+        choice["new_tokens"].append(result.new_tokens)
+        choice["wall_time"].append(round(result.seconds, 4))
+        choice["decoding_steps"].append(len(lengths))
+        choice["accept_lengths"].append(lengths)
+        choice["token_ids"].append(result.tokens)
+        stats["tokens"] += result.new_tokens
+        stats["seconds"] += result.seconds
+        stats["steps"] += len(lengths)
+        stats["accepted"] += sum(lengths)
+        stats["draft_seconds"] += sum(s.draft_seconds for s in result.steps)
+        stats["verify_seconds"] += sum(s.verify_seconds for s in result.steps)
+        copy.append((copy_fraction(ids, result.tokens), result.new_tokens))
+        bar.update(1)
+    after = _breakdown(run)
+    return {"question_id": q["question_id"], "category": q["category"],
+            "model_id": f"{cfg.model}-{run.name}", "method": run.name, "choices": [choice],
+            "tstamp": time.time(), "stats": dict(stats), "copy": copy,
+            "draft_breakdown_s": {k: v - before.get(k, 0.0) for k, v in after.items()}}
+
+
+def _breakdown(run: MethodRun) -> dict:
+    proposer = run.engine.proposer
+    return proposer.time_breakdown() if proposer is not None and hasattr(proposer, "time_breakdown") else {}
+
+
+def _fold(run: MethodRun, record: dict) -> None:
+    for key, value in record["stats"].items():
+        run.stats[record["category"]][key] += value
+    for key, value in record["draft_breakdown_s"].items():
+        run.breakdown[key] = run.breakdown.get(key, 0.0) + value
+
+
+def _mismatches(cfg: BenchConfig, records: list[dict]) -> list[str]:
+    """Methods whose greedy tokens differ from vanilla's on this question."""
+    if cfg.temperature != 0:
+        return []
+    reference = records[cfg.methods.index("vanilla")]["choices"][0]["token_ids"]
+    return [r["method"] for r in records if r["choices"][0]["token_ids"] != reference]
+
+
+def _tree_of(run: MethodRun) -> list[int] | None:
+    proposer = run.engine.proposer
+    return [proposer.depth, proposer.total_tokens] if hasattr(proposer, "total_tokens") else None
+
+
+# Settings that must match for a run to resume another: anything that changes the answers
+# or their timings' meaning (not the output directory, threads or warm-up).
+RESUME_KEYS = ("questions", "model", "methods", "max_new_tokens", "per_category", "temperature",
+               "seed", "dtype", "device", "depth", "tree_top_k", "total_tokens", "draft_path")
+
+
+def _run_settings(cfg: BenchConfig) -> dict:
+    settings = {k: getattr(cfg, k) for k in RESUME_KEYS}
+    settings["methods"] = list(cfg.methods)
+    settings["questions"] = str(Path(cfg.questions).resolve())
+    return settings
+
+
+def _previous_run(out: Path, settings: dict, questions: list[dict], methods) -> dict | None:
+    """Finished questions of an interrupted run in `out` (every method answered), and the trees
+    its methods used, so the resumed run decodes with the same ones."""
+    run_file, answers_file = out / "run.json", out / "answers.jsonl"
+    if not run_file.exists() or not answers_file.exists():
+        return None
+    previous = json.loads(run_file.read_text())
+    changed = [k for k in RESUME_KEYS if previous.get(k) != settings[k]]
+    if changed:
+        raise ValueError(f"cannot resume the run in {out}: it was made with other settings "
+                         f"({', '.join(changed)}); use another --out, or drop --resume to start over")
+    by_question = defaultdict(dict)
+    for line in answers_file.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue                                # a line cut off by the interruption
+        if "stats" in record:
+            by_question[record["question_id"]][record["method"]] = record
+    records = {}
+    for q in questions:
+        found = by_question.get(q["question_id"], {})
+        if all(m in found for m in methods):
+            records[q["question_id"]] = [found[m] for m in methods]
+    return {"records": records, "trees": previous.get("trees", {})}
 
 
 def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
@@ -248,7 +344,7 @@ def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
         entry = {"categories": per_cat}
         proposer = run.engine.proposer
         if proposer is not None and hasattr(proposer, "time_breakdown"):
-            entry["draft_breakdown_s"] = proposer.time_breakdown()
+            entry["draft_breakdown_s"] = run.breakdown
             entry["total_tokens"] = proposer.total_tokens
             entry["depth"] = proposer.depth
             # VocabTrim's memory-bound speedup: tau / (c * gamma + 1), c = drafter/target

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--self-distill", type=_non_negative_int, default=defaults.self_distill,
                        help="also train on the target's own greedy answers to this many unused "
                             "ShareGPT prompts (self-distillation)")
+    train.add_argument("--task-prompts", type=_non_negative_int, default=defaults.task_prompts,
+                       help="and to this many task-style prompts built from ShareGPT text "
+                            "(summarize, translate, answer from a passage)")
     train.add_argument("--init", default=defaults.init,
                        help="start from this drafter directory instead of a random drafter")
     train.add_argument("--feature-dtype", default=defaults.feature_dtype, choices=["float32", "bfloat16"])
@@ -144,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tree-top-k", type=_positive_int, default=10)
     bench.add_argument("--total-tokens", type=_total_tokens, default="auto")
     bench.add_argument("--no-warmup", action="store_true")
+    bench.add_argument("--resume", action="store_true",
+                       help="keep the questions an interrupted run in --out finished (same settings)")
     bench.add_argument("--draft-path", default=None,
                        help="EAGLE drafter directory for the eagle2 methods (default: the bundled one)")
 
@@ -212,7 +217,7 @@ def cmd_bench(args) -> int:
                       per_category=args.per_category, temperature=args.temperature, seed=args.seed,
                       dtype=args.dtype, device=args.device, depth=args.depth,
                       tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
-                      warmup=not args.no_warmup, draft_path=args.draft_path)
+                      warmup=not args.no_warmup, draft_path=args.draft_path, resume=args.resume)
     summary = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
     print(open(f"{cfg.out}/report.md").read())
     bad = {n: m["mismatched_questions"] for n, m in summary["methods"].items() if m.get("mismatched_questions")}

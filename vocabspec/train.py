@@ -65,6 +65,7 @@ class TrainConfig:
     seed: int = 0
     max_steps: int = 0              # stop early (0: run all epochs)
     self_distill: int = 0           # ShareGPT prompts the target answers itself (0: none)
+    task_prompts: int = 0           # and task-style prompts built from ShareGPT text (task_prompts.py)
     distill_new_tokens: int = 256   # tokens per self-distilled answer, at most
     distill_batch: int = 32         # prompts generated together
     unroll: int = 1                 # drafting steps trained per position (1: EAGLE's loss)
@@ -119,7 +120,9 @@ def prepare_sequences(cfg: TrainConfig, tokenizer) -> dict:
 
 
 def _distill_prompts(cfg: TrainConfig, tokenizer) -> list[list[int]]:
-    """First user turns of ShareGPT conversations that are neither training nor held-out ones."""
+    """First user turns of ShareGPT conversations that are neither training nor held-out ones,
+    then `cfg.task_prompts` task-style prompts (after them, so that asking for task prompts
+    later keeps the earlier answers and their feature shards)."""
     from .sharegpt import iter_conversations
 
     conversations = list(iter_conversations())
@@ -127,13 +130,30 @@ def _distill_prompts(cfg: TrainConfig, tokenizer) -> list[list[int]]:
     room = cfg.max_len - cfg.distill_new_tokens
     prompts = []
     for _, turns in conversations[cfg.heldout + cfg.conversations:]:
+        if len(prompts) == cfg.self_distill:
+            break
         ids = encode_conversation(tokenizer, turns[:1], answer_open=True)
         if len(ids) <= room:          # a cut prompt would lose its chat template's frame
             prompts.append(ids)
-        if len(prompts) == cfg.self_distill:
-            return prompts
-    raise ValueError(f"ShareGPT has only {len(prompts)} unused prompts of at most {room} tokens, "
-                     f"{cfg.self_distill} asked for")
+    if len(prompts) < cfg.self_distill:
+        raise ValueError(f"ShareGPT has only {len(prompts)} unused prompts of at most {room} "
+                         f"tokens, {cfg.self_distill} asked for")
+    return prompts + _task_prompt_ids(cfg, tokenizer, conversations[cfg.heldout:], room)
+
+
+def _task_prompt_ids(cfg: TrainConfig, tokenizer, conversations: list, room: int) -> list[list[int]]:
+    from .task_prompts import task_prompts
+
+    if not cfg.task_prompts:
+        return []
+    # Twice as many candidates as needed, since some are too long once tokenized.
+    texts = task_prompts(conversations, 2 * cfg.task_prompts)
+    encoded = (encode_conversation(tokenizer, [("user", text)], answer_open=True) for text in texts)
+    prompts = [ids for ids in encoded if len(ids) <= room][:cfg.task_prompts]
+    if len(prompts) < cfg.task_prompts:
+        raise ValueError(f"ShareGPT gave only {len(prompts)} task prompts of at most {room} "
+                         f"tokens, {cfg.task_prompts} asked for")
+    return prompts
 
 
 def _cut_answer(answer: list[int], eos_ids: set[int], tokenizer) -> list[int]:
@@ -175,7 +195,7 @@ def _load_distilled(path: Path, prompts: list[list[int]]) -> dict:
 
 
 def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[list[int]]:
-    """Prompt + the target's greedy answer, for `cfg.self_distill` unused ShareGPT prompts.
+    """Prompt + the target's greedy answer, for each prompt of `_distill_prompts`.
 
     Generation runs in batches through transformers (same weights, bfloat16): the engine's
     model decodes one sequence at a time, and a 32-row batch costs about what one row does on
@@ -529,7 +549,7 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
     split = prepare_sequences(cfg, tokenizer)
     report["train_sequences"] = len(split["train"])
     report["train_tokens"] = split["train_tokens"]
-    if cfg.self_distill:
+    if cfg.self_distill or cfg.task_prompts:
         split["distill"] = distill_sequences(cfg, tokenizer, model_path)
         report["distill_sequences"] = len(split["distill"])
         report["distill_tokens"] = sum(map(len, split["distill"]))

@@ -1,0 +1,44 @@
+"""Task-style self-distillation prompts: language detection, the mix of kinds, and their place
+after the ShareGPT prompts (so that adding them keeps earlier answers)."""
+
+from vocabspec.task_prompts import language_of, task_prompts
+from vocabspec.train import TrainConfig, _distill_prompts
+
+GERMAN = "Ich habe heute keine Zeit, weil ich mit der Familie in die Stadt fahre und das Auto nicht geht."
+FRENCH = "Je ne sais pas si le train est déjà parti, mais nous devons être à la gare avant midi pour le voir."
+ENGLISH = "The committee met on Tuesday and agreed that the new schedule should start in the spring term."
+LONG_ENGLISH = " ".join(["The river runs past the old mill and the bakery toward the sea."] * 20)
+
+
+def test_language_of_tells_the_seeded_languages_from_english():
+    assert language_of(GERMAN) == "German"
+    assert language_of(FRENCH) == "French"
+    assert language_of(ENGLISH) == ""
+    assert language_of("Und die") == ""          # too short to tell
+
+
+def test_task_prompts_take_kinds_in_turn_and_fill_when_one_runs_out():
+    conversations = [(str(i), [("user", f"Question {i}?"), ("assistant", LONG_ENGLISH)])
+                     for i in range(5)]
+    conversations.append(("de", [("user", GERMAN), ("assistant", "Sure.")]))
+    prompts = task_prompts(conversations, 7)
+    assert len(prompts) == 7
+    assert prompts[0] == f"Summarize: {LONG_ENGLISH}"
+    assert prompts[1] == f"Translate German to English: {GERMAN}"
+    # Passages are drawn from the other end; "Sure." is too short to be one.
+    assert prompts[2] == f"{LONG_ENGLISH}\n\nAnswer from the passage above: Question 4?"
+    assert sum(p.startswith("Translate") for p in prompts) == 1     # only one German text
+    assert len(task_prompts(conversations, 100)) == 11               # 5 + 1 + 5: all there is
+
+
+def test_task_prompts_come_after_the_sharegpt_prompts(smollm2):
+    cfg = TrainConfig(conversations=10, heldout=2, self_distill=3, max_len=1024,
+                      distill_new_tokens=128)
+    plain = _distill_prompts(cfg, smollm2.tokenizer)
+    cfg.task_prompts = 4
+    mixed = _distill_prompts(cfg, smollm2.tokenizer)
+    assert len(plain) == 3 and mixed[:3] == plain and len(mixed) == 7
+    texts = [smollm2.tokenizer.decode(ids) for ids in mixed[3:]]
+    assert "Summarize: " in texts[0] and "to English: " in texts[1]
+    assert "Answer from the passage above: " in texts[2]
+    assert all(len(ids) <= cfg.max_len - cfg.distill_new_tokens for ids in mixed)
