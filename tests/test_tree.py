@@ -1,6 +1,7 @@
 """EAGLE-2 tree construction against hand-worked cases (Figure 7 of the paper)."""
 
 import math
+import random
 
 import torch
 
@@ -18,7 +19,7 @@ def ids(*words):
     return torch.tensor([[ID[w] for w in words]])
 
 
-def figure7_builder(total_tokens=7):
+def figure7_builder(total_tokens=7, expanded=("a", "to")):
     b = TreeBuilder(ID["It"], top_k=2, total_tokens=total_tokens)
     b.add_children([0], ids("is", "has"), lp(0.6, 0.2))
     frontier = b.frontier()
@@ -27,10 +28,10 @@ def figure7_builder(total_tokens=7):
                    torch.cat([lp(0.8, 0.1), lp(0.7, 0.1)]))
     frontier = b.frontier()
     # values: a 0.48, the 0.06, to 0.14, a 0.02 -> expand "a" (0.48) and "to" (0.14)
-    assert [WORDS[b.token[i]] for i in frontier] == ["a", "to"]
-    assert [round(math.exp(b.value[i]), 4) for i in frontier] == [0.48, 0.14]
-    b.add_children(frontier, torch.cat([ids("good", "nice"), ids("be", "do")]),
-                   torch.cat([lp(0.7, 0.1), lp(0.6, 0.2)]))
+    assert [WORDS[b.token[i]] for i in frontier] == list(expanded)
+    children = {"a": (ids("good", "nice"), lp(0.7, 0.1)), "to": (ids("be", "do"), lp(0.6, 0.2))}
+    b.add_children(frontier, torch.cat([children[w][0] for w in expanded]),
+                   torch.cat([children[w][1] for w in expanded]))
     return b
 
 
@@ -65,7 +66,8 @@ def test_figure7_rerank_flatten_and_mask():
 
 
 def test_smaller_budget_keeps_best_nodes():
-    tree = figure7_builder(total_tokens=3).build()
+    # With 3 tokens, "to" (0.14) is beaten by is, a and has already: it is not expanded.
+    tree = figure7_builder(total_tokens=3, expanded=("a",)).build()
     assert [WORDS[t] for t in tree.tokens.tolist()] == ["It", "is", "a", "good"]
 
 
@@ -126,3 +128,45 @@ def test_graft_chain_shares_the_existing_prefix_and_appends_the_rest():
     assert added == 0 and same is tree
     fresh, added = graft_chain(tree, [ID["do"]])  # a new child of the root, tried last
     assert added == 1 and fresh.children[0][-1] == len(words)
+
+
+def _draft(builder: TreeBuilder, depth: int, k: int) -> TreeBuilder:
+    """Grow a tree as the drafter does, children drawn from a fixed function of each node's path."""
+    def children(node):
+        path = []
+        while node != -1:
+            path.append(builder.token[node])
+            node = builder.parent[node]
+        rng = random.Random(str(path))
+        probs = sorted((rng.random() ** 3 for _ in range(k)), reverse=True)
+        return [rng.randrange(1000) for _ in range(k)], [math.log(p / (sum(probs) + 0.1)) for p in probs]
+
+    def expand(parents):
+        rows = [children(p) for p in parents]
+        builder.add_children(parents, torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]))
+
+    expand([0])
+    calls = 0
+    for _ in range(depth):
+        frontier = builder.frontier()
+        if not frontier:
+            break
+        calls += len(frontier)
+        expand(frontier)
+    builder.rows_drafted = calls
+    return builder
+
+
+def test_pruned_frontier_builds_the_same_tree_with_fewer_rows():
+    saved = 0
+    for seed in range(40):
+        total = random.Random(seed).choice([4, 8, 16, 30, 60])
+        pruned = _draft(TreeBuilder(seed, 6, total), depth=5, k=6)
+        full = TreeBuilder(seed, 6, 10**9)              # no node can be ruled out
+        _draft(full, depth=5, k=6)
+        full.total_tokens = total
+        a, b = pruned.build(), full.build()
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        assert pruned.rows_drafted <= full.rows_drafted
+        saved += full.rows_drafted - pruned.rows_drafted
+    assert saved > 0

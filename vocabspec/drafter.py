@@ -270,6 +270,8 @@ class EagleProposer:
         device = self.target.device
         for _ in range(self.depth):
             frontier = builder.frontier()
+            if not frontier:
+                break
             n_pending = self.cache.pending
             mask = torch.zeros(len(frontier), n_pending + len(frontier), dtype=torch.bool, device=device)
             for row, node in enumerate(frontier):

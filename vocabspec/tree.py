@@ -137,13 +137,21 @@ class TreeBuilder:
         return new
 
     def frontier(self) -> list[int]:
-        """The top_k nodes of the newest layer by value: the next to expand."""
+        """The top_k nodes of the newest layer by value: the next to expand, less those that
+        cannot reach the final tree."""
         newest = self.newest
         if len(newest) <= self.top_k:
-            return list(newest)
-        values = torch.tensor([self.value[i] for i in newest], dtype=torch.float64)
-        order = torch.topk(values, self.top_k).indices.tolist()
-        return [newest[i] for i in order]
+            chosen = list(newest)
+        else:
+            values = torch.tensor([self.value[i] for i in newest], dtype=torch.float64)
+            chosen = [newest[i] for i in torch.topk(values, self.top_k).indices.tolist()]
+        if len(self.value) - 1 <= self.total_tokens:
+            return chosen
+        # total_tokens nodes already beat anything valued below the cutoff, and a child's value
+        # never exceeds its parent's: such a node's descendants would all be dropped by build().
+        # Skipping them leaves the built tree as it was and spares the drafter those rows.
+        cutoff = sorted(self.value[1:], reverse=True)[self.total_tokens - 1]
+        return [node for node in chosen if self.value[node] >= cutoff]
 
     def build(self, device: torch.device | None = None) -> DraftTree:
         """Rerank all drafted nodes, keep the best total_tokens, flatten depth by depth."""
