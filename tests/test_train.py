@@ -155,3 +155,17 @@ def test_feature_shards_of_a_grown_sequence_list_are_rebuilt(tmp_path):
     assert [t.tolist() for t, _, _ in load_shards(cfg, "distill")] == sequences
     extract_features(cfg, model, {"distill": sequences[:2]})     # shrunk: one shard left
     assert [t.tolist() for t, _, _ in load_shards(cfg, "distill")] == sequences[:2]
+
+
+def test_ranker_distillation_lowers_its_loss_on_sampled_positions(tmp_path):
+    from vocabspec.ranker import train_ranker
+    from vocabspec.train import load_shards
+
+    model = tiny_model("llama", vocab_size=60)
+    fake_shards(model, tmp_path, count=8)
+    cfg = TrainConfig(out=str(tmp_path))
+    drafter = EagleDrafter.random(model).float()
+    _, _, metrics = train_ranker(drafter, load_shards(cfg, "train"), load_shards(cfg, "heldout"),
+                                 rank=4, epochs=25, lr=1e-2, positions=6, log=lambda _: None)
+    assert metrics["positions_per_sequence"] == 6
+    assert metrics["loss_last_tenth"] < metrics["loss_first_tenth"]

@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     ranker.add_argument("--rank", type=_positive_int, default=None, help="d' (default d/16)")
     ranker.add_argument("--sequences", type=_positive_int, default=None, help="training sequences")
     ranker.add_argument("--epochs", type=_positive_int, default=1)
+    ranker.add_argument("--positions", type=_positive_int, default=128,
+                        help="positions per sequence in the loss (random; default 128)")
     ranker.add_argument("--out", default=None, help="default: next to the bundled drafter")
 
     bench = sub.add_parser("bench", help="Spec-Bench: every method side by side, with plots")
@@ -286,12 +288,14 @@ def cmd_ranker(args) -> int:
         raise ValueError(f"no drafter bundled for {args.model}: pass --draft-path")
     drafter = EagleDrafter.load(draft_path, target).float()
     cfg = TrainConfig(model=args.model, out=args.features or f"runs/train-{args.model}")
-    train_set, heldout = load_shards(cfg, "train"), load_shards(cfg, "heldout")
+    # The target's own answers (self-distillation) are what the drafter meets when drafting.
+    train_set = load_shards(cfg, "train") + load_shards(cfg, "distill")
+    heldout = load_shards(cfg, "heldout")
     if not train_set:
         raise ValueError(f"no feature shards under {cfg.out}/features: run vocabspec train first")
     rank = args.rank or max(1, target.args.dim // 16)
     down, vocab, metrics = train_ranker(drafter, train_set, heldout, rank, epochs=args.epochs,
-                                        max_sequences=args.sequences)
+                                        max_sequences=args.sequences, positions=args.positions)
     out = Path(args.out) if args.out else Path(draft_path) / "ranker.safetensors"
     save_ranker(down.to(torch.bfloat16), vocab.to(torch.bfloat16), out, meta=metrics)
     print(f"wrote {out}: {metrics}")

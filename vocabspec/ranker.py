@@ -63,7 +63,7 @@ def _teacher(target, features: torch.Tensor, candidates: torch.Tensor):
 
 def hits_in_top(scores: torch.Tensor, tokens: torch.Tensor, ks) -> dict[int, int]:
     """For each k in ks: how many rows of `scores` rank their row's token among their top k."""
-    top = torch.topk(scores, max(ks), dim=-1).indices
+    top = torch.topk(scores, min(max(ks), scores.shape[-1]), dim=-1).indices
     return {k: int((top[:, :k] == tokens[:, None]).any(-1).sum()) for k in ks}
 
 
@@ -88,7 +88,15 @@ def recall(drafter: EagleDrafter, down, vocab, sequences, k: int = 2048) -> dict
 
 
 def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: int = 1,
-                 lr: float = 2e-3, max_sequences: int | None = None, seed: int = 0, log=print):
+                 lr: float = 2e-3, max_sequences: int | None = None, positions: int | None = 128,
+                 seed: int = 0, log=print):
+    """Distil the ranker on `max_sequences` sequences of the feature shards.
+
+    positions: positions per sequence that enter the loss (None: all). The loss needs the
+    ranker's scores over the whole vocabulary at every position it uses, so a few positions
+    from many sequences buy more variety than every position of a few: for Gemma's 262k
+    vocabulary, all of a 700-token sequence's positions cost about 10 s, 128 of them 2 s.
+    """
     from .train import draft_states, features_of
 
     target = drafter.target
@@ -101,15 +109,21 @@ def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: i
     order = list(range(len(train_set)))
     random.Random(seed).shuffle(order)
     order = order[:max_sequences] if max_sequences else order
+    generator = torch.Generator().manual_seed(seed)
     total = len(order) * epochs
     started = time.perf_counter()
+    losses = []
     with tqdm(total=total, desc="ranker", unit="seq") as bar:
         for step in range(total):
             tokens, hidden, candidates = train_set[order[step % len(order)]]
             with torch.no_grad():
                 features = features_of(target, hidden)
                 states = draft_states(drafter, tokens.long(), features)
-                ids, probs = _teacher(target, features[1:], candidates[1:].long())
+                rows = torch.arange(states.shape[0])
+                if positions and positions < rows.numel():
+                    rows = torch.randperm(rows.numel(), generator=generator)[:positions]
+                states = states[rows]
+                ids, probs = _teacher(target, features[1:][rows], candidates[1:][rows].long())
             for group in optimizer.param_groups:
                 group["lr"] = lr * (1 - step / total)
             scores = F.linear(F.linear(states, down), vocab)
@@ -118,12 +132,17 @@ def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: i
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
             bar.update(1)
     down, vocab = down.detach(), vocab.detach()
     metrics = recall(drafter, down, vocab, heldout)
     metrics["train_seconds"] = round(time.perf_counter() - started, 1)
     metrics["sequences"] = len(order)
+    tenth = max(1, len(losses) // 10)
+    metrics["loss_first_tenth"] = round(sum(losses[:tenth]) / tenth, 4)
+    metrics["loss_last_tenth"] = round(sum(losses[-tenth:]) / tenth, 4)
+    metrics["positions_per_sequence"] = positions or "all"
     metrics["rank"] = rank
     log(f"trained: {metrics}")
     return down, vocab, metrics
