@@ -10,16 +10,21 @@ from vocabspec.tree import TreeBuilder
 
 
 def grow(total, seed):
-    rng = random.Random(seed)
+    """A tree as the drafter grows it, children a fixed function of their parent (as a drafter's
+    are of the path), from a few log-probabilities so that values tie often."""
     builder = TreeBuilder(root_token=0, top_k=3, total_tokens=total)
-    token = iter(range(1, 10_000))
-    builder.add_children([0], torch.tensor([[next(token) for _ in range(3)]]),
-                         torch.tensor([[rng.choice([-0.1, -0.5, -1.0, -2.0]) for _ in range(3)]]))
+
+    def expand(parents):
+        tokens = [[builder.token[p] * 3 + j + 1 for j in range(3)] for p in parents]
+        log_probs = [[random.Random(f"{seed}-{t}").choice([-0.1, -0.5, -1.0, -2.0]) for t in row]
+                     for row in tokens]
+        builder.add_children(parents, torch.tensor(tokens), torch.tensor(log_probs))
+
+    expand([0])
     for _ in range(3):
         frontier = builder.frontier()
-        builder.add_children(frontier, torch.tensor([[next(token) for _ in range(3)] for _ in frontier]),
-                             torch.tensor([[rng.choice([-0.1, -0.5, -1.0, -2.0]) for _ in range(3)]
-                                           for _ in frontier]))
+        if frontier:
+            expand(frontier)
     return builder.build()
 
 

@@ -139,12 +139,9 @@ class TreeBuilder:
     def frontier(self) -> list[int]:
         """The top_k nodes of the newest layer by value: the next to expand, less those that
         cannot reach the final tree."""
-        newest = self.newest
-        if len(newest) <= self.top_k:
-            chosen = list(newest)
-        else:
-            values = torch.tensor([self.value[i] for i in newest], dtype=torch.float64)
-            chosen = [newest[i] for i in torch.topk(values, self.top_k).indices.tolist()]
+        # Ties go to the earlier drafted node, so a tree grown with a smaller total_tokens
+        # expands the same nodes, in the same order, as the part of a larger one it keeps.
+        chosen = sorted(self.newest, key=lambda i: (-self.value[i], i))[:self.top_k]
         if len(self.value) - 1 <= self.total_tokens:
             return chosen
         # total_tokens nodes already beat anything valued below the cutoff, and a child's value
