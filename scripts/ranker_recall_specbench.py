@@ -8,6 +8,9 @@ over prompt + answer gives the features the drafter sees when it drafts the firs
 step, and the target's choice at each answer position.
 
     python scripts/ranker_recall_specbench.py --model gemma3 --per-category 2 --new-tokens 128
+
+With --answers, the answers come from a benchmark run's answers.jsonl (its vanilla method's
+first turns) instead of being generated again.
 """
 
 from __future__ import annotations
@@ -31,6 +34,20 @@ from vocabspec.train import draft_states, features_of
 QUESTIONS = "../shared/data/spec_bench/question.jsonl"
 
 
+def _vanilla_answers(path: str, questions: list[dict]) -> dict:
+    """question_id -> vanilla's first-turn token ids, for every question asked."""
+    answers = {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("method") == "vanilla":
+                answers[record["question_id"]] = record["choices"][0]["token_ids"][0]
+    missing = [q["question_id"] for q in questions if q["question_id"] not in answers]
+    if missing:
+        raise SystemExit(f"{path} has no vanilla answer for questions {missing}")
+    return answers
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
@@ -38,18 +55,24 @@ def main():
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--k", default="512,1024,2048,4096")
+    parser.add_argument("--answers", help="a `vocabspec bench` answers.jsonl to take vanilla's "
+                                           "answers from (then --new-tokens is unused)")
     args = parser.parse_args()
     ks = [int(k) for k in args.k.split(",")]
     lm = vocabspec.load(args.model, draft="eagle", total_tokens=8)
     target, drafter = lm.engine.model, lm.engine.proposer.drafter
     ranker = make_draft_vocab("spec:2048", target.embed.weight, bundled_drafter_dir(args.model))
     questions = load_questions(args.questions, args.per_category)
+    answers = _vanilla_answers(args.answers, questions) if args.answers else {}
     hits = {k: [0, 0, 0] for k in ks}
     positions = 0
     with torch.inference_mode():
         for q in tqdm(questions, desc="recall", unit="question"):
             ids = encode_conversation(lm.tokenizer, [("user", q["turns"][0])], answer_open=True)
-            answer = lm.engine.generate(ids, GenerationConfig(max_new_tokens=args.new_tokens)).tokens
+            if answers:
+                answer = answers[q["question_id"]]
+            else:
+                answer = lm.engine.generate(ids, GenerationConfig(max_new_tokens=args.new_tokens)).tokens
             tokens = torch.tensor(ids + answer)
             cache = target.new_cache(len(tokens) + 1)
             hidden, logits = target(tokens, torch.arange(len(tokens)), cache, all_logits=True)

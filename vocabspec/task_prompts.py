@@ -37,11 +37,17 @@ def _word_count(text: str) -> int:
     return len(text.split())
 
 
+def _is_english_prose(text: str, min_words: int, max_words: int) -> bool:
+    """Long enough to be worth condensing or asking about, short enough to leave room for
+    the answer, and no code: an answer about code mostly copies it, which is not the task."""
+    return min_words <= _word_count(text) <= max_words and not language_of(text) \
+        and "```" not in text
+
+
 def _summaries(conversations, min_words: int, max_words: int):
     for _, turns in conversations:
         for role, text in turns:
-            if role == "assistant" and min_words <= _word_count(text) <= max_words \
-                    and not language_of(text) and "```" not in text:
+            if role == "assistant" and _is_english_prose(text, min_words, max_words):
                 yield f"Summarize: {text}"
                 break
 
@@ -59,8 +65,7 @@ def _passage_questions(conversations, min_words: int, max_words: int):
     """A conversation's first answer as the passage, its first question after it."""
     for _, turns in conversations:
         question, answer = turns[0][1], turns[1][1]
-        if min_words <= _word_count(answer) <= max_words and _word_count(question) <= 60 \
-                and not language_of(answer) and "```" not in answer:
+        if _is_english_prose(answer, min_words, max_words) and _word_count(question) <= 60:
             yield f"{answer}\n\nAnswer from the passage above: {question}"
 
 
