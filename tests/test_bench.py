@@ -53,10 +53,15 @@ def test_bench_smoke(tmp_path, temperature):
         assert overall["tokens"] > 0 and overall["speedup"] > 0
         if temperature == 0:
             assert summary["methods"][name]["mismatched_questions"] == []
+        cost, vanilla = summary["methods"][name]["step_cost"], summary["methods"]["vanilla"]["step_cost"]
+        assert cost["verify"] > 0 and cost["whole"] == pytest.approx(cost["verify"] + cost["draft"] + cost["rest"])
+        assert overall["speedup"] == pytest.approx((cost["tokens_per_step"] / cost["whole"])
+                                                   / (vanilla["tokens_per_step"] / vanilla["whole"]))
     assert summary["methods"]["vanilla"]["categories"]["overall"]["tau"] == pytest.approx(1.0)
     assert (out / "speedup.png").stat().st_size > 1000
     assert (out / "draft_breakdown.png").stat().st_size > 1000
     assert "| overall |" in (out / "report.md").read_text()
+    assert "## Cost of a step" in (out / "report.md").read_text()
 
 
 def test_an_interrupted_bench_resumes_with_its_finished_questions(tmp_path, capsys):

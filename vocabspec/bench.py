@@ -338,7 +338,7 @@ def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
             accepted = sum(r["accepted"] for r in rows)
             per_cat[cat] = {"tau": accepted / steps if steps else 0.0,
                             "tokens_per_s": tokens / seconds if seconds else 0.0,
-                            "tokens": int(tokens), "seconds": seconds,
+                            "tokens": int(tokens), "seconds": seconds, "steps": int(steps),
                             "draft_seconds": sum(r["draft_seconds"] for r in rows),
                             "verify_seconds": sum(r["verify_seconds"] for r in rows)}
         entry = {"categories": per_cat}
@@ -359,6 +359,7 @@ def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
     for entry in methods.values():
         for cat, row in entry["categories"].items():
             row["speedup"] = row["tokens_per_s"] / base[cat]["tokens_per_s"] if base[cat]["tokens_per_s"] else 0.0
+    _add_step_costs(methods)
     weight = sum(n for _, n in copy)
     return {
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
@@ -368,6 +369,27 @@ def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
         "vanilla_prompt_copy_fraction": sum(f * n for f, n in copy) / weight if weight else 0.0,
         "methods": methods,
     }
+
+
+def _add_step_costs(methods: dict) -> None:
+    """What a step costs, in units of one vanilla forward (vanilla's own time per step spent in
+    the target): the verification forward, the drafting, and the rest (the prompt's prefill,
+    the drafter's pass over the prompt, bookkeeping), spread over the steps. Speedup is then
+    (tokens per step / whole step) over the same for vanilla, so the table says whether a
+    method needs a better drafter (more tokens per step) or a cheaper step."""
+    vanilla = methods["vanilla"]["categories"]["overall"]
+    forward = vanilla["verify_seconds"] / vanilla["steps"] if vanilla["steps"] else 0.0
+    if not forward:
+        return
+    for entry in methods.values():
+        row = entry["categories"]["overall"]
+        if not row["steps"]:
+            continue
+        verify = row["verify_seconds"] / row["steps"] / forward
+        draft = row["draft_seconds"] / row["steps"] / forward
+        whole = row["seconds"] / row["steps"] / forward
+        entry["step_cost"] = {"verify": verify, "draft": draft, "rest": whole - verify - draft,
+                              "whole": whole, "tokens_per_step": row["tokens"] / row["steps"]}
 
 
 def _machine() -> str:
@@ -412,6 +434,18 @@ def report_markdown(summary: dict) -> str:
         for cat in summary["categories"] + ["overall"]:
             cells = [methods[n]["categories"][cat][metric] for n in names]
             lines.append(f"| {cat} | " + " | ".join(f"{v:.2f}" for v in cells) + " |")
+    costs = {n: m["step_cost"] for n, m in methods.items() if "step_cost" in m}
+    if costs:
+        lines += ["", "## Cost of a step, in vanilla forwards", "",
+                  "1 = the target's forward in one vanilla decoding step. Rest: the prompt's prefill, "
+                  "the drafter's pass over the prompt and bookkeeping, spread over the steps. "
+                  "speedup = (tokens per step / whole step) / the same for vanilla.", "",
+                  "| method | verification | drafting | rest | whole step | tokens per step | speedup |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for name, cost in costs.items():
+            lines.append(f"| {name} | {cost['verify']:.2f} | {cost['draft']:.2f} | {cost['rest']:.2f} | "
+                         f"{cost['whole']:.2f} | {cost['tokens_per_step']:.2f} | "
+                         f"{methods[name]['categories']['overall']['speedup']:.2f}x |")
     breakdown = {n: m["draft_breakdown_s"] for n, m in methods.items() if "draft_breakdown_s" in m}
     if breakdown:
         parts = sorted({p for b in breakdown.values() for p in b})
