@@ -490,7 +490,7 @@ def plot(summary: dict, out: Path) -> None:
         for part in parts:
             values = []
             for name in breakdown:
-                steps = methods[name]["categories"]["overall"]["tokens"] / max(methods[name]["categories"]["overall"]["tau"], 1e-9)
+                steps = methods[name]["categories"]["overall"]["steps"]
                 values.append(1000 * breakdown[name].get(part, 0.0) / max(steps, 1))
             ax.bar(list(breakdown), values, bottom=bottoms, label=part)
             bottoms = [b + v for b, v in zip(bottoms, values)]
