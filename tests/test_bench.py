@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from vocabspec.bench import copy_fraction, load_questions, parse_method
+from vocabspec.bench import copy_fraction, load_questions, parse_method, split_draft_dtype
 from vocabspec.cli import main
 
 from conftest import SPEC_BENCH
@@ -16,7 +16,10 @@ def test_parse_method():
     assert parse_method("eagle2+fr:32k") == ("eagle", "fr:32k")
     assert parse_method("eagle2+pld") == ("eagle+pld", "full")
     assert parse_method("eagle2+spec:2048+pld@1x8") == ("eagle+pld", "spec:2048")
-    for bad in ("eagle2+fr:", "eagle2pld", "eagle2+", "eagle3"):
+    assert parse_method("eagle2+fr:32k/float32@1x6") == ("eagle", "fr:32k")
+    assert split_draft_dtype("eagle2+fr:32k/float32@1x6") == ("eagle2+fr:32k@1x6", "float32")
+    assert split_draft_dtype("eagle2@6x60") == ("eagle2@6x60", "auto")
+    for bad in ("eagle2+fr:", "eagle2pld", "eagle2+", "eagle3", "eagle2/float16"):
         with pytest.raises(ValueError):
             parse_method(bad)
 

@@ -1,10 +1,12 @@
 """Greedy speculative decoding must emit exactly the tokens of vanilla decoding (same weights,
 float32, same device), for every proposer and every draft vocabulary, on a prompt from every
 Spec-Bench category: a random drafter, the trained (bundled) drafter with the full head, the
-same with prompt lookup's path grafted on, and prompt lookup alone on every category; the FR-Spec, VocabTrim and SpecVocab heads in turn, each on
-a third of the categories (a head changes what is drafted, never how it is verified)."""
+same with prompt lookup's path grafted on, and prompt lookup alone on every category; the
+FR-Spec, VocabTrim and SpecVocab heads and a bfloat16 drafter (with FR-Spec) in turn, each on
+a quarter of the categories (a head changes what is drafted, never how it is verified)."""
 
 import pytest
+import torch
 
 from vocabspec.api import bundled_drafter_dir
 from vocabspec.draft_vocab import make_draft_vocab
@@ -32,6 +34,11 @@ def proposers(loaded):
     for vocab in ("full", "fr:8k", "trim:8k", "spec:1024"):
         head = make_draft_vocab(vocab, loaded.model.embed.weight, files)
         found[f"eagle-trained-{vocab}"] = EagleProposer(trained, head=head, **TREE[loaded.name])
+    # Drafting in bfloat16 for the float32 target (the default on this CPU): the drafter
+    # and its head round differently, verification does not.
+    narrow = EagleDrafter.load(files, loaded.model, dtype=torch.bfloat16)
+    head = make_draft_vocab("fr:8k", loaded.model.embed.weight, files, dtype=torch.bfloat16)
+    found["eagle-trained-bf16-fr:8k"] = EagleProposer(narrow, head=head, **TREE[loaded.name])
     found["eagle-trained-full+pld"] = EagleLookupProposer(trained, **TREE[loaded.name])
     return found
 

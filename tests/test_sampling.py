@@ -51,8 +51,9 @@ def make_head(kind, model):
     weight = model.embed.weight
     if kind == "full":
         return FullVocab(weight)
-    if kind == "subset":        # FR-Spec / VocabTrim: drafts only from 5 of the 8 tokens
-        return StaticSubset(weight, torch.tensor([0, 2, 3, 5, 7]))
+    if kind == "subset":        # FR-Spec / VocabTrim: drafts only from 5 of the 8 tokens,
+        # computed in bfloat16 as the drafter drafting for it is (see the test)
+        return StaticSubset(weight, torch.tensor([0, 2, 3, 5, 7]), dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(7)   # SpecVocab with an untrained rank-2 ranker
     return SpecVocab(weight, torch.randn(2, weight.shape[1], generator=generator),
                      torch.randn(VOCAB, 2, generator=generator), candidates=4)
@@ -66,8 +67,10 @@ def make_head(kind, model):
 def test_speculative_sampling_matches_target_distribution(params, head):
     model = tiny_model("llama", seed=3, vocab_size=VOCAB, n_layers=2)
     prompt = [1, 2, 3, 4]
-    proposer = EagleProposer(EagleDrafter.random(model, seed=5), head=make_head(head, model),
-                             depth=2, top_k=3, total_tokens=6)
+    # The subset case also drafts in bfloat16 for the float32 target: still exact.
+    dtype = torch.bfloat16 if head == "subset" else None
+    proposer = EagleProposer(EagleDrafter.random(model, seed=5, dtype=dtype),
+                             head=make_head(head, model), depth=2, top_k=3, total_tokens=6)
     assert_samples_match(model, proposer, prompt, params)
     # And the drafter really was used: some drafted tokens were accepted.
     assert proposer.cache.length > 0
@@ -127,3 +130,16 @@ def test_sampling_parameters_are_validated():
     for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_greedy_token_takes_the_first_of_tied_maxima():
+    """Vanilla decoding and greedy verification both pick by `greedy_token`; it must agree
+    with torch.argmax, ties included (first index), or near-ties would decide differently."""
+    from vocabspec.sampling import greedy_token
+
+    row = torch.tensor([0.5, 2.0, -1.0, 2.0, 2.0])
+    assert greedy_token(row) == 1 == int(row.argmax())
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        row = torch.randint(0, 4, (1000,), generator=generator).float()   # many ties
+        assert greedy_token(row) == int(row.argmax())

@@ -77,9 +77,9 @@ class LanguageModel:
 def make_proposer(model, draft: str, draft_path: str | None, model_name: str,
                   depth: int = 6, top_k: int = 10, total_tokens: int | str = 60,
                   draft_vocab: str = "full", token_map: str | None = None, ranker: str | None = None,
-                  tokenizer=None, log=None):
+                  tokenizer=None, log=None, draft_dtype: str = "auto"):
     from .draft_vocab import make_draft_vocab, parse_draft_vocab
-    from .drafter import EagleDrafter, EagleProposer
+    from .drafter import EagleDrafter, EagleProposer, draft_dtype as resolve_draft_dtype
     from .pld import PromptLookupProposer
 
     parse_draft_vocab(draft_vocab)
@@ -87,6 +87,7 @@ def make_proposer(model, draft: str, draft_path: str | None, model_name: str,
         raise ValueError(f"--draft-vocab {draft_vocab} applies to the EAGLE drafter only (--draft eagle)")
     if draft not in DRAFTS:
         raise ValueError(f"unknown draft method {draft!r} (choose from {', '.join(DRAFTS)})")
+    dtype = resolve_draft_dtype(model, draft_dtype)
     if draft == "none":
         return None
     if draft == "pld":
@@ -96,20 +97,20 @@ def make_proposer(model, draft: str, draft_path: str | None, model_name: str,
         raise ValueError(f"no drafter is bundled for {model_name!r}: pass --draft-path DIR "
                          "(an EAGLE checkpoint directory)")
     if path == "random":
-        drafter = EagleDrafter.random(model)
+        drafter = EagleDrafter.random(model, dtype=dtype)
     else:
-        drafter = EagleDrafter.load(path, model)
+        drafter = EagleDrafter.load(path, model, dtype=dtype)
     files = bundled_drafter_dir(model_name)
     if files is None and path != "random":
         files = Path(path)
-    head = make_draft_vocab(draft_vocab, model.embed.weight, files, token_map, ranker)
+    head = make_draft_vocab(draft_vocab, model.embed.weight, files, token_map, ranker, dtype=dtype)
     if total_tokens == "auto":
         from .autotune import choose_tree
 
         if tokenizer is None:
             raise ValueError("total_tokens='auto' needs the model's tokenizer")
         depth, total_tokens = choose_tree(model, drafter, head, tokenizer, depth=depth, top_k=top_k,
-                                           key=f"{model_name}|{_weights_key(path)}|{draft_vocab}",
+                                           key=f"{model_name}|{_weights_key(path)}|{draft_vocab}|{dtype}",
                                            log=log)
     elif isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 1:
         raise ValueError(f"total_tokens must be a positive integer or 'auto', got {total_tokens!r}")
@@ -126,13 +127,16 @@ def load(model: str = "smollm2", draft: str = "none", draft_path: str | None = N
          dtype: str = "float32", device: str = "cpu", max_seq_len: int | None = None,
          depth: int = 6, tree_top_k: int = 10, total_tokens: int | str = "auto",
          draft_vocab: str = "full", token_map: str | None = None,
-         ranker: str | None = None, log=None) -> LanguageModel:
+         ranker: str | None = None, log=None, draft_dtype: str = "auto") -> LanguageModel:
     """Load a target model with an optional proposer.
 
     draft: none | eagle | pld | eagle+pld (EAGLE-2's tree plus prompt lookup's path).
     draft_vocab (EAGLE only): full | fr:N | trim:N | spec:K.
     total_tokens: drafted tokens verified per step, or "auto" to choose it and the depth (at
     most `depth`) by timing the target and drafter on this machine (cached per machine and model).
+    draft_dtype: what the drafter computes in: auto (bfloat16 for a float32 target where the
+    hardware does bfloat16 matmuls fast), float32, bfloat16. Verification always uses the
+    target's dtype, so the output does not depend on it.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
@@ -141,5 +145,6 @@ def load(model: str = "smollm2", draft: str = "none", draft_path: str | None = N
     target, path = load_model(model, dtype=DTYPES[dtype], device=device, max_seq_len=max_seq_len)
     tokenizer = load_tokenizer(path)
     proposer = make_proposer(target, draft, draft_path, model, depth, tree_top_k, total_tokens,
-                             draft_vocab, token_map, ranker, tokenizer=tokenizer, log=log)
+                             draft_vocab, token_map, ranker, tokenizer=tokenizer, log=log,
+                             draft_dtype=draft_dtype)
     return LanguageModel(Engine(target, tokenizer, proposer), model)

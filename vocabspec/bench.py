@@ -8,7 +8,9 @@ Method names: vanilla, pld, eagle2 (full vocabulary), eagle2+fr:32k, eagle2+trim
 eagle2+spec:2048 (any size after the colon); "+pld" after any eagle2 method grafts prompt
 lookup's continuation onto its tree (eagle2+pld, eagle2+fr:32k+pld); a suffix @DEPTHxTOKENS
 fixes the tree (eagle2@6x60), otherwise the tree is the one chosen for this machine
-(--total-tokens auto).
+(--total-tokens auto); a suffix /float32 or /bfloat16 before it sets the dtype the drafter
+computes in (eagle2+fr:32k/float32; default: `draft_dtype("auto")`, bfloat16 drafting for a
+float32 target on hardware with fast bfloat16).
 
 Output directory: answers.jsonl (Spec-Bench's fields), summary.json, report.md (tables per
 category), speedup.png and draft_breakdown.png, and run.json (the settings and the trees used).
@@ -66,9 +68,18 @@ def parse_tree(name: str) -> tuple[str, tuple[int, int] | None]:
     return base, (int(depth), int(total))
 
 
+def split_draft_dtype(name: str) -> tuple[str, str]:
+    """'eagle2+fr:32k/float32@1x6' -> ('eagle2+fr:32k@1x6', 'float32'); no suffix: 'auto'."""
+    base, at, tree = name.partition("@")
+    base, slash, dtype = base.partition("/")
+    if slash and dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"method {name!r}: the drafter's dtype is /float32 or /bfloat16")
+    return base + at + tree, dtype if slash else "auto"
+
+
 def parse_method(name: str) -> tuple[str, str]:
     """-> (draft, draft_vocab)."""
-    name, _ = parse_tree(name)
+    name, _ = parse_tree(split_draft_dtype(name)[0])
     if name in ("vanilla", "none"):
         return "none", "full"
     if name == "pld":
@@ -137,7 +148,7 @@ def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
     from .loading import load_model
     from .tokenizer import load_tokenizer
 
-    parsed = [(m, *parse_method(m), parse_tree(m)[1]) for m in cfg.methods]
+    parsed = [(m, *parse_method(m), parse_tree(split_draft_dtype(m)[0])[1]) for m in cfg.methods]
     target, path = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
     tokenizer = load_tokenizer(path)
     runs = []
@@ -146,7 +157,8 @@ def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
         if trees and trees.get(name):
             depth, total = trees[name]
         proposer = make_proposer(target, draft, cfg.draft_path, cfg.model, depth, cfg.tree_top_k,
-                                 total, vocab, tokenizer=tokenizer, log=log)
+                                 total, vocab, tokenizer=tokenizer, log=log,
+                                 draft_dtype=split_draft_dtype(name)[1])
         if proposer is not None and hasattr(proposer, "total_tokens"):
             log(f"{name}: depth={proposer.depth}, total_tokens={proposer.total_tokens}")
         runs.append(MethodRun(name, Engine(target, tokenizer, proposer), vocab))
@@ -161,7 +173,7 @@ def _drafter_params(run: MethodRun, target) -> int:
     head = proposer.head
     dim = target.args.dim
     rows = getattr(head, "size", target.args.vocab_size)
-    extra = head.down.numel() + head.vocab.numel() if hasattr(head, "down") else 0
+    extra = head.down.numel() + head.vocab_t.numel() if hasattr(head, "down") else 0
     return layer + rows * dim + extra
 
 

@@ -59,6 +59,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="drafter LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), spec:K (SpecVocab)")
     parser.add_argument("--token-map", default=None, help="token map file for fr:N / trim:N")
     parser.add_argument("--ranker", default=None, help="ranker file for spec:K")
+    parser.add_argument("--draft-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="what the drafter computes in (auto: bfloat16 for a float32 target on "
+                             "hardware with fast bfloat16); verification always uses --dtype")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,7 +188,7 @@ def cmd_serve(args) -> int:
               device=args.device, max_seq_len=args.max_seq_len, depth=args.depth,
               tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
               draft_vocab=args.draft_vocab, token_map=args.token_map, ranker=args.ranker,
-              log=lambda message: print(message, file=sys.stderr))
+              draft_dtype=args.draft_dtype, log=lambda message: print(message, file=sys.stderr))
     limits = ServerLimits(max_tokens_cap=args.max_tokens_cap, max_seconds=args.max_seconds,
                           max_queue=args.max_queue)
     serve(lm, args.model, host=args.host, port=args.port, limits=limits)
@@ -336,7 +339,7 @@ def cmd_generate(args) -> int:
               device=args.device, max_seq_len=args.max_seq_len, depth=args.depth,
               tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
               draft_vocab=args.draft_vocab, token_map=args.token_map, ranker=args.ranker,
-              log=lambda message: print(message, file=sys.stderr))
+              draft_dtype=args.draft_dtype, log=lambda message: print(message, file=sys.stderr))
     generation = lm.stream(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                            seed=args.seed, stop=args.stop)

@@ -11,6 +11,9 @@ scores the full target vocabulary, so every strategy is lossless.
   the rows of one tree level share one candidate set (the union of each row's best tokens),
   and the exact head runs over those candidates only, in one matmul.
 
+Every strategy computes in the dtype of the states it is given (the drafter's, which may be
+narrower than the target's: a bfloat16 copy of the rows it scores then halves the bytes read).
+
 Each strategy adds its time to `timings` ("head": the matmuls, "topk": softmax and top-k,
 "rank": the ranker) so the benchmark can break drafting time down.
 """
@@ -58,14 +61,15 @@ class FullVocab(_Timed):
 
     def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
-        logits = linear(states, self.weight).float()
+        logits = linear(states.to(self.weight.dtype), self.weight).float()
         return self._top(logits, k, self._tick("head", start))
 
 
 class StaticSubset(_Timed):
     """Draft over a fixed token list: the head's rows for those tokens, ids mapped back."""
 
-    def __init__(self, head_weight: torch.Tensor, token_ids, name: str = "subset"):
+    def __init__(self, head_weight: torch.Tensor, token_ids, name: str = "subset",
+                 dtype: torch.dtype | None = None):
         super().__init__()
         token_ids = torch.as_tensor(token_ids, dtype=torch.long)
         vocab = head_weight.shape[0]
@@ -78,11 +82,11 @@ class StaticSubset(_Timed):
         self.name = name
         self.size = token_ids.numel()
         self.draft_to_target = token_ids.to(head_weight.device)
-        self.weight = head_weight[self.draft_to_target].contiguous()
+        self.weight = head_weight[self.draft_to_target].to(dtype or head_weight.dtype).contiguous()
 
     def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
-        logits = linear(states, self.weight).float()
+        logits = linear(states.to(self.weight.dtype), self.weight).float()
         indices, log_probs = self._top(logits, k, self._tick("head", start))
         return self.draft_to_target[indices], log_probs
 
@@ -107,20 +111,22 @@ class SpecVocab(_Timed):
         # weights do: half the memory to stream, 5.4 -> 3.8 ms a ranking for Gemma's 262k rows.
         self.down = down.to(device=head_weight.device, dtype=torch.bfloat16)
         self.vocab = vocab.to(device=head_weight.device, dtype=torch.bfloat16)
+        # Stored (d', |V|): a row of states against it is one long contiguous product, about
+        # half the time of the packed (|V|, d') matmul for the single root row on this CPU.
+        self.vocab_t = self.vocab.t().contiguous()
         self.candidates = min(candidates, head_weight.shape[0])
         self.size = self.candidates
 
     def scores(self, states: torch.Tensor) -> torch.Tensor:
         """The ranker's score of every token for each row of drafter states."""
-        return linear(linear(states.to(self.down.dtype), self.down), self.vocab)
+        return linear(states.to(self.down.dtype), self.down) @ self.vocab_t
 
     def candidate_ids(self, states: torch.Tensor) -> torch.Tensor:
         """One shared candidate set for all rows of a tree level: the union of each row's
         best candidates/rows tokens by ranker score (so every row keeps its own top tokens),
         at most `candidates` ids, scored by the exact head in one matmul."""
         scores = self.scores(states)
-        per_row = max(1, self.candidates // scores.shape[0])
-        ids = top_ids(scores, per_row) if scores.shape[0] == 1 else torch.topk(scores, per_row, dim=-1).indices
+        ids = top_ids(scores, max(1, self.candidates // scores.shape[0]))
         return ids[0] if ids.shape[0] == 1 else torch.unique(ids)
 
     def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +134,9 @@ class SpecVocab(_Timed):
         ids = self.candidate_ids(states)
         start = self._tick("rank", start)
         # index_select, not weight[ids]: a quarter of the time for 2048 rows of Gemma's head.
-        logits = F.linear(states, self.weight.index_select(0, ids)).float()
+        # In the head's own dtype: casting the gathered rows would cost more than the matmul.
+        rows = self.weight.index_select(0, ids)
+        logits = F.linear(states.to(rows.dtype), rows).float()
         indices, log_probs = self._top(logits, k, self._tick("head", start))
         return ids[indices], log_probs
 
@@ -138,11 +146,13 @@ def top_ids(scores: torch.Tensor, k: int, block: int = 8) -> torch.Tensor:
 
     The k largest scores all lie in the k blocks with the largest maxima (the k-th largest score
     is at least the k-th largest block maximum), so a top-k over block maxima and then over
-    those blocks' members finds them. For one row of Gemma's 262k scores: 1.0 ms instead of
-    torch.topk's 1.7 ms (2 threads). Ties at the k-th value may pick other tokens of that value.
+    those blocks' members finds them. For one row of Gemma's 262k scores: 0.7-1.0 ms instead
+    of torch.topk's 1.4-1.7 ms (2 threads). Ties at the k-th value may pick other tokens of that value.
     """
     rows, size = scores.shape
-    if size % block or size // block <= k:
+    # Only worth it with many more blocks than k: for SmolLM2's 49k scores and k = 2048 a
+    # plain top-k is faster (0.32 vs 0.50 ms).
+    if size % block or size // block < 16 * k:
         return torch.topk(scores, k, dim=-1).indices
     blocks = scores.view(rows, size // block, block)
     best_blocks = torch.topk(blocks.amax(-1), k, dim=-1).indices
@@ -175,15 +185,17 @@ def parse_draft_vocab(spec: str) -> tuple[str, int | None]:
 
 
 def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
-                     token_map: str | Path | None = None, ranker: str | Path | None = None):
+                     token_map: str | Path | None = None, ranker: str | Path | None = None,
+                     dtype: torch.dtype | None = None):
     """Build the strategy `spec` for a target head, reading token maps / the ranker from
-    `files` (the bundled drafter directory) unless paths are given."""
+    `files` (the bundled drafter directory) unless paths are given. `dtype`: the drafter's
+    (default: the head's); the full and static heads keep a copy of their rows in it."""
     from .token_map import load_token_map
 
     kind, size = parse_draft_vocab(spec)
     vocab = head_weight.shape[0]
     if kind == "full":
-        return FullVocab(head_weight)
+        return FullVocab(head_weight.to(dtype or head_weight.dtype))
     if kind in ("fr", "trim"):
         path = Path(token_map) if token_map else (files / f"token_map_{kind}.pt" if files else None)
         if path is None or not path.exists():
@@ -194,7 +206,7 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
             raise ValueError(f"draft vocabulary of {size} tokens is larger than the target's {vocab}")
         if size > ids.numel():
             raise ValueError(f"token map {path} ranks only {ids.numel()} tokens, {size} asked for")
-        return StaticSubset(head_weight, ids[:size], name=f"{kind}:{size}")
+        return StaticSubset(head_weight, ids[:size], name=f"{kind}:{size}", dtype=dtype)
     from .ranker import load_ranker
 
     path = Path(ranker) if ranker else (files / "ranker.safetensors" if files else None)

@@ -8,6 +8,10 @@ Features follow EAGLE-1/2 (and SGLang): the target's last-layer hidden states af
 norm, the vectors its LM head multiplies. The drafter input at position i pairs feature f_i
 with token t_{i+1} and predicts f_{i+1}, which the head turns into t_{i+2}.
 
+The drafter may compute in a narrower dtype than its target (bfloat16 drafting for a float32
+target halves the bytes each draft step streams): it only chooses what is drafted, and
+verification by the target is untouched, so the output stays the target's own.
+
 Checkpoints use EAGLE's layout: a directory with config.json (one hidden layer) and
 model.safetensors holding fc.weight (+ fc.bias) and layers.0.* in Hugging Face names.
 """
@@ -49,6 +53,31 @@ def drafter_args(target: ModelArgs) -> ModelArgs:
     return replace(target, n_layers=1, sliding_window=None)
 
 
+def bf16_supported(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() \
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def draft_dtype(target: "Transformer", requested: str | torch.dtype | None = "auto") -> torch.dtype:
+    """The dtype drafting computes in. "auto": bfloat16 for a float32 target where the hardware
+    has fast bfloat16 matmuls (the drafter is memory-bound like decoding, and its draft head
+    is the target's head: half the bytes, about half the time), else the target's dtype."""
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if requested is None or requested == "target":
+        return target.dtype
+    if isinstance(requested, torch.dtype):
+        return requested
+    if requested == "auto":
+        if target.dtype == torch.float32 and bf16_supported(target.device):
+            return torch.bfloat16
+        return target.dtype
+    if requested not in names:
+        raise ValueError(f"unknown draft dtype {requested!r} (choose from auto, float32, bfloat16)")
+    return names[requested]
+
+
 class EagleDrafter(nn.Module):
     def __init__(self, target: Transformer, input_norm: bool = False):
         super().__init__()
@@ -65,7 +94,8 @@ class EagleDrafter(nn.Module):
         self.__dict__["target"] = target
 
     @classmethod
-    def random(cls, target: Transformer, seed: int = 0, input_norm: bool = False) -> "EagleDrafter":
+    def random(cls, target: Transformer, seed: int = 0, input_norm: bool = False,
+               dtype: torch.dtype | None = None) -> "EagleDrafter":
         """An untrained drafter (tests, and measuring the engine's overhead)."""
         generator = torch.Generator().manual_seed(seed)
         drafter = cls(target, input_norm=input_norm)
@@ -77,11 +107,12 @@ class EagleDrafter(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=generator) * p.shape[1] ** -0.5)
                 else:
                     p.zero_()
-        return drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
 
     def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
         """Predicted next features (n, dim) for (token, feature) pairs."""
-        x = self.fc(torch.cat([self.target.embed_tokens(tokens), features], dim=-1))
+        dtype = self.fc.weight.dtype
+        x = self.fc(torch.cat([self.target.embed_tokens(tokens).to(dtype), features.to(dtype)], dim=-1))
         cos, sin = self.target.rope["global"]
         n = tokens.shape[0]
         if tree_mask is not None:      # (n, pending + n): tree expansion
@@ -139,7 +170,9 @@ class EagleDrafter(nn.Module):
         return state
 
     @classmethod
-    def load(cls, directory: str | Path, target: Transformer) -> "EagleDrafter":
+    def load(cls, directory: str | Path, target: Transformer,
+             dtype: torch.dtype | None = None) -> "EagleDrafter":
+        """A checkpoint for `target`, computing in `dtype` (default: the target's)."""
         from safetensors.torch import load_file
 
         directory = Path(directory)
@@ -185,7 +218,7 @@ class EagleDrafter(nn.Module):
             drafter.load_state_dict(ours, strict=True)
         except RuntimeError as exc:
             raise DrafterMismatch(f"drafter {directory}: tensor shapes do not fit the target ({exc})") from exc
-        return drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
 
 
 def _cat(*tensors):
@@ -202,7 +235,7 @@ class EagleProposer:
                              f"{depth}, {top_k}, {total_tokens}")
         self.drafter = drafter
         self.target = drafter.target
-        self.head = head or FullVocab(self.target.embed.weight)
+        self.head = head or FullVocab(self.target.embed.weight.to(drafter.fc.weight.dtype))
         self.head.sync = self.target.device.type == "cuda"
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_tree_tokens = total_tokens

@@ -15,7 +15,7 @@ from typing import Iterator, Protocol
 import torch
 
 from .model import Transformer
-from .sampling import SamplingParams, make_generator, sample, target_probs
+from .sampling import SamplingParams, greedy_token, make_generator, sample, target_probs
 from .tokenizer import Tokenizer
 from .tree import DraftTree, chain_tree
 from .verify import verify
@@ -236,7 +236,7 @@ class Generation:
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> int:
         if params.greedy:
-            return int(logits.argmax())
+            return greedy_token(logits)
         return sample(target_probs(logits[None], params)[0], generator)
 
     def _emit(self, new_tokens: list[int]) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, target_probs
+from .sampling import SamplingParams, greedy_token, target_probs
 from .tree import DraftTree
 
 
@@ -32,14 +32,17 @@ class Verdict:
 
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
-    """logits: (n + 1, vocab), row i scoring the token after tree node i."""
-    best = logits.argmax(-1).tolist()
+    """logits: (n + 1, vocab), row i scoring the token after tree node i.
+
+    Only the rows on the accepted path are reduced (a few of a tree's rows; each costs a pass
+    over the vocabulary), with the same argmax as vanilla decoding (`greedy_token`)."""
     tokens = tree.tokens.tolist()
     node, path = 0, [0]
     while True:
-        match = next((c for c in tree.children[node] if tokens[c] == best[node]), None)
+        best = greedy_token(logits[node])
+        match = next((c for c in tree.children[node] if tokens[c] == best), None)
         if match is None:
-            return Verdict(path, best[node])
+            return Verdict(path, best)
         node = match
         path.append(node)
 
