@@ -148,17 +148,18 @@ def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
     from .loading import load_model
     from .tokenizer import load_tokenizer
 
-    parsed = [(m, *parse_method(m), parse_tree(split_draft_dtype(m)[0])[1]) for m in cfg.methods]
+    parsed = [(m, *parse_method(m), parse_tree(split_draft_dtype(m)[0])[1], split_draft_dtype(m)[1])
+              for m in cfg.methods]
     target, path = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
     tokenizer = load_tokenizer(path)
     runs = []
-    for name, draft, vocab, tree in parsed:
+    for name, draft, vocab, tree, dtype in parsed:
         depth, total = tree if tree else (cfg.depth, cfg.total_tokens)
         if trees and trees.get(name):
             depth, total = trees[name]
         proposer = make_proposer(target, draft, cfg.draft_path, cfg.model, depth, cfg.tree_top_k,
                                  total, vocab, tokenizer=tokenizer, log=log,
-                                 draft_dtype=split_draft_dtype(name)[1])
+                                 draft_dtype=dtype)
         if proposer is not None and hasattr(proposer, "total_tokens"):
             log(f"{name}: depth={proposer.depth}, total_tokens={proposer.total_tokens}")
         runs.append(MethodRun(name, Engine(target, tokenizer, proposer), vocab))

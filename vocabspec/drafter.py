@@ -60,15 +60,11 @@ def bf16_supported(device: torch.device) -> bool:
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def draft_dtype(target: "Transformer", requested: str | torch.dtype | None = "auto") -> torch.dtype:
+def draft_dtype(target: "Transformer", requested: str = "auto") -> torch.dtype:
     """The dtype drafting computes in. "auto": bfloat16 for a float32 target where the hardware
     has fast bfloat16 matmuls (the drafter is memory-bound like decoding, and its draft head
     is the target's head: half the bytes, about half the time), else the target's dtype."""
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if requested is None or requested == "target":
-        return target.dtype
-    if isinstance(requested, torch.dtype):
-        return requested
     if requested == "auto":
         if target.dtype == torch.float32 and bf16_supported(target.device):
             return torch.bfloat16
