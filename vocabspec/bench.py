@@ -174,7 +174,7 @@ def _drafter_params(run: MethodRun, target) -> int:
     head = proposer.head
     dim = target.args.dim
     rows = getattr(head, "size", target.args.vocab_size)
-    extra = head.down.numel() + head.vocab_grouped.numel() if hasattr(head, "down") else 0
+    extra = head.down.numel() + head.vocab_t.numel() if hasattr(head, "down") else 0
     return layer + rows * dim + extra
 
 
