@@ -1,7 +1,8 @@
 """SpecVocab ranker recall on Spec-Bench: how often the target's next token (and the drafter's
 own top-1) is among the ranker's top-k candidates, at every position the target generated.
 For scale, the same recall for the drafter's exact full-vocabulary head: the most any ranker
-of the drafter's state could reach.
+of the drafter's state could reach. The drafter computes in its default dtype (`--draft-dtype
+auto`: bfloat16 on CPUs with fast bfloat16 matmuls), as `vocabspec generate` drafts.
 
 For each question (first turn), vanilla greedy decoding writes the answer; one target forward
 over prompt + answer gives the features the drafter sees when it drafts the first token of a
@@ -61,6 +62,7 @@ def main():
     ks = [int(k) for k in args.k.split(",")]
     lm = vocabspec.load(args.model, draft="eagle", total_tokens=8)
     target, drafter = lm.engine.model, lm.engine.proposer.drafter
+    full_head = lm.engine.proposer.head.weight      # in the drafter's dtype, as it drafts
     ranker = make_draft_vocab("spec:2048", target.embed.weight, bundled_drafter_dir(args.model))
     questions = load_questions(args.questions, args.per_category)
     answers = _vanilla_answers(args.answers, questions) if args.answers else {}
@@ -82,7 +84,7 @@ def main():
             first, count = len(ids) - 1, len(answer) - 1
             states = states[first:first + count]
             wanted = logits[first + 1:first + 1 + count].argmax(-1)
-            exact = linear(states, target.embed.weight)
+            exact = linear(states.to(full_head.dtype), full_head).float()
             drafted = exact.argmax(-1)
             scores = ranker.scores(states)      # exactly what SpecVocab ranks by when drafting
             for k, found in hits_in_top(scores, wanted, ks).items():
