@@ -19,6 +19,7 @@ def test_parse_method():
     assert parse_method("eagle2+fr:32k/float32@1x6") == ("eagle", "fr:32k")
     assert split_draft_dtype("eagle2+fr:32k/float32@1x6") == ("eagle2+fr:32k@1x6", "float32")
     assert split_draft_dtype("eagle2@6x60") == ("eagle2@6x60", "auto")
+    assert split_draft_dtype("eagle2@6x60/bfloat16") == ("eagle2@6x60", "bfloat16")
     for bad in ("eagle2+fr:", "eagle2pld", "eagle2+", "eagle3", "eagle2/float16"):
         with pytest.raises(ValueError):
             parse_method(bad)

@@ -69,12 +69,15 @@ def parse_tree(name: str) -> tuple[str, tuple[int, int] | None]:
 
 
 def split_draft_dtype(name: str) -> tuple[str, str]:
-    """'eagle2+fr:32k/float32@1x6' -> ('eagle2+fr:32k@1x6', 'float32'); no suffix: 'auto'."""
-    base, at, tree = name.partition("@")
-    base, slash, dtype = base.partition("/")
-    if slash and dtype not in ("float32", "bfloat16"):
+    """'eagle2+fr:32k/float32@1x6' (or '...@1x6/float32') -> ('eagle2+fr:32k@1x6', 'float32');
+    no suffix: 'auto'."""
+    base, slash, rest = name.partition("/")
+    if not slash:
+        return name, "auto"
+    dtype, at, tree = rest.partition("@")
+    if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"method {name!r}: the drafter's dtype is /float32 or /bfloat16")
-    return base + at + tree, dtype if slash else "auto"
+    return base + at + tree, dtype
 
 
 def parse_method(name: str) -> tuple[str, str]:
