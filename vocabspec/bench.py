@@ -151,8 +151,10 @@ def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
     from .loading import load_model
     from .tokenizer import load_tokenizer
 
-    parsed = [(m, *parse_method(m), parse_tree(split_draft_dtype(m)[0])[1], split_draft_dtype(m)[1])
-              for m in cfg.methods]
+    parsed = []
+    for method in cfg.methods:
+        base, dtype = split_draft_dtype(method)
+        parsed.append((method, *parse_method(method), parse_tree(base)[1], dtype))
     target, path = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
     tokenizer = load_tokenizer(path)
     runs = []
