@@ -1,7 +1,9 @@
-"""SpecVocab ranker recall on Spec-Bench: how often the target's next token (and the drafter's
-own top-1) is among the ranker's top-k candidates, at every position the target generated.
-For scale, the same recall for the drafter's exact full-vocabulary head: the most any ranker
-of the drafter's state could reach. The drafter computes in its default dtype (`--draft-dtype
+"""SpecVocab recall on Spec-Bench: how often the target's next token (and the drafter's own
+top-1) is among SpecVocab's k candidates, at every position the target generated. Two sets:
+the candidates SpecVocab drafts from (`spec:K`: the ranker's best plus the text's own tokens,
+half of K at most), and the ranker's top k alone (`spec:K:0`, the paper's rule). For scale, the
+same recall for the drafter's exact full-vocabulary head: the most any ranker of the drafter's
+state alone could reach. The drafter computes in its default dtype (`--draft-dtype
 auto`: bfloat16 on CPUs with fast bfloat16 matmuls), as `vocabspec generate` drafts.
 
 For each question (first turn), vanilla greedy decoding writes the answer; one target forward
@@ -49,6 +51,20 @@ def _vanilla_answers(path: str, questions: list[dict]) -> dict:
     return answers
 
 
+def _candidate_hits(strategy, states, tokens: list[int], first: int, wanted, drafted):
+    """(target's next token, drafter's top-1) counts found in SpecVocab's candidate set, built
+    position by position as drafting builds it: states[i] drafts token first + i + 2, when the
+    text holds tokens[:first + i + 2]."""
+    strategy.see_tokens(tokens[:first + 2], reset=True)
+    found_target = found_drafted = 0
+    for i in range(states.shape[0]):
+        ids = strategy.candidate_ids(states[i:i + 1])
+        found_target += int((ids == wanted[i]).any())
+        found_drafted += int((ids == drafted[i]).any())
+        strategy.see_tokens([tokens[first + i + 2]])
+    return found_target, found_drafted
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
@@ -63,10 +79,12 @@ def main():
     lm = vocabspec.load(args.model, draft="eagle", total_tokens=8)
     target, drafter = lm.engine.model, lm.engine.proposer.drafter
     full_head = lm.engine.proposer.head.weight      # in the drafter's dtype, as it drafts
-    ranker = make_draft_vocab("spec:2048", target.embed.weight, bundled_drafter_dir(args.model))
+    files = bundled_drafter_dir(args.model)
+    ranker = make_draft_vocab("spec:2048", target.embed.weight, files)
+    strategies = {k: make_draft_vocab(f"spec:{k}", target.embed.weight, files) for k in ks}
     questions = load_questions(args.questions, args.per_category)
     answers = _vanilla_answers(args.answers, questions) if args.answers else {}
-    hits = {k: [0, 0, 0] for k in ks}
+    hits = {k: [0, 0, 0, 0, 0] for k in ks}
     positions = 0
     with torch.inference_mode():
         for q in tqdm(questions, desc="recall", unit="question"):
@@ -93,8 +111,14 @@ def main():
                 hits[k][1] += found
             for k, found in hits_in_top(exact, wanted, ks).items():
                 hits[k][2] += found
+            for k, strategy in strategies.items():
+                found = _candidate_hits(strategy, states, tokens.tolist(), first, wanted, drafted)
+                hits[k][3] += found[0]
+                hits[k][4] += found[1]
             positions += count
     result = {"model": args.model, "questions": len(questions), "positions": positions,
+              "candidates_recall_target": {k: round(h[3] / positions, 4) for k, h in hits.items()},
+              "candidates_recall_drafter_top1": {k: round(h[4] / positions, 4) for k, h in hits.items()},
               "recall_target": {k: round(h[0] / positions, 4) for k, h in hits.items()},
               "recall_drafter_top1": {k: round(h[1] / positions, 4) for k, h in hits.items()},
               "full_head_recall_target": {k: round(h[2] / positions, 4) for k, h in hits.items()}}

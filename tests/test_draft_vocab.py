@@ -147,3 +147,39 @@ def test_two_pass_top_ids_find_the_same_scores_as_topk():
         assert torch.equal(scores.gather(1, ids).sort(-1).values,
                            torch.topk(scores, k, dim=-1).values.sort(-1).values)
         assert all(row.unique().numel() == k for row in ids)
+
+
+def test_spec_vocab_keeps_the_texts_own_tokens_among_its_candidates():
+    down, vocab = svd_init(HEAD, 1)               # a weak ranker: rank 1
+    ranked_only = SpecVocab(HEAD, down, vocab, candidates=8, context_tokens=0)
+    outside = [t for t in range(500) if t not in ranked_only.candidate_ids(STATES[:1]).tolist()]
+    spec = SpecVocab(HEAD, down, vocab, candidates=8, context_tokens=4)
+    spec.see_tokens(outside[:3], reset=True)
+    ids = spec.candidate_ids(STATES[:1]).tolist()
+    assert len(ids) == 8 and set(outside[:3]) <= set(ids)
+    # Only the most recently seen distinct tokens, at most context_tokens of them.
+    spec.see_tokens(outside[3:6] + [outside[0]])
+    assert spec.context_ids().tolist() == outside[3:6] + [outside[0]]
+    assert set(spec.context_ids().tolist()) <= set(spec.candidate_ids(STATES[:1]).tolist())
+    spec.see_tokens([], reset=True)               # a new text forgets the old one
+    assert torch.equal(spec.candidate_ids(STATES[:1]).sort().values,
+                       ranked_only.candidate_ids(STATES[:1]).sort().values)
+    ranked_only.see_tokens(outside[:3], reset=True)
+    assert not set(outside[:3]) & set(ranked_only.candidate_ids(STATES[:1]).tolist())
+    with pytest.raises(ValueError, match="context tokens"):
+        SpecVocab(HEAD, down, vocab, candidates=8, context_tokens=9)
+
+
+def test_spec_context_share_is_parsed_and_checked(tmp_path):
+    from vocabspec.draft_vocab import spec_context_tokens
+
+    assert parse_draft_vocab("spec:2k:0") == ("spec", 2048)
+    assert spec_context_tokens("spec:2048") is None and spec_context_tokens("spec:2048:128") == 128
+    for bad in ("spec:2048:", "spec:2048:x", "spec:2048:1:2", "spec:2048:-1"):
+        with pytest.raises(ValueError):
+            parse_draft_vocab(bad)
+    save_ranker(*svd_init(HEAD, 4), tmp_path / "ranker.safetensors")
+    assert make_draft_vocab("spec:16", HEAD, tmp_path).context_tokens == 8
+    assert make_draft_vocab("spec:16:0", HEAD, tmp_path).name == "spec:16:0"
+    with pytest.raises(ValueError, match="exceed"):
+        make_draft_vocab("spec:16:20", HEAD, tmp_path)

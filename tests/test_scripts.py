@@ -22,7 +22,8 @@ def test_ranker_recall_script_measures_recall():
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["questions"] == 13 and result["positions"] > 13
-    for key in ("recall_target", "recall_drafter_top1", "full_head_recall_target"):
+    for key in ("candidates_recall_target", "candidates_recall_drafter_top1", "recall_target",
+                "recall_drafter_top1", "full_head_recall_target"):
         assert 0.0 <= result[key]["64"] <= result[key]["4096"] <= 1.0
     # A working ranker keeps the drafter's own choice among its top 4096 of 49k tokens nearly
     # always (97% on the full Spec-Bench subset); a broken one would not come close.

@@ -9,8 +9,8 @@ scores the full target vocabulary, so every strategy is lossless.
   frequencies, VocabTrim from target-generated text); the softmax runs over the subset.
 - SpecVocab: a low-rank ranker (W_vocab @ W_down, d' ~ d/16) scores every token cheaply;
   the rows of one tree level share one candidate set (the ranker's best tokens for the
-  rows' mean low-rank state), and the exact head runs over those candidates only, in one
-  matmul.
+  rows' mean low-rank state, plus the tokens already in the text), and the exact head runs
+  over those candidates only, in one matmul.
 
 Every strategy computes in the dtype of the states it is given (the drafter's, which may be
 narrower than the target's: a bfloat16 copy of the rows it scores then halves the bytes read).
@@ -50,6 +50,10 @@ class _Timed:
         log_probs = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
         self._tick("topk", since)
         return top.indices, log_probs
+
+    def see_tokens(self, tokens: list[int], reset: bool = False) -> None:
+        """The text's tokens as they become known: the prompt (reset=True), then each step's
+        committed tokens. Only a strategy that uses them (SpecVocab) keeps them."""
 
 
 class FullVocab(_Timed):
@@ -94,12 +98,19 @@ class StaticSubset(_Timed):
 
 class SpecVocab(_Timed):
     """Per-step vocabulary speculation: a low-rank ranker picks candidates, the exact head
-    scores only those."""
+    scores only those.
+
+    context_tokens: how many of the `candidates` are reserved for tokens already in the text
+    (the most recently seen distinct ones; None: half the candidates; 0: the ranker alone, as
+    in the paper). A d' ~ d/16 ranker cannot copy: on Spec-Bench its misses are mostly words
+    of the prompt (" Mars", " GDP", " entangled"), which is where text reuse puts the target's
+    next token.
+    """
 
     name = "spec"
 
     def __init__(self, head_weight: torch.Tensor, down: torch.Tensor, vocab: torch.Tensor,
-                 candidates: int = 2048):
+                 candidates: int = 2048, context_tokens: int | None = None):
         super().__init__()
         if down.dim() != 2 or vocab.dim() != 2 or down.shape[1] != head_weight.shape[1] \
                 or vocab.shape != (head_weight.shape[0], down.shape[0]):
@@ -116,6 +127,33 @@ class SpecVocab(_Timed):
         self.vocab_t = vocab.to(device=head_weight.device, dtype=torch.bfloat16).t().contiguous()
         self.candidates = min(candidates, head_weight.shape[0])
         self.size = self.candidates
+        if context_tokens is None:
+            context_tokens = self.candidates // 2
+        if not 0 <= context_tokens <= self.candidates:
+            raise ValueError(f"SpecVocab context tokens must be between 0 and the candidate count "
+                             f"({self.candidates}), got {context_tokens}")
+        self.context_tokens = context_tokens
+        self._seen: dict[int, None] = {}          # distinct tokens, least recently seen first
+        self._context: torch.Tensor | None = None
+
+    def see_tokens(self, tokens: list[int], reset: bool = False) -> None:
+        if reset:
+            self._seen = {}
+        if not self.context_tokens:
+            return
+        for token in tokens:
+            self._seen.pop(token, None)
+            self._seen[token] = None
+        if len(self._seen) > 2 * self.context_tokens:     # bound the memory of long texts
+            self._seen = dict.fromkeys(list(self._seen)[-self.context_tokens:])
+        self._context = None
+
+    def context_ids(self) -> torch.Tensor:
+        """The tokens always among the candidates: the text's most recent distinct ones."""
+        if self._context is None:
+            recent = list(self._seen)[-self.context_tokens:] if self.context_tokens else []
+            self._context = torch.tensor(recent, dtype=torch.long, device=self.weight.device)
+        return self._context
 
     def scores(self, states: torch.Tensor) -> torch.Tensor:
         """The ranker's score of every token for each row of drafter states."""
@@ -131,7 +169,10 @@ class SpecVocab(_Timed):
         low = linear(states.to(self.down.dtype), self.down)
         if low.shape[0] > 1:
             low = low.mean(0, keepdim=True)
-        return top_ids(low @ self.vocab_t, self.candidates)[0]
+        scores = low @ self.vocab_t
+        # The text's tokens outrank every ranked one, so they fill their share of the set.
+        scores.index_fill_(1, self.context_ids(), float("inf"))
+        return top_ids(scores, self.candidates)[0]
 
     def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
@@ -171,9 +212,13 @@ def top_ids(scores: torch.Tensor, k: int, lanes: int = 8) -> torch.Tensor:
 # ---------------------------------------------------------------------------- choosing one
 
 def parse_draft_vocab(spec: str) -> tuple[str, int | None]:
-    """'full' | 'fr:N' | 'trim:N' | 'spec:K' -> (kind, size); sizes accept a k suffix (32k)."""
+    """'full' | 'fr:N' | 'trim:N' | 'spec:K' | 'spec:K:C' -> (kind, size); sizes accept a k
+    suffix (32k). C (SpecVocab's context tokens) is read by `spec_context_tokens`."""
     if not isinstance(spec, str) or not spec:
         raise ValueError("draft vocabulary must be full, fr:N, trim:N or spec:K")
+    if spec.startswith("spec:"):
+        spec_context_tokens(spec)
+        spec = ":".join(spec.split(":")[:2])
     kind, _, size = spec.partition(":")
     if kind == "full" and not size:
         return "full", None
@@ -189,6 +234,17 @@ def parse_draft_vocab(spec: str) -> tuple[str, int | None]:
     if value < 1:
         raise ValueError(f"draft vocabulary size must be positive, got {size!r}")
     return kind, value
+
+
+def spec_context_tokens(spec: str) -> int | None:
+    """C of 'spec:K:C' (None when absent: SpecVocab's default, half of K)."""
+    fields = spec.split(":")
+    if len(fields) == 2:
+        return None
+    if len(fields) != 3 or not fields[2].isdigit():
+        raise ValueError(f"bad SpecVocab spec {spec!r}: use spec:K or spec:K:C, C = how many of "
+                         "the K candidates are the text's own tokens (0: the ranker alone)")
+    return int(fields[2])
 
 
 def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
@@ -223,6 +279,9 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
     down, vocab_proj = load_ranker(path, head_weight)
     if size > vocab:
         raise ValueError(f"SpecVocab candidate count {size} exceeds the vocabulary ({vocab})")
-    strategy = SpecVocab(head_weight, down, vocab_proj, candidates=size)
-    strategy.name = f"spec:{size}"
+    context = spec_context_tokens(spec)
+    if context is not None and context > size:
+        raise ValueError(f"--draft-vocab {spec}: {context} context tokens exceed the {size} candidates")
+    strategy = SpecVocab(head_weight, down, vocab_proj, candidates=size, context_tokens=context)
+    strategy.name = f"spec:{size}" + (f":{context}" if context is not None else "")
     return strategy

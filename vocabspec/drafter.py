@@ -271,10 +271,12 @@ class EagleProposer:
 
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
         self.cache.reset()
+        self.head.see_tokens(prompt_ids + [first_token], reset=True)
         self.last_state = self._run(prompt_ids[1:] + [first_token], self.target.norm(prompt_hidden))[-1:]
 
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
         start = time.perf_counter()
+        self.head.see_tokens(accepted + [next_token])
         self.last_state = self._run(accepted[1:] + [next_token], self.target.norm(hidden))[-1:]
         self.timings["total"] += time.perf_counter() - start
 
