@@ -161,8 +161,8 @@ class SpecVocab(_Timed):
 
     def candidate_ids(self, states: torch.Tensor) -> torch.Tensor:
         """One shared candidate set for all rows of a tree level, scored by the exact head in
-        one matmul: the ranker's top `candidates` tokens for the mean of the rows' low-rank
-        states. Scores are linear in those states, so this ranks tokens by the rows' mean
+        one matmul: the text's own tokens (see `context_tokens`), then the ranker's top tokens
+        for the mean of the rows' low-rank states, `candidates` in all. Scores are linear in those states, so this ranks tokens by the rows' mean
         score (equivalently, by the geometric mean of the ranker's probabilities) at the cost
         of ranking one row: a per-row ranking costs a 262k-score top-k per row, and in an A/B
         on Spec-Bench (Gemma, 1/4 trees) the mean kept tau while ranking took 26% less time."""
