@@ -130,8 +130,8 @@ class SpecVocab(_Timed):
         if context_tokens is None:
             context_tokens = self.candidates // 2
         if not 0 <= context_tokens <= self.candidates:
-            raise ValueError(f"SpecVocab context tokens must be between 0 and the candidate count "
-                             f"({self.candidates}), got {context_tokens}")
+            raise ValueError(f"SpecVocab context tokens ({context_tokens}) must not be negative or "
+                             f"exceed the {self.candidates} candidates")
         self.context_tokens = context_tokens
         self._seen: dict[int, None] = {}          # distinct tokens, least recently seen first
         self._context: torch.Tensor | None = None
@@ -155,18 +155,22 @@ class SpecVocab(_Timed):
             self._context = torch.tensor(recent, dtype=torch.long, device=self.weight.device)
         return self._context
 
+    def _low_rank(self, states: torch.Tensor) -> torch.Tensor:
+        return linear(states.to(self.down.dtype), self.down)
+
     def scores(self, states: torch.Tensor) -> torch.Tensor:
         """The ranker's score of every token for each row of drafter states."""
-        return linear(states.to(self.down.dtype), self.down) @ self.vocab_t
+        return self._low_rank(states) @ self.vocab_t
 
     def candidate_ids(self, states: torch.Tensor) -> torch.Tensor:
         """One shared candidate set for all rows of a tree level, scored by the exact head in
         one matmul: the text's own tokens (see `context_tokens`), then the ranker's top tokens
-        for the mean of the rows' low-rank states, `candidates` in all. Scores are linear in those states, so this ranks tokens by the rows' mean
-        score (equivalently, by the geometric mean of the ranker's probabilities) at the cost
-        of ranking one row: a per-row ranking costs a 262k-score top-k per row, and in an A/B
-        on Spec-Bench (Gemma, 1/4 trees) the mean kept tau while ranking took 26% less time."""
-        low = linear(states.to(self.down.dtype), self.down)
+        for the mean of the rows' low-rank states, `candidates` in all. Scores are linear in
+        those states, so this ranks tokens by the rows' mean score (equivalently, by the
+        geometric mean of the ranker's probabilities) at the cost of ranking one row: a per-row
+        ranking costs a 262k-score top-k per row, and in an A/B on Spec-Bench (Gemma, 1/4
+        trees) the mean kept tau while ranking took 26% less time."""
+        low = self._low_rank(states)
         if low.shape[0] > 1:
             low = low.mean(0, keepdim=True)
         scores = low @ self.vocab_t
@@ -280,8 +284,6 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
     if size > vocab:
         raise ValueError(f"SpecVocab candidate count {size} exceeds the vocabulary ({vocab})")
     context = spec_context_tokens(spec)
-    if context is not None and context > size:
-        raise ValueError(f"--draft-vocab {spec}: {context} context tokens exceed the {size} candidates")
     strategy = SpecVocab(head_weight, down, vocab_proj, candidates=size, context_tokens=context)
     strategy.name = f"spec:{size}" + (f":{context}" if context is not None else "")
     return strategy
