@@ -72,6 +72,9 @@ def main():
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--k", default="512,1024,2048,4096")
+    parser.add_argument("--ranker", help="ranker file (default: the bundled one)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="the text's tokens among the candidates (spec:K:C; default K/2)")
     parser.add_argument("--answers", help="a `vocabspec bench` answers.jsonl to take vanilla's "
                                            "answers from (then --new-tokens is unused)")
     args = parser.parse_args()
@@ -80,8 +83,10 @@ def main():
     target, drafter = lm.engine.model, lm.engine.proposer.drafter
     full_head = lm.engine.proposer.head.weight      # in the drafter's dtype, as it drafts
     files = bundled_drafter_dir(args.model)
-    ranker = make_draft_vocab("spec:2048", target.embed.weight, files)
-    strategies = {k: make_draft_vocab(f"spec:{k}", target.embed.weight, files) for k in ks}
+    ranker = make_draft_vocab("spec:2048", target.embed.weight, files, ranker=args.ranker)
+    context = "" if args.context is None else f":{min(args.context, min(ks))}"
+    strategies = {k: make_draft_vocab(f"spec:{k}{context}", target.embed.weight, files,
+                                      ranker=args.ranker) for k in ks}
     questions = load_questions(args.questions, args.per_category)
     answers = _vanilla_answers(args.answers, questions) if args.answers else {}
     hits = {k: [0, 0, 0, 0, 0] for k in ks}
@@ -116,7 +121,8 @@ def main():
                 hits[k][3] += found[0]
                 hits[k][4] += found[1]
             positions += count
-    result = {"model": args.model, "questions": len(questions), "positions": positions,
+    result = {"model": args.model, "ranker": args.ranker or "bundled", "context": args.context,
+              "questions": len(questions), "positions": positions,
               "candidates_recall_target": {k: round(h[3] / positions, 4) for k, h in hits.items()},
               "candidates_recall_drafter_top1": {k: round(h[4] / positions, 4) for k, h in hits.items()},
               "recall_target": {k: round(h[0] / positions, 4) for k, h in hits.items()},

@@ -1,6 +1,7 @@
 """Drafter training on a tiny random target: the candidate-set loss equals the exact loss when
 the candidates cover the vocabulary, training lowers the loss, and an interrupted run resumes."""
 
+import pytest
 import torch
 
 from vocabspec.drafter import EagleDrafter
@@ -169,3 +170,20 @@ def test_ranker_distillation_lowers_its_loss_on_sampled_positions(tmp_path):
                                  rank=4, epochs=25, lr=1e-2, positions=6, log=lambda _: None)
     assert metrics["positions_per_sequence"] == 6
     assert metrics["loss_last_tenth"] < metrics["loss_first_tenth"]
+
+
+def test_ranker_training_starts_from_a_given_ranker(tmp_path):
+    from vocabspec.ranker import svd_init, train_ranker
+    from vocabspec.train import load_shards
+
+    model = tiny_model("llama", vocab_size=60)
+    fake_shards(model, tmp_path, count=4)
+    cfg = TrainConfig(out=str(tmp_path))
+    drafter = EagleDrafter.random(model).float()
+    start = svd_init(model.embed.weight, 3)
+    down, _, metrics = train_ranker(drafter, load_shards(cfg, "train"), load_shards(cfg, "heldout"),
+                                    rank=3, lr=1e-2, positions=6, init=start, log=lambda _: None)
+    assert metrics["warm_start"]
+    assert down.shape == start[0].shape and not torch.equal(down, start[0])
+    with pytest.raises(ValueError, match="rank"):
+        train_ranker(drafter, load_shards(cfg, "train"), [], rank=4, init=start, log=lambda _: None)

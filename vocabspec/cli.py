@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     ranker.add_argument("--epochs", type=_positive_int, default=1)
     ranker.add_argument("--positions", type=_positive_int, default=128,
                         help="positions per sequence in the loss (random; default 128)")
+    ranker.add_argument("--init", default=None,
+                        help="ranker file to start from (default: the head's truncated SVD)")
     ranker.add_argument("--out", default=None, help="default: next to the bundled drafter")
 
     bench = sub.add_parser("bench", help="Spec-Bench: every method side by side, with plots")
@@ -286,7 +288,7 @@ def cmd_ranker(args) -> int:
     from .api import bundled_drafter_dir
     from .drafter import EagleDrafter
     from .loading import load_model
-    from .ranker import save_ranker, train_ranker
+    from .ranker import load_ranker, save_ranker, train_ranker
     from .train import TrainConfig, load_shards
 
     target, _ = load_model(args.model)
@@ -300,9 +302,11 @@ def cmd_ranker(args) -> int:
     heldout = load_shards(cfg, "heldout")
     if not train_set:
         raise ValueError(f"no feature shards under {cfg.out}/features: run vocabspec train first")
-    rank = args.rank or max(1, target.args.dim // 16)
+    init = load_ranker(args.init, target.embed.weight) if args.init else None
+    rank = args.rank or (init[0].shape[0] if init else max(1, target.args.dim // 16))
     down, vocab, metrics = train_ranker(drafter, train_set, heldout, rank, epochs=args.epochs,
-                                        max_sequences=args.sequences, positions=args.positions)
+                                        max_sequences=args.sequences, positions=args.positions,
+                                        init=init)
     out = Path(args.out) if args.out else Path(draft_path) / "ranker.safetensors"
     save_ranker(down.to(torch.bfloat16), vocab.to(torch.bfloat16), out, meta=metrics)
     print(f"wrote {out}: {metrics}")
