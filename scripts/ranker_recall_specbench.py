@@ -84,8 +84,9 @@ def main():
     full_head = lm.engine.proposer.head.weight      # in the drafter's dtype, as it drafts
     files = bundled_drafter_dir(args.model)
     ranker = make_draft_vocab("spec:2048", target.embed.weight, files, ranker=args.ranker)
-    context = "" if args.context is None else f":{min(args.context, min(ks))}"
-    strategies = {k: make_draft_vocab(f"spec:{k}{context}", target.embed.weight, files,
+    # C is capped at each K (not at the smallest K): spec:K:C refuses C > K.
+    context = {k: "" if args.context is None else f":{min(args.context, k)}" for k in ks}
+    strategies = {k: make_draft_vocab(f"spec:{k}{context[k]}", target.embed.weight, files,
                                       ranker=args.ranker) for k in ks}
     questions = load_questions(args.questions, args.per_category)
     answers = _vanilla_answers(args.answers, questions) if args.answers else {}

@@ -102,13 +102,12 @@ def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: i
     from .train import draft_states, features_of
 
     target = drafter.target
-    head = target.embed.weight.float()
     if init is not None:
         down, vocab = (t.float().clone() for t in init)
         if down.shape[0] != rank:
             raise ValueError(f"the starting ranker has rank {down.shape[0]}, not {rank}")
     else:
-        down, vocab = svd_init(head, rank)
+        down, vocab = svd_init(target.embed.weight, rank)   # svd_init works in float32
     log(f"{'warm' if init is not None else 'SVD'} start: {recall(drafter, down, vocab, heldout[:16])}")
     down.requires_grad_(True)
     vocab.requires_grad_(True)
