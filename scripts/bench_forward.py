@@ -7,6 +7,12 @@ which 32k rows does not change the cost) and SpecVocab with 2048 candidates, bes
 as it was before its two-pass top-k and index_select gather ("spec_plain_topk").
 
     python scripts/bench_forward.py --models smollm2,gemma3 --repeats 10
+
+With --verification, only the verification forward, packed: every row through the LM head (as
+verification scored trees until session 13) against what `verify.TreeLogits` scores at first
+(the head over at most HEAD_ROWS rows), the two interleaved call by call.
+
+    python scripts/bench_forward.py --models smollm2,gemma3 --verification --sizes 1,5,13,25,41,61
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 
 from vocabspec.linear import linear
 from vocabspec.loading import load_model
+from vocabspec.verify import HEAD_ROWS
 
 CONTEXT = 300
 
@@ -45,12 +52,18 @@ def main():
     parser.add_argument("--sizes", default="1,4,12,24,64")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--verification", action="store_true",
+                        help="only the verification forward: every row's logits vs TreeLogits' first batch")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     modes = {"packed": True, "plain": False}
     for name in args.models.split(","):
         model, _ = load_model(name, dtype=getattr(torch, args.dtype))
         cache = model.new_cache(CONTEXT + 128)
+        if args.verification:
+            print(json.dumps({"model": name, "dtype": args.dtype, "verification_ms":
+                              verification_costs(model, cache, args.sizes, args.repeats)}), flush=True)
+            continue
         head = model.embed.weight
         rank = max(1, model.args.dim // 16)
         down = torch.randn(rank, model.args.dim)
@@ -82,6 +95,39 @@ def main():
         print(json.dumps(row), flush=True)
 
 
+def interleaved_ms(calls: dict, repeats: int) -> dict:
+    """Median milliseconds of each call, the calls interleaved one after another."""
+    times = {name: [] for name in calls}
+    for _ in range(repeats + 1):            # the first round warms up
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: round(statistics.median(t[1:]) * 1e3, 2) for name, t in times.items()}
+
+
+def verification_costs(model, cache, sizes: str, repeats: int) -> dict:
+    out = {}
+    with torch.inference_mode():
+        model(torch.randint(0, 1000, (CONTEXT,)), torch.arange(CONTEXT), cache)
+        cache.commit()
+        for n in (int(s) for s in sizes.split(",")):
+            tokens, positions = torch.randint(0, 1000, (n,)), torch.arange(CONTEXT, CONTEXT + n)
+            mask = torch.ones(n, n, dtype=torch.bool).tril()
+
+            def every_row():
+                model(tokens, positions, cache, tree_mask=mask, all_logits=True)
+                cache.discard()
+
+            def first_batch():
+                hidden, _ = model(tokens, positions, cache, tree_mask=mask, logits_rows=[])
+                model.lm_head(hidden[:HEAD_ROWS])
+                cache.discard()
+
+            out[n] = interleaved_ms({"every_row": every_row, "first_batch": first_batch}, repeats)
+    return out
+
+
 def draft_head_costs(head, down, vocab, repeats) -> dict:
     import torch.nn.functional as F
 
@@ -104,13 +150,7 @@ def draft_head_costs(head, down, vocab, repeats) -> dict:
         states = torch.randn(rows, head.shape[1], dtype=head.dtype)
         calls = {name: (lambda s=strategy: s.top_k(states, 10)) for name, strategy in strategies.items()}
         calls["spec_plain_topk"] = lambda: plain_topk(states, 10)
-        times = {name: [] for name in calls}
-        for _ in range(3 * repeats + 1):     # strategies interleaved call by call
-            for name, call in calls.items():
-                start = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - start)
-        out[rows] = {name: round(statistics.median(t[1:]) * 1e3, 2) for name, t in times.items()}
+        out[rows] = interleaved_ms(calls, 3 * repeats)
     return out
 
 

@@ -73,13 +73,14 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--k", default="512,1024,2048,4096")
     parser.add_argument("--ranker", help="ranker file (default: the bundled one)")
+    parser.add_argument("--draft-path", help="drafter directory (default: the bundled one)")
     parser.add_argument("--context", type=int, default=None,
                         help="the text's tokens among the candidates (spec:K:C; default K/2)")
     parser.add_argument("--answers", help="a `vocabspec bench` answers.jsonl to take vanilla's "
                                            "answers from (then --new-tokens is unused)")
     args = parser.parse_args()
     ks = [int(k) for k in args.k.split(",")]
-    lm = vocabspec.load(args.model, draft="eagle", total_tokens=8)
+    lm = vocabspec.load(args.model, draft="eagle", draft_path=args.draft_path, total_tokens=8)
     target, drafter = lm.engine.model, lm.engine.proposer.drafter
     full_head = lm.engine.proposer.head.weight      # in the drafter's dtype, as it drafts
     files = bundled_drafter_dir(args.model)
@@ -122,7 +123,8 @@ def main():
                 hits[k][3] += found[0]
                 hits[k][4] += found[1]
             positions += count
-    result = {"model": args.model, "ranker": args.ranker or "bundled", "context": args.context,
+    result = {"model": args.model, "ranker": args.ranker or "bundled",
+              "drafter": args.draft_path or "bundled", "context": args.context,
               "questions": len(questions), "positions": positions,
               "candidates_recall_target": {k: round(h[3] / positions, 4) for k, h in hits.items()},
               "candidates_recall_drafter_top1": {k: round(h[4] / positions, 4) for k, h in hits.items()},

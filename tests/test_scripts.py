@@ -28,3 +28,14 @@ def test_ranker_recall_script_measures_recall():
     # A working ranker keeps the drafter's own choice among its top 4096 of 49k tokens nearly
     # always (97% on the full Spec-Bench subset); a broken one would not come close.
     assert result["recall_drafter_top1"]["4096"] > 0.8
+
+
+def test_forward_script_compares_verification_forwards():
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_forward.py"), "--models", "smollm2",
+                           "--verification", "--sizes", "1,20", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for n in ("1", "20"):
+        assert set(result["verification_ms"][n]) == {"every_row", "first_batch"}
+        assert all(ms > 0 for ms in result["verification_ms"][n].values())

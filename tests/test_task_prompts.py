@@ -42,3 +42,16 @@ def test_task_prompts_come_after_the_sharegpt_prompts(smollm2):
     assert "Summarize: " in texts[0] and "to English: " in texts[1]
     assert "Answer from the passage above: " in texts[2]
     assert all(len(ids) <= cfg.max_len - cfg.distill_new_tokens for ids in mixed)
+
+
+def test_training_split_follows_the_settings_it_was_made_with(smollm2, tmp_path):
+    from vocabspec.train import prepare_sequences
+
+    cfg = TrainConfig(out=str(tmp_path), conversations=3, heldout=2, max_len=256)
+    first = prepare_sequences(cfg, smollm2.tokenizer)
+    assert len(first["train"]) == 3 and len(first["heldout"]) == 2
+    assert prepare_sequences(cfg, smollm2.tokenizer)["train"] == first["train"]   # read back
+    cfg.conversations = 5             # asking for more must not return the stale split
+    grown = prepare_sequences(cfg, smollm2.tokenizer)
+    assert len(grown["train"]) == 5 and grown["train"][:3] == first["train"]
+    assert grown["heldout"] == first["heldout"]

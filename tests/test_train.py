@@ -187,3 +187,53 @@ def test_ranker_training_starts_from_a_given_ranker(tmp_path):
     assert down.shape == start[0].shape and not torch.equal(down, start[0])
     with pytest.raises(ValueError, match="rank"):
         train_ranker(drafter, load_shards(cfg, "train"), [], rank=4, init=start, log=lambda _: None)
+
+
+def test_joint_ranker_loss_adds_the_rankers_distillation_to_the_token_loss():
+    from vocabspec.ranker import distillation_loss, svd_init, teacher
+    from vocabspec.train import draft_states, features_of
+
+    model = tiny_model("llama", vocab_size=40)
+    drafter = EagleDrafter.random(model).float().requires_grad_(True)
+    tokens = torch.randint(40, (12,))
+    hidden = torch.randn(12, model.args.dim)
+    candidates = torch.topk(model.lm_head(features_of(model, hidden)), 5, dim=-1).indices
+    std = torch.ones(model.args.dim)
+    ranker = svd_init(model.embed.weight, 3)
+    cfg = dict(negatives=0, noise=0.0, ranker_positions=100)
+    plain, _ = sequence_loss(drafter, tokens, hidden, candidates, TrainConfig(**cfg), std)
+    joint, info = sequence_loss(drafter, tokens, hidden, candidates,
+                                TrainConfig(ranker_weight=0.5, **cfg), std, ranker=ranker)
+    with torch.no_grad():     # by hand: every position of the one step
+        features = features_of(model, hidden)
+        states = draft_states(drafter, tokens, features)
+        by_hand = distillation_loss(states, *ranker, *teacher(model, features[1:], candidates[1:].long()))
+    assert abs(info["ranker"] - by_hand.item()) < 1e-5
+    assert abs(joint.item() - (plain.item() + 0.1 * 0.5 * by_hand.item())) < 1e-5
+    # The ranker's loss reaches the drafter (the paper's point: its states become rankable).
+    grads = []
+    for loss in (plain, joint):
+        drafter.zero_grad()
+        loss.backward()
+        grads.append(drafter.fc.weight.grad.clone())
+    assert not torch.allclose(grads[0], grads[1])
+
+
+def test_joint_ranker_training_lowers_its_loss_resumes_and_keeps_the_ranker(tmp_path):
+    model = tiny_model("llama", vocab_size=60)
+    fake_shards(model, tmp_path, count=8)
+    cfg = TrainConfig(out=str(tmp_path), epochs=30, accumulate=2, lr=3e-3, warmup_steps=2,
+                      checkpoint_every=5, max_steps=5, noise=0.0, negatives=8,
+                      ranker_weight=1.0, ranker_rank=4, ranker_positions=8, ranker_lr=1e-2)
+    logs = []
+    train_drafter(cfg, model, log=logs.append)
+    saved = torch.load(tmp_path / "checkpoint.pt")["ranker"]
+    cfg.max_steps = 40
+    drafter = train_drafter(cfg, model, log=logs.append)
+    assert any("resuming from step 5" in line for line in logs)
+    history = torch.load(tmp_path / "checkpoint.pt")["history"]
+    assert history[-1]["train"]["ranker"] < history[0]["train"]["ranker"]
+    assert 0.0 <= history[-1]["ranker"]["recall_target"] <= 1.0
+    down, vocab = drafter.trained_ranker
+    assert down.shape == (4, model.args.dim) and vocab.shape == (60, 4)
+    assert not torch.equal(down, saved[0])       # resumed from step 5's ranker and trained on

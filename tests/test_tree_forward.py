@@ -73,3 +73,34 @@ def test_cache_overflow_is_refused():
     cache = model.new_cache()
     with pytest.raises(ValueError, match="max_seq_len|cache"):
         model(torch.arange(20), torch.arange(20), cache)
+
+
+@pytest.mark.parametrize("head_rows", [4, 100])
+def test_tree_logits_scores_the_likely_rows_first_and_the_rest_when_reached(head_rows):
+    from vocabspec.verify import TreeLogits, verify_greedy
+
+    model = tiny_model("llama", 3)
+    context = list(range(3, 14))
+    cache = model.new_cache()
+    model(torch.tensor(context), torch.arange(len(context)), cache)
+    cache.commit()
+    tree = random_tree(97, 3)
+    hidden, every = model(tree.tokens, tree.positions(cache.length), cache,
+                          tree_mask=tree.attention_mask(), all_logits=True)
+    scored = []
+    head = lambda rows: scored.append(rows.shape[0]) or model.lm_head(rows)  # noqa: E731
+    lazy = TreeLogits(head, hidden, tree, head_rows=head_rows)
+    first = sorted(lazy.rows)
+    if head_rows >= tree.tokens.numel():
+        assert first == list(range(tree.tokens.numel()))        # a small tree: every row at once
+    else:                                  # the root and the head_rows - 1 most valuable nodes
+        assert first == [0] + [i for i, r in enumerate(tree.ranks) if 0 <= r < head_rows - 1]
+    outside = next((i for i in range(tree.tokens.numel()) if i not in lazy.rows), None)
+    if outside is not None:
+        torch.testing.assert_close(lazy[outside], every[outside])   # scored when reached
+        assert scored[-1] == 1
+    for node in range(tree.tokens.numel()):
+        torch.testing.assert_close(lazy[node], every[node])
+    # Greedy verification through it finds the same verdict as over all logits.
+    assert verify_greedy(tree, TreeLogits(model.lm_head, hidden, tree, head_rows)) == \
+        verify_greedy(tree, every)

@@ -10,7 +10,8 @@ expected tokens per second over depth d (up to the one asked for) and size m:
 tau(m) comes from one calibration run with a large tree: the tree of the best m nodes is
 exactly the nodes of value rank < m, and greedy verification follows the same path through
 it, so the accepted length at size m is the accepted path cut at the first node ranked >= m.
-forward_seconds is the target's tree-masked forward, timed at each candidate size once per
+forward_seconds is the target's tree-masked forward (with the LM head over the rows that
+verification scores at first, `verify.TreeLogits`), timed at each candidate size once per
 model and machine and shared by every drafter and draft vocabulary, so that their choices
 differ by their drafting, not by timing noise; it is made non-decreasing in m (a larger
 forward is never really cheaper). Among the candidates within TOLERANCE of the best predicted
@@ -30,6 +31,7 @@ import time
 import torch
 
 from .linear import packing_enabled
+from .verify import HEAD_ROWS
 
 CANDIDATE_SIZES = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 CANDIDATE_DEPTHS = (1, 2, 3, 4, 6)
@@ -65,7 +67,8 @@ def forward_seconds(model, sizes, context: int = 256, repeats: int = 3) -> dict[
             runs = []
             for _ in range(repeats + 1):
                 start = time.perf_counter()
-                model(tokens, positions, cache, tree_mask=mask, all_logits=True)
+                hidden, _ = model(tokens, positions, cache, tree_mask=mask, logits_rows=[])
+                model.lm_head(hidden[:HEAD_ROWS])      # what verification scores at first
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 runs.append(time.perf_counter() - start)
@@ -146,7 +149,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
 
     path = cache_dir() / "autotune.json"
     known = _load(path)
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v4")
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v5")
     if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
@@ -154,7 +157,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
         args = model.args
         shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
                 f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
-        forward_key = _cache_key(model, f"forward|{shape}|v4")
+        forward_key = _cache_key(model, f"forward|{shape}|v5")
         if forward_key not in known:
             known[forward_key] = {str(n): t for n, t in forward_seconds(model, CANDIDATE_SIZES).items()}
         forwards = monotone({int(n): t for n, t in known[forward_key].items()})

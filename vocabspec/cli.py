@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("lr", _float), ("noise", _float), ("cls_weight", _float),
                        ("distill_new_tokens", _positive_int), ("distill_batch", _positive_int),
                        ("unroll", _positive_int), ("checkpoint_every", _positive_int),
-                       ("warmup_steps", _non_negative_int)):
+                       ("warmup_steps", _non_negative_int), ("ranker_weight", _float),
+                       ("ranker_rank", _non_negative_int), ("ranker_positions", _positive_int),
+                       ("ranker_lr", _float)):
         train.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name))
     train.add_argument("--self-distill", type=_non_negative_int, default=defaults.self_distill,
                        help="also train on the target's own greedy answers to this many unused "
@@ -106,7 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "(summarize, translate, answer from a passage)")
     train.add_argument("--init", default=defaults.init,
                        help="start from this drafter directory instead of a random drafter")
-    train.add_argument("--feature-dtype", default=defaults.feature_dtype, choices=["float32", "bfloat16"])
+    train.add_argument("--ranker-init", default=defaults.ranker_init,
+                       help="with --ranker-weight: the SpecVocab ranker file to start from "
+                            "(default: the LM head's truncated SVD)")
+    train.add_argument("--feature-dtype", default=defaults.feature_dtype,
+                       choices=["auto", "float32", "bfloat16"],
+                       help="target dtype for feature extraction (auto: bfloat16 where the CPU "
+                            "has fast bfloat16 matmuls, else float32)")
     train.add_argument("--full-vocab-loss", action="store_true",
                        help="exact cross-entropy over the whole vocabulary (slow on a CPU)")
     train.add_argument("--threads", type=_positive_int, default=None)

@@ -18,7 +18,7 @@ from .model import Transformer
 from .sampling import SamplingParams, greedy_token, make_generator, sample, target_probs
 from .tokenizer import Tokenizer
 from .tree import DraftTree, chain_tree
-from .verify import verify
+from .verify import TreeLogits, verify
 
 PREFILL_CHUNK = 512
 
@@ -218,9 +218,9 @@ class Generation:
                     else chain_tree(token, [], model.device)
                 t1 = time.perf_counter()
                 mask = tree.attention_mask() if tree.size else None
-                hidden, logits = model(tree.tokens, tree.positions(cache.length), cache,
-                                       tree_mask=mask, all_logits=True)
-                verdict = verify(tree, logits, params, generator)
+                hidden, _ = model(tree.tokens, tree.positions(cache.length), cache,
+                                  tree_mask=mask, logits_rows=[])
+                verdict = verify(tree, TreeLogits(model.lm_head, hidden, tree), params, generator)
                 path = torch.tensor(verdict.path, dtype=torch.long, device=model.device)
                 cache.commit(path)
                 t2 = time.perf_counter()

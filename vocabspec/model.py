@@ -256,9 +256,10 @@ class Transformer(nn.Module):
 
         tree_mask (n, pending + n): which pending and new tokens each new token sees
         (default: all pending ones and the new ones causally).
-        Logits are computed for `logits_rows` (indices), for every row if `all_logits`,
-        else for the last row only. The cache holds the new tokens as pending until
-        `cache.commit`. Returns (hidden (n, dim) before the final norm, logits (m, vocab)).
+        Logits are computed for `logits_rows` (indices; empty: none, and logits is None),
+        for every row if `all_logits`, else for the last row only. The cache holds the new
+        tokens as pending until `cache.commit`. Returns (hidden (n, dim) before the final
+        norm, logits (m, vocab)).
         """
         n = tokens.shape[0]
         if n == 0:
@@ -276,7 +277,7 @@ class Transformer(nn.Module):
         if all_logits:
             logits = self.lm_head(x)
         elif logits_rows is not None:
-            logits = self.lm_head(x[logits_rows])
+            logits = self.lm_head(x[logits_rows]) if len(logits_rows) else None
         else:
             logits = self.lm_head(x[-1:])
         return x, logits

@@ -29,6 +29,17 @@ def svd_init(head_weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.
     return down, vocab
 
 
+def starting_ranker(head_weight: torch.Tensor, rank: int,
+                    init: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 copies of `init` (down, vocab), or the head's truncated SVD at `rank`."""
+    if init is None:
+        return svd_init(head_weight, rank)        # svd_init works in float32
+    down, vocab = (t.float().clone() for t in init)
+    if down.shape[0] != rank:
+        raise ValueError(f"the starting ranker has rank {down.shape[0]}, not {rank}")
+    return down, vocab
+
+
 def save_ranker(down: torch.Tensor, vocab: torch.Tensor, path: str | Path, meta: dict | None = None) -> None:
     from safetensors.torch import save_file
 
@@ -54,11 +65,21 @@ def load_ranker(path: str | Path, head_weight: torch.Tensor) -> tuple[torch.Tens
     return down.to(head_weight), vocab.to(head_weight)
 
 
-def _teacher(target, features: torch.Tensor, candidates: torch.Tensor):
+def teacher(target, features: torch.Tensor, candidates: torch.Tensor):
     """Target distribution over its stored top candidates at each position (features are
     already through the target's final norm)."""
     logits = torch.einsum("nd,nkd->nk", features, target.embed.weight[candidates])
     return candidates, F.softmax(logits.float(), dim=-1)
+
+
+def distillation_loss(states: torch.Tensor, down: torch.Tensor, vocab: torch.Tensor,
+                      ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy from the teacher's distribution (`probs` over `ids`) to the ranker's
+    softmax over the whole vocabulary: the whole vocabulary, because what the ranker must get
+    right is which tokens fall outside its top k."""
+    scores = F.linear(F.linear(states, down), vocab)
+    log_probs = scores - torch.logsumexp(scores, dim=-1, keepdim=True)
+    return -(probs * log_probs.gather(1, ids)).sum(-1).mean()
 
 
 def hits_in_top(scores: torch.Tensor, tokens: torch.Tensor, ks) -> dict[int, int]:
@@ -102,12 +123,7 @@ def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: i
     from .train import draft_states, features_of
 
     target = drafter.target
-    if init is not None:
-        down, vocab = (t.float().clone() for t in init)
-        if down.shape[0] != rank:
-            raise ValueError(f"the starting ranker has rank {down.shape[0]}, not {rank}")
-    else:
-        down, vocab = svd_init(target.embed.weight, rank)   # svd_init works in float32
+    down, vocab = starting_ranker(target.embed.weight, rank, init)
     log(f"{'warm' if init is not None else 'SVD'} start: {recall(drafter, down, vocab, heldout[:16])}")
     down.requires_grad_(True)
     vocab.requires_grad_(True)
@@ -129,12 +145,10 @@ def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: i
                 if positions and positions < rows.numel():
                     rows = torch.randperm(rows.numel(), generator=generator)[:positions]
                 states = states[rows]
-                ids, probs = _teacher(target, features[1:][rows], candidates[1:][rows].long())
+                ids, probs = teacher(target, features[1:][rows], candidates[1:][rows].long())
             for group in optimizer.param_groups:
                 group["lr"] = lr * (1 - step / total)
-            scores = F.linear(F.linear(states, down), vocab)
-            log_probs = scores - torch.logsumexp(scores, dim=-1, keepdim=True)
-            loss = -(probs * log_probs.gather(1, ids)).sum(-1).mean()
+            loss = distillation_loss(states, down, vocab, ids, probs)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -11,7 +11,10 @@
              between the target's and the drafter's next-token distributions through the
              frozen LM head. With `unroll` > 1 the drafter is also trained on its own predicted
              features (step k reads the features step k-1 predicted), as deeper tree levels do
-             at run time; each step's loss counts equally.
+             at run time; each step's loss counts equally. With `ranker_weight` > 0 SpecVocab's
+             low-rank ranker is trained with the drafter, as the SpecVocab paper does: its
+             distillation loss, weighted against the token loss, also reaches the drafter,
+             whose states then become easier to rank at low rank.
 
 The cross-entropy over the whole vocabulary (262k rows for Gemma) would dominate a CPU
 training step, so it runs over a candidate set per sequence: the union of the target's top
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +43,8 @@ from tqdm import tqdm
 from .drafter import EagleDrafter
 from .model import Transformer
 from .prompts import encode_conversation
+from .ranker import distillation_loss, load_ranker, save_ranker, starting_ranker, teacher
+from .ranker import recall as ranker_recall
 
 
 @dataclass
@@ -48,7 +54,8 @@ class TrainConfig:
     conversations: int = 1200       # training conversations (after the held-out ones)
     heldout: int = 48
     max_len: int = 1024             # tokens per sequence (longer conversations are cut)
-    feature_dtype: str = "bfloat16"  # target dtype for feature extraction (faster on AVX-512 bf16)
+    feature_dtype: str = "auto"     # target dtype for feature extraction; auto: bfloat16 where
+                                    # the CPU has fast bfloat16 matmuls (AVX-512 bf16), else float32
     shard_tokens: int = 65536
     top_candidates: int = 32        # target top ids stored per position
     negatives: int = 1024           # random negatives added to each sequence's candidate set
@@ -70,6 +77,12 @@ class TrainConfig:
     distill_batch: int = 32         # prompts generated together
     unroll: int = 1                 # drafting steps trained per position (1: EAGLE's loss)
     init: str = ""                  # drafter directory to start from (default: random start)
+    ranker_weight: float = 0.0      # SpecVocab's ranker trained jointly: its loss's weight
+                                    # against the token loss (the paper's lambda, 0.1); 0: no ranker
+    ranker_init: str = ""           # ranker file to start from (default: the head's truncated SVD)
+    ranker_rank: int = 0            # d' (0: d/16)
+    ranker_positions: int = 128     # positions per sequence and step in the ranker's loss
+    ranker_lr: float = 2e-3
 
 
 class _NoCache:
@@ -98,14 +111,20 @@ def prepare_sequences(cfg: TrainConfig, tokenizer) -> dict:
     from .sharegpt import iter_conversations
 
     out = Path(cfg.out) / "sequences.pt"
+    # A split made with other settings is made again (the feature stage then rebuilds only the
+    # shards whose sequences changed); files without settings predate this check.
+    settings = {k: getattr(cfg, k) for k in ("conversations", "heldout", "max_len", "seed")}
     if out.exists():
-        return torch.load(out)
+        split = torch.load(out)
+        if split.get("settings") == settings:
+            return split
     conversations = list(iter_conversations())
     random.Random(cfg.seed).shuffle(conversations)
     wanted = cfg.heldout + cfg.conversations
     if len(conversations) < wanted:
         raise ValueError(f"ShareGPT has {len(conversations)} usable conversations, {wanted} asked for")
-    split = {"heldout": [], "train": [], "heldout_ids": [], "train_ids": [], "heldout_prompts": []}
+    split = {"heldout": [], "train": [], "heldout_ids": [], "train_ids": [], "heldout_prompts": [],
+             "settings": settings}
     for index, (conv_id, turns) in enumerate(tqdm(conversations[:wanted], desc="tokenizing",
                                                   unit="conv")):
         ids = encode_conversation(tokenizer, turns, answer_open=False, example=False)[:cfg.max_len]
@@ -154,6 +173,16 @@ def _task_prompt_ids(cfg: TrainConfig, tokenizer, conversations: list, room: int
         raise ValueError(f"ShareGPT gave only {len(prompts)} task prompts of at most {room} "
                          f"tokens, {cfg.task_prompts} asked for")
     return prompts
+
+
+def _fast_dtype(name: str) -> torch.dtype:
+    """float32 / bfloat16 by name; "auto": bfloat16 where the CPU has fast bfloat16 matmuls
+    (without them bfloat16 is emulated and several times slower than float32)."""
+    from .drafter import bf16_supported
+
+    if name == "auto":
+        return torch.bfloat16 if bf16_supported(torch.device("cpu")) else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def _cut_answer(answer: list[int], eos_ids: set[int], tokenizer) -> list[int]:
@@ -222,10 +251,12 @@ def _generate_answers(cfg: TrainConfig, tokenizer, model_path: Path, todo: list[
 
     logging.set_verbosity_error()
     if model_path.suffix == ".gguf":
+        # transformers keeps a GGUF file's quantized blocks and its kernels compute in float32:
+        # bfloat16 would only add casts (SmolLM2, 32 rows, AVX2 CPU: 75 against 22 tok/s).
         hf = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                  dtype=torch.bfloat16)
+                                                  dtype=torch.float32)
     else:
-        hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.bfloat16)
+        hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_fast_dtype("auto"))
     hf.eval()
     eos_ids = set(hf.generation_config.eos_token_id if isinstance(hf.generation_config.eos_token_id, list)
                   else [hf.generation_config.eos_token_id]) - {None}
@@ -347,7 +378,10 @@ def feature_std(target: Transformer, sequences, limit: int = 64) -> torch.Tensor
 
 
 def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainConfig,
-                  std: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+                  std: torch.Tensor, generator: torch.Generator | None = None,
+                  ranker: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
+    """The loss of one sequence; `ranker` (down, vocab) adds the ranker's distillation loss on
+    `cfg.ranker_positions` positions of each step."""
     target = drafter.target
     tokens = tokens.long()
     features = features_of(target, hidden)
@@ -365,7 +399,9 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
         rows = head[torch.unique(torch.cat(pool))]
     with torch.no_grad():
         target_probs = F.softmax(F.linear(wanted, rows).float(), dim=-1)
-    regression = classification = 0.0
+        if ranker is not None:
+            ranker_ids, ranker_probs = teacher(target, wanted, candidates[1:].long())
+    regression = classification = ranking = 0.0
     info = {}
     steps = min(cfg.unroll, tokens.shape[0] - 2)
     for step in range(steps):
@@ -377,11 +413,17 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
         step_classification = -(target_probs[step:] * draft_log_probs).sum(-1).mean()
         regression = regression + step_regression / steps
         classification = classification + step_classification / steps
+        if ranker is not None:
+            picked = torch.randperm(mine.shape[0], generator=generator)[:cfg.ranker_positions]
+            ranking = ranking + distillation_loss(mine[picked], *ranker, ranker_ids[step:][picked],
+                                                  ranker_probs[step:][picked]) / steps
         with torch.no_grad():
             accuracy = (draft_log_probs.argmax(-1) == target_probs[step:].argmax(-1)).float().mean()
         info["accuracy" if step == 0 else f"accuracy_step{step + 1}"] = float(accuracy)
         inputs = torch.cat([features[:1], predicted])
-    loss = regression + cfg.cls_weight * classification
+    loss = regression + cfg.cls_weight * (classification + cfg.ranker_weight * ranking)
+    if ranker is not None:
+        info["ranker"] = float(ranking)
     return loss, {"regression": float(regression), "classification": float(classification),
                   **info, "candidates": rows.shape[0]}
 
@@ -452,8 +494,11 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
         drafter = EagleDrafter.random(target, seed=cfg.seed)
         _scale_fc_to_inputs(drafter, std)
     drafter = drafter.float().train().requires_grad_(True)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=(0.9, 0.95))
+    ranker = _start_ranker(cfg, target) if cfg.ranker_weight > 0 else None
+    groups = [{"params": list(drafter.parameters()), "lr_scale": 1.0}]
+    if ranker is not None:
+        groups.append({"params": list(ranker), "lr_scale": cfg.ranker_lr / cfg.lr, "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(len(train_set) / cfg.accumulate)
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps:
@@ -468,6 +513,10 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
     if checkpoint.exists():
         state = torch.load(checkpoint)
         drafter.load_state_dict(state["drafter"])
+        if ranker is not None:
+            with torch.no_grad():
+                for param, saved in zip(ranker, state["ranker"]):
+                    param.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
         seconds_before = state.get("seconds", 0.0)
@@ -482,15 +531,17 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
         random.Random(cfg.seed + epoch).shuffle(order)
         batch = order[index * cfg.accumulate:(index + 1) * cfg.accumulate]
         for group in optimizer.param_groups:
-            group["lr"] = _lr(step, total, cfg)
+            group["lr"] = _lr(step, total, cfg) * group["lr_scale"]
         optimizer.zero_grad(set_to_none=True)
         stats = []
         for i in batch:
-            loss, info = sequence_loss(drafter, *train_set[i], cfg, std, generator)
+            loss, info = sequence_loss(drafter, *train_set[i], cfg, std, generator, ranker)
             (loss / len(batch)).backward()
             stats.append(info)
             tokens_seen += train_set[i][0].numel()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        if ranker is not None:
+            torch.nn.utils.clip_grad_norm_(ranker, cfg.grad_clip)
         optimizer.step()
         step += 1
         mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
@@ -501,17 +552,29 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
         if step % cfg.checkpoint_every == 0 or step == total:
             drafter.eval()
             metrics = {"step": step, "train": mean, **evaluate(drafter, heldout)}
+            if ranker is not None:
+                metrics["ranker"] = ranker_recall(drafter, *(t.detach() for t in ranker), heldout[:16])
             drafter.train()
             history.append(metrics)
             log(json.dumps(metrics))
             _atomic_save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
+                          "ranker": [t.detach() for t in ranker] if ranker is not None else None,
                           "step": step, "history": history, "config": asdict(cfg),
                           "seconds": seconds_before + time.perf_counter() - started}, checkpoint)
     bar.close()
     drafter.eval().requires_grad_(False)
     # Training time over every session of this run (resumed runs included).
     drafter.train_seconds = torch.load(checkpoint).get("seconds") if checkpoint.exists() else None
+    drafter.trained_ranker = tuple(t.detach() for t in ranker) if ranker is not None else None
     return drafter
+
+
+def _start_ranker(cfg: TrainConfig, target: Transformer) -> tuple[torch.Tensor, torch.Tensor]:
+    """SpecVocab's ranker (down, vocab) in float32, as trainable tensors."""
+    head = target.embed.weight
+    init = load_ranker(cfg.ranker_init, head) if cfg.ranker_init else None
+    rank = cfg.ranker_rank or (init[0].shape[0] if init else max(1, target.args.dim // 16))
+    return tuple(t.requires_grad_(True) for t in starting_ranker(head, rank, init))
 
 
 # ---------------------------------------------------------------------------- the pipeline
@@ -555,8 +618,8 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
         report["distill_tokens"] = sum(map(len, split["distill"]))
         report["distill_seconds"] = round(time.perf_counter() - t0, 1)
     if "features" in stages or "train" in stages:
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.feature_dtype]
-        extractor, _ = load_model(cfg.model, dtype=dtype, max_seq_len=cfg.max_len + 8)
+        extractor, _ = load_model(cfg.model, dtype=_fast_dtype(cfg.feature_dtype),
+                                  max_seq_len=cfg.max_len + 8)
         t1 = time.perf_counter()
         extract_features(cfg, extractor, split)
         report["features_seconds"] = round(time.perf_counter() - t1, 1)
@@ -573,11 +636,18 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
                                                           split["heldout_prompts"][:4]), 3)
         report["total_seconds"] = round(time.perf_counter() - t0, 1)
         log(json.dumps({k: v for k, v in report.items() if k != "config"}))
+        if drafter.trained_ranker is not None:
+            report["ranker"] = ranker_recall(drafter, *drafter.trained_ranker, load_shards(cfg, "heldout"))
         extra = {"training": {k: v for k, v in report.items() if k != "config"}}
         drafter.save(out / "drafter", extra=extra)
+        if drafter.trained_ranker is not None:
+            save_ranker(*(t.to(torch.bfloat16) for t in drafter.trained_ranker),
+                        out / "drafter" / "ranker.safetensors", meta={"joint_training": report["ranker"]})
         if ship:
             shipped = EagleDrafter.load(out / "drafter", target).to(torch.bfloat16)
             shipped.save(ship_dir(cfg.model), extra=extra)
+            if drafter.trained_ranker is not None:
+                shutil.copy(out / "drafter" / "ranker.safetensors", ship_dir(cfg.model))
             log(f"shipped to {ship_dir(cfg.model)}")
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
