@@ -252,7 +252,8 @@ def _generate_answers(cfg: TrainConfig, tokenizer, model_path: Path, todo: list[
     logging.set_verbosity_error()
     if model_path.suffix == ".gguf":
         # transformers keeps a GGUF file's quantized blocks and its kernels compute in float32:
-        # bfloat16 would only add casts (SmolLM2, 32 rows, AVX2 CPU: 75 against 22 tok/s).
+        # bfloat16 only adds casts, and without fast bfloat16 hardware it is several times
+        # slower (BENCHMARKS.md, session 13).
         hf = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
                                                   dtype=torch.float32)
     else:
