@@ -5,7 +5,8 @@ cheaper than the LM head. It only has to put the right tokens among its top ~204
 the exact head then scores those. It starts from the truncated SVD of the LM head (the best
 rank-d' approximation of the head itself) and is distilled on the frozen drafter's states
 (what it sees when drafting) towards the target's next-token distribution at the same
-position (stored as the target's top candidates in the feature shards).
+position (stored as the target's top candidates in the feature shards). The same loss also
+trains it jointly with the drafter, as the SpecVocab paper does (`train.py`, ranker_weight).
 """
 
 from __future__ import annotations
