@@ -1,7 +1,8 @@
 """SpecVocab recall on Spec-Bench: how often the target's next token (and the drafter's own
 top-1) is among SpecVocab's k candidates, at every position the target generated. Two sets:
 the candidates SpecVocab drafts from (`spec:K`: the ranker's best plus the text's own tokens,
-half of K at most), and the ranker's top k alone (`spec:K:0`, the paper's rule). For scale, the
+half of K at most, and the usual successors of the token just read), and the ranker's top k
+alone (`spec:K:0:0`, the paper's rule). For scale, the
 same recall for the drafter's exact full-vocabulary head: the most any ranker of the drafter's
 state alone could reach. The drafter computes in its default dtype (`--draft-dtype
 auto`: bfloat16 on CPUs with fast bfloat16 matmuls), as `vocabspec generate` drafts.
@@ -53,12 +54,12 @@ def _vanilla_answers(path: str, questions: list[dict]) -> dict:
 
 def _candidate_hits(strategy, states, tokens: list[int], first: int, wanted, drafted):
     """(target's next token, drafter's top-1) counts found in SpecVocab's candidate set, built
-    position by position as drafting builds it: states[i] drafts token first + i + 2, when the
-    text holds tokens[:first + i + 2]."""
+    position by position as drafting builds it: states[i], read from token first + i + 1,
+    drafts token first + i + 2, when the text holds tokens[:first + i + 2]."""
     strategy.see_tokens(tokens[:first + 2], reset=True)
     found_target = found_drafted = 0
     for i in range(states.shape[0]):
-        ids = strategy.candidate_ids(states[i:i + 1])
+        ids = strategy.candidate_ids(states[i:i + 1], [tokens[first + i + 1]])
         found_target += int((ids == wanted[i]).any())
         found_drafted += int((ids == drafted[i]).any())
         strategy.see_tokens([tokens[first + i + 2]])
@@ -76,6 +77,9 @@ def main():
     parser.add_argument("--draft-path", help="drafter directory (default: the bundled one)")
     parser.add_argument("--context", type=int, default=None,
                         help="the text's tokens among the candidates (spec:K:C; default K/2)")
+    parser.add_argument("--successors", type=int, default=None,
+                        help="successors of the token just read among the candidates (spec:K:C:S; "
+                             "default: 16 where the drafter has a successor table)")
     parser.add_argument("--answers", help="a `vocabspec bench` answers.jsonl to take vanilla's "
                                            "answers from (then --new-tokens is unused)")
     args = parser.parse_args()
@@ -87,6 +91,9 @@ def main():
     ranker = make_draft_vocab("spec:2048", target.embed.weight, files, ranker=args.ranker)
     # C is capped at each K (not at the smallest K): spec:K:C refuses C > K.
     context = {k: "" if args.context is None else f":{min(args.context, k)}" for k in ks}
+    if args.successors is not None:
+        context = {k: f":{min(args.context, k) if args.context is not None else k // 2}"
+                      f":{args.successors}" for k in ks}
     strategies = {k: make_draft_vocab(f"spec:{k}{context[k]}", target.embed.weight, files,
                                       ranker=args.ranker) for k in ks}
     questions = load_questions(args.questions, args.per_category)
@@ -125,6 +132,7 @@ def main():
             positions += count
     result = {"model": args.model, "ranker": args.ranker or "bundled",
               "drafter": args.draft_path or "bundled", "context": args.context,
+              "successors": strategies[ks[0]].successor_count,
               "questions": len(questions), "positions": positions,
               "candidates_recall_target": {k: round(h[3] / positions, 4) for k, h in hits.items()},
               "candidates_recall_drafter_top1": {k: round(h[4] / positions, 4) for k, h in hits.items()},

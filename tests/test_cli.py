@@ -37,6 +37,8 @@ def run_cli(*args, timeout=300):
     (["bench", "--questions", "/no/questions.jsonl", "--methods", "vanilla"], "does not exist"),
     (["train", "--stages", "data,bake"], "unknown stage"),
     (["vocab", "--source", "files", "--out", "/tmp/x.pt"], "--files"),
+    (["vocab", "--source", "target", "--successors", "4", "--out", "/tmp/x.safetensors"], "counts a corpus"),
+    (["generate", "hi", "--draft", "eagle", "--draft-vocab", "spec:64:8:4:2"], "bad SpecVocab spec"),
 ])
 def test_bad_arguments_fail_cleanly(args, message):
     proc = run_cli(*args)
@@ -114,3 +116,20 @@ def test_drafter_roundtrip_and_mismatch(tmp_path):
         EagleDrafter.load(tmp_path / "d", llama)
     with pytest.raises(DrafterMismatch, match="missing"):
         EagleDrafter.load(tmp_path / "nothing", llama)
+
+
+def test_vocab_writes_a_successor_table_from_files(tmp_path, smollm2):
+    from vocabspec.token_map import load_successors
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a cat sat. the cat sat. the cat sat. the dog ran.")
+    out = tmp_path / "successors.safetensors"
+    done = run_cli("vocab", "--model", "smollm2", "--source", "files", "--files", str(corpus),
+                   "--successors", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    offsets, ids = load_successors(out, smollm2.model.args.vocab_size)
+    the, cat, sat, dog = (smollm2.tokenizer.encode(w, add_bos=False)[0]
+                          for w in (" the", " cat", " sat", " dog"))
+    # " the" is followed by " cat" twice and " dog" once; " cat" by " sat" three times.
+    assert ids[offsets[the]:offsets[the + 1]].tolist() == [cat, dog]
+    assert ids[offsets[cat]:offsets[cat + 1]].tolist() == [sat]

@@ -7,7 +7,8 @@ import torch
 from vocabspec.draft_vocab import (FullVocab, SpecVocab, StaticSubset, make_draft_vocab,
                                    parse_draft_vocab)
 from vocabspec.ranker import load_ranker, save_ranker, svd_init
-from vocabspec.token_map import eagle3_tensors, load_token_map, rank, save_eagle3, save_token_map
+from vocabspec.token_map import (eagle3_tensors, load_successors, load_token_map, rank, save_eagle3,
+                                 save_successors, save_token_map, successor_lists)
 
 torch.manual_seed(0)
 HEAD = torch.randn(500, 16)
@@ -171,11 +172,12 @@ def test_spec_vocab_keeps_the_texts_own_tokens_among_its_candidates():
 
 
 def test_spec_context_share_is_parsed_and_checked(tmp_path):
-    from vocabspec.draft_vocab import spec_context_tokens
+    from vocabspec.draft_vocab import DEFAULT_SUCCESSORS, spec_options
 
     assert parse_draft_vocab("spec:2k:0") == ("spec", 2048)
-    assert spec_context_tokens("spec:2048") is None and spec_context_tokens("spec:2048:128") == 128
-    for bad in ("spec:2048:", "spec:2048:x", "spec:2048:1:2", "spec:2048:-1"):
+    assert spec_options("spec:2048")[0] is None and spec_options("spec:2048:128")[0] == 128
+    assert spec_options("spec:2048:128:4") == (128, 4) and spec_options("spec:2048") == (None, None)
+    for bad in ("spec:2048:", "spec:2048:x", "spec:2048:1:2:3", "spec:2048:-1", "spec:2048:1:", "spec:2048:1:-2"):
         with pytest.raises(ValueError):
             parse_draft_vocab(bad)
     save_ranker(*svd_init(HEAD, 4), tmp_path / "ranker.safetensors")
@@ -183,3 +185,66 @@ def test_spec_context_share_is_parsed_and_checked(tmp_path):
     assert make_draft_vocab("spec:16:0", HEAD, tmp_path).name == "spec:16:0"
     with pytest.raises(ValueError, match="exceed"):
         make_draft_vocab("spec:16:20", HEAD, tmp_path)
+    # Successors: none without a table (and asking for them is an error), 16 by default with one.
+    assert make_draft_vocab("spec:16", HEAD, tmp_path).successor_count == 0
+    with pytest.raises(ValueError, match="successor table"):
+        make_draft_vocab("spec:16:8:4", HEAD, tmp_path)
+    save_successors(*successor_lists([[1, 2, 3, 1, 2]], 500, 4), tmp_path / "successors.safetensors")
+    assert make_draft_vocab("spec:16", HEAD, tmp_path).successor_count == DEFAULT_SUCCESSORS
+    ranker_alone = make_draft_vocab("spec:16:0:0", HEAD, tmp_path)
+    assert (ranker_alone.context_tokens, ranker_alone.successor_count, ranker_alone.name) == (0, 0, "spec:16:0:0")
+    assert make_draft_vocab("spec:16:8:3", HEAD, tmp_path).successor_count == 3
+
+
+def test_successor_lists_rank_each_tokens_followers_by_count(tmp_path):
+    texts = [[1, 2, 1, 2, 1, 3], [1, 3, 1, 3, 4]]   # 1->3 three times, 1->2 twice, 3->1 and 3->4 once
+    offsets, ids = successor_lists(texts, 5, width=2)
+    rows = [ids[offsets[t]:offsets[t + 1]].tolist() for t in range(5)]
+    assert rows == [[], [3, 2], [1], [1, 4], []]        # ties: lower id first
+    offsets, ids = successor_lists(texts, 5, width=1)
+    assert [ids[offsets[t]:offsets[t + 1]].tolist() for t in range(5)] == [[], [3], [1], [1], []]
+    save_successors(offsets, ids, tmp_path / "s.safetensors")
+    loaded = load_successors(tmp_path / "s.safetensors", 5)
+    assert torch.equal(loaded[0], offsets) and torch.equal(loaded[1], ids.long())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        successor_lists([[1, 7]], 5, width=2)
+    with pytest.raises(ValueError, match="another model"):
+        load_successors(tmp_path / "s.safetensors", 6)
+    save_successors(torch.tensor([0, 1, 0, 1, 1, 1]), torch.tensor([2]), tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_successors(tmp_path / "bad.safetensors", 5)
+    save_successors(torch.tensor([0, 1, 1, 1, 1, 1]), torch.tensor([9]), tmp_path / "far.safetensors")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        load_successors(tmp_path / "far.safetensors", 5)
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="unreadable"):
+        load_successors(tmp_path / "junk.safetensors", 5)
+    with pytest.raises(FileNotFoundError):
+        load_successors(tmp_path / "none.safetensors", 5)
+
+
+def test_spec_vocab_adds_the_successors_of_each_rows_token():
+    down, vocab = svd_init(HEAD, 1)               # a weak ranker: rank 1
+    ranked_only = SpecVocab(HEAD, down, vocab, candidates=12, context_tokens=0)
+    outside = [t for t in range(500) if t not in ranked_only.candidate_ids(STATES[:2]).tolist()]
+    # Token 0 is followed by outside[0..2] (most often first), token 1 by outside[3].
+    texts = [[0, outside[0]]] * 3 + [[0, outside[1]]] * 2 + [[0, outside[2]], [1, outside[3]]]
+    table = successor_lists(texts, 500, width=8)
+    spec = SpecVocab(HEAD, down, vocab, candidates=12, context_tokens=0, successors=table, successor_count=2)
+    ids = spec.candidate_ids(STATES[:1], [0]).tolist()
+    assert len(ids) == 12 and set(outside[:2]) <= set(ids) and outside[2] not in ids
+    # A tree level: the successors of every row's token.
+    level = spec.candidate_ids(STATES[:2], [0, 1]).tolist()
+    assert set(outside[:2] + [outside[3]]) <= set(level)
+    # No tokens given (or a token nothing follows): the ranker's candidates alone.
+    for tokens in (None, [5]):
+        assert torch.equal(spec.candidate_ids(STATES[:1], tokens).sort().values,
+                           ranked_only.candidate_ids(STATES[:1]).sort().values)
+    # The drafted tokens are the exact head's best over that candidate set.
+    tokens, log_probs = spec.top_k(STATES[:1], 3, [0])
+    candidates = torch.tensor(ids)
+    logits = STATES[:1] @ HEAD[candidates].T
+    assert torch.equal(tokens.sort().values, candidates[logits.topk(3).indices].sort().values)
+    torch.testing.assert_close(log_probs.sort().values, (logits - logits.logsumexp(-1, keepdim=True)).topk(3).values.sort().values)
+    with pytest.raises(ValueError, match="successor table"):
+        SpecVocab(HEAD, down, vocab, successor_count=2)

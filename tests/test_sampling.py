@@ -14,6 +14,7 @@ from vocabspec.generate import Engine, GenerationConfig
 from vocabspec.hybrid import EagleLookupProposer
 from vocabspec.sampling import SamplingParams, target_probs
 from vocabspec.tree import chain_tree
+from vocabspec.token_map import successor_lists
 from vocabspec.verify import verify_sampling
 
 from conftest import tiny_model
@@ -54,9 +55,12 @@ def make_head(kind, model):
     if kind == "subset":        # FR-Spec / VocabTrim: drafts only from 5 of the 8 tokens,
         # computed in bfloat16 as the drafter drafting for it is (see the test)
         return StaticSubset(weight, torch.tensor([0, 2, 3, 5, 7]), dtype=torch.bfloat16)
-    generator = torch.Generator().manual_seed(7)   # SpecVocab with an untrained rank-2 ranker
+    generator = torch.Generator().manual_seed(7)   # SpecVocab with an untrained rank-2 ranker,
+    # the text's tokens and one successor per drafted token (token t is followed by t + 3)
+    successors = successor_lists([[t, (t + 3) % VOCAB] for t in range(VOCAB)], VOCAB, width=1)
     return SpecVocab(weight, torch.randn(2, weight.shape[1], generator=generator),
-                     torch.randn(VOCAB, 2, generator=generator), candidates=4)
+                     torch.randn(VOCAB, 2, generator=generator), candidates=4,
+                     successors=successors, successor_count=1)
 
 
 @pytest.mark.parametrize("head", ["full", "subset", "spec"])

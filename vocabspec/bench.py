@@ -99,7 +99,7 @@ def parse_method(name: str) -> tuple[str, str]:
             parse_draft_vocab(rest[1:])
             return draft, rest[1:]
     raise ValueError(f"unknown method {name!r} (vanilla, pld, eagle2, eagle2+fr:N, "
-                     "eagle2+trim:N, eagle2+spec:K[:C]; +pld after any eagle2 method adds prompt lookup)")
+                     "eagle2+trim:N, eagle2+spec:K[:C[:S]]; +pld after any eagle2 method adds prompt lookup)")
 
 
 def load_questions(path: str | Path, per_category: int | None) -> list[dict]:

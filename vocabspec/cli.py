@@ -56,9 +56,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="drafted tokens verified per step, or 'auto': tree size and depth chosen by "
                              "timing this machine")
     parser.add_argument("--draft-vocab", default="full",
-                        help="drafter LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), spec:K or spec:K:C "
+                        help="drafter LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), spec:K[:C[:S]] "
                              "(SpecVocab: K candidates, up to C of them (default K/2) tokens "
-                             "already in the text; spec:K:0 = the ranker alone)")
+                             "already in the text, and S (default 16) usual successors of each "
+                             "drafted token from the drafter's successors.safetensors; "
+                             "spec:K:0:0 = the ranker alone)")
     parser.add_argument("--token-map", default=None, help="token map file for fr:N / trim:N")
     parser.add_argument("--ranker", default=None, help="ranker file for spec:K")
     parser.add_argument("--draft-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -131,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens to keep (default: the whole ranked vocabulary)")
     vocab.add_argument("--format", default="sglang", choices=["sglang", "eagle3"],
                        help="sglang: torch-saved id list; eagle3: d2t/t2d safetensors")
+    vocab.add_argument("--successors", type=_positive_int, default=None, metavar="N",
+                       help="write SpecVocab's successor table instead (each token's N most frequent "
+                            "next tokens in ShareGPT and --files; successors.safetensors beside a "
+                            "drafter is read by spec:K)")
     vocab.add_argument("--out", required=True, help="output file")
 
     ranker = sub.add_parser("ranker", help="train SpecVocab's low-rank ranker by distillation")
@@ -257,6 +263,8 @@ def cmd_vocab(args) -> int:
     model, path = load_model(args.model, max_seq_len=64)
     tokenizer = load_tokenizer(path)
     vocab = model.args.vocab_size
+    if args.successors:
+        return _write_successors(args, tokenizer, vocab)
     if args.source == "sharegpt":
         counts = count_sharegpt(tokenizer)
         fallback = []
@@ -285,6 +293,32 @@ def cmd_vocab(args) -> int:
         save_eagle3(ranked, vocab, args.out)
     print(f"wrote {args.out}: {size} tokens ({seen} counted), covering {covered:.2%} of "
           f"{sum(counts.values())} counted tokens")
+    return 0
+
+
+def _write_successors(args, tokenizer, vocab: int) -> int:
+    from pathlib import Path
+
+    from .token_map import save_successors, sharegpt_ids, successor_lists
+
+    if args.source not in ("sharegpt", "files"):
+        raise ValueError("--successors counts a corpus: --source sharegpt or files")
+    if args.source == "files" and not args.files:
+        raise ValueError("--source files needs --files PATH ...")
+    for name in args.files:
+        if not Path(name).is_file():
+            raise FileNotFoundError(f"corpus file {name} does not exist")
+    texts = [tokenizer.encode(Path(name).read_text(encoding="utf-8", errors="replace"), add_bos=False)
+             for name in args.files]
+    if args.source == "sharegpt":
+        texts += list(sharegpt_ids(tokenizer))
+    offsets, ids = successor_lists(texts, vocab, args.successors)
+    tokens = sum(len(t) for t in texts)
+    save_successors(offsets, ids, args.out, meta={"source": args.source, "files": len(args.files),
+                                                  "width": args.successors, "tokens": tokens})
+    rows = int((offsets.diff() > 0).sum())
+    print(f"wrote {args.out}: up to {args.successors} successors for each of {rows} tokens "
+          f"({ids.numel()} in all), counted over {tokens} tokens")
     return 0
 
 

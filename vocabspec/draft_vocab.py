@@ -9,8 +9,8 @@ scores the full target vocabulary, so every strategy is lossless.
   frequencies, VocabTrim from target-generated text); the softmax runs over the subset.
 - SpecVocab: a low-rank ranker (W_vocab @ W_down, d' ~ d/16) scores every token cheaply;
   the rows of one tree level share one candidate set (the ranker's best tokens for the
-  rows' mean low-rank state, plus the tokens already in the text), and the exact head runs
-  over those candidates only, in one matmul.
+  rows' mean low-rank state, plus the tokens already in the text and the usual successors of
+  each row's token), and the exact head runs over those candidates only, in one matmul.
 
 Every strategy computes in the dtype of the states it is given (the drafter's, which may be
 narrower than the target's: a bfloat16 copy of the rows it scores then halves the bytes read).
@@ -64,7 +64,9 @@ class FullVocab(_Timed):
         self.weight = head_weight
         self.size = head_weight.shape[0]
 
-    def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_k(self, states: torch.Tensor, k: int, tokens: list[int] | None = None):
+        """Each row's top k tokens and log-probabilities; `tokens`: the token each row of
+        states has just read (only SpecVocab uses it)."""
         start = time.perf_counter()
         logits = linear(states.to(self.weight.dtype), self.weight).float()
         return self._top(logits, k, self._tick("head", start))
@@ -89,7 +91,7 @@ class StaticSubset(_Timed):
         self.draft_to_target = token_ids.to(head_weight.device)
         self.weight = head_weight[self.draft_to_target].to(dtype or head_weight.dtype).contiguous()
 
-    def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_k(self, states: torch.Tensor, k: int, tokens: list[int] | None = None):
         start = time.perf_counter()
         logits = linear(states.to(self.weight.dtype), self.weight).float()
         indices, log_probs = self._top(logits, k, self._tick("head", start))
@@ -105,12 +107,18 @@ class SpecVocab(_Timed):
     in the paper). A d' ~ d/16 ranker cannot copy: on Spec-Bench its misses are mostly words
     of the prompt (" Mars", " GDP", " entangled"), which is where text reuse puts the target's
     next token.
+
+    successors: (offsets, ids), each token's most frequent next tokens in a corpus
+    (`token_map.successor_lists`); the first `successor_count` of them for the token each row
+    has just read join the candidates. Nor can the ranker spell out the rest of a word ("Waik"
+    -> "iki") or a fixed pair ("San" -> " Francisco"): most of its remaining misses.
     """
 
     name = "spec"
 
     def __init__(self, head_weight: torch.Tensor, down: torch.Tensor, vocab: torch.Tensor,
-                 candidates: int = 2048, context_tokens: int | None = None):
+                 candidates: int = 2048, context_tokens: int | None = None,
+                 successors: tuple[torch.Tensor, torch.Tensor] | None = None, successor_count: int = 0):
         super().__init__()
         if down.dim() != 2 or vocab.dim() != 2 or down.shape[1] != head_weight.shape[1] \
                 or vocab.shape != (head_weight.shape[0], down.shape[0]):
@@ -133,6 +141,15 @@ class SpecVocab(_Timed):
             raise ValueError(f"SpecVocab context tokens ({context_tokens}) must not be negative or "
                              f"exceed the {self.candidates} candidates")
         self.context_tokens = context_tokens
+        if successor_count < 0 or (successor_count and successors is None):
+            raise ValueError(f"SpecVocab successors per row ({successor_count}) need a successor "
+                             "table and must not be negative")
+        self.successor_count = successor_count
+        if successor_count:
+            offsets, ids = successors
+            # Python ints: a level looks up at most a few rows, so list slicing beats tensor ops.
+            self._successor_offsets = offsets.tolist()
+            self._successor_ids = ids.to(device=head_weight.device, dtype=torch.long)
         self._seen: dict[int, None] = {}          # distinct tokens, least recently seen first
         self._context: torch.Tensor | None = None
 
@@ -155,6 +172,12 @@ class SpecVocab(_Timed):
             self._context = torch.tensor(recent, dtype=torch.long, device=self.weight.device)
         return self._context
 
+    def successor_ids(self, tokens: list[int]) -> torch.Tensor:
+        """The usual next tokens of each of `tokens` (at most successor_count each)."""
+        offsets, count = self._successor_offsets, self.successor_count
+        spans = [(offsets[t], min(offsets[t] + count, offsets[t + 1])) for t in tokens]
+        return torch.cat([self._successor_ids[a:b] for a, b in spans])
+
     def _low_rank(self, states: torch.Tensor) -> torch.Tensor:
         return linear(states.to(self.down.dtype), self.down)
 
@@ -162,10 +185,11 @@ class SpecVocab(_Timed):
         """The ranker's score of every token for each row of drafter states."""
         return self._low_rank(states) @ self.vocab_t
 
-    def candidate_ids(self, states: torch.Tensor) -> torch.Tensor:
+    def candidate_ids(self, states: torch.Tensor, tokens: list[int] | None = None) -> torch.Tensor:
         """One shared candidate set for all rows of a tree level, scored by the exact head in
-        one matmul: the text's own tokens (see `context_tokens`), then the ranker's top tokens
-        for the mean of the rows' low-rank states, `candidates` in all. Scores are linear in
+        one matmul: the text's own tokens (see `context_tokens`) and the successors of the
+        tokens the rows have just read (`tokens`, see `successors`), then the ranker's top
+        tokens for the mean of the rows' low-rank states, `candidates` in all. Scores are linear in
         those states, so this ranks tokens by the rows' mean score (equivalently, by the
         geometric mean of the ranker's probabilities) at the cost of ranking one row: a per-row
         ranking costs a 262k-score top-k per row, and in an A/B on Spec-Bench (Gemma, 1/4
@@ -176,11 +200,13 @@ class SpecVocab(_Timed):
         scores = low @ self.vocab_t
         # The text's tokens outrank every ranked one, so they fill their share of the set.
         scores.index_fill_(1, self.context_ids(), float("inf"))
+        if self.successor_count and tokens is not None:
+            scores.index_fill_(1, self.successor_ids(tokens), float("inf"))
         return top_ids(scores, self.candidates)[0]
 
-    def top_k(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_k(self, states: torch.Tensor, k: int, tokens: list[int] | None = None):
         start = time.perf_counter()
-        ids = self.candidate_ids(states)
+        ids = self.candidate_ids(states, tokens)
         start = self._tick("rank", start)
         # index_select, not weight[ids]: a quarter of the time for 2048 rows of Gemma's head.
         # In the head's own dtype: casting the gathered rows would cost more than the matmul.
@@ -216,12 +242,12 @@ def top_ids(scores: torch.Tensor, k: int, lanes: int = 8) -> torch.Tensor:
 # ---------------------------------------------------------------------------- choosing one
 
 def parse_draft_vocab(spec: str) -> tuple[str, int | None]:
-    """'full' | 'fr:N' | 'trim:N' | 'spec:K' | 'spec:K:C' -> (kind, size); sizes accept a k
-    suffix (32k). C (SpecVocab's context tokens) is read by `spec_context_tokens`."""
+    """'full' | 'fr:N' | 'trim:N' | 'spec:K[:C[:S]]' -> (kind, size); sizes accept a k suffix
+    (32k). SpecVocab's C and S are read by `spec_options`."""
     if not isinstance(spec, str) or not spec:
         raise ValueError("draft vocabulary must be full, fr:N, trim:N or spec:K")
     if spec.startswith("spec:"):
-        spec_context_tokens(spec)
+        spec_options(spec)
         spec = ":".join(spec.split(":")[:2])
     kind, _, size = spec.partition(":")
     if kind == "full" and not size:
@@ -240,15 +266,21 @@ def parse_draft_vocab(spec: str) -> tuple[str, int | None]:
     return kind, value
 
 
-def spec_context_tokens(spec: str) -> int | None:
-    """C of 'spec:K:C' (None when absent: SpecVocab's default, half of K)."""
+def spec_options(spec: str) -> tuple[int | None, int | None]:
+    """(C, S) of 'spec:K:C:S': C of the K candidates are the text's own tokens, S the successors
+    of each row's token; None where absent (defaults: C = K/2, S = DEFAULT_SUCCESSORS where a
+    successor table is at hand)."""
     fields = spec.split(":")
-    if len(fields) == 2:
-        return None
-    if len(fields) != 3 or not fields[2].isdigit():
-        raise ValueError(f"bad SpecVocab spec {spec!r}: use spec:K or spec:K:C, C = how many of "
-                         "the K candidates are the text's own tokens (0: the ranker alone)")
-    return int(fields[2])
+    options = fields[2:]
+    if len(fields) < 2 or len(options) > 2 or not all(f.isdigit() for f in options):
+        raise ValueError(f"bad SpecVocab spec {spec!r}: use spec:K, spec:K:C or spec:K:C:S (C = how "
+                         "many of the K candidates are the text's own tokens, S = successors of each "
+                         "drafted token; spec:K:0:0 is the ranker alone)")
+    options = [int(f) for f in options] + [None] * (2 - len(options))
+    return options[0], options[1]
+
+
+DEFAULT_SUCCESSORS = 16     # per row: 98.0% Spec-Bench recall for SmolLM2 (BENCHMARKS.md)
 
 
 def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
@@ -257,7 +289,7 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
     """Build the strategy `spec` for a target head, reading token maps / the ranker from
     `files` (the bundled drafter directory) unless paths are given. `dtype`: the drafter's
     (default: the head's); the full and static heads keep a copy of their rows in it."""
-    from .token_map import load_token_map
+    from .token_map import load_successors, load_token_map
 
     kind, size = parse_draft_vocab(spec)
     vocab = head_weight.shape[0]
@@ -283,7 +315,17 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
     down, vocab_proj = load_ranker(path, head_weight)
     if size > vocab:
         raise ValueError(f"SpecVocab candidate count {size} exceeds the vocabulary ({vocab})")
-    context = spec_context_tokens(spec)
-    strategy = SpecVocab(head_weight, down, vocab_proj, candidates=size, context_tokens=context)
-    strategy.name = f"spec:{size}" + (f":{context}" if context is not None else "")
+    context, successor_count = spec_options(spec)
+    table = files / "successors.safetensors" if files else None
+    successors = None
+    if successor_count != 0 and table is not None and table.exists():
+        successors = load_successors(table, vocab)
+    elif successor_count:
+        raise ValueError(f"--draft-vocab {spec} asks for successors, but there is no successor table "
+                         f"({table}); make one with `vocabspec vocab --successors N`")
+    if successor_count is None:
+        successor_count = DEFAULT_SUCCESSORS if successors is not None else 0
+    strategy = SpecVocab(head_weight, down, vocab_proj, candidates=size, context_tokens=context,
+                         successors=successors, successor_count=successor_count)
+    strategy.name = ":".join(str(f) for f in ["spec", size, context, spec_options(spec)[1]] if f is not None)
     return strategy

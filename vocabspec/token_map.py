@@ -7,6 +7,12 @@ training conversations (teacher-forced generation, one token per context, alread
 the drafter's features were extracted).
 Tokens never counted follow in corpus order, so a list of any length can be cut from it.
 
+Successor lists (for SpecVocab's candidates): for each token, the tokens that most often follow
+it in the same corpus. A low-rank ranker cannot spell out a word's remaining sub-words ("Waik"
+-> "iki") or a fixed pair ("San" -> " Francisco"); one row of a bigram table can. Stored as
+`offsets` (|V| + 1) and `ids` in a safetensors file: token t's successors, most frequent first,
+are ids[offsets[t]:offsets[t + 1]].
+
 Formats, both read and written:
 - SGLang / FR-Spec token map: `torch.save` of a list of token ids, most frequent first
   (SGLang's --speculative-token-map).
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -35,18 +41,24 @@ def rank(counts: Counter, vocab: int, fallback: Iterable[int] = ()) -> list[int]
     return ranked
 
 
-def count_sharegpt(tokenizer, limit: int | None = None, progress: bool = True) -> Counter:
+def sharegpt_ids(tokenizer, limit: int | None = None, progress: bool = True) -> Iterator[list[int]]:
+    """Each ShareGPT conversation as token ids, in the target's own prompt format."""
     from tqdm import tqdm
 
     from .prompts import encode_conversation
     from .sharegpt import iter_conversations
 
-    counts: Counter = Counter()
     for index, (_, turns) in enumerate(tqdm(iter_conversations(), desc="counting ShareGPT",
                                             unit="conv", disable=not progress)):
         if limit is not None and index >= limit:
             break
-        counts.update(encode_conversation(tokenizer, turns, answer_open=False, example=False))
+        yield encode_conversation(tokenizer, turns, answer_open=False, example=False)
+
+
+def count_sharegpt(tokenizer, limit: int | None = None, progress: bool = True) -> Counter:
+    counts: Counter = Counter()
+    for ids in sharegpt_ids(tokenizer, limit, progress):
+        counts.update(ids)
     return counts
 
 
@@ -75,7 +87,67 @@ def count_target_predictions(feature_dir: Path) -> Counter:
     return counts
 
 
+def successor_lists(texts: Iterable[list[int]], vocab: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets, ids): each token's `width` most frequent next tokens in `texts` (ties: lower
+    id first), as a compressed table; tokens never followed by anything get an empty list."""
+    import numpy as np
+
+    if width < 1:
+        raise ValueError(f"successor lists need a width of at least 1, got {width}")
+    pairs = []
+    for ids in texts:
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise ValueError(f"text holds token ids outside the vocabulary [0, {vocab})")
+        pairs.append(ids[:-1] * vocab + ids[1:])
+    pairs = np.concatenate(pairs) if pairs else np.zeros(0, dtype=np.int64)
+    keys, counts = np.unique(pairs, return_counts=True)
+    previous, following = keys // vocab, keys % vocab
+    order = np.lexsort((following, -counts, previous))   # by token, then count, then id
+    previous, following = previous[order], following[order]
+    starts = np.searchsorted(previous, np.arange(vocab + 1))
+    # Rank of each pair among its token's successors; keep the first `width`.
+    rank_in_row = np.arange(previous.size) - starts[previous]
+    keep = rank_in_row < width
+    kept_previous = previous[keep]
+    offsets = np.searchsorted(kept_previous, np.arange(vocab + 1))
+    return (torch.from_numpy(offsets.astype(np.int64)),
+            torch.from_numpy(following[keep].astype(np.int32)))
+
+
 # ---------------------------------------------------------------------------- files
+
+def save_successors(offsets: torch.Tensor, ids: torch.Tensor, path: str | Path,
+                    meta: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"offsets": offsets.int().contiguous(), "ids": ids.int().contiguous()}, str(path),
+              metadata={k: str(v) for k, v in (meta or {}).items()})
+
+
+def load_successors(path: str | Path, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets, ids) of a successor table made for a vocabulary of `vocab` tokens."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"successor table {path} does not exist")
+    try:
+        tensors = load_file(str(path))
+        offsets, ids = tensors["offsets"].long(), tensors["ids"].long()
+    except Exception as exc:
+        raise ValueError(f"successor table {path} is unreadable ({exc})") from exc
+    if offsets.dim() != 1 or offsets.numel() != vocab + 1 or ids.dim() != 1:
+        raise ValueError(f"successor table {path} has {offsets.numel() - 1} rows, not the target's "
+                         f"{vocab}: was it made for another model?")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel() or bool((offsets.diff() < 0).any()):
+        raise ValueError(f"successor table {path} is corrupt (its offsets do not index its ids)")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"successor table {path} holds ids outside the vocabulary [0, {vocab})")
+    return offsets, ids
+
 
 def save_token_map(ids: list[int] | torch.Tensor, path: str | Path) -> None:
     """SGLang / FR-Spec format: a torch-saved list of ints, most frequent first."""
