@@ -189,8 +189,8 @@ class SpecVocab(_Timed):
         """One shared candidate set for all rows of a tree level, scored by the exact head in
         one matmul: the text's own tokens (see `context_tokens`) and the successors of the
         tokens the rows have just read (`tokens`, see `successors`), then the ranker's top
-        tokens for the mean of the rows' low-rank states, `candidates` in all. Scores are linear in
-        those states, so this ranks tokens by the rows' mean score (equivalently, by the
+        tokens for the mean of the rows' low-rank states, `candidates` in all. Scores are
+        linear in those states, so this ranks tokens by the rows' mean score (equivalently, by the
         geometric mean of the ranker's probabilities) at the cost of ranking one row: a per-row
         ranking costs a 262k-score top-k per row, and in an A/B on Spec-Bench (Gemma, 1/4
         trees) the mean kept tau while ranking took 26% less time."""
@@ -200,7 +200,7 @@ class SpecVocab(_Timed):
         scores = low @ self.vocab_t
         # The text's tokens outrank every ranked one, so they fill their share of the set.
         scores.index_fill_(1, self.context_ids(), float("inf"))
-        if self.successor_count and tokens is not None:
+        if self.successor_count and tokens:
             scores.index_fill_(1, self.successor_ids(tokens), float("inf"))
         return top_ids(scores, self.candidates)[0]
 
@@ -315,17 +315,16 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
     down, vocab_proj = load_ranker(path, head_weight)
     if size > vocab:
         raise ValueError(f"SpecVocab candidate count {size} exceeds the vocabulary ({vocab})")
-    context, successor_count = spec_options(spec)
+    context, asked_successors = spec_options(spec)
     table = files / "successors.safetensors" if files else None
-    successors = None
-    if successor_count != 0 and table is not None and table.exists():
-        successors = load_successors(table, vocab)
-    elif successor_count:
+    has_table = table is not None and table.exists()
+    if asked_successors and not has_table:
         raise ValueError(f"--draft-vocab {spec} asks for successors, but there is no successor table "
                          f"({table}); make one with `vocabspec vocab --successors N`")
-    if successor_count is None:
-        successor_count = DEFAULT_SUCCESSORS if successors is not None else 0
+    successors = load_successors(table, vocab) if has_table and asked_successors != 0 else None
+    successor_count = asked_successors if asked_successors is not None else \
+        (DEFAULT_SUCCESSORS if successors is not None else 0)
     strategy = SpecVocab(head_weight, down, vocab_proj, candidates=size, context_tokens=context,
                          successors=successors, successor_count=successor_count)
-    strategy.name = ":".join(str(f) for f in ["spec", size, context, spec_options(spec)[1]] if f is not None)
+    strategy.name = ":".join(str(f) for f in ("spec", size, context, asked_successors) if f is not None)
     return strategy
