@@ -89,12 +89,15 @@ def main():
     full_head = lm.engine.proposer.head.weight      # in the drafter's dtype, as it drafts
     files = bundled_drafter_dir(args.model)
     ranker = make_draft_vocab("spec:2048", target.embed.weight, files, ranker=args.ranker)
-    # C is capped at each K (not at the smallest K): spec:K:C refuses C > K.
-    context = {k: "" if args.context is None else f":{min(args.context, k)}" for k in ks}
-    if args.successors is not None:
-        context = {k: f":{min(args.context, k) if args.context is not None else k // 2}"
-                      f":{args.successors}" for k in ks}
-    strategies = {k: make_draft_vocab(f"spec:{k}{context[k]}", target.embed.weight, files,
+    def options(k: int) -> str:
+        """':C' / ':C:S' of spec:K (empty: the defaults). C is capped at each K (not at the
+        smallest K): spec:K:C refuses C > K; S needs C written out (K/2 is its default)."""
+        context = None if args.context is None else min(args.context, k)
+        if args.successors is not None:
+            return f":{k // 2 if context is None else context}:{args.successors}"
+        return "" if context is None else f":{context}"
+
+    strategies = {k: make_draft_vocab(f"spec:{k}{options(k)}", target.embed.weight, files,
                                       ranker=args.ranker) for k in ks}
     questions = load_questions(args.questions, args.per_category)
     answers = _vanilla_answers(args.answers, questions) if args.answers else {}

@@ -297,19 +297,13 @@ def cmd_vocab(args) -> int:
 
 
 def _write_successors(args, tokenizer, vocab: int) -> int:
-    from pathlib import Path
-
-    from .token_map import save_successors, sharegpt_ids, successor_lists
+    from .token_map import file_ids, save_successors, sharegpt_ids, successor_lists
 
     if args.source not in ("sharegpt", "files"):
         raise ValueError("--successors counts a corpus: --source sharegpt or files")
     if args.source == "files" and not args.files:
         raise ValueError("--source files needs --files PATH ...")
-    for name in args.files:
-        if not Path(name).is_file():
-            raise FileNotFoundError(f"corpus file {name} does not exist")
-    texts = [tokenizer.encode(Path(name).read_text(encoding="utf-8", errors="replace"), add_bos=False)
-             for name in args.files]
+    texts = list(file_ids(tokenizer, args.files))
     if args.source == "sharegpt":
         texts += list(sharegpt_ids(tokenizer))
     offsets, ids = successor_lists(texts, vocab, args.successors)

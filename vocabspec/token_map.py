@@ -62,14 +62,19 @@ def count_sharegpt(tokenizer, limit: int | None = None, progress: bool = True) -
     return counts
 
 
-def count_files(tokenizer, paths: Iterable[str | Path]) -> Counter:
-    counts: Counter = Counter()
+def file_ids(tokenizer, paths: Iterable[str | Path]) -> Iterator[list[int]]:
+    """Each text file as token ids."""
     for path in paths:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"corpus file {path} does not exist")
-        counts.update(tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"),
-                                       add_bos=False))
+        yield tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_bos=False)
+
+
+def count_files(tokenizer, paths: Iterable[str | Path]) -> Counter:
+    counts: Counter = Counter()
+    for ids in file_ids(tokenizer, paths):
+        counts.update(ids)
     return counts
 
 
