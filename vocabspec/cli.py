@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--questions", default="../shared/data/spec_bench/question.jsonl")
     bench.add_argument("--model", default="smollm2")
     bench.add_argument("--methods", default="vanilla,pld,eagle2,eagle2+fr:32k,eagle2+trim:32k,eagle2+spec:2048",
-                       help="comma-separated: vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, eagle2+spec:K[:C]; "
+                       help="comma-separated: vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, eagle2+spec:K[:C[:S]]; "
                             "+pld after an eagle2 method adds prompt lookup (eagle2+pld); /float32 or "
                             "/bfloat16 sets the drafter's dtype (default: auto); @DEPTHxTOKENS fixes the "
                             "tree instead of --total-tokens (eagle2+fr:32k/float32@6x60)")
