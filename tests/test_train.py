@@ -97,6 +97,33 @@ def test_unrolled_loss_adds_a_step_on_predicted_features():
     assert "accuracy_step2" in two and "accuracy_step2" not in one
 
 
+def test_held_out_agreement_at_step_k_follows_the_unrolled_chain():
+    """evaluate's step-K top-1 is the unrolled loss's step-K accuracy when the loss runs over
+    the whole vocabulary: both feed the drafter the same chain of its own predictions."""
+    import torch.nn.functional as F
+
+    from vocabspec.train import evaluate, features_of
+
+    model = tiny_model("llama", vocab_size=6)     # few tokens: chance agreement is not rare
+    drafter = EagleDrafter.random(model, seed=3).float()
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(6, (40,), generator=generator)
+    hidden = torch.randn(40, model.args.dim, generator=generator)
+    with torch.no_grad():
+        candidates = torch.topk(F.linear(features_of(model, hidden), model.embed.weight), 3).indices
+    _, info = sequence_loss(drafter, tokens, hidden, candidates,
+                            TrainConfig(unroll=3, full_vocab_loss=True, noise=0.0),
+                            torch.ones(model.args.dim))
+    held_out = evaluate(drafter, [(tokens, hidden, candidates)], steps=3)
+    expected = [info["accuracy"], info["accuracy_step2"], info["accuracy_step3"]]
+    assert list(held_out) == ["top1_step1", "top1_step2", "top1_step3"]
+    assert list(held_out.values()) == pytest.approx(expected)
+    assert any(0 < value < 1 for value in expected)      # not a vacuous agreement
+    # Short sequences score the steps they can: two tokens past the first, one step.
+    short = evaluate(drafter, [(tokens[:3], hidden[:3], candidates[:3])], steps=3)
+    assert short["top1_step2"] == short["top1_step3"] == 0.0
+
+
 class _CharTokenizer:
     chat_template = None
 

@@ -430,28 +430,27 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
 
 
 @torch.no_grad()
-def evaluate(drafter: EagleDrafter, heldout, limit: int = 48) -> dict:
+def evaluate(drafter: EagleDrafter, heldout, limit: int = 48, steps: int = 2) -> dict:
     """Next-token top-1 agreement with the target over the full vocabulary, held-out data.
 
-    step1: from the target's own features (the first draft token of each step);
-    step2: from the drafter's predicted feature (what deeper tree levels see).
+    top1_step1: from the target's own features (the first draft token of each step);
+    top1_stepK: from a chain of K - 1 features the drafter predicted itself, as tree level K
+    reads them (the same chain as the unrolled loss's step K).
     """
     target = drafter.target
-    hits1 = hits2 = count1 = count2 = 0
+    head = target.embed.weight
+    hits, counts = [0] * steps, [0] * steps
     for tokens, hidden, candidates in heldout[:limit]:
         tokens, features = tokens.long(), features_of(target, hidden)
         wanted = candidates[:, 0].long()          # target argmax at each position
-        head = target.embed.weight
-        predicted = draft_states(drafter, tokens, features)
-        hits1 += int((F.linear(predicted, head).argmax(-1) == wanted[1:]).sum())
-        count1 += predicted.shape[0]
-        if tokens.shape[0] >= 4:
-            # Second step: feature i replaced by the drafter's prediction of it.
-            mixed = torch.cat([features[:1], predicted], dim=0)
-            again = draft_states(drafter, tokens, mixed)[1:]
-            hits2 += int((F.linear(again, head).argmax(-1) == wanted[2:]).sum())
-            count2 += again.shape[0]
-    return {"top1_step1": hits1 / max(count1, 1), "top1_step2": hits2 / max(count2, 1)}
+        inputs = features
+        for step in range(min(steps, tokens.shape[0] - 2)):
+            predicted = draft_states(drafter, tokens, inputs)
+            mine = predicted[step:]               # rows that have read `step` predictions
+            hits[step] += int((F.linear(mine, head).argmax(-1) == wanted[step + 1:]).sum())
+            counts[step] += mine.shape[0]
+            inputs = torch.cat([features[:1], predicted])
+    return {f"top1_step{k + 1}": hits[k] / max(counts[k], 1) for k in range(steps)}
 
 
 def _scale_fc_to_inputs(drafter: EagleDrafter, feature_std: torch.Tensor) -> None:
@@ -552,7 +551,8 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
         bar.update(1)
         if step % cfg.checkpoint_every == 0 or step == total:
             drafter.eval()
-            metrics = {"step": step, "train": mean, **evaluate(drafter, heldout)}
+            metrics = {"step": step, "train": mean,
+                       **evaluate(drafter, heldout, steps=max(2, cfg.unroll))}
             if ranker is not None:
                 metrics["ranker"] = ranker_recall(drafter, *(t.detach() for t in ranker), heldout[:16])
             drafter.train()
@@ -631,7 +631,7 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
         drafter = train_drafter(cfg, target, log=log)
         seconds = drafter.train_seconds
         report["train_seconds"] = round(time.perf_counter() - t2 if seconds is None else seconds, 1)
-        final = evaluate(drafter, load_shards(cfg, "heldout"))
+        final = evaluate(drafter, load_shards(cfg, "heldout"), steps=max(2, cfg.unroll))
         report.update(final)
         report["tau_heldout_prompts"] = round(measure_tau(drafter, target,
                                                           split["heldout_prompts"][:4]), 3)
