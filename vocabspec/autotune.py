@@ -37,9 +37,19 @@ CANDIDATE_SIZES = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 CANDIDATE_DEPTHS = (1, 2, 3, 4, 6)
 TOLERANCE = 0.03
 CALIBRATION_NEW_TOKENS = 40
+# Open answers and answers that lean on their prompt (a summary, a calculation) accept at
+# different rates, and the tree size that pays depends on the mix: with open answers alone the
+# calibration saw tau grow faster with the tree than it does on Spec-Bench (BENCHMARKS.md,
+# session 15).
 CALIBRATION_QUESTIONS = (
     "Write a short paragraph about why people enjoy walking in the mountains.",
     "Explain how a bicycle's gears make it easier to ride uphill.",
+    "Summarize in two sentences: The town library moved into the old railway station last "
+    "spring. The waiting hall now holds the reading room, the ticket office lends laptops, and "
+    "the platform has become a garden where children's stories are read aloud on Saturdays. "
+    "Visits have doubled since the move, and the council plans to keep the station clock running.",
+    "A baker makes 48 rolls and packs them in bags of 6. She sells each bag for 3 dollars. "
+    "How much money does she make if she sells every bag? Explain each step.",
 )
 
 
@@ -149,7 +159,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
 
     path = cache_dir() / "autotune.json"
     known = _load(path)
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v5")
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v6")
     if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
