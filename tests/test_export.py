@@ -39,7 +39,7 @@ def test_export_round_trip(smollm2, tmp_path, capsys):
     assert torch.equal(tensors["fc.weight"], drafter.fc.weight)
     # The exported drafter loads back and drafts the same.
     again = EagleDrafter.load(out, model)
-    assert torch.equal(again.layer.mlp.w_down.weight, drafter.layer.mlp.w_down.weight)
+    assert torch.equal(again.layers[0].mlp.w_down.weight, drafter.layers[0].mlp.w_down.weight)
     # Token map: SGLang's list of the 4096 most frequent, and EAGLE-3's d2t/t2d.
     token_map = torch.load(out / "token_map.pt")
     assert isinstance(token_map, list) and token_map == ranked[:4096]
@@ -49,7 +49,12 @@ def test_export_round_trip(smollm2, tmp_path, capsys):
     assert load_token_map(out / "d2t_t2d.safetensors").tolist() == sorted(ranked[:4096])
 
 
-def test_export_refuses_spec_vocab_and_bad_paths(tmp_path, capsys):
+def test_export_refuses_spec_vocab_and_bad_paths(smollm2, tmp_path, capsys):
     assert main(["export", "--model", "smollm2", "--draft-path", str(tmp_path / "nope"),
                  "--out", str(tmp_path / "x")]) == 2
     assert "missing config.json" in capsys.readouterr().err
+    # Two layers or fused taps have no place in the one-layer EAGLE-1/2 layout.
+    EagleDrafter.random(smollm2.model, n_layers=2).save(tmp_path / "deep")
+    assert main(["export", "--model", "smollm2", "--draft-path", str(tmp_path / "deep"),
+                 "--out", str(tmp_path / "y")]) == 2
+    assert "has 2 layers" in capsys.readouterr().err

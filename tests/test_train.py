@@ -114,13 +114,13 @@ def test_held_out_agreement_at_step_k_follows_the_unrolled_chain():
     _, info = sequence_loss(drafter, tokens, hidden, candidates,
                             TrainConfig(unroll=3, full_vocab_loss=True, noise=0.0),
                             torch.ones(model.args.dim))
-    held_out = evaluate(drafter, [(tokens, hidden, candidates)], steps=3)
+    held_out = evaluate(drafter, [(tokens, hidden, candidates, None)], steps=3)
     expected = [info["accuracy"], info["accuracy_step2"], info["accuracy_step3"]]
     assert list(held_out) == ["top1_step1", "top1_step2", "top1_step3"]
     assert list(held_out.values()) == pytest.approx(expected)
     assert any(0 < value < 1 for value in expected)      # not a vacuous agreement
     # Short sequences score the steps they can: two tokens past the first, one step.
-    short = evaluate(drafter, [(tokens[:3], hidden[:3], candidates[:3])], steps=3)
+    short = evaluate(drafter, [(tokens[:3], hidden[:3], candidates[:3], None)], steps=3)
     assert short["top1_step2"] == short["top1_step3"] == 0.0
 
 
@@ -180,9 +180,9 @@ def test_feature_shards_of_a_grown_sequence_list_are_rebuilt(tmp_path):
     sequences = [[i % 40 for i in range(start, start + 12)] for start in range(5)]
     extract_features(cfg, model, {"distill": sequences[:3]})     # shards (0, 2), (2, 3)
     extract_features(cfg, model, {"distill": sequences})         # shards (0, 2), (2, 4), (4, 5)
-    assert [t.tolist() for t, _, _ in load_shards(cfg, "distill")] == sequences
+    assert [t.tolist() for t, *_ in load_shards(cfg, "distill")] == sequences
     extract_features(cfg, model, {"distill": sequences[:2]})     # shrunk: one shard left
-    assert [t.tolist() for t, _, _ in load_shards(cfg, "distill")] == sequences[:2]
+    assert [t.tolist() for t, *_ in load_shards(cfg, "distill")] == sequences[:2]
 
 
 def test_ranker_distillation_lowers_its_loss_on_sampled_positions(tmp_path):

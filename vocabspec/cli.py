@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("unroll", _positive_int), ("checkpoint_every", _positive_int),
                        ("warmup_steps", _non_negative_int), ("ranker_weight", _float),
                        ("ranker_rank", _non_negative_int), ("ranker_positions", _positive_int),
-                       ("ranker_lr", _float)):
+                       ("ranker_lr", _float), ("layers", _positive_int)):
         train.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name))
     train.add_argument("--self-distill", type=_non_negative_int, default=defaults.self_distill,
                        help="also train on the target's own greedy answers to this many unused "
@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--ranker-init", default=defaults.ranker_init,
                        help="with --ranker-weight: the SpecVocab ranker file to start from "
                             "(default: the LM head's truncated SVD)")
+    train.add_argument("--taps", default=defaults.taps,
+                       help="target layers whose outputs join the drafter's input feature, as in "
+                            "EAGLE-3 (comma-separated indices, e.g. 1,14; default: none)")
     train.add_argument("--feature-dtype", default=defaults.feature_dtype,
                        choices=["auto", "float32", "bfloat16"],
                        help="target dtype for feature extraction (auto: bfloat16 where the CPU "
@@ -332,7 +335,8 @@ def cmd_ranker(args) -> int:
     if draft_path is None:
         raise ValueError(f"no drafter bundled for {args.model}: pass --draft-path")
     drafter = EagleDrafter.load(draft_path, target).float()
-    cfg = TrainConfig(model=args.model, out=args.features or f"runs/train-{args.model}")
+    cfg = TrainConfig(model=args.model, out=args.features or f"runs/train-{args.model}",
+                      taps=",".join(map(str, drafter.taps)))
     # The target's own answers (self-distillation) are what the drafter meets when drafting.
     train_set = load_shards(cfg, "train") + load_shards(cfg, "distill")
     heldout = load_shards(cfg, "heldout")

@@ -1,19 +1,22 @@
 """The EAGLE drafter and the proposer that grows EAGLE-2 dynamic trees with it.
 
 Drafter: fc(concat(token embedding, target feature)) -> one decoder layer of the target's
-architecture -> a draft LM-head strategy. The embedding is the target's own (frozen); the
-drafter keeps its own KV cache of accepted context.
+architecture (EAGLE's; more can be trained) -> a draft LM-head strategy. The embedding is the
+target's own (frozen); the drafter keeps its own KV cache of accepted context.
 
 Features follow EAGLE-1/2 (and SGLang): the target's last-layer hidden states after its final
 norm, the vectors its LM head multiplies. The drafter input at position i pairs feature f_i
-with token t_{i+1} and predicts f_{i+1}, which the head turns into t_{i+2}.
+with token t_{i+1} and predicts f_{i+1}, which the head turns into t_{i+2}. Optionally
+(`taps`, after EAGLE-3) the outputs of a few lower target layers are fused into f_i wherever
+the target has run; draft steps inside the tree read the drafter's own predictions as usual.
 
 The drafter may compute in a narrower dtype than its target (bfloat16 drafting for a float32
 target halves the bytes each draft step streams): it only chooses what is drafted, and
 verification by the target is untouched, so the output stays the target's own.
 
-Checkpoints use EAGLE's layout: a directory with config.json (one hidden layer) and
-model.safetensors holding fc.weight (+ fc.bias) and layers.0.* in Hugging Face names.
+Checkpoints use EAGLE's layout: a directory with config.json (num_hidden_layers: 1 for
+EAGLE's drafter) and model.safetensors holding fc.weight (+ fc.bias) and layers.N.* in Hugging
+Face names; a drafter with taps adds fuse.weight and lists them in config.json.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .draft_vocab import FullVocab
 from .kv_cache import KVCache
@@ -48,9 +52,9 @@ class DrafterMismatch(ValueError):
     """A drafter that does not fit its target model."""
 
 
-def drafter_args(target: ModelArgs) -> ModelArgs:
-    """One global-attention layer of the target's architecture."""
-    return replace(target, n_layers=1, sliding_window=None)
+def drafter_args(target: ModelArgs, n_layers: int = 1) -> ModelArgs:
+    """Global-attention layers of the target's architecture (EAGLE's drafter has one)."""
+    return replace(target, n_layers=n_layers, sliding_window=None)
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -75,26 +79,35 @@ def draft_dtype(target: "Transformer", requested: str = "auto") -> torch.dtype:
 
 
 class EagleDrafter(nn.Module):
-    def __init__(self, target: Transformer, input_norm: bool = False):
+    def __init__(self, target: Transformer, input_norm: bool = False, taps: tuple[int, ...] = (),
+                 n_layers: int = 1):
         super().__init__()
-        self.args = drafter_args(target.args)
+        if n_layers < 1:
+            raise DrafterMismatch(f"a drafter needs at least one layer, not {n_layers}")
+        self.args = drafter_args(target.args, n_layers)
         dim = self.args.dim
         self.fc = Linear(2 * dim, dim, bias=True)
-        self.layer = Block(self.args, 0)
+        # EAGLE-3's fused features: outputs of a few lower target layers (`taps`) join the
+        # last-layer feature at positions the target has run; deeper draft steps read the
+        # drafter's own predicted feature, as without taps.
+        self.taps = _checked_taps(taps, target)
+        self.fuse = Linear((len(self.taps) + 1) * dim, dim, bias=False) if self.taps else None
+        self.layers = nn.ModuleList(Block(self.args, i) for i in range(n_layers))
         # EAGLE-1/2 drafters (and SGLang's LlamaForCausalLMEagle) feed fc's output to attention
-        # without the layer's input norm; keep that unless a checkpoint carries one.
+        # without the first layer's input norm; keep that unless a checkpoint carries one.
         self.input_norm = input_norm
         if not input_norm:
-            self.layer.attn_norm = nn.Identity()
+            self.layers[0].attn_norm = nn.Identity()
         # Shared with the target, never trained: not registered as parameters.
         self.__dict__["target"] = target
 
     @classmethod
     def random(cls, target: Transformer, seed: int = 0, input_norm: bool = False,
-               dtype: torch.dtype | None = None) -> "EagleDrafter":
+               dtype: torch.dtype | None = None, taps: tuple[int, ...] = (),
+               n_layers: int = 1) -> "EagleDrafter":
         """An untrained drafter (tests, and measuring the engine's overhead)."""
         generator = torch.Generator().manual_seed(seed)
-        drafter = cls(target, input_norm=input_norm)
+        drafter = cls(target, input_norm=input_norm, taps=taps, n_layers=n_layers)
         with torch.no_grad():
             for name, p in drafter.named_parameters():
                 if name.endswith("norm.weight"):
@@ -104,6 +117,32 @@ class EagleDrafter(nn.Module):
                 else:
                     p.zero_()
         return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
+
+    def add_taps(self, taps: tuple[int, ...]) -> None:
+        """Start fusing `taps` into an untapped drafter: the fusion starts as the identity on
+        the last-layer feature, so the drafter drafts as before until training moves it."""
+        dim = self.args.dim
+        weight = self.fc.weight
+        self.taps = _checked_taps(taps, self.target)
+        self.fuse = Linear((len(self.taps) + 1) * dim, dim, bias=False).to(weight)
+        with torch.no_grad():
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, -dim:] = torch.eye(dim, dtype=weight.dtype, device=weight.device)
+
+    def input_features(self, features: torch.Tensor, tapped: torch.Tensor | None) -> torch.Tensor:
+        """The feature input at positions the target has run: `features` (n, dim) fused with
+        the tapped layer outputs (n, len(taps) * dim) when the drafter has taps."""
+        if self.fuse is None:
+            return features
+        if tapped is None:
+            raise ValueError("this drafter fuses target layers "
+                             f"{self.taps}: their outputs are needed")
+        dtype = self.fuse.weight.dtype
+        # Parameter-free RMS norm per layer: the residual stream's scale grows with depth and
+        # is huge at attention-sink positions (the first token's reaches 1000 in SmolLM2).
+        parts = [F.rms_norm(t.float(), (t.shape[-1],), eps=1e-6).to(dtype)
+                 for t in tapped.split(self.args.dim, dim=-1)]
+        return self.fuse(torch.cat(parts + [features.to(dtype)], dim=-1))
 
     def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
         """Predicted next features (n, dim) for (token, feature) pairs."""
@@ -118,13 +157,31 @@ class EagleDrafter(nn.Module):
             mask = torch.ones(n, cache.length + n, dtype=torch.bool, device=tokens.device).tril(cache.length)
         else:
             mask = None
-        out = self.layer(x, cos[positions], sin[positions], cache, mask, 0)
+        cos, sin = cos[positions], sin[positions]
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, mask, 0)
         cache.advance(tokens.shape[0])
-        return out
+        return x
+
+    def add_layer(self) -> None:
+        """Deepen the drafter by one layer that starts as the identity (its attention and MLP
+        outputs are zero, so the residual stream passes through): it drafts as before until
+        training moves it."""
+        layer = Block(drafter_args(self.target.args, len(self.layers) + 1), len(self.layers))
+        layer = layer.to(self.fc.weight)
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(self.layers[-1].state_dict()[name]
+                                if name in self.layers[-1].state_dict() else torch.ones_like(param))
+                elif name in ("attn.wo.weight", "mlp.w_down.weight"):
+                    param.zero_()
+        self.layers.append(layer)
+        self.args = drafter_args(self.target.args, len(self.layers))
 
     def new_cache(self, max_len: int) -> KVCache:
         a = self.args
-        return KVCache(1, a.n_kv_heads, a.head_dim, max_len, self.fc.weight.dtype, self.fc.weight.device)
+        return KVCache(len(self.layers), a.n_kv_heads, a.head_dim, max_len, self.fc.weight.dtype, self.fc.weight.device)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -139,10 +196,11 @@ class EagleDrafter(nn.Module):
             "model_type": "llama" if a.arch == "llama" else "gemma3_text",
             "hidden_size": a.dim, "intermediate_size": a.intermediate_size,
             "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
-            "head_dim": a.head_dim, "num_hidden_layers": 1, "vocab_size": a.vocab_size,
+            "head_dim": a.head_dim, "num_hidden_layers": len(self.layers), "vocab_size": a.vocab_size,
             "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_base,
             "max_position_embeddings": a.max_seq_len, "bias": True,
-            "vocabspec": {"arch": a.arch, "feature": "post_norm", **(extra or {})},
+            "vocabspec": {"arch": a.arch, "feature": "post_norm", "taps": list(self.taps),
+                          **(extra or {})},
         }
         (directory / "config.json").write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in self.eagle_state_dict().items()},
@@ -150,19 +208,23 @@ class EagleDrafter(nn.Module):
 
     def eagle_state_dict(self) -> dict[str, torch.Tensor]:
         state = {"fc.weight": self.fc.weight, "fc.bias": self.fc.bias}
+        if self.fuse is not None:
+            state["fuse.weight"] = self.fuse.weight
         a = self.args
-        q, k, v = self.layer.attn.wqkv.weight.split(
-            [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim])
-        state.update({"layers.0.self_attn.q_proj.weight": q, "layers.0.self_attn.k_proj.weight": k,
-                      "layers.0.self_attn.v_proj.weight": v})
-        gate, up = self.layer.mlp.w_gate_up.weight.split(a.intermediate_size)
-        state.update({"layers.0.mlp.gate_proj.weight": gate, "layers.0.mlp.up_proj.weight": up})
         names = dict(_HF_NAMES)
         if a.arch == "gemma3":
             names["mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
-        for ours, param in self.layer.state_dict().items():
-            if ours in names:
-                state["layers.0." + names[ours]] = param
+        for index, layer in enumerate(self.layers):
+            prefix = f"layers.{index}."
+            q, k, v = layer.attn.wqkv.weight.split(
+                [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim])
+            state.update({prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
+                          prefix + "self_attn.v_proj.weight": v})
+            gate, up = layer.mlp.w_gate_up.weight.split(a.intermediate_size)
+            state.update({prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up})
+            for ours, param in layer.state_dict().items():
+                if ours in names:
+                    state[prefix + names[ours]] = param
         return state
 
     @classmethod
@@ -182,9 +244,10 @@ class EagleDrafter(nn.Module):
         except Exception as exc:
             raise DrafterMismatch(f"drafter {directory}: unreadable checkpoint ({exc})") from exc
         ta = target.args
-        if config.get("num_hidden_layers", 1) != 1:
-            raise DrafterMismatch(f"drafter {directory}: {config.get('num_hidden_layers')} layers, "
-                                  "EAGLE drafters have one")
+        n_layers = config.get("num_hidden_layers", 1)
+        if not isinstance(n_layers, int) or not 1 <= n_layers <= ta.n_layers:
+            raise DrafterMismatch(f"drafter {directory}: num_hidden_layers={n_layers!r}, need "
+                                  f"1 to {ta.n_layers} (the target's depth)")
         for key, want in (("hidden_size", ta.dim), ("vocab_size", ta.vocab_size)):
             if config.get(key) != want:
                 raise DrafterMismatch(f"drafter {directory}: {key}={config.get(key)} but the "
@@ -192,21 +255,32 @@ class EagleDrafter(nn.Module):
         arch = config.get("vocabspec", {}).get("arch", "llama")
         if arch != ta.arch:
             raise DrafterMismatch(f"drafter {directory} is for a {arch} target, not {ta.arch}")
-        drafter = cls(target, input_norm="layers.0.input_layernorm.weight" in state)
+        taps = tuple(config.get("vocabspec", {}).get("taps", []))
+        try:
+            drafter = cls(target, input_norm="layers.0.input_layernorm.weight" in state, taps=taps,
+                          n_layers=n_layers)
+        except DrafterMismatch as exc:
+            raise DrafterMismatch(f"drafter {directory}: {exc}") from exc
         a = drafter.args
         ours = {"fc.weight": state.get("fc.weight"), "fc.bias": state.get("fc.bias")}
+        if taps:
+            ours["fuse.weight"] = state.get("fuse.weight")
         if ours["fc.bias"] is None:
             ours["fc.bias"] = torch.zeros(a.dim)
-        get = lambda name: state.get("layers.0." + name)  # noqa: E731
-        ours["layer.attn.wqkv.weight"] = _cat(get("self_attn.q_proj.weight"),
-                                              get("self_attn.k_proj.weight"), get("self_attn.v_proj.weight"))
-        ours["layer.mlp.w_gate_up.weight"] = _cat(get("mlp.gate_proj.weight"), get("mlp.up_proj.weight"))
         names = dict(_HF_NAMES)
         if a.arch == "gemma3":
             names["mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
-        for mine in drafter.layer.state_dict():
-            if mine in names:
-                ours["layer." + mine] = get(names[mine])
+        for index, layer in enumerate(drafter.layers):
+            get = lambda name: state.get(f"layers.{index}." + name)  # noqa: E731,B023
+            mine = f"layers.{index}."
+            ours[mine + "attn.wqkv.weight"] = _cat(get("self_attn.q_proj.weight"),
+                                                   get("self_attn.k_proj.weight"),
+                                                   get("self_attn.v_proj.weight"))
+            ours[mine + "mlp.w_gate_up.weight"] = _cat(get("mlp.gate_proj.weight"),
+                                                       get("mlp.up_proj.weight"))
+            for name in layer.state_dict():
+                if name in names:
+                    ours[mine + name] = get(names[name])
         missing = [k for k, v in ours.items() if v is None]
         if missing:
             raise DrafterMismatch(f"drafter {directory}: tensors missing: {', '.join(missing)}")
@@ -215,6 +289,14 @@ class EagleDrafter(nn.Module):
         except RuntimeError as exc:
             raise DrafterMismatch(f"drafter {directory}: tensor shapes do not fit the target ({exc})") from exc
         return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
+
+
+def _checked_taps(taps, target: Transformer) -> tuple[int, ...]:
+    taps = tuple(sorted(taps))
+    if any(not 0 <= t < target.args.n_layers - 1 for t in taps):
+        raise DrafterMismatch(f"taps {list(taps)} must be layers below the last of "
+                              f"{target.args.n_layers}")
+    return taps
 
 
 def _cat(*tensors):
@@ -236,6 +318,7 @@ class EagleProposer:
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_tree_tokens = total_tokens
         self.cache = drafter.new_cache(self.target.args.max_seq_len + depth * top_k + 1)
+        self.taps = drafter.taps        # the engine then passes these layers' outputs too
         self.last_state = None
         self.timings = {"layer": 0.0, "total": 0.0}
 
@@ -274,14 +357,20 @@ class EagleProposer:
         self.head.see_tokens(prompt_ids + [first_token], reset=True)
         # Not timed: the pass over the prompt belongs with the prefill, outside the drafting
         # time ("total") that the breakdown's parts must add up to.
-        self.last_state = self._run(prompt_ids[1:] + [first_token], self.target.norm(prompt_hidden),
+        self.last_state = self._run(prompt_ids[1:] + [first_token], self._features(prompt_hidden),
                                     timed=False)[-1:]
 
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
         start = time.perf_counter()
         self.head.see_tokens(accepted + [next_token])
-        self.last_state = self._run(accepted[1:] + [next_token], self.target.norm(hidden))[-1:]
+        self.last_state = self._run(accepted[1:] + [next_token], self._features(hidden))[-1:]
         self.timings["total"] += time.perf_counter() - start
+
+    def _features(self, rows: torch.Tensor) -> torch.Tensor:
+        """The drafter's input features from the target's rows (see generate.Proposer)."""
+        width = self.target.args.dim
+        features = self.target.norm(rows[:, -width:])
+        return self.drafter.input_features(features, rows[:, :-width] if self.taps else None)
 
     def _top_k(self, states: torch.Tensor, tokens: list[int]):
         """Each row's top tokens; `tokens`: the token each row has just read."""

@@ -31,6 +31,10 @@ def export(model: str, out: str | Path, draft_path: str | None = None, draft_voc
     if source is None:
         raise ValueError(f"no drafter bundled for {model!r}: pass --draft-path")
     drafter = EagleDrafter.load(source, target)
+    if drafter.taps or len(drafter.layers) > 1:
+        raise ValueError(f"drafter {source} has {len(drafter.layers)} layers and taps "
+                         f"{list(drafter.taps)}: the EAGLE-1/2 layout exported here is one layer "
+                         "reading the last-layer feature alone")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     weights_dtype = next(iter(_tensors(source).values())).dtype

@@ -24,6 +24,10 @@ PREFILL_CHUNK = 512
 
 
 class Proposer(Protocol):
+    """`hidden` rows are the target's last-layer hidden states (before the final norm) of the
+    tokens given, preceded by the outputs of the layers in the proposer's `taps` attribute,
+    when it has one (a fused-feature drafter's inputs)."""
+
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None: ...
     def propose(self, root_token: int) -> DraftTree: ...
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None: ...
@@ -92,16 +96,18 @@ class GenerationResult:
         }
 
 
-def prefill(model: Transformer, cache, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Commit the prompt to the cache; return its hidden states and the last row's logits."""
+def prefill(model: Transformer, cache, prompt_ids: list[int],
+            taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Commit the prompt to the cache; return its hidden states (after the `taps` layers'
+    outputs, see `Proposer`) and the last row's logits."""
     tokens = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
     hidden = []
     for start in range(0, len(prompt_ids), PREFILL_CHUNK):
         chunk = tokens[start:start + PREFILL_CHUNK]
         positions = torch.arange(start, start + chunk.numel(), device=model.device)
-        h, logits = model(chunk, positions, cache)
+        h, logits, *tapped = model(chunk, positions, cache, taps=taps)
         cache.commit()
-        hidden.append(h)
+        hidden.append(torch.cat([*tapped, h], dim=-1))
     return torch.cat(hidden), logits
 
 
@@ -192,8 +198,9 @@ class Generation:
         engine, config, result = self.engine, self.config, self.result
         model, cache, proposer = engine.model, engine.cache, engine.proposer
         params = config.sampling
+        taps = getattr(proposer, "taps", ())
         with torch.inference_mode():
-            hidden, logits = prefill(model, cache, self.prompt_ids)
+            hidden, logits = prefill(model, cache, self.prompt_ids, taps)
             token = self._pick(logits[0], params, generator)
             result.prefill_seconds = time.perf_counter() - start
             if proposer is not None:
@@ -218,15 +225,16 @@ class Generation:
                     else chain_tree(token, [], model.device)
                 t1 = time.perf_counter()
                 mask = tree.attention_mask() if tree.size else None
-                hidden, _ = model(tree.tokens, tree.positions(cache.length), cache,
-                                  tree_mask=mask, logits_rows=[])
+                hidden, _, *tapped = model(tree.tokens, tree.positions(cache.length), cache,
+                                           tree_mask=mask, logits_rows=[], taps=taps)
                 verdict = verify(tree, TreeLogits(model.lm_head, hidden, tree), params, generator)
                 path = torch.tensor(verdict.path, dtype=torch.long, device=model.device)
                 cache.commit(path)
                 t2 = time.perf_counter()
                 accepted = tree.tokens[path].tolist()
                 if proposer is not None:
-                    proposer.observe(accepted, hidden[path], verdict.next_token)
+                    proposer.observe(accepted, torch.cat([*tapped, hidden], dim=-1)[path],
+                                     verdict.next_token)
                 t3 = time.perf_counter()
                 ranks = tuple(tree.ranks[i] for i in verdict.path[1:]) if tree.ranks else ()
                 result.steps.append(StepRecord(len(verdict.path), tree.size,

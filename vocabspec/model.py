@@ -251,7 +251,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None,
-                all_logits: bool = False):
+                all_logits: bool = False, taps: tuple[int, ...] = ()):
         """Run `tokens` (n,) at `positions` (n,) after the committed cache.
 
         tree_mask (n, pending + n): which pending and new tokens each new token sees
@@ -259,7 +259,8 @@ class Transformer(nn.Module):
         Logits are computed for `logits_rows` (indices; empty: none, and logits is None),
         for every row if `all_logits`, else for the last row only. The cache holds the new
         tokens as pending until `cache.commit`. Returns (hidden (n, dim) before the final
-        norm, logits (m, vocab)).
+        norm, logits (m, vocab)), and with `taps` (layer indices) a third item: those layers'
+        outputs side by side (n, len(taps) * dim), the inputs of fused-feature drafters.
         """
         n = tokens.shape[0]
         if n == 0:
@@ -267,12 +268,17 @@ class Transformer(nn.Module):
         if int(positions.max()) >= self.args.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is beyond max_seq_len "
                              f"{self.args.max_seq_len}")
+        if any(not 0 <= t < self.args.n_layers for t in taps):
+            raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
         cache.check_room(n)
         plan = AttentionPlan(self.args, cache, positions, tree_mask, self.rope)
         x = self.embed_tokens(tokens)
+        tapped = []
         for i, layer in enumerate(self.layers):
             cos, sin, mask, key_start = plan.for_layer(self.args, i)
             x = layer(x, cos, sin, cache, mask, key_start)
+            if i in taps:
+                tapped.append(x)
         cache.advance(n)
         if all_logits:
             logits = self.lm_head(x)
@@ -280,4 +286,6 @@ class Transformer(nn.Module):
             logits = self.lm_head(x[logits_rows]) if len(logits_rows) else None
         else:
             logits = self.lm_head(x[-1:])
+        if taps:
+            return x, logits, torch.cat(tapped, dim=-1)
         return x, logits

@@ -97,8 +97,9 @@ def recall(drafter: EagleDrafter, down, vocab, sequences, k: int = 2048) -> dict
 
     target = drafter.target
     hits_target = hits_draft = count = 0
-    for tokens, hidden, candidates in sequences:
-        states = draft_states(drafter, tokens.long(), features_of(target, hidden))
+    for tokens, hidden, candidates, tapped in sequences:
+        features = drafter.input_features(features_of(target, hidden), tapped)
+        states = draft_states(drafter, tokens.long(), features)
         scores = F.linear(F.linear(states, down), vocab)
         wanted = candidates[1:, 0].long()
         drafted = F.linear(states, target.embed.weight).argmax(-1)
@@ -138,10 +139,10 @@ def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: i
     losses = []
     with tqdm(total=total, desc="ranker", unit="seq") as bar:
         for step in range(total):
-            tokens, hidden, candidates = train_set[order[step % len(order)]]
+            tokens, hidden, candidates, tapped = train_set[order[step % len(order)]]
             with torch.no_grad():
                 features = features_of(target, hidden)
-                states = draft_states(drafter, tokens.long(), features)
+                states = draft_states(drafter, tokens.long(), drafter.input_features(features, tapped))
                 rows = torch.arange(states.shape[0])
                 if positions and positions < rows.numel():
                     rows = torch.randperm(rows.numel(), generator=generator)[:positions]

@@ -6,7 +6,8 @@
              prompts, which is the text a drafter sees at run time.
 2. features: target forward passes; each shard stores the tokens, the last-layer hidden
              states (before the final norm, bfloat16; the drafter's features are these after
-             the norm) and the target's top candidate ids per position.
+             the norm), the target's top candidate ids per position and, for a drafter with
+             `taps`, those layers' outputs.
 3. train:    EAGLE's loss: smooth-L1 regression of the next feature + 0.1 x cross-entropy
              between the target's and the drafter's next-token distributions through the
              frozen LM head. With `unroll` > 1 the drafter is also trained on its own predicted
@@ -83,6 +84,10 @@ class TrainConfig:
     ranker_rank: int = 0            # d' (0: d/16)
     ranker_positions: int = 128     # positions per sequence and step in the ranker's loss
     ranker_lr: float = 2e-3
+    layers: int = 1                 # drafter layers (EAGLE: 1); layers beyond --init's start
+                                    # as the identity
+    taps: str = ""                  # target layers fused into the drafter's input, EAGLE-3's
+                                    # way (e.g. "1,14"; empty: the last layer's feature alone)
 
 
 class _NoCache:
@@ -301,23 +306,35 @@ def _shard_plan(sequences: list[list[int]], shard_tokens: int) -> list[tuple[int
 
 
 @torch.inference_mode()
-def _features(model: Transformer, cache, ids: list[int], top: int):
+def _features(model: Transformer, cache, ids: list[int], top: int, taps: tuple[int, ...] = ()):
     cache.reset()
     tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
     positions = torch.arange(len(ids), device=model.device)
-    hidden, _ = model(tokens, positions, cache)
+    hidden, _, *tapped = model(tokens, positions, cache, logits_rows=torch.tensor([], dtype=torch.long),
+                               taps=taps)
     cache.discard()
     candidates = torch.cat([torch.topk(model.lm_head(rows), top, dim=-1).indices
                             for rows in hidden.split(256)])
-    return hidden.to(torch.bfloat16).cpu(), candidates.to(torch.int32).cpu()
+    tapped = tapped[0].to(torch.bfloat16).cpu() if taps else None
+    return hidden.to(torch.bfloat16).cpu(), candidates.to(torch.int32).cpu(), tapped
 
 
-def _shard_matches(path: Path, sequences: list[list[int]]) -> bool:
+def parse_taps(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted(int(t) for t in text.split(",") if t.strip()))
+    except ValueError:
+        raise ValueError(f"taps must be layer indices separated by commas, not {text!r}") from None
+
+
+def _shard_matches(path: Path, sequences: list[list[int]], taps: tuple[int, ...] = ()) -> bool:
     """Whether an existing shard holds exactly these sequences (a sequence list that grew, as
-    self-distillation asked for more answers, changes its last shard)."""
+    self-distillation asked for more answers, changes its last shard) with these taps."""
     if not path.exists():
         return False
-    tokens = torch.load(path, mmap=True)["tokens"]
+    shard = torch.load(path, mmap=True)
+    if tuple(shard.get("taps", ())) != taps:
+        return False
+    tokens = shard["tokens"]
     return len(tokens) == len(sequences) and all(t.tolist() == s for t, s in zip(tokens, sequences))
 
 
@@ -326,34 +343,45 @@ def extract_features(cfg: TrainConfig, model: Transformer, split: dict) -> list[
     directory = Path(cfg.out) / "features"
     directory.mkdir(parents=True, exist_ok=True)
     cache = model.new_cache(cfg.max_len)
+    taps = parse_taps(cfg.taps)
+    if any(not 0 <= t < model.args.n_layers - 1 for t in taps):
+        raise ValueError(f"taps {list(taps)}: a drafter can fuse layers 0 to "
+                         f"{model.args.n_layers - 2} (the last layer's feature is always read)")
     paths = []
     for part in ("heldout", "train", "distill"):
         sequences = split.get(part, [])
         plan = _shard_plan(sequences, cfg.shard_tokens)
         todo = [(n, a, b) for n, (a, b) in enumerate(plan)
-                if not _shard_matches(directory / f"{part}-{n:05d}.pt", sequences[a:b])]
+                if not _shard_matches(directory / f"{part}-{n:05d}.pt", sequences[a:b], taps)]
         for stale in sorted(directory.glob(f"{part}-*.pt"))[len(plan):]:
             stale.unlink()          # left by a longer sequence list than this run's
         paths += [directory / f"{part}-{n:05d}.pt" for n in range(len(plan))]
         total = sum(len(s) for _, a, b in todo for s in sequences[a:b])
         with tqdm(total=total, desc=f"features ({part})", unit="tok", unit_scale=True) as bar:
             for n, a, b in todo:
-                shard = {"tokens": [], "hidden": [], "candidates": []}
+                shard = {"tokens": [], "hidden": [], "candidates": [], "taps": list(taps), "tapped": []}
                 for ids in sequences[a:b]:
-                    hidden, candidates = _features(model, cache, ids, cfg.top_candidates)
+                    hidden, candidates, tapped = _features(model, cache, ids, cfg.top_candidates, taps)
                     shard["tokens"].append(torch.tensor(ids, dtype=torch.int32))
                     shard["hidden"].append(hidden)
                     shard["candidates"].append(candidates)
+                    shard["tapped"].append(tapped)
                     bar.update(len(ids))
                 _atomic_save(shard, directory / f"{part}-{n:05d}.pt")
     return paths
 
 
-def load_shards(cfg: TrainConfig, part: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def load_shards(cfg: TrainConfig, part: str) -> list[tuple]:
+    """(tokens, hidden, candidates, tapped) per sequence; tapped is None in shards without taps."""
     sequences = []
+    taps = parse_taps(cfg.taps)
     for path in sorted((Path(cfg.out) / "features").glob(f"{part}-*.pt")):
         shard = torch.load(path)
-        sequences += list(zip(shard["tokens"], shard["hidden"], shard["candidates"]))
+        if tuple(shard.get("taps", ())) != taps:
+            raise ValueError(f"{path} holds taps {shard.get('taps', [])}, the run asks for "
+                             f"{list(taps)}: run the features stage again")
+        tapped = shard.get("tapped") or [None] * len(shard["tokens"])
+        sequences += list(zip(shard["tokens"], shard["hidden"], shard["candidates"], tapped))
     return [s for s in sequences if s[0].numel() >= 3]
 
 
@@ -374,21 +402,24 @@ def feature_std(target: Transformer, sequences, limit: int = 64) -> torch.Tensor
     """Per-dimension std of the features. A few dimensions are far larger than the rest;
     regressing and adding noise in units of each dimension's std keeps them from drowning
     the others."""
-    rows = torch.cat([features_of(target, hidden) for _, hidden, _ in sequences[:limit]])
+    rows = torch.cat([features_of(target, hidden) for _, hidden, *_ in sequences[:limit]])
     return rows.std(0).clamp_min(1e-4)
 
 
 def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainConfig,
                   std: torch.Tensor, generator: torch.Generator | None = None,
-                  ranker: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
+                  ranker: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  tapped: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The loss of one sequence; `ranker` (down, vocab) adds the ranker's distillation loss on
-    `cfg.ranker_positions` positions of each step."""
+    `cfg.ranker_positions` positions of each step; `tapped`: the target's tapped layer outputs,
+    for a drafter with taps."""
     target = drafter.target
     tokens = tokens.long()
     features = features_of(target, hidden)
     inputs = features
     if cfg.noise > 0 and generator is not None:
         inputs = features + (torch.rand(features.shape, generator=generator) * 2 - 1) * (cfg.noise * std)
+    inputs = drafter.input_features(inputs, tapped)
     wanted = features[1:]
     head = target.embed.weight
     if cfg.full_vocab_loss:
@@ -421,7 +452,7 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
         with torch.no_grad():
             accuracy = (draft_log_probs.argmax(-1) == target_probs[step:].argmax(-1)).float().mean()
         info["accuracy" if step == 0 else f"accuracy_step{step + 1}"] = float(accuracy)
-        inputs = torch.cat([features[:1], predicted])
+        inputs = torch.cat([inputs[:1], predicted])
     loss = regression + cfg.cls_weight * (classification + cfg.ranker_weight * ranking)
     if ranker is not None:
         info["ranker"] = float(ranking)
@@ -440,16 +471,16 @@ def evaluate(drafter: EagleDrafter, heldout, limit: int = 48, steps: int = 2) ->
     target = drafter.target
     head = target.embed.weight
     hits, counts = [0] * steps, [0] * steps
-    for tokens, hidden, candidates in heldout[:limit]:
+    for tokens, hidden, candidates, tapped in heldout[:limit]:
         tokens, features = tokens.long(), features_of(target, hidden)
         wanted = candidates[:, 0].long()          # target argmax at each position
-        inputs = features
+        inputs = drafter.input_features(features, tapped)
         for step in range(min(steps, tokens.shape[0] - 2)):
             predicted = draft_states(drafter, tokens, inputs)
             mine = predicted[step:]               # rows that have read `step` predictions
             hits[step] += int((F.linear(mine, head).argmax(-1) == wanted[step + 1:]).sum())
             counts[step] += mine.shape[0]
-            inputs = torch.cat([features[:1], predicted])
+            inputs = torch.cat([inputs[:1], predicted])
     return {f"top1_step{k + 1}": hits[k] / max(counts[k], 1) for k in range(steps)}
 
 
@@ -488,11 +519,24 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
         raise ValueError(f"no training features under {out / 'features'}: run the features stage")
     torch.manual_seed(cfg.seed)
     std = feature_std(target, train_set)
+    taps = parse_taps(cfg.taps)
     if cfg.init:
         drafter = EagleDrafter.load(cfg.init, target)
+        if drafter.taps != taps:
+            if drafter.taps:
+                raise ValueError(f"--init {cfg.init} fuses layers {list(drafter.taps)}, this run "
+                                 f"asks for {list(taps)}")
+            drafter.add_taps(taps)
+        if len(drafter.layers) > cfg.layers:
+            raise ValueError(f"--init {cfg.init} has {len(drafter.layers)} layers, this run "
+                             f"asks for {cfg.layers}")
+        while len(drafter.layers) < cfg.layers:
+            drafter.add_layer()
     else:
-        drafter = EagleDrafter.random(target, seed=cfg.seed)
+        drafter = EagleDrafter.random(target, seed=cfg.seed, n_layers=cfg.layers)
         _scale_fc_to_inputs(drafter, std)
+        if taps:                # fc's start is scaled to the last-layer feature it first sees
+            drafter.add_taps(taps)
     drafter = drafter.float().train().requires_grad_(True)
     ranker = _start_ranker(cfg, target) if cfg.ranker_weight > 0 else None
     groups = [{"params": list(drafter.parameters()), "lr_scale": 1.0}]
@@ -535,7 +579,9 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
         optimizer.zero_grad(set_to_none=True)
         stats = []
         for i in batch:
-            loss, info = sequence_loss(drafter, *train_set[i], cfg, std, generator, ranker)
+            tokens, hidden, candidates, tapped = train_set[i]
+            loss, info = sequence_loss(drafter, tokens, hidden, candidates, cfg, std, generator,
+                                       ranker, tapped)
             (loss / len(batch)).backward()
             stats.append(info)
             tokens_seen += train_set[i][0].numel()
