@@ -90,7 +90,7 @@ class EagleDrafter(nn.Module):
         # EAGLE-3's fused features: outputs of a few lower target layers (`taps`) join the
         # last-layer feature at positions the target has run; deeper draft steps read the
         # drafter's own predicted feature, as without taps.
-        self.taps = _checked_taps(taps, target)
+        self.taps = checked_taps(taps, target)
         self.fuse = Linear((len(self.taps) + 1) * dim, dim, bias=False) if self.taps else None
         self.layers = nn.ModuleList(Block(self.args, i) for i in range(n_layers))
         # EAGLE-1/2 drafters (and SGLang's LlamaForCausalLMEagle) feed fc's output to attention
@@ -123,7 +123,7 @@ class EagleDrafter(nn.Module):
         the last-layer feature, so the drafter drafts as before until training moves it."""
         dim = self.args.dim
         weight = self.fc.weight
-        self.taps = _checked_taps(taps, self.target)
+        self.taps = checked_taps(taps, self.target)
         self.fuse = Linear((len(self.taps) + 1) * dim, dim, bias=False).to(weight)
         with torch.no_grad():
             self.fuse.weight.zero_()
@@ -291,11 +291,12 @@ class EagleDrafter(nn.Module):
         return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
 
 
-def _checked_taps(taps, target: Transformer) -> tuple[int, ...]:
+def checked_taps(taps, target: Transformer) -> tuple[int, ...]:
+    """`taps` in order, if a drafter for `target` can fuse them."""
     taps = tuple(sorted(taps))
     if any(not 0 <= t < target.args.n_layers - 1 for t in taps):
-        raise DrafterMismatch(f"taps {list(taps)} must be layers below the last of "
-                              f"{target.args.n_layers}")
+        raise DrafterMismatch(f"taps {list(taps)}: a drafter can fuse layers 0 to "
+                              f"{target.args.n_layers - 2} (the last layer's feature is always read)")
     return taps
 
 

@@ -107,8 +107,16 @@ def prefill(model: Transformer, cache, prompt_ids: list[int],
         positions = torch.arange(start, start + chunk.numel(), device=model.device)
         h, logits, *tapped = model(chunk, positions, cache, taps=taps)
         cache.commit()
-        hidden.append(torch.cat([*tapped, h], dim=-1))
+        hidden.append(proposer_rows(h, tapped))
     return torch.cat(hidden), logits
+
+
+def proposer_rows(hidden: torch.Tensor, tapped: list[torch.Tensor], rows=None) -> torch.Tensor:
+    """The rows a proposer reads (see `Proposer`): `rows` of the last layer's hidden states,
+    after the tapped layers' outputs when there are any."""
+    if rows is not None:
+        hidden, tapped = hidden[rows], [t[rows] for t in tapped]
+    return torch.cat([*tapped, hidden], dim=-1) if tapped else hidden
 
 
 class TextStream:
@@ -233,8 +241,7 @@ class Generation:
                 t2 = time.perf_counter()
                 accepted = tree.tokens[path].tolist()
                 if proposer is not None:
-                    proposer.observe(accepted, torch.cat([*tapped, hidden], dim=-1)[path],
-                                     verdict.next_token)
+                    proposer.observe(accepted, proposer_rows(hidden, tapped, path), verdict.next_token)
                 t3 = time.perf_counter()
                 ranks = tuple(tree.ranks[i] for i in verdict.path[1:]) if tree.ranks else ()
                 result.steps.append(StepRecord(len(verdict.path), tree.size,

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .drafter import EagleDrafter
+from .drafter import EagleDrafter, checked_taps
 from .model import Transformer
 from .prompts import encode_conversation
 from .ranker import distillation_loss, load_ranker, save_ranker, starting_ranker, teacher
@@ -343,10 +343,7 @@ def extract_features(cfg: TrainConfig, model: Transformer, split: dict) -> list[
     directory = Path(cfg.out) / "features"
     directory.mkdir(parents=True, exist_ok=True)
     cache = model.new_cache(cfg.max_len)
-    taps = parse_taps(cfg.taps)
-    if any(not 0 <= t < model.args.n_layers - 1 for t in taps):
-        raise ValueError(f"taps {list(taps)}: a drafter can fuse layers 0 to "
-                         f"{model.args.n_layers - 2} (the last layer's feature is always read)")
+    taps = checked_taps(parse_taps(cfg.taps), model)
     paths = []
     for part in ("heldout", "train", "distill"):
         sequences = split.get(part, [])
