@@ -55,3 +55,14 @@ def test_training_split_follows_the_settings_it_was_made_with(smollm2, tmp_path)
     grown = prepare_sequences(cfg, smollm2.tokenizer)
     assert len(grown["train"]) == 5 and grown["train"][:3] == first["train"]
     assert grown["heldout"] == first["heldout"]
+
+
+def test_a_fixed_distill_start_keeps_the_prompts_while_the_training_set_grows(smollm2):
+    small = TrainConfig(conversations=10, heldout=2, self_distill=3, max_len=1024,
+                        distill_new_tokens=128)
+    grown = TrainConfig(conversations=30, distill_start=10, heldout=2, self_distill=3,
+                        max_len=1024, distill_new_tokens=128)
+    prompts = _distill_prompts(small, smollm2.tokenizer)
+    assert _distill_prompts(grown, smollm2.tokenizer) == prompts
+    grown.distill_start = -1          # the default moves past all 30 training conversations
+    assert _distill_prompts(grown, smollm2.tokenizer) != prompts

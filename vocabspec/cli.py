@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--self-distill", type=_non_negative_int, default=defaults.self_distill,
                        help="also train on the target's own greedy answers to this many unused "
                             "ShareGPT prompts (self-distillation)")
+    train.add_argument("--distill-start", type=_non_negative_int, default=defaults.distill_start,
+                       metavar="N",
+                       help="take those prompts from the conversations after the first N "
+                            "training ones (default: after all of them); keeping N fixed lets "
+                            "--conversations grow without generating new answers")
     train.add_argument("--task-prompts", type=_non_negative_int, default=defaults.task_prompts,
                        help="and to this many task-style prompts built from ShareGPT text "
                             "(summarize, translate, answer from a passage)")

@@ -73,6 +73,9 @@ class TrainConfig:
     seed: int = 0
     max_steps: int = 0              # stop early (0: run all epochs)
     self_distill: int = 0           # ShareGPT prompts the target answers itself (0: none)
+    distill_start: int = -1         # those prompts come after this many training conversations
+                                    # (-1: after all of them); fixing it lets --conversations
+                                    # grow without asking for new answers
     task_prompts: int = 0           # and task-style prompts built from ShareGPT text (task_prompts.py)
     distill_new_tokens: int = 256   # tokens per self-distilled answer, at most
     distill_batch: int = 32         # prompts generated together
@@ -144,16 +147,18 @@ def prepare_sequences(cfg: TrainConfig, tokenizer) -> dict:
 
 
 def _distill_prompts(cfg: TrainConfig, tokenizer) -> list[list[int]]:
-    """First user turns of ShareGPT conversations that are neither training nor held-out ones,
-    then `cfg.task_prompts` task-style prompts (after them, so that asking for task prompts
-    later keeps the earlier answers and their feature shards)."""
+    """First user turns of ShareGPT conversations that are not held-out ones (nor training
+    ones, unless `cfg.distill_start` is below `cfg.conversations`), then `cfg.task_prompts`
+    task-style prompts (after them, so that asking for task prompts later keeps the earlier
+    answers and their feature shards)."""
     from .sharegpt import iter_conversations
 
     conversations = list(iter_conversations())
     random.Random(cfg.seed).shuffle(conversations)
     room = cfg.max_len - cfg.distill_new_tokens
+    start = cfg.conversations if cfg.distill_start < 0 else cfg.distill_start
     prompts = []
-    for _, turns in conversations[cfg.heldout + cfg.conversations:]:
+    for _, turns in conversations[cfg.heldout + start:]:
         if len(prompts) == cfg.self_distill:
             break
         ids = encode_conversation(tokenizer, turns[:1], answer_open=True)
@@ -452,8 +457,9 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
         inputs = torch.cat([inputs[:1], predicted])
     loss = regression + cfg.cls_weight * (classification + cfg.ranker_weight * ranking)
     if ranker is not None:
-        info["ranker"] = float(ranking)
-    return loss, {"regression": float(regression), "classification": float(classification),
+        info["ranker"] = float(ranking.detach())
+    return loss, {"regression": float(regression.detach()),
+                  "classification": float(classification.detach()),
                   **info, "candidates": rows.shape[0]}
 
 
