@@ -3,6 +3,7 @@ nodes of value rank < m of a larger tree, so accepted lengths at any m follow fr
 
 import random
 
+import pytest
 import torch
 
 from vocabspec.autotune import accept_length_at
@@ -51,8 +52,13 @@ def test_accept_length_at():
 def test_forward_times_never_decrease_with_size():
     from vocabspec.autotune import monotone
 
-    assert monotone({2: 0.10, 4: 0.12, 8: 0.11, 16: 0.20, 12: 0.09}) == \
-        {2: 0.10, 4: 0.12, 8: 0.12, 12: 0.12, 16: 0.20}
+    fitted = monotone({2: 0.10, 4: 0.12, 8: 0.11, 16: 0.20, 12: 0.09})
+    assert fitted == pytest.approx({2: 0.10, 4: 0.32 / 3, 8: 0.32 / 3, 12: 0.32 / 3, 16: 0.20})
+    # One slow measurement is averaged with its neighbours, not carried to every larger size.
+    spiked = monotone({1: 0.040, 2: 0.041, 3: 0.060, 4: 0.042, 5: 0.043, 6: 0.044, 7: 0.045})
+    assert spiked[1] == 0.040 and spiked[2] == 0.041
+    assert spiked[7] == pytest.approx(0.234 / 5) and spiked[7] < 0.05     # a running max: 0.060
+    assert list(spiked.values()) == sorted(spiked.values())
 
 
 def test_pick_prefers_the_smallest_tree_within_tolerance():
@@ -100,3 +106,35 @@ def test_strategies_share_one_forward_timing_and_choices_are_cached(smollm2, tmp
         {k: ({**e, "total_tokens": 7} if k.startswith("test|full|") else e) for k, e in known.items()}))
     assert choose_tree(model, drafter, heads["full"], smollm2.tokenizer, depth=1, top_k=4,
                        key="test|full")[1] == 7
+
+
+def test_timing_every_size_leaves_the_proposals_unchanged():
+    """The calibration grows the tree at every candidate size between real steps; the drafter's
+    cache and the real proposals must not notice, and every size gets timed."""
+    from vocabspec.autotune import SizeTimer
+    from vocabspec.drafter import EagleDrafter, EagleProposer
+    from vocabspec.generate import Engine, GenerationConfig
+
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    drafter = EagleDrafter.random(model, seed=5)
+    prompt = torch.randint(model.args.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    config = GenerationConfig(max_new_tokens=24, stop_on_eos=False)
+
+    def run(wrap):
+        proposer = EagleProposer(drafter, depth=3, top_k=4, total_tokens=16)
+        timer = SizeTimer(proposer, (1, 2, 5, 12), every=3) if wrap else None
+        result = Engine(model, None, timer or proposer).generate(prompt, config)
+        return result, timer
+
+    plain, _ = run(False)
+    timed, timer = run(True)
+    assert timed.tokens == plain.tokens
+    assert [s.path_ranks for s in timed.steps] == [s.path_ranks for s in plain.steps]
+    assert [s.tree_size for s in timed.steps] == [s.tree_size for s in plain.steps]
+    assert timer.proposer.total_tokens == 16
+    sampled = (len(plain.steps) + 2) // 3
+    assert all(len(seconds) == sampled for seconds in timer.propose_seconds.values())
+    assert len(timer.observe_seconds) == len(plain.steps)
+    assert set(timer.draft_seconds()) == {1, 2, 5, 12}

@@ -5,19 +5,24 @@ forward grows with the tree, and each drafting level costs a drafter layer plus 
 the best tree is much smaller and machine-dependent. We measure both sides once and maximise
 expected tokens per second over depth d (up to the one asked for) and size m:
 
-    speed(d, m) = tau(d, m) / (draft_seconds(d) + forward_seconds(m + 1))
+    speed(d, m) = tau(d, m) / (draft_seconds(d, m) + forward_seconds(m + 1))
 
 tau(m) comes from one calibration run with a large tree: the tree of the best m nodes is
 exactly the nodes of value rank < m, and greedy verification follows the same path through
 it, so the accepted length at size m is the accepted path cut at the first node ranked >= m.
+draft_seconds(d, m) is timed in that run too: every few steps the proposer also grows the
+tree at each candidate size from the same state (a smaller tree expands fewer nodes per level,
+so it drafts fewer rows), plus the drafter's pass over the accepted tokens.
 forward_seconds is the target's tree-masked forward (with the LM head over the rows that
 verification scores at first, `verify.TreeLogits`), timed at each candidate size once per
 model and machine and shared by every drafter and draft vocabulary, so that their choices
-differ by their drafting, not by timing noise; it is made non-decreasing in m (a larger
-forward is never really cheaper). Among the candidates within TOLERANCE of the best predicted
-speed the smallest tree wins: a difference that small is noise on a shared machine, and the
-smaller tree costs less where the estimate is wrong. Results are cached per machine, model,
-dtype and drafter (VOCABSPEC_CACHE/autotune.json).
+differ by their drafting, not by timing noise; it is fitted non-decreasing in m (a larger
+forward is never really cheaper). Every size up to 16 is a candidate: CPU matmul kernels work
+on blocks of rows (six for float32 on AVX-512), so the forward's cost rises in steps and the
+last size before a step is the one worth having. Among the candidates within TOLERANCE of the
+best predicted speed the smallest tree wins: a difference that small is noise on a shared
+machine, and the smaller tree costs less where the estimate is wrong. Results are cached per
+machine, model, dtype and drafter (VOCABSPEC_CACHE/autotune.json).
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ import torch
 from .linear import packing_enabled
 from .verify import HEAD_ROWS
 
-CANDIDATE_SIZES = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+CANDIDATE_SIZES = tuple(range(1, 17)) + (20, 24, 32, 40, 48, 64)
 CANDIDATE_DEPTHS = (1, 2, 3, 4, 6)
 TOLERANCE = 0.03
 CALIBRATION_NEW_TOKENS = 40
+SIZE_TIMING_EVERY = 4          # steps between timings of the proposer at every size
 # Open answers and answers that lean on their prompt (a summary, a calculation) accept at
 # different rates, and the tree size that pays depends on the mix: with open answers alone the
 # calibration saw tau grow faster with the tree than it does on Spec-Bench (BENCHMARKS.md,
@@ -62,38 +68,48 @@ def accept_length_at(path_ranks: tuple[int, ...], size: int) -> int:
     return kept + 1
 
 
-def forward_seconds(model, sizes, context: int = 256, repeats: int = 3) -> dict[int, float]:
+def forward_seconds(model, sizes, context: int = 256, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of the verification forward at each size, sizes taken in turn within
+    each round: a burst of load from elsewhere then slows one round of every size, which the
+    median drops, instead of every repeat of a few neighbouring sizes."""
     cache = model.new_cache(context + max(sizes) + 1)
     device = model.device
+    runs: dict[int, list[float]] = {n: [] for n in sizes}
     with torch.inference_mode():
         ids = torch.randint(model.args.vocab_size, (context,), device=device)
         model(ids, torch.arange(context, device=device), cache)
         cache.commit()
-        timings = {}
+        trees = {}
         for n in sizes:
-            tokens = torch.randint(model.args.vocab_size, (n + 1,), device=device)
-            positions = torch.arange(context, context + n + 1, device=device)
-            mask = torch.ones(n + 1, n + 1, dtype=torch.bool, device=device).tril()
-            runs = []
-            for _ in range(repeats + 1):
+            trees[n] = (torch.randint(model.args.vocab_size, (n + 1,), device=device),
+                        torch.arange(context, context + n + 1, device=device),
+                        torch.ones(n + 1, n + 1, dtype=torch.bool, device=device).tril())
+        for round_ in range(repeats + 1):          # the first round warms up
+            for n, (tokens, positions, mask) in trees.items():
                 start = time.perf_counter()
                 hidden, _ = model(tokens, positions, cache, tree_mask=mask, logits_rows=[])
                 model.lm_head(hidden[:HEAD_ROWS])      # what verification scores at first
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                runs.append(time.perf_counter() - start)
+                if round_:
+                    runs[n].append(time.perf_counter() - start)
                 cache.discard()
-            timings[n] = statistics.median(runs[1:])
-    return timings
+    return {n: statistics.median(times) for n, times in runs.items()}
 
 
 def monotone(timings: dict[int, float]) -> dict[int, float]:
-    """Each size's time raised to the largest time of any smaller size."""
-    result, highest = {}, 0.0
+    """The closest non-decreasing fit (least squares, pool-adjacent-violators): where a size
+    timed slower than a larger one, both get their mean. A running maximum would instead carry
+    one slow measurement to every larger size."""
+    blocks: list[list] = []                 # [total, count, sizes]
     for n in sorted(timings):
-        highest = max(highest, timings[n])
-        result[n] = highest
-    return result
+        blocks.append([timings[n], 1, [n]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count, members = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+            blocks[-1][2] += members
+    return {n: total / count for total, count, members in blocks for n in members}
 
 
 def pick(table: dict[str, dict], tolerance: float = TOLERANCE) -> dict:
@@ -102,6 +118,49 @@ def pick(table: dict[str, dict], tolerance: float = TOLERANCE) -> dict:
     fastest = max(row["tokens_per_s"] for row in table.values())
     close = [row for row in table.values() if row["tokens_per_s"] >= (1 - tolerance) * fastest]
     return min(close, key=lambda row: (row["total_tokens"], row["depth"]))
+
+
+class SizeTimer:
+    """A proposer that behaves as the one it wraps, and every `every`-th step also grows the
+    tree at each of `sizes` from the same state and times it. Growing leaves no trace (the
+    drafter's pending cache rows are discarded), so the real proposal is unchanged."""
+
+    def __init__(self, proposer, sizes, every: int):
+        self.proposer = proposer
+        self.sizes, self.every = tuple(sizes), every
+        self.max_tree_tokens = proposer.max_tree_tokens
+        self.taps = proposer.taps
+        self.clear()
+
+    def clear(self) -> None:
+        self.propose_seconds = {m: [] for m in self.sizes}
+        self.observe_seconds: list[float] = []
+        self.calls = 0
+
+    def reset(self, *args) -> None:
+        self.proposer.reset(*args)
+
+    def propose(self, root_token: int):
+        if self.calls % self.every == 0:
+            largest = self.proposer.total_tokens
+            for m in self.sizes:
+                self.proposer.total_tokens = m
+                start = time.perf_counter()
+                self.proposer.propose(root_token)
+                self.propose_seconds[m].append(time.perf_counter() - start)
+            self.proposer.total_tokens = largest
+        self.calls += 1
+        return self.proposer.propose(root_token)
+
+    def observe(self, *args) -> None:
+        start = time.perf_counter()
+        self.proposer.observe(*args)
+        self.observe_seconds.append(time.perf_counter() - start)
+
+    def draft_seconds(self) -> dict[int, float]:
+        """Per size: the median proposal plus the median pass over the accepted tokens."""
+        observe = statistics.median(self.observe_seconds) if self.observe_seconds else 0.0
+        return {m: statistics.median(t) + observe for m, t in self.propose_seconds.items()}
 
 
 def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
@@ -116,17 +175,19 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
     table = {}
     for d in sorted({c for c in CANDIDATE_DEPTHS if c <= depth} | {depth}):
         proposer = EagleProposer(drafter, head=head, depth=d, top_k=top_k, total_tokens=largest)
-        engine = Engine(model, tokenizer, proposer)
+        timer = SizeTimer(proposer, CANDIDATE_SIZES, SIZE_TIMING_EVERY)
+        engine = Engine(model, tokenizer, timer)
         engine.generate(prompts[0], GenerationConfig(max_new_tokens=4))   # warm-up
+        timer.clear()
         steps = []
         for ids in prompts:
             steps += engine.generate(ids, GenerationConfig(max_new_tokens=CALIBRATION_NEW_TOKENS)).steps
-        draft = statistics.median(s.draft_seconds for s in steps)
+        drafts = timer.draft_seconds()
         for m in CANDIDATE_SIZES:
             tau = sum(accept_length_at(s.path_ranks, m) for s in steps) / len(steps)
             table[f"{d}/{m}"] = {"depth": d, "total_tokens": m, "tau": round(tau, 3),
-                                 "draft_s": round(draft, 5), "forward_s": round(forwards[m], 5),
-                                 "tokens_per_s": round(tau / (draft + forwards[m]), 2)}
+                                 "draft_s": round(drafts[m], 5), "forward_s": round(forwards[m], 5),
+                                 "tokens_per_s": round(tau / (drafts[m] + forwards[m]), 2)}
     best = pick(table)
     return {"depth": best["depth"], "total_tokens": best["total_tokens"], "table": table}
 
@@ -159,7 +220,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
 
     path = cache_dir() / "autotune.json"
     known = _load(path)
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v6")
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v7")
     if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
@@ -167,7 +228,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
         args = model.args
         shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
                 f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
-        forward_key = _cache_key(model, f"forward|{shape}|v5")
+        forward_key = _cache_key(model, f"forward|{shape}|v6")
         if forward_key not in known:
             known[forward_key] = {str(n): t for n, t in forward_seconds(model, CANDIDATE_SIZES).items()}
         forwards = monotone({int(n): t for n, t in known[forward_key].items()})
