@@ -142,13 +142,15 @@ class SizeTimer:
 
     def propose(self, root_token: int):
         if self.calls % self.every == 0:
-            largest = self.proposer.total_tokens
-            for m in self.sizes:
-                self.proposer.total_tokens = m
-                start = time.perf_counter()
-                self.proposer.propose(root_token)
-                self.propose_seconds[m].append(time.perf_counter() - start)
-            self.proposer.total_tokens = largest
+            own_size = self.proposer.total_tokens
+            try:
+                for m in self.sizes:
+                    self.proposer.total_tokens = m
+                    start = time.perf_counter()
+                    self.proposer.propose(root_token)
+                    self.propose_seconds[m].append(time.perf_counter() - start)
+            finally:
+                self.proposer.total_tokens = own_size
         self.calls += 1
         return self.proposer.propose(root_token)
 
