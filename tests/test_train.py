@@ -172,6 +172,50 @@ def test_self_distillation_resumes_per_prompt_and_grows_without_redoing(tmp_path
     assert calls[2] == [(4, 5, 6)]
 
 
+def test_answer_archive_carries_answers_to_another_work_directory(tmp_path, monkeypatch):
+    import vocabspec.train as train
+    from vocabspec.answers import AnswerArchiveError, read_answers, target_fingerprint
+
+    generated = []
+
+    def fake_generate(cfg, tokenizer, model_path, todo, done, out):
+        generated.extend(tuple(p) for p in todo)
+        for prompt in todo:
+            done["prompts"].append(prompt)
+            done["sequences"].append(prompt + [99, 98])
+        _atomic_save(done, out)
+
+    pool = [[1, 2], [3], [4, 5, 6], [7]]
+    monkeypatch.setattr(train, "_generate_answers", fake_generate)
+    monkeypatch.setattr(train, "_distill_prompts", lambda cfg, tok: pool[:cfg.self_distill])
+    model_file, archive = tmp_path / "model.gguf", tmp_path / "archive"
+    model_file.write_bytes(b"weights of one target")
+    first = TrainConfig(out=str(tmp_path / "machine-a"), self_distill=3, answers=str(archive))
+    sequences = train.distill_sequences(first, None, model_file)
+    assert len(generated) == 3 and len(list(archive.glob("*.safetensors"))) == 1
+    # Another machine, more prompts: the archived answers come first (in prompt order), only
+    # the prompt the archive lacks is generated, and the archive gains a file with its answer.
+    second = TrainConfig(out=str(tmp_path / "machine-b"), self_distill=4, answers=str(archive))
+    assert train.distill_sequences(second, None, model_file) == [[1, 2, 99, 98], [3, 99, 98], [4, 5, 6, 99, 98],
+                                                                   [7, 99, 98]]
+    assert sorted(sequences) == [[1, 2, 99, 98], [3, 99, 98], [4, 5, 6, 99, 98]]
+    assert generated[3:] == [(7,)]
+    archived = read_answers(archive, target_fingerprint(model_file), 256)
+    assert archived == {(1, 2): [1, 2, 99, 98], (3,): [3, 99, 98], (4, 5, 6): [4, 5, 6, 99, 98],
+                        (7,): [7, 99, 98]}
+    assert len(list(archive.glob("*.safetensors"))) == 2
+    # Answers of another target, or cut at another length, are refused, not mixed in.
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"weights of another target")
+    with pytest.raises(AnswerArchiveError, match="another target"):
+        read_answers(archive, target_fingerprint(other), 256)
+    with pytest.raises(AnswerArchiveError, match="cut at 256"):
+        read_answers(archive, target_fingerprint(model_file), 128)
+    next(archive.glob("*.safetensors")).write_bytes(b"not safetensors")
+    with pytest.raises(AnswerArchiveError, match="not a readable answer archive"):
+        read_answers(archive, target_fingerprint(model_file), 256)
+
+
 def test_feature_shards_of_a_grown_sequence_list_are_rebuilt(tmp_path):
     from vocabspec.train import extract_features, load_shards
 

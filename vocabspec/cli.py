@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--task-prompts", type=_non_negative_int, default=defaults.task_prompts,
                        help="and to this many task-style prompts built from ShareGPT text "
                             "(summarize, translate, answer from a passage)")
+    train.add_argument("--answers", default=defaults.answers, metavar="DIR",
+                       help="answer archive: self-distilled answers found there are not generated "
+                            "again, and the ones this run generates are added to it (the "
+                            "repository keeps one per bundled model under data/answers/)")
     train.add_argument("--init", default=defaults.init,
                        help="start from this drafter directory instead of a random drafter")
     train.add_argument("--ranker-init", default=defaults.ranker_init,

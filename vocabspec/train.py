@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from .answers import read_answers, target_fingerprint, write_answers
 from .drafter import EagleDrafter, checked_taps
 from .model import Transformer
 from .prompts import encode_conversation
@@ -78,6 +79,8 @@ class TrainConfig:
                                     # grow without asking for new answers
     task_prompts: int = 0           # and task-style prompts built from ShareGPT text (task_prompts.py)
     distill_new_tokens: int = 256   # tokens per self-distilled answer, at most
+    answers: str = ""               # answer archive directory (answers.py): its answers are
+                                    # used instead of generating them, new ones are added to it
     distill_batch: int = 32         # prompts generated together
     unroll: int = 1                 # drafting steps trained per position (1: EAGLE's loss)
     init: str = ""                  # drafter directory to start from (default: random start)
@@ -247,11 +250,33 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
     prompts = _distill_prompts(cfg, tokenizer)
     done = _load_distilled(out, prompts)
     finished = {tuple(p) for p in done["prompts"]}
+    archived = {}
+    if cfg.answers:
+        fingerprint = target_fingerprint(model_path)
+        archived = read_answers(Path(cfg.answers), fingerprint, cfg.distill_new_tokens)
+        for prompt in prompts:
+            if tuple(prompt) not in finished and tuple(prompt) in archived:
+                done["prompts"].append(prompt)
+                done["sequences"].append(archived[tuple(prompt)])
+                finished.add(tuple(prompt))
+        _atomic_save(done, out)
     todo = sorted((p for p in prompts if tuple(p) not in finished), key=len)
     if todo:
         _generate_answers(cfg, tokenizer, model_path, todo, done, out)
+    if cfg.answers:
+        new = [(p, s) for p, s in zip(done["prompts"], done["sequences"]) if tuple(p) not in archived]
+        written = write_answers(Path(cfg.answers), [p for p, _ in new], [s for _, s in new],
+                                fingerprint, cfg.distill_new_tokens, _generator_name(cfg))
+        if written:
+            print(f"archived {len(new)} answers in {written}")
     wanted = {tuple(p) for p in prompts}
     return [s for p, s in zip(done["prompts"], done["sequences"]) if tuple(p) in wanted]
+
+
+def _generator_name(cfg: TrainConfig) -> str:
+    import transformers
+
+    return f"transformers {transformers.__version__} greedy, batches of {cfg.distill_batch}"
 
 
 def _generate_answers(cfg: TrainConfig, tokenizer, model_path: Path, todo: list[list[int]],
@@ -504,7 +529,7 @@ def _scale_fc_to_inputs(drafter: EagleDrafter, feature_std: torch.Tensor) -> Non
 
 def _run_identity(config: dict) -> dict:
     """The settings that make two training runs the same run (resumable from each other)."""
-    return {k: v for k, v in config.items() if k not in ("max_steps", "checkpoint_every", "out")}
+    return {k: v for k, v in config.items() if k not in ("max_steps", "checkpoint_every", "out", "answers")}
 
 
 def _lr(step: int, total: int, cfg: TrainConfig) -> float:
