@@ -39,3 +39,17 @@ def test_forward_script_compares_verification_forwards():
     for n in ("1", "20"):
         assert set(result["verification_ms"][n]) == {"every_row", "first_batch"}
         assert all(ms > 0 for ms in result["verification_ms"][n].values())
+
+
+@pytest.mark.skipif(not SPEC_BENCH.exists(), reason="Spec-Bench questions not beside the repo")
+def test_tree_calibration_replay_reproduces_the_runs_own_accept_lengths(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "tree_calibration.py"), "--model", "smollm2",
+                           "--questions", str(SPEC_BENCH), "--limit", "3", "--max-new-tokens", "24",
+                           "--out", str(tmp_path / "calibration.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # Ranking the recorded nodes by EAGLE-2's own value must give back each step's accept length.
+    assert result["steps"] > 3 and result["replay_mismatches_on_complete_steps"] == 0
+    assert result["run_tau"] > 1.0
+    assert all(1.0 <= tau <= 8.0 for tau in result["replay_tau"].values())

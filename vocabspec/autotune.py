@@ -34,6 +34,7 @@ import statistics
 import time
 
 import torch
+from tqdm import tqdm
 
 from .linear import packing_enabled
 from .verify import HEAD_ROWS
@@ -42,6 +43,7 @@ CANDIDATE_SIZES = tuple(range(1, 17)) + (20, 24, 32, 40, 48, 64)
 CANDIDATE_DEPTHS = (1, 2, 3, 4, 6)
 TOLERANCE = 0.03
 CALIBRATION_NEW_TOKENS = 40
+FORWARD_REPEATS = 5
 SIZE_TIMING_EVERY = 4          # steps between timings of the proposer at every size
 # Open answers and answers that lean on their prompt (a summary, a calculation) accept at
 # different rates, and the tree size that pays depends on the mix: with open answers alone the
@@ -68,7 +70,7 @@ def accept_length_at(path_ranks: tuple[int, ...], size: int) -> int:
     return kept + 1
 
 
-def forward_seconds(model, sizes, context: int = 256, repeats: int = 5) -> dict[int, float]:
+def forward_seconds(model, sizes, context: int = 256, repeats: int = FORWARD_REPEATS, bar=None) -> dict[int, float]:
     """Median seconds of the verification forward at each size, sizes taken in turn within
     each round: a burst of load from elsewhere then slows one round of every size, which the
     median drops, instead of every repeat of a few neighbouring sizes."""
@@ -94,6 +96,8 @@ def forward_seconds(model, sizes, context: int = 256, repeats: int = 5) -> dict[
                 if round_:
                     runs[n].append(time.perf_counter() - start)
                 cache.discard()
+                if bar is not None:
+                    bar.update()
     return {n: statistics.median(times) for n, times in runs.items()}
 
 
@@ -165,8 +169,12 @@ class SizeTimer:
         return {m: statistics.median(t) + observe for m, t in self.propose_seconds.items()}
 
 
+def calibration_depths(depth: int) -> list[int]:
+    return sorted({c for c in CANDIDATE_DEPTHS if c <= depth} | {depth})
+
+
 def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
-              forwards: dict[int, float]) -> dict:
+              forwards: dict[int, float], bar=None) -> dict:
     from .drafter import EagleProposer
     from .generate import Engine, GenerationConfig
     from .prompts import encode_conversation
@@ -175,7 +183,7 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
     prompts = [encode_conversation(tokenizer, [("user", q)], answer_open=True)
                for q in CALIBRATION_QUESTIONS]
     table = {}
-    for d in sorted({c for c in CANDIDATE_DEPTHS if c <= depth} | {depth}):
+    for d in calibration_depths(depth):
         proposer = EagleProposer(drafter, head=head, depth=d, top_k=top_k, total_tokens=largest)
         timer = SizeTimer(proposer, CANDIDATE_SIZES, SIZE_TIMING_EVERY)
         engine = Engine(model, tokenizer, timer)
@@ -184,6 +192,8 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
         steps = []
         for ids in prompts:
             steps += engine.generate(ids, GenerationConfig(max_new_tokens=CALIBRATION_NEW_TOKENS)).steps
+            if bar is not None:
+                bar.update()
         drafts = timer.draft_seconds()
         for m in CANDIDATE_SIZES:
             tau = sum(accept_length_at(s.path_ranks, m) for s in steps) / len(steps)
@@ -231,10 +241,16 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
         shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
                 f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
         forward_key = _cache_key(model, f"forward|{shape}|v6")
+        # Minutes on a small CPU: show where it is (no bar when the caller asked for silence).
+        work = len(calibration_depths(depth)) * len(CALIBRATION_QUESTIONS)
         if forward_key not in known:
-            known[forward_key] = {str(n): t for n, t in forward_seconds(model, CANDIDATE_SIZES).items()}
-        forwards = monotone({int(n): t for n, t in known[forward_key].items()})
-        known[full_key] = calibrate(model, tokenizer, drafter, head, depth, top_k, forwards)
+            work += (FORWARD_REPEATS + 1) * len(CANDIDATE_SIZES)
+        with tqdm(total=work, desc="autotune", unit="run", disable=log is None, leave=False) as bar:
+            if forward_key not in known:
+                timed = forward_seconds(model, CANDIDATE_SIZES, repeats=FORWARD_REPEATS, bar=bar)
+                known[forward_key] = {str(n): t for n, t in timed.items()}
+            forwards = monotone({int(n): t for n, t in known[forward_key].items()})
+            known[full_key] = calibrate(model, tokenizer, drafter, head, depth, top_k, forwards, bar)
         _store(path, known)
     chosen = known[full_key]
     return int(chosen["depth"]), int(chosen["total_tokens"])
