@@ -26,8 +26,6 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 import vocabspec.drafter as drafter_module
 from vocabspec.api import load
 from vocabspec.bench import load_questions
@@ -95,40 +93,44 @@ def replay(step: dict, score, total: int) -> int:
     return 1 + max((step["depth"][n] for n in ranked if n in good), default=0)
 
 
-def calibration(steps: list[dict]) -> dict:
-    """Per depth: nodes whose parent was correct, their mean confidence, and how many were
-    correct; also in confidence bins."""
-    table = defaultdict(lambda: [0, 0.0, 0])
-    bins = defaultdict(lambda: [0, 0.0, 0])
+def judged_nodes(steps: list[dict]):
+    """(depth, confidence, correct) of every node whose parent was correct (the root counts),
+    where the target's continuation reaches its depth."""
     for step in steps:
         good, log_probs = correct_nodes(step), node_log_probs(step)
         for node in range(1, len(step["token"])):
-            if step["parent"][node] not in good or step["depth"][node] > len(step["continuation"]):
-                continue
-            depth, p = step["depth"][node], math.exp(log_probs[node])
-            for key, store in ((depth, table), ((min(depth, 3), min(int(p * 10), 9)), bins)):
-                store[key][0] += 1
-                store[key][1] += p
-                store[key][2] += node in good
-    by_depth = {d: {"nodes": n, "mean_confidence": round(s / n, 4), "correct_rate": round(c / n, 4)}
-                for d, (n, s, c) in sorted(table.items())}
-    by_bin = {f"depth {'3+' if d == 3 else d}, p {b / 10:.1f}-{(b + 1) / 10:.1f}":
-              {"nodes": n, "mean_confidence": round(s / n, 4), "correct_rate": round(c / n, 4)}
-              for (d, b), (n, s, c) in sorted(bins.items())}
-    return {"by_depth": by_depth, "by_confidence": by_bin}
+            depth = step["depth"][node]
+            if step["parent"][node] in good and depth <= len(step["continuation"]):
+                yield depth, math.exp(log_probs[node]), node in good
+
+
+def bin_of(depth: int, confidence: float) -> tuple[int, int]:
+    """Depth (3 stands for 3 and deeper) and confidence decile."""
+    return min(depth, 3), min(int(confidence * 10), 9)
+
+
+def calibration(steps: list[dict]) -> dict:
+    """Per depth, and per depth and confidence decile: nodes whose parent was correct, their
+    mean confidence, and the share that were correct."""
+    by_depth = defaultdict(lambda: [0, 0.0, 0])
+    by_bin = defaultdict(lambda: [0, 0.0, 0])
+    for depth, confidence, correct in judged_nodes(steps):
+        for store in (by_depth[depth], by_bin[bin_of(depth, confidence)]):
+            store[0] += 1
+            store[1] += confidence
+            store[2] += correct
+    row = lambda n, s, c: {"nodes": n, "mean_confidence": round(s / n, 4), "correct_rate": round(c / n, 4)}
+    return {"by_depth": {d: row(*v) for d, v in sorted(by_depth.items())},
+            "by_confidence": {f"depth {'3+' if d == 3 else d}, p {b / 10:.1f}-{(b + 1) / 10:.1f}": row(*v)
+                              for (d, b), v in sorted(by_bin.items())}}
 
 
 def fitted_rates(steps: list[dict]) -> dict:
     """Per (depth, confidence decile): the correct rate, for the calibrated rule."""
     counts = defaultdict(lambda: [0, 0])
-    for step in steps:
-        good, log_probs = correct_nodes(step), node_log_probs(step)
-        for node in range(1, len(step["token"])):
-            if step["parent"][node] not in good or step["depth"][node] > len(step["continuation"]):
-                continue
-            key = (min(step["depth"][node], 3), min(int(math.exp(log_probs[node]) * 10), 9))
-            counts[key][0] += 1
-            counts[key][1] += node in good
+    for depth, confidence, correct in judged_nodes(steps):
+        counts[bin_of(depth, confidence)][0] += 1
+        counts[bin_of(depth, confidence)][1] += correct
     return {k: (c + 0.5) / (n + 1) for k, (n, c) in counts.items()}
 
 
@@ -144,7 +146,6 @@ def main(argv=None) -> int:
     parser.add_argument("--total", type=int, default=60)
     parser.add_argument("--out", default="runs/tree_calibration.json")
     args = parser.parse_args(argv)
-    torch.set_num_threads(torch.get_num_threads())
 
     steps = record_steps(args)
     run_tau = sum(s["accept_length"] for s in steps) / len(steps)
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
     cross = []
     for fit, test in ((halves[0], halves[1]), (halves[1], halves[0])):
         rates = fitted_rates(fit)
-        rule = lambda lp, d, r=rates: math.log(r.get((min(d, 3), min(int(math.exp(lp) * 10), 9)), 1e-3))
+        rule = lambda lp, d, r=rates: math.log(r.get(bin_of(d, math.exp(lp)), 1e-3))
         cross += [replay(s, rule, args.total) for s in test]
     report["replay_tau"]["calibrated per depth and decile (cross-fitted)"] = round(sum(cross) / len(cross), 4)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
