@@ -70,7 +70,8 @@ def accept_length_at(path_ranks: tuple[int, ...], size: int) -> int:
     return kept + 1
 
 
-def forward_seconds(model, sizes, context: int = 256, repeats: int = FORWARD_REPEATS, bar=None) -> dict[int, float]:
+def forward_seconds(model, sizes, context: int = 256, repeats: int = FORWARD_REPEATS,
+                    bar=None) -> dict[int, float]:
     """Median seconds of the verification forward at each size, sizes taken in turn within
     each round: a burst of load from elsewhere then slows one round of every size, which the
     median drops, instead of every repeat of a few neighbouring sizes."""

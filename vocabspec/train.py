@@ -244,7 +244,9 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
     a memory-bound CPU. Prompts are sorted by length so padding stays short. Answers are kept
     per prompt and the file is rewritten after every batch, so an interrupted run resumes at
     the next batch and a later run asking for more prompts generates only the new ones (they
-    come after the old answers, so the old feature shards stay valid).
+    come after the old answers, so the old feature shards stay valid). With `cfg.answers`, the
+    archive's answers (answers.py) come first, and whatever this work directory holds that the
+    archive lacks is added to it.
     """
     out = Path(cfg.out) / "distilled.pt"
     prompts = _distill_prompts(cfg, tokenizer)
