@@ -256,12 +256,13 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
     if cfg.answers:
         fingerprint = target_fingerprint(model_path)
         archived = read_answers(Path(cfg.answers), fingerprint, cfg.distill_new_tokens)
-        for prompt in prompts:
-            if tuple(prompt) not in finished and tuple(prompt) in archived:
-                done["prompts"].append(prompt)
-                done["sequences"].append(archived[tuple(prompt)])
-                finished.add(tuple(prompt))
-        _atomic_save(done, out)
+        taken = [p for p in prompts if tuple(p) not in finished and tuple(p) in archived]
+        for prompt in taken:
+            done["prompts"].append(prompt)
+            done["sequences"].append(archived[tuple(prompt)])
+            finished.add(tuple(prompt))
+        if taken:
+            _atomic_save(done, out)
     todo = sorted((p for p in prompts if tuple(p) not in finished), key=len)
     if todo:
         _generate_answers(cfg, tokenizer, model_path, todo, done, out)
