@@ -216,6 +216,39 @@ def test_answer_archive_carries_answers_to_another_work_directory(tmp_path, monk
         read_answers(archive, target_fingerprint(model_file), 256)
 
 
+def test_a_repeated_prompt_is_archived_once(tmp_path):
+    from vocabspec.answers import write_answers
+
+    path = write_answers(tmp_path, [[1, 2], [3], [1, 2]], [[1, 2, 9], [3, 8], [1, 2, 9]], "key", 256, "test")
+    assert path.name.startswith("answers-2-")
+
+
+def _one_file_archives(archive, tmp_path):
+    for path in sorted(archive.glob("*.safetensors")):
+        (tmp_path / path.stem).mkdir()
+        (tmp_path / path.stem / path.name).symlink_to(path)
+        yield tmp_path / path.stem
+
+
+def test_committed_answer_archive_belongs_to_the_bundled_smollm2(tmp_path):
+    """The archive in the repository is read by the next round's training: it must open for
+    the bundled target at the default answer cap, hold each prompt in one file, and every sequence
+    must be its prompt followed by an answer no longer than the cap."""
+    from pathlib import Path
+
+    from vocabspec.answers import read_answers, target_fingerprint
+    from vocabspec.loading import resolve_model_path
+
+    archive = Path(__file__).resolve().parents[1] / "data" / "answers" / "smollm2"
+    cap = TrainConfig().distill_new_tokens
+    fingerprint = target_fingerprint(resolve_model_path("smollm2"))
+    answers = read_answers(archive, fingerprint, cap)
+    per_file = [read_answers(one, fingerprint, cap) for one in _one_file_archives(archive, tmp_path)]
+    assert sum(map(len, per_file)) == len(answers) > 0, "a prompt is archived in two files"
+    for prompt, sequence in answers.items():
+        assert tuple(sequence[:len(prompt)]) == prompt and len(sequence) - len(prompt) <= cap
+
+
 def test_feature_shards_of_a_grown_sequence_list_are_rebuilt(tmp_path):
     from vocabspec.train import extract_features, load_shards
 

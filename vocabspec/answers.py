@@ -78,6 +78,9 @@ def write_answers(directory: Path, prompts: list[list[int]], sequences: list[lis
     twice leaves one file). Returns its path, or None when there is nothing to write."""
     from safetensors.torch import save_file
 
+    # ShareGPT repeats some first turns word for word; a greedy answer is the same each time.
+    unique = {tuple(p): (p, s) for p, s in zip(prompts, sequences)}
+    prompts, sequences = [p for p, _ in unique.values()], [s for _, s in unique.values()]
     if not sequences:
         return None
     tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.int32)

@@ -121,7 +121,10 @@ def _state_dict_from_gguf(reader, args: ModelArgs, path: Path) -> dict[str, torc
             array = dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:  # a truncated or unknown block type
             raise ModelLoadError(f"{path}: cannot read tensor {tensor.name}: {exc}") from exc
-        raw[tensor.name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if not array.flags.writeable:   # float32 tensors come back as views of the read-only map
+            array = array.copy()
+        raw[tensor.name] = torch.from_numpy(array)
 
     def take(name):
         if name not in raw:
