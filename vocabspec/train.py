@@ -279,7 +279,8 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
 def _generator_name(cfg: TrainConfig) -> str:
     import transformers
 
-    return f"transformers {transformers.__version__} greedy, batches of {cfg.distill_batch}"
+    dtype = str(_fast_dtype("auto")).removeprefix("torch.")
+    return f"transformers {transformers.__version__} greedy in {dtype}, batches of {cfg.distill_batch}"
 
 
 def _generate_answers(cfg: TrainConfig, tokenizer, model_path: Path, todo: list[list[int]],
@@ -288,14 +289,15 @@ def _generate_answers(cfg: TrainConfig, tokenizer, model_path: Path, todo: list[
     from transformers.utils import logging
 
     logging.set_verbosity_error()
+    # bfloat16 only where the CPU multiplies it fast: a 32-row batch from SmolLM2's GGUF file
+    # then runs 2.3x faster than float32 (AVX-512 bf16), where without that hardware it runs
+    # several times slower (BENCHMARKS.md, sessions 13 and 22).
+    dtype = _fast_dtype("auto")
     if model_path.suffix == ".gguf":
-        # transformers keeps a GGUF file's quantized blocks and its kernels compute in float32:
-        # bfloat16 only adds casts, and without fast bfloat16 hardware it is several times
-        # slower (BENCHMARKS.md, session 13).
         hf = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                  dtype=torch.float32)
+                                                  dtype=dtype)
     else:
-        hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_fast_dtype("auto"))
+        hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
     hf.eval()
     eos_ids = set(hf.generation_config.eos_token_id if isinstance(hf.generation_config.eos_token_id, list)
                   else [hf.generation_config.eos_token_id]) - {None}
