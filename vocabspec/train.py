@@ -283,22 +283,27 @@ def _generator_name(cfg: TrainConfig) -> str:
     return f"transformers {transformers.__version__} greedy in {dtype}, batches of {cfg.distill_batch}"
 
 
-def _generate_answers(cfg: TrainConfig, tokenizer, model_path: Path, todo: list[list[int]],
-                      done: dict, out: Path) -> None:
+def load_generator(model_path: Path, dtype: torch.dtype | None = None):
+    """The target through transformers, for batched greedy generation. The default dtype is
+    bfloat16 only where the CPU multiplies it fast: a 32-row batch from SmolLM2's GGUF file
+    then runs 2.3x faster than in float32 (AVX-512 bf16), where without that hardware it runs
+    several times slower (BENCHMARKS.md, sessions 13 and 22)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.set_verbosity_error()
-    # bfloat16 only where the CPU multiplies it fast: a 32-row batch from SmolLM2's GGUF file
-    # then runs 2.3x faster than float32 (AVX-512 bf16), where without that hardware it runs
-    # several times slower (BENCHMARKS.md, sessions 13 and 22).
-    dtype = _fast_dtype("auto")
+    dtype = dtype or _fast_dtype("auto")
     if model_path.suffix == ".gguf":
         hf = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
                                                   dtype=dtype)
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
-    hf.eval()
+    return hf.eval()
+
+
+def _generate_answers(cfg: TrainConfig, tokenizer, model_path: Path, todo: list[list[int]],
+                      done: dict, out: Path) -> None:
+    hf = load_generator(model_path)
     eos_ids = set(hf.generation_config.eos_token_id if isinstance(hf.generation_config.eos_token_id, list)
                   else [hf.generation_config.eos_token_id]) - {None}
     if tokenizer.eos_token_id is not None:
