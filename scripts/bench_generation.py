@@ -47,13 +47,11 @@ def main() -> None:
                          self_distill=2100 + max(batches))
     prompts = _distill_prompts(config, tokenizer)[2100:]
     pad = tokenizer.eos_token_id or 0
-    rows = []
     for name in args.dtypes.split(","):
         hf = load_generator(path, getattr(torch, name))
         for size in batches:
-            rows.append({"dtype": name, "batch": size,
-                         "answer_tok_s": round(time_batch(hf, prompts[:size], pad, args.new_tokens), 1)})
-            print(json.dumps(rows[-1]), flush=True)
+            speed = time_batch(hf, prompts[:size], pad, args.new_tokens)
+            print(json.dumps({"dtype": name, "batch": size, "answer_tok_s": round(speed, 1)}), flush=True)
         del hf
 
 

@@ -3,11 +3,11 @@ accumulates across machines.
 
 Generating answers is the slow part of training on a CPU (about 1.4 h per million answer
 tokens on 2 cores with AVX-512 bf16), and a machine's work directory does not outlive its
-session. The answers themselves are small (4 bytes a token), so each run that generates some can write them
-to an archive directory, and later runs on any machine read them back instead of generating
-them again. Answers are greedy, so a prompt has one answer per target: each file records a
-fingerprint of the target's weights file and the answer-length cap, and is refused for any
-other target.
+session. The answers themselves are small (4 bytes a token), so each run that generates some
+can write them to an archive directory, and later runs on any machine read them back instead
+of generating them again. Answers are greedy, so a prompt has one answer per target: each file
+records a fingerprint of the target's weights file and the answer-length cap, and is refused
+for any other target.
 
 A file holds `tokens` (every sequence, prompt + answer, end to end, int32), `lengths` (each
 sequence's length) and `prompt_lengths`; its metadata holds the fingerprint and settings.
