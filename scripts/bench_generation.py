@@ -16,14 +16,12 @@ import torch
 
 from vocabspec.loading import resolve_model_path
 from vocabspec.tokenizer import load_tokenizer
-from vocabspec.train import TrainConfig, _distill_prompts, load_generator
+from vocabspec.train import TrainConfig, _distill_prompts, left_padded, load_generator
 
 
 def time_batch(hf, prompts: list[list[int]], pad: int, new_tokens: int) -> float:
     """Answer tokens per second for one left-padded batch."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = left_padded(prompts, pad)
     start = time.perf_counter()
     with torch.inference_mode():
         hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,

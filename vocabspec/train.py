@@ -301,6 +301,14 @@ def load_generator(model_path: Path, dtype: torch.dtype | None = None):
     return hf.eval()
 
 
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of a batch padded on the left, as batched generation needs."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
 def _generate_answers(cfg: TrainConfig, tokenizer, model_path: Path, todo: list[list[int]],
                       done: dict, out: Path) -> None:
     hf = load_generator(model_path)
@@ -314,9 +322,8 @@ def _generate_answers(cfg: TrainConfig, tokenizer, model_path: Path, todo: list[
     started = time.perf_counter()
     for start in range(0, len(todo), cfg.distill_batch):
         batch = todo[start:start + cfg.distill_batch]
-        width = max(map(len, batch))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids, mask = left_padded(batch, pad)
+        width = ids.shape[1]
         with torch.inference_mode():
             output = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                  max_new_tokens=cfg.distill_new_tokens, pad_token_id=pad)
