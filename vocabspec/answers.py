@@ -1,7 +1,7 @@
 """An archive of the target's own answers, kept in the repository so self-distillation data
 accumulates across machines.
 
-Generating answers is the slow part of training on a CPU (about 1.4 h per million answer
+Generating answers is the slow part of training on a CPU (about 1.4-1.6 h per million answer
 tokens on 2 cores with AVX-512 bf16), and a machine's work directory does not outlive its
 session. The answers themselves are small (4 bytes a token), so each run that generates some
 can write them to an archive directory, and later runs on any machine read them back instead

@@ -271,8 +271,7 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
         written = write_answers(Path(cfg.answers), [p for p, _ in new], [s for _, s in new],
                                 fingerprint, cfg.distill_new_tokens, _generator_name(cfg))
         if written:
-            distinct = len({tuple(p) for p, _ in new})   # repeated first turns are stored once
-            print(f"archived {distinct} answers in {written}")
+            print(f"archived {written}")   # its name counts the answers, repeats stored once
     wanted = {tuple(p) for p in prompts}
     return [s for p, s in zip(done["prompts"], done["sequences"]) if tuple(p) in wanted]
 
