@@ -66,6 +66,37 @@ def test_a_tree_level_shares_the_candidates_of_its_mean_state():
     assert torch.allclose(log_probs, torch.topk(exact, 5).values, atol=1e-4)
 
 
+def test_deeper_levels_draft_from_the_roots_candidates_and_their_successors():
+    down, vocab = svd_init(HEAD, 2)               # a weak ranker: rank 2
+    # Every token's usual successor: the next id (offsets/ids as token_map.successor_lists makes).
+    successors = (torch.arange(501), (torch.arange(500) + 1) % 500)
+    shared = SpecVocab(HEAD, down, vocab, candidates=16, context_tokens=0, successors=successors,
+                       successor_count=1)
+    per_level = SpecVocab(HEAD, down, vocab, candidates=16, context_tokens=0, successors=successors,
+                          successor_count=1, shared_levels=0)
+    root_tokens, _ = shared.top_k(STATES[:1], 5, [7], level=0)
+    root_ids = set(shared.candidate_ids(STATES[:1], [7]).tolist())
+    assert set(root_tokens.flatten().tolist()) <= root_ids
+    # Level 1 ranks nothing: its rows see the root's candidates plus their tokens' successors
+    # (each once), with the exact head's log-probabilities over that set.
+    read = [3, 3, 480]
+    tokens, log_probs = shared.top_k(STATES[1:4], 5, read, level=1)
+    allowed = sorted(root_ids | {4, 481})
+    exact = torch.log_softmax(STATES[1:4] @ HEAD[allowed].T, dim=-1)
+    assert torch.allclose(log_probs, torch.topk(exact, 5).values, atol=1e-4)
+    assert torch.equal(tokens, torch.tensor(allowed)[torch.topk(exact, 5).indices])
+    assert all(row.unique().numel() == 5 for row in tokens)
+    # A new tree ranks afresh at its root, and the paper's per-level ranking is still there.
+    shared.top_k(STATES[4:5], 5, [9], level=0)
+    assert set(shared.top_k(STATES[5:6], 16, [0], level=1)[0].flatten().tolist()) <= \
+        set(shared.candidate_ids(STATES[4:5], [9]).tolist()) | {1}
+    per_level.top_k(STATES[:1], 5, [7], level=0)
+    own = set(per_level.candidate_ids(STATES[1:4], read).tolist())
+    assert set(per_level.top_k(STATES[1:4], 5, read, level=1)[0].flatten().tolist()) <= own
+    with pytest.raises(ValueError, match="shared levels"):
+        SpecVocab(HEAD, down, vocab, candidates=16, shared_levels=-1)
+
+
 def test_svd_ranker_recall_is_high_for_the_top_token():
     down, vocab = svd_init(HEAD, 8)
     spec = SpecVocab(HEAD, down, vocab, candidates=100)
@@ -176,8 +207,10 @@ def test_spec_context_share_is_parsed_and_checked(tmp_path):
 
     assert parse_draft_vocab("spec:2k:0") == ("spec", 2048)
     assert spec_options("spec:2048")[0] is None and spec_options("spec:2048:128")[0] == 128
-    assert spec_options("spec:2048:128:4") == (128, 4) and spec_options("spec:2048") == (None, None)
-    for bad in ("spec:2048:", "spec:2048:x", "spec:2048:1:2:3", "spec:2048:-1", "spec:2048:1:", "spec:2048:1:-2"):
+    assert spec_options("spec:2048:128:4") == (128, 4, None) and spec_options("spec:2048") == (None, None, None)
+    assert spec_options("spec:2048:128:4:0") == (128, 4, 0)
+    for bad in ("spec:2048:", "spec:2048:x", "spec:2048:1:2:3:4", "spec:2048:-1", "spec:2048:1:",
+                "spec:2048:1:-2", "spec:2048:1:2:x"):
         with pytest.raises(ValueError):
             parse_draft_vocab(bad)
     save_ranker(*svd_init(HEAD, 4), tmp_path / "ranker.safetensors")
@@ -194,6 +227,9 @@ def test_spec_context_share_is_parsed_and_checked(tmp_path):
     ranker_alone = make_draft_vocab("spec:16:0:0", HEAD, tmp_path)
     assert (ranker_alone.context_tokens, ranker_alone.successor_count, ranker_alone.name) == (0, 0, "spec:16:0:0")
     assert make_draft_vocab("spec:16:8:3", HEAD, tmp_path).successor_count == 3
+    per_level = make_draft_vocab("spec:16:8:3:0", HEAD, tmp_path)
+    assert (per_level.shared_levels, per_level.name) == (0, "spec:16:8:3:0")
+    assert make_draft_vocab("spec:16", HEAD, tmp_path).shared_levels is None
 
 
 def test_successor_lists_rank_each_tokens_followers_by_count(tmp_path):

@@ -233,7 +233,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
 
     path = cache_dir() / "autotune.json"
     known = _load(path)
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v7")
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v8")
     if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")

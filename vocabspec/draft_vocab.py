@@ -10,7 +10,8 @@ scores the full target vocabulary, so every strategy is lossless.
 - SpecVocab: a low-rank ranker (W_vocab @ W_down, d' ~ d/16) scores every token cheaply;
   the rows of one tree level share one candidate set (the ranker's best tokens for the
   rows' mean low-rank state, plus the tokens already in the text and the usual successors of
-  each row's token), and the exact head runs over those candidates only, in one matmul.
+  each row's token), and the exact head runs over those candidates only, in one matmul. By
+  default the root's candidate set serves the whole tree (see `SpecVocab.shared_levels`).
 
 Every strategy computes in the dtype of the states it is given (the drafter's, which may be
 narrower than the target's: a bfloat16 copy of the rows it scores then halves the bytes read).
@@ -64,9 +65,11 @@ class FullVocab(_Timed):
         self.weight = head_weight
         self.size = head_weight.shape[0]
 
-    def top_k(self, states: torch.Tensor, k: int, tokens: list[int] | None = None):
+    def top_k(self, states: torch.Tensor, k: int, tokens: list[int] | None = None,
+              level: int | None = None):
         """Each row's top k tokens and log-probabilities; `tokens`: the token each row of
-        states has just read (only SpecVocab uses it)."""
+        states has just read, `level`: the rows' tree level, 0 for the root (only SpecVocab
+        uses them)."""
         start = time.perf_counter()
         logits = linear(states.to(self.weight.dtype), self.weight).float()
         return self._top(logits, k, self._tick("head", start))
@@ -91,7 +94,8 @@ class StaticSubset(_Timed):
         self.draft_to_target = token_ids.to(head_weight.device)
         self.weight = head_weight[self.draft_to_target].to(dtype or head_weight.dtype).contiguous()
 
-    def top_k(self, states: torch.Tensor, k: int, tokens: list[int] | None = None):
+    def top_k(self, states: torch.Tensor, k: int, tokens: list[int] | None = None,
+              level: int | None = None):
         start = time.perf_counter()
         logits = linear(states.to(self.weight.dtype), self.weight).float()
         indices, log_probs = self._top(logits, k, self._tick("head", start))
@@ -112,13 +116,21 @@ class SpecVocab(_Timed):
     (`token_map.successor_lists`); the first `successor_count` of them for the token each row
     has just read join the candidates. Nor can the ranker spell out the rest of a word ("Waik"
     -> "iki") or a fixed pair ("San" -> " Francisco"): most of its remaining misses.
+
+    shared_levels: how many tree levels below the root draft from the root's candidate set
+    (plus the successors of each level's tokens) instead of ranking their own rows; None: all
+    of them, one ranking and one gather of head rows per tree; 0: a ranking at every level,
+    as in the paper. On Spec-Bench (SmolLM2, 3/5 trees) sharing kept tau and took drafting
+    from 9.3 to 6.7 ms a step; in a 6/60 tree, whose wide deep levels stray further from
+    the root's candidates, it cost 2% of tau (BENCHMARKS.md, session 24).
     """
 
     name = "spec"
 
     def __init__(self, head_weight: torch.Tensor, down: torch.Tensor, vocab: torch.Tensor,
                  candidates: int = 2048, context_tokens: int | None = None,
-                 successors: tuple[torch.Tensor, torch.Tensor] | None = None, successor_count: int = 0):
+                 successors: tuple[torch.Tensor, torch.Tensor] | None = None, successor_count: int = 0,
+                 shared_levels: int | None = None):
         super().__init__()
         if down.dim() != 2 or vocab.dim() != 2 or down.shape[1] != head_weight.shape[1] \
                 or vocab.shape != (head_weight.shape[0], down.shape[0]):
@@ -150,8 +162,15 @@ class SpecVocab(_Timed):
             # Python ints: a level looks up at most a few rows, so list slicing beats tensor ops.
             self._successor_offsets = offsets.tolist()
             self._successor_ids = ids.to(device=head_weight.device, dtype=torch.long)
+        if shared_levels is not None and shared_levels < 0:
+            raise ValueError(f"SpecVocab shared levels must not be negative, got {shared_levels}")
+        self.shared_levels = shared_levels
         self._seen: dict[int, None] = {}          # distinct tokens, least recently seen first
         self._context: torch.Tensor | None = None
+        # The root's candidates for the tree being drafted: ids, their head rows, and a mask
+        # over the vocabulary marking them (to add only new successors at deeper levels).
+        self._tree: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._in_tree = torch.zeros(head_weight.shape[0], dtype=torch.bool, device=head_weight.device)
 
     def see_tokens(self, tokens: list[int], reset: bool = False) -> None:
         if reset:
@@ -204,16 +223,46 @@ class SpecVocab(_Timed):
             scores.index_fill_(1, self.successor_ids(tokens), float("inf"))
         return top_ids(scores, self.candidates)[0]
 
-    def top_k(self, states: torch.Tensor, k: int, tokens: list[int] | None = None):
+    def top_k(self, states: torch.Tensor, k: int, tokens: list[int] | None = None,
+              level: int | None = None):
         start = time.perf_counter()
-        ids = self.candidate_ids(states, tokens)
+        if self._shares(level):
+            ids, rows = self._tree
+            extra = self._new_successors(tokens)
+        else:
+            ids = self.candidate_ids(states, tokens)
+            # index_select, not weight[ids]: a quarter of the time for 2048 rows of Gemma's head.
+            rows = self.weight.index_select(0, ids)
+            extra = None
+            if level == 0:
+                self._remember_tree(ids, rows)
         start = self._tick("rank", start)
-        # index_select, not weight[ids]: a quarter of the time for 2048 rows of Gemma's head.
-        # In the head's own dtype: casting the gathered rows would cost more than the matmul.
-        rows = self.weight.index_select(0, ids)
-        logits = F.linear(states.to(rows.dtype), rows).float()
-        indices, log_probs = self._top(logits, k, self._tick("head", start))
+        states = states.to(rows.dtype)
+        logits = F.linear(states, rows)
+        if extra is not None and extra.numel():
+            logits = torch.cat([logits, F.linear(states, self.weight.index_select(0, extra))], dim=1)
+            ids = torch.cat([ids, extra])
+        indices, log_probs = self._top(logits.float(), k, self._tick("head", start))
         return ids[indices], log_probs
+
+    def _shares(self, level: int | None) -> bool:
+        """Whether rows at `level` draft from the root's candidate set."""
+        if not level or self._tree is None:
+            return False
+        return self.shared_levels is None or level <= self.shared_levels
+
+    def _remember_tree(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        if self._tree is not None:
+            self._in_tree[self._tree[0]] = False
+        self._in_tree[ids] = True
+        self._tree = (ids, rows)
+
+    def _new_successors(self, tokens: list[int] | None) -> torch.Tensor | None:
+        """The successors of `tokens` that are not among the root's candidates already."""
+        if not (self.successor_count and tokens):
+            return None
+        successors = torch.unique(self.successor_ids(tokens))
+        return successors[~self._in_tree[successors]]
 
 
 def top_ids(scores: torch.Tensor, k: int, lanes: int = 8) -> torch.Tensor:
@@ -242,8 +291,8 @@ def top_ids(scores: torch.Tensor, k: int, lanes: int = 8) -> torch.Tensor:
 # ---------------------------------------------------------------------------- choosing one
 
 def parse_draft_vocab(spec: str) -> tuple[str, int | None]:
-    """'full' | 'fr:N' | 'trim:N' | 'spec:K[:C[:S]]' -> (kind, size); sizes accept a k suffix
-    (32k). SpecVocab's C and S are read by `spec_options`."""
+    """'full' | 'fr:N' | 'trim:N' | 'spec:K[:C[:S[:L]]]' -> (kind, size); sizes accept a k suffix
+    (32k). SpecVocab's C, S and L are read by `spec_options`."""
     if not isinstance(spec, str) or not spec:
         raise ValueError("draft vocabulary must be full, fr:N, trim:N or spec:K")
     if spec.startswith("spec:"):
@@ -266,18 +315,21 @@ def parse_draft_vocab(spec: str) -> tuple[str, int | None]:
     return kind, value
 
 
-def spec_options(spec: str) -> tuple[int | None, int | None]:
-    """(C, S) of 'spec:K:C:S': C of the K candidates are the text's own tokens, S the successors
-    of each row's token; None where absent (defaults: C = K/2, S = DEFAULT_SUCCESSORS where a
-    successor table is at hand)."""
+def spec_options(spec: str) -> tuple[int | None, int | None, int | None]:
+    """(C, S, L) of 'spec:K:C:S:L': C of the K candidates are the text's own tokens, S the
+    successors of each drafted token, L the tree levels below the root that draft from the
+    root's candidates (`SpecVocab.shared_levels`); None where absent (defaults: C = K/2,
+    S = DEFAULT_SUCCESSORS where a successor table is at hand, L = every level)."""
     fields = spec.split(":")
     options = fields[2:]
-    if len(fields) < 2 or len(options) > 2 or not all(f.isdigit() for f in options):
-        raise ValueError(f"bad SpecVocab spec {spec!r}: use spec:K, spec:K:C or spec:K:C:S (C = how "
-                         "many of the K candidates are the text's own tokens, S = successors of each "
-                         "drafted token; spec:K:0:0 is the ranker alone)")
-    options = [int(f) for f in options] + [None] * (2 - len(options))
-    return options[0], options[1]
+    if len(fields) < 2 or len(options) > 3 or not all(f.isdigit() for f in options):
+        raise ValueError(f"bad SpecVocab spec {spec!r}: use spec:K, spec:K:C, spec:K:C:S or "
+                         "spec:K:C:S:L (C = how many of the K candidates are the text's own "
+                         "tokens, S = successors of each drafted token, L = tree levels that "
+                         "reuse the root's candidates; spec:K:0:0:0 is the paper's ranker alone "
+                         "at every level)")
+    options = [int(f) for f in options] + [None] * (3 - len(options))
+    return options[0], options[1], options[2]
 
 
 DEFAULT_SUCCESSORS = 16     # per row: 98.0% Spec-Bench recall for SmolLM2 (BENCHMARKS.md)
@@ -315,7 +367,7 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
     down, vocab_proj = load_ranker(path, head_weight)
     if size > vocab:
         raise ValueError(f"SpecVocab candidate count {size} exceeds the vocabulary ({vocab})")
-    context, asked_successors = spec_options(spec)
+    context, asked_successors, shared_levels = spec_options(spec)
     table = files / "successors.safetensors" if files else None
     has_table = table is not None and table.exists()
     if asked_successors and not has_table:
@@ -324,7 +376,11 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
     successors = load_successors(table, vocab) if has_table and asked_successors != 0 else None
     successor_count = asked_successors if asked_successors is not None else \
         (DEFAULT_SUCCESSORS if successors is not None else 0)
-    strategy = SpecVocab(head_weight, down, vocab_proj, candidates=size, context_tokens=context,
-                         successors=successors, successor_count=successor_count)
-    strategy.name = ":".join(str(f) for f in ("spec", size, context, asked_successors) if f is not None)
+    # The exact head over the candidates reads a copy of the head in the drafter's dtype:
+    # gathering bfloat16 rows moves half the bytes, and the matmul runs in bfloat16 too.
+    strategy = SpecVocab(head_weight.to(dtype or head_weight.dtype), down, vocab_proj,
+                         candidates=size, context_tokens=context, successors=successors,
+                         successor_count=successor_count, shared_levels=shared_levels)
+    strategy.name = ":".join(str(f) for f in ("spec", size, context, asked_successors, shared_levels)
+                             if f is not None)
     return strategy

@@ -373,9 +373,10 @@ class EagleProposer:
         features = self.target.norm(rows[:, -width:])
         return self.drafter.input_features(features, rows[:, :-width] if self.taps else None)
 
-    def _top_k(self, states: torch.Tensor, tokens: list[int]):
-        """Each row's top tokens; `tokens`: the token each row has just read."""
-        return self.head.top_k(states, self.top_k, tokens)
+    def _top_k(self, states: torch.Tensor, tokens: list[int], level: int):
+        """Each row's top tokens; `tokens`: the token each row has just read, `level`: the
+        rows' tree level (0: the root)."""
+        return self.head.top_k(states, self.top_k, tokens, level)
 
     def propose(self, root_token: int) -> DraftTree:
         start = time.perf_counter()
@@ -385,7 +386,7 @@ class EagleProposer:
 
     def _grow(self, root_token: int) -> DraftTree:
         builder = TreeBuilder(root_token, self.top_k, self.total_tokens)
-        tokens, log_probs = self._top_k(self.last_state, [root_token])
+        tokens, log_probs = self._top_k(self.last_state, [root_token], 0)
         builder.add_children([0], tokens, log_probs)
         # Each expanded node's drafter state feeds its children; its pending KV slot lets
         # descendants attend to it.
@@ -393,7 +394,7 @@ class EagleProposer:
         slot_of: dict[int, int] = {}
         base = self.cache.length
         device = self.target.device
-        for _ in range(self.depth):
+        for level in range(1, self.depth + 1):
             frontier = builder.frontier()
             if not frontier:
                 break
@@ -413,7 +414,7 @@ class EagleProposer:
             for row, node in enumerate(frontier):
                 slot_of[node] = n_pending + row
                 state_of[node] = states[row]
-            tokens, log_probs = self._top_k(states, read)
+            tokens, log_probs = self._top_k(states, read, level)
             builder.add_children(frontier, tokens, log_probs)
         self.cache.discard()
         return builder.build(device)
