@@ -56,11 +56,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="drafted tokens verified per step, or 'auto': tree size and depth chosen by "
                              "timing this machine")
     parser.add_argument("--draft-vocab", default="full",
-                        help="drafter LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), spec:K[:C[:S]] "
+                        help="drafter LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), spec:K[:C[:S[:L]]] "
                              "(SpecVocab: K candidates, up to C of them (default K/2) tokens "
                              "already in the text, and S (default 16) usual successors of each "
-                             "drafted token from the drafter's successors.safetensors; "
-                             "spec:K:0:0 = the ranker alone)")
+                             "drafted token from the drafter's successors.safetensors; the root's "
+                             "candidates serve L tree levels (default: all), deeper ones rank "
+                             "their own; spec:K:0:0:0 = the ranker alone at every level)")
     parser.add_argument("--token-map", default=None, help="token map file for fr:N / trim:N")
     parser.add_argument("--ranker", default=None, help="ranker file for spec:K")
     parser.add_argument("--draft-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -168,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--questions", default="../shared/data/spec_bench/question.jsonl")
     bench.add_argument("--model", default="smollm2")
     bench.add_argument("--methods", default="vanilla,pld,eagle2,eagle2+fr:32k,eagle2+trim:32k,eagle2+spec:2048",
-                       help="comma-separated: vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, eagle2+spec:K[:C[:S]]; "
+                       help="comma-separated: vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, eagle2+spec:K[:C[:S[:L]]]; "
                             "+pld after an eagle2 method adds prompt lookup (eagle2+pld); /float32 or "
                             "/bfloat16 sets the drafter's dtype (default: auto); @DEPTHxTOKENS fixes the "
                             "tree instead of --total-tokens (eagle2+fr:32k/float32@6x60)")
