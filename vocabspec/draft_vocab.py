@@ -120,9 +120,9 @@ class SpecVocab(_Timed):
     shared_levels: how many tree levels below the root draft from the root's candidate set
     (plus the successors of each level's tokens) instead of ranking their own rows; None: all
     of them, one ranking and one gather of head rows per tree; 0: a ranking at every level,
-    as in the paper. On Spec-Bench (SmolLM2, 3/5 trees) sharing kept tau and took drafting
-    from 9.3 to 6.7 ms a step; in a 6/60 tree, whose wide deep levels stray further from
-    the root's candidates, it cost 2% of tau (BENCHMARKS.md, session 24).
+    as in the paper. Side by side on Spec-Bench (SmolLM2, BENCHMARKS.md, session 24) sharing
+    kept tau at 3/5 (2.06) and at 6/60 (2.89) and cut the ranking's time by 56% (3/5) and
+    72% (6/60).
     """
 
     name = "spec"
