@@ -49,18 +49,6 @@ def test_accept_length_at():
     assert accept_length_at((), 8) == 1
 
 
-def test_forward_times_never_decrease_with_size():
-    from vocabspec.autotune import monotone
-
-    fitted = monotone({2: 0.10, 4: 0.12, 8: 0.11, 16: 0.20, 12: 0.09})
-    assert fitted == pytest.approx({2: 0.10, 4: 0.32 / 3, 8: 0.32 / 3, 12: 0.32 / 3, 16: 0.20})
-    # One slow measurement is averaged with its neighbours, not carried to every larger size.
-    spiked = monotone({1: 0.040, 2: 0.041, 3: 0.060, 4: 0.042, 5: 0.043, 6: 0.044, 7: 0.045})
-    assert spiked[1] == 0.040 and spiked[2] == 0.041
-    assert spiked[7] == pytest.approx(0.234 / 5) and spiked[7] < 0.05     # a running max: 0.060
-    assert list(spiked.values()) == sorted(spiked.values())
-
-
 def test_pick_prefers_the_smallest_tree_within_tolerance():
     from vocabspec.autotune import pick
 

@@ -16,10 +16,14 @@ so it drafts fewer rows), plus the drafter's pass over the accepted tokens.
 forward_seconds is the target's tree-masked forward (with the LM head over the rows that
 verification scores at first, `verify.TreeLogits`), timed at each candidate size once per
 model and machine and shared by every drafter and draft vocabulary, so that their choices
-differ by their drafting, not by timing noise; it is fitted non-decreasing in m (a larger
-forward is never really cheaper). Every size up to 16 is a candidate: CPU matmul kernels work
-on blocks of rows (six for float32 on AVX-512), so the forward's cost rises in steps and the
-last size before a step is the one worth having. Among the candidates within TOLERANCE of the
+differ by their drafting, not by timing noise. Each size keeps its own median: the cost is not
+monotone in m. CPU matmul kernels work on blocks of rows (six for float32 on AVX-512), so
+it rises in steps and the last size before a step is the one worth having, and the smallest
+row counts can take a slower path: SmolLM2's forward of 2 rows (a 1-token tree) took 40 ms
+here against 34 ms for 1 and for 3-6 rows. A non-decreasing fit spread that slow size over
+sizes 2-5, made a 10-token tree look only 11% dearer than a 5-token one instead of 27%, and
+chose a tree that decoded 1.52x instead of 1.63x (BENCHMARKS.md, session 24). Every size up
+to 16 is a candidate. Among the candidates within TOLERANCE of the
 best predicted speed the smallest tree wins: a difference that small is noise on a shared
 machine, and the smaller tree costs less where the estimate is wrong. Results are cached per
 machine, model, dtype and drafter (VOCABSPEC_CACHE/autotune.json).
@@ -100,21 +104,6 @@ def forward_seconds(model, sizes, context: int = 256, repeats: int = FORWARD_REP
                 if bar is not None:
                     bar.update()
     return {n: statistics.median(times) for n, times in runs.items()}
-
-
-def monotone(timings: dict[int, float]) -> dict[int, float]:
-    """The closest non-decreasing fit (least squares, pool-adjacent-violators): where a size
-    timed slower than a larger one, both get their mean. A running maximum would instead carry
-    one slow measurement to every larger size."""
-    blocks: list[list] = []                 # [total, count, sizes]
-    for n in sorted(timings):
-        blocks.append([timings[n], 1, [n]])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count, members = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-            blocks[-1][2] += members
-    return {n: total / count for total, count, members in blocks for n in members}
 
 
 def pick(table: dict[str, dict], tolerance: float = TOLERANCE) -> dict:
@@ -233,7 +222,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
 
     path = cache_dir() / "autotune.json"
     known = _load(path)
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v8")
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v9")
     if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
@@ -241,7 +230,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
         args = model.args
         shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
                 f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
-        forward_key = _cache_key(model, f"forward|{shape}|v6")
+        forward_key = _cache_key(model, f"forward|{shape}|v7")
         # Minutes on a small CPU: show where it is (no bar when the caller asked for silence).
         work = len(calibration_depths(depth)) * len(CALIBRATION_QUESTIONS)
         if forward_key not in known:
@@ -250,7 +239,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
             if forward_key not in known:
                 timed = forward_seconds(model, CANDIDATE_SIZES, repeats=FORWARD_REPEATS, bar=bar)
                 known[forward_key] = {str(n): t for n, t in timed.items()}
-            forwards = monotone({int(n): t for n, t in known[forward_key].items()})
+            forwards = {int(n): t for n, t in known[forward_key].items()}
             known[full_key] = calibrate(model, tokenizer, drafter, head, depth, top_k, forwards, bar)
         _store(path, known)
     chosen = known[full_key]
