@@ -38,7 +38,7 @@ def run_cli(*args, timeout=300):
     (["train", "--stages", "data,bake"], "unknown stage"),
     (["vocab", "--source", "files", "--out", "/tmp/x.pt"], "--files"),
     (["vocab", "--source", "target", "--successors", "4", "--out", "/tmp/x.safetensors"], "counts a corpus"),
-    (["generate", "hi", "--draft", "eagle", "--draft-vocab", "spec:64:8:4:2"], "bad SpecVocab spec"),
+    (["generate", "hi", "--draft", "eagle", "--draft-vocab", "spec:64:8:4:2:1"], "bad SpecVocab spec"),
 ])
 def test_bad_arguments_fail_cleanly(args, message):
     proc = run_cli(*args)
