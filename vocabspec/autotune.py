@@ -23,9 +23,9 @@ row counts can take a slower path: SmolLM2's forward of 2 rows (a 1-token tree) 
 here against 34 ms for 1 and for 3-6 rows. A non-decreasing fit spread that slow size over
 sizes 2-5, made a 10-token tree look only 11% dearer than a 5-token one instead of 26%, and
 chose a tree that decoded 1.52x instead of 1.63x (BENCHMARKS.md, session 24). Every size up
-to 16 is a candidate. Among the candidates within TOLERANCE of the
-best predicted speed the smallest tree wins: a difference that small is noise on a shared
-machine, and the smaller tree costs less where the estimate is wrong. Results are cached per
+to 16 is a candidate. Among the candidates within TOLERANCE of the best predicted speed the
+smallest tree wins: a difference that small is noise on a shared machine, and the smaller
+tree costs less where the estimate is wrong. Results are cached per
 machine, model, dtype and drafter (VOCABSPEC_CACHE/autotune.json).
 """
 

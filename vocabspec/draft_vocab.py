@@ -167,10 +167,8 @@ class SpecVocab(_Timed):
         self.shared_levels = shared_levels
         self._seen: dict[int, None] = {}          # distinct tokens, least recently seen first
         self._context: torch.Tensor | None = None
-        # The root's candidates for the tree being drafted: ids, their head rows, and a mask
-        # over the vocabulary marking them (to add only new successors at deeper levels).
+        # The root's candidates for the tree being drafted: ids and their head rows.
         self._tree: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._in_tree = torch.zeros(head_weight.shape[0], dtype=torch.bool, device=head_weight.device)
 
     def see_tokens(self, tokens: list[int], reset: bool = False) -> None:
         if reset:
@@ -235,7 +233,7 @@ class SpecVocab(_Timed):
             rows = self.weight.index_select(0, ids)
             extra = None
             if level == 0:
-                self._remember_tree(ids, rows)
+                self._tree = (ids, rows)
         start = self._tick("rank", start)
         states = states.to(rows.dtype)
         logits = F.linear(states, rows)
@@ -251,18 +249,12 @@ class SpecVocab(_Timed):
             return False
         return self.shared_levels is None or level <= self.shared_levels
 
-    def _remember_tree(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        if self._tree is not None:
-            self._in_tree[self._tree[0]] = False
-        self._in_tree[ids] = True
-        self._tree = (ids, rows)
-
     def _new_successors(self, tokens: list[int] | None) -> torch.Tensor | None:
         """The successors of `tokens` that are not among the root's candidates already."""
         if not (self.successor_count and tokens):
             return None
         successors = torch.unique(self.successor_ids(tokens))
-        return successors[~self._in_tree[successors]]
+        return successors[~torch.isin(successors, self._tree[0])]
 
 
 def top_ids(scores: torch.Tensor, k: int, lanes: int = 8) -> torch.Tensor:
