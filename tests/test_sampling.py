@@ -2,7 +2,12 @@
 
 On a tiny random model the exact distribution of the first two generated tokens is computed
 from the target's own logits; thousands of speculative runs (random drafter, a real tree) must
-match it under a chi-square test, at temperature 1 and with top-p < 1 / top-k."""
+match it under a chi-square test, at temperature 1 and with top-p < 1 / top-k.
+
+For a sharper check, VOCABSPEC_SAMPLING_RUNS and VOCABSPEC_SAMPLING_FIRST_SEED set the number
+of runs and the first seed of every case here (e.g. 90000 runs from seed 200000)."""
+
+import os
 
 import pytest
 import torch
@@ -38,9 +43,9 @@ def exact_two_token_distribution(model, prompt, params):
     return joint.flatten()
 
 
-def sampled_counts(engine, prompt, params, runs):
+def sampled_counts(engine, prompt, params, runs, first_seed=0):
     counts = torch.zeros(VOCAB * VOCAB)
-    for seed in range(runs):
+    for seed in range(first_seed, first_seed + runs):
         config = GenerationConfig(max_new_tokens=2, stop_on_eos=False,
                                   sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed))
         a, b = engine.generate(prompt, config).tokens
@@ -75,9 +80,8 @@ def test_speculative_sampling_matches_target_distribution(params, head):
     dtype = torch.bfloat16 if head == "subset" else None
     proposer = EagleProposer(EagleDrafter.random(model, seed=5, dtype=dtype),
                              head=make_head(head, model), depth=2, top_k=3, total_tokens=6)
-    # SpecVocab 6000 runs: on the first 3000 seeds its t1 case scored p = 0.0011 with
-    # per-level ranking and 0.0009 with the root's candidates shared (session 24), the same
-    # sample drawn twice; other blocks of 3000 seeds gave 0.25, 0.04, 0.01, 0.08 and 0.10.
+    # SpecVocab 6000 runs: its t1 case scores p = 0.0009 on seeds 0-2999 alone. That block is
+    # an unlucky draw, not a bias: 270,000 runs on other seeds give p = 0.56 (BENCHMARKS.md).
     assert_samples_match(model, proposer, prompt, params, runs=6000 if head == "spec" else 3000)
     # And the drafter really was used: some drafted tokens were accepted.
     assert proposer.cache.length > 0
@@ -97,8 +101,10 @@ def test_sampling_with_prompt_lookup_grafted_matches_target_distribution(params)
 
 
 def assert_samples_match(model, proposer, prompt, params, runs=3000):
+    runs = int(os.environ.get("VOCABSPEC_SAMPLING_RUNS", runs))
+    first_seed = int(os.environ.get("VOCABSPEC_SAMPLING_FIRST_SEED", 0))
     expected = exact_two_token_distribution(model, prompt, params)
-    counts = sampled_counts(Engine(model, None, proposer), prompt, params, runs)
+    counts = sampled_counts(Engine(model, None, proposer), prompt, params, runs, first_seed)
     keep = expected > 0
     assert counts[~keep].sum() == 0, "sampled a token the processed target distribution excludes"
     # Pool cells with tiny expectations so the chi-square approximation holds.
