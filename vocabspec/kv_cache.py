@@ -5,6 +5,10 @@ appends its n new tokens (a whole draft tree, say) as pending slots after the co
 further forwards may append more (the drafter grows its tree level by level). `commit` then
 keeps the chosen pending slots (the accepted path), packing them right after the committed
 prefix, and forgets the rest. Nothing here allocates during decoding.
+
+Two layouts: "torch" (layers, 1, kv heads, slots, head_dim), which torch's attention reads,
+and "native" (native.c), where keys are (layers, kv heads, head_dim, slots) so that a vector
+holds one dimension of 16 keys, and values are (layers, kv heads, slots, head_dim).
 """
 
 from __future__ import annotations
@@ -14,10 +18,17 @@ import torch
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (n_layers, 1, n_kv_heads, max_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+                 dtype: torch.dtype, device: torch.device, layout: str = "torch"):
+        if layout == "torch":
+            shape = (n_layers, 1, n_kv_heads, max_len, head_dim)
+            self.keys = torch.zeros(shape, dtype=dtype, device=device)
+            self.values = torch.zeros(shape, dtype=dtype, device=device)
+        elif layout == "native":
+            self.keys = torch.zeros(n_layers, n_kv_heads, head_dim, max_len, dtype=dtype, device=device)
+            self.values = torch.zeros(n_layers, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        else:
+            raise ValueError(f"unknown cache layout {layout!r}")
+        self.layout = layout
         self.max_len = max_len
         self.length = 0      # committed tokens
         self.pending = 0     # tokens written after `length` by the last forward, not committed
@@ -59,8 +70,12 @@ class KVCache:
             if n_keep and not torch.equal(keep, torch.arange(n_keep, device=keep.device)):
                 src = keep + self.length
                 dst = slice(self.length, self.length + n_keep)
-                self.keys[:, :, :, dst] = self.keys[:, :, :, src]
-                self.values[:, :, :, dst] = self.values[:, :, :, src]
+                if self.layout == "native":
+                    self.keys[..., dst] = self.keys[..., src]
+                    self.values[:, :, dst] = self.values[:, :, src]
+                else:
+                    self.keys[:, :, :, dst] = self.keys[:, :, :, src]
+                    self.values[:, :, :, dst] = self.values[:, :, :, src]
             self.length += n_keep
         self.pending = 0
 

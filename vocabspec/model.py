@@ -8,6 +8,10 @@ requested rows only, because the LM head is the expensive part with large vocabu
 Gemma 3 differs from Llama in: scaled embeddings, RMSNorm around both sub-blocks, QK norm,
 GELU-tanh MLP, a query scale of query_pre_attn_scalar**-0.5, and sliding-window layers with
 their own RoPE base (every `sliding_window_pattern`-th layer is global).
+
+The modules below are the reference, run by torch on any device. On a CPU the same model runs
+on the native engine (`use_native`, native.c), which gives every row the same bits whatever the
+number of rows in the forward, over weights in any of the formats of formats.py.
 """
 
 from __future__ import annotations
@@ -201,6 +205,15 @@ class AttentionPlan:
         return cos, sin, mask, key_start
 
 
+def norm_tensors(block: Block) -> dict:
+    """A block's norm weights as the native engine reads them (None where the block has none)."""
+    def weight(module):
+        return module.weight.detach().float().contiguous() if isinstance(module, RMSNorm) else None
+    return {"attn_norm": weight(block.attn_norm), "mlp_norm": weight(block.mlp_norm),
+            "post_attn_norm": weight(block.post_attn_norm), "post_mlp_norm": weight(block.post_mlp_norm),
+            "q_norm": weight(block.attn.q_norm), "k_norm": weight(block.attn.k_norm)}
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -211,6 +224,7 @@ class Transformer(nn.Module):
         self.embed_scale = math.sqrt(args.dim) if args.arch == "gemma3" else None
         self.rope = {}
         self._init_rope()
+        self.native = None       # native.NativeModel once `use_native` has run
 
     def _init_rope(self):
         args = self.args
@@ -234,12 +248,51 @@ class Transformer(nn.Module):
         self._init_rope()
         return out
 
+    @property
+    def weights(self) -> str:
+        """The run-time weight format: gguf, bf16 or f32 on the native engine; torch-float32 or
+        torch-bfloat16 on torch's kernels."""
+        if self.native is not None:
+            return self.native.weights
+        return "torch-" + str(self.dtype).removeprefix("torch.")
+
+    @property
+    def exact(self) -> bool:
+        """Whether a forward gives every row the bits a one-token forward gives it (the native
+        engine, by construction). torch's kernels do not promise it; in float32 their tree and
+        one-token results differ in the last bits only."""
+        return self.native is not None
+
+    def use_native(self, packed: dict, weights: str) -> None:
+        """Run on the native CPU engine with `packed` weights (formats.pack_model)."""
+        from .native import NativeModel, NativeStack
+
+        args = self.args
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ValueError("the native engine runs float32 activations on the CPU")
+        layers = []
+        for i, block in enumerate(self.layers):
+            kind = "local" if args.is_sliding(i) and "local" in self.rope else "global"
+            cos, sin = self.rope[kind]
+            spec = {name: packed[f"layers.{i}.{name}"]
+                    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+            spec.update(norm_tensors(block), cos=cos, sin=sin,
+                        window=args.sliding_window if args.is_sliding(i) else 0)
+            layers.append(spec)
+        scale = self.layers[0].attn.scale
+        stack = NativeStack(args.dim, args.n_heads, args.n_kv_heads, args.head_dim,
+                            args.intermediate_size, args.norm_eps, scale, args.arch == "gemma3", layers)
+        self.native = NativeModel(stack, packed["embed"], packed["head"], self.norm.weight,
+                                  args.norm_eps, self.embed_scale, weights)
+
     def new_cache(self, max_len: int | None = None) -> KVCache:
         args = self.args
         return KVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_len or args.max_seq_len,
-                       self.dtype, self.device)
+                       self.dtype, self.device, layout="native" if self.native is not None else "torch")
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.embed(tokens)
         x = self.embed(tokens)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -247,6 +300,8 @@ class Transformer(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from pre-norm hidden states (rows, dim) -> (rows, vocab), in float32."""
+        if self.native is not None:
+            return self.native.head(hidden)
         return linear(self.norm(hidden), self.embed.weight).float()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -271,14 +326,19 @@ class Transformer(nn.Module):
         if any(not 0 <= t < self.args.n_layers for t in taps):
             raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
         cache.check_room(n)
-        plan = AttentionPlan(self.args, cache, positions, tree_mask, self.rope)
         x = self.embed_tokens(tokens)
-        tapped = []
-        for i, layer in enumerate(self.layers):
-            cos, sin, mask, key_start = plan.for_layer(self.args, i)
-            x = layer(x, cos, sin, cache, mask, key_start)
-            if i in taps:
-                tapped.append(x)
+        if self.native is not None:
+            tapped = self.native.stack.forward(x, positions, cache.keys, cache.values, cache.length,
+                                               cache.pending, tree_mask, taps)
+            tapped = list(tapped.split(self.args.dim, dim=-1)) if taps else []
+        else:
+            plan = AttentionPlan(self.args, cache, positions, tree_mask, self.rope)
+            tapped = []
+            for i, layer in enumerate(self.layers):
+                cos, sin, mask, key_start = plan.for_layer(self.args, i)
+                x = layer(x, cos, sin, cache, mask, key_start)
+                if i in taps:
+                    tapped.append(x)
         cache.advance(n)
         if all_logits:
             logits = self.lm_head(x)

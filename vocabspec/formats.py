@@ -1,0 +1,265 @@
+"""Weight formats at run time: how a linear layer's weight is stored for the native engine.
+
+Three formats, chosen per model with `--weights`:
+- `gguf`: the file's own quantized groups, re-encoded losslessly (each weight dequantizes to the
+  very float32 value gguf-py's `dequantize` gives) into three kinds of groups of 32 inputs:
+  q4 (4-bit codes, w = code * scale + min: Q4_0, Q4_1, Q4_K), q5 (5-bit codes: Q5_0, Q5_1) and
+  q8 (signed 8-bit codes, w = code * scale: Q8_0, and Q6_K with a scale per 16 inputs). Scales
+  stay float16 where the file's are (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, so those cost no extra byte);
+  K-quants' scales are products of two numbers and are kept as exact float32 values.
+  Other types (Q2_K, Q3_K, Q5_K, IQ*) are stored as float32 rows, which is lossless too.
+- `bf16`: every weight rounded to bfloat16.
+- `f32`: float32.
+
+Activations are float32 in every format: the formats differ in the bytes streamed per token,
+never in how the arithmetic is ordered. Rows are stored in blocks of 8 (see native.c), so a
+matrix needs a multiple of 8 rows and of 32 columns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import native
+
+FORMATS = ("gguf", "bf16", "f32")
+ROW_BLOCK = 8
+UNIT = 32
+
+
+@dataclass
+class PackedWeight:
+    kind: str                      # f32, bf16, q4, q5, q8
+    rows: int
+    cols: int
+    data: torch.Tensor             # row-blocked payloads (native.c)
+    scale: torch.Tensor | None = None
+    min: torch.Tensor | None = None
+    high: torch.Tensor | None = None
+    group: int = UNIT
+    bias: torch.Tensor | None = None
+    source: str = ""               # the GGUF type it came from, for reports
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.data, self.scale, self.min, self.high, self.bias) if t is not None)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    def struct(self) -> native.Weight:
+        f16 = self.scale is not None and self.scale.dtype == torch.float16
+        return native.Weight(kind=native.KINDS[self.kind], rows=self.rows, cols=self.cols,
+                             group=self.group, scale_f16=int(f16), pad=0,
+                             data=self.data.data_ptr(), high=native.ptr(self.high),
+                             scale=native.ptr(self.scale), min=native.ptr(self.min),
+                             bias=native.ptr(self.bias))
+
+    def dequantize(self, rows: slice | None = None) -> torch.Tensor:
+        """The float32 weight (or a slice of its rows) exactly as the kernels compute with it."""
+        start, stop, _ = (rows or slice(None)).indices(self.rows)
+        out = torch.empty(max(stop - start, 0), self.cols, dtype=torch.float32)
+        struct = self.struct()
+        native.library().vs_dequant_rows(ctypes.byref(struct), start, stop, out.data_ptr())
+        return out
+
+
+def check_shape(rows: int, cols: int, what: str = "weight") -> None:
+    if rows % ROW_BLOCK or cols % UNIT:
+        raise ValueError(f"{what} of {rows} x {cols}: the native engine needs a multiple of "
+                         f"{ROW_BLOCK} rows and of {UNIT} columns")
+
+
+def _blocked(t: torch.Tensor) -> torch.Tensor:
+    """(rows, units, ...) -> (rows / 8, units, 8, ...): the native engine's row blocks."""
+    rows, units = t.shape[:2]
+    t = t.reshape(rows // ROW_BLOCK, ROW_BLOCK, units, *t.shape[2:])
+    return t.transpose(1, 2).contiguous()
+
+
+def pack_float(weight: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> PackedWeight:
+    rows, cols = weight.shape
+    check_shape(rows, cols)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[kind]
+    data = _blocked(weight.detach().to(dtype).reshape(rows, cols // UNIT, UNIT))
+    return PackedWeight(kind, rows, cols, data, bias=_bias(bias), source=kind)
+
+
+def pack_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None = None,
+               group: int = UNIT, bias: torch.Tensor | None = None, source: str = "") -> PackedWeight:
+    """Quantized groups from row-major codes (rows, cols) and per-group scale/min (rows, cols /
+    group): q4 codes 0..15, q5 codes 0..31 (w = code * scale + min), q8 codes -128..127
+    (w = code * scale, group 32 or 16)."""
+    rows, cols = codes.shape
+    check_shape(rows, cols)
+    units = cols // UNIT
+    grouped = codes.reshape(rows, units, UNIT)
+    high = None
+    if kind in ("q4", "q5"):
+        if group != UNIT or min is None:
+            raise ValueError(f"{kind} groups are {UNIT} wide and have mins")
+        low = (grouped & 15).to(torch.uint8)
+        data = _blocked(low[..., :16] | (low[..., 16:] << 4))
+        if kind == "q5":
+            bits = ((grouped >> 4) & 1).to(torch.int64) << torch.arange(UNIT)
+            high = _blocked(bits.sum(-1).to(torch.int64).to(torch.uint32))
+    elif kind == "q8":
+        if group not in (16, 32) or min is not None:
+            raise ValueError("q8 groups are 16 or 32 wide, without mins")
+        data = _blocked(grouped.to(torch.int8))
+    else:
+        raise ValueError(f"unknown quantized kind {kind!r}")
+    per_unit = UNIT // group
+    scale = _blocked(scale.reshape(rows, units, per_unit).squeeze(-1) if per_unit == 1
+                     else scale.reshape(rows, units, per_unit))
+    if min is not None:
+        min = _blocked(min.reshape(rows, units))
+    return PackedWeight(kind, rows, cols, data, scale, min, high, group, _bias(bias), source)
+
+
+def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().float().contiguous()
+
+
+# ---------------------------------------------------------------- GGUF blocks
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGUF's 16-byte nibble runs: low nibbles are inputs 0-15, high nibbles 16-31."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's eight 6-bit (scale, min) pairs per 256 inputs, from their 12 packed bytes."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def from_gguf_blocks(type_name: str, raw: np.ndarray, rows: int, cols: int) -> PackedWeight | None:
+    """A quantized GGUF tensor's blocks (rows, row bytes) re-encoded losslessly; None for a type
+    that has no quantized kind here (the caller keeps its float32 dequantization)."""
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    units = cols // UNIT
+    if type_name == "Q8_0":
+        b = raw.reshape(rows, units, 34)
+        return pack_codes("q8", t(b[..., 2:].view(np.int8).reshape(rows, cols)), t(_f16(b, 0)),
+                          source=type_name)
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[type_name]
+        b = raw.reshape(rows, units, size)
+        d = _f16(b, 0)
+        has_min = type_name.endswith("_1")
+        offset = 4 if has_min else 2
+        five = type_name.startswith("Q5")
+        codes = _nibbles(b[..., offset + 4 * five:]).astype(np.int32)
+        if five:
+            qh = np.ascontiguousarray(b[..., offset:offset + 4]).view(np.uint32)
+            codes |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32) << 4
+        if has_min:
+            mn = _f16(b, 2)
+        else:   # w = (code - 8 or 16) * d = code * d + min, min = -8d or -16d (exact in float16)
+            mn = (-(16 if five else 8) * d.astype(np.float32)).astype(np.float16)
+            if not np.array_equal(mn.astype(np.float32), -(16 if five else 8) * d.astype(np.float32)):
+                return None
+        return pack_codes("q5" if five else "q4", t(codes.reshape(rows, cols)), t(d), t(mn),
+                          source=type_name)
+    if type_name == "Q4_K":
+        b = raw.reshape(rows, cols // 256, 144)
+        d, dmin = _f16(b, 0).astype(np.float32), _f16(b, 2).astype(np.float32)
+        sc, mn = _k_scale_min(b[..., 4:16])
+        scale = d[..., None] * sc.astype(np.float32)          # exact: 11 x 6 bits
+        minimum = -(dmin[..., None] * mn.astype(np.float32))
+        qs = b[..., 16:].reshape(rows, cols // 256, 4, 32)   # 64 inputs per 32 bytes
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-1)   # (.., 4, 64): low 32 then high 32
+        return pack_codes("q4", t(codes.reshape(rows, cols)), t(scale.reshape(rows, units)),
+                          t(minimum.reshape(rows, units)), source=type_name)
+    if type_name == "Q6_K":
+        b = raw.reshape(rows, cols // 256, 210)
+        ql, qh = b[..., :128], b[..., 128:192]
+        sc = b[..., 192:208].view(np.int8).astype(np.float32)
+        d = _f16(b, 208).astype(np.float32)
+        scale = d[..., None] * sc                              # exact: 11 x 8 bits
+        ql = ql.reshape(rows, -1, 2, 64)
+        low = np.concatenate([ql & 15, ql >> 4], axis=-1).reshape(rows, -1, 2, 4, 32)
+        qh = qh.reshape(rows, -1, 2, 1, 32) >> (np.arange(4, dtype=np.uint8) * 2).reshape(1, 1, 1, 4, 1)
+        codes = (low | ((qh & 3) << 4)).astype(np.int16) - 32
+        return pack_codes("q8", t(codes.reshape(rows, cols).astype(np.int8)),
+                          t(scale.reshape(rows, cols // 16)), group=16, source=type_name)
+    return None
+
+
+# ---------------------------------------------------------------- whole models
+
+LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+_GGUF_NAMES = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
+               "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+
+
+def llama_rope_rows(rows: int, n_head: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's interleaving of Llama's q/k rotary halves."""
+    return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+def float_linears(model) -> dict[str, torch.Tensor]:
+    """Each layer's projections as (rows, cols) float tensors, split out of the fused modules."""
+    args = model.args
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    out = {}
+    for i, block in enumerate(model.layers):
+        wq, wk, wv = block.attn.wqkv.weight.split([q, kv, kv])
+        gate, up = block.mlp.w_gate_up.weight.split(args.intermediate_size)
+        for name, w in zip(LINEARS, (wq, wk, wv, block.attn.wo.weight, gate, up, block.mlp.w_down.weight)):
+            out[f"layers.{i}.{name}"] = w
+    out["embed"] = model.embed.weight
+    return out
+
+
+def pack_model(model, weights: str, gguf_path=None) -> dict[str, PackedWeight]:
+    """Every projection, the embedding and the LM head (tied: the same object) of `model` in the
+    format `weights`; for gguf, re-encoded from the file's own blocks."""
+    if weights not in FORMATS:
+        raise ValueError(f"unknown weight format {weights!r} (choose from {', '.join(FORMATS)})")
+    floats = float_linears(model)
+    if weights != "gguf":
+        packed = {name: pack_float(w, weights) for name, w in floats.items()}
+        packed["head"] = packed["embed"]
+        return packed
+    if gguf_path is None:
+        raise ValueError("--weights gguf needs a GGUF model file")
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    tensors = {t.name: t for t in reader.tensors}
+    args = model.args
+    packed = {}
+    for name, w in floats.items():
+        if name == "embed":
+            gguf_name = "token_embd.weight"
+        else:
+            _, index, short = name.split(".")
+            gguf_name = f"blk.{index}.{_GGUF_NAMES[short]}.weight"
+        tensor = tensors.get(gguf_name)
+        rows, cols = w.shape
+        result = None
+        if tensor is not None and tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+            raw = np.asarray(tensor.data)
+            if raw.shape[0] != rows:
+                raise ValueError(f"{gguf_path}: {gguf_name} has {raw.shape[0]} rows, the model {rows}")
+            if args.arch == "llama" and name.split(".")[-1] in ("wq", "wk"):
+                heads = args.n_heads if name.endswith("wq") else args.n_kv_heads
+                raw = raw[llama_rope_rows(rows, heads)]
+            result = from_gguf_blocks(tensor.tensor_type.name, raw, rows, cols)
+        packed[name] = result if result is not None else pack_float(w, "f32")
+    packed["head"] = packed["embed"]
+    return packed

@@ -1,0 +1,523 @@
+/* The native CPU engine: a stack of decoder layers over a KV cache, computed so that each row's
+ * bits never depend on how many rows a call holds (see native.py for why and how it is used).
+ *
+ * Every reduction has one fixed order, chosen per row and never per call:
+ *  - a matmul output is 16 lanes of fused multiply-adds over the inputs in ascending order (two
+ *    lane sets: the first and second half of each 32-input unit), added, then one fixed
+ *    horizontal sum; weights are dequantized to float32 in registers, exactly as gguf-py does;
+ *  - an attention score is one fused multiply-add chain over the head dimension; the softmax
+ *    runs over the keys a row sees in position order (never over masked columns), and the
+ *    weighted sum of values is one chain per output lane over those keys;
+ *  - norms, RoPE and activations are per-row vector code with no scalar tails.
+ * How the work is split between threads (over output columns, over rows and heads) changes no
+ * order. Activations are float32 throughout; weights are float32, bfloat16 or quantized groups.
+ *
+ * Built by native.py with the machine's C compiler (-O3 -march=native -fopenmp
+ * -ffp-contract=off: every fused multiply-add here is written as one). Needs AVX-512F.
+ */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+#ifndef __AVX512F__
+#error "the vocabspec native engine needs AVX-512F"
+#endif
+
+#define VS_F32 0
+#define VS_BF16 1
+#define VS_Q4 2 /* 4-bit codes, per group: w = code * scale + min */
+#define VS_Q5 3 /* as Q4 with a fifth bit per code in one 32-bit word per group */
+#define VS_Q8 4 /* signed 8-bit codes, per group: w = code * scale (+ min) */
+
+#define ALWAYS static inline __attribute__((always_inline))
+
+typedef struct {
+    int32_t kind, rows, cols, group, scale_f16, pad;
+    const void *data;      /* F32/BF16: rows x cols; Q4/Q5: rows x cols/2 bytes; Q8: rows x cols */
+    const uint32_t *high;  /* Q5: fifth bits, one word per group of 32 */
+    const void *scale;     /* rows x cols/group, float or half */
+    const void *min;       /* same shape and type, or NULL */
+    const float *bias;     /* rows, or NULL */
+} vs_weight;
+
+typedef struct {
+    vs_weight wq, wk, wv, wo, w_gate, w_up, w_down;
+    const float *attn_norm, *mlp_norm, *post_attn_norm, *post_mlp_norm, *q_norm, *k_norm;
+    const float *cos, *sin;  /* RoPE tables, max_len x head_dim */
+    int32_t window, pad;     /* sliding window in positions, 0: global attention */
+} vs_layer;
+
+typedef struct {
+    int32_t dim, n_heads, n_kv, head_dim, hidden, max_len, n_layers, act; /* act 0 SiLU, 1 GELU-tanh */
+    float eps, attn_scale;
+    vs_layer *layers;
+} vs_stack;
+
+/* ------------------------------------------------------------------ elementwise math */
+
+/* exp(x), the same polynomial for every lane: Cody-Waite reduction by ln 2, degree-6 Taylor
+   on [-ln2/2, ln2/2], scaled by 2^n. Below -87.3 it is 0; above 88.7 it is +inf. */
+ALWAYS __m512 vexp(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.7f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
+}
+
+ALWAYS __m512 vsilu(__m512 x) {
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+/* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (exp(2u) + 1). */
+ALWAYS __m512 vgelu_tanh(__m512 x) {
+    __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                             _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(0.044715f), x3)));
+    __m512 e = vexp(_mm512_add_ps(u, u));
+    __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                             _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.0f), t));
+}
+
+ALWAYS __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+/* y = x * rsqrt(mean(x^2) + eps) * w over one row of `dim` (a multiple of 16) floats. */
+ALWAYS void rmsnorm_row(const float *x, const float *w, float *y, int64_t dim, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps);
+    __m512 rv = _mm512_set1_ps(r);
+    for (int64_t i = 0; i < dim; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), rv), _mm512_loadu_ps(w + i)));
+}
+
+/* ------------------------------------------------------------------ matmul */
+
+/* Weights are stored in blocks of RB output rows: for every 32-input unit, the RB rows' payloads
+   (and their scales, mins, fifth bits) lie side by side, so a thread streams one sequence. */
+#define RB 8
+
+ALWAYS int unit_bytes(const int kind) {
+    return kind == VS_F32 ? 128 : kind == VS_BF16 ? 64 : kind == VS_Q8 ? 32 : 16;
+}
+
+/* The payload and group index of (row-block bi, unit u, row j). */
+ALWAYS int64_t group_index(const vs_weight *w, int64_t bi, int64_t u, int64_t j) {
+    return (bi * (w->cols / 32) + u) * RB + j;
+}
+
+ALWAYS float scalar_at(const void *p, const int f16, int64_t i) {
+    return f16 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Inputs [32u, 32u + 32) of row j of row-block bi as float32, exactly as gguf-py dequantizes
+   them: lo holds the first 16, hi the rest. */
+ALWAYS void dequant32(const int kind, const int f16, const int g16, const vs_weight *w, int64_t bi,
+                      int64_t u, int64_t j, __m512 *lo, __m512 *hi) {
+    const int64_t gi = group_index(w, bi, u, j);
+    const uint8_t *p = (const uint8_t *)w->data + gi * unit_bytes(kind);
+    if (kind == VS_F32) {
+        *lo = _mm512_loadu_ps(p);
+        *hi = _mm512_loadu_ps(p + 64);
+    } else if (kind == VS_BF16) {
+        __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+        __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 32)));
+        *lo = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+        *hi = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+    } else if (kind == VS_Q4 || kind == VS_Q5) {
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+        __m512i a = _mm512_and_si512(v, _mm512_set1_epi32(15));
+        __m512i b = _mm512_srli_epi32(v, 4);
+        if (kind == VS_Q5) {
+            const uint32_t h = w->high[gi];
+            a = _mm512_mask_or_epi32(a, (__mmask16)(h & 0xFFFF), a, _mm512_set1_epi32(16));
+            b = _mm512_mask_or_epi32(b, (__mmask16)(h >> 16), b, _mm512_set1_epi32(16));
+        }
+        const __m512 s = _mm512_set1_ps(scalar_at(w->scale, f16, gi));
+        const __m512 m = _mm512_set1_ps(scalar_at(w->min, f16, gi));
+        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, m);
+        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), s, m);
+    } else { /* VS_Q8: group 32 without mins, or group 16 (two scales a unit) */
+        __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+        __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+        if (g16) {
+            *lo = _mm512_mul_ps(a, _mm512_set1_ps(scalar_at(w->scale, f16, 2 * gi)));
+            *hi = _mm512_mul_ps(b, _mm512_set1_ps(scalar_at(w->scale, f16, 2 * gi + 1)));
+        } else {
+            const __m512 s = _mm512_set1_ps(scalar_at(w->scale, f16, gi));
+            *lo = _mm512_mul_ps(a, s);
+            *hi = _mm512_mul_ps(b, s);
+        }
+    }
+}
+
+/* y[i, 8 bi + j] for MT rows of x and rows j0 .. j0 + NT - 1 of row-block bi. Each output is one
+   lane accumulator: a fused multiply-add per 16 inputs, ascending, then one horizontal sum,
+   then the bias. How rows and outputs are tiled never changes that sequence. */
+ALWAYS void tile(const int kind, const int f16, const int g16, const int MT, const int NT,
+                 const vs_weight *w, int64_t bi, int j0, const float *x, int64_t ldx, float *y, int64_t ldy) {
+    __m512 acc[4][8]; /* fixed sizes (not MT x NT): arrays the compiler keeps in registers */
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    const int64_t units = w->cols / 32;
+    for (int64_t u = 0; u < units; u++) {
+        __m512 xl[4], xh[4];
+#pragma GCC unroll 8
+        for (int i = 0; i < MT; i++) {
+            xl[i] = _mm512_loadu_ps(x + i * ldx + u * 32);
+            xh[i] = _mm512_loadu_ps(x + i * ldx + u * 32 + 16);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; j++) {
+            __m512 lo, hi;
+            dequant32(kind, f16, g16, w, bi, u, j0 + j, &lo, &hi);
+#pragma GCC unroll 8
+            for (int i = 0; i < MT; i++) {
+                acc[i][j] = _mm512_fmadd_ps(xl[i], lo, acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(xh[i], hi, acc[i][j]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; j++) {
+            const int64_t n = bi * RB + j0 + j;
+            float s = _mm512_reduce_add_ps(acc[i][j]);
+            if (w->bias) s += w->bias[n];
+            y[i * ldy + n] = s;
+        }
+}
+
+/* All M rows of x against row-block bi. */
+ALWAYS void block_rows(const int kind, const int f16, const int g16, const vs_weight *w, int64_t bi,
+                       const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+        tile(kind, f16, g16, 4, 4, w, bi, 0, x + m * ldx, ldx, y + m * ldy, ldy);
+        tile(kind, f16, g16, 4, 4, w, bi, 4, x + m * ldx, ldx, y + m * ldy, ldy);
+    }
+    switch (M - m) {
+    case 3:
+        tile(kind, f16, g16, 3, 4, w, bi, 0, x + m * ldx, ldx, y + m * ldy, ldy);
+        tile(kind, f16, g16, 3, 4, w, bi, 4, x + m * ldx, ldx, y + m * ldy, ldy);
+        break;
+    case 2: tile(kind, f16, g16, 2, 8, w, bi, 0, x + m * ldx, ldx, y + m * ldy, ldy); break;
+    case 1: tile(kind, f16, g16, 1, 8, w, bi, 0, x + m * ldx, ldx, y + m * ldy, ldy); break;
+    default: break;
+    }
+}
+
+typedef void (*block_fn)(const vs_weight *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
+
+#define BLOCK_FN(name, kind, f16, g16)                                                        \
+    static void name(const vs_weight *w, int64_t bi, const float *x, int64_t M, int64_t ldx, \
+                     float *y, int64_t ldy) { block_rows(kind, f16, g16, w, bi, x, M, ldx, y, ldy); }
+BLOCK_FN(block_f32, VS_F32, 0, 0)
+BLOCK_FN(block_bf16, VS_BF16, 0, 0)
+BLOCK_FN(block_q4_h, VS_Q4, 1, 0)
+BLOCK_FN(block_q4_f, VS_Q4, 0, 0)
+BLOCK_FN(block_q5_h, VS_Q5, 1, 0)
+BLOCK_FN(block_q5_f, VS_Q5, 0, 0)
+BLOCK_FN(block_q8_h, VS_Q8, 1, 0)
+BLOCK_FN(block_q8_f, VS_Q8, 0, 0)
+BLOCK_FN(block_q8_f16g, VS_Q8, 0, 1)
+
+static block_fn block_for(const vs_weight *w) {
+    switch (w->kind) {
+    case VS_F32: return block_f32;
+    case VS_BF16: return block_bf16;
+    case VS_Q4: return w->scale_f16 ? block_q4_h : block_q4_f;
+    case VS_Q5: return w->scale_f16 ? block_q5_h : block_q5_f;
+    default: return w->group == 16 ? block_q8_f16g : w->scale_f16 ? block_q8_h : block_q8_f;
+    }
+}
+
+/* y (M x N) = x (M x K) w^T (+ bias), shared out over row-blocks; call inside a parallel region. */
+static void linear_rows(const vs_weight *w, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy) {
+    const block_fn fn = block_for(w);
+    const int64_t blocks = w->rows / RB;
+#pragma omp for schedule(static)
+    for (int64_t bi = 0; bi < blocks; bi++) fn(w, bi, x, M, ldx, y, ldy);
+}
+
+/* ys[i] = x ws[i]^T for `count` weights of the same input width, one work-sharing loop over all
+   their row-blocks (q, k and v; gate and up): one barrier instead of `count`. */
+static void linear_rows_multi(const vs_weight *const *ws, float *const *ys, int count, const float *x,
+                              int64_t M, int64_t ldx) {
+    int64_t total = 0;
+    for (int i = 0; i < count; i++) total += ws[i]->rows / RB;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < total; b++) {
+        int64_t bi = b;
+        int i = 0;
+        while (bi >= ws[i]->rows / RB) bi -= ws[i++]->rows / RB;
+        block_for(ws[i])(ws[i], bi, x, M, ldx, ys[i], ws[i]->rows);
+    }
+}
+
+/* Rows [r0, r1) of w as float32, exactly as the matmul sees them (tests and float copies). */
+void vs_dequant_rows(const vs_weight *w, int64_t r0, int64_t r1, float *out) {
+    const int64_t K = w->cols;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t bi = r / RB, j = r % RB;
+        for (int64_t u = 0; u < K / 32; u++) {
+            __m512 lo, hi;
+            switch (w->kind) {
+            case VS_F32: dequant32(VS_F32, 0, 0, w, bi, u, j, &lo, &hi); break;
+            case VS_BF16: dequant32(VS_BF16, 0, 0, w, bi, u, j, &lo, &hi); break;
+            case VS_Q4: dequant32(VS_Q4, w->scale_f16, 0, w, bi, u, j, &lo, &hi); break;
+            case VS_Q5: dequant32(VS_Q5, w->scale_f16, 0, w, bi, u, j, &lo, &hi); break;
+            default: dequant32(VS_Q8, w->scale_f16, w->group == 16, w, bi, u, j, &lo, &hi); break;
+            }
+            _mm512_storeu_ps(out + (r - r0) * K + u * 32, lo);
+            _mm512_storeu_ps(out + (r - r0) * K + u * 32 + 16, hi);
+        }
+    }
+}
+
+void vs_linear(const vs_weight *w, const float *x, int64_t M, float *y) {
+#pragma omp parallel
+    linear_rows(w, x, M, w->cols, y, w->rows);
+}
+
+/* out (n x dim) = rows `ids` of w (dequantized) times `scale` (0: none). */
+void vs_embed(const vs_weight *w, const int32_t *ids, int64_t n, float scale, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        vs_dequant_rows(w, ids[i], ids[i] + 1, out + i * w->cols);
+        if (scale != 0.0f)
+            for (int64_t k = 0; k < w->cols; k++) out[i * w->cols + k] *= scale;
+    }
+}
+
+/* logits (M x vocab) = head(rmsnorm(hidden)) for M rows. work: M x dim floats. */
+void vs_head(const float *norm, float eps, const vs_weight *w, const float *hidden, int64_t M,
+             float *work, float *logits) {
+    const int64_t dim = w->cols;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M; i++) rmsnorm_row(hidden + i * dim, norm, work + i * dim, dim, eps);
+        linear_rows(w, work, M, dim, logits, w->rows);
+    }
+}
+
+/* ------------------------------------------------------------------ attention */
+
+/* Visibility of row r: cache slots [0, prefix[r]) hold positions 0 .. prefix[r] - 1, then the
+   slots extra[xoff[r] .. xoff[r+1]) hold the next positions, the row's own last. Logical index
+   i is position i; a sliding window drops indices below pos - window + 1. */
+static void attention(const vs_stack *s, const vs_layer *L, const float *keys, const float *values,
+                      const float *q, int64_t n,
+                      const int32_t *pos, const int32_t *prefix, const int32_t *xoff,
+                      const int32_t *extra, float *out, float *scratch) {
+    const int64_t H = s->n_heads, D = s->head_dim, hpg = s->n_heads / s->n_kv, T = s->max_len;
+    const __m512 scale = _mm512_set1_ps(s->attn_scale);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n * H; item++) {
+        const int64_t r = item / H, h = item % H, g = h / hpg;
+        float *sc = scratch + (int64_t)omp_get_thread_num() * (T + 64);
+        const float *qv = q + item * D;
+        const float *kt = keys + g * D * T;
+        const float *vv = values + g * T * D;
+        const int64_t pre = prefix[r], nx = xoff[r + 1] - xoff[r];
+        const int32_t *xs = extra + xoff[r];
+        int64_t first = 0;
+        if (L->window > 0 && pos[r] - L->window + 1 > 0) first = pos[r] - L->window + 1;
+        const int64_t count = pre + nx - first;
+        /* Scores over the prefix: 16 keys a vector, each key one fma chain over d. */
+        int64_t i = first;
+        for (; i + 64 <= pre; i += 64) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t d = 0; d < D; d++) {
+                const __m512 qd = _mm512_set1_ps(qv[d]);
+                const float *kd = kt + d * T + i;
+                a0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd), a0);
+                a1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd + 16), a1);
+                a2 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd + 32), a2);
+                a3 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd + 48), a3);
+            }
+            float *o = sc + (i - first);
+            _mm512_storeu_ps(o, _mm512_mul_ps(a0, scale));
+            _mm512_storeu_ps(o + 16, _mm512_mul_ps(a1, scale));
+            _mm512_storeu_ps(o + 32, _mm512_mul_ps(a2, scale));
+            _mm512_storeu_ps(o + 48, _mm512_mul_ps(a3, scale));
+        }
+        for (; i < pre; i += 16) {
+            const __mmask16 k = tail_mask(pre - i);
+            __m512 a0 = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d++)
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d]), _mm512_maskz_loadu_ps(k, kt + d * T + i), a0);
+            _mm512_mask_storeu_ps(sc + (i - first), k, _mm512_mul_ps(a0, scale));
+        }
+        /* The extra slots: the same chain, one key at a time. */
+        for (int64_t e = first > pre ? first - pre : 0; e < nx; e++) {
+            const float *kd = kt + xs[e];
+            float a = 0.0f;
+            for (int64_t d = 0; d < D; d++) a = fmaf(qv[d], kd[d * T], a);
+            sc[pre + e - first] = a * s->attn_scale;
+        }
+        /* Softmax in position order. */
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < count; j += 16)
+            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(count - j), sc + j));
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < count; j += 16) {
+            const __mmask16 k = tail_mask(count - j);
+            const __m512 e = _mm512_maskz_mov_ps(k, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), top)));
+            _mm512_mask_storeu_ps(sc + j, k, e);
+            total = _mm512_add_ps(total, e);
+        }
+        const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
+        /* Weighted values: one chain per output lane, keys in position order. */
+        __m512 acc[16];
+        const int64_t chunks = D / 16;
+        for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < count; j++) {
+            const int64_t li = first + j;
+            const int64_t slot = li < pre ? li : xs[li - pre];
+            const __m512 p = _mm512_set1_ps(sc[j]);
+            const float *v = vv + slot * D;
+            for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
+        }
+        float *o = out + item * D;
+        for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(acc[c], sum));
+    }
+}
+
+/* ------------------------------------------------------------------ decoder layers */
+
+/* Rotate-half RoPE of one head (D floats) at position p, as x * cos + rotate_half(x) * sin. */
+ALWAYS void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i += 16) {
+        const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + half + i);
+        const __m512 ra = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(cos + i)),
+                                        _mm512_mul_ps(b, _mm512_loadu_ps(sin + i)));
+        const __m512 rb = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(cos + half + i)),
+                                        _mm512_mul_ps(a, _mm512_loadu_ps(sin + half + i)));
+        _mm512_storeu_ps(x + i, ra);
+        _mm512_storeu_ps(x + half + i, rb);
+    }
+}
+
+/* Workspace floats one forward of n rows needs (besides the attention scratch). */
+int64_t vs_stack_work(const vs_stack *s, int64_t n) {
+    const int64_t qs = (int64_t)s->n_heads * s->head_dim, kvs = (int64_t)s->n_kv * s->head_dim;
+    return n * (2 * (int64_t)s->dim + 2 * qs + 2 * kvs + 3 * (int64_t)s->hidden);
+}
+
+int64_t vs_attention_scratch(const vs_stack *s) {
+    return (int64_t)omp_get_max_threads() * (s->max_len + 64);
+}
+
+ALWAYS void add_rows(float *x, const float *y, int64_t dim) {
+    for (int64_t i = 0; i < dim; i += 16)
+        _mm512_storeu_ps(x + i, _mm512_add_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+}
+
+/* x (n x dim) through every layer, in place. The cache holds, per layer, keys (n_kv x head_dim x
+   max_len: a key's dimensions are strided, so scores read 16 keys a vector) and values (n_kv x
+   max_len x head_dim). The new rows' keys and values go to slots start .. start + n - 1.
+   taps: layer indices whose outputs are copied to tapped (n x ntaps*dim, side by side). */
+void vs_stack_forward(const vs_stack *s, float *x, int64_t n, const int32_t *pos, const int32_t *prefix,
+                      const int32_t *xoff, const int32_t *extra, float *keys, float *values,
+                      int64_t start, float *work, float *scratch, const int32_t *taps, int64_t ntaps,
+                      float *tapped) {
+    const int64_t dim = s->dim, H = s->n_heads, G = s->n_kv, D = s->head_dim, I = s->hidden;
+    const int64_t qs = H * D, kvs = G * D, T = s->max_len;
+    float *h = work;              /* n x dim: normed input of a sub-block */
+    float *q = h + n * dim;       /* n x qs: queries, then the attention output */
+    float *k = q + n * qs;        /* n x kvs */
+    float *v = k + n * kvs;       /* n x kvs */
+    float *att = v + n * kvs;     /* n x qs: rotated queries */
+    float *gate = att + n * qs;   /* n x I */
+    float *up = gate + n * I;     /* n x I */
+    float *act = up + n * I;      /* n x I */
+    float *o = act + n * I;       /* n x dim: a sub-block's output */
+#pragma omp parallel
+    for (int64_t l = 0; l < s->n_layers; l++) {
+        const vs_layer *L = s->layers + l;
+        float *lk = keys + l * G * D * T, *lv = values + l * G * T * D;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            if (L->attn_norm) rmsnorm_row(x + r * dim, L->attn_norm, h + r * dim, dim, s->eps);
+            else memcpy(h + r * dim, x + r * dim, dim * sizeof(float));
+        }
+        {
+            const vs_weight *ws[3] = {&L->wq, &L->wk, &L->wv};
+            float *ys[3] = {q, k, v};
+            linear_rows_multi(ws, ys, 3, h, n, dim);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            float *qr = q + r * qs, *kr = k + r * kvs, *vr = v + r * kvs;
+            const float *cos = L->cos + (int64_t)pos[r] * D, *sin = L->sin + (int64_t)pos[r] * D;
+            for (int64_t hh = 0; hh < H; hh++) {
+                if (L->q_norm) rmsnorm_row(qr + hh * D, L->q_norm, qr + hh * D, D, s->eps);
+                rope_head(qr + hh * D, cos, sin, D);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                if (L->k_norm) rmsnorm_row(kr + g * D, L->k_norm, kr + g * D, D, s->eps);
+                rope_head(kr + g * D, cos, sin, D);
+                float *kt = lk + g * D * T + start + r;
+                for (int64_t d = 0; d < D; d++) kt[d * T] = kr[g * D + d];
+                memcpy(lv + (g * T + start + r) * D, vr + g * D, D * sizeof(float));
+            }
+            memcpy(att + r * qs, qr, qs * sizeof(float));
+        }
+        attention(s, L, lk, lv, att, n, pos, prefix, xoff, extra, q, scratch);
+        linear_rows(&L->wo, q, n, qs, o, dim);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            float *orow = o + r * dim, *xr = x + r * dim;
+            if (L->post_attn_norm) rmsnorm_row(orow, L->post_attn_norm, orow, dim, s->eps);
+            add_rows(xr, orow, dim);
+            rmsnorm_row(xr, L->mlp_norm, h + r * dim, dim, s->eps);
+        }
+        {
+            const vs_weight *ws[2] = {&L->w_gate, &L->w_up};
+            float *ys[2] = {gate, up};
+            linear_rows_multi(ws, ys, 2, h, n, dim);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            const float *g = gate + r * I, *u = up + r * I;
+            float *ar = act + r * I;
+            for (int64_t i = 0; i < I; i += 16) {
+                const __m512 gv = _mm512_loadu_ps(g + i);
+                const __m512 a = s->act ? vgelu_tanh(gv) : vsilu(gv);
+                _mm512_storeu_ps(ar + i, _mm512_mul_ps(a, _mm512_loadu_ps(u + i)));
+            }
+        }
+        linear_rows(&L->w_down, act, n, I, o, dim);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            float *orow = o + r * dim, *xr = x + r * dim;
+            if (L->post_mlp_norm) rmsnorm_row(orow, L->post_mlp_norm, orow, dim, s->eps);
+            add_rows(xr, orow, dim);
+            for (int64_t t = 0; t < ntaps; t++)
+                if (taps[t] == l) memcpy(tapped + (r * ntaps + t) * dim, xr, dim * sizeof(float));
+        }
+    }
+}
