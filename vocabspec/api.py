@@ -18,7 +18,6 @@ from .loading import load_model
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DRAFTS = ("none", "eagle", "pld", "eagle+pld")
 BUNDLED_DRAFTERS = Path(__file__).parent / "drafters"
 
@@ -124,10 +123,11 @@ def make_proposer(model, draft: str, draft_path: str | None, model_name: str,
 
 
 def load(model: str = "smollm2", draft: str = "none", draft_path: str | None = None,
-         dtype: str = "float32", device: str = "cpu", max_seq_len: int | None = None,
+         weights: str = "auto", device: str = "cpu", max_seq_len: int | None = None,
          depth: int = 6, tree_top_k: int = 10, total_tokens: int | str = "auto",
          draft_vocab: str = "full", token_map: str | None = None,
-         ranker: str | None = None, log=None, draft_dtype: str = "auto") -> LanguageModel:
+         ranker: str | None = None, log=None, draft_dtype: str = "auto", backend: str = "auto",
+         allow_inexact: bool = False) -> LanguageModel:
     """Load a target model with an optional proposer.
 
     draft: none | eagle | pld | eagle+pld (EAGLE-2's tree plus prompt lookup's path).
@@ -137,14 +137,16 @@ def load(model: str = "smollm2", draft: str = "none", draft_path: str | None = N
     draft_dtype: what the drafter computes in: auto (bfloat16 for a float32 target where the
     hardware does bfloat16 matmuls fast), float32, bfloat16. Verification always uses the
     target's dtype, so the output does not depend on it.
+    weights: the target's run-time format, auto | gguf | bf16 | f32 (see loading.load_model);
+    backend: auto | native | torch. allow_inexact: draft even where verification is not
+    bit-exact (bfloat16 on torch's kernels; see generate.Engine).
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if draft not in DRAFTS:
         raise ValueError(f"unknown draft method {draft!r} (choose from {', '.join(DRAFTS)})")
-    target, path = load_model(model, dtype=DTYPES[dtype], device=device, max_seq_len=max_seq_len)
+    target, path = load_model(model, weights=weights, device=device, max_seq_len=max_seq_len,
+                              backend=backend)
     tokenizer = load_tokenizer(path)
     proposer = make_proposer(target, draft, draft_path, model, depth, tree_top_k, total_tokens,
                              draft_vocab, token_map, ranker, tokenizer=tokenizer, log=log,
                              draft_dtype=draft_dtype)
-    return LanguageModel(Engine(target, tokenizer, proposer), model)
+    return LanguageModel(Engine(target, tokenizer, proposer, allow_inexact=allow_inexact), model)

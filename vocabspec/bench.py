@@ -47,8 +47,10 @@ class BenchConfig:
     per_category: int | None = None
     temperature: float = 0.0
     seed: int = 0
-    dtype: str = "float32"
+    weights: str = "auto"             # the target's run-time format (loading.load_model)
+    backend: str = "auto"
     device: str = "cpu"
+    allow_inexact: bool = False       # draft where verification is not bit-exact (bf16 on torch)
     depth: int = 6
     tree_top_k: int = 10
     total_tokens: int | str = "auto"
@@ -147,7 +149,7 @@ class MethodRun:
 def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
     """The target and one engine per method; `trees` (method -> [depth, total tokens]) fixes
     trees that would otherwise be chosen again (a resumed run keeps its first run's)."""
-    from .api import DTYPES, bundled_drafter_dir, make_proposer
+    from .api import bundled_drafter_dir, make_proposer
     from .loading import load_model
     from .tokenizer import load_tokenizer
 
@@ -155,7 +157,7 @@ def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
     for method in cfg.methods:
         base, dtype = split_draft_dtype(method)
         parsed.append((method, *parse_method(method), parse_tree(base)[1], dtype))
-    target, path = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
+    target, path = load_model(cfg.model, weights=cfg.weights, device=cfg.device, backend=cfg.backend)
     tokenizer = load_tokenizer(path)
     runs = []
     for name, draft, vocab, tree, dtype in parsed:
@@ -167,7 +169,8 @@ def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
                                  draft_dtype=dtype)
         if proposer is not None and hasattr(proposer, "total_tokens"):
             log(f"{name}: depth={proposer.depth}, total_tokens={proposer.total_tokens}")
-        runs.append(MethodRun(name, Engine(target, tokenizer, proposer), vocab))
+        runs.append(MethodRun(name, Engine(target, tokenizer, proposer, allow_inexact=cfg.allow_inexact),
+                              vocab))
     return target, tokenizer, runs
 
 
@@ -304,7 +307,8 @@ def _tree_of(run: MethodRun) -> list[int] | None:
 # Settings that must match for a run to resume another: anything that changes the answers
 # or their timings' meaning (not the output directory, threads or warm-up).
 RESUME_KEYS = ("questions", "model", "methods", "max_new_tokens", "per_category", "temperature",
-               "seed", "dtype", "device", "depth", "tree_top_k", "total_tokens", "draft_path")
+               "seed", "weights", "backend", "device", "depth", "tree_top_k", "total_tokens",
+               "draft_path")
 
 
 def _run_settings(cfg: BenchConfig) -> dict:
@@ -381,6 +385,7 @@ def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
     weight = sum(n for _, n in copy)
     return {
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
+        "target_weights": target.weights,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": _machine(),
         "categories": categories,
@@ -427,7 +432,7 @@ def _machine() -> str:
 
 def report_markdown(summary: dict) -> str:
     cfg = summary["config"]
-    lines = [f"# Spec-Bench: {cfg['model']} ({cfg['dtype']}, "
+    lines = [f"# Spec-Bench: {cfg['model']} (weights {summary['target_weights']}, "
              f"{'greedy' if cfg['temperature'] == 0 else 'temperature ' + str(cfg['temperature'])}, "
              f"max {cfg['max_new_tokens']} new tokens)", "",
              f"{summary['date']} on {summary['machine']}. Vanilla output copies its prompt "
@@ -495,7 +500,7 @@ def plot(summary: dict, out: Path) -> None:
     ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(cats))])
     ax.set_xticklabels(cats, rotation=40, ha="right")
     ax.set_ylabel("speedup over vanilla")
-    ax.set_title(f"Spec-Bench speedup, {summary['config']['model']} ({summary['config']['dtype']})")
+    ax.set_title(f"Spec-Bench speedup, {summary['config']['model']} ({summary['target_weights']})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=110)

@@ -37,11 +37,24 @@ def _float(text: str) -> float:
     return value
 
 
+def add_weight_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--weights", default="auto", choices=["auto", "gguf", "bf16", "f32"],
+                        help="the target's run-time weight format: gguf (the file's own quantized "
+                             "groups), bf16 or f32; auto: the fastest exact one here (gguf for a "
+                             "GGUF file on the native CPU engine, else f32)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "native", "torch"],
+                        help="native: the CPU engine whose rows are bit-identical at any row count "
+                             "(auto where it runs); torch: torch's kernels, any device")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--allow-inexact", action="store_true",
+                        help="draft even where verification is not bit-exact (bf16 on torch's "
+                             "kernels): the output may then differ from plain decoding")
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="bundled name (smollm2, gemma3), a .gguf file or a HF model directory")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    add_weight_args(parser)
     parser.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
     parser.add_argument("--max-seq-len", type=_positive_int, default=None,
                         help="KV cache size in tokens (default 4096, capped by the model)")
@@ -66,7 +79,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranker", default=None, help="ranker file for spec:K")
     parser.add_argument("--draft-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="what the drafter computes in (auto: bfloat16 for a float32 target on "
-                             "hardware with fast bfloat16); verification always uses --dtype")
+                             "hardware with fast bfloat16); verification always uses the target's "
+                             "weights and kernels")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,8 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--per-category", type=_positive_int, default=None, help="questions per category")
     bench.add_argument("--temperature", type=_float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    bench.add_argument("--device", default="cpu")
+    add_weight_args(bench)
     bench.add_argument("--threads", type=_positive_int, default=None)
     bench.add_argument("--depth", type=_non_negative_int, default=6)
     bench.add_argument("--tree-top-k", type=_positive_int, default=10)
@@ -217,11 +230,12 @@ def cmd_serve(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load(args.model, draft=args.draft, draft_path=args.draft_path, dtype=args.dtype,
+    lm = load(args.model, draft=args.draft, draft_path=args.draft_path, weights=args.weights,
               device=args.device, max_seq_len=args.max_seq_len, depth=args.depth,
               tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
               draft_vocab=args.draft_vocab, token_map=args.token_map, ranker=args.ranker,
-              draft_dtype=args.draft_dtype, log=lambda message: print(message, file=sys.stderr))
+              draft_dtype=args.draft_dtype, backend=args.backend, allow_inexact=args.allow_inexact,
+              log=lambda message: print(message, file=sys.stderr))
     limits = ServerLimits(max_tokens_cap=args.max_tokens_cap, max_seconds=args.max_seconds,
                           max_queue=args.max_queue)
     serve(lm, args.model, host=args.host, port=args.port, limits=limits)
@@ -253,7 +267,8 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(questions=args.questions, model=args.model, methods=methods,
                       out=args.out or f"runs/bench-{args.model}", max_new_tokens=args.max_new_tokens,
                       per_category=args.per_category, temperature=args.temperature, seed=args.seed,
-                      dtype=args.dtype, device=args.device, depth=args.depth,
+                      weights=args.weights, backend=args.backend, device=args.device,
+                      allow_inexact=args.allow_inexact, depth=args.depth,
                       tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
                       warmup=not args.no_warmup, draft_path=args.draft_path, resume=args.resume)
     summary = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
@@ -340,7 +355,7 @@ def cmd_ranker(args) -> int:
     from .ranker import load_ranker, save_ranker, train_ranker
     from .train import TrainConfig, load_shards
 
-    target, _ = load_model(args.model)
+    target, _ = load_model(args.model, backend="torch")
     draft_path = args.draft_path or bundled_drafter_dir(args.model)
     if draft_path is None:
         raise ValueError(f"no drafter bundled for {args.model}: pass --draft-path")
@@ -393,11 +408,12 @@ def cmd_generate(args) -> int:
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
-    lm = load(args.model, draft=args.draft, draft_path=args.draft_path, dtype=args.dtype,
+    lm = load(args.model, draft=args.draft, draft_path=args.draft_path, weights=args.weights,
               device=args.device, max_seq_len=args.max_seq_len, depth=args.depth,
               tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
               draft_vocab=args.draft_vocab, token_map=args.token_map, ranker=args.ranker,
-              draft_dtype=args.draft_dtype, log=lambda message: print(message, file=sys.stderr))
+              draft_dtype=args.draft_dtype, backend=args.backend, allow_inexact=args.allow_inexact,
+              log=lambda message: print(message, file=sys.stderr))
     generation = lm.stream(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                            seed=args.seed, stop=args.stop)

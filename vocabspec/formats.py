@@ -27,7 +27,7 @@ import torch
 from . import native
 
 FORMATS = ("gguf", "bf16", "f32")
-ROW_BLOCK = 8
+ROW_BLOCK = 16
 UNIT = 32
 
 
@@ -71,16 +71,20 @@ class PackedWeight:
 
 
 def check_shape(rows: int, cols: int, what: str = "weight") -> None:
-    if rows % ROW_BLOCK or cols % UNIT:
+    if cols % UNIT:
         raise ValueError(f"{what} of {rows} x {cols}: the native engine needs a multiple of "
-                         f"{ROW_BLOCK} rows and of {UNIT} columns")
+                         f"{UNIT} columns")
 
 
 def _blocked(t: torch.Tensor) -> torch.Tensor:
-    """(rows, units, ...) -> (rows / 8, units, 8, ...): the native engine's row blocks."""
+    """(rows, units, ...) -> (blocks, units, ..., 16): the native engine's blocks of 16 rows,
+    one per vector lane (the last padded with zero rows), for every 32-input unit."""
     rows, units = t.shape[:2]
-    t = t.reshape(rows // ROW_BLOCK, ROW_BLOCK, units, *t.shape[2:])
-    return t.transpose(1, 2).contiguous()
+    pad = -rows % ROW_BLOCK
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    t = t.reshape(-1, ROW_BLOCK, units, *t.shape[2:])          # (blocks, 16, units, ...)
+    return t.movedim(1, -1).contiguous()                        # (blocks, units, ..., 16)
 
 
 def pack_float(weight: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> PackedWeight:
@@ -99,25 +103,23 @@ def pack_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor, min: torch.T
     rows, cols = codes.shape
     check_shape(rows, cols)
     units = cols // UNIT
-    grouped = codes.reshape(rows, units, UNIT)
+    grouped = _blocked(codes.reshape(rows, units, UNIT))      # (blocks, units, 32 inputs, 16 rows)
     high = None
     if kind in ("q4", "q5"):
         if group != UNIT or min is None:
             raise ValueError(f"{kind} groups are {UNIT} wide and have mins")
         low = (grouped & 15).to(torch.uint8)
-        data = _blocked(low[..., :16] | (low[..., 16:] << 4))
+        data = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).contiguous()   # inputs 2t, 2t+1 in one byte
         if kind == "q5":
-            bits = ((grouped >> 4) & 1).to(torch.int64) << torch.arange(UNIT)
-            high = _blocked(bits.sum(-1).to(torch.int64).to(torch.uint32))
+            bits = ((grouped >> 4) & 1).to(torch.int32) << torch.arange(ROW_BLOCK, dtype=torch.int32)
+            high = bits.sum(-1).to(torch.int32).to(torch.uint16).contiguous()
     elif kind == "q8":
         if group not in (16, 32) or min is not None:
             raise ValueError("q8 groups are 16 or 32 wide, without mins")
-        data = _blocked(grouped.to(torch.int8))
+        data = grouped.to(torch.int8).contiguous()
     else:
         raise ValueError(f"unknown quantized kind {kind!r}")
-    per_unit = UNIT // group
-    scale = _blocked(scale.reshape(rows, units, per_unit).squeeze(-1) if per_unit == 1
-                     else scale.reshape(rows, units, per_unit))
+    scale = _blocked(scale.reshape(rows, units, UNIT // group))   # (blocks, units, groups, 16)
     if min is not None:
         min = _blocked(min.reshape(rows, units))
     return PackedWeight(kind, rows, cols, data, scale, min, high, group, _bias(bias), source)
@@ -262,4 +264,37 @@ def pack_model(model, weights: str, gguf_path=None) -> dict[str, PackedWeight]:
             result = from_gguf_blocks(tensor.tensor_type.name, raw, rows, cols)
         packed[name] = result if result is not None else pack_float(w, "f32")
     packed["head"] = packed["embed"]
+    return packed
+
+
+PACK_VERSION = 2   # bump when the packed layout changes: cached re-encodings are rebuilt
+_FIELDS = ("data", "scale", "min", "high", "bias")
+
+
+def flatten_packed(packed: dict[str, PackedWeight]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors and metadata of pack_model's result (tied weights stored once), for caching."""
+    tensors, meta, seen = {}, {}, {}
+    for name, w in packed.items():
+        if id(w) in seen:
+            meta[name] = {"same_as": seen[id(w)]}
+            continue
+        seen[id(w)] = name
+        meta[name] = {"kind": w.kind, "rows": w.rows, "cols": w.cols, "group": w.group,
+                      "source": w.source, "fields": [f for f in _FIELDS if getattr(w, f) is not None]}
+        for field in meta[name]["fields"]:
+            tensors[f"{name}.{field}"] = getattr(w, field)
+    return tensors, meta
+
+
+def unflatten_packed(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, PackedWeight]:
+    packed = {}
+    for name, info in meta.items():
+        if "same_as" in info:
+            continue
+        fields = {f: tensors[f"{name}.{f}"] for f in info["fields"]}
+        packed[name] = PackedWeight(info["kind"], info["rows"], info["cols"], group=info["group"],
+                                    source=info["source"], **fields)
+    for name, info in meta.items():
+        if "same_as" in info:
+            packed[name] = packed[info["same_as"]]
     return packed

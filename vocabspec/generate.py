@@ -141,7 +141,18 @@ class Engine:
     """A target model (and optionally a proposer) ready to generate."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, allow_inexact: bool = False):
+        # Speculative output equals plain decoding's only where a tree forward gives each row
+        # the bits a one-token forward gives it: always on the native engine; on torch's
+        # kernels float32 differs in the last bits (ties that close are not seen in practice),
+        # bfloat16 by whole units of its precision, so it is refused unless asked for.
+        if proposer is not None and not model.exact and model.dtype != torch.float32 \
+                and not allow_inexact:
+            raise ValueError(
+                f"speculative decoding with {model.weights} weights on torch's kernels is not exact: "
+                "a tree forward rounds differently from one-token decoding, so the output could "
+                "differ from plain decoding. Use the native CPU engine (any --weights) or "
+                "float32, or pass --allow-inexact (allow_inexact=True) to accept that")
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer

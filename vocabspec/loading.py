@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from . import native
+from .formats import FORMATS, PACK_VERSION, flatten_packed, pack_model, unflatten_packed
 from .model import ModelArgs, Transformer
 
 BUNDLED = ("smollm2", "gemma3")
@@ -285,9 +287,37 @@ def load_hf_dir(path: Path, max_seq_len: int | None = None):
 
 # ---------------------------------------------------------------- entry point
 
-def load_model(model: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               max_seq_len: int | None = None) -> tuple[Transformer, Path]:
-    """Build the target model from a bundled name, GGUF file or HF directory."""
+WEIGHTS = ("auto",) + FORMATS
+BACKENDS = ("auto", "native", "torch")
+
+
+def choose_backend(device: torch.device, backend: str = "auto") -> str:
+    """native where the native CPU engine runs (and was not declined), else torch."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    if backend == "torch":
+        return "torch"
+    ok, why = native.available()
+    if device.type != "cpu" or os.environ.get("VOCABSPEC_NATIVE", "1") == "0":
+        why = f"the native engine runs on the CPU, not {device.type}" if device.type != "cpu" \
+            else "VOCABSPEC_NATIVE=0"
+        ok = False
+    if backend == "native" and not ok:
+        raise ModelLoadError(why)
+    return "native" if ok else "torch"
+
+
+def load_model(model: str, weights: str = "auto", device: str | torch.device = "cpu",
+               max_seq_len: int | None = None, backend: str = "auto") -> tuple[Transformer, Path]:
+    """Build the target model from a bundled name, GGUF file or HF directory.
+
+    weights: the run-time format (formats.py). "auto" is the fastest exact one here: on the
+    native CPU engine the GGUF's own blocks (gguf) for a GGUF file, else f32; on torch's
+    kernels (other devices, or no native engine) f32, where bf16 also runs (and computes in
+    bfloat16). backend: auto, native or torch (torch's kernels, any device)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weight format {weights!r} (choose from {', '.join(WEIGHTS)})")
+    device = torch.device(device)
     path = resolve_model_path(model)
     if path.is_dir():
         args, state = load_hf_dir(path, max_seq_len)
@@ -295,13 +325,65 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str | tor
         args, state = load_gguf(path, max_seq_len)
     else:
         raise ModelLoadError(f"{path}: not a GGUF file or model directory")
+    engine = choose_backend(device, backend)
+    unfit = native_unfit(args) if engine == "native" else ""
+    if unfit:
+        if backend == "native":
+            raise ModelLoadError(f"{path}: {unfit}")
+        engine = "torch"
+    gguf_file = path if path.is_file() else None
+    if weights == "auto":
+        weights = ("gguf" if gguf_file else "f32") if engine == "native" else "f32"
+    if weights == "gguf" and engine != "native":
+        why = unfit or ("--backend torch" if backend == "torch" else native.available()[1]
+                        or f"device {device.type}")
+        raise ModelLoadError(f"--weights gguf runs on the native CPU engine, not used here ({why}); "
+                             "use bf16 or f32")
+    if weights == "gguf" and gguf_file is None:
+        raise ModelLoadError(f"{path}: --weights gguf needs a GGUF file, not a model directory")
     with torch.device("meta"):
         net = Transformer(args)
-    net = net.to_empty(device=torch.device(device))
+    net = net.to_empty(device=device)
     try:
         net.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         raise ModelLoadError(f"{path}: weights do not fit the architecture ({exc})") from exc
-    net = net.to(dtype=dtype)
+    net = net.to(device=device)      # also builds the RoPE tables, which were meta until now
     net.eval().requires_grad_(False)
+    if engine == "native":
+        net.use_native(cached_pack(net, weights, gguf_file), weights)
+    elif weights == "bf16":
+        net = net.to(dtype=torch.bfloat16)
     return net, path
+
+
+def native_unfit(args: ModelArgs) -> str:
+    """Why the native engine cannot run a model of these shapes ("" when it can)."""
+    dims = {"model width": args.dim, "hidden size": args.intermediate_size,
+            "query width": args.n_heads * args.head_dim, "key width": args.n_kv_heads * args.head_dim,
+            "head_dim": args.head_dim}
+    bad = [f"{k} {v}" for k, v in dims.items() if v % 32]
+    if args.head_dim > 256:
+        bad.append(f"head_dim {args.head_dim} (at most 256)")
+    return "the native engine needs multiples of 32: " + ", ".join(bad) if bad else ""
+
+
+def cached_pack(net: Transformer, weights: str, gguf_file: Path | None) -> dict:
+    """pack_model's result, cached beside the dequantized weights for GGUF re-encodings (they
+    take seconds to build and milliseconds to map)."""
+    if weights != "gguf":
+        return pack_model(net, weights, gguf_file)
+    from safetensors.torch import load_file, save_file
+
+    cached = cache_dir() / f"{gguf_file.stem}-{_file_key(gguf_file)}-gguf{PACK_VERSION}.safetensors"
+    if cached.exists():
+        try:
+            return unflatten_packed(load_file(str(cached)), json.loads(
+                (cached.with_suffix(".json")).read_text()))
+        except Exception:
+            pass  # a broken entry is rebuilt
+    packed = pack_model(net, weights, gguf_file)
+    tensors, meta = flatten_packed(packed)
+    save_file(tensors, str(cached))
+    cached.with_suffix(".json").write_text(json.dumps(meta))
+    return packed

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -37,7 +38,7 @@
 typedef struct {
     int32_t kind, rows, cols, group, scale_f16, pad;
     const void *data;      /* F32/BF16: rows x cols; Q4/Q5: rows x cols/2 bytes; Q8: rows x cols */
-    const uint32_t *high;  /* Q5: fifth bits, one word per group of 32 */
+    const uint16_t *high;  /* Q5: fifth bits of a block, one 16-bit word (a bit per row) per input */
     const void *scale;     /* rows x cols/group, float or half */
     const void *min;       /* same shape and type, or NULL */
     const float *bias;     /* rows, or NULL */
@@ -110,187 +111,292 @@ ALWAYS void rmsnorm_row(const float *x, const float *w, float *y, int64_t dim, f
 
 /* ------------------------------------------------------------------ matmul */
 
-/* Weights are stored in blocks of RB output rows: for every 32-input unit, the RB rows' payloads
-   (and their scales, mins, fifth bits) lie side by side, so a thread streams one sequence. */
-#define RB 8
+/* Weights are stored in blocks of RB = 16 output rows, one per vector lane (the last block
+   padded with zero rows). For each 32-input unit a block holds the codes of its 16 rows input
+   by input, then the unit's scales (and mins) as one vector each: a product streams one
+   sequence per block and needs no horizontal sums.
 
-ALWAYS int unit_bytes(const int kind) {
-    return kind == VS_F32 ? 128 : kind == VS_BF16 ? 64 : kind == VS_Q8 ? 32 : 16;
+   Output n of row x: for each unit (group of 32 inputs, or two of 16), a partial sum
+   p = sum of x_k * code_k (one fused multiply-add chain, inputs ascending), then
+   acc = fma(p, scale, acc) and, with mins, acc = fma(sum of the unit's x_k, min, acc); float
+   weights add p to acc. The bias comes last. Every output follows this one sequence whatever
+   the rows or the tiling, so a row's bits never depend on the rest of the call. */
+#define RB 16
+
+ALWAYS int64_t unit_bytes(const int kind) {
+    return kind == VS_F32 ? 2048 : kind == VS_BF16 ? 1024 : kind == VS_Q8 ? 512 : 256;
 }
 
-/* The payload and group index of (row-block bi, unit u, row j). */
-ALWAYS int64_t group_index(const vs_weight *w, int64_t bi, int64_t u, int64_t j) {
-    return (bi * (w->cols / 32) + u) * RB + j;
+ALWAYS const uint8_t *payload(const int kind, const vs_weight *w, int64_t b, int64_t u) {
+    return (const uint8_t *)w->data + (b * (w->cols / 32) + u) * unit_bytes(kind);
 }
 
-ALWAYS float scalar_at(const void *p, const int f16, int64_t i) {
-    return f16 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+ALWAYS __m512 vec_at(const void *p, const int f16, int64_t i) { /* 16 floats or halves */
+    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + 16 * i)));
+    return _mm512_loadu_ps((const float *)p + 16 * i);
 }
 
-/* Inputs [32u, 32u + 32) of row j of row-block bi as float32, exactly as gguf-py dequantizes
-   them: lo holds the first 16, hi the rest. */
-ALWAYS void dequant32(const int kind, const int f16, const int g16, const vs_weight *w, int64_t bi,
-                      int64_t u, int64_t j, __m512 *lo, __m512 *hi) {
-    const int64_t gi = group_index(w, bi, u, j);
-    const uint8_t *p = (const uint8_t *)w->data + gi * unit_bytes(kind);
+/* The codes (float weights for f32/bf16) of inputs 2t and 2t + 1 of a unit, 16 rows each. */
+ALWAYS void codes_pair(const int kind, const uint8_t *p, const uint16_t *high, int t, __m512 *w0, __m512 *w1) {
     if (kind == VS_F32) {
-        *lo = _mm512_loadu_ps(p);
-        *hi = _mm512_loadu_ps(p + 64);
+        *w0 = _mm512_loadu_ps(p + (2 * t) * 64);
+        *w1 = _mm512_loadu_ps(p + (2 * t + 1) * 64);
     } else if (kind == VS_BF16) {
-        __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-        __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 32)));
-        *lo = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
-        *hi = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
-    } else if (kind == VS_Q4 || kind == VS_Q5) {
-        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-        __m512i a = _mm512_and_si512(v, _mm512_set1_epi32(15));
-        __m512i b = _mm512_srli_epi32(v, 4);
+        *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + (2 * t) * 32))), 16));
+        *w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + (2 * t + 1) * 32))), 16));
+    } else if (kind == VS_Q8) {
+        *w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + (2 * t) * 16))));
+        *w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + (2 * t + 1) * 16))));
+    } else {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + t * 16)));
+        __m512i a = _mm512_and_si512(v, _mm512_set1_epi32(15)), b = _mm512_srli_epi32(v, 4);
         if (kind == VS_Q5) {
-            const uint32_t h = w->high[gi];
-            a = _mm512_mask_or_epi32(a, (__mmask16)(h & 0xFFFF), a, _mm512_set1_epi32(16));
-            b = _mm512_mask_or_epi32(b, (__mmask16)(h >> 16), b, _mm512_set1_epi32(16));
+            a = _mm512_mask_or_epi32(a, (__mmask16)high[2 * t], a, _mm512_set1_epi32(16));
+            b = _mm512_mask_or_epi32(b, (__mmask16)high[2 * t + 1], b, _mm512_set1_epi32(16));
         }
-        const __m512 s = _mm512_set1_ps(scalar_at(w->scale, f16, gi));
-        const __m512 m = _mm512_set1_ps(scalar_at(w->min, f16, gi));
-        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, m);
-        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), s, m);
-    } else { /* VS_Q8: group 32 without mins, or group 16 (two scales a unit) */
-        __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-        __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
-        if (g16) {
-            *lo = _mm512_mul_ps(a, _mm512_set1_ps(scalar_at(w->scale, f16, 2 * gi)));
-            *hi = _mm512_mul_ps(b, _mm512_set1_ps(scalar_at(w->scale, f16, 2 * gi + 1)));
-        } else {
-            const __m512 s = _mm512_set1_ps(scalar_at(w->scale, f16, gi));
-            *lo = _mm512_mul_ps(a, s);
-            *hi = _mm512_mul_ps(b, s);
-        }
+        *w0 = _mm512_cvtepi32_ps(a);
+        *w1 = _mm512_cvtepi32_ps(b);
     }
 }
 
-/* y[i, 8 bi + j] for MT rows of x and rows j0 .. j0 + NT - 1 of row-block bi. Each output is one
-   lane accumulator: a fused multiply-add per 16 inputs, ascending, then one horizontal sum,
-   then the bias. How rows and outputs are tiled never changes that sequence. */
-ALWAYS void tile(const int kind, const int f16, const int g16, const int MT, const int NT,
-                 const vs_weight *w, int64_t bi, int j0, const float *x, int64_t ldx, float *y, int64_t ldy) {
-    __m512 acc[4][8]; /* fixed sizes (not MT x NT): arrays the compiler keeps in registers */
-#pragma GCC unroll 8
-    for (int i = 0; i < MT; i++)
-#pragma GCC unroll 8
-        for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+/* y[i, 16 (b0 + v) + lane] for MR rows of x and NR consecutive blocks from b0. xs: the rows'
+   unit sums of x (kinds with mins), MR x units. */
+ALWAYS void tile(const int kind, const int f16, const int g16, const int MR, const int NR,
+                 const vs_weight *w, int64_t b0, const float *x, int64_t ldx, const float *xs,
+                 float *y, int64_t ldy) {
     const int64_t units = w->cols / 32;
-    for (int64_t u = 0; u < units; u++) {
-        __m512 xl[4], xh[4];
+    const int has_min = kind == VS_Q4 || kind == VS_Q5;
+    __m512 acc[4][8];
 #pragma GCC unroll 8
-        for (int i = 0; i < MT; i++) {
-            xl[i] = _mm512_loadu_ps(x + i * ldx + u * 32);
-            xh[i] = _mm512_loadu_ps(x + i * ldx + u * 32 + 16);
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) acc[i][v] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < units; u++) {
+        const uint8_t *pv[8];
+        const uint16_t *hv[8];
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) {
+            pv[v] = payload(kind, w, b0 + v, u);
+            hv[v] = kind == VS_Q5 ? w->high + ((b0 + v) * units + u) * 32 : NULL;
+        }
+        __m512 p[4][8];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++) p[i][v] = _mm512_setzero_ps();
+        const float *xu = x + u * 32;
+#pragma GCC unroll 2
+        for (int t = 0; t < 16; t++) {
+            __m512 w0[8], w1[8];
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++) codes_pair(kind, pv[v], hv[v], t, &w0[v], &w1[v]);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                const __m512 x0 = _mm512_set1_ps(xu[i * ldx + 2 * t]);
+                const __m512 x1 = _mm512_set1_ps(xu[i * ldx + 2 * t + 1]);
+#pragma GCC unroll 8
+                for (int v = 0; v < NR; v++) {
+                    p[i][v] = _mm512_fmadd_ps(x0, w0[v], p[i][v]);
+                    p[i][v] = _mm512_fmadd_ps(x1, w1[v], p[i][v]);
+                }
+            }
+            if (g16 && t == 7) { /* the first 16 inputs are a group of their own */
+#pragma GCC unroll 8
+                for (int v = 0; v < NR; v++) {
+                    const __m512 sv = vec_at(w->scale, f16, 2 * ((b0 + v) * units + u));
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++) {
+                        acc[i][v] = _mm512_fmadd_ps(p[i][v], sv, acc[i][v]);
+                        p[i][v] = _mm512_setzero_ps();
+                    }
+                }
+            }
         }
 #pragma GCC unroll 8
-        for (int j = 0; j < NT; j++) {
-            __m512 lo, hi;
-            dequant32(kind, f16, g16, w, bi, u, j0 + j, &lo, &hi);
+        for (int v = 0; v < NR; v++) {
+            const int64_t g = (b0 + v) * units + u;
+            if (kind == VS_F32 || kind == VS_BF16) {
 #pragma GCC unroll 8
-            for (int i = 0; i < MT; i++) {
-                acc[i][j] = _mm512_fmadd_ps(xl[i], lo, acc[i][j]);
-                acc[i][j] = _mm512_fmadd_ps(xh[i], hi, acc[i][j]);
+                for (int i = 0; i < MR; i++) acc[i][v] = _mm512_add_ps(acc[i][v], p[i][v]);
+                continue;
+            }
+            const __m512 sv = vec_at(w->scale, f16, g16 ? 2 * g + 1 : g);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) acc[i][v] = _mm512_fmadd_ps(p[i][v], sv, acc[i][v]);
+            if (has_min) {
+                const __m512 mv = vec_at(w->min, f16, g);
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++)
+                    acc[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i * units + u]), mv, acc[i][v]);
             }
         }
     }
 #pragma GCC unroll 8
-    for (int i = 0; i < MT; i++)
+    for (int v = 0; v < NR; v++) {
+        const int64_t n0 = (b0 + v) * RB;
+        const __mmask16 k = tail_mask(w->rows - n0);
+        const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(k, w->bias + n0) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-        for (int j = 0; j < NT; j++) {
-            const int64_t n = bi * RB + j0 + j;
-            float s = _mm512_reduce_add_ps(acc[i][j]);
-            if (w->bias) s += w->bias[n];
-            y[i * ldy + n] = s;
-        }
+        for (int i = 0; i < MR; i++)
+            _mm512_mask_storeu_ps(y + i * ldy + n0, k, w->bias ? _mm512_add_ps(acc[i][v], bias) : acc[i][v]);
+    }
 }
 
-/* All M rows of x against row-block bi. */
-ALWAYS void block_rows(const int kind, const int f16, const int g16, const vs_weight *w, int64_t bi,
-                       const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy) {
+/* Blocks [b0, b1) for all M rows. */
+ALWAYS void blocks_rows(const int kind, const int f16, const int g16, const vs_weight *w, int64_t b0,
+                        int64_t b1, const float *x, int64_t M, int64_t ldx, const float *xs, float *y,
+                        int64_t ldy) {
+    const int64_t units = w->cols / 32;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-        tile(kind, f16, g16, 4, 4, w, bi, 0, x + m * ldx, ldx, y + m * ldy, ldy);
-        tile(kind, f16, g16, 4, 4, w, bi, 4, x + m * ldx, ldx, y + m * ldy, ldy);
+#define TILES(MR, NR)                                                                                \
+    {                                                                                                \
+        int64_t b = b0;                                                                              \
+        for (; b + NR <= b1; b += NR)                                                                \
+            tile(kind, f16, g16, MR, NR, w, b, x + m * ldx, ldx, xs + m * units, y + m * ldy, ldy); \
+        for (; b < b1; b++) tile(kind, f16, g16, MR, 1, w, b, x + m * ldx, ldx, xs + m * units, y + m * ldy, ldy); \
     }
+    for (; m + 4 <= M; m += 4) TILES(4, 4)
     switch (M - m) {
-    case 3:
-        tile(kind, f16, g16, 3, 4, w, bi, 0, x + m * ldx, ldx, y + m * ldy, ldy);
-        tile(kind, f16, g16, 3, 4, w, bi, 4, x + m * ldx, ldx, y + m * ldy, ldy);
-        break;
-    case 2: tile(kind, f16, g16, 2, 8, w, bi, 0, x + m * ldx, ldx, y + m * ldy, ldy); break;
-    case 1: tile(kind, f16, g16, 1, 8, w, bi, 0, x + m * ldx, ldx, y + m * ldy, ldy); break;
+    case 3: TILES(3, 4) break;
+    case 2: TILES(2, 4) break;
+    case 1: TILES(1, 4) break;
     default: break;
     }
+#undef TILES
 }
 
-typedef void (*block_fn)(const vs_weight *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
+typedef void (*blocks_fn)(const vs_weight *, int64_t, int64_t, const float *, int64_t, int64_t,
+                          const float *, float *, int64_t);
 
-#define BLOCK_FN(name, kind, f16, g16)                                                        \
-    static void name(const vs_weight *w, int64_t bi, const float *x, int64_t M, int64_t ldx, \
-                     float *y, int64_t ldy) { block_rows(kind, f16, g16, w, bi, x, M, ldx, y, ldy); }
-BLOCK_FN(block_f32, VS_F32, 0, 0)
-BLOCK_FN(block_bf16, VS_BF16, 0, 0)
-BLOCK_FN(block_q4_h, VS_Q4, 1, 0)
-BLOCK_FN(block_q4_f, VS_Q4, 0, 0)
-BLOCK_FN(block_q5_h, VS_Q5, 1, 0)
-BLOCK_FN(block_q5_f, VS_Q5, 0, 0)
-BLOCK_FN(block_q8_h, VS_Q8, 1, 0)
-BLOCK_FN(block_q8_f, VS_Q8, 0, 0)
-BLOCK_FN(block_q8_f16g, VS_Q8, 0, 1)
+#define BLOCKS_FN(name, kind, f16, g16)                                                                    \
+    static void name(const vs_weight *w, int64_t b0, int64_t b1, const float *x, int64_t M, int64_t ldx, \
+                     const float *xs, float *y, int64_t ldy) {                                           \
+        blocks_rows(kind, f16, g16, w, b0, b1, x, M, ldx, xs, y, ldy);                                     \
+    }
+BLOCKS_FN(blocks_f32, VS_F32, 0, 0)
+BLOCKS_FN(blocks_bf16, VS_BF16, 0, 0)
+BLOCKS_FN(blocks_q4_h, VS_Q4, 1, 0)
+BLOCKS_FN(blocks_q4_f, VS_Q4, 0, 0)
+BLOCKS_FN(blocks_q5_h, VS_Q5, 1, 0)
+BLOCKS_FN(blocks_q5_f, VS_Q5, 0, 0)
+BLOCKS_FN(blocks_q8_h, VS_Q8, 1, 0)
+BLOCKS_FN(blocks_q8_f, VS_Q8, 0, 0)
+BLOCKS_FN(blocks_q8_g16, VS_Q8, 0, 1)
 
-static block_fn block_for(const vs_weight *w) {
+static blocks_fn blocks_for(const vs_weight *w) {
     switch (w->kind) {
-    case VS_F32: return block_f32;
-    case VS_BF16: return block_bf16;
-    case VS_Q4: return w->scale_f16 ? block_q4_h : block_q4_f;
-    case VS_Q5: return w->scale_f16 ? block_q5_h : block_q5_f;
-    default: return w->group == 16 ? block_q8_f16g : w->scale_f16 ? block_q8_h : block_q8_f;
+    case VS_F32: return blocks_f32;
+    case VS_BF16: return blocks_bf16;
+    case VS_Q4: return w->scale_f16 ? blocks_q4_h : blocks_q4_f;
+    case VS_Q5: return w->scale_f16 ? blocks_q5_h : blocks_q5_f;
+    default: return w->group == 16 ? blocks_q8_g16 : w->scale_f16 ? blocks_q8_h : blocks_q8_f;
     }
 }
 
-/* y (M x N) = x (M x K) w^T (+ bias), shared out over row-blocks; call inside a parallel region. */
-static void linear_rows(const vs_weight *w, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy) {
-    const block_fn fn = block_for(w);
-    const int64_t blocks = w->rows / RB;
-#pragma omp for schedule(static)
-    for (int64_t bi = 0; bi < blocks; bi++) fn(w, bi, x, M, ldx, y, ldy);
+/* A thread's buffer for the rows' unit sums of x (M x units). */
+static float *sums_buffer(int64_t n) {
+    static __thread float *buf = NULL;
+    static __thread int64_t cap = 0;
+    if (cap < n) {
+        free(buf);
+        buf = malloc((size_t)n * sizeof(float));
+        cap = n;
+    }
+    return buf;
 }
 
-/* ys[i] = x ws[i]^T for `count` weights of the same input width, one work-sharing loop over all
-   their row-blocks (q, k and v; gate and up): one barrier instead of `count`. */
+/* Each row's sum of x over every 32-input unit, in input order (the mins' term). */
+static const float *unit_sums(const vs_weight *w, const float *x, int64_t M, int64_t ldx) {
+    if (w->kind != VS_Q4 && w->kind != VS_Q5) return NULL;
+    const int64_t units = w->cols / 32;
+    float *xs = sums_buffer(M * units);
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t u = 0; u < units; u++) {
+            float s = 0.0f;
+            for (int k = 0; k < 32; k++) s += x[i * ldx + u * 32 + k];
+            xs[i * units + u] = s;
+        }
+    return xs;
+}
+
+#define CHUNK 4 /* blocks per work item */
+
+/* ys[i] = x ws[i]^T (+ bias) for `count` weights of the same input width, in one work-sharing
+   loop over all their blocks (q, k and v; gate and up: one barrier, not `count`). Call inside
+   a parallel region. */
 static void linear_rows_multi(const vs_weight *const *ws, float *const *ys, int count, const float *x,
                               int64_t M, int64_t ldx) {
     int64_t total = 0;
-    for (int i = 0; i < count; i++) total += ws[i]->rows / RB;
+    const float *xs = NULL; /* the same for every weight: they share x */
+    for (int i = 0; i < count; i++) total += ((ws[i]->rows + RB - 1) / RB + CHUNK - 1) / CHUNK;
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < total; b++) {
-        int64_t bi = b;
+    for (int64_t item = 0; item < total; item++) {
+        int64_t c = item;
         int i = 0;
-        while (bi >= ws[i]->rows / RB) bi -= ws[i++]->rows / RB;
-        block_for(ws[i])(ws[i], bi, x, M, ldx, ys[i], ws[i]->rows);
+        while (c >= ((ws[i]->rows + RB - 1) / RB + CHUNK - 1) / CHUNK)
+            c -= ((ws[i]->rows + RB - 1) / RB + CHUNK - 1) / CHUNK, i++;
+        const int64_t blocks = (ws[i]->rows + RB - 1) / RB;
+        const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
+        if (xs == NULL) xs = unit_sums(ws[i], x, M, ldx);
+        blocks_for(ws[i])(ws[i], b0, b1, x, M, ldx, xs, ys[i], ws[i]->rows);
     }
 }
 
-/* Rows [r0, r1) of w as float32, exactly as the matmul sees them (tests and float copies). */
+static void linear_rows(const vs_weight *w, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy) {
+    const int64_t blocks = (w->rows + RB - 1) / RB;
+    const float *xs = NULL;
+    const blocks_fn fn = blocks_for(w);
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < (blocks + CHUNK - 1) / CHUNK; c++) {
+        if (xs == NULL) xs = unit_sums(w, x, M, ldx);
+        const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
+        fn(w, b0, b1, x, M, ldx, xs, y, ldy);
+    }
+}
+
+/* Rows [r0, r1) of w as float32 weights: code * scale (+ min), one rounding, exactly as gguf-py
+   dequantizes them (tests, the embedding and float copies). */
 void vs_dequant_rows(const vs_weight *w, int64_t r0, int64_t r1, float *out) {
-    const int64_t K = w->cols;
+    const int64_t K = w->cols, units = K / 32;
+    const int f16 = w->scale_f16;
     for (int64_t r = r0; r < r1; r++) {
-        const int64_t bi = r / RB, j = r % RB;
-        for (int64_t u = 0; u < K / 32; u++) {
-            __m512 lo, hi;
-            switch (w->kind) {
-            case VS_F32: dequant32(VS_F32, 0, 0, w, bi, u, j, &lo, &hi); break;
-            case VS_BF16: dequant32(VS_BF16, 0, 0, w, bi, u, j, &lo, &hi); break;
-            case VS_Q4: dequant32(VS_Q4, w->scale_f16, 0, w, bi, u, j, &lo, &hi); break;
-            case VS_Q5: dequant32(VS_Q5, w->scale_f16, 0, w, bi, u, j, &lo, &hi); break;
-            default: dequant32(VS_Q8, w->scale_f16, w->group == 16, w, bi, u, j, &lo, &hi); break;
+        const int64_t b = r / RB, lane = r % RB;
+        for (int64_t u = 0; u < units; u++) {
+            const uint8_t *p = (const uint8_t *)w->data + (b * units + u) * unit_bytes(w->kind);
+            const int64_t g = b * units + u;
+            for (int k = 0; k < 32; k++) {
+                float c, value;
+                switch (w->kind) {
+                case VS_F32: c = ((const float *)p)[k * 16 + lane]; break;
+                case VS_BF16: {
+                    const uint32_t bits = (uint32_t)((const uint16_t *)p)[k * 16 + lane] << 16;
+                    memcpy(&c, &bits, 4);
+                    break;
+                }
+                case VS_Q8: c = (float)((const int8_t *)p)[k * 16 + lane]; break;
+                default: {
+                    const uint8_t byte = p[(k / 2) * 16 + lane];
+                    int code = k % 2 ? byte >> 4 : byte & 15;
+                    if (w->kind == VS_Q5 && (w->high[g * 32 + k] >> lane) & 1) code |= 16;
+                    c = (float)code;
+                }
+                }
+                if (w->kind == VS_F32 || w->kind == VS_BF16) {
+                    value = c;
+                } else {
+                    const int64_t si = w->group == 16 ? 2 * g + k / 16 : g;
+                    const float scale = f16 ? _cvtsh_ss(((const uint16_t *)w->scale)[si * 16 + lane])
+                                            : ((const float *)w->scale)[si * 16 + lane];
+                    if (w->min) {
+                        const float mn = f16 ? _cvtsh_ss(((const uint16_t *)w->min)[g * 16 + lane])
+                                             : ((const float *)w->min)[g * 16 + lane];
+                        value = fmaf(c, scale, mn);
+                    } else {
+                        value = c * scale;
+                    }
+                }
+                out[(r - r0) * K + u * 32 + k] = value;
             }
-            _mm512_storeu_ps(out + (r - r0) * K + u * 32, lo);
-            _mm512_storeu_ps(out + (r - r0) * K + u * 32 + 16, hi);
         }
     }
 }

@@ -710,14 +710,15 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
         report["distill_tokens"] = sum(map(len, split["distill"]))
         report["distill_seconds"] = round(time.perf_counter() - t0, 1)
     if "features" in stages or "train" in stages:
-        extractor, _ = load_model(cfg.model, dtype=_fast_dtype(cfg.feature_dtype),
-                                  max_seq_len=cfg.max_len + 8)
+        # torch's kernels: feature extraction is long prefills, where its batched matmuls win.
+        fast = {torch.float32: "f32", torch.bfloat16: "bf16"}[_fast_dtype(cfg.feature_dtype)]
+        extractor, _ = load_model(cfg.model, weights=fast, backend="torch", max_seq_len=cfg.max_len + 8)
         t1 = time.perf_counter()
         extract_features(cfg, extractor, split)
         report["features_seconds"] = round(time.perf_counter() - t1, 1)
         del extractor
     if "train" in stages:
-        target, _ = load_model(cfg.model, max_seq_len=4096)
+        target, _ = load_model(cfg.model, max_seq_len=4096, backend="torch")
         t2 = time.perf_counter()
         drafter = train_drafter(cfg, target, log=log)
         seconds = drafter.train_seconds
