@@ -196,7 +196,7 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
 
 def _cache_key(model, key: str) -> str:
     # The matmul path changes every timing, so it is part of what the choice depends on.
-    return "|".join([key, str(model.dtype), str(model.device), str(torch.get_num_threads()),
+    return "|".join([key, model.weights, str(model.device), str(torch.get_num_threads()),
                      "packed" if packing_enabled() else "plain",
                      torch.__version__, platform.processor() or platform.machine(),
                      str(os.cpu_count())])

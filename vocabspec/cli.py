@@ -38,10 +38,11 @@ def _float(text: str) -> float:
 
 
 def add_weight_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--weights", default="auto", choices=["auto", "gguf", "bf16", "f32"],
+    parser.add_argument("--weights", default="auto", choices=["auto", "gguf", "gguf-a8", "bf16", "f32"],
                         help="the target's run-time weight format: gguf (the file's own quantized "
-                             "groups), bf16 or f32; auto: the fastest exact one here (gguf for a "
-                             "GGUF file on the native CPU engine, else f32)")
+                             "groups, float32 activations), gguf-a8 (the same weights, 8-bit "
+                             "activations in products, as llama.cpp), bf16 or f32; auto: the "
+                             "fastest exact one here")
     parser.add_argument("--backend", default="auto", choices=["auto", "native", "torch"],
                         help="native: the CPU engine whose rows are bit-identical at any row count "
                              "(auto where it runs); torch: torch's kernels, any device")

@@ -57,10 +57,18 @@ class _Timed:
         committed tokens. Only a strategy that uses them (SpecVocab) keeps them."""
 
 
+def head_logits(states: torch.Tensor, weight) -> torch.Tensor:
+    """states (rows, dim) against a head: a float tensor, or a formats.PackedWeight (the target's
+    own head on the native engine), float32."""
+    if isinstance(weight, torch.Tensor):
+        return linear(states.to(weight.dtype), weight).float()
+    return weight.matmul(states)
+
+
 class FullVocab(_Timed):
     name = "full"
 
-    def __init__(self, head_weight: torch.Tensor):
+    def __init__(self, head_weight):
         super().__init__()
         self.weight = head_weight
         self.size = head_weight.shape[0]
@@ -71,15 +79,18 @@ class FullVocab(_Timed):
         states has just read, `level`: the rows' tree level, 0 for the root (only SpecVocab
         uses them)."""
         start = time.perf_counter()
-        logits = linear(states.to(self.weight.dtype), self.weight).float()
+        if not isinstance(self.weight, torch.Tensor):      # native: one fused call
+            ids, log_probs = self.weight.topk(states, k)
+            self._tick("head", start)
+            return ids, log_probs
+        logits = head_logits(states, self.weight)
         return self._top(logits, k, self._tick("head", start))
 
 
 class StaticSubset(_Timed):
     """Draft over a fixed token list: the head's rows for those tokens, ids mapped back."""
 
-    def __init__(self, head_weight: torch.Tensor, token_ids, name: str = "subset",
-                 dtype: torch.dtype | None = None):
+    def __init__(self, head_weight, token_ids, name: str = "subset", dtype: torch.dtype | None = None):
         super().__init__()
         token_ids = torch.as_tensor(token_ids, dtype=torch.long)
         vocab = head_weight.shape[0]
@@ -91,13 +102,21 @@ class StaticSubset(_Timed):
             raise ValueError("draft vocabulary lists a token twice")
         self.name = name
         self.size = token_ids.numel()
-        self.draft_to_target = token_ids.to(head_weight.device)
-        self.weight = head_weight[self.draft_to_target].to(dtype or head_weight.dtype).contiguous()
+        if isinstance(head_weight, torch.Tensor):
+            self.draft_to_target = token_ids.to(head_weight.device)
+            self.weight = head_weight[self.draft_to_target].to(dtype or head_weight.dtype).contiguous()
+        else:
+            self.draft_to_target = token_ids
+            self.weight = head_weight.take_rows(token_ids)
 
     def top_k(self, states: torch.Tensor, k: int, tokens: list[int] | None = None,
               level: int | None = None):
         start = time.perf_counter()
-        logits = linear(states.to(self.weight.dtype), self.weight).float()
+        if not isinstance(self.weight, torch.Tensor):      # native: one fused call
+            indices, log_probs = self.weight.topk(states, k)
+            self._tick("head", start)
+            return self.draft_to_target[indices], log_probs
+        logits = head_logits(states, self.weight)
         indices, log_probs = self._top(logits, k, self._tick("head", start))
         return self.draft_to_target[indices], log_probs
 
@@ -329,16 +348,18 @@ DEFAULT_SUCCESSORS = 16     # per row: 98.0% Spec-Bench recall for SmolLM2 (BENC
 
 def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
                      token_map: str | Path | None = None, ranker: str | Path | None = None,
-                     dtype: torch.dtype | None = None):
+                     dtype: torch.dtype | None = None, packed_head=None):
     """Build the strategy `spec` for a target head, reading token maps / the ranker from
     `files` (the bundled drafter directory) unless paths are given. `dtype`: the drafter's
-    (default: the head's); the full and static heads keep a copy of their rows in it."""
+    (default: the head's); the full and static heads keep a copy of their rows in it.
+    packed_head: the target's head on the native engine (a formats.PackedWeight); the full
+    and static heads then score with it (or its rows) instead of a float copy."""
     from .token_map import load_successors, load_token_map
 
     kind, size = parse_draft_vocab(spec)
     vocab = head_weight.shape[0]
     if kind == "full":
-        return FullVocab(head_weight.to(dtype or head_weight.dtype))
+        return FullVocab(packed_head if packed_head is not None else head_weight.to(dtype or head_weight.dtype))
     if kind in ("fr", "trim"):
         path = Path(token_map) if token_map else (files / f"token_map_{kind}.pt" if files else None)
         if path is None or not path.exists():
@@ -349,7 +370,8 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
             raise ValueError(f"draft vocabulary of {size} tokens is larger than the target's {vocab}")
         if size > ids.numel():
             raise ValueError(f"token map {path} ranks only {ids.numel()} tokens, {size} asked for")
-        return StaticSubset(head_weight, ids[:size], name=f"{kind}:{size}", dtype=dtype)
+        return StaticSubset(packed_head if packed_head is not None else head_weight, ids[:size],
+                            name=f"{kind}:{size}", dtype=dtype)
     from .ranker import load_ranker
 
     path = Path(ranker) if ranker else (files / "ranker.safetensors" if files else None)

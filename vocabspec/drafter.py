@@ -100,6 +100,22 @@ class EagleDrafter(nn.Module):
             self.layers[0].attn_norm = nn.Identity()
         # Shared with the target, never trained: not registered as parameters.
         self.__dict__["target"] = target
+        self.__dict__["native"] = None     # (fc, layers) on the native engine: `use_native`
+
+    def use_native(self, kind: str = "bf16") -> None:
+        """Draft on the native CPU engine: fc and the layers as `kind` weights (bf16 holds a
+        bfloat16 checkpoint exactly), float32 activations, a native KV cache. What is drafted
+        changes by rounding only; verification is untouched."""
+        from .formats import block_linears, pack_float, quantize_q8
+        from .model import native_stack
+
+        if self.fuse is not None:
+            raise ValueError("drafters with taps draft on torch's kernels")
+        pack = (lambda w, bias=None: quantize_q8(w, bias)) if kind == "q8i" else \
+            (lambda w, bias=None: pack_float(w, kind, bias))
+        packed = {name: pack(w) for name, w in block_linears(self.args, self.layers).items()}
+        self.__dict__["native"] = (pack(self.fc.weight, bias=self.fc.bias),
+                                   native_stack(self.args, self.layers, packed, self.target.rope))
 
     @classmethod
     def random(cls, target: Transformer, seed: int = 0, input_norm: bool = False,
@@ -146,6 +162,12 @@ class EagleDrafter(nn.Module):
 
     def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
         """Predicted next features (n, dim) for (token, feature) pairs."""
+        if self.native is not None:
+            fc, stack = self.native
+            x = fc.matmul(torch.cat([self.target.embed_tokens(tokens).float(), features.float()], dim=-1))
+            stack.forward(x, positions, cache.keys, cache.values, cache.length, cache.pending, tree_mask)
+            cache.advance(tokens.shape[0])
+            return x
         dtype = self.fc.weight.dtype
         x = self.fc(torch.cat([self.target.embed_tokens(tokens).to(dtype), features.to(dtype)], dim=-1))
         cos, sin = self.target.rope["global"]
@@ -181,6 +203,9 @@ class EagleDrafter(nn.Module):
 
     def new_cache(self, max_len: int) -> KVCache:
         a = self.args
+        if self.native is not None:
+            return KVCache(len(self.layers), a.n_kv_heads, a.head_dim, max_len, torch.float32,
+                           self.fc.weight.device, layout="native")
         return KVCache(len(self.layers), a.n_kv_heads, a.head_dim, max_len, self.fc.weight.dtype, self.fc.weight.device)
 
     # ------------------------------------------------------------ checkpoints

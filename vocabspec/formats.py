@@ -1,6 +1,6 @@
 """Weight formats at run time: how a linear layer's weight is stored for the native engine.
 
-Three formats, chosen per model with `--weights`:
+Four formats, chosen per model with `--weights`:
 - `gguf`: the file's own quantized groups, re-encoded losslessly (each weight dequantizes to the
   very float32 value gguf-py's `dequantize` gives) into three kinds of groups of 32 inputs:
   q4 (4-bit codes, w = code * scale + min: Q4_0, Q4_1, Q4_K), q5 (5-bit codes: Q5_0, Q5_1) and
@@ -8,11 +8,13 @@ Three formats, chosen per model with `--weights`:
   stay float16 where the file's are (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, so those cost no extra byte);
   K-quants' scales are products of two numbers and are kept as exact float32 values.
   Other types (Q2_K, Q3_K, Q5_K, IQ*) are stored as float32 rows, which is lossless too.
+- `gguf-a8`: the same weights; each product quantizes its input rows to 8 bits per 32 inputs
+  (as llama.cpp does) and sums 8-bit products exactly in integers (AVX-512 VNNI): about half
+  the work of `gguf` for one row and a third of it for a tree's rows, at llama.cpp's precision.
 - `bf16`: every weight rounded to bfloat16.
 - `f32`: float32.
 
-Activations are float32 in every format: the formats differ in the bytes streamed per token,
-never in how the arithmetic is ordered. Rows are stored in blocks of 8 (see native.c), so a
+Activations are otherwise float32 in every format (norms, attention, the residual stream). Rows are stored in blocks of 8 (see native.c), so a
 matrix needs a multiple of 8 rows and of 32 columns.
 """
 
@@ -26,14 +28,14 @@ import torch
 
 from . import native
 
-FORMATS = ("gguf", "bf16", "f32")
+FORMATS = ("gguf", "gguf-a8", "bf16", "f32")
 ROW_BLOCK = 16
 UNIT = 32
 
 
 @dataclass
 class PackedWeight:
-    kind: str                      # f32, bf16, q4, q5, q8
+    kind: str                      # f32, bf16, q4, q5, q8; q4i, q5i, q8i (8-bit activations)
     rows: int
     cols: int
     data: torch.Tensor             # row-blocked payloads (native.c)
@@ -61,6 +63,53 @@ class PackedWeight:
                              scale=native.ptr(self.scale), min=native.ptr(self.min),
                              bias=native.ptr(self.bias))
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, cols) times the weight's transpose (+ bias): (rows, self.rows), float32."""
+        x = x.to(torch.float32).contiguous()
+        if x.dim() != 2 or x.shape[1] != self.cols:
+            raise ValueError(f"matmul of {tuple(x.shape)} with a {self.rows} x {self.cols} weight")
+        out = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
+        if x.shape[0]:
+            struct = self.struct()
+            native.library().vs_linear(ctypes.byref(struct), x.data_ptr(), x.shape[0], out.data_ptr())
+        return out
+
+    def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k largest entries of each row of `matmul(x)` (ids, long) and their
+        log-probabilities under that row's softmax, in one native call (a draft head's step)."""
+        x = x.to(torch.float32).contiguous()
+        rows, k = x.shape[0], min(k, self.rows, 64)
+        logits = torch.empty(rows, self.rows, dtype=torch.float32)
+        ids = torch.empty(rows, k, dtype=torch.int64)
+        logprobs = torch.empty(rows, k, dtype=torch.float32)
+        struct = self.struct()
+        native.library().vs_linear_topk(ctypes.byref(struct), x.data_ptr(), rows, k, logits.data_ptr(),
+                                        ids.data_ptr(), logprobs.data_ptr())
+        return ids, logprobs
+
+    def take_rows(self, ids: torch.Tensor) -> "PackedWeight":
+        """A weight of the rows `ids` (a draft vocabulary's share of the head), same format."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
+            raise ValueError(f"row ids outside [0, {self.rows})")
+
+        # The 8-bit-activation layouts keep a row's four codes after its row index.
+        fields = {"data": _take_rows(self.data, ids, -2 if self.kind.endswith("i") else -1)}
+        fields.update({f: _take_rows(getattr(self, f), ids) for f in ("scale", "min")
+                       if getattr(self, f) is not None})
+        if self.kind == "q5":      # a 16-bit word per block and input: a bit per row
+            bits = (self.high.to(torch.int32)[..., None] >> torch.arange(ROW_BLOCK, dtype=torch.int32)) & 1
+            bits = _take_rows(bits, ids)
+            fields["high"] = (bits << torch.arange(ROW_BLOCK, dtype=torch.int32)).sum(-1) \
+                .to(torch.int32).to(torch.uint16).contiguous()
+        elif self.kind == "q5i":   # a 64-bit word per block and four inputs: bit 4 * row + input
+            bits = ((self.high[..., None] >> torch.arange(64)) & 1).reshape(*self.high.shape, ROW_BLOCK, 4)
+            bits = _take_rows(bits, ids, -2).reshape(*bits.shape[:-3], -1, 64)
+            fields["high"] = (bits << torch.arange(64)).sum(-1).contiguous()
+        bias = None if self.bias is None else self.bias[ids].contiguous()
+        return PackedWeight(self.kind, ids.numel(), self.cols, group=self.group, bias=bias,
+                            source=self.source, **fields)
+
     def dequantize(self, rows: slice | None = None) -> torch.Tensor:
         """The float32 weight (or a slice of its rows) exactly as the kernels compute with it."""
         start, stop, _ = (rows or slice(None)).indices(self.rows)
@@ -74,6 +123,13 @@ def check_shape(rows: int, cols: int, what: str = "weight") -> None:
     if cols % UNIT:
         raise ValueError(f"{what} of {rows} x {cols}: the native engine needs a multiple of "
                          f"{UNIT} columns")
+
+
+def _take_rows(t: torch.Tensor, ids: torch.Tensor, row_dim: int = -1) -> torch.Tensor:
+    """Rows `ids` of a blocked tensor (blocks, units, ..., 16 at row_dim, ...), blocked again."""
+    t = t.movedim(row_dim, -1)
+    flat = t.movedim(-1, 1).reshape(-1, *t.shape[1:-1])          # (rows, units, ...)
+    return _blocked(flat[ids]).movedim(-1, row_dim).contiguous()
 
 
 def _blocked(t: torch.Tensor) -> torch.Tensor:
@@ -105,7 +161,24 @@ def pack_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor, min: torch.T
     units = cols // UNIT
     grouped = _blocked(codes.reshape(rows, units, UNIT))      # (blocks, units, 32 inputs, 16 rows)
     high = None
-    if kind in ("q4", "q5"):
+    if kind in ("q4i", "q5i", "q8i"):
+        # Four consecutive inputs' codes per row side by side (blocks, units, 8, 16, 4): the
+        # layout VNNI's 4-way byte products read.
+        quads = grouped.reshape(*grouped.shape[:2], 8, 4, ROW_BLOCK).movedim(3, 4)
+        if kind == "q8i":
+            if group not in (16, 32) or min is not None:
+                raise ValueError("q8 groups are 16 or 32 wide, without mins")
+            data = quads.to(torch.int8).contiguous()
+        else:
+            if group != UNIT or min is None:
+                raise ValueError(f"{kind} groups are {UNIT} wide and have mins")
+            low = (quads & 15).to(torch.uint8)
+            data = torch.stack([low[..., 0] | (low[..., 2] << 4), low[..., 1] | (low[..., 3] << 4)], -1)
+            data = data.contiguous()
+            if kind == "q5i":
+                bits = ((quads >> 4) & 1).to(torch.int64).reshape(*quads.shape[:3], 64)
+                high = (bits << torch.arange(64, dtype=torch.int64)).sum(-1).contiguous()
+    elif kind in ("q4", "q5"):
         if group != UNIT or min is None:
             raise ValueError(f"{kind} groups are {UNIT} wide and have mins")
         low = (grouped & 15).to(torch.uint8)
@@ -123,6 +196,19 @@ def pack_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor, min: torch.T
     if min is not None:
         min = _blocked(min.reshape(rows, units))
     return PackedWeight(kind, rows, cols, data, scale, min, high, group, _bias(bias), source)
+
+
+def quantize_q8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
+    """A float weight quantized as GGUF's Q8_0 does (per 32 inputs: d = max|w| / 127 in float16,
+    codes round(w / d)), for products with 8-bit activations (q8i). Lossy: for drafters, whose
+    rounding changes what is drafted, never what is accepted."""
+    rows, cols = weight.shape
+    check_shape(rows, cols)
+    w = weight.detach().float().reshape(rows, cols // UNIT, UNIT)
+    d = (w.abs().amax(-1) / 127).half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(d.float()))
+    codes = torch.round(w * inv[..., None]).clamp(-127, 127).to(torch.int8).reshape(rows, cols)
+    return pack_codes("q8i", codes, d, bias=bias, source="q8_0")
 
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -148,14 +234,17 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def from_gguf_blocks(type_name: str, raw: np.ndarray, rows: int, cols: int) -> PackedWeight | None:
+def from_gguf_blocks(type_name: str, raw: np.ndarray, rows: int, cols: int,
+                     int8_activations: bool = False) -> PackedWeight | None:
     """A quantized GGUF tensor's blocks (rows, row bytes) re-encoded losslessly; None for a type
-    that has no quantized kind here (the caller keeps its float32 dequantization)."""
+    that has no quantized kind here (the caller keeps its float32 dequantization). With
+    int8_activations, in the layout of products with 8-bit activations (q4i, q5i, q8i)."""
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    suffix = "i" if int8_activations else ""
     units = cols // UNIT
     if type_name == "Q8_0":
         b = raw.reshape(rows, units, 34)
-        return pack_codes("q8", t(b[..., 2:].view(np.int8).reshape(rows, cols)), t(_f16(b, 0)),
+        return pack_codes("q8" + suffix, t(b[..., 2:].view(np.int8).reshape(rows, cols)), t(_f16(b, 0)),
                           source=type_name)
     if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[type_name]
@@ -174,7 +263,7 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, rows: int, cols: int) -> P
             mn = (-(16 if five else 8) * d.astype(np.float32)).astype(np.float16)
             if not np.array_equal(mn.astype(np.float32), -(16 if five else 8) * d.astype(np.float32)):
                 return None
-        return pack_codes("q5" if five else "q4", t(codes.reshape(rows, cols)), t(d), t(mn),
+        return pack_codes(("q5" if five else "q4") + suffix, t(codes.reshape(rows, cols)), t(d), t(mn),
                           source=type_name)
     if type_name == "Q4_K":
         b = raw.reshape(rows, cols // 256, 144)
@@ -184,7 +273,7 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, rows: int, cols: int) -> P
         minimum = -(dmin[..., None] * mn.astype(np.float32))
         qs = b[..., 16:].reshape(rows, cols // 256, 4, 32)   # 64 inputs per 32 bytes
         codes = np.concatenate([qs & 15, qs >> 4], axis=-1)   # (.., 4, 64): low 32 then high 32
-        return pack_codes("q4", t(codes.reshape(rows, cols)), t(scale.reshape(rows, units)),
+        return pack_codes("q4" + suffix, t(codes.reshape(rows, cols)), t(scale.reshape(rows, units)),
                           t(minimum.reshape(rows, units)), source=type_name)
     if type_name == "Q6_K":
         b = raw.reshape(rows, cols // 256, 210)
@@ -196,7 +285,7 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, rows: int, cols: int) -> P
         low = np.concatenate([ql & 15, ql >> 4], axis=-1).reshape(rows, -1, 2, 4, 32)
         qh = qh.reshape(rows, -1, 2, 1, 32) >> (np.arange(4, dtype=np.uint8) * 2).reshape(1, 1, 1, 4, 1)
         codes = (low | ((qh & 3) << 4)).astype(np.int16) - 32
-        return pack_codes("q8", t(codes.reshape(rows, cols).astype(np.int8)),
+        return pack_codes("q8" + suffix, t(codes.reshape(rows, cols).astype(np.int8)),
                           t(scale.reshape(rows, cols // 16)), group=16, source=type_name)
     return None
 
@@ -214,16 +303,22 @@ def llama_rope_rows(rows: int, n_head: int) -> np.ndarray:
 
 
 def float_linears(model) -> dict[str, torch.Tensor]:
-    """Each layer's projections as (rows, cols) float tensors, split out of the fused modules."""
-    args = model.args
+    """Each layer's projections as (rows, cols) float tensors, split out of the fused modules,
+    and the embedding."""
+    out = block_linears(model.args, model.layers)
+    out["embed"] = model.embed.weight
+    return out
+
+
+def block_linears(args, blocks) -> dict[str, torch.Tensor]:
+    """`layers.{i}.{wq, wk, wv, wo, w_gate, w_up, w_down}` of decoder blocks, as float tensors."""
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     out = {}
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(blocks):
         wq, wk, wv = block.attn.wqkv.weight.split([q, kv, kv])
         gate, up = block.mlp.w_gate_up.weight.split(args.intermediate_size)
         for name, w in zip(LINEARS, (wq, wk, wv, block.attn.wo.weight, gate, up, block.mlp.w_down.weight)):
             out[f"layers.{i}.{name}"] = w
-    out["embed"] = model.embed.weight
     return out
 
 
@@ -233,12 +328,15 @@ def pack_model(model, weights: str, gguf_path=None) -> dict[str, PackedWeight]:
     if weights not in FORMATS:
         raise ValueError(f"unknown weight format {weights!r} (choose from {', '.join(FORMATS)})")
     floats = float_linears(model)
-    if weights != "gguf":
+    if not weights.startswith("gguf"):
         packed = {name: pack_float(w, weights) for name, w in floats.items()}
         packed["head"] = packed["embed"]
         return packed
     if gguf_path is None:
-        raise ValueError("--weights gguf needs a GGUF model file")
+        raise ValueError(f"--weights {weights} needs a GGUF model file")
+    int8_activations = weights == "gguf-a8"
+    if int8_activations and not native.library().vs_has_vnni():
+        raise ValueError("--weights gguf-a8 needs AVX-512 VNNI, which this CPU lacks; use gguf")
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
@@ -261,7 +359,7 @@ def pack_model(model, weights: str, gguf_path=None) -> dict[str, PackedWeight]:
             if args.arch == "llama" and name.split(".")[-1] in ("wq", "wk"):
                 heads = args.n_heads if name.endswith("wq") else args.n_kv_heads
                 raw = raw[llama_rope_rows(rows, heads)]
-            result = from_gguf_blocks(tensor.tensor_type.name, raw, rows, cols)
+            result = from_gguf_blocks(tensor.tensor_type.name, raw, rows, cols, int8_activations)
         packed[name] = result if result is not None else pack_float(w, "f32")
     packed["head"] = packed["embed"]
     return packed

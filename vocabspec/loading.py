@@ -334,13 +334,13 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
     gguf_file = path if path.is_file() else None
     if weights == "auto":
         weights = ("gguf" if gguf_file else "f32") if engine == "native" else "f32"
-    if weights == "gguf" and engine != "native":
+    if weights.startswith("gguf") and engine != "native":
         why = unfit or ("--backend torch" if backend == "torch" else native.available()[1]
                         or f"device {device.type}")
-        raise ModelLoadError(f"--weights gguf runs on the native CPU engine, not used here ({why}); "
-                             "use bf16 or f32")
-    if weights == "gguf" and gguf_file is None:
-        raise ModelLoadError(f"{path}: --weights gguf needs a GGUF file, not a model directory")
+        raise ModelLoadError(f"--weights {weights} runs on the native CPU engine, not used here "
+                             f"({why}); use bf16 or f32")
+    if weights.startswith("gguf") and gguf_file is None:
+        raise ModelLoadError(f"{path}: --weights {weights} needs a GGUF file, not a model directory")
     with torch.device("meta"):
         net = Transformer(args)
     net = net.to_empty(device=device)
@@ -371,11 +371,11 @@ def native_unfit(args: ModelArgs) -> str:
 def cached_pack(net: Transformer, weights: str, gguf_file: Path | None) -> dict:
     """pack_model's result, cached beside the dequantized weights for GGUF re-encodings (they
     take seconds to build and milliseconds to map)."""
-    if weights != "gguf":
+    if not weights.startswith("gguf"):
         return pack_model(net, weights, gguf_file)
     from safetensors.torch import load_file, save_file
 
-    cached = cache_dir() / f"{gguf_file.stem}-{_file_key(gguf_file)}-gguf{PACK_VERSION}.safetensors"
+    cached = cache_dir() / f"{gguf_file.stem}-{_file_key(gguf_file)}-{weights}{PACK_VERSION}.safetensors"
     if cached.exists():
         try:
             return unflatten_packed(load_file(str(cached)), json.loads(

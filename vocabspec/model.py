@@ -214,6 +214,23 @@ def norm_tensors(block: Block) -> dict:
             "q_norm": weight(block.attn.q_norm), "k_norm": weight(block.attn.k_norm)}
 
 
+def native_stack(args: ModelArgs, blocks, packed: dict, rope: dict):
+    """Decoder blocks as a native.NativeStack over `packed` projections (`layers.{i}.{name}`)."""
+    from .native import NativeStack
+
+    layers = []
+    for i, block in enumerate(blocks):
+        kind = "local" if args.is_sliding(i) and "local" in rope else "global"
+        cos, sin = rope[kind]
+        spec = {name: packed[f"layers.{i}.{name}"]
+                for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+        spec.update(norm_tensors(block), cos=cos, sin=sin,
+                    window=args.sliding_window if args.is_sliding(i) else 0)
+        layers.append(spec)
+    return NativeStack(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size,
+                       args.norm_eps, blocks[0].attn.scale, args.arch == "gemma3", layers)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -265,25 +282,13 @@ class Transformer(nn.Module):
 
     def use_native(self, packed: dict, weights: str) -> None:
         """Run on the native CPU engine with `packed` weights (formats.pack_model)."""
-        from .native import NativeModel, NativeStack
+        from .native import NativeModel
 
-        args = self.args
         if self.device.type != "cpu" or self.dtype != torch.float32:
             raise ValueError("the native engine runs float32 activations on the CPU")
-        layers = []
-        for i, block in enumerate(self.layers):
-            kind = "local" if args.is_sliding(i) and "local" in self.rope else "global"
-            cos, sin = self.rope[kind]
-            spec = {name: packed[f"layers.{i}.{name}"]
-                    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
-            spec.update(norm_tensors(block), cos=cos, sin=sin,
-                        window=args.sliding_window if args.is_sliding(i) else 0)
-            layers.append(spec)
-        scale = self.layers[0].attn.scale
-        stack = NativeStack(args.dim, args.n_heads, args.n_kv_heads, args.head_dim,
-                            args.intermediate_size, args.norm_eps, scale, args.arch == "gemma3", layers)
+        stack = native_stack(self.args, self.layers, packed, self.rope)
         self.native = NativeModel(stack, packed["embed"], packed["head"], self.norm.weight,
-                                  args.norm_eps, self.embed_scale, weights)
+                                  self.args.norm_eps, self.embed_scale, weights)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         args = self.args

@@ -23,8 +23,8 @@
 #include <string.h>
 #include <omp.h>
 
-#ifndef __AVX512F__
-#error "the vocabspec native engine needs AVX-512F"
+#if !defined(__AVX512F__) || !defined(__AVX512BW__)
+#error "the vocabspec native engine needs AVX-512F and AVX-512BW"
 #endif
 
 #define VS_F32 0
@@ -32,6 +32,11 @@
 #define VS_Q4 2 /* 4-bit codes, per group: w = code * scale + min */
 #define VS_Q5 3 /* as Q4 with a fifth bit per code in one 32-bit word per group */
 #define VS_Q8 4 /* signed 8-bit codes, per group: w = code * scale (+ min) */
+/* The same three for products with 8-bit activations (x quantized per 32 inputs, as llama.cpp
+   does), in the layout AVX-512 VNNI reads: four consecutive inputs' codes per 32-bit lane. */
+#define VS_Q4I 5
+#define VS_Q5I 6
+#define VS_Q8I 7
 
 #define ALWAYS static inline __attribute__((always_inline))
 
@@ -265,6 +270,197 @@ ALWAYS void blocks_rows(const int kind, const int f16, const int g16, const vs_w
 #undef TILES
 }
 
+/* ---- products with 8-bit activations
+
+   A row's inputs are quantized per 32-input unit: d = max|x| / 127, q = round(x / d), kept
+   with d and d * sum(q). Output n then adds, unit by unit, fma(isum, scale * d, acc) with
+   isum = sum of q_k * code_k in exact integers (VNNI: four products a lane per instruction),
+   then fma(d * sum(q), min, acc). Signed 8-bit codes meet unsigned activations (q + 128):
+   isum = that product minus 128 * sum(code). The unit order is fixed, so again a row's bits do
+   not depend on the call. */
+#if defined(__AVX512VNNI__)
+#define VS_HAS_VNNI 1
+
+typedef struct {
+    int8_t *q;      /* M x K */
+    float *d;       /* M x units */
+    float *dsum;    /* M x units: d * sum(q) */
+} quant_rows;
+
+static quant_rows quantize_rows(const float *x, int64_t M, int64_t ldx, int64_t K) {
+    static __thread int8_t *qbuf = NULL;
+    static __thread float *fbuf = NULL;
+    static __thread int64_t cap = 0;
+    const int64_t units = K / 32;
+    if (cap < M * K) {
+        free(qbuf);
+        free(fbuf);
+        qbuf = malloc((size_t)M * K);
+        fbuf = malloc((size_t)2 * M * units * sizeof(float));
+        cap = M * K;
+    }
+    quant_rows r = {qbuf, fbuf, fbuf + M * units};
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t u = 0; u < units; u++) {
+            const float *xu = x + i * ldx + u * 32;
+            const __m512 a = _mm512_loadu_ps(xu), b = _mm512_loadu_ps(xu + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+            const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(r.q + i * K + u * 32), _mm512_cvtsepi32_epi8(qa));
+            _mm_storeu_si128((__m128i *)(r.q + i * K + u * 32 + 16), _mm512_cvtsepi32_epi8(qb));
+            r.d[i * units + u] = d;
+            r.dsum[i * units + u] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        }
+    return r;
+}
+
+ALWAYS int64_t unit_bytes_i8(const int kind) { return kind == VS_Q8I ? 512 : 256; }
+
+/* The codes of inputs 4t .. 4t + 3 for 16 rows: one 32-bit lane per row, a byte per input. */
+ALWAYS __m512i codes_quad(const int kind, const uint8_t *p, const uint64_t *high, int t) {
+    if (kind == VS_Q8I) return _mm512_loadu_si512(p + t * 64);
+    /* q4/q5: two bytes a row: inputs (4t, 4t + 2) in the first's nibbles, (4t + 1, 4t + 3) in
+       the second's */
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + t * 32)));
+    const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F0F));
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), _mm512_set1_epi32(0x0F0F));
+    __m512i c = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+    if (kind == VS_Q5I) c = _mm512_mask_add_epi8(c, (__mmask64)high[t], c, _mm512_set1_epi8(16));
+    return c;
+}
+
+ALWAYS void tile_i8(const int kind, const int f16, const int g16, const int MR, const int NR,
+                    const vs_weight *w, int64_t b0, quant_rows xr, int64_t m0, float *y, int64_t ldy) {
+    const int64_t units = w->cols / 32, K = w->cols;
+    const int has_min = kind != VS_Q8I;
+    __m512 acc[4][8];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) acc[i][v] = _mm512_setzero_ps();
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t u = 0; u < units; u++) {
+        const uint8_t *pv[8];
+        const uint64_t *hv[8];
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) {
+            pv[v] = (const uint8_t *)w->data + ((b0 + v) * units + u) * unit_bytes_i8(kind);
+            hv[v] = kind == VS_Q5I ? (const uint64_t *)w->high + ((b0 + v) * units + u) * 8 : NULL;
+        }
+        __m512i isum[4][8], csum[8];
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) {
+            csum[v] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) isum[i][v] = _mm512_setzero_si512();
+        }
+        const int8_t *xq = xr.q + m0 * K + u * 32;
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            __m512i c[8];
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++) {
+                c[v] = codes_quad(kind, pv[v], hv[v], t);
+                if (kind == VS_Q8I) csum[v] = _mm512_dpbusd_epi32(csum[v], ones, c[v]);
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                int32_t quad;
+                memcpy(&quad, xq + i * K + 4 * t, 4);
+                __m512i xv = _mm512_set1_epi32(quad);
+                if (kind == VS_Q8I) xv = _mm512_xor_si512(xv, _mm512_set1_epi8((char)0x80)); /* q + 128 */
+#pragma GCC unroll 8
+                for (int v = 0; v < NR; v++)
+                    isum[i][v] = kind == VS_Q8I ? _mm512_dpbusd_epi32(isum[i][v], xv, c[v])
+                                                : _mm512_dpbusd_epi32(isum[i][v], c[v], xv);
+            }
+            if (g16 && t == 3) { /* the first 16 inputs are a group of their own */
+#pragma GCC unroll 8
+                for (int v = 0; v < NR; v++) {
+                    const __m512 sv = vec_at(w->scale, f16, 2 * ((b0 + v) * units + u));
+                    const __m512i fix = _mm512_slli_epi32(csum[v], 7);
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++) {
+                        const __m512 sd = _mm512_mul_ps(sv, _mm512_set1_ps(xr.d[(m0 + i) * units + u]));
+                        acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[i][v], fix)), sd, acc[i][v]);
+                        isum[i][v] = _mm512_setzero_si512();
+                    }
+                    csum[v] = _mm512_setzero_si512();
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) {
+            const int64_t g = (b0 + v) * units + u;
+            const __m512 sv = vec_at(w->scale, f16, g16 ? 2 * g + 1 : g);
+            const __m512i fix = _mm512_slli_epi32(csum[v], 7);
+            const __m512 mv = has_min ? vec_at(w->min, f16, g) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                const __m512i exact = kind == VS_Q8I ? _mm512_sub_epi32(isum[i][v], fix) : isum[i][v];
+                const __m512 sd = _mm512_mul_ps(sv, _mm512_set1_ps(xr.d[(m0 + i) * units + u]));
+                acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), sd, acc[i][v]);
+                if (has_min) acc[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(xr.dsum[(m0 + i) * units + u]), mv, acc[i][v]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NR; v++) {
+        const int64_t n0 = (b0 + v) * RB;
+        const __mmask16 k = tail_mask(w->rows - n0);
+        const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(k, w->bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+            _mm512_mask_storeu_ps(y + (m0 + i) * ldy + n0, k, w->bias ? _mm512_add_ps(acc[i][v], bias) : acc[i][v]);
+    }
+}
+
+ALWAYS void blocks_rows_i8(const int kind, const int f16, const int g16, const vs_weight *w, int64_t b0,
+                           int64_t b1, quant_rows xr, int64_t M, float *y, int64_t ldy) {
+    int64_t m = 0;
+#define TILES_I8(MR, NR)                                                                     \
+    {                                                                                        \
+        int64_t b = b0;                                                                      \
+        for (; b + NR <= b1; b += NR) tile_i8(kind, f16, g16, MR, NR, w, b, xr, m, y, ldy); \
+        for (; b < b1; b++) tile_i8(kind, f16, g16, MR, 1, w, b, xr, m, y, ldy);             \
+    }
+    for (; m + 4 <= M; m += 4) TILES_I8(4, 4)
+    switch (M - m) {
+    case 3: TILES_I8(3, 4) break;
+    case 2: TILES_I8(2, 4) break;
+    case 1: TILES_I8(1, 4) break;
+    default: break;
+    }
+#undef TILES_I8
+}
+
+typedef void (*blocks_i8_fn)(const vs_weight *, int64_t, int64_t, quant_rows, int64_t, float *, int64_t);
+#define BLOCKS_I8_FN(name, kind, f16, g16)                                                            \
+    static void name(const vs_weight *w, int64_t b0, int64_t b1, quant_rows xr, int64_t M, float *y, \
+                     int64_t ldy) { blocks_rows_i8(kind, f16, g16, w, b0, b1, xr, M, y, ldy); }
+BLOCKS_I8_FN(blocks_q4i_h, VS_Q4I, 1, 0)
+BLOCKS_I8_FN(blocks_q4i_f, VS_Q4I, 0, 0)
+BLOCKS_I8_FN(blocks_q5i_h, VS_Q5I, 1, 0)
+BLOCKS_I8_FN(blocks_q5i_f, VS_Q5I, 0, 0)
+BLOCKS_I8_FN(blocks_q8i_h, VS_Q8I, 1, 0)
+BLOCKS_I8_FN(blocks_q8i_f, VS_Q8I, 0, 0)
+BLOCKS_I8_FN(blocks_q8i_g16, VS_Q8I, 0, 1)
+
+static blocks_i8_fn blocks_i8_for(const vs_weight *w) {
+    switch (w->kind) {
+    case VS_Q4I: return w->scale_f16 ? blocks_q4i_h : blocks_q4i_f;
+    case VS_Q5I: return w->scale_f16 ? blocks_q5i_h : blocks_q5i_f;
+    default: return w->group == 16 ? blocks_q8i_g16 : w->scale_f16 ? blocks_q8i_h : blocks_q8i_f;
+    }
+}
+#else
+#define VS_HAS_VNNI 0
+#endif
+
+ALWAYS int is_i8(const vs_weight *w) { return w->kind >= VS_Q4I; }
+
 typedef void (*blocks_fn)(const vs_weight *, int64_t, int64_t, const float *, int64_t, int64_t,
                           const float *, float *, int64_t);
 
@@ -292,6 +488,8 @@ static blocks_fn blocks_for(const vs_weight *w) {
     default: return w->group == 16 ? blocks_q8_g16 : w->scale_f16 ? blocks_q8_h : blocks_q8_f;
     }
 }
+
+int vs_has_vnni(void) { return VS_HAS_VNNI; }
 
 /* A thread's buffer for the rows' unit sums of x (M x units). */
 static float *sums_buffer(int64_t n) {
@@ -328,6 +526,9 @@ static void linear_rows_multi(const vs_weight *const *ws, float *const *ys, int 
                               int64_t M, int64_t ldx) {
     int64_t total = 0;
     const float *xs = NULL; /* the same for every weight: they share x */
+#if VS_HAS_VNNI
+    quant_rows xr = {NULL, NULL, NULL};
+#endif
     for (int i = 0; i < count; i++) total += ((ws[i]->rows + RB - 1) / RB + CHUNK - 1) / CHUNK;
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < total; item++) {
@@ -337,6 +538,13 @@ static void linear_rows_multi(const vs_weight *const *ws, float *const *ys, int 
             c -= ((ws[i]->rows + RB - 1) / RB + CHUNK - 1) / CHUNK, i++;
         const int64_t blocks = (ws[i]->rows + RB - 1) / RB;
         const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
+#if VS_HAS_VNNI
+        if (is_i8(ws[i])) {
+            if (xr.q == NULL) xr = quantize_rows(x, M, ldx, ws[i]->cols);
+            blocks_i8_for(ws[i])(ws[i], b0, b1, xr, M, ys[i], ws[i]->rows);
+            continue;
+        }
+#endif
         if (xs == NULL) xs = unit_sums(ws[i], x, M, ldx);
         blocks_for(ws[i])(ws[i], b0, b1, x, M, ldx, xs, ys[i], ws[i]->rows);
     }
@@ -344,6 +552,19 @@ static void linear_rows_multi(const vs_weight *const *ws, float *const *ys, int 
 
 static void linear_rows(const vs_weight *w, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy) {
     const int64_t blocks = (w->rows + RB - 1) / RB;
+#if VS_HAS_VNNI
+    if (is_i8(w)) {
+        quant_rows xr = {NULL, NULL, NULL};
+        const blocks_i8_fn fn = blocks_i8_for(w);
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < (blocks + CHUNK - 1) / CHUNK; c++) {
+            if (xr.q == NULL) xr = quantize_rows(x, M, ldx, w->cols);
+            const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
+            fn(w, b0, b1, xr, M, y, ldy);
+        }
+        return;
+    }
+#endif
     const float *xs = NULL;
     const blocks_fn fn = blocks_for(w);
 #pragma omp for schedule(static)
@@ -362,8 +583,9 @@ void vs_dequant_rows(const vs_weight *w, int64_t r0, int64_t r1, float *out) {
     for (int64_t r = r0; r < r1; r++) {
         const int64_t b = r / RB, lane = r % RB;
         for (int64_t u = 0; u < units; u++) {
-            const uint8_t *p = (const uint8_t *)w->data + (b * units + u) * unit_bytes(w->kind);
             const int64_t g = b * units + u;
+            const uint8_t *p = (const uint8_t *)w->data + g * (w->kind >= VS_Q4I ? (w->kind == VS_Q8I ? 512 : 256)
+                                                                                    : unit_bytes(w->kind));
             for (int k = 0; k < 32; k++) {
                 float c, value;
                 switch (w->kind) {
@@ -374,6 +596,16 @@ void vs_dequant_rows(const vs_weight *w, int64_t r0, int64_t r1, float *out) {
                     break;
                 }
                 case VS_Q8: c = (float)((const int8_t *)p)[k * 16 + lane]; break;
+                case VS_Q8I: c = (float)((const int8_t *)p)[(k / 4) * 64 + lane * 4 + k % 4]; break;
+                case VS_Q4I:
+                case VS_Q5I: {
+                    const int t = k / 4, j = k % 4;
+                    const uint8_t byte = p[t * 32 + lane * 2 + (j & 1)];
+                    int code = j >> 1 ? byte >> 4 : byte & 15;
+                    if (w->kind == VS_Q5I && (((const uint64_t *)w->high)[g * 8 + t] >> (lane * 4 + j)) & 1) code |= 16;
+                    c = (float)code;
+                    break;
+                }
                 default: {
                     const uint8_t byte = p[(k / 2) * 16 + lane];
                     int code = k % 2 ? byte >> 4 : byte & 15;
@@ -624,6 +856,54 @@ void vs_stack_forward(const vs_stack *s, float *x, int64_t n, const int32_t *pos
             add_rows(xr, orow, dim);
             for (int64_t t = 0; t < ntaps; t++)
                 if (taps[t] == l) memcpy(tapped + (r * ntaps + t) * dim, xr, dim * sizeof(float));
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ draft heads */
+
+/* For each of M rows of x: the k largest entries of x w^T (ties: the lower index first) as ids
+   and log-probabilities under the softmax over all of them. logits: M x rows scratch. */
+void vs_linear_topk(const vs_weight *w, const float *x, int64_t M, int64_t k, float *logits,
+                    int64_t *ids, float *logprobs) {
+    const int64_t N = w->rows;
+#pragma omp parallel
+    {
+        linear_rows(w, x, M, w->cols, logits, N);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M; i++) {
+            const float *row = logits + i * N;
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int64_t j = 0; j < N; j += 16)
+                mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(N - j), row + j));
+            const float top = _mm512_reduce_max_ps(mx);
+            __m512 total = _mm512_setzero_ps();
+            for (int64_t j = 0; j < N; j += 16) {
+                const __mmask16 m = tail_mask(N - j);
+                total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), _mm512_set1_ps(top)))));
+            }
+            const float lse = top + logf(_mm512_reduce_add_ps(total));
+            /* k best, kept sorted (best first); a candidate must beat the k-th */
+            float best[64];
+            int64_t at[64];
+            int64_t have = 0;
+            const int64_t kk = k < 64 ? k : 64;
+            for (int64_t j = 0; j < N; j++) {
+                const float v = row[j];
+                if (have == kk && !(v > best[kk - 1])) continue;
+                int64_t pos = have < kk ? have++ : kk - 1;
+                while (pos > 0 && v > best[pos - 1]) {
+                    best[pos] = best[pos - 1];
+                    at[pos] = at[pos - 1];
+                    pos--;
+                }
+                best[pos] = v;
+                at[pos] = j;
+            }
+            for (int64_t t = 0; t < kk; t++) {
+                ids[i * k + t] = t < have ? at[t] : 0;
+                logprobs[i * k + t] = t < have ? best[t] - lse : -INFINITY;
+            }
         }
     }
 }

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("native.c")
-KINDS = {"f32": 0, "bf16": 1, "q4": 2, "q5": 3, "q8": 4}
+KINDS = {"f32": 0, "bf16": 1, "q4": 2, "q5": 3, "q8": 4, "q4i": 5, "q5i": 6, "q8i": 7}
 
 _lib = None
 _error: str | None = None
@@ -106,6 +106,8 @@ def library():
         raise RuntimeError(_error) from exc
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.vs_linear.argtypes = [ctypes.POINTER(Weight), p, i64, p]
+    lib.vs_has_vnni.restype = ctypes.c_int
+    lib.vs_linear_topk.argtypes = [ctypes.POINTER(Weight), p, i64, i64, p, p, p]
     lib.vs_dequant_rows.argtypes = [ctypes.POINTER(Weight), i64, i64, p]
     lib.vs_embed.argtypes = [ctypes.POINTER(Weight), p, i64, f32, p]
     lib.vs_head.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p]

@@ -23,39 +23,44 @@ from .sampling import SamplingParams, greedy_token, target_probs
 from .tree import DraftTree
 
 
-HEAD_ROWS = 16
+HEAD_ROWS = 4
 
 
 class TreeLogits:
     """The target's logits at tree nodes, computed as verification asks for them.
 
-    Verification reads about tau of the tree's n + 1 rows, and the LM head over all of them
-    is much of a large tree's forward (Gemma's 262k-row head is most of the model). The head
-    runs at once over the root and the drafted nodes most likely to be accepted (the best
-    `HEAD_ROWS` - 1 by value, EAGLE-2's product of draft confidences; every row of a tree that
-    small, and nodes grafted from prompt lookup, which carry no value), a batch that costs
-    about one row's pass over the head weights; a node outside it is scored when reached.
-    Rows go through the same `lm_head` as vanilla decoding's one-row steps, so on the packed
-    CPU path (each row's bits independent of the row count) a token gets the logits it would
-    get decoded alone.
+    Verification reads the root and the nodes it accepts, about tau of the tree's n + 1 rows,
+    and the LM head is much of a forward's cost with a large vocabulary (Gemma's 262k rows are
+    most of the model). Rows are scored in small batches along the likeliest path: a node, its
+    first child (the drafter's most confident), that child's first child, and so on, up to
+    `head_rows` rows, which cost about one row's pass over the head weights. The root's batch
+    is scored at once; a node outside every batch so far starts its own when reached. Rows go
+    through the same `lm_head` as plain decoding's one-row steps, and on the native engine a
+    row's bits do not depend on the batch, so a token gets exactly the logits it would get
+    decoded alone.
     """
 
     def __init__(self, lm_head, hidden: torch.Tensor, tree: DraftTree, head_rows: int = HEAD_ROWS):
         self.lm_head = lm_head
         self.hidden = hidden
+        self.children = tree.children
+        self.head_rows = max(1, head_rows)
         self.rows: dict[int, torch.Tensor] = {}
-        nodes = range(hidden.shape[0])
-        if hidden.shape[0] > head_rows and tree.ranks is not None:
-            nodes = [i for i in nodes if tree.ranks[i] < head_rows - 1]
-        self._score(list(nodes))
+        self._score(0)
 
-    def _score(self, nodes: list[int]) -> None:
-        for node, row in zip(nodes, self.lm_head(self.hidden[nodes])):
-            self.rows[node] = row
+    def _score(self, node: int) -> None:
+        batch = [node]
+        while len(batch) < self.head_rows and self.children[batch[-1]]:
+            child = self.children[batch[-1]][0]
+            if child in self.rows:
+                break
+            batch.append(child)
+        for index, row in zip(batch, self.lm_head(self.hidden[batch])):
+            self.rows[index] = row
 
     def __getitem__(self, node: int) -> torch.Tensor:
         if node not in self.rows:
-            self._score([node])
+            self._score(node)
         return self.rows[node]
 
 
