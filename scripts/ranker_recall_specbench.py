@@ -84,7 +84,8 @@ def main():
                                            "answers from (then --new-tokens is unused)")
     args = parser.parse_args()
     ks = [int(k) for k in args.k.split(",")]
-    lm = vocabspec.load(args.model, draft="eagle", draft_path=args.draft_path, total_tokens=8)
+    # torch's kernels: the ranker is read as training reads it (train.draft_states).
+    lm = vocabspec.load(args.model, draft="eagle", draft_path=args.draft_path, total_tokens=8, backend="torch")
     target, drafter = lm.engine.model, lm.engine.proposer.drafter
     full_head = lm.engine.proposer.head.weight      # in the drafter's dtype, as it drafts
     files = bundled_drafter_dir(args.model)

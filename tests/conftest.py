@@ -1,5 +1,6 @@
-"""Shared fixtures: the two real bundled models (float32) and tiny random models of both
-architectures. Real models load once per session; their dequantized weights are cached."""
+"""Shared fixtures: the two real bundled models (in the default weight format, or any format
+through `loaded`) and tiny random models of both architectures. Real models load once per
+test session; their dequantized and re-encoded weights are cached on disk."""
 
 import json
 import os
@@ -18,9 +19,9 @@ SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "s
 
 
 class Loaded:
-    def __init__(self, name):
+    def __init__(self, name, weights="auto"):
         self.name = name
-        self.model, self.path = load_model(name)
+        self.model, self.path = load_model(name, weights=weights)
         self.tokenizer = load_tokenizer(self.path)
 
     def prompt_ids(self, text: str) -> list[int]:
@@ -42,6 +43,16 @@ def gemma3():
 @pytest.fixture(scope="session", params=["smollm2", "gemma3"])
 def real_model(request):
     return request.getfixturevalue(request.param)
+
+
+_LOADED = {}
+
+
+def loaded(name: str, weights: str) -> Loaded:
+    """A real model in a given weight format, loaded once per test session."""
+    if (name, weights) not in _LOADED:
+        _LOADED[(name, weights)] = Loaded(name, weights)
+    return _LOADED[(name, weights)]
 
 
 def spec_bench_prompts() -> list[tuple[str, str]]:

@@ -24,7 +24,7 @@ def run_cli(*args, timeout=300):
     (["generate", "hi", "--temperature", "-1"], "temperature"),
     (["generate", "hi", "--max-new-tokens", "0"], "positive integer"),
     (["generate", "hi", "--max-new-tokens", "lots"], "positive integer"),
-    (["generate", "hi", "--dtype", "float64"], "invalid choice"),
+    (["generate", "hi", "--weights", "float64"], "invalid choice"),
     (["generate", "hi", "--model", "/no/such/model.gguf"], "neither a bundled name"),
     (["generate", "hi", "--model", "llama9"], "neither a bundled name"),
     (["generate", "hi", "--draft-vocab", "fr:lots"], "draft vocabulary size"),

@@ -1,9 +1,11 @@
 """Greedy speculative decoding must emit exactly the tokens of vanilla decoding (same weights,
-float32, same device), for every proposer and every draft vocabulary, on a prompt from every
+format and device), for every proposer and every draft vocabulary, on a prompt from every
 Spec-Bench category: a random drafter, the trained (bundled) drafter with the full head, the
 same with prompt lookup's path grafted on, and prompt lookup alone on every category; the
 FR-Spec, VocabTrim and SpecVocab heads and a bfloat16 drafter (with FR-Spec) in turn, each on
-a quarter of the categories (a head changes what is drafted, never how it is verified)."""
+a quarter of the categories (a head changes what is drafted, never how it is verified). That
+in the default weight format; in every other format the trained drafter (each draft
+vocabulary in turn), prompt lookup and both together, on every category."""
 
 import pytest
 import torch
@@ -15,32 +17,75 @@ from vocabspec.generate import Engine, GenerationConfig
 from vocabspec.hybrid import EagleLookupProposer
 from vocabspec.pld import PromptLookupProposer
 
-from conftest import spec_bench_prompts
+from conftest import loaded, spec_bench_prompts
 
 NEW_TOKENS = {"smollm2": 24, "gemma3": 16}
 # Smaller trees for Gemma keep the 262k-row draft head affordable in CI.
 TREE = {"smollm2": dict(depth=4, top_k=6, total_tokens=24), "gemma3": dict(depth=2, top_k=4, total_tokens=10)}
 
 
-def proposers(loaded):
-    drafter = EagleDrafter.random(loaded.model, seed=1)
+def proposers(target):
+    drafter = EagleDrafter.random(target.model, seed=1)
+    if target.model.native is not None:
+        drafter.use_native()
     found = {
-        "eagle-random": EagleProposer(drafter, **TREE[loaded.name]),
+        "eagle-random": EagleProposer(drafter, **TREE[target.name]),
         "pld": PromptLookupProposer(),
     }
-    files = bundled_drafter_dir(loaded.name)
-    assert files is not None, f"no trained drafter bundled for {loaded.name}"
-    trained = EagleDrafter.load(files, loaded.model)
+    files = bundled_drafter_dir(target.name)
+    assert files is not None, f"no trained drafter bundled for {target.name}"
+    trained = native_drafter(EagleDrafter.load(files, target.model))
+    packed = target.model.native.head_weight if target.model.native is not None else None
     for vocab in ("full", "fr:8k", "trim:8k", "spec:1024"):
-        head = make_draft_vocab(vocab, loaded.model.embed.weight, files)
-        found[f"eagle-trained-{vocab}"] = EagleProposer(trained, head=head, **TREE[loaded.name])
+        head = make_draft_vocab(vocab, target.model.embed.weight, files, packed_head=packed)
+        found[f"eagle-trained-{vocab}"] = EagleProposer(trained, head=head, **TREE[target.name])
     # Drafting in bfloat16 for the float32 target (the default on this CPU): the drafter
     # and its head round differently, verification does not.
-    narrow = EagleDrafter.load(files, loaded.model, dtype=torch.bfloat16)
-    head = make_draft_vocab("fr:8k", loaded.model.embed.weight, files, dtype=torch.bfloat16)
-    found["eagle-trained-bf16-fr:8k"] = EagleProposer(narrow, head=head, **TREE[loaded.name])
-    found["eagle-trained-full+pld"] = EagleLookupProposer(trained, **TREE[loaded.name])
+    # Drafting on torch's kernels in bfloat16 for the target (the drafter's own dtype).
+    narrow = EagleDrafter.load(files, target.model, dtype=torch.bfloat16)
+    head = make_draft_vocab("fr:8k", target.model.embed.weight, files, dtype=torch.bfloat16)
+    found["eagle-trained-bf16-fr:8k"] = EagleProposer(narrow, head=head, **TREE[target.name])
+    found["eagle-trained-full+pld"] = EagleLookupProposer(trained, **TREE[target.name])
     return found
+
+
+def native_drafter(drafter):
+    """The drafter on the native engine when its target is there (as vocabspec.load does)."""
+    if drafter.target.native is not None:
+        drafter.use_native()
+    return drafter
+
+
+@pytest.mark.parametrize("weights", ["gguf", "gguf-a8", "bf16", "f32"])
+def test_greedy_lossless_in_every_format(real_model, weights):
+    from vocabspec.native import library
+
+    if real_model.model.weights == weights:
+        pytest.skip("the default format runs the whole suite below")
+    if weights == "gguf-a8" and not (real_model.model.native is not None and library().vs_has_vnni()):
+        pytest.skip("gguf-a8 needs the native engine with AVX-512 VNNI")
+    model = loaded(real_model.name, weights)
+    assert model.model.exact
+    files = bundled_drafter_dir(real_model.name)
+    trained = native_drafter(EagleDrafter.load(files, model.model))
+    packed = model.model.native.head_weight if model.model.native is not None else None
+    vocabs = ("full", "fr:8k", "trim:8k", "spec:1024")
+    heads = [make_draft_vocab(v, model.model.embed.weight, files, packed_head=packed) for v in vocabs]
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS[real_model.name])
+    vanilla = Engine(model.model, model.tokenizer)
+    mismatches = []
+    for index, (category, text) in enumerate(spec_bench_prompts()):
+        ids = model.prompt_ids(text[:1200])
+        reference = vanilla.generate(ids, config).tokens
+        engines = {
+            f"eagle-{vocabs[index % 4]}": EagleProposer(trained, head=heads[index % 4], **TREE[real_model.name]),
+            "pld": PromptLookupProposer(),
+            "eagle+pld": EagleLookupProposer(trained, head=heads[1], **TREE[real_model.name]),
+        }
+        for name, proposer in engines.items():
+            if Engine(model.model, model.tokenizer, proposer).generate(ids, config).tokens != reference:
+                mismatches.append((category, name))
+    assert not mismatches, f"{weights}: speculative output differs from vanilla: {mismatches}"
 
 
 def test_greedy_lossless_every_category(real_model):

@@ -1,9 +1,17 @@
-"""The lean model against transformers' implementation of the same GGUF, in float32."""
+"""Our model against transformers' implementation of the same GGUF, in float32: the native
+engine with float32 weights (the same values as transformers' dequantization)."""
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def ours(real_model):
+    from vocabspec.loading import load_model
+
+    return load_model(real_model.name, weights="f32")[0]
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +25,11 @@ def reference(real_model):
                                                 dtype=torch.float32).eval()
 
 
-def test_logits_match_transformers(real_model, reference):
+def test_logits_match_transformers(real_model, ours, reference):
     # 700 tokens: past Gemma's 512-token sliding window, so local and global layers both count.
     torch.manual_seed(0)
     ids = torch.randint(10, 5000, (700,))
-    model = real_model.model
+    model = ours
     cache = model.new_cache()
     with torch.inference_mode():
         _, logits = model(ids, torch.arange(700), cache, all_logits=True)
@@ -38,11 +46,11 @@ PROMPTS = ["Explain why the sky is blue.", "Write a haiku about autumn leaves.",
 
 
 @pytest.mark.parametrize("text", PROMPTS)
-def test_greedy_64_tokens_match_transformers(real_model, reference, text):
+def test_greedy_64_tokens_match_transformers(real_model, ours, reference, text):
     from vocabspec.generate import Engine, GenerationConfig
 
     ids = real_model.prompt_ids(text)
-    engine = Engine(real_model.model, real_model.tokenizer)
+    engine = Engine(ours, real_model.tokenizer)
     ours = engine.generate(ids, GenerationConfig(max_new_tokens=64))
     with torch.inference_mode():
         out = reference.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,

@@ -2,7 +2,10 @@
 
 On a tiny random model the exact distribution of the first two generated tokens is computed
 from the target's own logits; thousands of speculative runs (random drafter, a real tree) must
-match it under a chi-square test, at temperature 1 and with top-p < 1 / top-k.
+match it under a chi-square test, at temperature 1 and with top-p < 1 / top-k. Below the root:
+the joint distribution of four tokens over a four-token vocabulary, with trees two levels
+deep, so that acceptance at depth 2, residuals at non-root nodes and the bonus token after an
+accepted leaf all occur (and are counted).
 
 For a sharper check, VOCABSPEC_SAMPLING_RUNS and VOCABSPEC_SAMPLING_FIRST_SEED set the number
 of runs and the first seed of every case here (e.g. 90000 runs from seed 200000)."""
@@ -155,3 +158,106 @@ def test_greedy_token_takes_the_first_of_tied_maxima():
     for _ in range(50):
         row = torch.randint(0, 4, (1000,), generator=generator).float()   # many ties
         assert greedy_token(row) == int(row.argmax())
+
+
+# ---------------------------------------------------------------- below the root
+
+DEEP_VOCAB = 4
+DEEP_TOKENS = 4
+
+
+class RecordingProposer:
+    """Wraps a proposer and keeps every tree it proposes, to see which paths verification took."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+        self.trees = []
+        self.max_tree_tokens = proposer.max_tree_tokens
+        self.taps = proposer.taps
+
+    def reset(self, *args):
+        self.proposer.reset(*args)
+
+    def propose(self, root_token):
+        tree = self.proposer.propose(root_token)
+        self.trees.append(tree)
+        return tree
+
+    def observe(self, *args):
+        self.proposer.observe(*args)
+
+
+def exact_joint(model, prompt, params, length):
+    """P(first `length` generated tokens) from the target's own logits, (VOCAB ** length,)."""
+    joint = torch.zeros((DEEP_VOCAB,) * length, dtype=torch.float64)
+
+    def walk(prefix, p):
+        if len(prefix) == length:
+            joint[prefix] = p
+            return
+        cache = model.new_cache()
+        ids = prompt + list(prefix)
+        with torch.inference_mode():
+            _, logits = model(torch.tensor(ids), torch.arange(len(ids)), cache)
+        q = target_probs(logits, params)[0].double()
+        for t in range(DEEP_VOCAB):
+            if q[t] > 0:
+                walk(prefix + (t,), p * q[t])
+
+    walk((), 1.0)
+    return joint.flatten()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=1.3, top_k=3)],
+                         ids=["t1", "t1.3-top_k3"])
+def test_sampling_below_the_root_matches_target_distribution(params):
+    """Four tokens: the first step's tree is two levels deep over a four-token vocabulary, so
+    verification accepts at depth 2, samples residuals at non-root nodes and adds the bonus
+    token after accepted leaves; the joint distribution of the four tokens (256 cells) must be
+    the target's. Each of those events is counted and must occur in at least 2% of the runs."""
+    model = tiny_model("llama", seed=11, vocab_size=DEEP_VOCAB, n_layers=2)
+    prompt = [1, 2, 3, 0]
+    runs = int(os.environ.get("VOCABSPEC_SAMPLING_RUNS", 5000))
+    first_seed = int(os.environ.get("VOCABSPEC_SAMPLING_FIRST_SEED", 0))
+    # depth=1: one expansion below the root's children, so trees reach depth 2.
+    proposer = RecordingProposer(EagleProposer(EagleDrafter.random(model, seed=2), depth=1, top_k=2,
+                                               total_tokens=4))
+    engine = Engine(model, None, proposer)
+    expected = exact_joint(model, prompt, params, DEEP_TOKENS)
+    counts = torch.zeros_like(expected)
+    events = {"accepted at depth >= 2": 0, "residual below the root": 0, "bonus after a leaf": 0}
+    for seed in range(first_seed, first_seed + runs):
+        proposer.trees.clear()
+        config = GenerationConfig(max_new_tokens=DEEP_TOKENS, stop_on_eos=False,
+                                  sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed))
+        out = engine.generate(prompt, config)
+        index = 0
+        for t in out.tokens:
+            index = index * DEEP_VOCAB + t
+        counts[index] += 1
+        # Walk the first step's tree along the emitted tokens: what did verification do there?
+        tree, tokens = proposer.trees[0], out.tokens[1:]
+        step = out.steps[0].accept_length      # accepted drafts + the token after them
+        node, depth = 0, 0
+        for token in tokens[:step - 1]:
+            node = next(c for c in tree.children[node] if int(tree.tokens[c]) == token)
+            depth += 1
+        if depth >= 2:
+            events["accepted at depth >= 2"] += 1
+        if depth >= 1 and 1 + step <= len(out.tokens):    # the step's last token was emitted
+            if tree.children[node]:      # every child of the last accepted node was rejected
+                events["residual below the root"] += 1
+            else:
+                events["bonus after a leaf"] += 1
+    assert all(n > runs // 50 for n in events.values()), events
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a sequence the processed target distribution excludes"
+    exp_counts = expected[keep] * runs
+    big = exp_counts >= 5
+    obs = torch.cat([counts[keep][big], counts[keep][~big].sum()[None]]).numpy()
+    exp = torch.cat([exp_counts[big], exp_counts[~big].sum()[None]]).numpy()
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    _, p_value = chisquare(obs, exp / exp.sum() * obs.sum())
+    assert p_value > 1e-3, f"chi-square p={p_value:.2e} over {len(obs)} cells; events {events}"

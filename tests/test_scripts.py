@@ -30,15 +30,15 @@ def test_ranker_recall_script_measures_recall():
     assert result["recall_drafter_top1"]["4096"] > 0.8
 
 
-def test_forward_script_compares_verification_forwards():
-    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_forward.py"), "--models", "smollm2",
-                           "--verification", "--sizes", "1,20", "--repeats", "1"],
+def test_cost_curve_script_times_every_size(tmp_path):
+    out = tmp_path / "curve.json"
+    done = subprocess.run([sys.executable, str(SCRIPTS / "cost_curve.py"), "--models", "smollm2",
+                           "--weights", "gguf", "--sizes", "1,4", "--repeats", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    for n in ("1", "20"):
-        assert set(result["verification_ms"][n]) == {"every_row", "first_batch"}
-        assert all(ms > 0 for ms in result["verification_ms"][n].values())
+    curve = json.loads(out.read_text())["ms"]["smollm2"]["gguf"]
+    assert set(curve) == {"1", "4"} and all(ms > 0 for ms in curve.values())
+    assert out.with_suffix(".png").exists()
 
 
 @pytest.mark.skipif(not SPEC_BENCH.exists(), reason="Spec-Bench questions not beside the repo")

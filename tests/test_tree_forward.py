@@ -75,8 +75,8 @@ def test_cache_overflow_is_refused():
         model(torch.arange(20), torch.arange(20), cache)
 
 
-@pytest.mark.parametrize("head_rows", [4, 100])
-def test_tree_logits_scores_the_likely_rows_first_and_the_rest_when_reached(head_rows):
+@pytest.mark.parametrize("head_rows", [1, 3, 100])
+def test_tree_logits_scores_the_likely_path_first_and_the_rest_when_reached(head_rows):
     from vocabspec.verify import TreeLogits, verify_greedy
 
     model = tiny_model("llama", 3)
@@ -90,15 +90,15 @@ def test_tree_logits_scores_the_likely_rows_first_and_the_rest_when_reached(head
     scored = []
     head = lambda rows: scored.append(rows.shape[0]) or model.lm_head(rows)  # noqa: E731
     lazy = TreeLogits(head, hidden, tree, head_rows=head_rows)
-    first = sorted(lazy.rows)
-    if head_rows >= tree.tokens.numel():
-        assert first == list(range(tree.tokens.numel()))        # a small tree: every row at once
-    else:                                  # the root and the head_rows - 1 most valuable nodes
-        assert first == [0] + [i for i, r in enumerate(tree.ranks) if 0 <= r < head_rows - 1]
+    # The first batch: the root, its first child, that child's first child... head_rows in all.
+    chain = [0]
+    while len(chain) < head_rows and tree.children[chain[-1]]:
+        chain.append(tree.children[chain[-1]][0])
+    assert sorted(lazy.rows) == sorted(chain) and scored == [len(chain)]
     outside = next((i for i in range(tree.tokens.numel()) if i not in lazy.rows), None)
-    if outside is not None:
-        torch.testing.assert_close(lazy[outside], every[outside])   # scored when reached
-        assert scored[-1] == 1
+    assert outside is not None
+    torch.testing.assert_close(lazy[outside], every[outside])       # scored when reached
+    assert 1 <= scored[-1] <= head_rows
     for node in range(tree.tokens.numel()):
         torch.testing.assert_close(lazy[node], every[node])
     # Greedy verification through it finds the same verdict as over all logits.

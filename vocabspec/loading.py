@@ -311,10 +311,9 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
                max_seq_len: int | None = None, backend: str = "auto") -> tuple[Transformer, Path]:
     """Build the target model from a bundled name, GGUF file or HF directory.
 
-    weights: the run-time format (formats.py). "auto" is the fastest exact one here: on the
-    native CPU engine the GGUF's own blocks (gguf) for a GGUF file, else f32; on torch's
-    kernels (other devices, or no native engine) f32, where bf16 also runs (and computes in
-    bfloat16). backend: auto, native or torch (torch's kernels, any device)."""
+    weights: the run-time format (formats.py); "auto" is the fastest exact one here
+    (`auto_weights`). On torch's kernels (other devices, or no native engine) f32 and bf16 run
+    (bf16 computes in bfloat16). backend: auto, native or torch (torch's kernels, any device)."""
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weight format {weights!r} (choose from {', '.join(WEIGHTS)})")
     device = torch.device(device)
@@ -333,7 +332,7 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
         engine = "torch"
     gguf_file = path if path.is_file() else None
     if weights == "auto":
-        weights = ("gguf" if gguf_file else "f32") if engine == "native" else "f32"
+        weights = auto_weights(engine, gguf_file is not None)
     if weights.startswith("gguf") and engine != "native":
         why = unfit or ("--backend torch" if backend == "torch" else native.available()[1]
                         or f"device {device.type}")
@@ -355,6 +354,15 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
     elif weights == "bf16":
         net = net.to(dtype=torch.bfloat16)
     return net, path
+
+
+def auto_weights(engine: str, gguf: bool) -> str:
+    """The fastest exact format here: a GGUF's own blocks with 8-bit activations where the CPU
+    has VNNI (as llama.cpp computes), else with float32 ones; f32 for other files and on
+    torch's kernels."""
+    if engine != "native" or not gguf:
+        return "f32"
+    return "gguf-a8" if native.library().vs_has_vnni() else "gguf"
 
 
 def native_unfit(args: ModelArgs) -> str:
