@@ -47,8 +47,10 @@ class LlamaCpp:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
-        self.llm = Llama(model_path=str(path), n_ctx=2048, n_threads=threads, n_batch=512,
-                         draft_model=draft, verbose=False)
+        # logits_all: llama-cpp-python's draft path writes every row's logits (without it, a
+        # long prompt overflows its score buffer).
+        self.llm = Llama(model_path=str(path), n_ctx=4096, n_threads=threads, n_batch=512,
+                         draft_model=draft, logits_all=lookup, verbose=False)
 
     def generate(self, ids, new_tokens):
         out = []

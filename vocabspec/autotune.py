@@ -43,12 +43,13 @@ from tqdm import tqdm
 from .linear import packing_enabled
 from .verify import HEAD_ROWS
 
-CANDIDATE_SIZES = tuple(range(1, 17)) + (20, 24, 32, 40, 48, 64)
+CANDIDATE_SIZES = tuple(range(1, 13)) + (16, 20, 24, 32)
 CANDIDATE_DEPTHS = (1, 2, 3, 4, 6)
 TOLERANCE = 0.03
-CALIBRATION_NEW_TOKENS = 40
+CALIBRATION_NEW_TOKENS = 32
 FORWARD_REPEATS = 5
-SIZE_TIMING_EVERY = 4          # steps between timings of the proposer at every size
+SIZE_TIMING_EVERY = 6          # steps between timings of the proposer at every size
+BUDGET_SECONDS = 25.0          # calibration stops adding depths past this (shallow ones first)
 # Open answers and answers that lean on their prompt (a summary, a calculation) accept at
 # different rates, and the tree size that pays depends on the mix: with open answers alone the
 # calibration saw tau grow faster with the tree than it does on Spec-Bench (BENCHMARKS.md,
@@ -173,7 +174,10 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
     prompts = [encode_conversation(tokenizer, [("user", q)], answer_open=True)
                for q in CALIBRATION_QUESTIONS]
     table = {}
+    started = time.perf_counter()
     for d in calibration_depths(depth):
+        if table and time.perf_counter() - started > BUDGET_SECONDS:
+            break          # deeper trees cost more to calibrate than they are likely to win
         proposer = EagleProposer(drafter, head=head, depth=d, top_k=top_k, total_tokens=largest)
         timer = SizeTimer(proposer, CANDIDATE_SIZES, SIZE_TIMING_EVERY)
         engine = Engine(model, tokenizer, timer)
@@ -222,7 +226,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
 
     path = cache_dir() / "autotune.json"
     known = _load(path)
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v9")
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v10")
     if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
@@ -230,7 +234,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
         args = model.args
         shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
                 f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
-        forward_key = _cache_key(model, f"forward|{shape}|v7")
+        forward_key = _cache_key(model, f"forward|{shape}|v8")
         # Minutes on a small CPU: show where it is (no bar when the caller asked for silence).
         work = len(calibration_depths(depth)) * len(CALIBRATION_QUESTIONS)
         if forward_key not in known:

@@ -1,5 +1,10 @@
 """Prompt-lookup drafting: propose what followed the latest earlier occurrence of the context's
-last n-gram. No model, no training; it shares the tree and verification code with EAGLE."""
+last n-gram. No model, no training; it shares the tree and verification code with EAGLE.
+
+The draft's length adapts: after a step that accepted the whole draft it doubles (up to
+`num_draft`), otherwise it becomes one more than the tokens accepted. A verification row
+costs a share of a forward on a CPU, so a long draft that is cut early is paid for; while
+the answer copies its prompt the draft grows back in two or three steps."""
 
 from __future__ import annotations
 
@@ -17,15 +22,25 @@ class PromptLookupProposer:
         self.max_tree_tokens = num_draft
         self.device = torch.device(device)
         self.context: list[int] = []
+        self.length = num_draft        # the next draft's length (see the module docstring)
+        self._drafted: list[int] = []
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         self.context = list(prompt_ids) + [first_token]
+        self.length = self.num_draft
+        self._drafted = []
 
     def observe(self, accepted, hidden, next_token) -> None:
         self.context.extend(accepted[1:] + [next_token])
+        if self._drafted:
+            taken = len(accepted) - 1
+            self.length = min(self.num_draft, 2 * self.length) if taken == len(self._drafted) \
+                else taken + 1
+        self._drafted = []
 
     def propose(self, root_token: int) -> DraftTree:
-        return chain_tree(root_token, self.lookup(self.context), self.device)
+        self._drafted = self.lookup(self.context)[:self.length]
+        return chain_tree(root_token, self._drafted, self.device)
 
     def lookup(self, context: list[int]) -> list[int]:
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
