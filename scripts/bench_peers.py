@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from vocabspec.api import load
-from vocabspec.generate import GenerationConfig
-from vocabspec.loading import resolve_model_path
+from vocabspec.generate import Engine, GenerationConfig
+from vocabspec.loading import load_model, resolve_model_path
+from vocabspec.proposers import DraftConfig, make_proposer
+from vocabspec.tokenizer import load_tokenizer
 from vocabspec.prompts import encode_conversation
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
@@ -94,17 +95,19 @@ def main():
     torch.set_num_threads(args.threads)
 
     engines, ours = {}, {}
+    path = resolve_model_path(args.model)
     for weights in args.weights.split(","):
+        # One target per format, shared by its methods (each engine keeps its own cache).
+        target, _ = load_model(args.model, weights=weights)
+        tokenizer = load_tokenizer(path)
         for method in ["none"] + [m for m in args.methods.split(",") if m]:
             draft, _, rest = method.partition(":")
             vocab, _, tree = rest.partition("@")
             depth, total = (int(v) for v in tree.split("x")) if tree else (6, "auto")
-            lm = load(args.model, draft=draft, weights=weights, draft_vocab=vocab or "full",
-                      depth=depth, total_tokens=total)
-            ours[f"vocabspec {weights} {method if draft != 'none' else 'plain'}"] = (lm, weights)
-    first = next(iter(ours.values()))[0]
-    tokenizer, eos = first.tokenizer, sorted(first.engine.eos_ids)
-    path = resolve_model_path(args.model)
+            config = DraftConfig(method=draft, vocab=vocab or "auto", depth=depth, total_tokens=total)
+            engine = Engine(target, tokenizer, make_proposer(target, config, args.model, tokenizer))
+            ours[f"vocabspec {weights} {method if draft != 'none' else 'plain'}"] = (engine, weights)
+    eos = sorted(next(iter(ours.values()))[0].eos_ids)
     if not args.no_llamacpp:
         engines["llama.cpp plain"] = LlamaCpp(path, args.threads, lookup=False)
         engines["llama.cpp prompt lookup"] = LlamaCpp(path, args.threads, lookup=True)
@@ -116,8 +119,8 @@ def main():
     speeds = {name: [] for name in names}
     mismatches = {name: 0 for name in ours}
     config = GenerationConfig(max_new_tokens=args.new_tokens)
-    for name, (lm, _) in ours.items():        # warm-up (and any tree autotuning) outside the clock
-        lm.engine.generate(ids_list[0], GenerationConfig(max_new_tokens=8))
+    for name, (engine, _) in ours.items():    # warm-up outside the clock
+        engine.generate(ids_list[0], GenerationConfig(max_new_tokens=8))
     for run in range(args.runs):
         tokens = {name: 0 for name in names}
         seconds = {name: 0.0 for name in names}
@@ -130,8 +133,8 @@ def main():
                     out = engine.generate(ids, args.new_tokens, eos) if name.startswith("transformers") \
                         else engine.generate(ids, args.new_tokens)
                 else:
-                    lm, weights = ours[name]
-                    out = lm.engine.generate(ids, config).tokens
+                    engine, weights = ours[name]
+                    out = engine.generate(ids, config).tokens
                     if name.endswith(" plain"):
                         plain[weights] = out
                     elif out != plain.get(weights):

@@ -26,14 +26,14 @@ import torch
 from tqdm import tqdm
 
 import vocabspec
-from vocabspec.api import bundled_drafter_dir
+from vocabspec.proposers import bundled_drafter_dir
 from vocabspec.draft_vocab import make_draft_vocab
 from vocabspec.bench import load_questions
 from vocabspec.generate import GenerationConfig
 from vocabspec.linear import linear
 from vocabspec.prompts import encode_conversation
 from vocabspec.ranker import hits_in_top
-from vocabspec.train import draft_states, features_of
+from vocabspec.drafter import draft_states, features_of
 
 QUESTIONS = "../shared/data/spec_bench/question.jsonl"
 
@@ -85,7 +85,8 @@ def main():
     args = parser.parse_args()
     ks = [int(k) for k in args.k.split(",")]
     # torch's kernels: the ranker is read as training reads it (train.draft_states).
-    lm = vocabspec.load(args.model, draft="eagle", draft_path=args.draft_path, total_tokens=8, backend="torch")
+    lm = vocabspec.load(args.model, draft="eagle", path=args.draft_path, vocab="full", total_tokens=8,
+                        backend="torch")
     target, drafter = lm.engine.model, lm.engine.proposer.drafter
     full_head = lm.engine.proposer.head.weight      # in the drafter's dtype, as it drafts
     files = bundled_drafter_dir(args.model)

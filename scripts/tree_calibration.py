@@ -45,7 +45,7 @@ class RecordingBuilder(TreeBuilder):
 
 def record_steps(args) -> list[dict]:
     drafter_module.TreeBuilder = RecordingBuilder
-    lm = load(args.model, draft="eagle", draft_path=args.draft_path, depth=args.depth,
+    lm = load(args.model, draft="eagle", path=args.draft_path, depth=args.depth,
               total_tokens=args.total)
     steps = []
     questions = load_questions(args.questions, args.per_category)[:args.limit or None]

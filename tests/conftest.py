@@ -1,6 +1,6 @@
 """Shared fixtures: the two real bundled models (in the default weight format, or any format
 through `loaded`) and tiny random models of both architectures. Real models load once per
-test session; their dequantized and re-encoded weights are cached on disk."""
+test run; their dequantized and re-encoded weights are cached on disk."""
 
 import json
 import os
@@ -49,7 +49,7 @@ _LOADED = {}
 
 
 def loaded(name: str, weights: str) -> Loaded:
-    """A real model in a given weight format, loaded once per test session."""
+    """A real model in a given weight format, loaded once per test run."""
     if (name, weights) not in _LOADED:
         _LOADED[(name, weights)] = Loaded(name, weights)
     return _LOADED[(name, weights)]

@@ -5,24 +5,27 @@ import json
 
 import pytest
 
-from vocabspec.bench import copy_fraction, load_questions, parse_method, split_draft_dtype
+from vocabspec.bench import copy_fraction, load_questions
 from vocabspec.cli import main
+from vocabspec.proposers import DraftConfig
 
 from conftest import SPEC_BENCH
 
 
-def test_parse_method():
-    assert parse_method("vanilla") == ("none", "full")
-    assert parse_method("eagle2+fr:32k") == ("eagle", "fr:32k")
-    assert parse_method("eagle2+pld") == ("eagle+pld", "full")
-    assert parse_method("eagle2+spec:2048+pld@1x8") == ("eagle+pld", "spec:2048")
-    assert parse_method("eagle2+fr:32k/float32@1x6") == ("eagle", "fr:32k")
-    assert split_draft_dtype("eagle2+fr:32k/float32@1x6") == ("eagle2+fr:32k@1x6", "float32")
-    assert split_draft_dtype("eagle2@6x60") == ("eagle2@6x60", "auto")
-    assert split_draft_dtype("eagle2@6x60/bfloat16") == ("eagle2@6x60", "bfloat16")
-    for bad in ("eagle2+fr:", "eagle2pld", "eagle2+", "eagle3", "eagle2/float16"):
+def test_method_names_parse_into_draft_configs():
+    parse = DraftConfig.from_method
+    assert parse("vanilla") == DraftConfig(method="none", vocab="full")
+    assert parse("eagle2+fr:32k") == DraftConfig(method="eagle", vocab="fr:32k")
+    assert parse("eagle2+pld") == DraftConfig(method="eagle+pld", vocab="full")
+    assert parse("eagle2+spec:2048,context=0+pld@1x8") == \
+        DraftConfig(method="eagle+pld", vocab="spec:2048,context=0", depth=1, total_tokens=8)
+    assert parse("eagle2+fr:32k/float32@1x6") == parse("eagle2+fr:32k@1x6/float32") == \
+        DraftConfig(method="eagle", vocab="fr:32k", dtype="float32", depth=1, total_tokens=6)
+    assert parse("eagle2@6x60", path="x", top_k=4) == \
+        DraftConfig(method="eagle", vocab="full", path="x", top_k=4, depth=6, total_tokens=60)
+    for bad in ("eagle2+fr:", "eagle2pld", "eagle2+", "eagle3", "eagle2/float16", "eagle2@6", "pld+fr:8k"):
         with pytest.raises(ValueError):
-            parse_method(bad)
+            parse(bad)
 
 
 def test_copy_fraction():

@@ -38,7 +38,8 @@ def run_cli(*args, timeout=300):
     (["train", "--stages", "data,bake"], "unknown stage"),
     (["vocab", "--source", "files", "--out", "/tmp/x.pt"], "--files"),
     (["vocab", "--source", "target", "--successors", "4", "--out", "/tmp/x.safetensors"], "counts a corpus"),
-    (["generate", "hi", "--draft", "eagle", "--draft-vocab", "spec:64:8:4:2:1"], "bad SpecVocab spec"),
+    (["generate", "hi", "--draft", "eagle", "--draft-vocab", "spec:64:8:4"], "named"),
+    (["generate", "hi", "--draft", "eagle", "--draft-vocab", "spec:64,depth=2"], "bad SpecVocab option"),
 ])
 def test_bad_arguments_fail_cleanly(args, message):
     proc = run_cli(*args)
@@ -133,3 +134,12 @@ def test_vocab_writes_a_successor_table_from_files(tmp_path, smollm2):
     # " the" is followed by " cat" twice and " dog" once; " cat" by " sat" three times.
     assert ids[offsets[the]:offsets[the + 1]].tolist() == [cat, dog]
     assert ids[offsets[cat]:offsets[cat + 1]].tolist() == [sat]
+
+
+def test_every_flag_has_help_text():
+    from vocabspec.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    missing = [(name, action.dest) for name, sub in commands.items() for action in sub._actions
+               if action.dest != "help" and not action.help]
+    assert not missing, f"flags without help: {missing}"

@@ -6,7 +6,8 @@ import torch
 
 from vocabspec.draft_vocab import (FullVocab, SpecVocab, StaticSubset, make_draft_vocab,
                                    parse_draft_vocab)
-from vocabspec.ranker import load_ranker, save_ranker, svd_init
+from vocabspec.draft_vocab import load_ranker, save_ranker
+from vocabspec.ranker import svd_init
 from vocabspec.token_map import (eagle3_tensors, load_successors, load_token_map, rank, save_eagle3,
                                  save_successors, save_token_map, successor_lists)
 
@@ -202,33 +203,35 @@ def test_spec_vocab_keeps_the_texts_own_tokens_among_its_candidates():
         SpecVocab(HEAD, down, vocab, candidates=8, context_tokens=9)
 
 
-def test_spec_context_share_is_parsed_and_checked(tmp_path):
-    from vocabspec.draft_vocab import DEFAULT_SUCCESSORS, spec_options
+def test_spec_options_are_named_parsed_and_checked(tmp_path):
+    from vocabspec.draft_vocab import DEFAULT_SUCCESSORS, SpecVocabOptions, spec_options
 
-    assert parse_draft_vocab("spec:2k:0") == ("spec", 2048)
-    assert spec_options("spec:2048")[0] is None and spec_options("spec:2048:128")[0] == 128
-    assert spec_options("spec:2048:128:4") == (128, 4, None) and spec_options("spec:2048") == (None, None, None)
-    assert spec_options("spec:2048:128:4:0") == (128, 4, 0)
-    for bad in ("spec:2048:", "spec:2048:x", "spec:2048:1:2:3:4", "spec:2048:-1", "spec:2048:1:",
-                "spec:2048:1:-2", "spec:2048:1:2:x"):
+    assert parse_draft_vocab("spec:2k,context=0") == ("spec", 2048)
+    assert spec_options("spec:2048") == SpecVocabOptions()
+    assert spec_options("spec:2048,context=128") == SpecVocabOptions(context=128)
+    assert spec_options("spec:2048,successors=4,context=128,levels=0") == SpecVocabOptions(128, 4, 0)
+    for bad in ("spec:2048:128", "spec:2048,", "spec:2048,context", "spec:2048,context=x",
+                "spec:2048,context=-1", "spec:2048,depth=2", "spec:2048,context=1,context=2"):
         with pytest.raises(ValueError):
             parse_draft_vocab(bad)
+    with pytest.raises(ValueError, match="named"):     # the old positional form says what changed
+        parse_draft_vocab("spec:2048:128:4")
     save_ranker(*svd_init(HEAD, 4), tmp_path / "ranker.safetensors")
     assert make_draft_vocab("spec:16", HEAD, tmp_path).context_tokens == 8
-    assert make_draft_vocab("spec:16:0", HEAD, tmp_path).name == "spec:16:0"
+    assert make_draft_vocab("spec:16,context=0", HEAD, tmp_path).name == "spec:16,context=0"
     with pytest.raises(ValueError, match="exceed"):
-        make_draft_vocab("spec:16:20", HEAD, tmp_path)
+        make_draft_vocab("spec:16,context=20", HEAD, tmp_path)
     # Successors: none without a table (and asking for them is an error), 16 by default with one.
     assert make_draft_vocab("spec:16", HEAD, tmp_path).successor_count == 0
     with pytest.raises(ValueError, match="successor table"):
-        make_draft_vocab("spec:16:8:4", HEAD, tmp_path)
+        make_draft_vocab("spec:16,context=8,successors=4", HEAD, tmp_path)
     save_successors(*successor_lists([[1, 2, 3, 1, 2]], 500, 4), tmp_path / "successors.safetensors")
     assert make_draft_vocab("spec:16", HEAD, tmp_path).successor_count == DEFAULT_SUCCESSORS
-    ranker_alone = make_draft_vocab("spec:16:0:0", HEAD, tmp_path)
-    assert (ranker_alone.context_tokens, ranker_alone.successor_count, ranker_alone.name) == (0, 0, "spec:16:0:0")
-    assert make_draft_vocab("spec:16:8:3", HEAD, tmp_path).successor_count == 3
-    per_level = make_draft_vocab("spec:16:8:3:0", HEAD, tmp_path)
-    assert (per_level.shared_levels, per_level.name) == (0, "spec:16:8:3:0")
+    ranker_alone = make_draft_vocab("spec:16,context=0,successors=0", HEAD, tmp_path)
+    assert (ranker_alone.context_tokens, ranker_alone.successor_count) == (0, 0)
+    assert make_draft_vocab("spec:16,successors=3", HEAD, tmp_path).successor_count == 3
+    per_level = make_draft_vocab("spec:16,successors=3,levels=0", HEAD, tmp_path)
+    assert per_level.shared_levels == 0
     assert make_draft_vocab("spec:16", HEAD, tmp_path).shared_levels is None
 
 

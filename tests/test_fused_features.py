@@ -6,11 +6,11 @@ from the feature shards; a deeper drafter's tree rows see only their ancestors i
 import pytest
 import torch
 
-from vocabspec.api import bundled_drafter_dir
+from vocabspec.proposers import bundled_drafter_dir
 from vocabspec.drafter import DrafterMismatch, EagleDrafter, EagleProposer
 from vocabspec.generate import Engine, GenerationConfig
-from vocabspec.train import (TrainConfig, draft_states, extract_features, features_of, load_shards,
-                             train_drafter)
+from vocabspec.drafter import draft_states, features_of
+from vocabspec.train import TrainConfig, extract_features, load_shards, train_drafter
 
 from conftest import tiny_model
 

@@ -10,7 +10,7 @@ vocabulary in turn), prompt lookup and both together, on every category."""
 import pytest
 import torch
 
-from vocabspec.api import bundled_drafter_dir
+from vocabspec.proposers import bundled_drafter_dir
 from vocabspec.draft_vocab import make_draft_vocab
 from vocabspec.drafter import EagleDrafter, EagleProposer
 from vocabspec.generate import Engine, GenerationConfig

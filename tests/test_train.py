@@ -76,7 +76,7 @@ def test_training_lowers_loss_and_resumes(tmp_path):
 def test_unrolled_loss_adds_a_step_on_predicted_features():
     import torch.nn.functional as F
 
-    from vocabspec.train import draft_states, features_of
+    from vocabspec.drafter import draft_states, features_of
 
     model = tiny_model("llama", vocab_size=40)
     drafter = EagleDrafter.random(model).float()
@@ -102,7 +102,8 @@ def test_held_out_agreement_at_step_k_follows_the_unrolled_chain():
     the whole vocabulary: both feed the drafter the same chain of its own predictions."""
     import torch.nn.functional as F
 
-    from vocabspec.train import evaluate, features_of
+    from vocabspec.drafter import features_of
+    from vocabspec.train import evaluate
 
     model = tiny_model("llama", vocab_size=6)     # few tokens: chance agreement is not rare
     drafter = EagleDrafter.random(model, seed=3).float()
@@ -295,7 +296,7 @@ def test_ranker_training_starts_from_a_given_ranker(tmp_path):
 
 def test_joint_ranker_loss_adds_the_rankers_distillation_to_the_token_loss():
     from vocabspec.ranker import distillation_loss, svd_init, teacher
-    from vocabspec.train import draft_states, features_of
+    from vocabspec.drafter import draft_states, features_of
 
     model = tiny_model("llama", vocab_size=40)
     drafter = EagleDrafter.random(model).float().requires_grad_(True)

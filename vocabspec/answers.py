@@ -2,8 +2,8 @@
 accumulates across machines.
 
 Generating answers is the slow part of training on a CPU (about 1.4-1.6 h per million answer
-tokens on 2 cores with AVX-512 bf16), and a machine's work directory does not outlive its
-session. The answers themselves are small (4 bytes a token), so each run that generates some
+tokens on 2 cores with AVX-512 bf16), and a machine's work directory may not outlive the
+run. The answers themselves are small (2 or 4 bytes a token), so each run that generates some
 can write them to an archive directory, and later runs on any machine read them back instead
 of generating them again. Answers are greedy, so a prompt has one answer per target: each file
 records a fingerprint of the target's weights file and the answer-length cap, and is refused
@@ -87,6 +87,8 @@ def write_answers(directory: Path, prompts: list[list[int]], sequences: list[lis
     lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int32)
     prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
     digest = hashlib.sha256(tokens.numpy().tobytes() + lengths.numpy().tobytes()).hexdigest()[:12]
+    if tokens.numel() and int(tokens.max()) < 65536:      # two bytes a token where the ids fit
+        tokens = tokens.to(torch.uint16)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"answers-{len(sequences)}-{digest}.safetensors"

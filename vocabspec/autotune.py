@@ -17,15 +17,13 @@ forward_seconds is the target's tree-masked forward (with the LM head over the r
 verification scores at first, `verify.TreeLogits`), timed at each candidate size once per
 model and machine and shared by every drafter and draft vocabulary, so that their choices
 differ by their drafting, not by timing noise. Each size keeps its own median: the cost is not
-monotone in m. CPU matmul kernels work on blocks of rows (six for float32 on AVX-512), so
-it rises in steps and the last size before a step is the one worth having, and the smallest
-row counts can take a slower path: SmolLM2's forward of 2 rows (a 1-token tree) took 40 ms
-here against 34 ms for 1 and for 3-6 rows. A non-decreasing fit spread that slow size over
-sizes 2-5, made a 10-token tree look only 11% dearer than a 5-token one instead of 26%, and
-chose a tree that decoded 1.52x instead of 1.63x (BENCHMARKS.md, session 24). Every size up
-to 16 is a candidate. Among the candidates within TOLERANCE of the best predicted speed the
-smallest tree wins: a difference that small is noise on a shared machine, and the smaller
-tree costs less where the estimate is wrong. Results are cached per
+monotone in m: matmul kernels work on tiles of rows, so it rises in steps and the last size
+before a step is the one worth having (a non-decreasing fit once smoothed a slow 2-row
+forward over sizes 2-5 and chose a tree that decoded 1.52x instead of 1.63x, commit b452903).
+Every size up to 32 is a candidate. Among the candidates within TOLERANCE of the best
+predicted speed the smallest tree wins: a difference that small is noise on a shared
+machine, and the smaller tree costs less where the estimate is wrong. Calibration stops
+adding depths after BUDGET_SECONDS (the whole choice takes under 30 s). Results are cached per
 machine, model, dtype and drafter (VOCABSPEC_CACHE/autotune.json).
 """
 
@@ -52,8 +50,7 @@ SIZE_TIMING_EVERY = 6          # steps between timings of the proposer at every 
 BUDGET_SECONDS = 25.0          # calibration stops adding depths past this (shallow ones first)
 # Open answers and answers that lean on their prompt (a summary, a calculation) accept at
 # different rates, and the tree size that pays depends on the mix: with open answers alone the
-# calibration saw tau grow faster with the tree than it does on Spec-Bench (BENCHMARKS.md,
-# session 15).
+# calibration saw tau grow faster with the tree than it does on Spec-Bench.
 CALIBRATION_QUESTIONS = (
     "Write a short paragraph about why people enjoy walking in the mountains.",
     "Explain how a bicycle's gears make it easier to ride uphill.",
@@ -222,7 +219,7 @@ def _store(path, known: dict) -> None:
 def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
                 log=None) -> tuple[int, int]:
     """(depth, total_tokens) for this machine; depth at most the one given."""
-    from .loading import cache_dir
+    from .files import cache_dir
 
     path = cache_dir() / "autotune.json"
     known = _load(path)

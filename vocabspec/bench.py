@@ -59,51 +59,6 @@ class BenchConfig:
     resume: bool = False              # keep the finished questions of an interrupted run in `out`
 
 
-def parse_tree(name: str) -> tuple[str, tuple[int, int] | None]:
-    """'eagle2+fr:32k@6x60' -> ('eagle2+fr:32k', (6, 60)): a fixed depth and tree size."""
-    base, at, tree = name.partition("@")
-    if not at:
-        return name, None
-    depth, x, total = tree.partition("x")
-    if not (x and depth.isdigit() and total.isdigit() and int(total) > 0):
-        raise ValueError(f"method {name!r}: write a fixed tree as @DEPTHxTOKENS, e.g. eagle2@6x60")
-    return base, (int(depth), int(total))
-
-
-def split_draft_dtype(name: str) -> tuple[str, str]:
-    """'eagle2+fr:32k/float32@1x6' (or '...@1x6/float32') -> ('eagle2+fr:32k@1x6', 'float32');
-    no suffix: 'auto'."""
-    base, slash, rest = name.partition("/")
-    if not slash:
-        return name, "auto"
-    dtype, at, tree = rest.partition("@")
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"method {name!r}: the drafter's dtype is /float32 or /bfloat16")
-    return base + at + tree, dtype
-
-
-def parse_method(name: str) -> tuple[str, str]:
-    """-> (draft, draft_vocab)."""
-    name, _ = parse_tree(split_draft_dtype(name)[0])
-    if name in ("vanilla", "none"):
-        return "none", "full"
-    if name == "pld":
-        return "pld", "full"
-    if name.startswith("eagle2"):
-        from .draft_vocab import parse_draft_vocab
-
-        draft, rest = "eagle", name[len("eagle2"):]
-        if rest.endswith("+pld"):
-            draft, rest = "eagle+pld", rest[:-len("+pld")]
-        if rest == "":
-            return draft, "full"
-        if rest.startswith("+"):
-            parse_draft_vocab(rest[1:])
-            return draft, rest[1:]
-    raise ValueError(f"unknown method {name!r} (vanilla, pld, eagle2, eagle2+fr:N, "
-                     "eagle2+trim:N, eagle2+spec:K[:C[:S]]; +pld after any eagle2 method adds prompt lookup)")
-
-
 def load_questions(path: str | Path, per_category: int | None) -> list[dict]:
     path = Path(path)
     if not path.is_file():
@@ -149,41 +104,27 @@ class MethodRun:
 def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
     """The target and one engine per method; `trees` (method -> [depth, total tokens]) fixes
     trees that would otherwise be chosen again (a resumed run keeps its first run's)."""
-    from .api import bundled_drafter_dir, make_proposer
+    from dataclasses import replace
+
     from .loading import load_model
+    from .proposers import DraftConfig, make_proposer
     from .tokenizer import load_tokenizer
 
-    parsed = []
-    for method in cfg.methods:
-        base, dtype = split_draft_dtype(method)
-        parsed.append((method, *parse_method(method), parse_tree(base)[1], dtype))
+    configs = {name: DraftConfig.from_method(name, path=cfg.draft_path, depth=cfg.depth,
+                                             top_k=cfg.tree_top_k, total_tokens=cfg.total_tokens)
+               for name in cfg.methods}
     target, path = load_model(cfg.model, weights=cfg.weights, device=cfg.device, backend=cfg.backend)
     tokenizer = load_tokenizer(path)
     runs = []
-    for name, draft, vocab, tree, dtype in parsed:
-        depth, total = tree if tree else (cfg.depth, cfg.total_tokens)
+    for name, config in configs.items():
         if trees and trees.get(name):
-            depth, total = trees[name]
-        proposer = make_proposer(target, draft, cfg.draft_path, cfg.model, depth, cfg.tree_top_k,
-                                 total, vocab, tokenizer=tokenizer, log=log,
-                                 draft_dtype=dtype)
-        if proposer is not None and hasattr(proposer, "total_tokens"):
-            log(f"{name}: depth={proposer.depth}, total_tokens={proposer.total_tokens}")
+            config = replace(config, depth=trees[name][0], total_tokens=trees[name][1])
+        proposer = make_proposer(target, config, cfg.model, tokenizer=tokenizer, log=log)
+        if proposer is not None and proposer.tree_shape:
+            log(f"{name}: depth={proposer.tree_shape[0]}, total_tokens={proposer.tree_shape[1]}")
         runs.append(MethodRun(name, Engine(target, tokenizer, proposer, allow_inexact=cfg.allow_inexact),
-                              vocab))
+                              config.vocab))
     return target, tokenizer, runs
-
-
-def _drafter_params(run: MethodRun, target) -> int:
-    proposer = run.engine.proposer
-    if proposer is None or not hasattr(proposer, "drafter"):
-        return 0
-    layer = sum(p.numel() for p in proposer.drafter.parameters())
-    head = proposer.head
-    dim = target.args.dim
-    rows = getattr(head, "size", target.args.vocab_size)
-    extra = head.down.numel() + head.vocab_t.numel() if hasattr(head, "down") else 0
-    return layer + rows * dim + extra
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
@@ -208,7 +149,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         for run in runs:
             run.engine.generate(warm, GenerationConfig(max_new_tokens=16, sampling=sampling))
     for run in runs:
-        if hasattr(run.engine.proposer, "reset_timings"):
+        if run.engine.proposer is not None:
             run.engine.proposer.reset_timings()
     mismatches = defaultdict(list)
     copy = []
@@ -281,7 +222,7 @@ def _answer(cfg: BenchConfig, run: MethodRun, q: dict, tokenizer, config, bar) -
 
 def _breakdown(run: MethodRun) -> dict:
     proposer = run.engine.proposer
-    return proposer.time_breakdown() if proposer is not None and hasattr(proposer, "time_breakdown") else {}
+    return proposer.time_breakdown() if proposer is not None else {}
 
 
 def _fold(run: MethodRun, record: dict) -> None:
@@ -301,7 +242,7 @@ def _mismatches(cfg: BenchConfig, records: list[dict]) -> list[str]:
 
 def _tree_of(run: MethodRun) -> list[int] | None:
     proposer = run.engine.proposer
-    return [proposer.depth, proposer.total_tokens] if hasattr(proposer, "total_tokens") else None
+    return list(proposer.tree_shape) if proposer is not None and proposer.tree_shape else None
 
 
 # Settings that must match for a run to resume another: anything that changes the answers
@@ -365,14 +306,14 @@ def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
                             "verify_seconds": sum(r["verify_seconds"] for r in rows)}
         entry = {"categories": per_cat}
         proposer = run.engine.proposer
-        if proposer is not None and hasattr(proposer, "time_breakdown"):
+        if proposer is not None:
             entry["draft_breakdown_s"] = run.breakdown
-            entry["total_tokens"] = proposer.total_tokens
-            entry["depth"] = proposer.depth
+        if proposer is not None and proposer.tree_shape:
+            entry["depth"], entry["total_tokens"] = proposer.tree_shape
             # VocabTrim's memory-bound speedup: tau / (c * gamma + 1), c = drafter/target
             # parameters read per draft step, gamma = draft forward steps per round.
-            c = _drafter_params(run, target) / target_params
-            gamma = proposer.depth + 1
+            c = proposer.draft_parameters() / target_params
+            gamma = entry["depth"] + 1
             entry["mbsu"] = per_cat["overall"]["tau"] / (c * gamma + 1)
         if cfg.temperature == 0 and run.name != "vanilla":
             entry["mismatched_questions"] = mismatches.get(run.name, [])

@@ -59,29 +59,71 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
     parser.add_argument("--max-seq-len", type=_positive_int, default=None,
                         help="KV cache size in tokens (default 4096, capped by the model)")
-    parser.add_argument("--draft", default="none", choices=["none", "eagle", "pld", "eagle+pld"],
-                        help="proposer: none (vanilla), eagle (EAGLE-2 tree), pld (prompt lookup), "
-                             "eagle+pld (EAGLE-2's tree plus prompt lookup's path)")
+    add_draft_args(parser)
+
+
+def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None:
+    """The fields of proposers.DraftConfig (the bench names its methods instead of --draft)."""
+    if method:
+        parser.add_argument("--draft", default="none", choices=["none", "eagle", "pld", "eagle+pld"],
+                            help="proposer: none (plain decoding), eagle (EAGLE-2 tree), pld (prompt "
+                                 "lookup), eagle+pld (EAGLE-2's tree plus prompt lookup's path)")
+        parser.add_argument("--draft-vocab", default="auto",
+                            help="drafter LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), "
+                                 "spec:K[,context=C][,successors=S][,levels=L] (SpecVocab: K "
+                                 "candidates, C of them (default K/2) tokens already in the text, S "
+                                 "(default 16) usual successors of each drafted token, the root's "
+                                 "candidates serving L tree levels (default: all)); auto: the head "
+                                 "the shipped drafter names as fastest for its model")
+        parser.add_argument("--token-map", default=None, help="token map file for fr:N / trim:N "
+                                                              "(default: the drafter's own)")
+        parser.add_argument("--ranker", default=None, help="ranker file for spec:K (default: the drafter's own)")
+        parser.add_argument("--draft-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                            help="what the drafter computes in on torch's kernels (auto: bfloat16 for "
+                                 "a float32 target on hardware with fast bfloat16); verification always "
+                                 "uses the target's weights and kernels")
     parser.add_argument("--draft-path", default=None,
-                        help="EAGLE drafter directory ('random' for an untrained one)")
-    parser.add_argument("--depth", type=_non_negative_int, default=6, help="tree expansion steps (with --total-tokens auto: the deepest tried)")
+                        help="EAGLE drafter directory (default: the bundled one; 'random' for an untrained one)")
+    parser.add_argument("--depth", type=_non_negative_int, default=6,
+                        help="tree expansion steps (with --total-tokens auto: the deepest tried)")
     parser.add_argument("--tree-top-k", type=_positive_int, default=10, help="children per expanded node")
     parser.add_argument("--total-tokens", type=_total_tokens, default="auto",
                         help="drafted tokens verified per step, or 'auto': tree size and depth chosen by "
-                             "timing this machine")
-    parser.add_argument("--draft-vocab", default="full",
-                        help="drafter LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), spec:K[:C[:S[:L]]] "
-                             "(SpecVocab: K candidates, up to C of them (default K/2) tokens "
-                             "already in the text, and S (default 16) usual successors of each "
-                             "drafted token from the drafter's successors.safetensors; the root's "
-                             "candidates serve L tree levels (default: all), deeper ones rank "
-                             "their own; spec:K:0:0:0 = the ranker alone at every level)")
-    parser.add_argument("--token-map", default=None, help="token map file for fr:N / trim:N")
-    parser.add_argument("--ranker", default=None, help="ranker file for spec:K")
-    parser.add_argument("--draft-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                        help="what the drafter computes in (auto: bfloat16 for a float32 target on "
-                             "hardware with fast bfloat16); verification always uses the target's "
-                             "weights and kernels")
+                             "timing this machine (cached)")
+
+
+def draft_config(args):
+    """The DraftConfig the command line asks for."""
+    from .proposers import DraftConfig
+
+    return DraftConfig(method=args.draft, path=args.draft_path, vocab=args.draft_vocab,
+                       token_map=args.token_map, ranker=args.ranker, depth=args.depth,
+                       top_k=args.tree_top_k, total_tokens=args.total_tokens, dtype=args.draft_dtype)
+
+
+TRAIN_OPTIONS = (
+    ("conversations", _positive_int, "training conversations (after the held-out ones)"),
+    ("heldout", _positive_int, "held-out conversations for evaluation"),
+    ("max_len", _positive_int, "tokens per sequence (longer conversations are cut)"),
+    ("epochs", _positive_int, "passes over the training sequences"),
+    ("accumulate", _positive_int, "sequences per optimizer step"),
+    ("top_candidates", _positive_int, "the target's top token ids stored per position"),
+    ("negatives", _non_negative_int, "random negative tokens added to each sequence's candidates"),
+    ("max_steps", _non_negative_int, "stop after this many optimizer steps (0: run every epoch)"),
+    ("lr", _float, "peak learning rate"),
+    ("noise", _float, "uniform noise on input features, in units of each dimension's std"),
+    ("cls_weight", _float, "weight of the token loss beside the feature loss (EAGLE's)"),
+    ("distill_new_tokens", _positive_int, "tokens per self-distilled answer, at most"),
+    ("distill_batch", _positive_int, "prompts the target answers together"),
+    ("unroll", _positive_int, "drafting steps trained per position (1: EAGLE's loss)"),
+    ("checkpoint_every", _positive_int, "optimizer steps between checkpoints"),
+    ("warmup_steps", _non_negative_int, "learning-rate warm-up steps"),
+    ("ranker_weight", _float, "train SpecVocab's ranker jointly with this loss weight (0: no ranker)"),
+    ("ranker_rank", _non_negative_int, "the ranker's rank d' (0: d/16)"),
+    ("ranker_positions", _positive_int, "positions per sequence and step in the ranker's loss"),
+    ("ranker_lr", _float, "the ranker's learning rate"),
+    ("layers", _positive_int, "drafter layers (EAGLE: 1; added layers start as the identity)"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,11 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text")
     add_model_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="tokens to generate at most")
     gen.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=_float, default=1.0)
-    gen.add_argument("--top-k", type=_non_negative_int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--top-p", type=_float, default=1.0, help="nucleus sampling mass (1: off)")
+    gen.add_argument("--top-k", type=_non_negative_int, default=0, help="sample among the k likeliest (0: off)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     train = sub.add_parser("train", help="train an EAGLE drafter for a model (data, features, training)")
@@ -107,17 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated subset of data,features,train")
     train.add_argument("--ship", action="store_true",
                        help="copy the trained drafter (bfloat16) into the package as the bundled default")
-    for name, kind in (("conversations", _positive_int), ("heldout", _positive_int),
-                       ("max_len", _positive_int), ("epochs", _positive_int),
-                       ("accumulate", _positive_int), ("top_candidates", _positive_int),
-                       ("negatives", _non_negative_int), ("max_steps", _non_negative_int),
-                       ("lr", _float), ("noise", _float), ("cls_weight", _float),
-                       ("distill_new_tokens", _positive_int), ("distill_batch", _positive_int),
-                       ("unroll", _positive_int), ("checkpoint_every", _positive_int),
-                       ("warmup_steps", _non_negative_int), ("ranker_weight", _float),
-                       ("ranker_rank", _non_negative_int), ("ranker_positions", _positive_int),
-                       ("ranker_lr", _float), ("layers", _positive_int)):
-        train.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name))
+    for name, kind, text in TRAIN_OPTIONS:
+        train.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
+                           help=f"{text} (default {getattr(defaults, name)})")
     train.add_argument("--self-distill", type=_non_negative_int, default=defaults.self_distill,
                        help="also train on the target's own greedy answers to this many unused "
                             "ShareGPT prompts (self-distillation)")
@@ -147,10 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "has fast bfloat16 matmuls, else float32)")
     train.add_argument("--full-vocab-loss", action="store_true",
                        help="exact cross-entropy over the whole vocabulary (slow on a CPU)")
-    train.add_argument("--threads", type=_positive_int, default=None)
+    train.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
 
     vocab = sub.add_parser("vocab", help="rank tokens by frequency and write a draft token map")
-    vocab.add_argument("--model", default="smollm2")
+    vocab.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
     vocab.add_argument("--source", default="sharegpt",
                        help="sharegpt (FR-Spec corpus), target (VocabTrim: the target's own "
                             "greedy predictions, from `vocabspec train` features), or files")
@@ -168,12 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     vocab.add_argument("--out", required=True, help="output file")
 
     ranker = sub.add_parser("ranker", help="train SpecVocab's low-rank ranker by distillation")
-    ranker.add_argument("--model", default="smollm2")
+    ranker.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
     ranker.add_argument("--draft-path", default=None, help="drafter (default: the bundled one)")
     ranker.add_argument("--features", default=None, help="default runs/train-MODEL")
     ranker.add_argument("--rank", type=_positive_int, default=None, help="d' (default d/16)")
     ranker.add_argument("--sequences", type=_positive_int, default=None, help="training sequences")
-    ranker.add_argument("--epochs", type=_positive_int, default=1)
+    ranker.add_argument("--epochs", type=_positive_int, default=1, help="passes over the training sequences")
     ranker.add_argument("--positions", type=_positive_int, default=128,
                         help="positions per sequence in the loss (random; default 128)")
     ranker.add_argument("--init", default=None,
@@ -181,33 +215,32 @@ def build_parser() -> argparse.ArgumentParser:
     ranker.add_argument("--out", default=None, help="default: next to the bundled drafter")
 
     bench = sub.add_parser("bench", help="Spec-Bench: every method side by side, with plots")
-    bench.add_argument("--questions", default="../shared/data/spec_bench/question.jsonl")
-    bench.add_argument("--model", default="smollm2")
+    bench.add_argument("--questions", default="../shared/data/spec_bench/question.jsonl",
+                       help="Spec-Bench question.jsonl")
+    bench.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
     bench.add_argument("--methods", default="vanilla,pld,eagle2,eagle2+fr:32k,eagle2+trim:32k,eagle2+spec:2048",
-                       help="comma-separated: vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, eagle2+spec:K[:C[:S[:L]]]; "
-                            "+pld after an eagle2 method adds prompt lookup (eagle2+pld); /float32 or "
-                            "/bfloat16 sets the drafter's dtype (default: auto); @DEPTHxTOKENS fixes the "
-                            "tree instead of --total-tokens (eagle2+fr:32k/float32@6x60)")
+                       help="comma-separated: vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, "
+                            "eagle2+spec:K[,name=value...]; +pld after an eagle2 method adds prompt "
+                            "lookup (eagle2+pld); /float32 or /bfloat16 sets the drafter's dtype on "
+                            "torch's kernels; @DEPTHxTOKENS fixes the tree instead of --total-tokens "
+                            "(eagle2+fr:32k@3x8)")
     bench.add_argument("--out", default=None, help="output directory (default runs/bench-MODEL)")
-    bench.add_argument("--max-new-tokens", type=_positive_int, default=1024)
-    bench.add_argument("--per-category", type=_positive_int, default=None, help="questions per category")
-    bench.add_argument("--temperature", type=_float, default=0.0)
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=1024, help="new tokens per turn")
+    bench.add_argument("--per-category", type=_positive_int, default=None,
+                       help="questions per category (default: all 480)")
+    bench.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (mismatches are counted)")
+    bench.add_argument("--seed", type=int, default=0, help="sampling seed")
     add_weight_args(bench)
-    bench.add_argument("--threads", type=_positive_int, default=None)
-    bench.add_argument("--depth", type=_non_negative_int, default=6)
-    bench.add_argument("--tree-top-k", type=_positive_int, default=10)
-    bench.add_argument("--total-tokens", type=_total_tokens, default="auto")
-    bench.add_argument("--no-warmup", action="store_true")
+    bench.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
+    add_draft_args(bench, method=False)
+    bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     bench.add_argument("--resume", action="store_true",
                        help="keep the questions an interrupted run in --out finished (same settings)")
-    bench.add_argument("--draft-path", default=None,
-                       help="EAGLE drafter directory for the eagle2 methods (default: the bundled one)")
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming)")
     add_model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_positive_int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=_positive_int, default=8000, help="port to listen on")
     serve.add_argument("--max-tokens-cap", type=_positive_int, default=2048,
                        help="largest max_tokens a request may ask for")
     serve.add_argument("--max-seconds", type=_float, default=300.0, help="generation time per request")
@@ -215,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write the drafter (EAGLE/SGLang layout) and the draft "
                                            "vocabulary (SGLang token map, EAGLE-3 d2t/t2d)")
-    export.add_argument("--model", default="smollm2")
+    export.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
     export.add_argument("--draft-path", default=None, help="drafter directory (default: bundled)")
     export.add_argument("--draft-vocab", default=None, help="fr:N or trim:N to export as a token map")
     export.add_argument("--token-map", default=None, help="token map file to cut fr:N/trim:N from")
@@ -231,11 +264,8 @@ def cmd_serve(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load(args.model, draft=args.draft, draft_path=args.draft_path, weights=args.weights,
-              device=args.device, max_seq_len=args.max_seq_len, depth=args.depth,
-              tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
-              draft_vocab=args.draft_vocab, token_map=args.token_map, ranker=args.ranker,
-              draft_dtype=args.draft_dtype, backend=args.backend, allow_inexact=args.allow_inexact,
+    lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
+              max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
               log=lambda message: print(message, file=sys.stderr))
     limits = ServerLimits(max_tokens_cap=args.max_tokens_cap, max_seconds=args.max_seconds,
                           max_queue=args.max_queue)
@@ -256,22 +286,23 @@ def cmd_export(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from .bench import BenchConfig, parse_method, run_bench
+    from .bench import BenchConfig, run_bench
+    from .proposers import DraftConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     for method in methods:
-        parse_method(method)
+        DraftConfig.from_method(method)
     if args.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {args.temperature}")
     cfg = BenchConfig(questions=args.questions, model=args.model, methods=methods,
                       out=args.out or f"runs/bench-{args.model}", max_new_tokens=args.max_new_tokens,
                       per_category=args.per_category, temperature=args.temperature, seed=args.seed,
                       weights=args.weights, backend=args.backend, device=args.device,
-                      allow_inexact=args.allow_inexact, depth=args.depth,
-                      tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
-                      warmup=not args.no_warmup, draft_path=args.draft_path, resume=args.resume)
+                      allow_inexact=args.allow_inexact, depth=args.depth, tree_top_k=args.tree_top_k,
+                      total_tokens=args.total_tokens, warmup=not args.no_warmup,
+                      draft_path=args.draft_path, resume=args.resume)
     summary = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
     print(open(f"{cfg.out}/report.md").read())
     bad = {n: m["mismatched_questions"] for n, m in summary["methods"].items() if m.get("mismatched_questions")}
@@ -285,7 +316,8 @@ def cmd_vocab(args) -> int:
     from pathlib import Path
 
     from .loading import load_model
-    from .token_map import (count_files, count_sharegpt, count_target_predictions, rank,
+    from .sharegpt import count_sharegpt
+    from .token_map import (count_files, count_target_predictions, rank,
                             save_eagle3, save_token_map)
     from .tokenizer import load_tokenizer
 
@@ -326,7 +358,8 @@ def cmd_vocab(args) -> int:
 
 
 def _write_successors(args, tokenizer, vocab: int) -> int:
-    from .token_map import file_ids, save_successors, sharegpt_ids, successor_lists
+    from .sharegpt import sharegpt_ids
+    from .token_map import file_ids, save_successors, successor_lists
 
     if args.source not in ("sharegpt", "files"):
         raise ValueError("--successors counts a corpus: --source sharegpt or files")
@@ -350,10 +383,11 @@ def cmd_ranker(args) -> int:
 
     import torch
 
-    from .api import bundled_drafter_dir
+    from .proposers import bundled_drafter_dir
     from .drafter import EagleDrafter
     from .loading import load_model
-    from .ranker import load_ranker, save_ranker, train_ranker
+    from .draft_vocab import load_ranker, save_ranker
+    from .ranker import train_ranker
     from .train import TrainConfig, load_shards
 
     target, _ = load_model(args.model, backend="torch")
@@ -409,12 +443,10 @@ def cmd_generate(args) -> int:
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
-    lm = load(args.model, draft=args.draft, draft_path=args.draft_path, weights=args.weights,
-              device=args.device, max_seq_len=args.max_seq_len, depth=args.depth,
-              tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
-              draft_vocab=args.draft_vocab, token_map=args.token_map, ranker=args.ranker,
-              draft_dtype=args.draft_dtype, backend=args.backend, allow_inexact=args.allow_inexact,
+    lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
+              max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
               log=lambda message: print(message, file=sys.stderr))
+    print(describe(lm, args.draft), file=sys.stderr)
     generation = lm.stream(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                            seed=args.seed, stop=args.stop)
@@ -431,6 +463,19 @@ def cmd_generate(args) -> int:
               + (f", mean accepted length {result.mean_accept_len:.2f}" if args.draft != "none" else "")
               + "]", file=sys.stderr)
     return 0
+
+
+def describe(lm, draft: str) -> str:
+    """One line on what decoding will do: the weights and the proposer."""
+    engine = lm.engine
+    what = f"[{lm.name}, weights {engine.model.weights}: "
+    if engine.proposer is None:
+        return what + "plain decoding, no drafting (--draft eagle for EAGLE-2 speculative decoding)]"
+    shape = engine.proposer.tree_shape
+    head = getattr(engine.proposer, "head", None)
+    tree = f", tree depth {shape[0]} x {shape[1]} tokens" if shape else ""
+    vocab = f", draft head {head.name}" if head is not None else ""
+    return what + f"{draft}{vocab}{tree}; output identical to plain decoding]"
 
 
 COMMANDS = {"generate": cmd_generate, "train": cmd_train, "vocab": cmd_vocab, "ranker": cmd_ranker, "bench": cmd_bench,

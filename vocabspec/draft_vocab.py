@@ -23,6 +23,7 @@ Each strategy adds its time to `timings` ("head": the matmuls, "topk": softmax a
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -139,9 +140,8 @@ class SpecVocab(_Timed):
     shared_levels: how many tree levels below the root draft from the root's candidate set
     (plus the successors of each level's tokens) instead of ranking their own rows; None: all
     of them, one ranking and one gather of head rows per tree; 0: a ranking at every level,
-    as in the paper. Side by side on Spec-Bench (SmolLM2, BENCHMARKS.md, session 24) sharing
-    kept tau at 3/5 (2.06) and at 6/60 (2.89) and cut the ranking's time by 56% (3/5) and
-    72% (6/60).
+    as in the paper. Side by side on Spec-Bench (SmolLM2, commit 002ce78) sharing kept tau at
+    3/5 (2.06) and at 6/60 (2.89) and cut the ranking's time by 56% (3/5) and 72% (6/60).
     """
 
     name = "spec"
@@ -299,16 +299,56 @@ def top_ids(scores: torch.Tensor, k: int, lanes: int = 8) -> torch.Tensor:
     return inner // k * width + columns.gather(1, inner % k)
 
 
+# ---------------------------------------------------------------------------- the ranker's file
+
+def save_ranker(down: torch.Tensor, vocab: torch.Tensor, path: str | Path, meta: dict | None = None,
+                int8: bool = False) -> None:
+    """The ranker's two factors in a safetensors file. int8: W_vocab (|V| x d') stored as 8-bit
+    codes with a float scale per row (vocab.weight, vocab.scale), half of bfloat16's bytes for a
+    262k vocabulary; the ranker only orders tokens."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {k: str(v) for k, v in (meta or {}).items()}
+    tensors = {"down.weight": down.contiguous()}
+    if int8:
+        rows = vocab.float()
+        scale = (rows.abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
+        tensors["vocab.weight"] = torch.round(rows / scale).to(torch.int8).contiguous()
+        tensors["vocab.scale"] = scale.squeeze(1).contiguous()
+    else:
+        tensors["vocab.weight"] = vocab.contiguous()
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_ranker(path: str | Path, head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+        down, vocab = tensors["down.weight"], tensors["vocab.weight"]
+        if "vocab.scale" in tensors:            # 8-bit rows (save_ranker's int8)
+            vocab = vocab.float() * tensors["vocab.scale"].float()[:, None]
+    except Exception as exc:
+        raise ValueError(f"ranker {path} is unreadable ({exc})") from exc
+    if down.shape[1] != head_weight.shape[1] or vocab.shape[0] != head_weight.shape[0] \
+            or vocab.shape[1] != down.shape[0]:
+        raise ValueError(f"ranker {path} ({tuple(vocab.shape)} x {tuple(down.shape)}) does not fit "
+                         f"this target's head {tuple(head_weight.shape)}: made for another model?")
+    return down.to(head_weight), vocab.to(head_weight)
+
+
 # ---------------------------------------------------------------------------- choosing one
 
 def parse_draft_vocab(spec: str) -> tuple[str, int | None]:
-    """'full' | 'fr:N' | 'trim:N' | 'spec:K[:C[:S[:L]]]' -> (kind, size); sizes accept a k suffix
-    (32k). SpecVocab's C, S and L are read by `spec_options`."""
+    """'full' | 'fr:N' | 'trim:N' | 'spec:K[,name=value...]' -> (kind, size); sizes accept a k
+    suffix (32k). SpecVocab's named options are read by `spec_options`."""
     if not isinstance(spec, str) or not spec:
         raise ValueError("draft vocabulary must be full, fr:N, trim:N or spec:K")
     if spec.startswith("spec:"):
         spec_options(spec)
-        spec = ":".join(spec.split(":")[:2])
+        spec = spec.split(",")[0]
     kind, _, size = spec.partition(":")
     if kind == "full" and not size:
         return "full", None
@@ -326,21 +366,38 @@ def parse_draft_vocab(spec: str) -> tuple[str, int | None]:
     return kind, value
 
 
-def spec_options(spec: str) -> tuple[int | None, int | None, int | None]:
-    """(C, S, L) of 'spec:K:C:S:L': C of the K candidates are the text's own tokens, S the
-    successors of each drafted token, L the tree levels below the root that draft from the
-    root's candidates (`SpecVocab.shared_levels`); None where absent (defaults: C = K/2,
-    S = DEFAULT_SUCCESSORS where a successor table is at hand, L = every level)."""
-    fields = spec.split(":")
-    options = fields[2:]
-    if len(fields) < 2 or len(options) > 3 or not all(f.isdigit() for f in options):
-        raise ValueError(f"bad SpecVocab spec {spec!r}: use spec:K, spec:K:C, spec:K:C:S or "
-                         "spec:K:C:S:L (C = how many of the K candidates are the text's own "
-                         "tokens, S = successors of each drafted token, L = tree levels that "
-                         "reuse the root's candidates; spec:K:0:0:0 is the paper's ranker alone "
-                         "at every level)")
-    options = [int(f) for f in options] + [None] * (3 - len(options))
-    return options[0], options[1], options[2]
+@dataclass(frozen=True)
+class SpecVocabOptions:
+    """SpecVocab's knobs, by name in `spec:K,context=C,successors=S,levels=L`:
+    context: how many of the K candidates are the text's own most recent tokens (default K/2);
+    successors: how many usual successors of each row's token join them (default
+    DEFAULT_SUCCESSORS where the drafter has a successor table, else 0);
+    levels: how many tree levels below the root draft from the root's candidate set (default:
+    all; 0: every level ranks its own rows). spec:K,context=0,successors=0,levels=0 is the
+    ranker alone at every level, with one difference from the paper: a level's rows share one
+    candidate set, ranked for the mean of their low-rank states (the paper ranks each row)."""
+    context: int | None = None
+    successors: int | None = None
+    levels: int | None = None
+
+
+def spec_options(spec: str) -> SpecVocabOptions:
+    fields = spec.split(",")
+    if fields[0].count(":") != 1:
+        raise ValueError(f"bad SpecVocab spec {spec!r}: its options are named now, e.g. "
+                         "spec:2048,context=0,successors=0,levels=0 (context: the text's own tokens "
+                         "among the candidates; successors: each drafted token's usual successors; "
+                         "levels: tree levels that reuse the root's candidates)")
+    options = {}
+    for item in fields[1:]:
+        name, eq, value = item.partition("=")
+        if name not in ("context", "successors", "levels") or not eq or not value.isdigit():
+            raise ValueError(f"bad SpecVocab option {item!r} in {spec!r}: use context=C, "
+                             "successors=S or levels=L with integers >= 0")
+        if name in options:
+            raise ValueError(f"SpecVocab option {name} given twice in {spec!r}")
+        options[name] = int(value)
+    return SpecVocabOptions(**options)
 
 
 DEFAULT_SUCCESSORS = 16     # per row: 98.0% Spec-Bench recall for SmolLM2 (BENCHMARKS.md)
@@ -372,8 +429,6 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
             raise ValueError(f"token map {path} ranks only {ids.numel()} tokens, {size} asked for")
         return StaticSubset(packed_head if packed_head is not None else head_weight, ids[:size],
                             name=f"{kind}:{size}", dtype=dtype)
-    from .ranker import load_ranker
-
     path = Path(ranker) if ranker else (files / "ranker.safetensors" if files else None)
     if path is None or not path.exists():
         raise ValueError(f"--draft-vocab {spec} needs a trained ranker: none bundled here ({path}); "
@@ -381,7 +436,8 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
     down, vocab_proj = load_ranker(path, head_weight)
     if size > vocab:
         raise ValueError(f"SpecVocab candidate count {size} exceeds the vocabulary ({vocab})")
-    context, asked_successors, shared_levels = spec_options(spec)
+    options = spec_options(spec)
+    context, asked_successors, shared_levels = options.context, options.successors, options.levels
     table = files / "successors.safetensors" if files else None
     has_table = table is not None and table.exists()
     if asked_successors and not has_table:
@@ -395,6 +451,5 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
     strategy = SpecVocab(head_weight.to(dtype or head_weight.dtype), down, vocab_proj,
                          candidates=size, context_tokens=context, successors=successors,
                          successor_count=successor_count, shared_levels=shared_levels)
-    strategy.name = ":".join(str(f) for f in ("spec", size, context, asked_successors, shared_levels)
-                             if f is not None)
+    strategy.name = spec
     return strategy

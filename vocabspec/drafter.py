@@ -329,6 +329,33 @@ def _cat(*tensors):
     return None if any(t is None for t in tensors) else torch.cat(tensors)
 
 
+# ---------------------------------------------------------------- whole sequences (training)
+
+class _NoCache:
+    """Stands in for a KV cache when a whole sequence is processed at once during training."""
+
+    length = 0
+    pending = 0
+
+    def write(self, layer, keys, values):
+        return keys, values
+
+    def advance(self, n):
+        pass
+
+
+def draft_states(drafter: EagleDrafter, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """Drafter states for a whole sequence at once: input i is (token i+1, feature i)."""
+    positions = torch.arange(tokens.shape[0] - 1, device=features.device)
+    return drafter(tokens[1:], features[:-1], positions, _NoCache())
+
+
+def features_of(target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
+    """The drafter's features: stored hidden states through the target's final norm."""
+    return target.norm(hidden.float())
+
+
+
 class EagleProposer:
     """Grows an EAGLE-2 dynamic draft tree from the drafter's view of the accepted context."""
 
@@ -347,6 +374,16 @@ class EagleProposer:
         self.taps = drafter.taps        # the engine then passes these layers' outputs too
         self.last_state = None
         self.timings = {"layer": 0.0, "total": 0.0}
+
+    @property
+    def tree_shape(self) -> tuple[int, int]:
+        return self.depth, self.total_tokens
+
+    def draft_parameters(self) -> int:
+        """The drafter's layer(s) and fc, the draft head's rows, and a ranker if any."""
+        layer = sum(p.numel() for p in self.drafter.parameters())
+        extra = self.head.down.numel() + self.head.vocab_t.numel() if hasattr(self.head, "down") else 0
+        return layer + self.head.size * self.target.args.dim + extra
 
     def time_breakdown(self) -> dict[str, float]:
         """Seconds spent drafting, split as in FR-Spec's Figure 6: decoder layer (with fc), LM

@@ -20,7 +20,7 @@ import torch
 
 def export(model: str, out: str | Path, draft_path: str | None = None, draft_vocab: str | None = None,
            token_map: str | None = None) -> list[Path]:
-    from .api import bundled_drafter_dir
+    from .proposers import bundled_drafter_dir
     from .draft_vocab import parse_draft_vocab
     from .drafter import EagleDrafter
     from .loading import load_model

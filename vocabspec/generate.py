@@ -24,13 +24,31 @@ PREFILL_CHUNK = 512
 
 
 class Proposer(Protocol):
-    """`hidden` rows are the target's last-layer hidden states (before the final norm) of the
-    tokens given, preceded by the outputs of the layers in the proposer's `taps` attribute,
-    when it has one (a fused-feature drafter's inputs)."""
+    """What the engine and the benchmark ask of a proposer.
+
+    `hidden` rows are the target's last-layer hidden states (before the final norm) of the
+    tokens given, preceded by the outputs of the layers in `taps` (a fused-feature drafter's
+    inputs; empty for most). `max_tree_tokens`: the most drafted tokens a proposal holds (the
+    engine keeps that much room in the cache)."""
+
+    max_tree_tokens: int
+    taps: tuple[int, ...]
 
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None: ...
     def propose(self, root_token: int) -> DraftTree: ...
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None: ...
+
+    @property
+    def tree_shape(self) -> tuple[int, int] | None:
+        """(depth, total tokens) of the drafted tree; None for a proposer without a tree size."""
+
+    def time_breakdown(self) -> dict[str, float]:
+        """Seconds spent drafting since `reset_timings`, by phase (the benchmark's breakdown)."""
+
+    def reset_timings(self) -> None: ...
+
+    def draft_parameters(self) -> int:
+        """Parameters one draft step reads (0 without a model): VocabTrim's memory-bound speedup."""
 
 
 @dataclass
@@ -205,7 +223,7 @@ class Generation:
         model, cache, proposer = engine.model, engine.cache, engine.proposer
         params = config.sampling
         generator = None if params.greedy else make_generator(params.seed, model.device)
-        tree_room = getattr(proposer, "max_tree_tokens", 0) + 1
+        tree_room = (proposer.max_tree_tokens if proposer is not None else 0) + 1
         start = time.perf_counter()
         cache.reset()
         try:
@@ -217,7 +235,7 @@ class Generation:
         engine, config, result = self.engine, self.config, self.result
         model, cache, proposer = engine.model, engine.cache, engine.proposer
         params = config.sampling
-        taps = getattr(proposer, "taps", ())
+        taps = proposer.taps if proposer is not None else ()
         with torch.inference_mode():
             hidden, logits = prefill(model, cache, self.prompt_ids, taps)
             token = self._pick(logits[0], params, generator)

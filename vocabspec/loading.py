@@ -7,7 +7,6 @@ of a dozen. Every failure names the file and what is wrong with it.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 
 from . import native
+from .files import cache_dir, file_key
 from .formats import FORMATS, PACK_VERSION, flatten_packed, pack_model, unflatten_packed
 from .model import ModelArgs, Transformer
 
@@ -26,12 +26,6 @@ DEFAULT_MAX_SEQ_LEN = 4096
 
 class ModelLoadError(ValueError):
     """A model file is missing, corrupt or of an unsupported kind."""
-
-
-def cache_dir() -> Path:
-    path = Path(os.environ.get("VOCABSPEC_CACHE", Path.home() / ".cache" / "vocabspec"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def bundled_gguf(name: str) -> Path:
@@ -161,17 +155,11 @@ def _state_dict_from_gguf(reader, args: ModelArgs, path: Path) -> dict[str, torc
     return sd
 
 
-def _file_key(path: Path) -> str:
-    stat = path.stat()
-    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
-
-
 def load_gguf(path: Path, max_seq_len: int | None = None, use_cache: bool = True):
     """(ModelArgs, float32 state dict) from a GGUF file, via the dequantized cache."""
     from safetensors.torch import load_file, save_file
 
-    key = _file_key(path)
+    key = file_key(path)
     cached = cache_dir() / f"{path.stem}-{key}.safetensors"
     meta = cache_dir() / f"{path.stem}-{key}.json"
     args = state = None
@@ -383,7 +371,7 @@ def cached_pack(net: Transformer, weights: str, gguf_file: Path | None) -> dict:
         return pack_model(net, weights, gguf_file)
     from safetensors.torch import load_file, save_file
 
-    cached = cache_dir() / f"{gguf_file.stem}-{_file_key(gguf_file)}-{weights}{PACK_VERSION}.safetensors"
+    cached = cache_dir() / f"{gguf_file.stem}-{file_key(gguf_file)}-{weights}{PACK_VERSION}.safetensors"
     if cached.exists():
         try:
             return unflatten_packed(load_file(str(cached)), json.loads(

@@ -289,6 +289,10 @@ class Transformer(nn.Module):
         stack = native_stack(self.args, self.layers, packed, self.rope)
         self.native = NativeModel(stack, packed["embed"], packed["head"], self.norm.weight,
                                   self.args.norm_eps, self.embed_scale, weights)
+        # The packed copies are what runs: the float projections would only hold memory.
+        for block in self.layers:
+            for linear_ in (block.attn.wqkv, block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down):
+                linear_.weight = nn.Parameter(torch.empty(0, device=self.device), requires_grad=False)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         args = self.args

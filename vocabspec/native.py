@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .files import cache_dir
+
 SOURCE = Path(__file__).with_name("native.c")
 KINDS = {"f32": 0, "bf16": 1, "q4": 2, "q5": 3, "q8": 4, "q4i": 5, "q5i": 6, "q8i": 7}
 
@@ -67,8 +69,6 @@ def _cpu_key() -> str:
 
 
 def _build(compiler: str) -> Path:
-    from .loading import cache_dir
-
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_key().encode()).hexdigest()[:16]
     target = cache_dir() / f"native-{key}.so"

@@ -8,6 +8,8 @@ the answer copies its prompt the draft grows back in two or three steps."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .tree import DraftTree, chain_tree
@@ -20,6 +22,9 @@ class PromptLookupProposer:
             raise ValueError("need 1 <= min_ngram <= max_ngram and num_draft >= 1")
         self.max_ngram, self.min_ngram, self.num_draft = max_ngram, min_ngram, num_draft
         self.max_tree_tokens = num_draft
+        self.taps: tuple[int, ...] = ()
+        self.tree_shape = None
+        self.seconds = 0.0
         self.device = torch.device(device)
         self.context: list[int] = []
         self.length = num_draft        # the next draft's length (see the module docstring)
@@ -39,8 +44,20 @@ class PromptLookupProposer:
         self._drafted = []
 
     def propose(self, root_token: int) -> DraftTree:
+        start = time.perf_counter()
         self._drafted = self.lookup(self.context)[:self.length]
-        return chain_tree(root_token, self._drafted, self.device)
+        tree = chain_tree(root_token, self._drafted, self.device)
+        self.seconds += time.perf_counter() - start
+        return tree
+
+    def time_breakdown(self) -> dict[str, float]:
+        return {"lookup": self.seconds}
+
+    def reset_timings(self) -> None:
+        self.seconds = 0.0
+
+    def draft_parameters(self) -> int:
+        return 0
 
     def lookup(self, context: list[int]) -> list[int]:
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):

