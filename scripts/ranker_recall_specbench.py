@@ -2,7 +2,7 @@
 top-1) is among SpecVocab's k candidates, at every position the target generated. Two sets:
 the candidates SpecVocab drafts from (`spec:K`: the ranker's best plus the text's own tokens,
 half of K at most, and the usual successors of the token just read), and the ranker's top k
-alone (`spec:K:0:0`, the paper's rule). For scale, the
+alone (`spec:K,context=0,successors=0`, the paper's rule for one row). For scale, the
 same recall for the drafter's exact full-vocabulary head: the most any ranker of the drafter's
 state alone could reach. The drafter computes in its default dtype (`--draft-dtype
 auto`: bfloat16 on CPUs with fast bfloat16 matmuls), as `vocabspec generate` drafts.
@@ -67,18 +67,18 @@ def _candidate_hits(strategy, states, tokens: list[int], first: int, wanted, dra
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--questions", default=QUESTIONS)
-    parser.add_argument("--per-category", type=int, default=1)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--k", default="512,1024,2048,4096")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", help="bundled model name")
+    parser.add_argument("--questions", default=QUESTIONS, help="Spec-Bench question.jsonl")
+    parser.add_argument("--per-category", type=int, default=1, help="questions per category")
+    parser.add_argument("--new-tokens", type=int, default=128, help="answer tokens per question")
+    parser.add_argument("--k", default="512,1024,2048,4096", help="candidate counts to score")
     parser.add_argument("--ranker", help="ranker file (default: the bundled one)")
     parser.add_argument("--draft-path", help="drafter directory (default: the bundled one)")
     parser.add_argument("--context", type=int, default=None,
-                        help="the text's tokens among the candidates (spec:K:C; default K/2)")
+                        help="the text's tokens among the candidates (spec:K,context=C; default K/2)")
     parser.add_argument("--successors", type=int, default=None,
-                        help="successors of the token just read among the candidates (spec:K:C:S; "
+                        help="successors of the token just read among the candidates (spec:K,successors=S; "
                              "default: 16 where the drafter has a successor table)")
     parser.add_argument("--answers", help="a `vocabspec bench` answers.jsonl to take vanilla's "
                                            "answers from (then --new-tokens is unused)")
@@ -92,12 +92,10 @@ def main():
     files = bundled_drafter_dir(args.model)
     ranker = make_draft_vocab("spec:2048", target.embed.weight, files, ranker=args.ranker)
     def options(k: int) -> str:
-        """':C' / ':C:S' of spec:K (empty: the defaults). C is capped at each K (not at the
-        smallest K): spec:K:C refuses C > K; S needs C written out (K/2 is its default)."""
-        context = None if args.context is None else min(args.context, k)
-        if args.successors is not None:
-            return f":{k // 2 if context is None else context}:{args.successors}"
-        return "" if context is None else f":{context}"
+        """',context=C,successors=S' of spec:K (empty: the defaults). C is capped at each K (not
+        at the smallest K): spec:K refuses C > K."""
+        named = "" if args.context is None else f",context={min(args.context, k)}"
+        return named + ("" if args.successors is None else f",successors={args.successors}")
 
     strategies = {k: make_draft_vocab(f"spec:{k}{options(k)}", target.embed.weight, files,
                                       ranker=args.ranker) for k in ks}
