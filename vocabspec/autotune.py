@@ -176,6 +176,7 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
         if table and time.perf_counter() - started > BUDGET_SECONDS:
             break          # deeper trees cost more to calibrate than they are likely to win
         proposer = EagleProposer(drafter, head=head, depth=d, top_k=top_k, total_tokens=largest)
+        proposer.timing_sync = True          # drafting times must include the device's work
         timer = SizeTimer(proposer, CANDIDATE_SIZES, SIZE_TIMING_EVERY)
         engine = Engine(model, tokenizer, timer)
         engine.generate(prompts[0], GenerationConfig(max_new_tokens=4))   # warm-up
@@ -197,7 +198,8 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
 
 def _cache_key(model, key: str) -> str:
     # The matmul path changes every timing, so it is part of what the choice depends on.
-    return "|".join([key, model.weights, str(model.device), str(torch.get_num_threads()),
+    device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else str(model.device)
+    return "|".join([key, model.weights, device, str(torch.get_num_threads()),
                      "packed" if packing_enabled() else "plain",
                      torch.__version__, platform.processor() or platform.machine(),
                      str(os.cpu_count())])

@@ -120,6 +120,8 @@ def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
         if trees and trees.get(name):
             config = replace(config, depth=trees[name][0], total_tokens=trees[name][1])
         proposer = make_proposer(target, config, cfg.model, tokenizer=tokenizer, log=log)
+        if proposer is not None:
+            proposer.timing_sync = True      # an honest breakdown waits for the device
         if proposer is not None and proposer.tree_shape:
             log(f"{name}: depth={proposer.tree_shape[0]}, total_tokens={proposer.tree_shape[1]}")
         runs.append(MethodRun(name, Engine(target, tokenizer, proposer, allow_inexact=cfg.allow_inexact),

@@ -367,7 +367,6 @@ class EagleProposer:
         self.drafter = drafter
         self.target = drafter.target
         self.head = head or FullVocab(self.target.embed.weight.to(drafter.fc.weight.dtype))
-        self.head.sync = self.target.device.type == "cuda"
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_tree_tokens = total_tokens
         self.cache = drafter.new_cache(self.target.args.max_seq_len + depth * top_k + 1)
@@ -397,6 +396,16 @@ class EagleProposer:
     def reset_timings(self) -> None:
         self.timings = {"layer": 0.0, "total": 0.0}
         self.head.timings = {}
+
+    @property
+    def timing_sync(self) -> bool:
+        """Whether timings wait for the accelerator at each phase (only a breakdown needs it:
+        otherwise drafting queues its work and never waits)."""
+        return self.head.sync
+
+    @timing_sync.setter
+    def timing_sync(self, on: bool) -> None:
+        self.head.sync = bool(on) and self.target.device.type == "cuda"
 
     def _layer(self, *args, **kwargs) -> torch.Tensor:
         start = time.perf_counter()
@@ -443,6 +452,52 @@ class EagleProposer:
     def propose(self, root_token: int) -> DraftTree:
         start = time.perf_counter()
         tree = self._grow(root_token)
+        self.timings["total"] += time.perf_counter() - start
+        return tree
+
+    @property
+    def static(self) -> bool:
+        """Whether `propose_static` can draft without reading the device back (SpecVocab's
+        candidates need the drafted tokens on the host)."""
+        return not hasattr(self.head, "candidate_ids")
+
+    def propose_static(self, root: torch.Tensor):
+        """EAGLE-2's tree with static shapes and no read-back (static_step.py): `top_k` rows a
+        level, no frontier pruning, the same kept nodes as `propose`."""
+        from .static_step import flatten
+
+        start = time.perf_counter()
+        k, device = self.top_k, self.target.device
+        ids, log_probs = self._top_k(self.last_state, None, 0)
+        tokens, values = [ids[0]], [log_probs[0]]
+        parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
+        depths = [torch.ones(k, dtype=torch.long, device=device)]
+        front = torch.argsort(-log_probs[0], stable=True)          # node indices, best first
+        front_values = log_probs[0][front]
+        features = self.last_state.expand(k, -1)
+        visible = torch.zeros(k, 0, dtype=torch.bool, device=device)   # earlier levels' slots
+        eye = torch.eye(k, dtype=torch.bool, device=device)
+        drafted = k
+        for level in range(1, self.depth + 1):
+            read = torch.cat(tokens)[front]
+            positions = torch.full((k,), self.cache.length - 1 + level, dtype=torch.long, device=device)
+            states = self._layer(read, features, positions, self.cache,
+                                 tree_mask=torch.cat([visible, eye], dim=1))
+            ids, log_probs = self._top_k(states, None, level)            # (k, k)
+            layer_values = (front_values[:, None] + log_probs).flatten()
+            tokens.append(ids.flatten())
+            values.append(layer_values)
+            parents.append(front.repeat_interleave(k))
+            depths.append(torch.full((k * k,), level + 1, dtype=torch.long, device=device))
+            # The next frontier: the level's k most valuable nodes (ties: drafted earlier).
+            order = torch.argsort(-layer_values, stable=True)[:k]
+            rows = order // k
+            front, front_values = drafted + order, layer_values[order]
+            features, visible = states[rows], torch.cat([visible[rows], eye[rows]], dim=1)
+            drafted += k * k
+        self.cache.discard()
+        tree = flatten(root, torch.cat(tokens), torch.cat(values), torch.cat(parents),
+                       torch.cat(depths), min(self.total_tokens, drafted), self.depth + 1)
         self.timings["total"] += time.perf_counter() - start
         return tree
 

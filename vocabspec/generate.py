@@ -33,6 +33,7 @@ class Proposer(Protocol):
 
     max_tree_tokens: int
     taps: tuple[int, ...]
+    timing_sync: bool        # time each phase after waiting for the device (a breakdown's cost)
 
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None: ...
     def propose(self, root_token: int) -> DraftTree: ...
@@ -159,7 +160,8 @@ class Engine:
     """A target model (and optionally a proposer) ready to generate."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
-                 proposer: Proposer | None = None, allow_inexact: bool = False):
+                 proposer: Proposer | None = None, allow_inexact: bool = False,
+                 static: bool | None = None):
         # Speculative output equals plain decoding's only where a tree forward gives each row
         # the bits a one-token forward gives it: always on the native engine; on torch's
         # kernels float32 differs in the last bits (ties that close are not seen in practice),
@@ -174,6 +176,14 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
+        # Greedy steps with static shapes and one read-back each (static_step.py): what a GPU
+        # wants. None: on CUDA devices, for proposers that can (prompt lookup, EAGLE without
+        # SpecVocab); on the CPU the general loop scores fewer verification rows.
+        if static is None:
+            static = model.device.type == "cuda"
+        if static and proposer is not None and not getattr(proposer, "static", False):
+            static = False
+        self.static = static
         self.cache = model.new_cache()
         eos = set(model.args.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -226,8 +236,9 @@ class Generation:
         tree_room = (proposer.max_tree_tokens if proposer is not None else 0) + 1
         start = time.perf_counter()
         cache.reset()
+        loop = self._loop_static if engine.static and params.greedy else self._loop
         try:
-            yield from self._loop(start, generator, tree_room)
+            yield from loop(start, generator, tree_room)
         finally:
             result.seconds = time.perf_counter() - start
 
@@ -247,13 +258,7 @@ class Generation:
                 delta = self._emit(emitted)
                 if delta:
                     yield delta
-                if result.stop_reason:
-                    break
-                if config.cancel is not None and config.cancel.is_set():
-                    result.stop_reason = "cancelled"
-                    break
-                if config.deadline is not None and time.monotonic() > config.deadline:
-                    result.stop_reason = "time"
+                if self._stopped():
                     break
                 # Near the end of the window, fall back to plain steps rather than overflow.
                 can_draft = cache.length + tree_room <= cache.max_len
@@ -277,6 +282,58 @@ class Generation:
                                                (t1 - t0) + (t3 - t2), t2 - t1, ranks))
                 token = verdict.next_token
                 emitted = accepted[1:] + [token]
+
+    def _loop_static(self, start: float, generator, tree_room: int) -> Iterator[str]:
+        """Greedy steps that read the device back once each (static_step.py)."""
+        from .static_step import chain, read_back, verify_greedy
+
+        engine, config, result = self.engine, self.config, self.result
+        model, cache, proposer = engine.model, engine.cache, engine.proposer
+        taps = proposer.taps if proposer is not None else ()
+        with torch.inference_mode():
+            hidden, logits = prefill(model, cache, self.prompt_ids, taps)
+            token = greedy_token(logits[0])
+            result.prefill_seconds = time.perf_counter() - start
+            if proposer is not None:
+                proposer.reset(self.prompt_ids, hidden, token)
+            emitted = [token]
+            root = torch.tensor(token, device=model.device)
+            while True:
+                delta = self._emit(emitted)
+                if delta:
+                    yield delta
+                if self._stopped():
+                    break
+                can_draft = cache.length + tree_room <= cache.max_len
+                t0 = time.perf_counter()
+                tree = proposer.propose_static(root) if (proposer is not None and can_draft) \
+                    else chain(root, [])
+                t1 = time.perf_counter()
+                hidden, logits, *tapped = model(tree.tokens, tree.depths + cache.length, cache,
+                                                tree_mask=tree.mask, all_logits=True, taps=taps)
+                path, length_bonus = verify_greedy(tree, logits)
+                accepted, token = read_back(tree, path, length_bonus)
+                cache.commit(path[:len(accepted)], skip_kept_prefix=False)
+                t2 = time.perf_counter()
+                if proposer is not None:
+                    proposer.observe(accepted, proposer_rows(hidden, tapped, path[:len(accepted)]), token)
+                t3 = time.perf_counter()
+                result.steps.append(StepRecord(len(accepted), tree.size, (t1 - t0) + (t3 - t2), t2 - t1))
+                root = torch.tensor(token, device=model.device)
+                emitted = accepted[1:] + [token]
+
+    def _stopped(self) -> bool:
+        """Whether the generation ends here: a stop condition met, cancelled, or out of time."""
+        result, config = self.result, self.config
+        if result.stop_reason:
+            return True
+        if config.cancel is not None and config.cancel.is_set():
+            result.stop_reason = "cancelled"
+            return True
+        if config.deadline is not None and time.monotonic() > config.deadline:
+            result.stop_reason = "time"
+            return True
+        return False
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> int:
         if params.greedy:

@@ -26,6 +26,8 @@ from .tree import DraftTree, chain_tree, graft_chain
 
 
 class EagleLookupProposer(EagleProposer):
+    static = False      # grafting works on the host tree (tree.graft_chain)
+
     def __init__(self, *args, lookup: PromptLookupProposer | None = None, copy_after: int = 2,
                  **kwargs):
         super().__init__(*args, **kwargs)

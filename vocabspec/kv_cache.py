@@ -58,16 +58,19 @@ class KVCache:
         """Count the tokens of the forward that just ran as pending."""
         self.pending += n_new
 
-    def commit(self, keep: torch.Tensor | None = None) -> None:
+    def commit(self, keep: torch.Tensor | None = None, skip_kept_prefix: bool = True) -> None:
         """Keep the pending slots listed in `keep` (indices into the pending block, in order).
 
         `keep=None` keeps every pending slot, which is what plain decoding wants.
+        skip_kept_prefix: copy nothing when `keep` is 0, 1, 2, ... (asking costs a read-back of
+        `keep`; a step that stays on the device copies instead).
         """
         if keep is None:
             self.length += self.pending
         else:
             n_keep = int(keep.numel())
-            if n_keep and not torch.equal(keep, torch.arange(n_keep, device=keep.device)):
+            same = skip_kept_prefix and torch.equal(keep, torch.arange(n_keep, device=keep.device))
+            if n_keep and not same:
                 src = keep + self.length
                 dst = slice(self.length, self.length + n_keep)
                 if self.layout == "native":

@@ -341,6 +341,11 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
         net.use_native(cached_pack(net, weights, gguf_file), weights)
     elif weights == "bf16":
         net = net.to(dtype=torch.bfloat16)
+    elif device.type == "cuda":
+        # float32 means float32: TF32 would round matmul inputs to 10 mantissa bits, and a tree
+        # forward would then differ from one-token decoding far beyond float32 rounding.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     return net, path
 
 

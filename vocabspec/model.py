@@ -188,10 +188,12 @@ class AttentionPlan:
                 raise NotImplementedError("sliding-window layers need an empty pending block")
             window = args.sliding_window
             # Committed slot i holds position i, so keys older than the window are sliced off.
-            key_start = max(0, min(int(positions.min()) - window + 1, past))
+            # New tokens sit at positions from `past` on (a tree's root, a chunk's first), and
+            # none beyond past + n - 1: host bounds, so the device is never asked.
+            key_start = max(0, min(past - window + 1, past))
             key_positions = torch.cat([torch.arange(key_start, past, device=device), positions])
             in_window = (positions[:, None] - key_positions[None, :]) < window
-            if global_mask is None and bool(in_window.all()):
+            if global_mask is None and past + n - 1 - key_start < window:
                 local_mask = None
             else:
                 base = global_mask[:, key_start:] if global_mask is not None else True
@@ -329,9 +331,11 @@ class Transformer(nn.Module):
         n = tokens.shape[0]
         if n == 0:
             raise ValueError("forward needs at least one token")
-        if int(positions.max()) >= self.args.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} is beyond max_seq_len "
-                             f"{self.args.max_seq_len}")
+        # New tokens sit at positions past the cached ones, a tree's deepest at most n - 1
+        # further: checked on the host (reading positions back would wait for the device).
+        if cache.length + cache.pending + n > self.args.max_seq_len:
+            raise ValueError(f"positions up to {cache.length + cache.pending + n - 1} are beyond "
+                             f"max_seq_len {self.args.max_seq_len}")
         if any(not 0 <= t < self.args.n_layers for t in taps):
             raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
         cache.check_room(n)

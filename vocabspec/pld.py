@@ -24,6 +24,7 @@ class PromptLookupProposer:
         self.max_tree_tokens = num_draft
         self.taps: tuple[int, ...] = ()
         self.tree_shape = None
+        self.timing_sync = False       # nothing to wait for
         self.seconds = 0.0
         self.device = torch.device(device)
         self.context: list[int] = []
@@ -47,6 +48,18 @@ class PromptLookupProposer:
         start = time.perf_counter()
         self._drafted = self.lookup(self.context)[:self.length]
         tree = chain_tree(root_token, self._drafted, self.device)
+        self.seconds += time.perf_counter() - start
+        return tree
+
+    static = True
+
+    def propose_static(self, root: torch.Tensor):
+        """The lookup path as a static_step.StaticTree (host tokens copied over, no read-back)."""
+        from .static_step import chain
+
+        start = time.perf_counter()
+        self._drafted = self.lookup(self.context)[:self.length]
+        tree = chain(root, self._drafted)
         self.seconds += time.perf_counter() - start
         return tree
 
