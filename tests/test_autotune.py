@@ -86,9 +86,13 @@ def test_strategies_share_one_forward_timing_and_choices_are_cached(smollm2, tmp
     assert [row["forward_s"] for row in tables[0].values()] == \
         [row["forward_s"] for row in tables[1].values()]
     for name, (depth, total) in chosen.items():
-        table = next(e["table"] for k, e in known.items() if k.startswith(f"test|{name}|"))
-        best = pick(table)
-        assert (depth, total) == (best["depth"], best["total_tokens"])
+        entry = next(e for k, e in known.items() if k.startswith(f"test|{name}|"))
+        best = pick(entry["table"])
+        # The predicted best tree, unless real generations measured it slower than plain
+        # decoding (an untrained drafter here): then no tree.
+        assert entry["measured_speedup"] > 0
+        want = (best["depth"], best["total_tokens"]) if entry["measured_speedup"] >= 1 else (0, 0)
+        assert (depth, total) == want
     # A second call reads the cache instead of calibrating again.
     (tmp_path / "autotune.json").write_text(json.dumps(
         {k: ({**e, "total_tokens": 7} if k.startswith("test|full|") else e) for k, e in known.items()}))

@@ -402,7 +402,7 @@ def cmd_ranker(args) -> int:
     heldout = load_shards(cfg, "heldout")
     if not train_set:
         raise ValueError(f"no feature shards under {cfg.out}/features: run vocabspec train first")
-    init = load_ranker(args.init, target.embed.weight) if args.init else None
+    init = load_ranker(args.init, target.head_weight) if args.init else None
     rank = args.rank or (init[0].shape[0] if init else max(1, target.args.dim // 16))
     down, vocab, metrics = train_ranker(drafter, train_set, heldout, rank, epochs=args.epochs,
                                         max_sequences=args.sequences, positions=args.positions,

@@ -54,7 +54,7 @@ class DrafterMismatch(ValueError):
 
 def drafter_args(target: ModelArgs, n_layers: int = 1) -> ModelArgs:
     """Global-attention layers of the target's architecture (EAGLE's drafter has one)."""
-    return replace(target, n_layers=n_layers, sliding_window=None)
+    return replace(target, n_layers=n_layers, sliding_window=None, layer_types=None)
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -106,14 +106,16 @@ class EagleDrafter(nn.Module):
         """Draft on the native CPU engine: fc and the layers as `kind` weights (bf16 holds a
         bfloat16 checkpoint exactly), float32 activations, a native KV cache. What is drafted
         changes by rounding only; verification is untouched."""
-        from .formats import block_linears, pack_float, quantize_q8
+        from .formats import block_biases, block_linears, pack_float, quantize_q8
         from .model import native_stack
 
         if self.fuse is not None:
             raise ValueError("drafters with taps draft on torch's kernels")
         pack = (lambda w, bias=None: quantize_q8(w, bias)) if kind == "q8i" else \
             (lambda w, bias=None: pack_float(w, kind, bias))
-        packed = {name: pack(w) for name, w in block_linears(self.args, self.layers).items()}
+        biases = block_biases(self.args, self.layers)
+        packed = {name: pack(w, bias=biases.get(name))
+                  for name, w in block_linears(self.args, self.layers).items()}
         self.__dict__["native"] = (pack(self.fc.weight, bias=self.fc.bias),
                                    native_stack(self.args, self.layers, packed, self.target.rope))
 
@@ -366,7 +368,7 @@ class EagleProposer:
                              f"{depth}, {top_k}, {total_tokens}")
         self.drafter = drafter
         self.target = drafter.target
-        self.head = head or FullVocab(self.target.embed.weight.to(drafter.fc.weight.dtype))
+        self.head = head or FullVocab(self.target.head_weight.to(drafter.fc.weight.dtype))
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_tree_tokens = total_tokens
         self.cache = drafter.new_cache(self.target.args.max_seq_len + depth * top_k + 1)

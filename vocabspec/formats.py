@@ -307,6 +307,19 @@ def float_linears(model) -> dict[str, torch.Tensor]:
     and the embedding."""
     out = block_linears(model.args, model.layers)
     out["embed"] = model.embed.weight
+    if model.output is not None:
+        out["head"] = model.output.weight
+    return out
+
+
+def block_biases(args, blocks) -> dict[str, torch.Tensor]:
+    """Each layer's q, k and v biases (Qwen2), split out of the fused projection."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    out = {}
+    for i, block in enumerate(blocks):
+        if block.attn.wqkv.bias is not None:
+            for name, b in zip(("wq", "wk", "wv"), block.attn.wqkv.bias.split([q, kv, kv])):
+                out[f"layers.{i}.{name}"] = b
     return out
 
 
@@ -328,9 +341,10 @@ def pack_model(model, weights: str, gguf_path=None) -> dict[str, PackedWeight]:
     if weights not in FORMATS:
         raise ValueError(f"unknown weight format {weights!r} (choose from {', '.join(FORMATS)})")
     floats = float_linears(model)
+    biases = block_biases(model.args, model.layers)
     if not weights.startswith("gguf"):
-        packed = {name: pack_float(w, weights) for name, w in floats.items()}
-        packed["head"] = packed["embed"]
+        packed = {name: pack_float(w, weights, bias=biases.get(name)) for name, w in floats.items()}
+        packed.setdefault("head", packed["embed"])
         return packed
     if gguf_path is None:
         raise ValueError(f"--weights {weights} needs a GGUF model file")
@@ -344,8 +358,8 @@ def pack_model(model, weights: str, gguf_path=None) -> dict[str, PackedWeight]:
     args = model.args
     packed = {}
     for name, w in floats.items():
-        if name == "embed":
-            gguf_name = "token_embd.weight"
+        if name in ("embed", "head"):
+            gguf_name = "token_embd.weight" if name == "embed" else "output.weight"
         else:
             _, index, short = name.split(".")
             gguf_name = f"blk.{index}.{_GGUF_NAMES[short]}.weight"
@@ -360,8 +374,10 @@ def pack_model(model, weights: str, gguf_path=None) -> dict[str, PackedWeight]:
                 heads = args.n_heads if name.endswith("wq") else args.n_kv_heads
                 raw = raw[llama_rope_rows(rows, heads)]
             result = from_gguf_blocks(tensor.tensor_type.name, raw, rows, cols, int8_activations)
-        packed[name] = result if result is not None else pack_float(w, "f32")
-    packed["head"] = packed["embed"]
+        if result is not None and biases.get(name) is not None:
+            result.bias = biases[name].detach().float().contiguous()
+        packed[name] = result if result is not None else pack_float(w, "f32", bias=biases.get(name))
+    packed.setdefault("head", packed["embed"])
     return packed
 
 

@@ -72,10 +72,13 @@ def _gguf_field(reader, key, default=None):
     return value
 
 
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")   # Mistral's GGUFs say llama
+
+
 def _args_from_gguf(reader, path: Path) -> ModelArgs:
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "gemma3"):
-        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (llama, gemma3)")
+    if arch not in GGUF_ARCHS:
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported ({', '.join(GGUF_ARCHS)})")
 
     def need(key):
         value = _gguf_field(reader, f"{arch}.{key}")
@@ -104,6 +107,14 @@ def _args_from_gguf(reader, path: Path) -> ModelArgs:
         args.sliding_window = int(_gguf_field(reader, "gemma3.attention.sliding_window", 512))
         args.query_pre_attn_scalar = float(head_dim)
         args.rope_local_base = 10000.0
+    elif _gguf_field(reader, f"{arch}.attention.sliding_window") is not None:   # Mistral
+        args.sliding_window = int(_gguf_field(reader, f"{arch}.attention.sliding_window"))
+    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise ModelLoadError(f"{path}: RoPE scaling {scaling!r} is not supported (linear, or "
+                                 "llama3's rope_freqs tensor)")
+        args.rope_scaling = {"type": "linear", "factor": float(need("rope.scaling.factor"))}
     return args
 
 
@@ -134,7 +145,11 @@ def _state_dict_from_gguf(reader, args: ModelArgs, path: Path) -> dict[str, torc
 
     sd = {"embed.weight": take("token_embd.weight"), "norm.weight": take("output_norm.weight")}
     if "output.weight" in raw and not torch.equal(raw["output.weight"], sd["embed.weight"]):
-        raise ModelLoadError(f"{path}: untied output embeddings are not supported")
+        args.tied_embeddings = False
+        sd["output.weight"] = raw["output.weight"]
+    if "rope_freqs.weight" in raw:      # Llama 3.1+: llama.cpp's per-frequency scaling factors
+        args.rope_scaling = {"type": "freqs", "factors": raw["rope_freqs.weight"].double().tolist()}
+    args.qkv_bias = f"blk.0.attn_q.bias" in raw
     for i in range(args.n_layers):
         p = f"blk.{i}."
         q, k = take(p + "attn_q.weight"), take(p + "attn_k.weight")
@@ -142,14 +157,17 @@ def _state_dict_from_gguf(reader, args: ModelArgs, path: Path) -> dict[str, torc
             q, k = unpermute(q, args.n_heads), unpermute(k, args.n_kv_heads)
         o = f"layers.{i}."
         sd[o + "attn.wqkv.weight"] = torch.cat([q, k, take(p + "attn_v.weight")])
+        if args.qkv_bias:
+            sd[o + "attn.wqkv.bias"] = torch.cat([take(p + f"attn_{x}.bias") for x in "qkv"])
         sd[o + "attn.wo.weight"] = take(p + "attn_output.weight")
         sd[o + "mlp.w_gate_up.weight"] = torch.cat([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")])
         sd[o + "mlp.w_down.weight"] = take(p + "ffn_down.weight")
         sd[o + "attn_norm.weight"] = take(p + "attn_norm.weight")
         sd[o + "mlp_norm.weight"] = take(p + "ffn_norm.weight")
-        if args.arch == "gemma3":
+        if args.qk_norm:
             sd[o + "attn.q_norm.weight"] = take(p + "attn_q_norm.weight")
             sd[o + "attn.k_norm.weight"] = take(p + "attn_k_norm.weight")
+        if args.arch == "gemma3":
             sd[o + "post_attn_norm.weight"] = take(p + "post_attention_norm.weight")
             sd[o + "post_mlp_norm.weight"] = take(p + "post_ffw_norm.weight")
     return sd
@@ -160,8 +178,8 @@ def load_gguf(path: Path, max_seq_len: int | None = None, use_cache: bool = True
     from safetensors.torch import load_file, save_file
 
     key = file_key(path)
-    cached = cache_dir() / f"{path.stem}-{key}.safetensors"
-    meta = cache_dir() / f"{path.stem}-{key}.json"
+    cached = cache_dir() / f"{path.stem}-{key}-v2.safetensors"
+    meta = cached.with_suffix(".json")
     args = state = None
     if use_cache and cached.exists() and meta.exists():
         try:
@@ -198,43 +216,11 @@ def load_hf_dir(path: Path, max_seq_len: int | None = None):
         raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from exc
     config = config.get("text_config", config)
     model_type = config.get("model_type", "")
-    if model_type == "llama":
-        arch = "llama"
-    elif model_type in ("gemma3_text", "gemma3"):
-        arch = "gemma3"
-    else:
+    arch = HF_ARCHS.get(model_type)
+    if arch is None:
         raise ModelLoadError(f"{config_path}: model_type {model_type!r} is not supported "
-                             "(llama, gemma3_text)")
-    n_heads = config["num_attention_heads"]
-    dim = config["hidden_size"]
-    head_dim = config.get("head_dim") or dim // n_heads
-    rope_base = config.get("rope_theta", 10000.0)
-    rope_params = config.get("rope_parameters") or {}
-    if arch == "gemma3":
-        rope_base = rope_params.get("full_attention", {}).get("rope_theta", config.get("rope_theta", 1e6))
-    eos = config.get("eos_token_id")
-    args = ModelArgs(
-        arch=arch, vocab_size=config["vocab_size"], dim=dim, n_layers=config["num_hidden_layers"],
-        n_heads=n_heads, n_kv_heads=config.get("num_key_value_heads", n_heads), head_dim=head_dim,
-        intermediate_size=config["intermediate_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_base=rope_base,
-        max_seq_len=min(config.get("max_position_embeddings", 4096), max_seq_len or DEFAULT_MAX_SEQ_LEN),
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
-    )
-    if arch == "gemma3":
-        args.sliding_window = config.get("sliding_window", 512)
-        args.query_pre_attn_scalar = config.get("query_pre_attn_scalar", head_dim)
-        args.rope_local_base = rope_params.get("sliding_attention", {}).get(
-            "rope_theta", config.get("rope_local_base_freq", 10000.0))
-        args.sliding_window_pattern = config.get("sliding_window_pattern", 6)
-        layer_types = config.get("layer_types")
-        if layer_types:
-            args.sliding_window_pattern = layer_types.index("full_attention") + 1 \
-                if "full_attention" in layer_types else len(layer_types) + 1
-            if [args.is_sliding(i) for i in range(args.n_layers)] != \
-                    [t == "sliding_attention" for t in layer_types]:
-                raise ModelLoadError(f"{config_path}: layer_types {layer_types} is not periodic")
+                             f"({', '.join(HF_ARCHS)})")
+    args = hf_args(config, arch, max_seq_len, config_path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no .safetensors weight files")
@@ -246,6 +232,9 @@ def load_hf_dir(path: Path, max_seq_len: int | None = None):
             raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
     raw = {k.removeprefix("model.language_model.").removeprefix("model."): v.float()
            for k, v in raw.items()}
+    # Tied unless a distinct LM head is stored (configs that omit tie_word_embeddings exist).
+    args.tied_embeddings = "lm_head.weight" not in raw or torch.equal(raw["lm_head.weight"],
+                                                                      raw.get("embed_tokens.weight"))
 
     def take(name):
         if name not in raw:
@@ -254,23 +243,95 @@ def load_hf_dir(path: Path, max_seq_len: int | None = None):
 
     norm_shift = 1.0 if arch == "gemma3" else 0.0  # HF Gemma stores w, the model multiplies by 1 + w
     sd = {"embed.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight") + norm_shift}
+    if not args.tied_embeddings:
+        sd["output.weight"] = take("lm_head.weight")
     for i in range(args.n_layers):
         p, o = f"layers.{i}.", f"layers.{i}."
         sd[o + "attn.wqkv.weight"] = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        if args.qkv_bias:
+            sd[o + "attn.wqkv.bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
         sd[o + "attn.wo.weight"] = take(p + "self_attn.o_proj.weight")
         sd[o + "mlp.w_gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"),
                                                     take(p + "mlp.up_proj.weight")])
         sd[o + "mlp.w_down.weight"] = take(p + "mlp.down_proj.weight")
         sd[o + "attn_norm.weight"] = take(p + "input_layernorm.weight") + norm_shift
-        if arch == "gemma3":
-            sd[o + "mlp_norm.weight"] = take(p + "pre_feedforward_layernorm.weight") + norm_shift
+        if args.qk_norm:
             sd[o + "attn.q_norm.weight"] = take(p + "self_attn.q_norm.weight") + norm_shift
             sd[o + "attn.k_norm.weight"] = take(p + "self_attn.k_norm.weight") + norm_shift
+        if arch == "gemma3":
+            sd[o + "mlp_norm.weight"] = take(p + "pre_feedforward_layernorm.weight") + norm_shift
             sd[o + "post_attn_norm.weight"] = take(p + "post_attention_layernorm.weight") + norm_shift
             sd[o + "post_mlp_norm.weight"] = take(p + "post_feedforward_layernorm.weight") + norm_shift
         else:
             sd[o + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
     return args, sd
+
+
+HF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+            "gemma3_text": "gemma3", "gemma3": "gemma3"}
+# Config fields a family may set that change the computation and that this model does not do:
+# refused rather than ignored.
+UNSUPPORTED = {"attention_bias": True, "mlp_bias": True, "attn_logit_softcapping": "set",
+               "final_logit_softcapping": "set", "pretraining_tp": "above 1"}
+
+
+def hf_rope(config: dict, scope: str | None, config_path) -> tuple[float, dict | None]:
+    """(base, scaling) from transformers 5's rope_parameters (per layer kind for Gemma 3) or the
+    older rope_theta / rope_scaling."""
+    params = config.get("rope_parameters")
+    if params is not None and scope is not None:
+        params = params.get(scope)
+    if params is None:
+        params = dict(config.get("rope_scaling") or {})
+        params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    base = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if kind == "default":
+        return base, None
+    if kind == "linear":
+        return base, {"type": "linear", "factor": float(params["factor"])}
+    if kind == "llama3":
+        return base, {"type": "llama3", **{k: float(params[k]) for k in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}}
+    raise ModelLoadError(f"{config_path}: RoPE scaling {kind!r} is not supported (linear, llama3)")
+
+
+def hf_args(config: dict, arch: str, max_seq_len: int | None, config_path) -> ModelArgs:
+    for key, bad in UNSUPPORTED.items():
+        value = config.get(key)
+        if (bad is True and value is True) or (bad == "set" and value is not None) or \
+                (bad == "above 1" and value not in (None, 1)):
+            raise ModelLoadError(f"{config_path}: {key}={value!r} is not supported")
+    n_heads = config["num_attention_heads"]
+    dim = config["hidden_size"]
+    head_dim = config.get("head_dim") or dim // n_heads
+    act = config.get("hidden_act", config.get("hidden_activation", "gelu_pytorch_tanh" if arch == "gemma3" else "silu"))
+    want = "gelu_pytorch_tanh" if arch == "gemma3" else "silu"
+    if act != want:
+        raise ModelLoadError(f"{config_path}: hidden activation {act!r} is not supported for {arch} ({want})")
+    base, scaling = hf_rope(config, "full_attention" if arch == "gemma3" else None, config_path)
+    eos = config.get("eos_token_id")
+    args = ModelArgs(
+        arch=arch, vocab_size=config["vocab_size"], dim=dim, n_layers=config["num_hidden_layers"],
+        n_heads=n_heads, n_kv_heads=config.get("num_key_value_heads", n_heads), head_dim=head_dim,
+        intermediate_size=config["intermediate_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_base=base, rope_scaling=scaling,
+        max_seq_len=min(config.get("max_position_embeddings", 4096), max_seq_len or DEFAULT_MAX_SEQ_LEN),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
+        qkv_bias=arch == "qwen2",
+    )
+    layer_types = config.get("layer_types")
+    if arch == "gemma3":
+        args.sliding_window = config.get("sliding_window", 512)
+        args.query_pre_attn_scalar = config.get("query_pre_attn_scalar", head_dim)
+        args.rope_local_base = hf_rope(config, "sliding_attention", config_path)[0] \
+            if config.get("rope_parameters") else config.get("rope_local_base_freq", 10000.0)
+    elif arch == "mistral" or (arch in ("qwen2", "qwen3") and config.get("use_sliding_window")):
+        args.sliding_window = config.get("sliding_window")
+    if args.sliding_window is not None and layer_types:
+        args.layer_types = ["sliding" if t == "sliding_attention" else "full" for t in layer_types]
+    return args
 
 
 # ---------------------------------------------------------------- entry point

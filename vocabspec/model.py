@@ -27,9 +27,13 @@ from .kv_cache import KVCache
 from .linear import Linear, linear
 
 
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+ROPE_SCALINGS = ("llama3", "linear", "freqs")
+
+
 @dataclass
 class ModelArgs:
-    arch: str                      # "llama" or "gemma3"
+    arch: str                      # one of ARCHS
     vocab_size: int
     dim: int
     n_layers: int
@@ -46,16 +50,41 @@ class ModelArgs:
     query_pre_attn_scalar: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # RoPE scaling of the global layers: {"type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}, {"type": "linear", "factor"},
+    # or {"type": "freqs", "factors": [...]} (a GGUF's rope_freqs: each frequency divided).
+    rope_scaling: dict | None = None
+    layer_types: list[str] | None = None   # "sliding" / "full" per layer (None: the arch's rule)
+    tied_embeddings: bool = True           # the LM head is the embedding
+    qkv_bias: bool = False                 # Qwen2's q/k/v biases
 
     def __post_init__(self):
-        if self.arch not in ("llama", "gemma3"):
-            raise ValueError(f"unsupported architecture {self.arch!r} (supported: llama, gemma3)")
+        if self.arch not in ARCHS:
+            raise ValueError(f"unsupported architecture {self.arch!r} (supported: {', '.join(ARCHS)})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.rope_scaling is not None and self.rope_scaling.get("type") not in ROPE_SCALINGS:
+            raise ValueError(f"unsupported RoPE scaling {self.rope_scaling.get('type')!r} "
+                             f"(supported: {', '.join(ROPE_SCALINGS)})")
+        if self.layer_types is not None and (len(self.layer_types) != self.n_layers
+                                             or set(self.layer_types) - {"sliding", "full"}):
+            raise ValueError(f"layer_types must give 'sliding' or 'full' for each of {self.n_layers} layers")
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch in ("gemma3", "qwen3")
 
     def is_sliding(self, layer: int) -> bool:
-        return (self.arch == "gemma3" and self.sliding_window is not None
-                and (layer + 1) % self.sliding_window_pattern != 0)
+        """Whether `layer` attends to the last `sliding_window` positions only: per layer_types
+        where given; else Gemma 3's pattern (every sliding_window_pattern-th layer global), or
+        every layer (Mistral)."""
+        if self.sliding_window is None:
+            return False
+        if self.layer_types is not None:
+            return self.layer_types[layer] == "sliding"
+        if self.arch == "gemma3":
+            return (layer + 1) % self.sliding_window_pattern != 0
+        return True
 
 
 class RMSNorm(nn.Module):
@@ -72,11 +101,36 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def rope_tables(head_dim: int, base: float, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, base: float, max_len: int,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        inv_freq = scaled_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
+
+
+def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """RoPE frequencies under a context-extending scaling (Llama 3.x's, linear, or a GGUF's
+    per-frequency factors)."""
+    kind = scaling["type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "freqs":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        if factors.numel() != inv_freq.numel():
+            raise ValueError(f"{factors.numel()} RoPE frequency factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, blended, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -93,15 +147,15 @@ class Attention(nn.Module):
         self.layer = layer
         self.q_size = args.n_heads * args.head_dim
         self.kv_size = args.n_kv_heads * args.head_dim
-        self.wqkv = Linear(args.dim, self.q_size + 2 * self.kv_size, bias=False)
+        self.wqkv = Linear(args.dim, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.wo = Linear(self.q_size, args.dim, bias=False)
-        if args.arch == "gemma3":
+        if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
-            self.scale = (args.query_pre_attn_scalar or args.head_dim) ** -0.5
         else:
             self.q_norm = self.k_norm = None
-            self.scale = args.head_dim ** -0.5
+        scalar = args.query_pre_attn_scalar if args.arch == "gemma3" else None
+        self.scale = (scalar or args.head_dim) ** -0.5
 
     def forward(self, x, cos, sin, cache: KVCache, mask, key_start: int):
         n = x.shape[0]
@@ -183,7 +237,7 @@ class AttentionPlan:
             global_mask = torch.cat([torch.ones(n, past, dtype=torch.bool, device=device),
                                      tree_mask], dim=1)
         self.masks = {"global": (global_mask, 0)}
-        if args.sliding_window is not None and args.arch == "gemma3":
+        if any(args.is_sliding(i) for i in range(args.n_layers)):
             if pending:
                 raise NotImplementedError("sliding-window layers need an empty pending block")
             window = args.sliding_window
@@ -240,6 +294,8 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
+        # An untied LM head (Llama 3 8B, Qwen2.5 1.5B and larger); tied ones read the embedding.
+        self.output = None if args.tied_embeddings else Linear(args.dim, args.vocab_size, bias=False)
         self.embed_scale = math.sqrt(args.dim) if args.arch == "gemma3" else None
         self.rope = {}
         self._init_rope()
@@ -248,11 +304,13 @@ class Transformer(nn.Module):
     def _init_rope(self):
         args = self.args
         device = self.embed.weight.device
-        self.rope = {"global": tuple(t.to(device) for t in
-                                     rope_tables(args.head_dim, args.rope_base, args.max_seq_len))}
-        if args.arch == "gemma3" and args.sliding_window is not None:
+        self.rope = {"global": tuple(t.to(device) for t in rope_tables(
+            args.head_dim, args.rope_base, args.max_seq_len, args.rope_scaling))}
+        if any(args.is_sliding(i) for i in range(args.n_layers)):
+            # Gemma 3's sliding layers have a base (and no scaling) of their own.
+            local = (args.rope_local_base, None) if args.arch == "gemma3" else (args.rope_base, args.rope_scaling)
             self.rope["local"] = tuple(t.to(device) for t in rope_tables(
-                args.head_dim, args.rope_local_base, args.max_seq_len))
+                args.head_dim, local[0], args.max_seq_len, local[1]))
 
     @property
     def device(self) -> torch.device:
@@ -313,7 +371,12 @@ class Transformer(nn.Module):
         """Logits from pre-norm hidden states (rows, dim) -> (rows, vocab), in float32."""
         if self.native is not None:
             return self.native.head(hidden)
-        return linear(self.norm(hidden), self.embed.weight).float()
+        return linear(self.norm(hidden), self.head_weight).float()
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight: the embedding's, or an untied head's."""
+        return self.embed.weight if self.output is None else self.output.weight
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None,

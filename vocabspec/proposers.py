@@ -121,7 +121,9 @@ def _weights_key(path) -> str:
 
 def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, log=None):
     """The proposer `config` asks for, for the loaded target `model` (None for plain decoding).
-    `vocab="auto"` resolves to the shipped drafter's own default head."""
+    `vocab="auto"` resolves to the shipped drafter's own default head. With total_tokens
+    "auto", where the autotuner measured that no tree beats plain decoding, eagle gives plain
+    decoding and eagle+pld prompt lookup alone (the log says so)."""
     from .draft_vocab import make_draft_vocab
     from .drafter import EagleDrafter, EagleProposer, draft_dtype
     from .pld import PromptLookupProposer
@@ -151,7 +153,7 @@ def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, l
         # drafter only: it changes what is drafted, never what is accepted).
         drafter.use_native("q8i" if model.weights == "gguf-a8" else "bf16")
         packed_head = model.native.head_weight
-    head = make_draft_vocab(vocab, model.embed.weight, files, config.token_map, config.ranker,
+    head = make_draft_vocab(vocab, model.head_weight, files, config.token_map, config.ranker,
                             dtype=dtype, packed_head=packed_head)
     depth, total = config.depth, config.total_tokens
     if total == "auto":
@@ -161,6 +163,8 @@ def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, l
             raise ValueError("total_tokens='auto' needs the model's tokenizer")
         depth, total = choose_tree(model, drafter, head, tokenizer, depth=depth, top_k=config.top_k,
                                    key=f"{model_name}|{_weights_key(path)}|{head.name}|{dtype}", log=log)
+        if not total:            # measured: no tree beats plain decoding on this machine
+            return PromptLookupProposer(device=model.device) if config.method == "eagle+pld" else None
     if config.method == "eagle+pld":
         from .hybrid import EagleLookupProposer
 

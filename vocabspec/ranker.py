@@ -45,7 +45,7 @@ def starting_ranker(head_weight: torch.Tensor, rank: int,
 def teacher(target, features: torch.Tensor, candidates: torch.Tensor):
     """Target distribution over its stored top candidates at each position (features are
     already through the target's final norm)."""
-    logits = torch.einsum("nd,nkd->nk", features, target.embed.weight[candidates])
+    logits = torch.einsum("nd,nkd->nk", features, target.head_weight[candidates])
     return candidates, F.softmax(logits.float(), dim=-1)
 
 
@@ -77,7 +77,7 @@ def recall(drafter: EagleDrafter, down, vocab, sequences, k: int = 2048) -> dict
         states = draft_states(drafter, tokens.long(), features)
         scores = F.linear(F.linear(states, down), vocab)
         wanted = candidates[1:, 0].long()
-        drafted = F.linear(states, target.embed.weight).argmax(-1)
+        drafted = F.linear(states, target.head_weight).argmax(-1)
         hits_target += hits_in_top(scores, wanted, [k])[k]
         hits_draft += hits_in_top(scores, drafted, [k])[k]
         count += wanted.numel()
@@ -99,7 +99,7 @@ def train_ranker(drafter: EagleDrafter, train_set, heldout, rank: int, epochs: i
     """
 
     target = drafter.target
-    down, vocab = starting_ranker(target.embed.weight, rank, init)
+    down, vocab = starting_ranker(target.head_weight, rank, init)
     log(f"{'warm' if init is not None else 'SVD'} start: {recall(drafter, down, vocab, heldout[:16])}")
     down.requires_grad_(True)
     vocab.requires_grad_(True)

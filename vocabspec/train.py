@@ -442,7 +442,7 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
         inputs = features + (torch.rand(features.shape, generator=generator) * 2 - 1) * (cfg.noise * std)
     inputs = drafter.input_features(inputs, tapped)
     wanted = features[1:]
-    head = target.embed.weight
+    head = target.head_weight
     if cfg.full_vocab_loss:
         rows = head
     else:
@@ -491,7 +491,7 @@ def evaluate(drafter: EagleDrafter, heldout, limit: int = 48, steps: int = 2) ->
     reads them (the same chain as the unrolled loss's step K).
     """
     target = drafter.target
-    head = target.embed.weight
+    head = target.head_weight
     hits, counts = [0] * steps, [0] * steps
     for tokens, hidden, candidates, tapped in heldout[:limit]:
         tokens, features = tokens.long(), features_of(target, hidden)
@@ -640,7 +640,7 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
 
 def _start_ranker(cfg: TrainConfig, target: Transformer) -> tuple[torch.Tensor, torch.Tensor]:
     """SpecVocab's ranker (down, vocab) in float32, as trainable tensors."""
-    head = target.embed.weight
+    head = target.head_weight
     init = load_ranker(cfg.ranker_init, head) if cfg.ranker_init else None
     rank = cfg.ranker_rank or (init[0].shape[0] if init else max(1, target.args.dim // 16))
     return tuple(t.requires_grad_(True) for t in starting_ranker(head, rank, init))

@@ -1,0 +1,109 @@
+"""Model families against transformers' own implementation: a tiny random model of each, built
+with transformers' class and config and saved by it, loaded by vocabspec, gives the same
+logits (float32) and the same greedy tokens, on torch's kernels and on the native engine.
+Real-scale settings where they matter: head_dim 64, RoPE base 500,000 with Llama 3's scaling,
+positions past the original context, a sliding window shorter than the text, an untied head,
+Gemma 3's query scale apart from head_dim. Settings vocabspec does not compute are refused."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from vocabspec.generate import Engine, GenerationConfig  # noqa: E402
+from vocabspec.loading import ModelLoadError, load_model  # noqa: E402
+
+SHAPE = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+
+
+def llama3(**extra):
+    return transformers.LlamaConfig(**SHAPE, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}, **extra)
+
+
+FAMILIES = {
+    "llama3": (transformers.LlamaForCausalLM, llama3),
+    "qwen2": (transformers.Qwen2ForCausalLM,
+              lambda: transformers.Qwen2Config(**SHAPE, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "qwen3": (transformers.Qwen3ForCausalLM,
+              lambda: transformers.Qwen3Config(**SHAPE, rope_theta=1000000.0, tie_word_embeddings=True)),
+    "mistral": (transformers.MistralForCausalLM,
+                lambda: transformers.MistralConfig(**SHAPE, sliding_window=16)),
+    "gemma3": (transformers.Gemma3ForCausalLM,
+               lambda: transformers.Gemma3TextConfig(**{**SHAPE, "num_key_value_heads": 1}, sliding_window=16,
+                                                     query_pre_attn_scalar=48, sliding_window_pattern=2)),
+}
+
+
+def save_tiny(family: str, path, **extra):
+    cls, make_config = FAMILIES[family]
+    torch.manual_seed(7)
+    model = cls(make_config(**extra) if extra else make_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():   # norms off 1 and biases off 0, so both count
+            if "norm" in name:
+                p.copy_(torch.rand_like(p) * 0.5 + (0.75 if family != "gemma3" else -0.25))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers(family, backend, tmp_path):
+    from vocabspec import native
+
+    if backend == "native" and not native.available()[0]:
+        pytest.skip(native.available()[1])
+    reference = save_tiny(family, tmp_path)
+    ours, _ = load_model(str(tmp_path), weights="f32", backend=backend)
+    assert ours.args.arch == {"llama3": "llama"}.get(family, family)
+    # 120 tokens: past Llama's original 64-token context and every window of 16.
+    ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = reference(ids[None]).logits[0].float()
+        _, got = ours(ids, torch.arange(120), ours.new_cache(256), all_logits=True)
+    assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max()), family
+    prompt = ids[:20].tolist()
+    out = Engine(ours).generate(prompt, GenerationConfig(max_new_tokens=24, stop_on_eos=False)).tokens
+    with torch.inference_mode():
+        theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                    min_new_tokens=24, pad_token_id=0)[0, 20:].tolist()
+    assert out == theirs, family
+
+
+def test_llama_saved_the_older_way(tmp_path):
+    """rope_theta and rope_scaling at the config's top level (transformers 4's layout)."""
+    reference = save_tiny("llama3", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    params = config.pop("rope_parameters")
+    config["rope_theta"] = params.pop("rope_theta")
+    config["rope_scaling"] = params
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours, _ = load_model(str(tmp_path), weights="f32", backend="torch")
+    assert ours.args.rope_base == 500000.0 and ours.args.rope_scaling["type"] == "llama3"
+    ids = torch.arange(5, 105)
+    with torch.inference_mode():
+        want = reference(ids[None]).logits[0]
+        _, got = ours(ids, torch.arange(100), ours.new_cache(128), all_logits=True)
+    assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}, "yarn"),
+    ({"model_type": "falcon"}, "falcon"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "activation"),
+])
+def test_unsupported_settings_are_refused(change, message, tmp_path):
+    save_tiny("llama3", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(str(tmp_path), backend="torch")
