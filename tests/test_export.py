@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from vocabspec.cli import main
 from vocabspec.drafter import EagleDrafter
+from vocabspec.generate import Engine, GenerationConfig
 from vocabspec.token_map import load_token_map, save_token_map
 
 EAGLE_KEYS = {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
@@ -58,3 +59,47 @@ def test_export_refuses_spec_vocab_and_bad_paths(smollm2, tmp_path, capsys):
     assert main(["export", "--model", "smollm2", "--draft-path", str(tmp_path / "deep"),
                  "--out", str(tmp_path / "y")]) == 2
     assert "has 2 layers" in capsys.readouterr().err
+
+
+def test_exported_drafter_matches_eagle_reference(smollm2, tmp_path):
+    """The exported checkpoint, loaded by EAGLE's own reference drafter from its config.json,
+    computes our drafter's states, past position 64 too; the config states the target's real
+    context length and RoPE base (not the window export loaded the target with)."""
+    cnets = pytest.importorskip("eagle.model.cnets", reason="needs EAGLE's reference drafter: "
+                                "pip install --no-deps eagle-llm")
+    from eagle.model.configs import EConfig
+
+    from vocabspec.drafter import draft_states, features_of
+
+    out = tmp_path / "export"
+    assert main(["export", "--model", "smollm2", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    target = smollm2.model
+    assert config["max_position_embeddings"] == target.args.context_length == 8192
+    assert config["rope_theta"] == target.args.rope_base and config["rope_scaling"] is None
+    econfig = EConfig.from_pretrained(str(out))
+    if (econfig.rope_scaling or {}).get("rope_type") == "default":
+        econfig.rope_scaling = None      # transformers 5 fills in what EAGLE's code expects absent
+    reference = cnets.Model(econfig, bias=True).float().eval()
+    state = {k: v.float() for k, v in load_file(str(out / "model.safetensors")).items()}
+    missing, unexpected = reference.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) == {"embed_tokens.weight"}
+    reference.embed_tokens.weight.data = target.embed.weight.float()
+    # EAGLE's reference hard-codes RoPE base 10000; an engine reads the base from the config.
+    head_dim = config["head_dim"]
+    for layer in reference.layers:
+        layer.self_attn.rotary_emb = cnets.LlamaRotaryEmbedding(
+            head_dim, config["max_position_embeddings"], base=config["rope_theta"])
+    ids = smollm2.prompt_ids("Explain how a bicycle works, step by step, in detail.")
+    answer = Engine(target, smollm2.tokenizer).generate(ids, GenerationConfig(max_new_tokens=96, stop_on_eos=False))
+    tokens = ids + answer.tokens
+    tokens = torch.tensor(tokens)
+    assert len(tokens) > 100
+    with torch.inference_mode():
+        hidden, _ = target(tokens, torch.arange(len(tokens)), target.new_cache(len(tokens)))
+        features = features_of(target, hidden)
+        ours = draft_states(EagleDrafter.load(out, target, dtype=torch.float32), tokens, features)
+        theirs = reference(features[:-1][None], tokens[1:][None])[0]
+    assert (ours[64:] - theirs[64:]).abs().max() < 1e-4 * theirs.abs().max()
+    assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
+

@@ -165,3 +165,33 @@ def test_eagle_with_lookup_switches_to_copying_and_back(smollm2):
     assert 0 < proposer.copy_steps < len(out.steps)
     with pytest.raises(ValueError):
         EagleLookupProposer(EagleDrafter.random(smollm2.model), copy_after=0)
+
+
+def test_logprobs_unchanged_by_speculation(real_model):
+    """Each emitted token's log-probability (and its alternatives) under speculation equals
+    plain decoding's, bit for bit: it comes from the row verification read, which carries the
+    bits a one-row step would. And it is the target's: the log-softmax of a teacher-forced
+    forward over the prompt and the output."""
+    files = bundled_drafter_dir(real_model.name)
+    drafter = native_drafter(EagleDrafter.load(files, real_model.model))
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS[real_model.name], logprobs=3)
+    ids = real_model.prompt_ids("Write the numbers from one to twenty, separated by commas.")
+    plain = Engine(real_model.model, real_model.tokenizer).generate(ids, config)
+    assert len(plain.logprobs) == len(plain.tokens) > 0
+    for proposer in (EagleProposer(drafter, **TREE[real_model.name]), PromptLookupProposer()):
+        out = Engine(real_model.model, real_model.tokenizer, proposer).generate(ids, config)
+        assert out.tokens == plain.tokens
+        assert out.logprobs == plain.logprobs, type(proposer).__name__
+        assert max(s.accept_length for s in out.steps) > 1      # it did speculate
+    model = real_model.model
+    cache = model.new_cache(len(ids) + len(plain.tokens))
+    with torch.inference_mode():
+        _, logits = model(torch.tensor(ids + plain.tokens[:-1]), torch.arange(len(ids) + len(plain.tokens) - 1),
+                          cache, all_logits=True)[:2]
+    forced = torch.log_softmax(logits[len(ids) - 1:].float(), -1)
+    for row, entry in zip(forced, plain.logprobs):
+        assert abs(float(row[entry.token]) - entry.logprob) < 1e-4
+        assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
+        assert entry.top[0][0] == entry.token                      # greedy: the argmax
+    with pytest.raises(ValueError, match="logprobs"):
+        GenerationConfig(logprobs=21)

@@ -167,3 +167,84 @@ def test_load_8_clients_200_requests(server):
     assert elapsed < 300
     assert rss_mb() - rss_before < 300, "memory grew under load"
     assert httpx.get(base + "/health").json()["waiting"] == 0
+
+
+# Each field a client may send that this server does not honour: a 400 naming it.
+REFUSED = {
+    "presence_penalty": ("/v1/chat/completions", 0.5),
+    "frequency_penalty": ("/v1/chat/completions", -1.0),
+    "logit_bias": ("/v1/chat/completions", {"42": 5}),
+    "tools": ("/v1/chat/completions", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    "tool_choice": ("/v1/chat/completions", "auto"),
+    "response_format": ("/v1/chat/completions", {"type": "json_object"}),
+    "n": ("/v1/chat/completions", 2),
+    "frobnicate": ("/v1/chat/completions", 1),
+    "top_logprobs": ("/v1/chat/completions", 3),        # without logprobs: true
+    "best_of": ("/v1/completions", 2),
+    "echo": ("/v1/completions", True),
+    "suffix": ("/v1/completions", "end"),
+    "logprobs": ("/v1/completions", 6),                 # OpenAI's bound is 5
+    "stream_options": ("/v1/completions", {"include_usage": True}),   # without stream
+}
+
+
+@pytest.mark.parametrize("field", list(REFUSED))
+def test_unsupported_fields_are_refused_by_name(server, field):
+    base, _, _ = server
+    path, value = REFUSED[field]
+    body = {"max_tokens": 4, "temperature": 0, field: value}
+    body.update({"messages": [{"role": "user", "content": "Say hi."}]} if "chat" in path else {"prompt": "Hi"})
+    response = httpx.post(base + path, json=body, timeout=60)
+    assert response.status_code == 400, (field, response.text)
+    error = response.json()["error"]
+    assert error["param"] == field and field in error["message"]
+
+
+def test_out_of_range_penalty_refused_and_zero_accepted(server):
+    base, _, _ = server
+    response = chat(base, "Say hi.", presence_penalty=9)
+    assert response.status_code == 400 and "presence_penalty" in response.json()["error"]["message"]
+    assert chat(base, "Say hi.", presence_penalty=0, frequency_penalty=0.0, logit_bias={},
+                response_format={"type": "text"}, tool_choice="none", user="u1").status_code == 200
+
+
+def test_content_as_text_parts(server):
+    base, lm, _ = server
+    parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "fruit."}]
+    response = chat(base, parts)
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == chat(base, "Name a\nfruit.").json()[
+        "choices"][0]["message"]["content"]
+    image = [{"type": "text", "text": "What is this?"},
+             {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]
+    refused = chat(base, image)
+    assert refused.status_code == 400 and "image_url" in refused.json()["error"]["message"]
+
+
+def test_logprobs_from_the_target(server):
+    """Chat logprobs (streamed and not) and completions logprobs are the engine's: the
+    target's log-probabilities of the emitted tokens, under prompt lookup as without it."""
+    base, lm, _ = server
+    expected = lm.generate("Count from one to ten.", chat=True, max_new_tokens=12, logprobs=2)
+    plain = chat(base, "Count from one to ten.", max_tokens=12, logprobs=True, top_logprobs=2).json()
+    content = plain["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [e.logprob for e in expected.logprobs]
+    assert len(content) == plain["usage"]["completion_tokens"]
+    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["token"] == c["token"] for c in content)
+    assert "".join(c["token"] for c in content) == plain["choices"][0]["message"]["content"]
+    assert chat(base, "Say hi.").json()["choices"][0]["logprobs"] is None
+    body = {"messages": [{"role": "user", "content": "Count from one to ten."}], "max_tokens": 12,
+            "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 2}
+    streamed = []
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                logprobs = json.loads(line[6:])["choices"][0]["logprobs"]
+                streamed += logprobs["content"] if logprobs else []
+    assert streamed == content
+    text = httpx.post(base + "/v1/completions", json={"prompt": "One, two, three,", "max_tokens": 6,
+                                                      "temperature": 0, "logprobs": 1}, timeout=60).json()
+    logprobs = text["choices"][0]["logprobs"]
+    reference = lm.generate("One, two, three,", max_new_tokens=6, logprobs=1)
+    assert logprobs["token_logprobs"] == [e.logprob for e in reference.logprobs]
+    assert len(logprobs["tokens"]) == len(logprobs["top_logprobs"]) == len(logprobs["text_offset"]) == 6

@@ -40,7 +40,7 @@ class LanguageModel:
         return self.tokenizer.encode(prompt)
 
     def _config(self, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                stop=(), cancel=None, deadline=None) -> GenerationConfig:
+                stop=(), cancel=None, deadline=None, logprobs=None) -> GenerationConfig:
         if isinstance(stop, str):
             stop = (stop,)
         if stop is None:
@@ -50,7 +50,7 @@ class LanguageModel:
         return GenerationConfig(max_new_tokens=max_new_tokens, stop=tuple(stop),
                                 sampling=SamplingParams(temperature=temperature, top_p=top_p,
                                                         top_k=top_k, seed=seed),
-                                cancel=cancel, deadline=deadline)
+                                cancel=cancel, deadline=deadline, logprobs=logprobs)
 
     def stream(self, prompt, chat: bool = False, **kwargs):
         """Iterate over text pieces as they are generated; `.result` on the iterator at the end."""

@@ -48,6 +48,39 @@ _HF_NAMES = {  # our Block's parameter names -> EAGLE / Hugging Face names (q, k
 }
 
 
+HF_CLASSES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
+              "qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+              "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+
+
+def hf_config(a: ModelArgs) -> dict:
+    """What a Hugging Face config says of the target's architecture and positions: what an
+    engine reading a drafter checkpoint sizes its layers and RoPE tables from. The context
+    length is the model's, not the window this process allocated."""
+    architecture, model_type = HF_CLASSES[a.arch]
+    scaling = a.rope_scaling
+    if scaling is not None and scaling["type"] == "freqs":
+        raise ValueError("the target's RoPE scaling came as a GGUF's rope_freqs table, which a "
+                         "Hugging Face config cannot state: load the target from its Hugging Face "
+                         "directory to export")
+    if scaling is not None:
+        scaling = {"rope_type" if k == "type" else k: v for k, v in scaling.items()}
+        scaling["type"] = scaling["rope_type"]       # older readers (EAGLE's) look for "type"
+    config = {
+        "architectures": [architecture], "model_type": model_type,
+        "hidden_size": a.dim, "intermediate_size": a.intermediate_size,
+        "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
+        "head_dim": a.head_dim, "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps,
+        "rope_theta": a.rope_base, "rope_scaling": scaling,
+        "max_position_embeddings": a.context_length or a.max_seq_len,
+        "hidden_act": "gelu_pytorch_tanh" if a.arch == "gemma3" else "silu",
+        "attention_bias": a.qkv_bias, "tie_word_embeddings": a.tied_embeddings,
+    }
+    if a.arch == "gemma3":
+        config["query_pre_attn_scalar"] = a.query_pre_attn_scalar
+    return config
+
+
 class DrafterMismatch(ValueError):
     """A drafter that does not fit its target model."""
 
@@ -219,13 +252,8 @@ class EagleDrafter(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         a = self.args
         config = {
-            "architectures": ["LlamaForCausalLM" if a.arch == "llama" else "Gemma3ForCausalLM"],
-            "model_type": "llama" if a.arch == "llama" else "gemma3_text",
-            "hidden_size": a.dim, "intermediate_size": a.intermediate_size,
-            "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
-            "head_dim": a.head_dim, "num_hidden_layers": len(self.layers), "vocab_size": a.vocab_size,
-            "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_base,
-            "max_position_embeddings": a.max_seq_len, "bias": True,
+            **hf_config(a),
+            "num_hidden_layers": len(self.layers), "bias": True,
             "vocabspec": {"arch": a.arch, "feature": "post_norm", "taps": list(self.taps),
                           **(extra or {})},
         }
@@ -243,10 +271,12 @@ class EagleDrafter(nn.Module):
             names["mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
         for index, layer in enumerate(self.layers):
             prefix = f"layers.{index}."
-            q, k, v = layer.attn.wqkv.weight.split(
-                [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim])
-            state.update({prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
-                          prefix + "self_attn.v_proj.weight": v})
+            sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
+            for kind in ("weight", "bias") if a.qkv_bias else ("weight",):
+                q, k, v = getattr(layer.attn.wqkv, kind).split(sizes)
+                state.update({prefix + f"self_attn.q_proj.{kind}": q,
+                              prefix + f"self_attn.k_proj.{kind}": k,
+                              prefix + f"self_attn.v_proj.{kind}": v})
             gate, up = layer.mlp.w_gate_up.weight.split(a.intermediate_size)
             state.update({prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up})
             for ours, param in layer.state_dict().items():
@@ -300,9 +330,10 @@ class EagleDrafter(nn.Module):
         for index, layer in enumerate(drafter.layers):
             get = lambda name: state.get(f"layers.{index}." + name)  # noqa: E731,B023
             mine = f"layers.{index}."
-            ours[mine + "attn.wqkv.weight"] = _cat(get("self_attn.q_proj.weight"),
-                                                   get("self_attn.k_proj.weight"),
-                                                   get("self_attn.v_proj.weight"))
+            for kind in ("weight", "bias") if a.qkv_bias else ("weight",):
+                ours[mine + f"attn.wqkv.{kind}"] = _cat(get(f"self_attn.q_proj.{kind}"),
+                                                        get(f"self_attn.k_proj.{kind}"),
+                                                        get(f"self_attn.v_proj.{kind}"))
             ours[mine + "mlp.w_gate_up.weight"] = _cat(get("mlp.gate_proj.weight"),
                                                        get("mlp.up_proj.weight"))
             for name in layer.state_dict():

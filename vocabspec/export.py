@@ -41,7 +41,6 @@ def export(model: str, out: str | Path, draft_path: str | None = None, draft_voc
     drafter.to(weights_dtype).save(out)
     config = json.loads((out / "config.json").read_text())
     config["torch_dtype"] = str(weights_dtype).replace("torch.", "")
-    config["tie_word_embeddings"] = True
     (out / "config.json").write_text(json.dumps(config, indent=2))
     written = [out / "config.json", out / "model.safetensors"]
     if draft_vocab:

@@ -62,6 +62,9 @@ class GenerationConfig:
     # passing the deadline (time.monotonic() seconds; "time").
     cancel: object | None = None
     deadline: float | None = None
+    # Record each emitted token's log-probability under the target's own distribution (the
+    # raw logits' softmax) and the `logprobs` likeliest alternatives; None records nothing.
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -69,6 +72,30 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool)
+                                          or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]   # the likeliest tokens and their log-probabilities, best first
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under softmax(logits), computed in float32. The logits row
+    is the one verification read for this token, which on an exact engine carries the bits
+    plain decoding would give it, so speculation leaves the numbers unchanged."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logp, top) if top else None
+    alternatives = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
+    return TokenLogprob(token, float(logp[token]), alternatives)
 
 
 @dataclass
@@ -89,6 +116,7 @@ class GenerationResult:
     prefill_seconds: float = 0.0
     steps: list[StepRecord] = field(default_factory=list)
     stop_reason: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # one per token, if asked
 
     @property
     def new_tokens(self) -> int:
@@ -236,7 +264,8 @@ class Generation:
         tree_room = (proposer.max_tree_tokens if proposer is not None else 0) + 1
         start = time.perf_counter()
         cache.reset()
-        loop = self._loop_static if engine.static and params.greedy else self._loop
+        static = engine.static and params.greedy and config.logprobs is None
+        loop = self._loop_static if static else self._loop
         try:
             yield from loop(start, generator, tree_room)
         finally:
@@ -253,9 +282,9 @@ class Generation:
             result.prefill_seconds = time.perf_counter() - start
             if proposer is not None:
                 proposer.reset(self.prompt_ids, hidden, token)
-            emitted = [token]
+            emitted, rows = [token], [logits[0]]
             while True:
-                delta = self._emit(emitted)
+                delta = self._emit(emitted, rows)
                 if delta:
                     yield delta
                 if self._stopped():
@@ -269,7 +298,8 @@ class Generation:
                 mask = tree.attention_mask() if tree.size else None
                 hidden, _, *tapped = model(tree.tokens, tree.positions(cache.length), cache,
                                            tree_mask=mask, logits_rows=[], taps=taps)
-                verdict = verify(tree, TreeLogits(model.lm_head, hidden, tree), params, generator)
+                logits = TreeLogits(model.lm_head, hidden, tree)
+                verdict = verify(tree, logits, params, generator)
                 path = torch.tensor(verdict.path, dtype=torch.long, device=model.device)
                 cache.commit(path)
                 t2 = time.perf_counter()
@@ -282,6 +312,9 @@ class Generation:
                                                (t1 - t0) + (t3 - t2), t2 - t1, ranks))
                 token = verdict.next_token
                 emitted = accepted[1:] + [token]
+                # Each emitted token's distribution is the target's row at its parent node.
+                # (verification has read every one of these rows already).
+                rows = [logits[node] for node in verdict.path]
 
     def _loop_static(self, start: float, generator, tree_room: int) -> Iterator[str]:
         """Greedy steps that read the device back once each (static_step.py)."""
@@ -340,15 +373,18 @@ class Generation:
             return greedy_token(logits)
         return sample(target_probs(logits[None], params)[0], generator)
 
-    def _emit(self, new_tokens: list[int]) -> str:
+    def _emit(self, new_tokens: list[int], rows=None) -> str:
         """Append tokens to the output one at a time, stopping at EOS, max_new_tokens or a stop
-        string exactly where one-token decoding would stop, even inside a multi-token step."""
+        string exactly where one-token decoding would stop, even inside a multi-token step.
+        rows[i]: the target's logits new_tokens[i] was chosen from (for config.logprobs)."""
         result, config = self.result, self.config
-        for token in new_tokens:
+        for index, token in enumerate(new_tokens):
             if config.stop_on_eos and token in self.engine.eos_ids:
                 result.stop_reason = "eos"
                 break
             result.tokens.append(token)
+            if config.logprobs is not None:
+                result.logprobs.append(token_logprob(rows[index], token, config.logprobs))
             if len(result.tokens) >= config.max_new_tokens:
                 result.stop_reason = "length"
             if config.stop and self._cut_at_stop_string():

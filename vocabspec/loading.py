@@ -99,7 +99,7 @@ def _args_from_gguf(reader, path: Path) -> ModelArgs:
         head_dim=head_dim, intermediate_size=int(need("feed_forward_length")),
         norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_base=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_seq_len=context,
+        max_seq_len=context, context_length=context,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(eos)] if eos is not None else [],
     )
@@ -198,6 +198,7 @@ def load_gguf(path: Path, max_seq_len: int | None = None, use_cache: bool = True
             save_file(state, str(cached))
             meta.write_text(json.dumps(asdict(args)))
     # args.max_seq_len is the model's context length; allocate only what the caller asks for.
+    args.context_length = args.context_length or args.max_seq_len
     args.max_seq_len = min(args.max_seq_len, max_seq_len or DEFAULT_MAX_SEQ_LEN)
     return args, state
 
@@ -317,6 +318,7 @@ def hf_args(config: dict, arch: str, max_seq_len: int | None, config_path) -> Mo
         intermediate_size=config["intermediate_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_base=base, rope_scaling=scaling,
         max_seq_len=min(config.get("max_position_embeddings", 4096), max_seq_len or DEFAULT_MAX_SEQ_LEN),
+        context_length=config.get("max_position_embeddings"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
         qkv_bias=arch == "qwen2",

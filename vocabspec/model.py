@@ -57,6 +57,9 @@ class ModelArgs:
     layer_types: list[str] | None = None   # "sliding" / "full" per layer (None: the arch's rule)
     tied_embeddings: bool = True           # the LM head is the embedding
     qkv_bias: bool = False                 # Qwen2's q/k/v biases
+    # The context the model was trained for (its config's max_position_embeddings, a GGUF's
+    # context_length); max_seq_len is the window this process allocates, often less.
+    context_length: int | None = None
 
     def __post_init__(self):
         if self.arch not in ARCHS:

@@ -6,6 +6,12 @@ requests wait in a bounded queue (503 when it is full). A streaming client that 
 cancels its generation at the next step. Requests are bounded in size, in max_tokens and in
 generation time. Every bad request gets a 400 with an OpenAI-style error body, and the server
 goes on serving.
+
+Every OpenAI field is either honoured or refused with a 400 naming it, never ignored:
+logprobs / top_logprobs come from the target's own distribution of each emitted token (the
+rows verification read, so speculation does not change them); non-zero penalties, a
+logit_bias, tools, response formats other than text, n or best_of above 1, echo and suffix are
+refused, as is any field this server does not know.
 """
 
 
@@ -18,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .api import LanguageModel
-from .generate import GenerationResult
+from .generate import GenerationResult, TokenLogprob
 
 
 @dataclass
@@ -51,6 +57,99 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None, low
     return value
 
 
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
+                 "stream_options", "user", "logprobs", "frequency_penalty", "presence_penalty",
+                 "logit_bias"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                               "tool_choice", "functions", "function_call", "parallel_tool_calls",
+                               "response_format"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+MAX_COMPLETION_LOGPROBS = 5      # OpenAI's bound for /v1/completions' integer `logprobs`
+MAX_TOP_LOGPROBS = 20            # and for chat's top_logprobs
+
+
+def refuse_unsupported(body: dict, chat: bool) -> None:
+    """A 400 naming the first field that asks for something this server does not do."""
+    for name in body:
+        if name not in (CHAT_FIELDS if chat else COMPLETION_FIELDS):
+            raise BadRequest(f"unsupported field {name!r}", name)
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _number(body, name, 0.0, float, -2.0, 2.0) != 0.0:
+            raise BadRequest(f"'{name}' is not supported (only 0): penalties would change the "
+                             "target's distribution", name)
+    if body.get("logit_bias"):
+        raise BadRequest("'logit_bias' is not supported", "logit_bias")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise BadRequest(f"'{name}': tool calling is not supported", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise BadRequest(f"'{name}': tool calling is not supported", name)
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise BadRequest("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise BadRequest("'response_format': only {\"type\": \"text\"} is supported", "response_format")
+    if _number(body, "best_of", 1, int, 1, None) != 1:
+        raise BadRequest("only best_of=1 is supported", "best_of")
+    if body.get("echo") not in (None, False):
+        raise BadRequest("'echo' is not supported", "echo")
+    if body.get("suffix") not in (None, ""):
+        raise BadRequest("'suffix' is not supported", "suffix")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise BadRequest("'user' must be a string", "user")
+    options = body.get("stream_options")
+    if options is not None:
+        # The last chunk of every stream carries the usage, so include_usage holds either way.
+        if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+                not isinstance(options.get("include_usage", False), bool):
+            raise BadRequest("'stream_options' may hold only include_usage (true or false)", "stream_options")
+        if body.get("stream") is not True:
+            raise BadRequest("'stream_options' is only allowed with stream: true", "stream_options")
+
+
+def requested_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives to report per token (0: the token's own only), or None."""
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted not in (None, True, False):
+            raise BadRequest("'logprobs' must be true or false", "logprobs")
+        top = _number(body, "top_logprobs", None, int, 0, MAX_TOP_LOGPROBS)
+        if top is not None and not wanted:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if wanted else None
+    return _number(body, "logprobs", None, int, 0, MAX_COMPLETION_LOGPROBS)
+
+
+def message_text(message, index: int) -> tuple[str, str]:
+    """(role, text) of a chat message; content is a string or a list of text parts."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise BadRequest(f"{where} must be an object with role and content", "messages")
+    for key in message:
+        if key not in ("role", "content"):
+            raise BadRequest(f"{where}: unsupported field {key!r}", "messages")
+    role = message.get("role")
+    if role not in ("system", "developer", "user", "assistant"):
+        raise BadRequest(f"{where}: role must be system, developer, user or assistant, got {role!r}",
+                         "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(f"{where}.content[{j}]: only text parts "
+                                 f"({{\"type\": \"text\", \"text\": ...}}) are supported, got {kind!r}",
+                                 "messages")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise BadRequest(f"{where}: content must be a string or a list of text parts", "messages")
+    return ("system" if role == "developer" else role), content
+
+
 class Server:
     def __init__(self, lm: LanguageModel, model_name: str, limits: ServerLimits | None = None):
         self.lm = lm
@@ -66,6 +165,7 @@ class Server:
     def parse(self, body, chat: bool) -> tuple[list[int], dict]:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
+        refuse_unsupported(body, chat)
         model = body.get("model", self.model_name)
         if model != self.model_name:
             raise BadRequest(f"unknown model {model!r}; this server serves {self.model_name!r}",
@@ -80,6 +180,7 @@ class Server:
             top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0, low_open=True),
             top_k=_number(body, "top_k", 0, int, 0, None),
             seed=_number(body, "seed", None, int, None, None),
+            logprobs=requested_logprobs(body, chat),
         )
         if _number(body, "n", 1, int, 1, 1) != 1:
             raise BadRequest("only n=1 is supported", "n")
@@ -92,18 +193,17 @@ class Server:
         params["stop"] = tuple(stop or ())
         if chat:
             messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                    and isinstance(m.get("content"), str) for m in messages):
-                raise BadRequest("'messages' must be a non-empty list of {role, content} objects "
-                                 "with role system, user or assistant and string content", "messages")
-            if not any(m["content"].strip() for m in messages):
+            if not isinstance(messages, list) or not messages:
+                raise BadRequest("'messages' must be a non-empty list of {role, content} objects",
+                                 "messages")
+            messages = [message_text(m, i) for i, m in enumerate(messages)]
+            if not any(text.strip() for _, text in messages):
                 raise BadRequest("the messages are empty", "messages")
             if not self.lm.tokenizer.chat_template:
                 raise BadRequest(f"{self.model_name} is a base model without a chat template: "
                                  "use /v1/completions", "messages")
-            ids = self.lm.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]}
-                                                 for m in messages])
+            ids = self.lm.tokenizer.encode_chat([{"role": role, "content": text}
+                                                 for role, text in messages])
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -141,9 +241,12 @@ class Server:
         config = self.lm._config(**params, cancel=cancel,
                                  deadline=time.monotonic() + self.limits.max_seconds)
         generation = self.lm.engine.stream(ids, config)
+        sent = 0
         for piece in generation:
             if on_piece is not None:
-                on_piece(piece)
+                entries = generation.result.logprobs[sent:]
+                sent += len(entries)
+                on_piece(piece, entries)
         return generation.result
 
     # ------------------------------------------------------------ responses
@@ -159,7 +262,28 @@ class Server:
     def finish_reason(result: GenerationResult) -> str:
         return "length" if result.stop_reason in ("length", "time") else "stop"
 
-    def body(self, chat: bool, rid: str, created: int, text: str | None, result=None, delta=None) -> dict:
+    def logprobs_body(self, entries: list[TokenLogprob], chat: bool, offset: int = 0) -> dict:
+        """OpenAI's logprobs object: chat's {"content": [...]}, or the completions' lists
+        (text_offset counts characters from `offset`, where these tokens' text starts)."""
+        def text(token: int) -> str:
+            return self.lm.tokenizer.decode([token], skip_special_tokens=False)
+
+        if chat:
+            def item(token, logprob):
+                return {"token": text(token), "logprob": logprob, "bytes": list(text(token).encode())}
+            return {"content": [{**item(e.token, e.logprob),
+                                 "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+        tokens = [text(e.token) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def body(self, chat: bool, rid: str, created: int, text: str | None, result=None, delta=None,
+             logprobs: dict | None = None) -> dict:
         kind = "chat.completion" if chat else "text_completion"
         if delta is not None:
             kind += ".chunk" if chat else ""
@@ -171,7 +295,7 @@ class Server:
                 choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text if text is not None else ""
-            choice["logprobs"] = None
+        choice["logprobs"] = logprobs
         out = {"id": rid, "object": kind, "created": created, "model": self.model_name,
                "choices": [choice]}
         if result is not None:
@@ -236,12 +360,14 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
                 return error(BadRequest(f"generation failed: {exc}", status=500))
             finally:
                 server.release(result)
-            return server.body(chat, rid, created, result.text, result)
+            logprobs = server.logprobs_body(result.logprobs, chat) \
+                if params["logprobs"] is not None else None
+            return server.body(chat, rid, created, result.text, result, logprobs=logprobs)
 
         queue: asyncio.Queue = asyncio.Queue()
 
-        def on_piece(piece: str):
-            loop.call_soon_threadsafe(queue.put_nowait, ("piece", piece))
+        def on_piece(piece: str, entries: list[TokenLogprob]):
+            loop.call_soon_threadsafe(queue.put_nowait, ("piece", (piece, entries)))
 
         def work():
             result = None
@@ -255,7 +381,16 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
 
         future = loop.run_in_executor(server.worker, work)
 
+        def chunk_logprobs(entries):
+            if params["logprobs"] is None:
+                return None
+            return server.logprobs_body(entries, chat, offset=len(streamed))
+
+        streamed = ""        # text sent so far (text_offset of a completions chunk's tokens)
+        counted = 0          # logprob entries sent so far
+
         async def events():
+            nonlocal streamed, counted
             try:
                 if chat:
                     first = server.body(chat, rid, created, None, delta={"role": "assistant", "content": ""})
@@ -263,11 +398,16 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
                 while True:
                     kind, value = await queue.get()
                     if kind == "piece":
-                        chunk = server.body(chat, rid, created, value,
-                                            delta={"content": value} if chat else {})
+                        piece, entries = value
+                        chunk = server.body(chat, rid, created, piece,
+                                            delta={"content": piece} if chat else {},
+                                            logprobs=chunk_logprobs(entries))
+                        streamed += piece
+                        counted += len(entries)
                         yield f"data: {json.dumps(chunk)}\n\n"
                     elif kind == "done":
-                        final = server.body(chat, rid, created, "", value, delta={})
+                        final = server.body(chat, rid, created, "", value, delta={},
+                                            logprobs=chunk_logprobs(value.logprobs[counted:]))
                         yield f"data: {json.dumps(final)}\n\n"
                         yield "data: [DONE]\n\n"
                         return
