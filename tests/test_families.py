@@ -107,3 +107,64 @@ def test_unsupported_settings_are_refused(change, message, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=message):
         load_model(str(tmp_path), backend="torch")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_drafting_pipeline_for_each_family(family, tmp_path):
+    """What `vocabspec train`, `vocabspec vocab --source target` and `vocabspec export` do, on a
+    tiny model of each family: the target's own answers as data, features, a few training
+    steps, a VocabTrim token map from the target's predictions; speculative decoding with the
+    trained drafter and that map gives plain decoding's tokens; the export loads back and
+    reads as the family's Hugging Face config."""
+    from vocabspec.draft_vocab import make_draft_vocab
+    from vocabspec.drafter import EagleDrafter, EagleProposer
+    from vocabspec.export import export
+    from vocabspec.token_map import count_target_predictions, rank, save_token_map
+    from vocabspec.train import TrainConfig, extract_features, train_drafter
+
+    reference = save_tiny(family, tmp_path / "target")
+    model, _ = load_model(str(tmp_path / "target"), weights="f32", max_seq_len=128)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (8,), generator=generator).tolist() for _ in range(8)]
+    config = GenerationConfig(max_new_tokens=40, stop_on_eos=False)
+    answers = [Engine(model).generate(p, config).tokens for p in prompts]
+    sequences = [p + a for p, a in zip(prompts, answers)]
+
+    run = tmp_path / "run"
+    cfg = TrainConfig(out=str(run), max_len=64, top_candidates=8, negatives=16, epochs=40,
+                      max_steps=24, accumulate=2, lr=3e-3, warmup_steps=2, noise=0.0,
+                      checkpoint_every=12)
+    extract_features(cfg, model, {"train": sequences[2:], "heldout": sequences[:2]})
+    drafter = train_drafter(cfg, model, log=lambda *_: None)
+    history = torch.load(run / "checkpoint.pt")["history"]
+    losses = [h["train"]["regression"] + h["train"]["classification"] for h in history]
+    assert losses[-1] < losses[0], (family, losses)
+
+    ranked = rank(count_target_predictions(run / "features"), 300)
+    save_token_map(ranked[:64], tmp_path / "token_map_trim.pt")
+    for vocab in ("full", "trim:64"):
+        head = make_draft_vocab(vocab, model.head_weight, tmp_path)
+        proposer = EagleProposer(drafter, head=head, depth=4, top_k=4, total_tokens=12)
+        engine = Engine(model, proposer=proposer)
+        steps = 0
+        for prompt, want in zip(prompts[:4], answers[:4]):
+            result = engine.generate(prompt, config)
+            assert result.tokens == want, (family, vocab)
+            steps += len(result.steps)
+        assert steps < 4 * 40, (family, vocab)     # drafts were accepted, so verification was tested
+
+    drafter.save(tmp_path / "drafter")
+    written = export(str(tmp_path / "target"), tmp_path / "export", draft_path=str(tmp_path / "drafter"),
+                     draft_vocab="trim:64", token_map=str(tmp_path / "token_map_trim.pt"))
+    assert {p.name for p in written} >= {"config.json", "model.safetensors", "token_map.pt"}
+    again = EagleDrafter.load(tmp_path / "export", model)
+    for (name, a), (_, b) in zip(drafter.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b.to(a.dtype)), (family, name)
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path / "export")
+    assert type(theirs) is type(reference.config), family
+    assert theirs.max_position_embeddings == 512 and theirs.head_dim == 64
+    # Gemma 3 keeps RoPE per layer type; the drafter's one layer is a global-attention layer.
+    rope = [c.rope_parameters.get("full_attention", c.rope_parameters) for c in (theirs, reference.config)]
+    assert rope[0]["rope_theta"] == rope[1]["rope_theta"] and rope[0]["rope_type"] == rope[1]["rope_type"]
+    if family == "llama3":
+        assert rope[0]["factor"] == 8.0 and rope[0]["original_max_position_embeddings"] == 64

@@ -164,7 +164,13 @@ def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, l
         depth, total = choose_tree(model, drafter, head, tokenizer, depth=depth, top_k=config.top_k,
                                    key=f"{model_name}|{_weights_key(path)}|{head.name}|{dtype}", log=log)
         if not total:            # measured: no tree beats plain decoding on this machine
-            return PromptLookupProposer(device=model.device) if config.method == "eagle+pld" else None
+            if config.method == "eagle+pld":
+                if log:
+                    log("eagle+pld: drafting with prompt lookup alone")
+                return PromptLookupProposer(device=model.device)
+            if log:
+                log("eagle: decoding plainly")
+            return None
     if config.method == "eagle+pld":
         from .hybrid import EagleLookupProposer
 
