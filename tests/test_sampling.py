@@ -71,11 +71,16 @@ def make_head(kind, model):
                      successors=successors, successor_count=1)
 
 
-@pytest.mark.parametrize("head", ["full", "subset", "spec"])
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=0.8, top_p=0.7),
-                                    SamplingParams(temperature=1.0, top_k=3)],
-                         ids=["t1", "t0.8-top_p0.7", "t1-top_k3"])
+T1, TOP_P, TOP_K = (SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.7),
+                   SamplingParams(temperature=1.0, top_k=3))
+
+
+# Every processing of the target's distribution with the full head; the cut heads (which
+# change the draft distribution q, not the target's) at temperature 1 and with top-p.
+@pytest.mark.parametrize("head, params", [("full", T1), ("full", TOP_P), ("full", TOP_K),
+                                          ("subset", T1), ("subset", TOP_P), ("spec", T1)],
+                         ids=["full-t1", "full-t0.8-top_p0.7", "full-t1-top_k3", "subset-t1",
+                              "subset-t0.8-top_p0.7", "spec-t1"])
 def test_speculative_sampling_matches_target_distribution(params, head):
     model = tiny_model("llama", seed=3, vocab_size=VOCAB, n_layers=2)
     prompt = [1, 2, 3, 4]
