@@ -48,6 +48,14 @@ _HF_NAMES = {  # our Block's parameter names -> EAGLE / Hugging Face names (q, k
 }
 
 
+def _hf_names(arch: str) -> dict[str, str]:
+    """_HF_NAMES for one architecture: Gemma 3 norms before its MLP under another name."""
+    names = dict(_HF_NAMES)
+    if arch == "gemma3":
+        names["mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
+    return names
+
+
 HF_CLASSES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
               "qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
               "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
@@ -266,9 +274,7 @@ class EagleDrafter(nn.Module):
         if self.fuse is not None:
             state["fuse.weight"] = self.fuse.weight
         a = self.args
-        names = dict(_HF_NAMES)
-        if a.arch == "gemma3":
-            names["mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
+        names = _hf_names(a.arch)
         for index, layer in enumerate(self.layers):
             prefix = f"layers.{index}."
             sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
@@ -324,9 +330,7 @@ class EagleDrafter(nn.Module):
             ours["fuse.weight"] = state.get("fuse.weight")
         if ours["fc.bias"] is None:
             ours["fc.bias"] = torch.zeros(a.dim)
-        names = dict(_HF_NAMES)
-        if a.arch == "gemma3":
-            names["mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
+        names = _hf_names(a.arch)
         for index, layer in enumerate(drafter.layers):
             get = lambda name: state.get(f"layers.{index}." + name)  # noqa: E731,B023
             mine = f"layers.{index}."

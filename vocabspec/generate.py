@@ -277,11 +277,7 @@ class Generation:
         params = config.sampling
         taps = proposer.taps if proposer is not None else ()
         with torch.inference_mode():
-            hidden, logits = prefill(model, cache, self.prompt_ids, taps)
-            token = self._pick(logits[0], params, generator)
-            result.prefill_seconds = time.perf_counter() - start
-            if proposer is not None:
-                proposer.reset(self.prompt_ids, hidden, token)
+            logits, token = self._prefill(start, generator, taps)
             emitted, rows = [token], [logits[0]]
             while True:
                 delta = self._emit(emitted, rows)
@@ -324,11 +320,7 @@ class Generation:
         model, cache, proposer = engine.model, engine.cache, engine.proposer
         taps = proposer.taps if proposer is not None else ()
         with torch.inference_mode():
-            hidden, logits = prefill(model, cache, self.prompt_ids, taps)
-            token = greedy_token(logits[0])
-            result.prefill_seconds = time.perf_counter() - start
-            if proposer is not None:
-                proposer.reset(self.prompt_ids, hidden, token)
+            _, token = self._prefill(start, generator, taps)
             emitted = [token]
             root = torch.tensor(token, device=model.device)
             while True:
@@ -354,6 +346,17 @@ class Generation:
                 result.steps.append(StepRecord(len(accepted), tree.size, (t1 - t0) + (t3 - t2), t2 - t1))
                 root = torch.tensor(token, device=model.device)
                 emitted = accepted[1:] + [token]
+
+    def _prefill(self, start: float, generator, taps) -> tuple[torch.Tensor, int]:
+        """Run the prompt, pick the first token and start the proposer on the prompt's states;
+        (the prompt's last logits, that token)."""
+        engine, result = self.engine, self.result
+        hidden, logits = prefill(engine.model, engine.cache, self.prompt_ids, taps)
+        token = self._pick(logits[0], self.config.sampling, generator)
+        result.prefill_seconds = time.perf_counter() - start
+        if engine.proposer is not None:
+            engine.proposer.reset(self.prompt_ids, hidden, token)
+        return logits, token
 
     def _stopped(self) -> bool:
         """Whether the generation ends here: a stop condition met, cancelled, or out of time."""

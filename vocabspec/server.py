@@ -270,7 +270,8 @@ class Server:
 
         if chat:
             def item(token, logprob):
-                return {"token": text(token), "logprob": logprob, "bytes": list(text(token).encode())}
+                piece = text(token)
+                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
             return {"content": [{**item(e.token, e.logprob),
                                  "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
         tokens = [text(e.token) for e in entries]
