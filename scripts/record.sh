@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Regenerates the benchmark record under docs/bench (the figures BENCHMARKS.md quotes): the
-# cost curve, the peers comparison and faithfulness per format, and Spec-Bench three times per
-# model, then the tables. About 2 hours on a 2-core CPU; run alone (nothing else on the
-# machine), from the repository root, with llama-cpp-python installed (see BENCHMARKS.md).
+# cost curve, the peers comparison and faithfulness per format, Spec-Bench three times per
+# model, the drafter families once per model, then the tables. About 2.5 hours on a 2-core
+# CPU; run alone (nothing else on the machine), from the repository root, with
+# llama-cpp-python installed (see BENCHMARKS.md).
 set -euo pipefail
 Q=${QUESTIONS:-../shared/data/spec_bench/question.jsonl}
 RUNS=${RUNS:-3}
@@ -21,4 +22,11 @@ for run in $(seq 1 "$RUNS"); do
       --out "$WORK/specbench-$model-run$run"
   done
 done
+# Drafter families (Medusa, an independent draft model) beside EAGLE-2, float32 targets.
+vocabspec bench --model smollm2 --weights f32 --questions "$Q" --per-category 1 --max-new-tokens 128 \
+  --methods vanilla,pld,eagle2+fr:32k,medusa,medusa+fr:32k,medusa@3x8,medusa+fr:32k@3x8,model:smollm2,model:smollm2+trim:32k \
+  --out "$OUT/families-smollm2-f32"
+vocabspec bench --model gemma3 --weights f32 --questions "$Q" --per-category 1 --max-new-tokens 128 \
+  --methods vanilla,pld,eagle2+fr:8k,medusa,medusa+fr:32k,medusa@3x8,medusa+fr:32k@3x8,model:gemma3,model:gemma3+trim:32k,model:gemma3+trim:64k \
+  --out "$OUT/families-gemma3-f32"
 python scripts/record_tables.py --work "$WORK" --out "$OUT"

@@ -5,7 +5,8 @@ from the target's own logits; thousands of speculative runs (random drafter, a r
 match it under a chi-square test, at temperature 1 and with top-p < 1 / top-k. Below the root:
 the joint distribution of four tokens over a four-token vocabulary, with trees two levels
 deep, so that acceptance at depth 2, residuals at non-root nodes and the bonus token after an
-accepted leaf all occur (and are counted).
+accepted leaf all occur (and are counted), for EAGLE's drafter, Medusa's heads and an independent
+draft model.
 
 For a sharper check, VOCABSPEC_SAMPLING_RUNS and VOCABSPEC_SAMPLING_FIRST_SEED set the number
 of runs and the first seed of every case here (e.g. 90000 runs from seed 200000)."""
@@ -17,9 +18,11 @@ import torch
 from scipy.stats import chisquare
 
 from vocabspec.draft_vocab import FullVocab, SpecVocab, StaticSubset
+from vocabspec.draft_model import DraftModelProposer
 from vocabspec.drafter import EagleDrafter, EagleProposer
 from vocabspec.generate import Engine, GenerationConfig
 from vocabspec.hybrid import EagleLookupProposer
+from vocabspec.medusa import MedusaHeads, MedusaProposer
 from vocabspec.sampling import SamplingParams, target_probs
 from vocabspec.tree import chain_tree
 from vocabspec.token_map import successor_lists
@@ -213,21 +216,34 @@ def exact_joint(model, prompt, params, length):
     return joint.flatten()
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=1.3, top_k=3)],
-                         ids=["t1", "t1.3-top_k3"])
-def test_sampling_below_the_root_matches_target_distribution(params):
+def deep_proposer(kind: str, model):
+    """A proposer whose first tree is two levels deep over the four-token vocabulary."""
+    if kind == "medusa":         # random heads: the two best of each head, three nodes below
+        heads = MedusaHeads.random(model.args.dim, 2, seed=3)
+        return MedusaProposer(model, heads, choices=[(0,), (1,), (0, 0), (0, 1), (1, 0)])
+    if kind == "model":          # an independent draft model (random, one layer)
+        draft = tiny_model("llama", seed=12, vocab_size=DEEP_VOCAB, n_layers=1)
+        return DraftModelProposer(draft, depth=2, top_k=2, total_tokens=4)
+    # depth=1: one expansion below the root's children, so trees reach depth 2.
+    return EagleProposer(EagleDrafter.random(model, seed=2), depth=1, top_k=2, total_tokens=4)
+
+
+@pytest.mark.parametrize("kind, params", [("eagle", SamplingParams(temperature=1.0)),
+                                          ("eagle", SamplingParams(temperature=1.3, top_k=3)),
+                                          ("medusa", SamplingParams(temperature=1.0)),
+                                          ("model", SamplingParams(temperature=1.0))],
+                         ids=["t1", "t1.3-top_k3", "medusa-t1", "draft-model-t1"])
+def test_sampling_below_the_root_matches_target_distribution(kind, params):
     """Four tokens: the first step's tree is two levels deep over a four-token vocabulary, so
     verification accepts at depth 2, samples residuals at non-root nodes and adds the bonus
     token after accepted leaves; the joint distribution of the four tokens (256 cells) must be
-    the target's. Each of those events is counted and must occur in at least 2% of the runs."""
+    the target's. Each of those events is counted and must occur in at least 2% of the runs.
+    For EAGLE's drafter, Medusa's heads and an independent draft model."""
     model = tiny_model("llama", seed=11, vocab_size=DEEP_VOCAB, n_layers=2)
     prompt = [1, 2, 3, 0]
-    runs = int(os.environ.get("VOCABSPEC_SAMPLING_RUNS", 5000))
+    runs = int(os.environ.get("VOCABSPEC_SAMPLING_RUNS", 5000 if kind == "eagle" else 3000))
     first_seed = int(os.environ.get("VOCABSPEC_SAMPLING_FIRST_SEED", 0))
-    # depth=1: one expansion below the root's children, so trees reach depth 2.
-    proposer = RecordingProposer(EagleProposer(EagleDrafter.random(model, seed=2), depth=1, top_k=2,
-                                               total_tokens=4))
+    proposer = RecordingProposer(deep_proposer(kind, model))
     engine = Engine(model, None, proposer)
     expected = exact_joint(model, prompt, params, DEEP_TOKENS)
     counts = torch.zeros_like(expected)

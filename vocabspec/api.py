@@ -65,9 +65,9 @@ def load(model: str = "smollm2", draft: str | DraftConfig = "none", weights: str
          allow_inexact: bool = False, log=None, **draft_options) -> LanguageModel:
     """Load a target model with an optional proposer.
 
-    draft: a DraftConfig, or its method (none | eagle | pld | eagle+pld) with any other
-    DraftConfig field as a keyword (path, vocab, token_map, ranker, depth, top_k, total_tokens,
-    dtype). weights: the target's run-time format, auto | gguf | gguf-a8 | bf16 | f32
+    draft: a DraftConfig, or its method (none | eagle | pld | eagle+pld | medusa | model:NAME)
+    with any other DraftConfig field as a keyword (path, vocab, token_map, ranker, depth, top_k,
+    total_tokens, dtype, draft_weights). weights: the target's run-time format, auto | gguf | gguf-a8 | bf16 | f32
     (loading.load_model); backend: auto | native | torch. allow_inexact: draft even where
     verification is not bit-exact (bfloat16 on torch's kernels; see generate.Engine).
     """
@@ -80,7 +80,10 @@ def load(model: str = "smollm2", draft: str | DraftConfig = "none", weights: str
         if unknown:
             raise ValueError(f"unknown drafting option(s) {', '.join(sorted(unknown))} "
                              f"(DraftConfig fields: {', '.join(sorted(DRAFT_FIELDS))})")
-        config = DraftConfig(method=draft, **draft_options)
+        method, _, draft_model = draft.partition(":")      # model:NAME names the draft model
+        if draft_model:
+            draft_options["draft_model"] = draft_model
+        config = DraftConfig(method=method, **draft_options)
     target, path = load_model(model, weights=weights, device=device, max_seq_len=max_seq_len,
                               backend=backend)
     tokenizer = load_tokenizer(path)

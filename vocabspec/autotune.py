@@ -278,3 +278,110 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
         log(f"no draft tree beats plain decoding on this machine (the best measured "
             f"{chosen.get('measured_speedup', 0):.2f}x)")
     return int(chosen["depth"]), int(chosen["total_tokens"])
+
+
+# ---------------------------------------------------------------- Medusa's tree, a draft model's chain
+
+MEDUSA_SIZES = (4, 8, 12, 16, 24, 32, 48, 63)
+CHAIN_LENGTHS = (1, 2, 3, 4, 5, 6, 8)
+
+
+def measured_speedups(model, tokenizer, proposers: dict, prompts) -> dict:
+    """Each proposer's decoding speed over plain decoding's, from real generations of the
+    calibration prompts taken in turn (plain, then each proposer, prompt by prompt), so that
+    drift on a shared machine hits all alike."""
+    from .generate import Engine, GenerationConfig
+
+    engines = {"plain": Engine(model, tokenizer)}
+    engines.update({key: Engine(model, tokenizer, p) for key, p in proposers.items()})
+    config = GenerationConfig(max_new_tokens=CALIBRATION_NEW_TOKENS)
+    tokens = {key: 0 for key in engines}
+    seconds = {key: 0.0 for key in engines}
+    for ids in prompts:
+        for key, engine in engines.items():
+            result = engine.generate(ids, config)
+            tokens[key] += result.new_tokens
+            seconds[key] += result.seconds
+    plain = tokens["plain"] / seconds["plain"]
+    return {key: tokens[key] / seconds[key] / plain for key in proposers}
+
+
+def _smallest_close(speedups: dict) -> int:
+    """The smallest size within TOLERANCE of the fastest; 0 where none beats plain decoding."""
+    best = max(speedups.values())
+    if best < 1.0:
+        return 0
+    return min(size for size, ratio in speedups.items() if ratio >= (1 - TOLERANCE) * best)
+
+
+def _calibration_prompts(tokenizer):
+    from .prompts import encode_conversation
+
+    return [encode_conversation(tokenizer, [("user", q)], answer_open=True) for q in CALIBRATION_QUESTIONS]
+
+
+def _cached(key: str, model, compute, log):
+    from .files import cache_dir
+
+    path = cache_dir() / "autotune.json"
+    known = _load(path)
+    full_key = _cache_key(model, key)
+    if full_key not in known:
+        if log:
+            log("choosing the draft size for this machine (once; cached)...")
+        known[full_key] = compute()
+        _store(path, known)
+    return known[full_key]
+
+
+def choose_medusa_tree(model, heads, head, tokenizer, key: str, log=None):
+    """(choices, size) for Medusa on this machine: the published 63-node tree's nodes ordered by
+    how often verification accepted each on the calibration answers (a node is accepted only
+    with its parent, so every prefix of that order is a tree, and it maximises the expected
+    accepted length at its size), then the prefix size that decodes fastest, measured; size 0
+    where none beats plain decoding."""
+    from .medusa import MEDUSA_63, MedusaProposer
+
+    def compute():
+        prompts = _calibration_prompts(tokenizer)
+        from .generate import Engine, GenerationConfig
+
+        engine = Engine(model, tokenizer, MedusaProposer(model, heads, head, MEDUSA_63))
+        hits = [0] * len(MEDUSA_63)
+        for ids in prompts:
+            for step in engine.generate(ids, GenerationConfig(max_new_tokens=CALIBRATION_NEW_TOKENS)).steps:
+                for rank in step.path_ranks:
+                    hits[rank] += 1
+        order = sorted(range(len(MEDUSA_63)), key=lambda i: (-hits[i], len(MEDUSA_63[i]), i))
+        choices = [MEDUSA_63[i] for i in order]
+        speedups = measured_speedups(model, tokenizer, {
+            m: MedusaProposer(model, heads, head, choices, total_tokens=m) for m in MEDUSA_SIZES}, prompts[:2])
+        return {"choices": [list(c) for c in choices], "hits": [hits[i] for i in order],
+                "total_tokens": _smallest_close(speedups),
+                "measured_speedup": {str(m): round(r, 3) for m, r in speedups.items()}}
+
+    chosen = _cached(f"{key}|medusa|v1", model, compute, log)
+    if log and not chosen["total_tokens"]:
+        log(f"no Medusa tree beats plain decoding on this machine (the best measured "
+            f"{max(chosen['measured_speedup'].values()):.2f}x)")
+    return [tuple(c) for c in chosen["choices"]], int(chosen["total_tokens"])
+
+
+def choose_chain(model, draft, head, tokenizer, key: str, log=None) -> int:
+    """The draft model's chain length that decodes fastest on this machine, measured against
+    plain decoding side by side; 0 where no length beats plain decoding."""
+    from .draft_model import DraftModelProposer
+
+    def compute():
+        prompts = _calibration_prompts(tokenizer)
+        speedups = measured_speedups(model, tokenizer, {
+            n: DraftModelProposer(draft, head, depth=n, top_k=1, total_tokens=n) for n in CHAIN_LENGTHS},
+            prompts[:2])
+        return {"length": _smallest_close(speedups),
+                "measured_speedup": {str(n): round(r, 3) for n, r in speedups.items()}}
+
+    chosen = _cached(f"{key}|chain|v1", model, compute, log)
+    if log and not chosen["length"]:
+        log(f"no draft chain beats plain decoding on this machine (the best measured "
+            f"{max(chosen['measured_speedup'].values()):.2f}x)")
+    return int(chosen["length"])

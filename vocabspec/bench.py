@@ -6,7 +6,9 @@ vanilla decoding's in the same run; mismatches are counted and reported.
 
 Method names: vanilla, pld, eagle2 (full vocabulary), eagle2+fr:32k, eagle2+trim:32k,
 eagle2+spec:2048 (any size after the colon); "+pld" after any eagle2 method grafts prompt
-lookup's continuation onto its tree (eagle2+pld, eagle2+fr:32k+pld); a suffix @DEPTHxTOKENS
+lookup's continuation onto its tree (eagle2+pld, eagle2+fr:32k+pld); medusa, medusa+fr:32k...
+(Medusa's heads, medusa.py); model:NAME, model:NAME+trim:32k... (an independent draft model,
+draft_model.py, in its default format: with a float32 target, the target's 8-bit copy); a suffix @DEPTHxTOKENS
 fixes the tree (eagle2@6x60), otherwise the tree is the one chosen for this machine
 (--total-tokens auto); a suffix /float32 or /bfloat16 before it sets the dtype the drafter
 computes in (eagle2+fr:32k/float32; default: `draft_dtype("auto")`, bfloat16 drafting for a
@@ -315,7 +317,7 @@ def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
             # VocabTrim's memory-bound speedup: tau / (c * gamma + 1), c = drafter/target
             # parameters read per draft step, gamma = draft forward steps per round.
             c = proposer.draft_parameters() / target_params
-            gamma = entry["depth"] + 1
+            gamma = getattr(proposer, "draft_forwards", entry["depth"] + 1)
             entry["mbsu"] = per_cat["overall"]["tau"] / (c * gamma + 1)
         if cfg.temperature == 0 and run.name != "vanilla":
             entry["mismatched_questions"] = mismatches.get(run.name, [])

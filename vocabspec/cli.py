@@ -65,9 +65,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None:
     """The fields of proposers.DraftConfig (the bench names its methods instead of --draft)."""
     if method:
-        parser.add_argument("--draft", default="none", choices=["none", "eagle", "pld", "eagle+pld"],
+        parser.add_argument("--draft", default="none", type=_draft_method, metavar="METHOD",
                             help="proposer: none (plain decoding), eagle (EAGLE-2 tree), pld (prompt "
-                                 "lookup), eagle+pld (EAGLE-2's tree plus prompt lookup's path)")
+                                 "lookup), eagle+pld (EAGLE-2's tree plus prompt lookup's path), medusa "
+                                 "(Medusa heads and tree), model:NAME (an independent draft model "
+                                 "sharing the target's tokenizer: a bundled name, .gguf file or "
+                                 "model directory)")
+        parser.add_argument("--draft-weights", default="auto",
+                            help="the draft model's weight format (--draft model:NAME): auto (the "
+                                 "fastest here: with a float32 or bfloat16 target, its own 8-bit copy), "
+                                 "gguf, gguf-a8, bf16 or f32")
         parser.add_argument("--draft-vocab", default="auto",
                             help="drafter LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), "
                                  "spec:K[,context=C][,successors=S][,levels=L] (SpecVocab: K "
@@ -83,7 +90,8 @@ def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None
                                  "a float32 target on hardware with fast bfloat16); verification always "
                                  "uses the target's weights and kernels")
     parser.add_argument("--draft-path", default=None,
-                        help="EAGLE drafter directory (default: the bundled one; 'random' for an untrained one)")
+                        help="EAGLE drafter or Medusa heads directory (default: the bundled one; "
+                             "'random' for an untrained one)")
     parser.add_argument("--depth", type=_non_negative_int, default=6,
                         help="tree expansion steps (with --total-tokens auto: the deepest tried)")
     parser.add_argument("--tree-top-k", type=_positive_int, default=10, help="children per expanded node")
@@ -92,13 +100,24 @@ def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None
                              "timing this machine (cached)")
 
 
+def _draft_method(text: str) -> str:
+    from .proposers import METHODS
+
+    if text in METHODS and text != "model" or (text.startswith("model:") and len(text) > len("model:")):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown draft method {text!r} (none, eagle, pld, eagle+pld, "
+                                     "medusa, model:NAME)")
+
+
 def draft_config(args):
     """The DraftConfig the command line asks for."""
     from .proposers import DraftConfig
 
-    return DraftConfig(method=args.draft, path=args.draft_path, vocab=args.draft_vocab,
+    method, _, draft_model = args.draft.partition(":")
+    return DraftConfig(method=method, path=args.draft_path, vocab=args.draft_vocab,
                        token_map=args.token_map, ranker=args.ranker, depth=args.depth,
-                       top_k=args.tree_top_k, total_tokens=args.total_tokens, dtype=args.draft_dtype)
+                       top_k=args.tree_top_k, total_tokens=args.total_tokens, dtype=args.draft_dtype,
+                       draft_model=draft_model or None, draft_weights=args.draft_weights)
 
 
 TRAIN_OPTIONS = (
@@ -123,6 +142,10 @@ TRAIN_OPTIONS = (
     ("ranker_positions", _positive_int, "positions per sequence and step in the ranker's loss"),
     ("ranker_lr", _float, "the ranker's learning rate"),
     ("layers", _positive_int, "drafter layers (EAGLE: 1; added layers start as the identity)"),
+    ("medusa_heads", _positive_int, "Medusa heads (--drafter medusa)"),
+    ("medusa_positions", _positive_int, "positions sampled per sequence and step (Medusa)"),
+    ("archive_sequences", _non_negative_int, "also train on this many sequences of the answer "
+                                             "archive (--answers), as they are"),
 )
 
 
@@ -140,15 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    train = sub.add_parser("train", help="train an EAGLE drafter for a model (data, features, training)")
+    train = sub.add_parser("train", help="train an EAGLE drafter or Medusa heads for a model (data, "
+                                         "features, training)")
     from .train import TrainConfig
     defaults = TrainConfig()
     train.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
     train.add_argument("--out", default=None, help="work directory (default runs/train-MODEL)")
     train.add_argument("--stages", default="data,features,train",
                        help="comma-separated subset of data,features,train")
+    train.add_argument("--drafter", default=defaults.drafter, choices=("eagle", "medusa"),
+                       help="what to train: eagle (EAGLE's drafter) or medusa (Medusa heads)")
     train.add_argument("--ship", action="store_true",
-                       help="copy the trained drafter (bfloat16) into the package as the bundled default")
+                       help="copy the trained drafter (bfloat16; Medusa heads: 8-bit rows) into the "
+                            "package as the bundled default")
     for name, kind, text in TRAIN_OPTIONS:
         train.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
                            help=f"{text} (default {getattr(defaults, name)})")

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-METHODS = ("none", "eagle", "pld", "eagle+pld")
+METHODS = ("none", "eagle", "pld", "eagle+pld", "medusa", "model")
 BUNDLED_DRAFTERS = Path(__file__).parent / "drafters"
 
 
@@ -19,14 +19,17 @@ BUNDLED_DRAFTERS = Path(__file__).parent / "drafters"
 class DraftConfig:
     """How to draft: the method, the drafter and its draft vocabulary, and the tree.
 
-    method: none (plain decoding), eagle (EAGLE-2's dynamic tree), pld (prompt lookup) or
-    eagle+pld (the tree plus prompt lookup's path). vocab: the drafter's LM head: full, fr:N
-    (FR-Spec), trim:N (VocabTrim), spec:K[,context=C][,successors=S][,levels=L] (SpecVocab, see
-    draft_vocab.spec_options), or auto (the head the shipped drafter's config names as fastest
-    for its model, else full). depth/top_k/
-    total_tokens: the tree (total_tokens "auto": chosen by timing this machine). dtype: what the
-    drafter computes in on torch's kernels (auto: bfloat16 for a float32 target where the CPU has
-    fast bfloat16); on the native engine it drafts with float32 activations."""
+    method: none (plain decoding), eagle (EAGLE-2's dynamic tree), pld (prompt lookup),
+    eagle+pld (the tree plus prompt lookup's path), medusa (Medusa heads, medusa.py) or model (an
+    independent draft model, draft_model.py: `draft_model` names it, `draft_weights` its format,
+    auto: the fastest here, which for a float32 or bfloat16 target is its own 8-bit copy). vocab:
+    the drafter's LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), spec:K[,context=C]
+    [,successors=S][,levels=L] (SpecVocab, see draft_vocab.spec_options; not for a draft model),
+    or auto (the head the shipped drafter's config names as fastest for its model, else full;
+    full for a draft model). depth/top_k/total_tokens: the tree (total_tokens "auto": chosen by
+    timing this machine; for a draft model a chain, for Medusa a prefix of its tree). dtype: what
+    the drafter computes in on torch's kernels (auto: bfloat16 for a float32 target where the
+    CPU has fast bfloat16); on the native engine it drafts with float32 activations."""
     method: str = "none"
     path: str | None = None          # drafter directory; None: the bundled one; "random"
     vocab: str = "auto"
@@ -36,6 +39,8 @@ class DraftConfig:
     top_k: int = 10
     total_tokens: int | str = "auto"
     dtype: str = "auto"
+    draft_model: str | None = None   # for method model: a bundled name, .gguf file or HF directory
+    draft_weights: str = "auto"      # the draft model's format (formats.py)
 
     def __post_init__(self):
         from .draft_vocab import parse_draft_vocab
@@ -44,8 +49,21 @@ class DraftConfig:
             raise ValueError(f"unknown draft method {self.method!r} (choose from {', '.join(METHODS)})")
         if self.vocab != "auto":
             parse_draft_vocab(self.vocab)
-            if not self.method.startswith("eagle") and self.vocab != "full":
-                raise ValueError(f"--draft-vocab {self.vocab} applies to the EAGLE drafter only (--draft eagle)")
+            if self.method in ("none", "pld") and self.vocab != "full":
+                raise ValueError(f"--draft-vocab {self.vocab} applies to a drafter's LM head (--draft "
+                                 f"eagle, medusa or model:NAME), not to --draft {self.method}")
+            if self.method == "model" and self.vocab.startswith("spec"):
+                raise ValueError("SpecVocab's ranker is trained for the EAGLE drafter's states: a draft "
+                                 "model's head takes full, fr:N or trim:N")
+        if (self.method == "model") != bool(self.draft_model):
+            raise ValueError("--draft model:NAME names its draft model (a bundled name, .gguf file or "
+                             "model directory)" if self.method == "model" else
+                             f"a draft model applies to --draft model:NAME, not {self.method}")
+        from .loading import WEIGHTS
+
+        if self.draft_weights not in WEIGHTS:
+            raise ValueError(f"unknown draft weight format {self.draft_weights!r} (choose from "
+                             f"{', '.join(WEIGHTS)})")
         if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 0:
             raise ValueError(f"depth must be an integer >= 0, got {self.depth!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
@@ -59,7 +77,8 @@ class DraftConfig:
     @classmethod
     def from_method(cls, name: str, **defaults) -> "DraftConfig":
         """A benchmark method name: vanilla, pld, eagle2, eagle2+fr:32k, eagle2+trim:32k,
-        eagle2+spec:2048, any of those + "+pld" (prompt lookup grafted on), then optionally
+        eagle2+spec:2048, any of those + "+pld" (prompt lookup grafted on), medusa or
+        medusa+HEAD, model:NAME or model:NAME+HEAD (HEAD: fr:N, trim:N...), then optionally
         /float32 or /bfloat16 (the drafter's dtype on torch's kernels) and @DEPTHxTOKENS (a
         fixed tree). `defaults`: other fields (path, depth, top_k, total_tokens)."""
         base, slash, rest = name.partition("/")           # /dtype before or after @tree
@@ -80,6 +99,13 @@ class DraftConfig:
             return cls(method="none", vocab="full", **defaults)
         if base == "pld":
             return cls(method="pld", vocab="full", **defaults)
+        if base.startswith("medusa") or base.startswith("model:"):
+            head, plus, vocab = base.partition("+")
+            method = "medusa" if head == "medusa" else "model"
+            if method == "model":
+                defaults["draft_model"] = head[len("model:"):]
+            if head == "medusa" or (method == "model" and head != "model:"):
+                return cls(method=method, vocab=vocab if plus else "full", **defaults)
         if base.startswith("eagle2"):
             method, rest = "eagle", base[len("eagle2"):]
             if rest.endswith("+pld"):
@@ -89,7 +115,8 @@ class DraftConfig:
             if rest.startswith("+"):
                 return cls(method=method, vocab=rest[1:], **defaults)
         raise ValueError(f"unknown method {name!r} (vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, "
-                         "eagle2+spec:K; +pld after any eagle2 method adds prompt lookup)")
+                         "eagle2+spec:K; +pld after any eagle2 method adds prompt lookup; medusa, "
+                         "medusa+fr:N...; model:NAME, model:NAME+trim:N...)")
 
     @property
     def fixed_tree(self) -> bool:
@@ -132,6 +159,10 @@ def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, l
         return None
     if config.method == "pld":
         return PromptLookupProposer(device=model.device)
+    if config.method == "medusa":
+        return make_medusa_proposer(model, config, model_name, tokenizer, log)
+    if config.method == "model":
+        return make_draft_model_proposer(model, config, model_name, tokenizer, log)
     dtype = draft_dtype(model, config.dtype)
     path = config.path or bundled_drafter_dir(model_name)
     if path is None:
@@ -177,3 +208,80 @@ def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, l
         # The tree size is the one chosen for EAGLE alone; the lookup path comes on top.
         return EagleLookupProposer(drafter, head=head, depth=depth, top_k=config.top_k, total_tokens=total)
     return EagleProposer(drafter, head=head, depth=depth, top_k=config.top_k, total_tokens=total)
+
+
+def _head_files(config: DraftConfig, model_name: str) -> Path | None:
+    """Where token maps and the ranker are found (they belong to the target): the bundled
+    drafter directory, else --draft-path's."""
+    files = bundled_drafter_dir(model_name)
+    if files is None and config.path not in (None, "random"):
+        files = Path(config.path)
+    return files
+
+
+def make_medusa_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, log=None):
+    """Medusa's heads (the bundled ones, or config.path's) with the draft head config.vocab."""
+    from .draft_vocab import make_draft_vocab
+    from .medusa import MEDUSA_63, MedusaHeads, MedusaProposer, bundled_medusa_dir
+
+    path = config.path or bundled_medusa_dir(model_name)
+    if path is None:
+        raise ValueError(f"no Medusa heads are bundled for {model_name!r}: pass --draft-path DIR "
+                         "(made by `vocabspec train --drafter medusa`)")
+    heads = MedusaHeads.random(model.args.dim, 4) if path == "random" else \
+        MedusaHeads.load(path, model.args)
+    # The blocks are a few small matmuls: in the target's dtype (float32 on the native engine).
+    heads = heads.to(device=model.device, dtype=model.dtype)
+    files = _head_files(config, model_name)
+    if config.vocab != "auto":
+        vocab = config.vocab
+    else:       # the head the shipped heads' config names as fastest, else full
+        vocab = "full" if path == "random" else default_vocab(Path(path))
+        if log:
+            log(f"draft vocabulary: {vocab} (the Medusa heads' default; --draft-vocab to choose)")
+    packed = model.native.head_weight if model.native is not None else None
+    head = make_draft_vocab(vocab, model.head_weight, files, config.token_map, config.ranker,
+                            packed_head=packed)
+    if config.total_tokens != "auto":
+        return MedusaProposer(model, heads, head, total_tokens=min(config.total_tokens, len(MEDUSA_63)))
+    from .autotune import choose_medusa_tree
+
+    if tokenizer is None:
+        raise ValueError("total_tokens='auto' needs the model's tokenizer")
+    choices, total = choose_medusa_tree(model, heads, head, tokenizer,
+                                        key=f"{model_name}|medusa|{_weights_key(path)}|{head.name}", log=log)
+    if not total:
+        if log:
+            log("medusa: decoding plainly")
+        return None
+    return MedusaProposer(model, heads, head, choices=choices, total_tokens=total)
+
+
+def make_draft_model_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, log=None):
+    """An independent draft model with the draft head config.vocab over its own LM head."""
+    from .draft_model import DraftModelProposer, load_draft_model
+    from .draft_vocab import make_draft_vocab
+
+    draft = load_draft_model(config.draft_model, model, tokenizer, weights=config.draft_weights)
+    if log:
+        log(f"draft model: {config.draft_model} ({draft.weights}) drafting for the target ({model.weights})")
+    vocab = "full" if config.vocab == "auto" else config.vocab
+    packed = draft.native.head_weight if draft.native is not None else None
+    # Token maps are the target's (the draft shares its tokenizer): VocabTrim's counts the
+    # target's own generated text.
+    head = make_draft_vocab(vocab, draft.head_weight, _head_files(config, model_name), config.token_map,
+                            None, packed_head=packed)
+    if config.total_tokens != "auto":
+        return DraftModelProposer(draft, head, depth=max(1, config.depth), top_k=config.top_k,
+                                  total_tokens=config.total_tokens)
+    from .autotune import choose_chain
+
+    if tokenizer is None:
+        raise ValueError("total_tokens='auto' needs the model's tokenizer")
+    length = choose_chain(model, draft, head, tokenizer,
+                          key=f"{model_name}|model|{config.draft_model}|{draft.weights}|{head.name}", log=log)
+    if not length:
+        if log:
+            log("model: decoding plainly")
+        return None
+    return DraftModelProposer(draft, head, depth=length, top_k=1, total_tokens=length)

@@ -95,6 +95,11 @@ class TrainConfig:
                                     # as the identity
     taps: str = ""                  # target layers fused into the drafter's input, EAGLE-3's
                                     # way (e.g. "1,14"; empty: the last layer's feature alone)
+    drafter: str = "eagle"          # what to train: eagle (EAGLE's drafter) or medusa (heads)
+    medusa_heads: int = 4           # Medusa heads (tokens t+2 .. t+K+1)
+    medusa_positions: int = 256     # positions sampled per sequence and step (Medusa)
+    archive_sequences: int = 0      # also train on this many prompt + answer sequences taken
+                                    # from the answer archive (--answers) as they are
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -681,11 +686,16 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
     split = prepare_sequences(cfg, tokenizer)
     report["train_sequences"] = len(split["train"])
     report["train_tokens"] = split["train_tokens"]
+    if cfg.drafter not in ("eagle", "medusa"):
+        raise ValueError(f"unknown drafter {cfg.drafter!r} (eagle or medusa)")
     if cfg.self_distill or cfg.task_prompts:
         split["distill"] = distill_sequences(cfg, tokenizer, model_path)
         report["distill_sequences"] = len(split["distill"])
         report["distill_tokens"] = sum(map(len, split["distill"]))
         report["distill_seconds"] = round(time.perf_counter() - t0, 1)
+    if cfg.archive_sequences:
+        split["distill"] = split.get("distill", []) + archive_sequences(cfg, model_path)
+        report["archive_sequences"] = cfg.archive_sequences
     if "features" in stages or "train" in stages:
         # torch's kernels: feature extraction is long prefills, where its batched matmuls win.
         fast = {torch.float32: "f32", torch.bfloat16: "bf16"}[_fast_dtype(cfg.feature_dtype)]
@@ -694,7 +704,10 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
         extract_features(cfg, extractor, split)
         report["features_seconds"] = round(time.perf_counter() - t1, 1)
         del extractor
-    if "train" in stages:
+    if "train" in stages and cfg.drafter == "medusa":
+        target, _ = load_model(cfg.model, max_seq_len=4096, backend="torch")
+        _train_medusa(cfg, target, report, ship, log)
+    elif "train" in stages:
         target, _ = load_model(cfg.model, max_seq_len=4096, backend="torch")
         t2 = time.perf_counter()
         drafter = train_drafter(cfg, target, log=log)
@@ -726,3 +739,34 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
             log(f"shipped to {ship_dir(cfg.model)}")
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def archive_sequences(cfg: TrainConfig, model_path: Path) -> list[list[int]]:
+    """The first `cfg.archive_sequences` prompt + answer sequences of the answer archive, in
+    its files' order, cut at max_len."""
+    if not cfg.answers:
+        raise ValueError("--archive-sequences reads the answer archive: pass --answers DIR")
+    archived = list(read_answers(Path(cfg.answers), target_fingerprint(model_path),
+                                 cfg.distill_new_tokens).values())
+    if len(archived) < cfg.archive_sequences:
+        raise ValueError(f"the archive {cfg.answers} holds {len(archived)} answers, "
+                         f"{cfg.archive_sequences} asked for")
+    return [s[:cfg.max_len] for s in archived[:cfg.archive_sequences]]
+
+
+def _train_medusa(cfg: TrainConfig, target: Transformer, report: dict, ship: bool, log) -> None:
+    from .medusa_train import train_medusa
+
+    heads, figures = train_medusa(cfg, target, load_shards(cfg, "train") + load_shards(cfg, "distill"),
+                                  load_shards(cfg, "heldout"), log=log)
+    report.update(figures)
+    extra = {"training": dict(report)}
+    heads.save(Path(cfg.out) / "medusa", target.args, extra=extra)
+    if ship:
+        from .proposers import default_vocab
+
+        directory = ship_dir(cfg.model) / "medusa"
+        # The shipped heads' default draft head is a measured choice: keep it.
+        keep = {"draft_vocab": default_vocab(directory)} if (directory / "config.json").exists() else {}
+        heads.save(directory, target.args, extra={**keep, **extra})
+        log(f"shipped to {directory}")

@@ -1,0 +1,114 @@
+"""Medusa: the shipped heads draft the published tree and greedy output stays plain decoding's,
+with every draft head (full, FR-Spec, VocabTrim, SpecVocab), in the general and the static
+(one read-back) loop; the tree is built as the choices say; bad checkpoints and trees are
+refused by name. Sampling is checked in test_sampling.py."""
+
+import pytest
+import torch
+
+from vocabspec.draft_vocab import make_draft_vocab
+from vocabspec.generate import Engine, GenerationConfig
+from vocabspec.medusa import (MEDUSA_63, MedusaHeads, MedusaMismatch, MedusaProposer, TreeLayout,
+                              bundled_medusa_dir, check_choices)
+from vocabspec.proposers import DraftConfig, bundled_drafter_dir, make_proposer
+
+from conftest import spec_bench_prompts, tiny_model
+
+NEW_TOKENS = {"smollm2": 32, "gemma3": 24}
+
+
+def shipped_proposer(target, vocab: str, total_tokens: int = 24) -> MedusaProposer:
+    heads = MedusaHeads.load(bundled_medusa_dir(target.name), target.model.args)
+    packed = target.model.native.head_weight if target.model.native is not None else None
+    head = make_draft_vocab(vocab, target.model.head_weight, bundled_drafter_dir(target.name),
+                            packed_head=packed)
+    return MedusaProposer(target.model, heads, head, total_tokens=total_tokens)
+
+
+def test_medusa_greedy_lossless_with_every_draft_head(real_model):
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS[real_model.name])
+    vanilla = Engine(real_model.model, real_model.tokenizer)
+    vocabs = ("full", "fr:8k", "trim:8k", "spec:1024")
+    steps, mismatches = [], []
+    for index, (category, text) in enumerate(spec_bench_prompts()[::3]):
+        ids = real_model.prompt_ids(text[:1200])
+        reference = vanilla.generate(ids, config).tokens
+        for vocab in ("full", vocabs[1 + index % 3]):
+            out = Engine(real_model.model, real_model.tokenizer,
+                         shipped_proposer(real_model, vocab)).generate(ids, config)
+            if out.tokens != reference:
+                mismatches.append((category, vocab))
+            steps += out.steps
+    assert not mismatches, f"Medusa's output differs from plain decoding: {mismatches}"
+    tau = sum(s.accept_length for s in steps) / len(steps)
+    assert tau > 1.3, f"the shipped heads' mean accepted length is only {tau:.2f}"
+
+
+def test_medusa_static_loop_matches_plain_decoding(smollm2):
+    """The one-read-back loop a GPU uses (forced on here) drafts the same tree on the device."""
+    config = GenerationConfig(max_new_tokens=32)
+    ids = smollm2.prompt_ids("Explain how a bicycle's gears make it easier to ride uphill.")
+    reference = Engine(smollm2.model, smollm2.tokenizer).generate(ids, config).tokens
+    engine = Engine(smollm2.model, smollm2.tokenizer, shipped_proposer(smollm2, "fr:8k"), static=True)
+    assert engine.static
+    out = engine.generate(ids, config)
+    assert out.tokens == reference
+    assert out.mean_accept_len > 1.2
+
+
+def test_tree_follows_the_choices():
+    layout = TreeLayout(MEDUSA_63, torch.device("cpu"))
+    ids = torch.arange(40).view(4, 10) + 100          # head k's i-th candidate: 100 + 10 k + i
+    tree = layout.tree(torch.tensor(7), ids)
+    assert tree.size == 63 and int(tree.tokens[0]) == 7
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    found = set()
+    for node in range(1, 64):
+        path = tree.path_to(node)[1:]
+        choice = tuple(tokens[n] - 100 - 10 * depth for depth, n in enumerate(path))
+        found.add(choice)
+        assert parents[node] < node and int(tree.depths[node]) == len(choice)
+        assert tree.ranks[node] == MEDUSA_63.index(choice)
+    assert found == set(MEDUSA_63)
+    # Children in draft order: a better candidate first.
+    for kids in tree.children:
+        assert [tokens[k] for k in kids] == sorted(tokens[k] for k in kids)
+
+
+@pytest.mark.parametrize("choices, why", [([(0,), (0,)], "repeated"), ([(0, 1)], "before its parent"),
+                                          ([(0,), (0, 10)], "indices"), ([(0,), (0, 0), (0, 0, 0)], "indices"),
+                                          ([], "at least one")])
+def test_bad_trees_are_refused(choices, why):
+    with pytest.raises(ValueError, match=why):
+        check_choices(choices, n_heads=2)
+
+
+def test_heads_save_load_and_mismatches(tmp_path):
+    model = tiny_model("llama", seed=2)
+    heads = MedusaHeads.random(model.args.dim, 3, seed=4)
+    heads.save(tmp_path / "heads", model.args, extra={"note": "test"})
+    back = MedusaHeads.load(tmp_path / "heads", model.args)
+    features = torch.randn(5, model.args.dim)
+    # 8-bit rows: close, not equal (the heads choose drafts, never outputs).
+    assert torch.allclose(back(features), heads(features), atol=0.05)
+    other = tiny_model("llama", seed=2, dim=48, n_heads=6)
+    with pytest.raises(MedusaMismatch, match="hidden_size"):
+        MedusaHeads.load(tmp_path / "heads", other.args)
+    with pytest.raises(MedusaMismatch, match="gemma3"):
+        MedusaHeads.load(tmp_path / "heads", tiny_model("gemma3").args)
+    (tmp_path / "heads" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(MedusaMismatch, match="unreadable"):
+        MedusaHeads.load(tmp_path / "heads", model.args)
+    with pytest.raises(MedusaMismatch, match="missing config.json"):
+        MedusaHeads.load(tmp_path / "nowhere", model.args)
+
+
+def test_medusa_method_names_and_refusals():
+    config = DraftConfig.from_method("medusa+fr:32k@4x24")
+    assert (config.method, config.vocab, config.total_tokens) == ("medusa", "fr:32k", 24)
+    assert DraftConfig.from_method("medusa").vocab == "full"
+    with pytest.raises(ValueError, match="not to --draft pld"):
+        DraftConfig(method="pld", vocab="fr:8k")
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="no Medusa heads are bundled"):
+        make_proposer(model, DraftConfig(method="medusa"), "tiny")

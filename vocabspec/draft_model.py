@@ -1,0 +1,233 @@
+"""An independent draft model: any smaller model with the target's tokenizer drafts a chain or a tree.
+
+The draft model runs as a model of its own (any weight format, its own KV cache) and is what
+llama.cpp's `-md`, transformers' `assistant_model` and vLLM's `draft_model` use. The natural
+draft here is the target's own low-bit copy: the same GGUF run with 8-bit activations
+(`gguf-a8`) drafting for its float32 or bfloat16 self, a fraction of the bytes per step with
+nearly the same answers.
+
+The tree grows as EAGLE-2's does (tree.TreeBuilder: top-k children per node, the best
+`total_tokens` nodes kept); with top_k = 1 it is a chain. The draft's LM head is a draft-vocabulary
+strategy over its own head (draft_vocab.py): `trim:N` keeps the N tokens the target generates
+most (VocabTrim), `fr:N` the N most frequent in a corpus (FR-Spec).
+
+The draft cache holds the committed text up to the last step's root; drafted nodes are pending
+slots. After verification the accepted nodes the draft already ran keep their slots (their keys
+are those of the accepted text: each node attended to its ancestors only), and the rest of the
+accepted text runs with the next root in one forward.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .draft_vocab import FullVocab
+from .generate import PREFILL_CHUNK
+from .model import Transformer
+from .tree import DraftTree, TreeBuilder
+
+
+class DraftModelMismatch(ValueError):
+    """A draft model that cannot draft for its target (another tokenizer or vocabulary)."""
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_args, draft_args, name: str) -> None:
+    """Refuse a draft model whose token ids mean other text than the target's."""
+    if target_args.vocab_size != draft_args.vocab_size:
+        raise DraftModelMismatch(f"draft model {name} has a vocabulary of {draft_args.vocab_size} "
+                                 f"tokens, the target {target_args.vocab_size}: a draft model must "
+                                 "share the target's tokenizer")
+    if target_tokenizer is None or draft_tokenizer is None:
+        return
+    if target_tokenizer.backend.get_vocab() != draft_tokenizer.backend.get_vocab():
+        raise DraftModelMismatch(f"draft model {name} has another tokenizer than the target (the "
+                                 "same ids stand for other text): a draft model must share the "
+                                 "target's tokenizer")
+
+
+def load_draft_model(spec: str, target: Transformer, target_tokenizer=None, weights: str = "auto",
+                     room: int = 256) -> Transformer:
+    """The draft model `spec` (bundled name, GGUF file or HF directory) in `weights` (formats.py;
+    auto: the fastest exact format here), positioned as far as the target plus `room` for trees."""
+    from .loading import load_model
+    from .tokenizer import load_tokenizer
+
+    draft, path = load_model(spec, weights=weights, device=target.device,
+                             max_seq_len=target.args.max_seq_len + room)
+    tokenizer = load_tokenizer(path) if target_tokenizer is not None else None
+    check_same_tokenizer(target_tokenizer, tokenizer, target.args, draft.args, spec)
+    return draft
+
+
+class DraftModelProposer:
+    """Grows a draft tree (a chain with top_k = 1) with an independent draft model."""
+
+    taps: tuple[int, ...] = ()
+
+    def __init__(self, draft: Transformer, head=None, depth: int = 6, top_k: int = 1,
+                 total_tokens: int = 6):
+        if depth < 1 or top_k < 1 or total_tokens < 1:
+            raise ValueError(f"need depth >= 1, top_k >= 1, total_tokens >= 1; got "
+                             f"{depth}, {top_k}, {total_tokens}")
+        self.draft = draft
+        if head is None:
+            head = FullVocab(draft.native.head_weight if draft.native is not None else draft.head_weight)
+        self.head = head
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.max_tree_tokens = total_tokens
+        self.cache = draft.new_cache()
+        self.todo: list[int] = []          # committed text the draft has not run yet
+        self.slot_of: dict[int, int] = {}  # tree node -> its pending slot (nodes the draft ran)
+        self.tree: DraftTree | None = None
+        self.root_state = None            # the draft's state at this step's root, once run
+        self.timings = {"model": 0.0, "total": 0.0}
+
+    @property
+    def tree_shape(self) -> tuple[int, int]:
+        return self.depth, self.total_tokens
+
+    @property
+    def draft_forwards(self) -> int:
+        """Drafting passes per step: one per tree level."""
+        return self.depth
+
+    def draft_parameters(self) -> int:
+        """The draft's layers and the rows of its head (its embedding is a lookup)."""
+        return _layer_parameters(self.draft.args) + self.head.size * self.draft.args.dim
+
+    def time_breakdown(self) -> dict[str, float]:
+        parts = {"model": self.timings["model"], **self.head.timings}
+        parts["tree"] = max(0.0, self.timings["total"] - sum(parts.values()))
+        return parts
+
+    def reset_timings(self) -> None:
+        self.timings = {"model": 0.0, "total": 0.0}
+        self.head.timings = {}
+
+    @property
+    def timing_sync(self) -> bool:
+        return self.head.sync
+
+    @timing_sync.setter
+    def timing_sync(self, on: bool) -> None:
+        self.head.sync = bool(on) and self.draft.device.type == "cuda"
+
+    def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
+        self.cache.reset()
+        self.head.see_tokens(list(prompt_ids) + [first_token], reset=True)
+        # Not timed: the draft's pass over the prompt belongs with the prefill (as EAGLE's).
+        device = self.draft.device
+        with torch.inference_mode():
+            for start in range(0, len(prompt_ids), PREFILL_CHUNK):
+                chunk = prompt_ids[start:start + PREFILL_CHUNK]
+                self.draft(torch.tensor(chunk, dtype=torch.long, device=device),
+                           torch.arange(start, start + len(chunk), device=device), self.cache,
+                           logits_rows=[])
+                self.cache.commit()
+        self.todo = []
+        self.slot_of = {}
+        self.tree = None
+        self.root_state = None
+
+    def observe(self, accepted, hidden, next_token) -> None:
+        start = time.perf_counter()
+        self.head.see_tokens(list(accepted) + [next_token])
+        if self.root_state is None:       # no proposal this step (near the window's end)
+            self.todo += list(accepted)
+            self.timings["total"] += time.perf_counter() - start
+            return
+        # The accepted nodes the draft ran keep their slots (a prefix of the path: a node runs
+        # only after its parent did); the root's slot was committed when it ran.
+        keep, path = [], self.tree.path_to(self._accepted_node(accepted)) if self.tree else [0]
+        for node in path[1:]:
+            if node not in self.slot_of:
+                break
+            keep.append(self.slot_of[node])
+        self.cache.commit(torch.tensor(keep, dtype=torch.long, device=self.draft.device))
+        self.todo = list(accepted[1 + len(keep):])
+        self.tree = None
+        self.root_state = None
+        self.timings["total"] += time.perf_counter() - start
+
+    def _accepted_node(self, accepted: list[int]) -> int:
+        """The tree node the accepted tokens (root first) end at."""
+        tokens = self.tree.tokens.tolist()
+        node = 0
+        for token in accepted[1:]:
+            node = next(c for c in self.tree.children[node] if tokens[c] == token)
+        return node
+
+    def _forward(self, tokens: list[int], positions: torch.Tensor, mask=None) -> torch.Tensor:
+        """The draft's normalised last-layer states for `tokens` (pending until committed)."""
+        start = time.perf_counter()
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.draft.device)
+        hidden, _ = self.draft(ids, positions, self.cache, tree_mask=mask, logits_rows=[])
+        states = self.draft.norm(hidden)
+        if self.head.sync:
+            torch.cuda.synchronize()
+        self.timings["model"] += time.perf_counter() - start
+        return states
+
+    def propose(self, root_token: int) -> DraftTree:
+        start = time.perf_counter()
+        device = self.draft.device
+        self.cache.discard()              # a proposal asked for again (autotune) starts over
+        if self.root_state is None:
+            # The committed text not yet run, and the root: all of it is the target's output.
+            run = self.todo + [root_token]
+            base = self.cache.length
+            self.root_state = self._forward(run, torch.arange(base, base + len(run), device=device))[-1:]
+            self.cache.commit()
+            self.todo = []
+        base = self.cache.length          # the root sits at base - 1; depth d at base - 1 + d
+        builder = TreeBuilder(root_token, self.top_k, self.total_tokens)
+        tokens, log_probs = self.head.top_k(self.root_state, self.top_k, [root_token], 0)
+        builder.add_children([0], tokens, log_probs)
+        slot_of: dict[int, int] = {}
+        for level in range(1, self.depth):
+            frontier = builder.frontier()
+            if not frontier:
+                break
+            n_pending = self.cache.pending
+            mask = torch.zeros(len(frontier), n_pending + len(frontier), dtype=torch.bool, device=device)
+            for row, node in enumerate(frontier):
+                mask[row, n_pending + row] = True
+                ancestor = builder.parent[node]
+                while ancestor != 0:
+                    mask[row, slot_of[ancestor]] = True
+                    ancestor = builder.parent[ancestor]
+            read = [builder.token[n] for n in frontier]
+            positions = torch.tensor([base - 1 + builder.depth[n] for n in frontier], device=device)
+            states = self._forward(read, positions, mask)
+            for row, node in enumerate(frontier):
+                slot_of[node] = n_pending + row
+            tokens, log_probs = self.head.top_k(states, self.top_k, read, level)
+            builder.add_children(frontier, tokens, log_probs)
+        tree = builder.build(device)
+        # Builder ids -> flat tree indices, for the slots observe() keeps.
+        self.slot_of = _flat_slots(builder, tree, slot_of)
+        self.tree = tree
+        self.timings["total"] += time.perf_counter() - start
+        return tree
+
+
+def _flat_slots(builder: TreeBuilder, tree: DraftTree, slot_of: dict[int, int]) -> dict[int, int]:
+    """slot_of keyed by the built tree's node indices (the builder numbers nodes otherwise)."""
+    parents = tree.parents.tolist()
+    tokens = tree.tokens.tolist()
+    # A built node is identified by its path of tokens from the root; so is a builder node.
+    path_of_flat = {0: ()}
+    for index in range(1, len(tokens)):
+        path_of_flat[index] = path_of_flat[parents[index]] + (tokens[index],)
+    path_of_builder = {0: ()}
+    for node in range(1, len(builder.token)):
+        path_of_builder[node] = path_of_builder[builder.parent[node]] + (builder.token[node],)
+    by_path = {path_of_builder[n]: slot for n, slot in slot_of.items()}
+    return {i: by_path[p] for i, p in path_of_flat.items() if i and p in by_path}
+
+
+def _layer_parameters(a) -> int:
+    attn = a.dim * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + a.n_heads * a.head_dim * a.dim
+    return a.n_layers * (attn + 3 * a.dim * a.intermediate_size)

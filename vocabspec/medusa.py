@@ -1,0 +1,320 @@
+"""Medusa: K extra heads on the target's last hidden state, and the static sparse tree they draft.
+
+Head k (1..K) is a residual SiLU block, f + SiLU(W_k f + b_k), on the target's feature f (its
+last-layer hidden state after the final norm, the vector its LM head multiplies) at the last
+accepted token, followed by an LM head: it predicts the token k + 1 places ahead, the target's
+own head having predicted the next one (the tree's root). Here every head reads through the
+target's LM head, frozen, as FR-Spec's Medusa experiments do, so a draft-vocabulary strategy
+(full, fr:N, trim:N, spec:K from draft_vocab.py) is the heads' LM head, and the heads store only
+their blocks. A block starts as zero (the head then repeats the target's next-token guess) and
+is trained on the target's features (train.py, `--drafter medusa`).
+
+Drafting costs the K blocks plus one LM-head pass over K rows, with no decoder layer: the
+cheapest drafting step of any family here. The heads do not see the tokens drafted before
+them, so each depth of the tree is drawn from one head's top-k: a node (i1, ..., id) carries
+head d's i_d-th best token below the node (i1, ..., i(d-1)). The tree is Medusa's published
+63-node choice (`MEDUSA_63`) or its first m nodes in an order measured here (autotune.py,
+`choose_medusa_tree`): nodes by how often verification accepted them, which maximises the
+expected accepted length of every prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .draft_vocab import FullVocab
+from .linear import Linear
+from .tree import DraftTree
+
+# Medusa's published tree for its 7B models (FasterDecoding/Medusa, medusa_choices.py,
+# mc_sim_7b_63): each entry is a path of top-k indices, one per head, best first.
+MEDUSA_63 = (
+    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4),
+    (2, 0), (0, 5), (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8),
+    (0, 0, 2), (3, 0), (0, 9), (8,), (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0),
+    (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0), (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3),
+    (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2), (2, 0, 0),
+    (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0),
+    (0, 0, 0, 1), (1, 6), (0, 7, 0),
+)
+TOP_K = 10          # candidates per head the published tree indexes into
+
+
+class MedusaMismatch(ValueError):
+    """Medusa heads that do not fit their target model, or an unreadable checkpoint."""
+
+
+def check_choices(choices, n_heads: int) -> tuple[tuple[int, ...], ...]:
+    """`choices` as tuples, if they form a tree the heads can draft: every path's parent listed
+    before it, no repeats, depth at most n_heads, indices below TOP_K."""
+    seen: set[tuple[int, ...]] = {()}
+    out = []
+    for choice in choices:
+        choice = tuple(int(i) for i in choice)
+        if not choice or len(choice) > n_heads or any(not 0 <= i < TOP_K for i in choice):
+            raise ValueError(f"Medusa tree node {list(choice)}: need 1 to {n_heads} indices in [0, {TOP_K})")
+        if choice in seen or choice[:-1] not in seen:
+            raise ValueError(f"Medusa tree node {list(choice)}: repeated, or listed before its parent")
+        seen.add(choice)
+        out.append(choice)
+    if not out:
+        raise ValueError("a Medusa tree needs at least one node")
+    return tuple(out)
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        if n_heads < 1:
+            raise MedusaMismatch(f"Medusa needs at least one head, not {n_heads}")
+        self.blocks = nn.ModuleList(Linear(dim, dim, bias=True) for _ in range(n_heads))
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.blocks)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """(rows, dim) target features -> (heads, rows, dim) states for the LM head."""
+        features = features.to(self.blocks[0].weight.dtype)
+        if self.training or torch.is_grad_enabled():
+            return torch.stack([features + F.silu(block(features)) for block in self.blocks])
+        # Drafting: the K blocks as one matmul (K small ones cost K calls' overhead each).
+        weight, bias = self._fused()
+        out = F.silu(torch.addmm(bias, features, weight.T))          # (rows, heads * dim)
+        return features[None] + out.view(features.shape[0], self.n_heads, -1).transpose(0, 1)
+
+    def _fused(self) -> tuple[torch.Tensor, torch.Tensor]:
+        key = tuple((b.weight.data_ptr(), b.weight._version) for b in self.blocks)
+        if getattr(self, "_fused_key", None) != key:
+            self._fused_weights = (torch.cat([b.weight for b in self.blocks]).contiguous(),
+                                   torch.cat([b.bias for b in self.blocks]).contiguous())
+            self._fused_key = key
+        return self._fused_weights
+
+    @classmethod
+    def zeros(cls, dim: int, n_heads: int) -> "MedusaHeads":
+        """Untrained heads: each repeats the target's next-token guess (Medusa's start)."""
+        heads = cls(dim, n_heads)
+        with torch.no_grad():
+            for p in heads.parameters():
+                p.zero_()
+        return heads
+
+    @classmethod
+    def random(cls, dim: int, n_heads: int, seed: int = 0, scale: float = 1.0) -> "MedusaHeads":
+        """Random blocks (tests): heads that disagree with the target and with each other."""
+        generator = torch.Generator().manual_seed(seed)
+        heads = cls(dim, n_heads)
+        with torch.no_grad():
+            for block in heads.blocks:
+                block.weight.copy_(torch.randn(dim, dim, generator=generator) * scale * dim ** -0.5)
+                block.bias.copy_(torch.randn(dim, generator=generator) * scale)
+        return heads.eval().requires_grad_(False)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, directory: str | Path, target_args, extra: dict | None = None) -> None:
+        """config.json and model.safetensors; weights as 8-bit codes with a float scale per row
+        (the heads only choose what is drafted, and the shipped files stay small)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = {"medusa_num_heads": self.n_heads, "hidden_size": target_args.dim,
+                  "vocab_size": target_args.vocab_size,
+                  "vocabspec": {"arch": target_args.arch, "feature": "post_norm", **(extra or {})}}
+        tensors = {}
+        for k, block in enumerate(self.blocks):
+            rows = block.weight.detach().float()
+            scale = (rows.abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
+            tensors[f"blocks.{k}.weight"] = torch.round(rows / scale).to(torch.int8).contiguous()
+            tensors[f"blocks.{k}.scale"] = scale.squeeze(1).contiguous()
+            tensors[f"blocks.{k}.bias"] = block.bias.detach().float().contiguous()
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(tensors, str(directory / "model.safetensors"))
+
+    @classmethod
+    def load(cls, directory: str | Path, target_args) -> "MedusaHeads":
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        for name in ("config.json", "model.safetensors"):
+            if not (directory / name).exists():
+                raise MedusaMismatch(f"Medusa heads {directory}: missing {name}")
+        try:
+            config = json.loads((directory / "config.json").read_text())
+            tensors = load_file(str(directory / "model.safetensors"))
+        except Exception as exc:
+            raise MedusaMismatch(f"Medusa heads {directory}: unreadable ({exc})") from exc
+        for key, want in (("hidden_size", target_args.dim), ("vocab_size", target_args.vocab_size)):
+            if config.get(key) != want:
+                raise MedusaMismatch(f"Medusa heads {directory}: {key}={config.get(key)} but the "
+                                     f"target model has {want}")
+        arch = config.get("vocabspec", {}).get("arch")
+        if arch != target_args.arch:
+            raise MedusaMismatch(f"Medusa heads {directory} are for a {arch} target, not {target_args.arch}")
+        n_heads = config.get("medusa_num_heads")
+        if not isinstance(n_heads, int) or n_heads < 1:
+            raise MedusaMismatch(f"Medusa heads {directory}: medusa_num_heads={n_heads!r}")
+        heads = cls(target_args.dim, n_heads)
+        state = {}
+        try:
+            for k in range(n_heads):
+                state[f"blocks.{k}.weight"] = tensors[f"blocks.{k}.weight"].float() * \
+                    tensors[f"blocks.{k}.scale"].float()[:, None]
+                state[f"blocks.{k}.bias"] = tensors[f"blocks.{k}.bias"].float()
+            heads.load_state_dict(state, strict=True)
+        except (KeyError, RuntimeError) as exc:
+            raise MedusaMismatch(f"Medusa heads {directory}: tensors missing or misshapen ({exc})") from exc
+        return heads.eval().requires_grad_(False)
+
+
+class TreeLayout:
+    """A choice list's tree, flattened once: nodes by depth (siblings in their parents' order,
+    best index first), which head and which of its candidates each node takes, and its rank
+    in the choice list (the tree of the first m choices is the nodes ranked below m)."""
+
+    def __init__(self, choices, device: torch.device):
+        order = sorted(range(len(choices)), key=lambda i: (len(choices[i]), choices[i]))
+        flat = {(): 0}
+        parents, depths, heads, picks, ranks = [-1], [0], [], [], [-1]
+        for i in order:
+            choice = choices[i]
+            flat[choice] = len(parents)
+            parents.append(flat[choice[:-1]])
+            depths.append(len(choice))
+            heads.append(len(choice) - 1)
+            picks.append(choice[-1])
+            ranks.append(i)
+        self.children = [[] for _ in parents]
+        for node in range(1, len(parents)):
+            self.children[parents[node]].append(node)
+        self.ranks = ranks
+        self.max_depth = max(depths)
+        self.parents = torch.tensor(parents, dtype=torch.long, device=device)
+        self.depths = torch.tensor(depths, dtype=torch.long, device=device)
+        self.heads = torch.tensor(heads, dtype=torch.long, device=device)
+        self.picks = torch.tensor(picks, dtype=torch.long, device=device)
+        self._static = None
+
+    def tree(self, root: torch.Tensor, ids: torch.Tensor) -> DraftTree:
+        tokens = torch.cat([root.view(1), ids[self.heads, self.picks]])
+        return DraftTree(tokens, self.parents, self.depths, self.children, list(self.ranks))
+
+    def static_tree(self, root: torch.Tensor, ids: torch.Tensor):
+        from .static_step import StaticTree, ancestor_mask
+
+        if self._static is None:
+            parents = self.parents.clamp_min(0)
+            self._static = (parents, ancestor_mask(parents, self.max_depth))
+        parents, mask = self._static
+        tokens = torch.cat([root.view(1), ids[self.heads, self.picks]])
+        return StaticTree(tokens, parents, self.depths, mask, self.max_depth)
+
+
+class MedusaProposer:
+    """Drafts Medusa's static tree from the target's feature at the last accepted token."""
+
+    taps: tuple[int, ...] = ()
+
+    def __init__(self, target, heads: MedusaHeads, head=None, choices=MEDUSA_63,
+                 total_tokens: int | None = None):
+        choices = check_choices(choices, heads.n_heads)
+        total = len(choices) if total_tokens is None else total_tokens
+        if not 1 <= total <= len(choices):
+            raise ValueError(f"a Medusa tree of {total} nodes from {len(choices)} choices")
+        self.target = target
+        self.heads = heads
+        self.head = head or FullVocab(target.head_weight)
+        self.choices = choices
+        self.total_tokens = total
+        self.max_tree_tokens = len(choices)
+        self.feature = None
+        self._layouts: dict[int, TreeLayout] = {}
+        self.timings = {"blocks": 0.0, "total": 0.0}
+
+    @property
+    def depth(self) -> int:
+        return max(len(c) for c in self.choices[:self.total_tokens])
+
+    @property
+    def tree_shape(self) -> tuple[int, int]:
+        return self.depth, self.total_tokens
+
+    def layout(self) -> TreeLayout:
+        if self.total_tokens not in self._layouts:
+            self._layouts[self.total_tokens] = TreeLayout(self.choices[:self.total_tokens], self.target.device)
+        return self._layouts[self.total_tokens]
+
+    draft_forwards = 1      # drafting passes per step: the heads run once
+
+    def draft_parameters(self) -> int:
+        blocks = sum(p.numel() for p in self.heads.parameters())
+        return blocks + self.heads.n_heads * self.head.size * self.target.args.dim
+
+    def time_breakdown(self) -> dict[str, float]:
+        parts = {"blocks": self.timings["blocks"], **self.head.timings}
+        parts["tree"] = max(0.0, self.timings["total"] - sum(parts.values()))
+        return parts
+
+    def reset_timings(self) -> None:
+        self.timings = {"blocks": 0.0, "total": 0.0}
+        self.head.timings = {}
+
+    @property
+    def timing_sync(self) -> bool:
+        return self.head.sync
+
+    @timing_sync.setter
+    def timing_sync(self, on: bool) -> None:
+        self.head.sync = bool(on) and self.target.device.type == "cuda"
+
+    def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
+        self.head.see_tokens(list(prompt_ids) + [first_token], reset=True)
+        self.feature = prompt_hidden[-1:]
+
+    def observe(self, accepted, hidden, next_token) -> None:
+        self.head.see_tokens(list(accepted) + [next_token])
+        self.feature = hidden[-1:]
+
+    def _candidates(self, root_tokens) -> torch.Tensor:
+        """(heads, TOP_K) token ids: each head's best candidates, best first."""
+        start = time.perf_counter()
+        states = self.heads(self.target.norm(self.feature.float()))[:, 0]      # (heads, dim)
+        if self.head.sync:
+            torch.cuda.synchronize()
+        self.timings["blocks"] += time.perf_counter() - start
+        # Row k is head k + 1's: SpecVocab shares one candidate set per level (its `level`).
+        ids, _ = self.head.top_k(states, TOP_K, root_tokens, 0)
+        return ids
+
+    def propose(self, root_token: int) -> DraftTree:
+        start = time.perf_counter()
+        device = self.target.device
+        ids = self._candidates([root_token] * self.heads.n_heads)
+        tree = self.layout().tree(torch.tensor(root_token, device=device), ids.to(device))
+        self.timings["total"] += time.perf_counter() - start
+        return tree
+
+    @property
+    def static(self) -> bool:
+        """Whether `propose_static` drafts without reading the device back (SpecVocab's
+        candidate sets need drafted tokens on the host)."""
+        return not hasattr(self.head, "candidate_ids")
+
+    def propose_static(self, root: torch.Tensor):
+        start = time.perf_counter()
+        tree = self.layout().static_tree(root, self._candidates(None))
+        self.timings["total"] += time.perf_counter() - start
+        return tree
+
+
+def bundled_medusa_dir(model_name: str) -> Path | None:
+    path = Path(__file__).parent / "drafters" / model_name / "medusa"
+    return path if (path / "config.json").exists() else None
