@@ -46,18 +46,25 @@ def spec_bench(work: Path, model: str) -> tuple[list[str], dict]:
     return header + [""] + lines, table
 
 
-def peers(path: Path) -> list[str]:
-    if not path.exists():
+def peers(paths: list[Path]) -> list[str]:
+    """One table, the models side by side: each engine's tok/s (median; spread) and its ratio
+    to llama.cpp's plain decoding; mismatches against each format's own plain decoding summed."""
+    data = [json.loads(p.read_text()) for p in paths if p.exists()]
+    if not data:
         return []
-    data = json.loads(path.read_text())
-    lines = [f"{data['model']}: {data['prompts']} prompts, {data['new_tokens']} new tokens, greedy, "
-             f"{data['runs']} runs, {data['threads']} threads; {data['date']}, {data['machine']}, "
-             f"commit {data['commit']}.", "",
-             "| engine | tok/s (median; spread) | vs llama.cpp plain | mismatches vs own plain |",
-             "| --- | --- | --- | --- |"]
-    for name, r in data["engines"].items():
-        lines.append(f"| {name} | {r['tokens_per_s']} ({r['low']}-{r['high']}) | "
-                     f"{r['vs_llamacpp_plain']}x | {r.get('mismatches', '-')} |")
+    lines = [f"{d['model']}: {d['prompts']} prompts, {d['new_tokens']} new tokens, greedy, "
+             f"{d['runs']} runs, {d['threads']} threads; {d['date']}, {d['machine']}, commit "
+             f"{d['commit']}." for d in data]
+    mismatches = sum(r.get("mismatches") or 0 for d in data for r in d["engines"].values())
+    lines += [f"Greedy mismatches of vocabspec rows against their format's plain decoding: {mismatches}.", "",
+              "| engine | " + " | ".join(f"{d['model']} tok/s (median; spread) | x llama.cpp" for d in data) + " |",
+              "| --- |" + " --- | --- |" * len(data)]
+    for name in data[0]["engines"]:
+        cells = []
+        for d in data:
+            r = d["engines"].get(name)
+            cells += [f"{r['tokens_per_s']} ({r['low']}-{r['high']})", f"{r['vs_llamacpp_plain']}x"] if r else ["-", "-"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -108,7 +115,7 @@ def main():
                     shutil.copy(runs[-1] / name, out / model / name)
             (out / model / "summary.md").write_text("\n".join(lines) + "\n")
         sections[f"Spec-Bench, {model}"] = lines
-        sections[f"Peers, {model}"] = peers(out / f"peers-{model}.json")
+    sections["Peers"] = peers([out / f"peers-{model}.json" for model in ("smollm2", "gemma3")])
     for title, lines in sections.items():
         if lines:
             print(f"## {title}\n\n" + "\n".join(lines) + "\n")

@@ -29,7 +29,7 @@ def run_cli(*args, timeout=300):
     (["generate", "hi", "--model", "llama9"], "neither a bundled name"),
     (["generate", "hi", "--draft-vocab", "fr:lots"], "draft vocabulary size"),
     (["generate", "hi", "--draft-vocab", "huge:3"], "unknown draft vocabulary"),
-    (["generate", "hi", "--draft", "pld", "--draft-vocab", "fr:32k"], "EAGLE drafter only"),
+    (["generate", "hi", "--draft", "pld", "--draft-vocab", "fr:32k"], "not to --draft pld"),
     (["generate", "hi", "--draft", "eagle", "--draft-vocab", "fr:8k", "--token-map", "/no/map.pt"],
      "token map"),
     (["generate", "hi", "--total-tokens", "many"], "positive integer or 'auto'"),

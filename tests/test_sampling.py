@@ -2,7 +2,8 @@
 
 On a tiny random model the exact distribution of the first two generated tokens is computed
 from the target's own logits; thousands of speculative runs (random drafter, a real tree) must
-match it under a chi-square test, at temperature 1 and with top-p < 1 / top-k. Below the root:
+match it under a chi-square test (the full head with top-p < 1, the cut heads at temperature 1
+and with top-p). Below the root, at temperature 1 and with top-k:
 the joint distribution of four tokens over a four-token vocabulary, with trees two levels
 deep, so that acceptance at depth 2, residuals at non-root nodes and the bonus token after an
 accepted leaf all occur (and are counted), for EAGLE's drafter, Medusa's heads and an independent
@@ -74,16 +75,14 @@ def make_head(kind, model):
                      successors=successors, successor_count=1)
 
 
-T1, TOP_P, TOP_K = (SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.7),
-                   SamplingParams(temperature=1.0, top_k=3))
+T1, TOP_P = SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.7)
 
 
-# Every processing of the target's distribution with the full head; the cut heads (which
-# change the draft distribution q, not the target's) at temperature 1 and with top-p.
-@pytest.mark.parametrize("head, params", [("full", T1), ("full", TOP_P), ("full", TOP_K),
-                                          ("subset", T1), ("subset", TOP_P), ("spec", T1)],
-                         ids=["full-t1", "full-t0.8-top_p0.7", "full-t1-top_k3", "subset-t1",
-                              "subset-t0.8-top_p0.7", "spec-t1"])
+# Top-p with the full head (temperature 1 and top-k with it are checked below the root, on
+# deeper trees); the cut heads (which change the draft distribution q, not the target's) at
+# temperature 1 and with top-p.
+@pytest.mark.parametrize("head, params", [("full", TOP_P), ("subset", T1), ("subset", TOP_P), ("spec", T1)],
+                         ids=["full-t0.8-top_p0.7", "subset-t1", "subset-t0.8-top_p0.7", "spec-t1"])
 def test_speculative_sampling_matches_target_distribution(params, head):
     model = tiny_model("llama", seed=3, vocab_size=VOCAB, n_layers=2)
     prompt = [1, 2, 3, 4]
@@ -241,7 +240,8 @@ def test_sampling_below_the_root_matches_target_distribution(kind, params):
     For EAGLE's drafter, Medusa's heads and an independent draft model."""
     model = tiny_model("llama", seed=11, vocab_size=DEEP_VOCAB, n_layers=2)
     prompt = [1, 2, 3, 0]
-    runs = int(os.environ.get("VOCABSPEC_SAMPLING_RUNS", 5000 if kind == "eagle" else 3000))
+    # 5,000 runs for the plain temperature-1 case, 3,000 for the others (CI's time).
+    runs = int(os.environ.get("VOCABSPEC_SAMPLING_RUNS", 5000 if kind == "eagle" and params.top_k == 0 else 3000))
     first_seed = int(os.environ.get("VOCABSPEC_SAMPLING_FIRST_SEED", 0))
     proposer = RecordingProposer(deep_proposer(kind, model))
     engine = Engine(model, None, proposer)
