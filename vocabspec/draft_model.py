@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .draft_vocab import FullVocab
+from .draft_vocab import FullVocab, HeadTimedDrafting
 from .generate import PREFILL_CHUNK
 from .model import Transformer
 from .tree import DraftTree, TreeBuilder
@@ -61,10 +61,12 @@ def load_draft_model(spec: str, target: Transformer, target_tokenizer=None, weig
     return draft
 
 
-class DraftModelProposer:
-    """Grows a draft tree (a chain with top_k = 1) with an independent draft model."""
+class DraftModelProposer(HeadTimedDrafting):
+    """Grows a draft tree (a chain with top_k = 1) with an independent draft model. Timings: the
+    draft's forwards ("model"), its head's phases, the tree (the rest)."""
 
     taps: tuple[int, ...] = ()
+    phases = ("model",)
 
     def __init__(self, draft: Transformer, head=None, depth: int = 6, top_k: int = 1,
                  total_tokens: int = 6):
@@ -82,7 +84,8 @@ class DraftModelProposer:
         self.slot_of: dict[int, int] = {}  # tree node -> its pending slot (nodes the draft ran)
         self.tree: DraftTree | None = None
         self.root_state = None            # the draft's state at this step's root, once run
-        self.timings = {"model": 0.0, "total": 0.0}
+        self.device = draft.device
+        self.reset_timings()
 
     @property
     def tree_shape(self) -> tuple[int, int]:
@@ -96,23 +99,6 @@ class DraftModelProposer:
     def draft_parameters(self) -> int:
         """The draft's layers and the rows of its head (its embedding is a lookup)."""
         return _layer_parameters(self.draft.args) + self.head.size * self.draft.args.dim
-
-    def time_breakdown(self) -> dict[str, float]:
-        parts = {"model": self.timings["model"], **self.head.timings}
-        parts["tree"] = max(0.0, self.timings["total"] - sum(parts.values()))
-        return parts
-
-    def reset_timings(self) -> None:
-        self.timings = {"model": 0.0, "total": 0.0}
-        self.head.timings = {}
-
-    @property
-    def timing_sync(self) -> bool:
-        return self.head.sync
-
-    @timing_sync.setter
-    def timing_sync(self, on: bool) -> None:
-        self.head.sync = bool(on) and self.draft.device.type == "cuda"
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         self.cache.reset()
@@ -191,13 +177,7 @@ class DraftModelProposer:
             if not frontier:
                 break
             n_pending = self.cache.pending
-            mask = torch.zeros(len(frontier), n_pending + len(frontier), dtype=torch.bool, device=device)
-            for row, node in enumerate(frontier):
-                mask[row, n_pending + row] = True
-                ancestor = builder.parent[node]
-                while ancestor != 0:
-                    mask[row, slot_of[ancestor]] = True
-                    ancestor = builder.parent[ancestor]
+            mask = builder.frontier_mask(frontier, slot_of, n_pending, device)
             read = [builder.token[n] for n in frontier]
             positions = torch.tensor([base - 1 + builder.depth[n] for n in frontier], device=device)
             states = self._forward(read, positions, mask)

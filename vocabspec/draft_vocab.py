@@ -58,6 +58,36 @@ class _Timed:
         committed tokens. Only a strategy that uses them (SpecVocab) keeps them."""
 
 
+class HeadTimedDrafting:
+    """Timing for a proposer that drafts through a draft-head strategy (`self.head`): its own
+    `phases` in `self.timings` beside "total", the head's, and the tree bookkeeping as what
+    remains of the total. `self.device`: where it drafts (timings wait for an accelerator only
+    when a breakdown is asked for, `timing_sync`)."""
+
+    phases: tuple[str, ...] = ()
+
+    def time_breakdown(self) -> dict[str, float]:
+        """Seconds spent drafting since `reset_timings`, by phase (FR-Spec's Figure 6 split)."""
+        parts = {k: v for k, v in self.timings.items() if k != "total"}
+        parts.update(self.head.timings)
+        parts["tree"] = max(0.0, self.timings["total"] - sum(parts.values()))
+        return parts
+
+    def reset_timings(self) -> None:
+        self.timings = {name: 0.0 for name in self.phases + ("total",)}
+        self.head.timings = {}
+
+    @property
+    def timing_sync(self) -> bool:
+        """Whether timings wait for the accelerator at each phase (only a breakdown needs it:
+        otherwise drafting queues its work and never waits)."""
+        return self.head.sync
+
+    @timing_sync.setter
+    def timing_sync(self, on: bool) -> None:
+        self.head.sync = bool(on) and self.device.type == "cuda"
+
+
 def head_logits(states: torch.Tensor, weight) -> torch.Tensor:
     """states (rows, dim) against a head: a float tensor, or a formats.PackedWeight (the target's
     own head on the native engine), float32."""

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .draft_vocab import FullVocab
+from .draft_vocab import FullVocab, HeadTimedDrafting
 from .kv_cache import KVCache
 from .linear import Linear
 from .model import Block, ModelArgs, Transformer
@@ -393,8 +393,12 @@ def features_of(target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
 
 
 
-class EagleProposer:
-    """Grows an EAGLE-2 dynamic draft tree from the drafter's view of the accepted context."""
+class EagleProposer(HeadTimedDrafting):
+    """Grows an EAGLE-2 dynamic draft tree from the drafter's view of the accepted context.
+    Timings (`time_breakdown`): the decoder layer with fc ("layer"), the head's matmuls, softmax
+    and top-k, ranker (SpecVocab), and tree bookkeeping (the rest)."""
+
+    phases = ("layer",)
 
     def __init__(self, drafter: EagleDrafter, head=None, depth: int = 6, top_k: int = 10,
                  total_tokens: int = 60):
@@ -409,7 +413,8 @@ class EagleProposer:
         self.cache = drafter.new_cache(self.target.args.max_seq_len + depth * top_k + 1)
         self.taps = drafter.taps        # the engine then passes these layers' outputs too
         self.last_state = None
-        self.timings = {"layer": 0.0, "total": 0.0}
+        self.device = self.target.device
+        self.reset_timings()
 
     @property
     def tree_shape(self) -> tuple[int, int]:
@@ -420,29 +425,6 @@ class EagleProposer:
         layer = sum(p.numel() for p in self.drafter.parameters())
         extra = self.head.down.numel() + self.head.vocab_t.numel() if hasattr(self.head, "down") else 0
         return layer + self.head.size * self.target.args.dim + extra
-
-    def time_breakdown(self) -> dict[str, float]:
-        """Seconds spent drafting, split as in FR-Spec's Figure 6: decoder layer (with fc), LM
-        head matmuls, softmax/top-k, ranker (SpecVocab), and tree bookkeeping (the rest)."""
-        # Every phase a proposer times besides the total (a subclass may add its own).
-        parts = {k: v for k, v in self.timings.items() if k != "total"}
-        parts.update(self.head.timings)
-        parts["tree"] = max(0.0, self.timings["total"] - sum(parts.values()))
-        return parts
-
-    def reset_timings(self) -> None:
-        self.timings = {"layer": 0.0, "total": 0.0}
-        self.head.timings = {}
-
-    @property
-    def timing_sync(self) -> bool:
-        """Whether timings wait for the accelerator at each phase (only a breakdown needs it:
-        otherwise drafting queues its work and never waits)."""
-        return self.head.sync
-
-    @timing_sync.setter
-    def timing_sync(self, on: bool) -> None:
-        self.head.sync = bool(on) and self.target.device.type == "cuda"
 
     def _layer(self, *args, **kwargs) -> torch.Tensor:
         start = time.perf_counter()
@@ -553,13 +535,7 @@ class EagleProposer:
             if not frontier:
                 break
             n_pending = self.cache.pending
-            mask = torch.zeros(len(frontier), n_pending + len(frontier), dtype=torch.bool, device=device)
-            for row, node in enumerate(frontier):
-                mask[row, n_pending + row] = True
-                ancestor = builder.parent[node]
-                while ancestor != 0:
-                    mask[row, slot_of[ancestor]] = True
-                    ancestor = builder.parent[ancestor]
+            mask = builder.frontier_mask(frontier, slot_of, n_pending, device)
             read = [builder.token[n] for n in frontier]
             ids = torch.tensor(read, dtype=torch.long, device=device)
             features = torch.stack([state_of[builder.parent[n]] for n in frontier])

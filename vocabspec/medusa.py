@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .draft_vocab import FullVocab
+from .draft_vocab import FullVocab, HeadTimedDrafting
 from .linear import Linear
 from .tree import DraftTree
 
@@ -218,10 +218,12 @@ class TreeLayout:
         return StaticTree(tokens, parents, self.depths, mask, self.max_depth)
 
 
-class MedusaProposer:
-    """Drafts Medusa's static tree from the target's feature at the last accepted token."""
+class MedusaProposer(HeadTimedDrafting):
+    """Drafts Medusa's static tree from the target's feature at the last accepted token.
+    Timings: the heads' blocks, the LM head's phases, the tree (the rest)."""
 
     taps: tuple[int, ...] = ()
+    phases = ("blocks",)
 
     def __init__(self, target, heads: MedusaHeads, head=None, choices=MEDUSA_63,
                  total_tokens: int | None = None):
@@ -237,7 +239,8 @@ class MedusaProposer:
         self.max_tree_tokens = len(choices)
         self.feature = None
         self._layouts: dict[int, TreeLayout] = {}
-        self.timings = {"blocks": 0.0, "total": 0.0}
+        self.device = target.device
+        self.reset_timings()
 
     @property
     def depth(self) -> int:
@@ -257,23 +260,6 @@ class MedusaProposer:
     def draft_parameters(self) -> int:
         blocks = sum(p.numel() for p in self.heads.parameters())
         return blocks + self.heads.n_heads * self.head.size * self.target.args.dim
-
-    def time_breakdown(self) -> dict[str, float]:
-        parts = {"blocks": self.timings["blocks"], **self.head.timings}
-        parts["tree"] = max(0.0, self.timings["total"] - sum(parts.values()))
-        return parts
-
-    def reset_timings(self) -> None:
-        self.timings = {"blocks": 0.0, "total": 0.0}
-        self.head.timings = {}
-
-    @property
-    def timing_sync(self) -> bool:
-        return self.head.sync
-
-    @timing_sync.setter
-    def timing_sync(self, on: bool) -> None:
-        self.head.sync = bool(on) and self.target.device.type == "cuda"
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         self.head.see_tokens(list(prompt_ids) + [first_token], reset=True)

@@ -150,6 +150,20 @@ class TreeBuilder:
         cutoff = sorted(self.value[1:], reverse=True)[self.total_tokens - 1]
         return [node for node in chosen if self.value[node] >= cutoff]
 
+    def frontier_mask(self, frontier: list[int], slot_of: dict[int, int], pending: int,
+                      device: torch.device | None = None) -> torch.Tensor:
+        """(len(frontier), pending + len(frontier)) bool, for a drafter that grows the tree level
+        by level in its own KV cache: each frontier node sees the pending slots of its expanded
+        ancestors (`slot_of`; the root's is committed) and itself. Built on the host, moved once."""
+        mask = torch.zeros(len(frontier), pending + len(frontier), dtype=torch.bool)
+        for row, node in enumerate(frontier):
+            mask[row, pending + row] = True
+            ancestor = self.parent[node]
+            while ancestor != 0:
+                mask[row, slot_of[ancestor]] = True
+                ancestor = self.parent[ancestor]
+        return mask.to(device)
+
     def build(self, device: torch.device | None = None) -> DraftTree:
         """Rerank all drafted nodes, keep the best total_tokens, flatten depth by depth."""
         candidates = list(range(1, len(self.token)))
