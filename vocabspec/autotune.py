@@ -208,19 +208,7 @@ def confirm(model, tokenizer, proposer, prompts, rounds: int = 1) -> float:
     prediction leaves out what a step costs besides the forward and the drafting (the head's
     later rows, bookkeeping): on a CPU where plain decoding is fast, a tree predicted 1.13x
     faster decoded at 0.81x (SmolLM2, 8-bit activations, 2026-11-26)."""
-    from .generate import Engine, GenerationConfig
-
-    engines = {"plain": Engine(model, tokenizer), "tree": Engine(model, tokenizer, proposer)}
-    config = GenerationConfig(max_new_tokens=CALIBRATION_NEW_TOKENS)
-    tokens = {name: 0 for name in engines}
-    seconds = {name: 0.0 for name in engines}
-    for _ in range(rounds):
-        for ids in prompts[:2]:
-            for name, engine in engines.items():
-                result = engine.generate(ids, config)
-                tokens[name] += result.new_tokens
-                seconds[name] += result.seconds
-    return (tokens["tree"] / seconds["tree"]) / (tokens["plain"] / seconds["plain"])
+    return measured_speedups(model, tokenizer, {"tree": proposer}, prompts[:2] * rounds)["tree"]
 
 
 def _cache_key(model, key: str) -> str:

@@ -186,26 +186,11 @@ class DraftModelProposer(HeadTimedDrafting):
             tokens, log_probs = self.head.top_k(states, self.top_k, read, level)
             builder.add_children(frontier, tokens, log_probs)
         tree = builder.build(device)
-        # Builder ids -> flat tree indices, for the slots observe() keeps.
-        self.slot_of = _flat_slots(builder, tree, slot_of)
+        # Keyed by the tree's node indices (the builder numbers nodes otherwise), kept nodes only.
+        self.slot_of = {builder.flat_index[n]: slot for n, slot in slot_of.items() if n in builder.flat_index}
         self.tree = tree
         self.timings["total"] += time.perf_counter() - start
         return tree
-
-
-def _flat_slots(builder: TreeBuilder, tree: DraftTree, slot_of: dict[int, int]) -> dict[int, int]:
-    """slot_of keyed by the built tree's node indices (the builder numbers nodes otherwise)."""
-    parents = tree.parents.tolist()
-    tokens = tree.tokens.tolist()
-    # A built node is identified by its path of tokens from the root; so is a builder node.
-    path_of_flat = {0: ()}
-    for index in range(1, len(tokens)):
-        path_of_flat[index] = path_of_flat[parents[index]] + (tokens[index],)
-    path_of_builder = {0: ()}
-    for node in range(1, len(builder.token)):
-        path_of_builder[node] = path_of_builder[builder.parent[node]] + (builder.token[node],)
-    by_path = {path_of_builder[n]: slot for n, slot in slot_of.items()}
-    return {i: by_path[p] for i, p in path_of_flat.items() if i and p in by_path}
 
 
 def _layer_parameters(a) -> int:

@@ -331,6 +331,19 @@ def top_ids(scores: torch.Tensor, k: int, lanes: int = 8) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- the ranker's file
 
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale): a matrix as 8-bit codes with a float scale per row, for weights that only
+    choose what is drafted (a ranker, Medusa's blocks), at a quarter of float32's bytes."""
+    rows = weight.detach().float()
+    scale = (rows.abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
+    return torch.round(rows / scale).to(torch.int8).contiguous(), scale.squeeze(1).contiguous()
+
+
+def float_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 matrix `int8_rows` encoded."""
+    return codes.float() * scale.float()[:, None]
+
+
 def save_ranker(down: torch.Tensor, vocab: torch.Tensor, path: str | Path, meta: dict | None = None,
                 int8: bool = False) -> None:
     """The ranker's two factors in a safetensors file. int8: W_vocab (|V| x d') stored as 8-bit
@@ -343,10 +356,7 @@ def save_ranker(down: torch.Tensor, vocab: torch.Tensor, path: str | Path, meta:
     metadata = {k: str(v) for k, v in (meta or {}).items()}
     tensors = {"down.weight": down.contiguous()}
     if int8:
-        rows = vocab.float()
-        scale = (rows.abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
-        tensors["vocab.weight"] = torch.round(rows / scale).to(torch.int8).contiguous()
-        tensors["vocab.scale"] = scale.squeeze(1).contiguous()
+        tensors["vocab.weight"], tensors["vocab.scale"] = int8_rows(vocab)
     else:
         tensors["vocab.weight"] = vocab.contiguous()
     save_file(tensors, str(path), metadata=metadata)
@@ -359,7 +369,7 @@ def load_ranker(path: str | Path, head_weight: torch.Tensor) -> tuple[torch.Tens
         tensors = load_file(str(path))
         down, vocab = tensors["down.weight"], tensors["vocab.weight"]
         if "vocab.scale" in tensors:            # 8-bit rows (save_ranker's int8)
-            vocab = vocab.float() * tensors["vocab.scale"].float()[:, None]
+            vocab = float_rows(vocab, tensors["vocab.scale"])
     except Exception as exc:
         raise ValueError(f"ranker {path} is unreadable ({exc})") from exc
     if down.shape[1] != head_weight.shape[1] or vocab.shape[0] != head_weight.shape[0] \

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .draft_vocab import FullVocab, HeadTimedDrafting
+from .draft_vocab import FullVocab, HeadTimedDrafting, float_rows, int8_rows
 from .linear import Linear
 from .tree import DraftTree
 
@@ -131,10 +131,7 @@ class MedusaHeads(nn.Module):
                   "vocabspec": {"arch": target_args.arch, "feature": "post_norm", **(extra or {})}}
         tensors = {}
         for k, block in enumerate(self.blocks):
-            rows = block.weight.detach().float()
-            scale = (rows.abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
-            tensors[f"blocks.{k}.weight"] = torch.round(rows / scale).to(torch.int8).contiguous()
-            tensors[f"blocks.{k}.scale"] = scale.squeeze(1).contiguous()
+            tensors[f"blocks.{k}.weight"], tensors[f"blocks.{k}.scale"] = int8_rows(block.weight)
             tensors[f"blocks.{k}.bias"] = block.bias.detach().float().contiguous()
         (directory / "config.json").write_text(json.dumps(config, indent=2))
         save_file(tensors, str(directory / "model.safetensors"))
@@ -166,8 +163,8 @@ class MedusaHeads(nn.Module):
         state = {}
         try:
             for k in range(n_heads):
-                state[f"blocks.{k}.weight"] = tensors[f"blocks.{k}.weight"].float() * \
-                    tensors[f"blocks.{k}.scale"].float()[:, None]
+                state[f"blocks.{k}.weight"] = float_rows(tensors[f"blocks.{k}.weight"],
+                                                         tensors[f"blocks.{k}.scale"])
                 state[f"blocks.{k}.bias"] = tensors[f"blocks.{k}.bias"].float()
             heads.load_state_dict(state, strict=True)
         except (KeyError, RuntimeError) as exc:

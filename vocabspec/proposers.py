@@ -170,9 +170,7 @@ def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, l
                          "(an EAGLE checkpoint directory)")
     drafter = EagleDrafter.random(model, dtype=dtype) if path == "random" else \
         EagleDrafter.load(path, model, dtype=dtype)
-    files = bundled_drafter_dir(model_name)
-    if files is None and path != "random":
-        files = Path(path)
+    files = _head_files(config, model_name)
     vocab = default_vocab(files) if config.vocab == "auto" else config.vocab
     if config.vocab == "auto" and log:
         log(f"draft vocabulary: {vocab} (the drafter's default; --draft-vocab to choose)")

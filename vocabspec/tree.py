@@ -182,6 +182,7 @@ class TreeBuilder:
             for node in level:
                 flat_index[node] = len(order)
                 order.append(node)
+        self.flat_index = flat_index      # builder node -> its index in the tree (kept nodes)
         parents = [-1] + [flat_index[self.parent[i]] for i in order[1:]]
         children: list[list[int]] = [[] for _ in order]
         for idx in range(1, len(order)):
