@@ -87,3 +87,25 @@ def tiny_model(arch: str, seed: int = 0, **overrides) -> Transformer:
             else:
                 p.normal_(0, 0.5)
     return model.eval().requires_grad_(False)
+
+
+def tiny_native(arch: str, seed: int, weights: str = "f32", scale: float = 0.3, **overrides):
+    """A random model whose shapes the native engine takes (widths multiples of 32), on torch
+    (the reference) and on the native engine: (reference, native). scale: the weights' (a
+    smaller one spreads the next-token distributions)."""
+    from vocabspec import formats
+
+    shapes = dict(vocab_size=200, dim=64, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=96)
+    args = tiny_args(arch, **{**shapes, **overrides})
+    torch.manual_seed(seed)
+    reference = Transformer(args)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if name.endswith("norm.weight")
+                    else torch.randn_like(p) * scale)
+    reference.eval().requires_grad_(False)
+    fast = Transformer(args)
+    fast.load_state_dict(reference.state_dict())
+    fast.eval().requires_grad_(False)
+    fast.use_native(formats.pack_model(fast, weights), weights)
+    return reference, fast

@@ -46,6 +46,21 @@ def test_inexact_speculation_is_refused_unless_accepted(smollm2):
     Engine(model, smollm2.tokenizer, PromptLookupProposer(), allow_inexact=True)
 
 
+def test_speculation_without_the_native_engine_is_refused_before_drafting(monkeypatch):
+    """Where the native engine is not used (VOCABSPEC_NATIVE=0 here; no AVX2, no compiler or a
+    shape it cannot run elsewhere), float32 runs on torch's kernels, which are not row-invariant
+    either: refused by name before any drafter is built or timed, and the engine is said."""
+    import vocabspec
+
+    monkeypatch.setenv("VOCABSPEC_NATIVE", "0")
+    with pytest.raises(ValueError, match="allow-inexact") as refused:
+        vocabspec.load("smollm2", draft="eagle")
+    assert "VOCABSPEC_NATIVE=0" in str(refused.value)
+    lm = vocabspec.load("smollm2")
+    assert "torch's kernels" in lm.engine.model.engine
+    assert "VOCABSPEC_NATIVE=0" in lm.generate("Hi", max_new_tokens=2).engine
+
+
 def test_bf16_divergences_start_at_near_ties(smollm2):
     model, _ = load_model("smollm2", weights="bf16", backend="torch")
     tokenizer = smollm2.tokenizer

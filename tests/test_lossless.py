@@ -58,12 +58,12 @@ def native_drafter(drafter):
 
 @pytest.mark.parametrize("weights", ["gguf", "gguf-a8", "bf16", "f32"])
 def test_greedy_lossless_in_every_format(real_model, weights):
-    from vocabspec.native import library
+    from vocabspec.native import has_int8
 
     if real_model.model.weights == weights:
         pytest.skip("the default format runs the whole suite below")
-    if weights == "gguf-a8" and not (real_model.model.native is not None and library().vs_has_vnni()):
-        pytest.skip("gguf-a8 needs the native engine with AVX-512 VNNI")
+    if weights == "gguf-a8" and not (real_model.model.native is not None and has_int8()):
+        pytest.skip("gguf-a8 needs the native engine with 8-bit dot products")
     model = loaded(real_model.name, weights)
     assert model.model.exact
     files = bundled_drafter_dir(real_model.name)
@@ -116,6 +116,26 @@ def test_greedy_lossless_every_category(real_model):
     # The trained drafter really drafts: well over one token per step on average.
     tau = sum(s.accept_length for s in steps) / len(steps)
     assert tau > 1.5, f"trained drafter's mean accepted length only {tau:.2f}"
+
+
+def test_prompt_lookup_finds_the_latest_earlier_match():
+    """The incremental n-gram index proposes what a scan of the whole context would: the
+    continuation of the latest earlier occurrence of the longest suffix n-gram."""
+    def scan(context, max_ngram, num_draft=10):
+        for n in range(min(max_ngram, len(context) - 1), 0, -1):
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start:start + n] == context[-n:]:
+                    return context[start + n:start + n + num_draft]
+        return []
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        proposer = PromptLookupProposer(max_ngram=1 + trial % 4)
+        context = torch.randint(0, 6, (1 + trial % 29,), generator=g).tolist()
+        proposer.reset(context[:-1], None, context[-1])
+        for step in range(15):
+            assert proposer.lookup() == scan(proposer.context, proposer.max_ngram)
+            proposer.observe([0] + torch.randint(0, 6, (step % 3,), generator=g).tolist(), None, step % 6)
 
 
 def test_pld_accepts_on_repetitive_text(smollm2):

@@ -9,6 +9,9 @@ would get in a forward of its own.
   its path, bit for bit (hidden states and logits), in every format, on both real models; for
   Gemma also past its 512-token sliding window. Tiny models of both architectures (a window of
   6) run on the same engine and agree with torch's reference to float32 rounding.
+- Speculative steps in one call: the native draft tree is tree.TreeBuilder's, node for node;
+  one-call greedy verification accepts what TreeLogits and verify_greedy accept; the cache keeps
+  exactly the accepted slots.
 """
 
 import numpy as np
@@ -17,10 +20,9 @@ import torch
 
 from vocabspec import formats, native
 from vocabspec.loading import bundled_gguf, load_model
-from vocabspec.model import Transformer
 from vocabspec.tree import TreeBuilder
 
-from conftest import tiny_args
+from conftest import tiny_native
 
 pytestmark = pytest.mark.skipif(not native.available()[0], reason=native.available()[1])
 
@@ -28,12 +30,12 @@ FORMATS = ["gguf", "gguf-a8", "bf16", "f32"]
 TREE_SIZES = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64]
 
 
-def vnni() -> bool:
-    return bool(native.library().vs_has_vnni())
+def int8() -> bool:
+    return native.has_int8()
 
 
 def formats_here():
-    return [f for f in FORMATS if f != "gguf-a8" or vnni()]
+    return [f for f in FORMATS if f != "gguf-a8" or int8()]
 
 
 # ---------------------------------------------------------------- weights and matmuls
@@ -79,8 +81,8 @@ def random_packed(kind: str, rows: int, cols: int, seed: int) -> formats.PackedW
 
 @pytest.mark.parametrize("kind", ["f32", "bf16", "q4", "q5", "q8", "q4i", "q5i", "q8i"])
 def test_matmul_rows_do_not_depend_on_the_row_count(kind):
-    if kind.endswith("i") and not vnni():
-        pytest.skip("8-bit activations need AVX-512 VNNI")
+    if kind.endswith("i") and not int8():
+        pytest.skip("8-bit activations need 8-bit dot products")
     for seed, (rows, cols) in enumerate([(100, 64), (257, 96), (48, 640)]):
         weight = random_packed(kind, rows, cols, seed)
         x = torch.randn(40, cols, generator=torch.Generator().manual_seed(seed)) * 3
@@ -135,6 +137,11 @@ def assert_trees_match_one_token_forwards(model, context: list[int], sizes, voca
             hidden, logits = model(tree.tokens, tree.positions(base), cache,
                                    tree_mask=tree.attention_mask(), all_logits=True)
             cache.discard()
+            # The same tree given by its parents (visibility built natively): the same bits.
+            by_parents, _ = model(tree.tokens, tree.positions(base), cache, parents=tree.parents,
+                                  logits_rows=[])
+            cache.discard()
+            assert torch.equal(by_parents, hidden), f"tree of {size}: parents and mask disagree"
             checked = set()
             for path in tree.leaf_paths().tolist():
                 path = [i for i in path if i >= 0]
@@ -157,8 +164,8 @@ def model_name(request):
 
 @pytest.mark.parametrize("weights", FORMATS)
 def test_tree_rows_are_bit_identical_to_one_token_decoding(model_name, weights):
-    if weights == "gguf-a8" and not vnni():
-        pytest.skip("gguf-a8 needs AVX-512 VNNI")
+    if weights == "gguf-a8" and not int8():
+        pytest.skip("gguf-a8 needs 8-bit dot products")
     model, _ = load_model(model_name, weights=weights)
     assert model.exact and model.weights == weights
     context = list(range(1000, 1000 + 90))
@@ -175,25 +182,6 @@ def test_gemma_trees_past_the_sliding_window():
 
 
 # ---------------------------------------------------------------- tiny models, both architectures
-
-def tiny_native(arch: str, seed: int, weights: str = "f32"):
-    """A random model whose shapes the native engine takes (widths multiples of 32), on torch
-    (the reference) and on the native engine."""
-    args = tiny_args(arch, vocab_size=200, dim=64, n_heads=4, n_kv_heads=2, head_dim=32,
-                     intermediate_size=96)
-    torch.manual_seed(seed)
-    reference = Transformer(args)
-    with torch.no_grad():
-        for name, p in reference.named_parameters():
-            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if name.endswith("norm.weight")
-                    else torch.randn_like(p) * 0.3)
-    reference.eval().requires_grad_(False)
-    fast = Transformer(args)
-    fast.load_state_dict(reference.state_dict())
-    fast.eval().requires_grad_(False)
-    fast.use_native(formats.pack_model(fast, weights), weights)
-    return reference, fast
-
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("weights", ["f32", "bf16"])
@@ -229,3 +217,93 @@ def test_bad_visibility_is_refused():
     with pytest.raises(ValueError, match="ancestors|position"):
         fast(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1]), cache,
              tree_mask=torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+# ---------------------------------------------------------------- speculative steps in one call
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_native_draft_trees_are_the_reference_trees(arch):
+    """vs_eagle_tree against TreeBuilder grown from Python over the same native drafter and head:
+    the same tokens, parents, children and value ranks, through several reads of new tokens."""
+    from vocabspec.draft_vocab import FullVocab, StaticSubset
+    from vocabspec.drafter import EagleDrafter, EagleProposer
+
+    _, target = tiny_native(arch, seed=4)
+    drafter = EagleDrafter.random(target, seed=1)
+    drafter.use_native("f32")
+    packed = target.native.head_weight
+    g = torch.Generator().manual_seed(0)
+    heads = [FullVocab(packed), StaticSubset(packed, torch.randperm(200, generator=g)[:80], name="fr:80")]
+    for head in heads:
+        proposer = EagleProposer(drafter, head=head, depth=4, top_k=5, total_tokens=12)
+        assert proposer.native is not None
+        context = torch.randint(0, 200, (30,), generator=g).tolist()
+        proposer.reset(context, torch.randn(30, 64, generator=g), context[-1])
+        for step in range(4):
+            for depth, top_k, total in [(4, 5, 12), (1, 1, 1), (3, 3, 9), (5, 8, 40), (2, 4, 100)]:
+                proposer.depth, proposer.top_k, proposer.total_tokens = depth, top_k, total
+                fast, reference = proposer._grow(7), proposer._grow_reference(7)
+                assert torch.equal(fast.tokens, reference.tokens), (head.name, step, depth, top_k, total)
+                assert torch.equal(fast.parents, reference.parents)
+                assert fast.children == reference.children and fast.ranks == reference.ranks
+            accepted = torch.randint(0, 200, (1 + step,), generator=g).tolist()
+            proposer.observe(accepted, torch.randn(1 + step, 64, generator=g), step)
+
+
+def test_one_call_greedy_verification_accepts_what_verify_greedy_accepts():
+    from vocabspec.tree import chain_tree, graft_chain
+    from vocabspec.verify import HEAD_ROWS, TreeLogits, verify_greedy
+
+    _, model = tiny_native("llama", seed=5)
+    g = torch.Generator().manual_seed(2)
+    context = torch.randint(0, 200, (12,), generator=g).tolist()
+    cache = model.new_cache()
+    with torch.inference_mode():
+        _, logits = model(torch.tensor(context), torch.arange(12), cache)
+        cache.commit()
+        greedy, probe = [], model.new_cache()          # plain decoding's next six tokens
+        model(torch.tensor(context), torch.arange(12), probe)
+        probe.commit()
+        token = int(logits[0].argmax())
+        for i in range(6):
+            greedy.append(token)
+            _, lg = model(torch.tensor([token]), torch.tensor([12 + i]), probe)
+            probe.commit()
+            token = int(lg[0].argmax())
+        greedy.append(token)
+        for trial in range(12):
+            # The right path for a random number of steps, then a wrong token; random branches.
+            right = greedy[1:1 + trial % 6]
+            tree = random_tree(200, 1 + trial, seed=trial)
+            tree = chain_tree(greedy[0], [], None) if trial % 4 == 0 else tree
+            tree.tokens[0] = greedy[0]
+            tree, _ = graft_chain(tree, right + [int(torch.randint(0, 200, (1,), generator=g))])
+            hidden, _ = model(tree.tokens, tree.positions(12), cache, parents=tree.parents, logits_rows=[])
+            cache.discard()
+            for rows in (1, 2, HEAD_ROWS):
+                path, following = model.native.verify_greedy(hidden, tree.tokens, tree.parents, rows)
+                want = verify_greedy(tree, TreeLogits(model.lm_head, hidden, tree, head_rows=rows))
+                assert (path, following) == (want.path, want.next_token)
+                accepted = tree.tokens[path].tolist()
+                assert accepted[1:] == greedy[1:len(accepted)] and following == greedy[len(accepted)]
+
+
+def test_the_cache_keeps_exactly_the_accepted_slots():
+    from vocabspec.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(3)
+    for keep in ([0], [0, 1, 2], [0, 2, 5], [1, 3], [4], []):
+        cache = KVCache(3, 2, 32, 40, torch.float32, torch.device("cpu"), layout="native")
+        cache.keys.copy_(torch.randn(cache.keys.shape, generator=g))
+        cache.values.copy_(torch.randn(cache.values.shape, generator=g))
+        keys, values = cache.keys.clone(), cache.values.clone()
+        cache.length, cache.pending = 10, 6
+        cache.commit(torch.tensor(keep, dtype=torch.long))
+        assert cache.length == 10 + len(keep) and cache.pending == 0
+        src = torch.tensor([10 + k for k in keep], dtype=torch.long)
+        assert torch.equal(cache.keys[..., :10], keys[..., :10])
+        assert torch.equal(cache.keys[..., 10:10 + len(keep)], keys[..., src])
+        assert torch.equal(cache.values[:, :, 10:10 + len(keep)], values[:, :, src])
+    cache.length, cache.pending = 10, 3
+    with pytest.raises(ValueError, match="increase"):
+        cache.commit([2, 1])

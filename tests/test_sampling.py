@@ -1,6 +1,7 @@
 """Speculative sampling draws from exactly the target's distribution.
 
-On a tiny random model the exact distribution of the first two generated tokens is computed
+On a tiny random model (on the native engine, with EAGLE's drafter drafting whole trees in one
+native call where the head allows it) the exact distribution of the first two generated tokens is computed
 from the target's own logits; thousands of speculative runs (random drafter, a real tree) must
 match it under a chi-square test (the full head with top-p < 1, the cut heads at temperature 1
 and with top-p). Below the root, at temperature 1 and with top-k:
@@ -29,9 +30,37 @@ from vocabspec.tree import chain_tree
 from vocabspec.token_map import successor_lists
 from vocabspec.verify import verify_sampling
 
-from conftest import tiny_model
+from conftest import tiny_model, tiny_native
 
 VOCAB = 8
+
+
+def sampling_target(seed: int, vocab: int, n_layers: int):
+    """The tiny target: on the native engine where it runs here (exact by construction, as
+    speculative sampling's equality with the target's distribution needs), else on torch's
+    kernels in float32 (speculation then allowed explicitly: see `engine`)."""
+    from vocabspec import native
+
+    if native.available()[0]:
+        return tiny_native("llama", seed, vocab_size=vocab, n_layers=n_layers, scale=0.15)[1]
+    return tiny_model("llama", seed=seed, vocab_size=vocab, n_layers=n_layers)
+
+
+def engine(model, proposer):
+    return Engine(model, None, proposer, allow_inexact=not model.exact)
+
+
+def eagle_drafter(model, seed: int, dtype=None) -> EagleDrafter:
+    """A random drafter, on the native engine with its target (then it drafts whole trees in
+    one call, native.NativeDrafter) unless asked for another dtype."""
+    drafter = EagleDrafter.random(model, seed=seed, dtype=dtype)
+    if model.native is not None and dtype is None:
+        drafter.use_native("f32")
+    return drafter
+
+
+def full_head(model) -> FullVocab:
+    return FullVocab(model.native.head_weight if model.native is not None else model.embed.weight)
 
 
 def exact_two_token_distribution(model, prompt, params):
@@ -63,7 +92,7 @@ def sampled_counts(engine, prompt, params, runs, first_seed=0):
 def make_head(kind, model):
     weight = model.embed.weight
     if kind == "full":
-        return FullVocab(weight)
+        return full_head(model)
     if kind == "subset":        # FR-Spec / VocabTrim: drafts only from 5 of the 8 tokens,
         # computed in bfloat16 as the drafter drafting for it is (see the test)
         return StaticSubset(weight, torch.tensor([0, 2, 3, 5, 7]), dtype=torch.bfloat16)
@@ -84,11 +113,11 @@ T1, TOP_P = SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top
 @pytest.mark.parametrize("head, params", [("full", TOP_P), ("subset", T1), ("subset", TOP_P), ("spec", T1)],
                          ids=["full-t0.8-top_p0.7", "subset-t1", "subset-t0.8-top_p0.7", "spec-t1"])
 def test_speculative_sampling_matches_target_distribution(params, head):
-    model = tiny_model("llama", seed=3, vocab_size=VOCAB, n_layers=2)
+    model = sampling_target(seed=3, vocab=VOCAB, n_layers=2)
     prompt = [1, 2, 3, 4]
     # The subset case also drafts in bfloat16 for the float32 target: still exact.
     dtype = torch.bfloat16 if head == "subset" else None
-    proposer = EagleProposer(EagleDrafter.random(model, seed=5, dtype=dtype),
+    proposer = EagleProposer(eagle_drafter(model, seed=5, dtype=dtype),
                              head=make_head(head, model), depth=2, top_k=3, total_tokens=6)
     # SpecVocab 6000 runs: its t1 case scores p = 0.0009 on seeds 0-2999 alone. That block is
     # an unlucky draw, not a bias: 270,000 runs on other seeds give p = 0.56 (BENCHMARKS.md).
@@ -103,8 +132,8 @@ def test_speculative_sampling_matches_target_distribution(params, head):
 def test_sampling_with_prompt_lookup_grafted_matches_target_distribution(params):
     """Prompt lookup's path is a deterministic candidate like the drafter's: still exact. The
     prompt holds every token twice, so every first token has a lookup continuation."""
-    model = tiny_model("llama", seed=3, vocab_size=VOCAB, n_layers=2)
-    proposer = EagleLookupProposer(EagleDrafter.random(model, seed=5), depth=2, top_k=3,
+    model = sampling_target(seed=3, vocab=VOCAB, n_layers=2)
+    proposer = EagleLookupProposer(eagle_drafter(model, seed=5), head=full_head(model), depth=2, top_k=3,
                                    total_tokens=6)
     assert_samples_match(model, proposer, list(range(VOCAB)) * 2, params)
     assert proposer.grafted > 0
@@ -114,7 +143,7 @@ def assert_samples_match(model, proposer, prompt, params, runs=3000):
     runs = int(os.environ.get("VOCABSPEC_SAMPLING_RUNS", runs))
     first_seed = int(os.environ.get("VOCABSPEC_SAMPLING_FIRST_SEED", 0))
     expected = exact_two_token_distribution(model, prompt, params)
-    counts = sampled_counts(Engine(model, None, proposer), prompt, params, runs, first_seed)
+    counts = sampled_counts(engine(model, proposer), prompt, params, runs, first_seed)
     keep = expected > 0
     assert counts[~keep].sum() == 0, "sampled a token the processed target distribution excludes"
     # Pool cells with tiny expectations so the chi-square approximation holds.
@@ -224,7 +253,7 @@ def deep_proposer(kind: str, model):
         draft = tiny_model("llama", seed=12, vocab_size=DEEP_VOCAB, n_layers=1)
         return DraftModelProposer(draft, depth=2, top_k=2, total_tokens=4)
     # depth=1: one expansion below the root's children, so trees reach depth 2.
-    return EagleProposer(EagleDrafter.random(model, seed=2), depth=1, top_k=2, total_tokens=4)
+    return EagleProposer(eagle_drafter(model, seed=2), head=full_head(model), depth=1, top_k=2, total_tokens=4)
 
 
 @pytest.mark.parametrize("kind, params", [("eagle", SamplingParams(temperature=1.0)),
@@ -238,13 +267,13 @@ def test_sampling_below_the_root_matches_target_distribution(kind, params):
     token after accepted leaves; the joint distribution of the four tokens (256 cells) must be
     the target's. Each of those events is counted and must occur in at least 2% of the runs.
     For EAGLE's drafter, Medusa's heads and an independent draft model."""
-    model = tiny_model("llama", seed=11, vocab_size=DEEP_VOCAB, n_layers=2)
+    model = sampling_target(seed=11, vocab=DEEP_VOCAB, n_layers=2)
     prompt = [1, 2, 3, 0]
     # 5,000 runs for the plain temperature-1 case, 3,000 for the others (CI's time).
     runs = int(os.environ.get("VOCABSPEC_SAMPLING_RUNS", 5000 if kind == "eagle" and params.top_k == 0 else 3000))
     first_seed = int(os.environ.get("VOCABSPEC_SAMPLING_FIRST_SEED", 0))
     proposer = RecordingProposer(deep_proposer(kind, model))
-    engine = Engine(model, None, proposer)
+    runner = engine(model, proposer)
     expected = exact_joint(model, prompt, params, DEEP_TOKENS)
     counts = torch.zeros_like(expected)
     events = {"accepted at depth >= 2": 0, "residual below the root": 0, "bonus after a leaf": 0}
@@ -252,7 +281,7 @@ def test_sampling_below_the_root_matches_target_distribution(kind, params):
         proposer.trees.clear()
         config = GenerationConfig(max_new_tokens=DEEP_TOKENS, stop_on_eos=False,
                                   sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed))
-        out = engine.generate(prompt, config)
+        out = runner.generate(prompt, config)
         index = 0
         for t in out.tokens:
             index = index * DEEP_VOCAB + t

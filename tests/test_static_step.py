@@ -47,7 +47,9 @@ def test_static_steps_emit_plain_decoding(smollm2, torch_smollm2, backend):
         ids = smollm2.prompt_ids(text[:1200])
         want = vanilla.generate(ids, config).tokens
         for proposer in (EagleProposer(drafter, depth=3, top_k=4, total_tokens=10), PromptLookupProposer()):
-            engine = Engine(model, tokenizer, proposer, static=True)
+            # torch's kernels are not row-invariant (allowed explicitly); float32 ties that
+            # close do not occur on these prompts.
+            engine = Engine(model, tokenizer, proposer, static=True, allow_inexact=model.native is None)
             assert engine.static
             out = engine.generate(ids, config)
             assert out.tokens == want, (backend, category, type(proposer).__name__)
@@ -82,7 +84,7 @@ def test_one_read_back_per_step(torch_smollm2, method):
     elif method == "eagle":
         proposer = EagleProposer(EagleDrafter.load(bundled_drafter_dir("smollm2"), model),
                                  depth=3, top_k=4, total_tokens=8)
-    engine = Engine(model, smollm2.tokenizer, proposer, static=True)
+    engine = Engine(model, smollm2.tokenizer, proposer, static=True, allow_inexact=True)
     ids = smollm2.prompt_ids("one two three four five six seven one two three four five six")
     config = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
     engine.generate(ids, config)                        # warm-up

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from .generate import Engine, GenerationConfig, GenerationResult
+from .generate import Engine, GenerationConfig, GenerationResult, require_exact
 from .loading import load_model
 from .proposers import DraftConfig, make_proposer
 from .sampling import SamplingParams
@@ -69,7 +69,7 @@ def load(model: str = "smollm2", draft: str | DraftConfig = "none", weights: str
     with any other DraftConfig field as a keyword (path, vocab, token_map, ranker, depth, top_k,
     total_tokens, dtype, draft_weights). weights: the target's run-time format, auto | gguf | gguf-a8 | bf16 | f32
     (loading.load_model); backend: auto | native | torch. allow_inexact: draft even where
-    verification is not bit-exact (bfloat16 on torch's kernels; see generate.Engine).
+    verification is not bit-exact (torch's kernels; see generate.require_exact).
     """
     if isinstance(draft, DraftConfig):
         if draft_options:
@@ -86,6 +86,8 @@ def load(model: str = "smollm2", draft: str | DraftConfig = "none", weights: str
         config = DraftConfig(method=method, **draft_options)
     target, path = load_model(model, weights=weights, device=device, max_seq_len=max_seq_len,
                               backend=backend)
+    if config.method != "none":      # before a drafter is built and its tree timed
+        require_exact(target, allow_inexact)
     tokenizer = load_tokenizer(path)
     proposer = make_proposer(target, config, model, tokenizer=tokenizer, log=log)
     return LanguageModel(Engine(target, tokenizer, proposer, allow_inexact=allow_inexact), model)

@@ -39,7 +39,6 @@ import torch
 from tqdm import tqdm
 
 from .linear import packing_enabled
-from .verify import HEAD_ROWS
 
 CANDIDATE_SIZES = tuple(range(1, 13)) + (16, 20, 24, 32)
 CANDIDATE_DEPTHS = (1, 2, 3, 4, 6)
@@ -94,7 +93,7 @@ def forward_seconds(model, sizes, context: int = 256, repeats: int = FORWARD_REP
             for n, (tokens, positions, mask) in trees.items():
                 start = time.perf_counter()
                 hidden, _ = model(tokens, positions, cache, tree_mask=mask, logits_rows=[])
-                model.lm_head(hidden[:HEAD_ROWS])      # what verification scores at first
+                model.lm_head(hidden[:model.verify_head_rows])   # what verification scores at first
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 if round_:
@@ -214,7 +213,7 @@ def confirm(model, tokenizer, proposer, prompts, rounds: int = 1) -> float:
 def _cache_key(model, key: str) -> str:
     # The matmul path changes every timing, so it is part of what the choice depends on.
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else str(model.device)
-    return "|".join([key, model.weights, device, str(torch.get_num_threads()),
+    return "|".join([key, model.weights, model.engine, device, str(torch.get_num_threads()),
                      "packed" if packing_enabled() else "plain",
                      torch.__version__, platform.processor() or platform.machine(),
                      str(os.cpu_count())])
@@ -241,7 +240,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
 
     path = cache_dir() / "autotune.json"
     known = _load(path)
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v12")
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v13")
     if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
@@ -249,7 +248,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
         args = model.args
         shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
                 f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
-        forward_key = _cache_key(model, f"forward|{shape}|v8")
+        forward_key = _cache_key(model, f"forward|{shape}|v9")
         # Minutes on a small CPU: show where it is (no bar when the caller asked for silence).
         work = len(calibration_depths(depth)) * len(CALIBRATION_QUESTIONS)
         if forward_key not in known:

@@ -52,7 +52,7 @@ class BenchConfig:
     weights: str = "auto"             # the target's run-time format (loading.load_model)
     backend: str = "auto"
     device: str = "cpu"
-    allow_inexact: bool = False       # draft where verification is not bit-exact (bf16 on torch)
+    allow_inexact: bool = False       # draft where verification is not bit-exact (torch's kernels)
     depth: int = 6
     tree_top_k: int = 10
     total_tokens: int | str = "auto"
@@ -108,6 +108,7 @@ def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
     trees that would otherwise be chosen again (a resumed run keeps its first run's)."""
     from dataclasses import replace
 
+    from .generate import require_exact
     from .loading import load_model
     from .proposers import DraftConfig, make_proposer
     from .tokenizer import load_tokenizer
@@ -116,6 +117,8 @@ def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
                                              top_k=cfg.tree_top_k, total_tokens=cfg.total_tokens)
                for name in cfg.methods}
     target, path = load_model(cfg.model, weights=cfg.weights, device=cfg.device, backend=cfg.backend)
+    if any(config.method != "none" for config in configs.values()):
+        require_exact(target, cfg.allow_inexact)     # before any drafter is built and timed
     tokenizer = load_tokenizer(path)
     runs = []
     for name, config in configs.items():
@@ -215,6 +218,7 @@ def _answer(cfg: BenchConfig, run: MethodRun, q: dict, tokenizer, config, bar) -
         stats["accepted"] += sum(lengths)
         stats["draft_seconds"] += sum(s.draft_seconds for s in result.steps)
         stats["verify_seconds"] += sum(s.verify_seconds for s in result.steps)
+        stats["prefill_seconds"] += result.prefill_seconds
         copy.append((copy_fraction(ids, result.tokens), result.new_tokens))
         bar.update(1)
     after = _breakdown(run)
@@ -307,7 +311,8 @@ def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
                             "tokens_per_s": tokens / seconds if seconds else 0.0,
                             "tokens": int(tokens), "seconds": seconds, "steps": int(steps),
                             "draft_seconds": sum(r["draft_seconds"] for r in rows),
-                            "verify_seconds": sum(r["verify_seconds"] for r in rows)}
+                            "verify_seconds": sum(r["verify_seconds"] for r in rows),
+                            "prefill_seconds": sum(r.get("prefill_seconds", 0.0) for r in rows)}
         entry = {"categories": per_cat}
         proposer = run.engine.proposer
         if proposer is not None:
@@ -341,10 +346,11 @@ def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
 
 def _add_step_costs(methods: dict) -> None:
     """What a step costs, in units of one vanilla forward (vanilla's own time per step spent in
-    the target): the verification forward, the drafting, and the rest (the prompt's prefill,
-    the drafter's pass over the prompt, bookkeeping), spread over the steps. Speedup is then
-    (tokens per step / whole step) over the same for vanilla, so the table says whether a
-    method needs a better drafter (more tokens per step) or a cheaper step."""
+    the target): the verification forward, the drafting, and the rest, spread over the steps:
+    the prompt's prefill, then the other (the drafter's pass over the prompt, bookkeeping). The
+    prefill is the same for every method, so a method with fewer steps pays more of it per step.
+    Speedup is then (tokens per step / whole step) over the same for vanilla, so the table says
+    whether a method needs a better drafter (more tokens per step) or a cheaper step."""
     vanilla = methods["vanilla"]["categories"]["overall"]
     forward = vanilla["verify_seconds"] / vanilla["steps"] if vanilla["steps"] else 0.0
     if not forward:
@@ -356,7 +362,9 @@ def _add_step_costs(methods: dict) -> None:
         verify = row["verify_seconds"] / row["steps"] / forward
         draft = row["draft_seconds"] / row["steps"] / forward
         whole = row["seconds"] / row["steps"] / forward
+        prefill = row.get("prefill_seconds", 0.0) / row["steps"] / forward
         entry["step_cost"] = {"verify": verify, "draft": draft, "rest": whole - verify - draft,
+                              "prefill": prefill, "other": whole - verify - draft - prefill,
                               "whole": whole, "tokens_per_step": row["tokens"] / row["steps"]}
 
 
@@ -405,13 +413,16 @@ def report_markdown(summary: dict) -> str:
     costs = {n: m["step_cost"] for n, m in methods.items() if "step_cost" in m}
     if costs:
         lines += ["", "## Cost of a step, in vanilla forwards", "",
-                  "1 = the target's forward in one vanilla decoding step. Rest: the prompt's prefill, "
+                  "1 = the target's forward in one vanilla decoding step. Rest: the prompt's prefill "
+                  "(the same for every method, so more per step with fewer steps), then the other: "
                   "the drafter's pass over the prompt and bookkeeping, spread over the steps. "
                   "speedup = (tokens per step / whole step) / the same for vanilla.", "",
-                  "| method | verification | drafting | rest | whole step | tokens per step | speedup |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| method | verification | drafting | rest: prefill | rest: other | whole step | "
+                  "tokens per step | speedup |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, cost in costs.items():
-            lines.append(f"| {name} | {cost['verify']:.2f} | {cost['draft']:.2f} | {cost['rest']:.2f} | "
+            lines.append(f"| {name} | {cost['verify']:.2f} | {cost['draft']:.2f} | "
+                         f"{cost.get('prefill', 0.0):.2f} | {cost.get('other', cost['rest']):.2f} | "
                          f"{cost['whole']:.2f} | {cost['tokens_per_step']:.2f} | "
                          f"{methods[name]['categories']['overall']['speedup']:.2f}x |")
     breakdown = {n: m["draft_breakdown_s"] for n, m in methods.items() if "draft_breakdown_s" in m}

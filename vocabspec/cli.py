@@ -48,7 +48,7 @@ def add_weight_args(parser: argparse.ArgumentParser) -> None:
                              "(auto where it runs); torch: torch's kernels, any device")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--allow-inexact", action="store_true",
-                        help="draft even where verification is not bit-exact (bf16 on torch's "
+                        help="draft even where verification is not bit-exact (on torch's "
                              "kernels): the output may then differ from plain decoding")
 
 
@@ -483,7 +483,8 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
     result = generation.result
     if args.json:
-        print(json.dumps({"model": args.model, "draft": args.draft, **result.as_dict()}))
+        print(json.dumps({"model": args.model, "draft": args.draft, "weights": lm.engine.model.weights,
+                          **result.as_dict()}))
     else:
         sys.stdout.write("\n")
         print(f"[{result.new_tokens} tokens, {result.seconds:.2f} s, {result.tokens_per_s:.1f} tok/s"
@@ -493,9 +494,9 @@ def cmd_generate(args) -> int:
 
 
 def describe(lm, draft: str) -> str:
-    """One line on what decoding will do: the weights and the proposer."""
+    """One line on what decoding will do: the weights, what runs them, and the proposer."""
     engine = lm.engine
-    what = f"[{lm.name}, weights {engine.model.weights}: "
+    what = f"[{lm.name}, weights {engine.model.weights} on {engine.model.engine}: "
     if engine.proposer is None:
         return what + "plain decoding, no drafting (--draft eagle for EAGLE-2 speculative decoding)]"
     shape = engine.proposer.tree_shape

@@ -393,12 +393,29 @@ def features_of(target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
 
 
 
+def native_drafting(drafter: EagleDrafter, head):
+    """The drafter's reads and trees as native calls (native.NativeDrafter), where the drafter
+    and its draft head run on the native engine (a full or fixed-subset head over the target's
+    packed rows); None elsewhere."""
+    from .draft_vocab import StaticSubset
+    from .native import NativeDrafter
+
+    target = drafter.target
+    if drafter.native is None or target.native is None or not isinstance(head, (FullVocab, StaticSubset)) \
+            or isinstance(head.weight, torch.Tensor):
+        return None
+    fc, stack = drafter.native
+    ids = head.draft_to_target if isinstance(head, StaticSubset) else None
+    return NativeDrafter(fc, stack, head.weight, ids, target.native.embed_weight, target.native.embed_scale,
+                         target.native.norm, target.args.norm_eps)
+
+
 class EagleProposer(HeadTimedDrafting):
     """Grows an EAGLE-2 dynamic draft tree from the drafter's view of the accepted context.
     Timings (`time_breakdown`): the decoder layer with fc ("layer"), the head's matmuls, softmax
     and top-k, ranker (SpecVocab), and tree bookkeeping (the rest)."""
 
-    phases = ("layer",)
+    phases = ("layer", "native")
 
     def __init__(self, drafter: EagleDrafter, head=None, depth: int = 6, top_k: int = 10,
                  total_tokens: int = 60):
@@ -414,6 +431,7 @@ class EagleProposer(HeadTimedDrafting):
         self.taps = drafter.taps        # the engine then passes these layers' outputs too
         self.last_state = None
         self.device = self.target.device
+        self.native = native_drafting(drafter, self.head) if top_k <= 64 else None
         self.reset_timings()
 
     @property
@@ -448,14 +466,29 @@ class EagleProposer(HeadTimedDrafting):
         self.head.see_tokens(prompt_ids + [first_token], reset=True)
         # Not timed: the pass over the prompt belongs with the prefill, outside the drafting
         # time ("total") that the breakdown's parts must add up to.
+        if self.native is not None:
+            self._read(prompt_ids[1:] + [first_token], prompt_hidden)
+            return
         self.last_state = self._run(prompt_ids[1:] + [first_token], self._features(prompt_hidden),
                                     timed=False)[-1:]
 
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
         start = time.perf_counter()
         self.head.see_tokens(accepted + [next_token])
-        self.last_state = self._run(accepted[1:] + [next_token], self._features(hidden))[-1:]
+        if self.native is not None:
+            self._read(accepted[1:] + [next_token], hidden)
+            self.timings["native"] += time.perf_counter() - start
+        else:
+            self.last_state = self._run(accepted[1:] + [next_token], self._features(hidden))[-1:]
         self.timings["total"] += time.perf_counter() - start
+
+    def _read(self, tokens: list[int], hidden: torch.Tensor) -> None:
+        """The native drafter reads committed tokens (one call); its cache keeps them."""
+        cache = self.cache
+        self.native.read(cache.keys, cache.values, cache.length, tokens, hidden)
+        cache.length += len(tokens)
+        cache.pending = 0
+        self.last_state = self.native.state[None]
 
     def _features(self, rows: torch.Tensor) -> torch.Tensor:
         """The drafter's input features from the target's rows (see generate.Proposer)."""
@@ -521,6 +554,18 @@ class EagleProposer(HeadTimedDrafting):
         return tree
 
     def _grow(self, root_token: int) -> DraftTree:
+        if self.native is not None:
+            start = time.perf_counter()
+            cache = self.cache
+            tokens, parents, ranks = self.native.tree(cache.keys, cache.values, cache.length, root_token,
+                                                      self.top_k, self.depth, self.total_tokens)
+            self.timings["native"] += time.perf_counter() - start
+            return DraftTree.from_parents(tokens, parents, ranks)
+        return self._grow_reference(root_token)
+
+    def _grow_reference(self, root_token: int) -> DraftTree:
+        """EAGLE-2's tree grown level by level from Python (any backend; the native drafter's
+        `vs_eagle_tree` follows it node for node)."""
         builder = TreeBuilder(root_token, self.top_k, self.total_tokens)
         tokens, log_probs = self._top_k(self.last_state, [root_token], 0)
         builder.add_children([0], tokens, log_probs)

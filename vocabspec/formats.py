@@ -9,13 +9,14 @@ Four formats, chosen per model with `--weights`:
   K-quants' scales are products of two numbers and are kept as exact float32 values.
   Other types (Q2_K, Q3_K, Q5_K, IQ*) are stored as float32 rows, which is lossless too.
 - `gguf-a8`: the same weights; each product quantizes its input rows to 8 bits per 32 inputs
-  (as llama.cpp does) and sums 8-bit products exactly in integers (AVX-512 VNNI): about half
+  (as llama.cpp does) and sums 8-bit products exactly in integers (AVX-512 VNNI or AVX2): about half
   the work of `gguf` for one row and a third of it for a tree's rows, at llama.cpp's precision.
 - `bf16`: every weight rounded to bfloat16.
 - `f32`: float32.
 
-Activations are otherwise float32 in every format (norms, attention, the residual stream). Rows are stored in blocks of 8 (see native.c), so a
-matrix needs a multiple of 8 rows and of 32 columns.
+Activations are otherwise float32 in every format (norms, attention, the residual stream). Rows
+are stored in blocks of 16, one per vector lane (see native.c; the last block padded with zero
+rows), so a matrix needs a multiple of 32 columns.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def pack_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor, min: torch.T
     high = None
     if kind in ("q4i", "q5i", "q8i"):
         # Four consecutive inputs' codes per row side by side (blocks, units, 8, 16, 4): the
-        # layout VNNI's 4-way byte products read.
+        # layout the 4-way byte products (VNNI, AVX2's multiply-add pairs) read.
         quads = grouped.reshape(*grouped.shape[:2], 8, 4, ROW_BLOCK).movedim(3, 4)
         if kind == "q8i":
             if group not in (16, 32) or min is not None:
@@ -349,8 +350,9 @@ def pack_model(model, weights: str, gguf_path=None) -> dict[str, PackedWeight]:
     if gguf_path is None:
         raise ValueError(f"--weights {weights} needs a GGUF model file")
     int8_activations = weights == "gguf-a8"
-    if int8_activations and not native.library().vs_has_vnni():
-        raise ValueError("--weights gguf-a8 needs AVX-512 VNNI, which this CPU lacks; use gguf")
+    if int8_activations and not native.has_int8():
+        raise ValueError("--weights gguf-a8 needs 8-bit dot products (AVX-512 VNNI, or AVX2), which "
+                         "this build lacks; use gguf")
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))

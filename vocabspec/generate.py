@@ -18,7 +18,7 @@ from .model import Transformer
 from .sampling import SamplingParams, greedy_token, make_generator, sample, target_probs
 from .tokenizer import Tokenizer
 from .tree import DraftTree, chain_tree
-from .verify import TreeLogits, verify
+from .verify import TreeLogits, Verdict, verify
 
 PREFILL_CHUNK = 512
 
@@ -117,6 +117,7 @@ class GenerationResult:
     steps: list[StepRecord] = field(default_factory=list)
     stop_reason: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)   # one per token, if asked
+    engine: str = ""         # what ran the target, and why (Transformer.engine)
 
     @property
     def new_tokens(self) -> int:
@@ -137,7 +138,7 @@ class GenerationResult:
             "text": self.text, "new_tokens": self.new_tokens, "prompt_tokens": self.prompt_tokens,
             "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2),
             "mean_accept_len": round(self.mean_accept_len, 3), "steps": len(self.steps),
-            "stop_reason": self.stop_reason,
+            "stop_reason": self.stop_reason, "engine": self.engine,
             "draft_seconds": round(sum(s.draft_seconds for s in self.steps), 4),
             "verify_seconds": round(sum(s.verify_seconds for s in self.steps), 4),
         }
@@ -184,23 +185,30 @@ class TextStream:
         return delta
 
 
+def require_exact(model: Transformer, allow_inexact: bool = False) -> None:
+    """Refuse speculative decoding where it could differ from plain decoding, unless asked.
+
+    Speculative output equals plain decoding's only where a tree forward gives each row the
+    bits a one-token forward gives it: always on the native engine. torch's kernels promise no
+    such thing (SDPA's and the matmuls' reduction order follows the row count): float32 differs
+    in the last bits, bfloat16 by whole units of its precision."""
+    if model.exact or allow_inexact:
+        return
+    raise ValueError(
+        f"speculative decoding with {model.weights} weights on {model.engine} is not exact: a "
+        "tree forward rounds differently from one-token decoding, so the output could differ "
+        "from plain decoding. Run on the native CPU engine, or pass --allow-inexact "
+        "(allow_inexact=True) to accept that")
+
+
 class Engine:
     """A target model (and optionally a proposer) ready to generate."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
                  proposer: Proposer | None = None, allow_inexact: bool = False,
                  static: bool | None = None):
-        # Speculative output equals plain decoding's only where a tree forward gives each row
-        # the bits a one-token forward gives it: always on the native engine; on torch's
-        # kernels float32 differs in the last bits (ties that close are not seen in practice),
-        # bfloat16 by whole units of its precision, so it is refused unless asked for.
-        if proposer is not None and not model.exact and model.dtype != torch.float32 \
-                and not allow_inexact:
-            raise ValueError(
-                f"speculative decoding with {model.weights} weights on torch's kernels is not exact: "
-                "a tree forward rounds differently from one-token decoding, so the output could "
-                "differ from plain decoding. Use the native CPU engine (any --weights) or "
-                "float32, or pass --allow-inexact (allow_inexact=True) to accept that")
+        if proposer is not None:
+            require_exact(model, allow_inexact)
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
@@ -252,7 +260,7 @@ class Generation:
         self.engine = engine
         self.prompt_ids = prompt_ids
         self.config = config
-        self.result = GenerationResult(prompt_tokens=len(prompt_ids))
+        self.result = GenerationResult(prompt_tokens=len(prompt_ids), engine=engine.model.engine)
         self.text = TextStream(engine.tokenizer)
         self.streamed = ""      # text already yielded; never retracted
 
@@ -276,6 +284,8 @@ class Generation:
         model, cache, proposer = engine.model, engine.cache, engine.proposer
         params = config.sampling
         taps = proposer.taps if proposer is not None else ()
+        # Greedy on the native engine without logprobs: verification is one native call.
+        native_greedy = model.native is not None and params.greedy and config.logprobs is None
         with torch.inference_mode():
             logits, token = self._prefill(start, generator, taps)
             emitted, rows = [token], [logits[0]]
@@ -291,16 +301,20 @@ class Generation:
                 tree = proposer.propose(token) if (proposer is not None and can_draft) \
                     else chain_tree(token, [], model.device)
                 t1 = time.perf_counter()
-                mask = tree.attention_mask() if tree.size else None
                 hidden, _, *tapped = model(tree.tokens, tree.positions(cache.length), cache,
-                                           tree_mask=mask, logits_rows=[], taps=taps)
-                logits = TreeLogits(model.lm_head, hidden, tree)
-                verdict = verify(tree, logits, params, generator)
-                path = torch.tensor(verdict.path, dtype=torch.long, device=model.device)
-                cache.commit(path)
+                                           parents=tree.parents if tree.size else None,
+                                           logits_rows=[], taps=taps)
+                if native_greedy:      # the LM head, the argmax walk: one native call
+                    verdict = Verdict(*model.native.verify_greedy(hidden, tree.tokens, tree.parents))
+                else:
+                    logits = TreeLogits(model.lm_head, hidden, tree, model.verify_head_rows)
+                    verdict = verify(tree, logits, params, generator)
+                cache.commit(verdict.path)
                 t2 = time.perf_counter()
-                accepted = tree.tokens[path].tolist()
+                tokens = tree.tokens.tolist()
+                accepted = [tokens[node] for node in verdict.path]
                 if proposer is not None:
+                    path = torch.tensor(verdict.path, dtype=torch.long, device=model.device)
                     proposer.observe(accepted, proposer_rows(hidden, tapped, path), verdict.next_token)
                 t3 = time.perf_counter()
                 ranks = tuple(tree.ranks[i] for i in verdict.path[1:]) if tree.ranks else ()
@@ -310,7 +324,7 @@ class Generation:
                 emitted = accepted[1:] + [token]
                 # Each emitted token's distribution is the target's row at its parent node.
                 # (verification has read every one of these rows already).
-                rows = [logits[node] for node in verdict.path]
+                rows = None if native_greedy else [logits[node] for node in verdict.path]
 
     def _loop_static(self, start: float, generator, tree_room: int) -> Iterator[str]:
         """Greedy steps that read the device back once each (static_step.py)."""

@@ -58,7 +58,7 @@ class EagleLookupProposer(EagleProposer):
 
     def propose(self, root_token: int) -> DraftTree:
         start = time.perf_counter()
-        self._chain = self.lookup.lookup(self.lookup.context)
+        self._chain = self.lookup.lookup()
         if self._copying and self._chain:
             self.copy_steps += 1
             self.grafted += len(self._chain)

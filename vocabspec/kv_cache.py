@@ -58,7 +58,7 @@ class KVCache:
         """Count the tokens of the forward that just ran as pending."""
         self.pending += n_new
 
-    def commit(self, keep: torch.Tensor | None = None, skip_kept_prefix: bool = True) -> None:
+    def commit(self, keep: torch.Tensor | list[int] | None = None, skip_kept_prefix: bool = True) -> None:
         """Keep the pending slots listed in `keep` (indices into the pending block, in order).
 
         `keep=None` keeps every pending slot, which is what plain decoding wants.
@@ -67,18 +67,23 @@ class KVCache:
         """
         if keep is None:
             self.length += self.pending
+        elif self.layout == "native":      # host memory: one native call moves what moves
+            from .native import cache_keep
+
+            keep = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
+            if any(not 0 <= a < b for a, b in zip(keep, keep[1:] + [self.pending])):
+                raise ValueError(f"slots to keep must increase within the {self.pending} pending: {keep}")
+            cache_keep(self.keys, self.values, self.length, keep)
+            self.length += len(keep)
         else:
+            keep = torch.as_tensor(keep, dtype=torch.long, device=self.keys.device)
             n_keep = int(keep.numel())
             same = skip_kept_prefix and torch.equal(keep, torch.arange(n_keep, device=keep.device))
             if n_keep and not same:
                 src = keep + self.length
                 dst = slice(self.length, self.length + n_keep)
-                if self.layout == "native":
-                    self.keys[..., dst] = self.keys[..., src]
-                    self.values[:, :, dst] = self.values[:, :, src]
-                else:
-                    self.keys[:, :, :, dst] = self.keys[:, :, :, src]
-                    self.values[:, :, :, dst] = self.values[:, :, :, src]
+                self.keys[:, :, :, dst] = self.keys[:, :, :, src]
+                self.values[:, :, :, dst] = self.values[:, :, :, src]
             self.length += n_keep
         self.pending = 0
 

@@ -342,12 +342,13 @@ WEIGHTS = ("auto",) + FORMATS
 BACKENDS = ("auto", "native", "torch")
 
 
-def choose_backend(device: torch.device, backend: str = "auto") -> str:
-    """native where the native CPU engine runs (and was not declined), else torch."""
+def choose_backend(device: torch.device, backend: str = "auto") -> tuple[str, str]:
+    """(native, "") where the native CPU engine runs (and was not declined), else (torch, why
+    not native)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     if backend == "torch":
-        return "torch"
+        return "torch", "--backend torch"
     ok, why = native.available()
     if device.type != "cpu" or os.environ.get("VOCABSPEC_NATIVE", "1") == "0":
         why = f"the native engine runs on the CPU, not {device.type}" if device.type != "cpu" \
@@ -355,7 +356,7 @@ def choose_backend(device: torch.device, backend: str = "auto") -> str:
         ok = False
     if backend == "native" and not ok:
         raise ModelLoadError(why)
-    return "native" if ok else "torch"
+    return ("native", "") if ok else ("torch", why)
 
 
 def load_model(model: str, weights: str = "auto", device: str | torch.device = "cpu",
@@ -375,18 +376,16 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
         args, state = load_gguf(path, max_seq_len)
     else:
         raise ModelLoadError(f"{path}: not a GGUF file or model directory")
-    engine = choose_backend(device, backend)
+    engine, why = choose_backend(device, backend)
     unfit = native_unfit(args) if engine == "native" else ""
     if unfit:
         if backend == "native":
             raise ModelLoadError(f"{path}: {unfit}")
-        engine = "torch"
+        engine, why = "torch", unfit
     gguf_file = path if path.is_file() else None
     if weights == "auto":
         weights = auto_weights(engine, gguf_file is not None)
     if weights.startswith("gguf") and engine != "native":
-        why = unfit or ("--backend torch" if backend == "torch" else native.available()[1]
-                        or f"device {device.type}")
         raise ModelLoadError(f"--weights {weights} runs on the native CPU engine, not used here "
                              f"({why}); use bf16 or f32")
     if weights.startswith("gguf") and gguf_file is None:
@@ -409,16 +408,19 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
         # forward would then differ from one-token decoding far beyond float32 rounding.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+    net.engine = f"the native CPU engine ({native.isa()})" if engine == "native" else \
+        f"torch's kernels on {device.type} (native engine not used: {why})"
     return net, path
 
 
 def auto_weights(engine: str, gguf: bool) -> str:
     """The fastest exact format here: a GGUF's own blocks with 8-bit activations where the CPU
-    has VNNI (as llama.cpp computes), else with float32 ones; f32 for other files and on
+    has 8-bit dot products (AVX-512 VNNI, AVX2; as llama.cpp computes), else with float32 ones;
+    f32 for other files and on
     torch's kernels."""
     if engine != "native" or not gguf:
         return "f32"
-    return "gguf-a8" if native.library().vs_has_vnni() else "gguf"
+    return "gguf-a8" if native.has_int8() else "gguf"
 
 
 def native_unfit(args: ModelArgs) -> str:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from .kv_cache import KVCache
 from .linear import Linear, linear
+from .tree import ancestor_mask
 
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
@@ -303,6 +304,7 @@ class Transformer(nn.Module):
         self.rope = {}
         self._init_rope()
         self.native = None       # native.NativeModel once `use_native` has run
+        self.engine = "torch's kernels"   # what runs it, and why (loading.load_model says)
 
     def _init_rope(self):
         args = self.args
@@ -357,6 +359,14 @@ class Transformer(nn.Module):
             for linear_ in (block.attn.wqkv, block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down):
                 linear_.weight = nn.Parameter(torch.empty(0, device=self.device), requires_grad=False)
 
+    @property
+    def verify_head_rows(self) -> int:
+        """Rows greedy verification sends through the LM head at a time (verify.TreeLogits): the
+        native engine's row tile, where they cost about one row's pass over the head's weights."""
+        from .verify import HEAD_ROWS
+
+        return self.native.head_rows if self.native is not None else HEAD_ROWS
+
     def new_cache(self, max_len: int | None = None) -> KVCache:
         args = self.args
         return KVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_len or args.max_seq_len,
@@ -383,11 +393,13 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None,
-                all_logits: bool = False, taps: tuple[int, ...] = ()):
+                all_logits: bool = False, taps: tuple[int, ...] = (), parents: torch.Tensor | None = None):
         """Run `tokens` (n,) at `positions` (n,) after the committed cache.
 
         tree_mask (n, pending + n): which pending and new tokens each new token sees
-        (default: all pending ones and the new ones causally).
+        (default: all pending ones and the new ones causally). parents (n,): the new tokens as a
+        flattened tree after every cached token (-1 for its root), each seeing its ancestors,
+        instead of a mask (`positions` then being the root's plus each node's depth).
         Logits are computed for `logits_rows` (indices; empty: none, and logits is None),
         for every row if `all_logits`, else for the last row only. The cache holds the new
         tokens as pending until `cache.commit`. Returns (hidden (n, dim) before the final
@@ -408,9 +420,13 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         if self.native is not None:
             tapped = self.native.stack.forward(x, positions, cache.keys, cache.values, cache.length,
-                                               cache.pending, tree_mask, taps)
+                                               cache.pending, tree_mask, taps, parents=parents)
             tapped = list(tapped.split(self.args.dim, dim=-1)) if taps else []
         else:
+            if parents is not None:
+                if cache.pending:
+                    raise ValueError("a tree given by its parents sees every cached token: commit first")
+                tree_mask = ancestor_mask(parents)
             plan = AttentionPlan(self.args, cache, positions, tree_mask, self.rope)
             tapped = []
             for i, layer in enumerate(self.layers):

@@ -12,8 +12,14 @@
  * How the work is split between threads (over output columns, over rows and heads) changes no
  * order. Activations are float32 throughout; weights are float32, bfloat16 or quantized groups.
  *
+ * The arithmetic is written once over 16-lane vectors (`vf`, `vi` below): one AVX-512 register,
+ * or two AVX2 registers doing the same per-lane operations, with horizontal sums in one order
+ * written out here (not left to a compiler's reduce builtins). Each lane sees the same sequence
+ * of IEEE operations on either instruction set; integer dot products are exact on both.
+ *
  * Built by native.py with the machine's C compiler (-O3 -march=native -fopenmp
- * -ffp-contract=off: every fused multiply-add here is written as one). Needs AVX-512F.
+ * -ffp-contract=off -fno-fast-math: every fused multiply-add here is written as one). Needs
+ * AVX-512 (F, BW) or AVX2 with FMA and F16C.
  */
 
 #include <immintrin.h>
@@ -23,8 +29,24 @@
 #include <string.h>
 #include <omp.h>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__)
-#error "the vocabspec native engine needs AVX-512F and AVX-512BW"
+#if defined(__FAST_MATH__) || __FINITE_MATH_ONLY__ || defined(__ASSOCIATIVE_MATH__)
+#error "the vocabspec native engine must be built without fast-math: its reductions have one fixed order"
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define VS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VS_AVX512 0
+#else
+#error "the vocabspec native engine needs AVX-512 (F, BW) or AVX2 with FMA and F16C"
+#endif
+
+/* Products with 8-bit activations need exact 8-bit dot products: AVX-512 VNNI, or AVX2's
+   multiply-add pairs (AVX-VNNI where present). */
+#if VS_AVX512 ? defined(__AVX512VNNI__) : 1
+#define VS_HAS_INT8 1
+#else
+#define VS_HAS_INT8 0
 #endif
 
 #define VS_F32 0
@@ -33,13 +55,237 @@
 #define VS_Q5 3 /* as Q4 with a fifth bit per code in one 32-bit word per group */
 #define VS_Q8 4 /* signed 8-bit codes, per group: w = code * scale (+ min) */
 /* The same three for products with 8-bit activations (x quantized per 32 inputs, as llama.cpp
-   does), in the layout AVX-512 VNNI reads: four consecutive inputs' codes per 32-bit lane. */
+   does), in the layout the 8-bit dot products read: four consecutive inputs' codes per 32-bit
+   lane. */
 #define VS_Q4I 5
 #define VS_Q5I 6
 #define VS_Q8I 7
 
 #define ALWAYS static inline __attribute__((always_inline))
 
+/* ------------------------------------------------------------------ 16-lane vectors */
+
+#if VS_AVX512
+typedef __m512 vf;  /* 16 floats */
+typedef __m512i vi; /* 16 int32 lanes (or 64 bytes) */
+
+ALWAYS vf vf_zero(void) { return _mm512_setzero_ps(); }
+ALWAYS vf vf_set1(float a) { return _mm512_set1_ps(a); }
+ALWAYS vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+ALWAYS void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+ALWAYS vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+ALWAYS vf vf_fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+ALWAYS vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+ALWAYS vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+ALWAYS vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+ALWAYS vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+ALWAYS vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+ALWAYS vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+ALWAYS vf vf_abs(vf a) { return _mm512_abs_ps(a); }
+ALWAYS __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+/* The first `left` lanes of p (at most 16), the others `fill`; nothing past them is read. */
+ALWAYS vf vf_load_part(const float *p, int64_t left, float fill) {
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), tail_mask(left), p);
+}
+ALWAYS void vf_store_part(float *p, vf v, int64_t left) { _mm512_mask_storeu_ps(p, tail_mask(left), v); }
+ALWAYS vf vf_keep_part(vf v, int64_t left) { return _mm512_maskz_mov_ps(tail_mask(left), v); }
+/* Lanes where x < lo set to 0. */
+ALWAYS vf vf_zero_below(vf v, vf x, vf lo) { return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), v); }
+ALWAYS vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* p * 2^n for integral n in [-126, 128], one rounding. */
+ALWAYS vf vf_scale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+ALWAYS vf vf_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+ALWAYS vf vf_of_int(vi a) { return _mm512_cvtepi32_ps(a); }
+ALWAYS vf vf_of_bits(vi a) { return _mm512_castsi512_ps(a); }
+ALWAYS vi vi_round(vf a) { return _mm512_cvtps_epi32(a); }
+ALWAYS vi vi_zero(void) { return _mm512_setzero_si512(); }
+ALWAYS vi vi_set1(int32_t a) { return _mm512_set1_epi32(a); }
+ALWAYS vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+ALWAYS vi vi_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+ALWAYS vi vi_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+ALWAYS vi vi_u16(const void *p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
+ALWAYS vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
+ALWAYS vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+ALWAYS vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+ALWAYS vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+ALWAYS vi vi_srli(vi a, const int n) { return _mm512_srli_epi32(a, n); }
+ALWAYS vi vi_slli(vi a, const int n) { return _mm512_slli_epi32(a, n); }
+/* Lane j of a, or-ed with `value` where bit j of `bits` is set. */
+ALWAYS vi vi_or_where(vi a, uint16_t bits, vi value) { return _mm512_mask_or_epi32(a, (__mmask16)bits, a, value); }
+/* Byte j of a, plus 16 where bit j of `bits` is set. */
+ALWAYS vi vi_add16_bytes_where(vi a, uint64_t bits) {
+    return _mm512_mask_add_epi8(a, (__mmask64)bits, a, _mm512_set1_epi8(16));
+}
+/* 16 int32 lanes (each in [-128, 127]) to 16 bytes, saturating. */
+ALWAYS void vi_store_i8(int8_t *p, vi a) { _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(a)); }
+#if VS_HAS_INT8
+/* Per lane: acc + the four products of unsigned bytes u and signed bytes s. */
+ALWAYS vi vi_dot_us(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+/* Per lane: acc + the four products of signed bytes a and b (|a| <= 127): with a + 128 as an
+   unsigned byte, less 128 times b's sum, which the caller subtracts (`vi_dot_ss_offset`). */
+#define VS_DOT_SS_OFFSET 1
+ALWAYS vi vi_dot_ss(vi acc, vi a, vi b) {
+    return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(a, _mm512_set1_epi8((char)0x80)), b);
+}
+#endif
+
+#else /* AVX2: a vector is two registers, lanes 0-7 and 8-15 */
+typedef struct { __m256 lo, hi; } vf;
+typedef struct { __m256i lo, hi; } vi;
+
+ALWAYS vf vf_make(__m256 lo, __m256 hi) { vf r = {lo, hi}; return r; }
+ALWAYS vi vi_make(__m256i lo, __m256i hi) { vi r = {lo, hi}; return r; }
+ALWAYS vf vf_zero(void) { return vf_make(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+ALWAYS vf vf_set1(float a) { return vf_make(_mm256_set1_ps(a), _mm256_set1_ps(a)); }
+ALWAYS vf vf_load(const float *p) { return vf_make(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+ALWAYS void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+#define VF_2(name, op) ALWAYS vf name(vf a, vf b) { return vf_make(op(a.lo, b.lo), op(a.hi, b.hi)); }
+VF_2(vf_add, _mm256_add_ps)
+VF_2(vf_sub, _mm256_sub_ps)
+VF_2(vf_mul, _mm256_mul_ps)
+VF_2(vf_div, _mm256_div_ps)
+VF_2(vf_max, _mm256_max_ps)
+VF_2(vf_min, _mm256_min_ps)
+#undef VF_2
+ALWAYS vf vf_fma(vf a, vf b, vf c) { return vf_make(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)); }
+ALWAYS vf vf_fnma(vf a, vf b, vf c) { return vf_make(_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)); }
+ALWAYS vf vf_abs(vf a) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    return vf_make(_mm256_andnot_ps(sign, a.lo), _mm256_andnot_ps(sign, a.hi));
+}
+/* Lanes j < left all ones, as two 8-lane masks. */
+ALWAYS __m256i lanes_below(int64_t left, int half) {
+    const int64_t n = left - 8 * half;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n < 0 ? 0 : n > 8 ? 8 : (int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+ALWAYS vf vf_load_part(const float *p, int64_t left, float fill) {
+    const __m256i m0 = lanes_below(left, 0), m1 = lanes_below(left, 1);
+    const __m256 f = _mm256_set1_ps(fill);
+    return vf_make(_mm256_blendv_ps(f, _mm256_maskload_ps(p, m0), _mm256_castsi256_ps(m0)),
+                   _mm256_blendv_ps(f, _mm256_maskload_ps(p + 8, m1), _mm256_castsi256_ps(m1)));
+}
+ALWAYS void vf_store_part(float *p, vf v, int64_t left) {
+    _mm256_maskstore_ps(p, lanes_below(left, 0), v.lo);
+    _mm256_maskstore_ps(p + 8, lanes_below(left, 1), v.hi);
+}
+ALWAYS vf vf_keep_part(vf v, int64_t left) {
+    return vf_make(_mm256_and_ps(v.lo, _mm256_castsi256_ps(lanes_below(left, 0))),
+                   _mm256_and_ps(v.hi, _mm256_castsi256_ps(lanes_below(left, 1))));
+}
+ALWAYS vf vf_zero_below(vf v, vf x, vf lo) {
+    return vf_make(_mm256_andnot_ps(_mm256_cmp_ps(x.lo, lo.lo, _CMP_LT_OQ), v.lo),
+                   _mm256_andnot_ps(_mm256_cmp_ps(x.hi, lo.hi, _CMP_LT_OQ), v.hi));
+}
+ALWAYS vf vf_round(vf a) {
+    return vf_make(_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                   _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/* p * 2^n for integral n in [-126, 128], one rounding, as AVX-512's scalef: n split in two
+   halves that are each a normal power of two, the first product exact. */
+ALWAYS __m256 pow2(__m256i n) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)); }
+ALWAYS __m256 scale2_8(__m256 p, __m256 n) {
+    const __m256i ni = _mm256_cvtps_epi32(n), a = _mm256_srai_epi32(ni, 1), b = _mm256_sub_epi32(ni, a);
+    return _mm256_mul_ps(_mm256_mul_ps(p, pow2(a)), pow2(b));
+}
+ALWAYS vf vf_scale2(vf p, vf n) { return vf_make(scale2_8(p.lo, n.lo), scale2_8(p.hi, n.hi)); }
+ALWAYS vf vf_half(const uint16_t *p) {
+    return vf_make(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
+}
+ALWAYS vf vf_of_int(vi a) { return vf_make(_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)); }
+ALWAYS vf vf_of_bits(vi a) { return vf_make(_mm256_castsi256_ps(a.lo), _mm256_castsi256_ps(a.hi)); }
+ALWAYS vi vi_round(vf a) { return vi_make(_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)); }
+ALWAYS vi vi_zero(void) { return vi_make(_mm256_setzero_si256(), _mm256_setzero_si256()); }
+ALWAYS vi vi_set1(int32_t a) { return vi_make(_mm256_set1_epi32(a), _mm256_set1_epi32(a)); }
+ALWAYS vi vi_load(const void *p) {
+    return vi_make(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1));
+}
+ALWAYS vi vi_u8(const uint8_t *p) {
+    return vi_make(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+}
+ALWAYS vi vi_i8(const int8_t *p) {
+    return vi_make(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+}
+ALWAYS vi vi_u16(const void *p) {
+    return vi_make(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)),
+                   _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p + 1)));
+}
+#define VI_2(name, op) ALWAYS vi name(vi a, vi b) { return vi_make(op(a.lo, b.lo), op(a.hi, b.hi)); }
+VI_2(vi_and, _mm256_and_si256)
+VI_2(vi_or, _mm256_or_si256)
+VI_2(vi_add, _mm256_add_epi32)
+VI_2(vi_sub, _mm256_sub_epi32)
+#undef VI_2
+#define vi_srli(a, n) vi_make(_mm256_srli_epi32((a).lo, n), _mm256_srli_epi32((a).hi, n))
+#define vi_slli(a, n) vi_make(_mm256_slli_epi32((a).lo, n), _mm256_slli_epi32((a).hi, n))
+ALWAYS vi vi_or_where(vi a, uint16_t bits, vi value) {
+    const __m256i b = _mm256_set1_epi32(bits);
+    const __m256i l0 = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i l1 = _mm256_setr_epi32(256, 512, 1024, 2048, 4096, 8192, 16384, 32768);
+    const __m256i m0 = _mm256_cmpeq_epi32(_mm256_and_si256(b, l0), l0), m1 = _mm256_cmpeq_epi32(_mm256_and_si256(b, l1), l1);
+    return vi_make(_mm256_or_si256(a.lo, _mm256_and_si256(m0, value.lo)), _mm256_or_si256(a.hi, _mm256_and_si256(m1, value.hi)));
+}
+/* 32 bits to a byte mask over 32 bytes: byte j all ones where bit j is set. */
+ALWAYS __m256i byte_mask(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)bits),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+ALWAYS vi vi_add16_bytes_where(vi a, uint64_t bits) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    return vi_make(_mm256_add_epi8(a.lo, _mm256_and_si256(byte_mask((uint32_t)bits), sixteen)),
+                   _mm256_add_epi8(a.hi, _mm256_and_si256(byte_mask((uint32_t)(bits >> 32)), sixteen)));
+}
+ALWAYS void vi_store_i8(int8_t *p, vi a) {
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a.lo, a.hi), 0xD8); /* 16 int16 in order */
+    _mm_storeu_si128((__m128i *)p, _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+}
+/* Per 32-bit lane: acc + the four products of unsigned bytes u and signed bytes s, for u <= 127
+   (the codes here are at most 31, or |b| <= 128 below): the pairwise 16-bit sums never
+   saturate, so the result is exact. */
+ALWAYS __m256i dot_us8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+ALWAYS vi vi_dot_us(vi acc, vi u, vi s) { return vi_make(dot_us8(acc.lo, u.lo, s.lo), dot_us8(acc.hi, u.hi, s.hi)); }
+/* Signed bytes a (|a| <= 127) and b: |b| times a with b's sign, exact. */
+#define VS_DOT_SS_OFFSET 0
+ALWAYS vi vi_dot_ss(vi acc, vi a, vi b) {
+    return vi_make(dot_us8(acc.lo, _mm256_abs_epi8(b.lo), _mm256_sign_epi8(a.lo, b.lo)),
+                   dot_us8(acc.hi, _mm256_abs_epi8(b.hi), _mm256_sign_epi8(a.hi, b.hi)));
+}
+#endif
+
+/* Horizontal sum in one order on either instruction set: lanes 0-7 plus lanes 8-15, then the
+   halves of that, then (0 + 2) + (1 + 3). */
+ALWAYS float sum8(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    const __m128 q = _mm_add_ps(h, _mm_shuffle_ps(h, h, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 1, 1, 1))));
+}
+ALWAYS float max8(__m256 v) {
+    const __m128 h = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    const __m128 q = _mm_max_ps(h, _mm_shuffle_ps(h, h, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 1, 1, 1))));
+}
+ALWAYS int32_t isum8(__m256i v) {
+    const __m128i h = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
+    const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(1, 1, 1, 1))));
+}
+#if VS_AVX512
+ALWAYS __m256 hi256(vf v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+ALWAYS float vf_sum(vf v) { return sum8(_mm256_add_ps(hi256(v), _mm512_castps512_ps256(v))); }
+ALWAYS float vf_hmax(vf v) { return max8(_mm256_max_ps(hi256(v), _mm512_castps512_ps256(v))); }
+ALWAYS int32_t vi_sum(vi v) { return isum8(_mm256_add_epi32(_mm512_extracti64x4_epi64(v, 1), _mm512_castsi512_si256(v))); }
+#else
+ALWAYS float vf_sum(vf v) { return sum8(_mm256_add_ps(v.hi, v.lo)); }
+ALWAYS float vf_hmax(vf v) { return max8(_mm256_max_ps(v.hi, v.lo)); }
+ALWAYS int32_t vi_sum(vi v) { return isum8(_mm256_add_epi32(v.hi, v.lo)); }
+#endif
 typedef struct {
     int32_t kind, rows, cols, group, scale_f16, pad;
     const void *data;      /* F32/BF16: rows x cols; Q4/Q5: rows x cols/2 bytes; Q8: rows x cols */
@@ -62,56 +308,50 @@ typedef struct {
     vs_layer *layers;
 } vs_stack;
 
+
 /* ------------------------------------------------------------------ elementwise math */
 
 /* exp(x), the same polynomial for every lane: Cody-Waite reduction by ln 2, degree-6 Taylor
    on [-ln2/2, ln2/2], scaled by 2^n. Below -87.3 it is 0; above 88.7 it is +inf. */
-ALWAYS __m512 vexp(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.7f);
-    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
+ALWAYS vf vexp(vf x) {
+    const vf lo = vf_set1(-87.3f), hi = vf_set1(88.7f);
+    const vf xc = vf_min(vf_max(x, lo), hi);
+    const vf n = vf_round(vf_mul(xc, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnma(n, vf_set1(0.693359375f), xc);
+    r = vf_fnma(n, vf_set1(-2.12194440e-4f), r);
+    vf p = vf_set1(1.0f / 720);
+    p = vf_fma(p, r, vf_set1(1.0f / 120));
+    p = vf_fma(p, r, vf_set1(1.0f / 24));
+    p = vf_fma(p, r, vf_set1(1.0f / 6));
+    p = vf_fma(p, r, vf_set1(0.5f));
+    p = vf_fma(p, r, vf_set1(1.0f));
+    p = vf_fma(p, r, vf_set1(1.0f));
+    return vf_zero_below(vf_scale2(p, n), x, lo);
 }
 
-ALWAYS __m512 vsilu(__m512 x) {
-    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+ALWAYS vf vsilu(vf x) {
+    return vf_div(x, vf_add(vf_set1(1.0f), vexp(vf_sub(vf_zero(), x))));
 }
 
 /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (exp(2u) + 1). */
-ALWAYS __m512 vgelu_tanh(__m512 x) {
-    __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-    __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                             _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(0.044715f), x3)));
-    __m512 e = vexp(_mm512_add_ps(u, u));
-    __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                             _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
-    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.0f), t));
+ALWAYS vf vgelu_tanh(vf x) {
+    const vf x3 = vf_mul(vf_mul(x, x), x);
+    const vf u = vf_mul(vf_set1(0.7978845608028654f), vf_add(x, vf_mul(vf_set1(0.044715f), x3)));
+    const vf e = vexp(vf_add(u, u));
+    const vf t = vf_sub(vf_set1(1.0f), vf_div(vf_set1(2.0f), vf_add(e, vf_set1(1.0f))));
+    return vf_mul(vf_mul(vf_set1(0.5f), x), vf_add(vf_set1(1.0f), t));
 }
-
-ALWAYS __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
 /* y = x * rsqrt(mean(x^2) + eps) * w over one row of `dim` (a multiple of 16) floats. */
 ALWAYS void rmsnorm_row(const float *x, const float *w, float *y, int64_t dim, float eps) {
-    __m512 acc = _mm512_setzero_ps();
+    vf acc = vf_zero();
     for (int64_t i = 0; i < dim; i += 16) {
-        __m512 v = _mm512_loadu_ps(x + i);
-        acc = _mm512_fmadd_ps(v, v, acc);
+        const vf v = vf_load(x + i);
+        acc = vf_fma(v, v, acc);
     }
-    float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps);
-    __m512 rv = _mm512_set1_ps(r);
-    for (int64_t i = 0; i < dim; i += 16)
-        _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), rv), _mm512_loadu_ps(w + i)));
+    const float r = 1.0f / sqrtf(vf_sum(acc) / (float)dim + eps);
+    const vf rv = vf_set1(r);
+    for (int64_t i = 0; i < dim; i += 16) vf_store(y + i, vf_mul(vf_mul(vf_load(x + i), rv), vf_load(w + i)));
 }
 
 /* ------------------------------------------------------------------ matmul */
@@ -128,6 +368,18 @@ ALWAYS void rmsnorm_row(const float *x, const float *w, float *y, int64_t dim, f
    the rows or the tiling, so a row's bits never depend on the rest of the call. */
 #define RB 16
 
+/* Tiles: MR rows of x by NR blocks of weights, sized to the registers (AVX2 has half as many,
+   of half the width). The tiling changes no lane's sequence of operations. */
+#ifndef TILE_M
+#if VS_AVX512
+#define TILE_M 4
+#define TILE_N 4
+#else
+#define TILE_M 4
+#define TILE_N 1
+#endif
+#endif
+
 ALWAYS int64_t unit_bytes(const int kind) {
     return kind == VS_F32 ? 2048 : kind == VS_BF16 ? 1024 : kind == VS_Q8 ? 512 : 256;
 }
@@ -136,31 +388,31 @@ ALWAYS const uint8_t *payload(const int kind, const vs_weight *w, int64_t b, int
     return (const uint8_t *)w->data + (b * (w->cols / 32) + u) * unit_bytes(kind);
 }
 
-ALWAYS __m512 vec_at(const void *p, const int f16, int64_t i) { /* 16 floats or halves */
-    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + 16 * i)));
-    return _mm512_loadu_ps((const float *)p + 16 * i);
+ALWAYS vf vec_at(const void *p, const int f16, int64_t i) { /* 16 floats or halves */
+    if (f16) return vf_half((const uint16_t *)p + 16 * i);
+    return vf_load((const float *)p + 16 * i);
 }
 
 /* The codes (float weights for f32/bf16) of inputs 2t and 2t + 1 of a unit, 16 rows each. */
-ALWAYS void codes_pair(const int kind, const uint8_t *p, const uint16_t *high, int t, __m512 *w0, __m512 *w1) {
+ALWAYS void codes_pair(const int kind, const uint8_t *p, const uint16_t *high, int t, vf *w0, vf *w1) {
     if (kind == VS_F32) {
-        *w0 = _mm512_loadu_ps(p + (2 * t) * 64);
-        *w1 = _mm512_loadu_ps(p + (2 * t + 1) * 64);
+        *w0 = vf_load((const float *)(p + (2 * t) * 64));
+        *w1 = vf_load((const float *)(p + (2 * t + 1) * 64));
     } else if (kind == VS_BF16) {
-        *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + (2 * t) * 32))), 16));
-        *w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + (2 * t + 1) * 32))), 16));
+        *w0 = vf_of_bits(vi_slli(vi_u16(p + (2 * t) * 32), 16));
+        *w1 = vf_of_bits(vi_slli(vi_u16(p + (2 * t + 1) * 32), 16));
     } else if (kind == VS_Q8) {
-        *w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + (2 * t) * 16))));
-        *w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + (2 * t + 1) * 16))));
+        *w0 = vf_of_int(vi_i8((const int8_t *)(p + (2 * t) * 16)));
+        *w1 = vf_of_int(vi_i8((const int8_t *)(p + (2 * t + 1) * 16)));
     } else {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + t * 16)));
-        __m512i a = _mm512_and_si512(v, _mm512_set1_epi32(15)), b = _mm512_srli_epi32(v, 4);
+        const vi v = vi_u8(p + t * 16);
+        vi a = vi_and(v, vi_set1(15)), b = vi_srli(v, 4);
         if (kind == VS_Q5) {
-            a = _mm512_mask_or_epi32(a, (__mmask16)high[2 * t], a, _mm512_set1_epi32(16));
-            b = _mm512_mask_or_epi32(b, (__mmask16)high[2 * t + 1], b, _mm512_set1_epi32(16));
+            a = vi_or_where(a, high[2 * t], vi_set1(16));
+            b = vi_or_where(b, high[2 * t + 1], vi_set1(16));
         }
-        *w0 = _mm512_cvtepi32_ps(a);
-        *w1 = _mm512_cvtepi32_ps(b);
+        *w0 = vf_of_int(a);
+        *w1 = vf_of_int(b);
     }
 }
 
@@ -171,48 +423,48 @@ ALWAYS void tile(const int kind, const int f16, const int g16, const int MR, con
                  float *y, int64_t ldy) {
     const int64_t units = w->cols / 32;
     const int has_min = kind == VS_Q4 || kind == VS_Q5;
-    __m512 acc[4][8];
+    vf acc[TILE_M][TILE_N];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
-        for (int v = 0; v < NR; v++) acc[i][v] = _mm512_setzero_ps();
+        for (int v = 0; v < NR; v++) acc[i][v] = vf_zero();
     for (int64_t u = 0; u < units; u++) {
-        const uint8_t *pv[8];
-        const uint16_t *hv[8];
+        const uint8_t *pv[TILE_N];
+        const uint16_t *hv[TILE_N];
 #pragma GCC unroll 8
         for (int v = 0; v < NR; v++) {
             pv[v] = payload(kind, w, b0 + v, u);
             hv[v] = kind == VS_Q5 ? w->high + ((b0 + v) * units + u) * 32 : NULL;
         }
-        __m512 p[4][8];
+        vf p[TILE_M][TILE_N];
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
-            for (int v = 0; v < NR; v++) p[i][v] = _mm512_setzero_ps();
+            for (int v = 0; v < NR; v++) p[i][v] = vf_zero();
         const float *xu = x + u * 32;
 #pragma GCC unroll 2
         for (int t = 0; t < 16; t++) {
-            __m512 w0[8], w1[8];
+            vf w0[TILE_N], w1[TILE_N];
 #pragma GCC unroll 8
             for (int v = 0; v < NR; v++) codes_pair(kind, pv[v], hv[v], t, &w0[v], &w1[v]);
 #pragma GCC unroll 8
             for (int i = 0; i < MR; i++) {
-                const __m512 x0 = _mm512_set1_ps(xu[i * ldx + 2 * t]);
-                const __m512 x1 = _mm512_set1_ps(xu[i * ldx + 2 * t + 1]);
+                const vf x0 = vf_set1(xu[i * ldx + 2 * t]);
+                const vf x1 = vf_set1(xu[i * ldx + 2 * t + 1]);
 #pragma GCC unroll 8
                 for (int v = 0; v < NR; v++) {
-                    p[i][v] = _mm512_fmadd_ps(x0, w0[v], p[i][v]);
-                    p[i][v] = _mm512_fmadd_ps(x1, w1[v], p[i][v]);
+                    p[i][v] = vf_fma(x0, w0[v], p[i][v]);
+                    p[i][v] = vf_fma(x1, w1[v], p[i][v]);
                 }
             }
             if (g16 && t == 7) { /* the first 16 inputs are a group of their own */
 #pragma GCC unroll 8
                 for (int v = 0; v < NR; v++) {
-                    const __m512 sv = vec_at(w->scale, f16, 2 * ((b0 + v) * units + u));
+                    const vf sv = vec_at(w->scale, f16, 2 * ((b0 + v) * units + u));
 #pragma GCC unroll 8
                     for (int i = 0; i < MR; i++) {
-                        acc[i][v] = _mm512_fmadd_ps(p[i][v], sv, acc[i][v]);
-                        p[i][v] = _mm512_setzero_ps();
+                        acc[i][v] = vf_fma(p[i][v], sv, acc[i][v]);
+                        p[i][v] = vf_zero();
                     }
                 }
             }
@@ -222,28 +474,27 @@ ALWAYS void tile(const int kind, const int f16, const int g16, const int MR, con
             const int64_t g = (b0 + v) * units + u;
             if (kind == VS_F32 || kind == VS_BF16) {
 #pragma GCC unroll 8
-                for (int i = 0; i < MR; i++) acc[i][v] = _mm512_add_ps(acc[i][v], p[i][v]);
+                for (int i = 0; i < MR; i++) acc[i][v] = vf_add(acc[i][v], p[i][v]);
                 continue;
             }
-            const __m512 sv = vec_at(w->scale, f16, g16 ? 2 * g + 1 : g);
+            const vf sv = vec_at(w->scale, f16, g16 ? 2 * g + 1 : g);
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) acc[i][v] = _mm512_fmadd_ps(p[i][v], sv, acc[i][v]);
+            for (int i = 0; i < MR; i++) acc[i][v] = vf_fma(p[i][v], sv, acc[i][v]);
             if (has_min) {
-                const __m512 mv = vec_at(w->min, f16, g);
+                const vf mv = vec_at(w->min, f16, g);
 #pragma GCC unroll 8
                 for (int i = 0; i < MR; i++)
-                    acc[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i * units + u]), mv, acc[i][v]);
+                    acc[i][v] = vf_fma(vf_set1(xs[i * units + u]), mv, acc[i][v]);
             }
         }
     }
 #pragma GCC unroll 8
     for (int v = 0; v < NR; v++) {
-        const int64_t n0 = (b0 + v) * RB;
-        const __mmask16 k = tail_mask(w->rows - n0);
-        const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(k, w->bias + n0) : _mm512_setzero_ps();
+        const int64_t n0 = (b0 + v) * RB, left = w->rows - n0;
+        const vf bias = w->bias ? vf_load_part(w->bias + n0, left, 0.0f) : vf_zero();
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++)
-            _mm512_mask_storeu_ps(y + i * ldy + n0, k, w->bias ? _mm512_add_ps(acc[i][v], bias) : acc[i][v]);
+            vf_store_part(y + i * ldy + n0, w->bias ? vf_add(acc[i][v], bias) : acc[i][v], left);
     }
 }
 
@@ -253,18 +504,22 @@ ALWAYS void blocks_rows(const int kind, const int f16, const int g16, const vs_w
                         int64_t ldy) {
     const int64_t units = w->cols / 32;
     int64_t m = 0;
-#define TILES(MR, NR)                                                                                \
+#define TILES(MR)                                                                                    \
     {                                                                                                \
         int64_t b = b0;                                                                              \
-        for (; b + NR <= b1; b += NR)                                                                \
-            tile(kind, f16, g16, MR, NR, w, b, x + m * ldx, ldx, xs + m * units, y + m * ldy, ldy); \
+        for (; b + TILE_N <= b1; b += TILE_N)                                                        \
+            tile(kind, f16, g16, MR, TILE_N, w, b, x + m * ldx, ldx, xs + m * units, y + m * ldy, ldy); \
         for (; b < b1; b++) tile(kind, f16, g16, MR, 1, w, b, x + m * ldx, ldx, xs + m * units, y + m * ldy, ldy); \
     }
-    for (; m + 4 <= M; m += 4) TILES(4, 4)
+    for (; m + TILE_M <= M; m += TILE_M) TILES(TILE_M)
     switch (M - m) {
-    case 3: TILES(3, 4) break;
-    case 2: TILES(2, 4) break;
-    case 1: TILES(1, 4) break;
+#if TILE_M > 3
+    case 3: TILES(3) break;
+#endif
+#if TILE_M > 2
+    case 2: TILES(2) break;
+#endif
+    case 1: TILES(1) break;
     default: break;
     }
 #undef TILES
@@ -274,12 +529,10 @@ ALWAYS void blocks_rows(const int kind, const int f16, const int g16, const vs_w
 
    A row's inputs are quantized per 32-input unit: d = max|x| / 127, q = round(x / d), kept
    with d and d * sum(q). Output n then adds, unit by unit, fma(isum, scale * d, acc) with
-   isum = sum of q_k * code_k in exact integers (VNNI: four products a lane per instruction),
-   then fma(d * sum(q), min, acc). Signed 8-bit codes meet unsigned activations (q + 128):
-   isum = that product minus 128 * sum(code). The unit order is fixed, so again a row's bits do
-   not depend on the call. */
-#if defined(__AVX512VNNI__)
-#define VS_HAS_VNNI 1
+   isum = sum of q_k * code_k in exact integers (four products a lane per dot-product step),
+   then fma(d * sum(q), min, acc). The unit order is fixed, so again a row's bits do not depend
+   on the call; and since isum is exact, neither on the instruction set that summed it. */
+#if VS_HAS_INT8
 
 typedef struct {
     int8_t *q;      /* M x K */
@@ -303,15 +556,15 @@ static quant_rows quantize_rows(const float *x, int64_t M, int64_t ldx, int64_t 
     for (int64_t i = 0; i < M; i++)
         for (int64_t u = 0; u < units; u++) {
             const float *xu = x + i * ldx + u * 32;
-            const __m512 a = _mm512_loadu_ps(xu), b = _mm512_loadu_ps(xu + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+            const vf a = vf_load(xu), b = vf_load(xu + 16);
+            const float amax = vf_hmax(vf_max(vf_abs(a), vf_abs(b)));
             const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
-            const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
-            _mm_storeu_si128((__m128i *)(r.q + i * K + u * 32), _mm512_cvtsepi32_epi8(qa));
-            _mm_storeu_si128((__m128i *)(r.q + i * K + u * 32 + 16), _mm512_cvtsepi32_epi8(qb));
+            const vi qa = vi_round(vf_mul(a, vf_set1(id)));
+            const vi qb = vi_round(vf_mul(b, vf_set1(id)));
+            vi_store_i8(r.q + i * K + u * 32, qa);
+            vi_store_i8(r.q + i * K + u * 32 + 16, qb);
             r.d[i * units + u] = d;
-            r.dsum[i * units + u] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            r.dsum[i * units + u] = d * (float)vi_sum(vi_add(qa, qb));
         }
     return r;
 }
@@ -319,123 +572,198 @@ static quant_rows quantize_rows(const float *x, int64_t M, int64_t ldx, int64_t 
 ALWAYS int64_t unit_bytes_i8(const int kind) { return kind == VS_Q8I ? 512 : 256; }
 
 /* The codes of inputs 4t .. 4t + 3 for 16 rows: one 32-bit lane per row, a byte per input. */
-ALWAYS __m512i codes_quad(const int kind, const uint8_t *p, const uint64_t *high, int t) {
-    if (kind == VS_Q8I) return _mm512_loadu_si512(p + t * 64);
+ALWAYS vi codes_quad(const int kind, const uint8_t *p, const uint64_t *high, int t) {
+    if (kind == VS_Q8I) return vi_load(p + t * 64);
     /* q4/q5: two bytes a row: inputs (4t, 4t + 2) in the first's nibbles, (4t + 1, 4t + 3) in
        the second's */
-    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + t * 32)));
-    const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F0F));
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), _mm512_set1_epi32(0x0F0F));
-    __m512i c = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-    if (kind == VS_Q5I) c = _mm512_mask_add_epi8(c, (__mmask64)high[t], c, _mm512_set1_epi8(16));
+    const vi v = vi_u16(p + t * 32);
+    const vi lo = vi_and(v, vi_set1(0x0F0F));
+    const vi hi = vi_and(vi_srli(v, 4), vi_set1(0x0F0F));
+    vi c = vi_or(lo, vi_slli(hi, 16));
+    if (kind == VS_Q5I) c = vi_add16_bytes_where(c, high[t]);
     return c;
 }
+
+/* The products' exact integer sums of one unit (or 16-input group) as a float term. With the
+   offset form of the signed dot product, isum holds 128 * sum(code) more than the products. */
+ALWAYS vf exact_sum(const int kind, vi isum, vi csum) {
+    (void)kind;
+#if VS_DOT_SS_OFFSET
+    if (kind == VS_Q8I) return vf_of_int(vi_sub(isum, vi_slli(csum, 7)));
+#endif
+    (void)csum;
+    return vf_of_int(isum);
+}
+
+#if !VS_AVX512
+/* AVX2, 4- and 5-bit codes: one unit's exact sums for MR rows of one block, with 16-bit
+   partial sums. A register holds all 16 rows' codes of two inputs (each row's two bytes of a
+   quad); multiply-add pairs give each row's two products in one 16-bit lane, and up to 30480
+   (4-bit codes, four quads) or 31496 (5-bit, two quads) accumulates there before widening:
+   exact, as any order of exact integer sums is. */
+/* 5-bit codes' fifth bits of one quad (bit 4r + j: row r, input j) as byte masks over the
+   nibble registers below: *lo for inputs 0, 1 (bytes 2r, 2r + 1), *hi for inputs 2, 3. */
+ALWAYS void fifth_bits(uint64_t bits, __m256i *lo, __m256i *hi) {
+    const __m256i src = _mm256_shuffle_epi8(_mm256_set1_epi64x((int64_t)bits),
+        _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7));
+    const __m256i blo = _mm256_set1_epi32(0x20100201), bhi = _mm256_set1_epi32((int32_t)0x80400804);
+    *lo = _mm256_cmpeq_epi8(_mm256_and_si256(src, blo), blo);
+    *hi = _mm256_cmpeq_epi8(_mm256_and_si256(src, bhi), bhi);
+}
+
+ALWAYS void unit_isums_q45(const int kind, const uint8_t *p, const uint64_t *high, const int8_t *xq, int64_t K,
+                           const int MR, vi *isum) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+    const int per = kind == VS_Q5I ? 2 : 4;  /* quads summed in 16 bits before widening */
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++) isum[i] = vi_zero();
+#pragma GCC unroll 4
+    for (int t0 = 0; t0 < 8; t0 += per) {
+        __m256i acc16[TILE_M];
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) acc16[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int t = t0; t < t0 + per; t++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + t * 32));
+            __m256i lo = _mm256_and_si256(raw, nib);                          /* inputs 4t, 4t + 1 */
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);    /* inputs 4t + 2, 4t + 3 */
+            if (kind == VS_Q5I) {
+                __m256i mlo, mhi;
+                fifth_bits(high[t], &mlo, &mhi);
+                lo = _mm256_add_epi8(lo, _mm256_and_si256(mlo, sixteen));
+                hi = _mm256_add_epi8(hi, _mm256_and_si256(mhi, sixteen));
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < MR; i++) {
+                int16_t x01, x23;
+                memcpy(&x01, xq + i * K + 4 * t, 2);
+                memcpy(&x23, xq + i * K + 4 * t + 2, 2);
+                acc16[i] = _mm256_add_epi16(acc16[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi16(x01)));
+                acc16[i] = _mm256_add_epi16(acc16[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi16(x23)));
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++)
+            isum[i] = vi_add(isum[i], vi_make(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[i])),
+                                              _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[i], 1))));
+    }
+}
+#endif
 
 ALWAYS void tile_i8(const int kind, const int f16, const int g16, const int MR, const int NR,
                     const vs_weight *w, int64_t b0, quant_rows xr, int64_t m0, float *y, int64_t ldy) {
     const int64_t units = w->cols / 32, K = w->cols;
     const int has_min = kind != VS_Q8I;
-    __m512 acc[4][8];
+    vf acc[TILE_M][TILE_N];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
-        for (int v = 0; v < NR; v++) acc[i][v] = _mm512_setzero_ps();
-    const __m512i ones = _mm512_set1_epi8(1);
+        for (int v = 0; v < NR; v++) acc[i][v] = vf_zero();
     for (int64_t u = 0; u < units; u++) {
-        const uint8_t *pv[8];
-        const uint64_t *hv[8];
+        const uint8_t *pv[TILE_N];
+        const uint64_t *hv[TILE_N];
 #pragma GCC unroll 8
         for (int v = 0; v < NR; v++) {
             pv[v] = (const uint8_t *)w->data + ((b0 + v) * units + u) * unit_bytes_i8(kind);
             hv[v] = kind == VS_Q5I ? (const uint64_t *)w->high + ((b0 + v) * units + u) * 8 : NULL;
         }
-        __m512i isum[4][8], csum[8];
+        vi isum[TILE_M][TILE_N], csum[TILE_N];
 #pragma GCC unroll 8
         for (int v = 0; v < NR; v++) {
-            csum[v] = _mm512_setzero_si512();
+            csum[v] = vi_zero();
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) isum[i][v] = _mm512_setzero_si512();
+            for (int i = 0; i < MR; i++) isum[i][v] = vi_zero();
         }
         const int8_t *xq = xr.q + m0 * K + u * 32;
+#if !VS_AVX512
+        if (kind != VS_Q8I) {
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++) {
+                vi sums[TILE_M];
+                unit_isums_q45(kind, pv[v], hv[v], xq, K, MR, sums);
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) isum[i][v] = sums[i];
+            }
+        } else
+#endif
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
-            __m512i c[8];
+            vi c[TILE_N];
 #pragma GCC unroll 8
             for (int v = 0; v < NR; v++) {
                 c[v] = codes_quad(kind, pv[v], hv[v], t);
-                if (kind == VS_Q8I) csum[v] = _mm512_dpbusd_epi32(csum[v], ones, c[v]);
+#if VS_DOT_SS_OFFSET
+                if (kind == VS_Q8I) csum[v] = vi_dot_us(csum[v], vi_set1(0x01010101), c[v]);
+#endif
             }
 #pragma GCC unroll 8
             for (int i = 0; i < MR; i++) {
                 int32_t quad;
                 memcpy(&quad, xq + i * K + 4 * t, 4);
-                __m512i xv = _mm512_set1_epi32(quad);
-                if (kind == VS_Q8I) xv = _mm512_xor_si512(xv, _mm512_set1_epi8((char)0x80)); /* q + 128 */
+                const vi xv = vi_set1(quad);
 #pragma GCC unroll 8
                 for (int v = 0; v < NR; v++)
-                    isum[i][v] = kind == VS_Q8I ? _mm512_dpbusd_epi32(isum[i][v], xv, c[v])
-                                                : _mm512_dpbusd_epi32(isum[i][v], c[v], xv);
+                    isum[i][v] = kind == VS_Q8I ? vi_dot_ss(isum[i][v], xv, c[v]) : vi_dot_us(isum[i][v], c[v], xv);
             }
             if (g16 && t == 3) { /* the first 16 inputs are a group of their own */
 #pragma GCC unroll 8
                 for (int v = 0; v < NR; v++) {
-                    const __m512 sv = vec_at(w->scale, f16, 2 * ((b0 + v) * units + u));
-                    const __m512i fix = _mm512_slli_epi32(csum[v], 7);
+                    const vf sv = vec_at(w->scale, f16, 2 * ((b0 + v) * units + u));
 #pragma GCC unroll 8
                     for (int i = 0; i < MR; i++) {
-                        const __m512 sd = _mm512_mul_ps(sv, _mm512_set1_ps(xr.d[(m0 + i) * units + u]));
-                        acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[i][v], fix)), sd, acc[i][v]);
-                        isum[i][v] = _mm512_setzero_si512();
+                        const vf sd = vf_mul(sv, vf_set1(xr.d[(m0 + i) * units + u]));
+                        acc[i][v] = vf_fma(exact_sum(kind, isum[i][v], csum[v]), sd, acc[i][v]);
+                        isum[i][v] = vi_zero();
                     }
-                    csum[v] = _mm512_setzero_si512();
+                    csum[v] = vi_zero();
                 }
             }
         }
 #pragma GCC unroll 8
         for (int v = 0; v < NR; v++) {
             const int64_t g = (b0 + v) * units + u;
-            const __m512 sv = vec_at(w->scale, f16, g16 ? 2 * g + 1 : g);
-            const __m512i fix = _mm512_slli_epi32(csum[v], 7);
-            const __m512 mv = has_min ? vec_at(w->min, f16, g) : _mm512_setzero_ps();
+            const vf sv = vec_at(w->scale, f16, g16 ? 2 * g + 1 : g);
+            const vf mv = has_min ? vec_at(w->min, f16, g) : vf_zero();
 #pragma GCC unroll 8
             for (int i = 0; i < MR; i++) {
-                const __m512i exact = kind == VS_Q8I ? _mm512_sub_epi32(isum[i][v], fix) : isum[i][v];
-                const __m512 sd = _mm512_mul_ps(sv, _mm512_set1_ps(xr.d[(m0 + i) * units + u]));
-                acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), sd, acc[i][v]);
-                if (has_min) acc[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(xr.dsum[(m0 + i) * units + u]), mv, acc[i][v]);
+                const vf sd = vf_mul(sv, vf_set1(xr.d[(m0 + i) * units + u]));
+                acc[i][v] = vf_fma(exact_sum(kind, isum[i][v], csum[v]), sd, acc[i][v]);
+                if (has_min) acc[i][v] = vf_fma(vf_set1(xr.dsum[(m0 + i) * units + u]), mv, acc[i][v]);
             }
         }
     }
 #pragma GCC unroll 8
     for (int v = 0; v < NR; v++) {
-        const int64_t n0 = (b0 + v) * RB;
-        const __mmask16 k = tail_mask(w->rows - n0);
-        const __m512 bias = w->bias ? _mm512_maskz_loadu_ps(k, w->bias + n0) : _mm512_setzero_ps();
+        const int64_t n0 = (b0 + v) * RB, left = w->rows - n0;
+        const vf bias = w->bias ? vf_load_part(w->bias + n0, left, 0.0f) : vf_zero();
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++)
-            _mm512_mask_storeu_ps(y + (m0 + i) * ldy + n0, k, w->bias ? _mm512_add_ps(acc[i][v], bias) : acc[i][v]);
+            vf_store_part(y + (m0 + i) * ldy + n0, w->bias ? vf_add(acc[i][v], bias) : acc[i][v], left);
     }
 }
 
 ALWAYS void blocks_rows_i8(const int kind, const int f16, const int g16, const vs_weight *w, int64_t b0,
                            int64_t b1, quant_rows xr, int64_t M, float *y, int64_t ldy) {
     int64_t m = 0;
-#define TILES_I8(MR, NR)                                                                     \
-    {                                                                                        \
-        int64_t b = b0;                                                                      \
-        for (; b + NR <= b1; b += NR) tile_i8(kind, f16, g16, MR, NR, w, b, xr, m, y, ldy); \
-        for (; b < b1; b++) tile_i8(kind, f16, g16, MR, 1, w, b, xr, m, y, ldy);             \
+#define TILES_I8(MR)                                                                                 \
+    {                                                                                                \
+        int64_t b = b0;                                                                              \
+        for (; b + TILE_N <= b1; b += TILE_N) tile_i8(kind, f16, g16, MR, TILE_N, w, b, xr, m, y, ldy); \
+        for (; b < b1; b++) tile_i8(kind, f16, g16, MR, 1, w, b, xr, m, y, ldy);                     \
     }
-    for (; m + 4 <= M; m += 4) TILES_I8(4, 4)
+    for (; m + TILE_M <= M; m += TILE_M) TILES_I8(TILE_M)
     switch (M - m) {
-    case 3: TILES_I8(3, 4) break;
-    case 2: TILES_I8(2, 4) break;
-    case 1: TILES_I8(1, 4) break;
+#if TILE_M > 3
+    case 3: TILES_I8(3) break;
+#endif
+#if TILE_M > 2
+    case 2: TILES_I8(2) break;
+#endif
+    case 1: TILES_I8(1) break;
     default: break;
     }
 #undef TILES_I8
 }
-
 typedef void (*blocks_i8_fn)(const vs_weight *, int64_t, int64_t, quant_rows, int64_t, float *, int64_t);
 #define BLOCKS_I8_FN(name, kind, f16, g16)                                                            \
     static void name(const vs_weight *w, int64_t b0, int64_t b1, quant_rows xr, int64_t M, float *y, \
@@ -455,8 +783,6 @@ static blocks_i8_fn blocks_i8_for(const vs_weight *w) {
     default: return w->group == 16 ? blocks_q8i_g16 : w->scale_f16 ? blocks_q8i_h : blocks_q8i_f;
     }
 }
-#else
-#define VS_HAS_VNNI 0
 #endif
 
 ALWAYS int is_i8(const vs_weight *w) { return w->kind >= VS_Q4I; }
@@ -489,7 +815,11 @@ static blocks_fn blocks_for(const vs_weight *w) {
     }
 }
 
-int vs_has_vnni(void) { return VS_HAS_VNNI; }
+int vs_has_int8(void) { return VS_HAS_INT8; }
+
+/* Rows a matmul takes per pass over a weight's blocks: up to this many cost about one row's
+   streaming of the weights. */
+int vs_tile_rows(void) { return TILE_M; }
 
 /* A thread's buffer for the rows' unit sums of x (M x units). */
 static float *sums_buffer(int64_t n) {
@@ -526,7 +856,7 @@ static void linear_rows_multi(const vs_weight *const *ws, float *const *ys, int 
                               int64_t M, int64_t ldx) {
     int64_t total = 0;
     const float *xs = NULL; /* the same for every weight: they share x */
-#if VS_HAS_VNNI
+#if VS_HAS_INT8
     quant_rows xr = {NULL, NULL, NULL};
 #endif
     for (int i = 0; i < count; i++) total += ((ws[i]->rows + RB - 1) / RB + CHUNK - 1) / CHUNK;
@@ -538,7 +868,7 @@ static void linear_rows_multi(const vs_weight *const *ws, float *const *ys, int 
             c -= ((ws[i]->rows + RB - 1) / RB + CHUNK - 1) / CHUNK, i++;
         const int64_t blocks = (ws[i]->rows + RB - 1) / RB;
         const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
-#if VS_HAS_VNNI
+#if VS_HAS_INT8
         if (is_i8(ws[i])) {
             if (xr.q == NULL) xr = quantize_rows(x, M, ldx, ws[i]->cols);
             blocks_i8_for(ws[i])(ws[i], b0, b1, xr, M, ys[i], ws[i]->rows);
@@ -552,7 +882,7 @@ static void linear_rows_multi(const vs_weight *const *ws, float *const *ys, int 
 
 static void linear_rows(const vs_weight *w, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy) {
     const int64_t blocks = (w->rows + RB - 1) / RB;
-#if VS_HAS_VNNI
+#if VS_HAS_INT8
     if (is_i8(w)) {
         quant_rows xr = {NULL, NULL, NULL};
         const blocks_i8_fn fn = blocks_i8_for(w);
@@ -669,7 +999,7 @@ static void attention(const vs_stack *s, const vs_layer *L, const float *keys, c
                       const int32_t *pos, const int32_t *prefix, const int32_t *xoff,
                       const int32_t *extra, float *out, float *scratch) {
     const int64_t H = s->n_heads, D = s->head_dim, hpg = s->n_heads / s->n_kv, T = s->max_len;
-    const __m512 scale = _mm512_set1_ps(s->attn_scale);
+    const vf scale = vf_set1(s->attn_scale);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < n * H; item++) {
         const int64_t r = item / H, h = item % H, g = h / hpg;
@@ -685,27 +1015,26 @@ static void attention(const vs_stack *s, const vs_layer *L, const float *keys, c
         /* Scores over the prefix: 16 keys a vector, each key one fma chain over d. */
         int64_t i = first;
         for (; i + 64 <= pre; i += 64) {
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            vf a0 = vf_zero(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t d = 0; d < D; d++) {
-                const __m512 qd = _mm512_set1_ps(qv[d]);
+                const vf qd = vf_set1(qv[d]);
                 const float *kd = kt + d * T + i;
-                a0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd), a0);
-                a1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd + 16), a1);
-                a2 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd + 32), a2);
-                a3 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kd + 48), a3);
+                a0 = vf_fma(qd, vf_load(kd), a0);
+                a1 = vf_fma(qd, vf_load(kd + 16), a1);
+                a2 = vf_fma(qd, vf_load(kd + 32), a2);
+                a3 = vf_fma(qd, vf_load(kd + 48), a3);
             }
             float *o = sc + (i - first);
-            _mm512_storeu_ps(o, _mm512_mul_ps(a0, scale));
-            _mm512_storeu_ps(o + 16, _mm512_mul_ps(a1, scale));
-            _mm512_storeu_ps(o + 32, _mm512_mul_ps(a2, scale));
-            _mm512_storeu_ps(o + 48, _mm512_mul_ps(a3, scale));
+            vf_store(o, vf_mul(a0, scale));
+            vf_store(o + 16, vf_mul(a1, scale));
+            vf_store(o + 32, vf_mul(a2, scale));
+            vf_store(o + 48, vf_mul(a3, scale));
         }
         for (; i < pre; i += 16) {
-            const __mmask16 k = tail_mask(pre - i);
-            __m512 a0 = _mm512_setzero_ps();
+            vf a0 = vf_zero();
             for (int64_t d = 0; d < D; d++)
-                a0 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d]), _mm512_maskz_loadu_ps(k, kt + d * T + i), a0);
-            _mm512_mask_storeu_ps(sc + (i - first), k, _mm512_mul_ps(a0, scale));
+                a0 = vf_fma(vf_set1(qv[d]), vf_load_part(kt + d * T + i, pre - i, 0.0f), a0);
+            vf_store_part(sc + (i - first), vf_mul(a0, scale), pre - i);
         }
         /* The extra slots: the same chain, one key at a time. */
         for (int64_t e = first > pre ? first - pre : 0; e < nx; e++) {
@@ -715,31 +1044,30 @@ static void attention(const vs_stack *s, const vs_layer *L, const float *keys, c
             sc[pre + e - first] = a * s->attn_scale;
         }
         /* Softmax in position order. */
-        __m512 mx = _mm512_set1_ps(-INFINITY);
+        vf mx = vf_set1(-INFINITY);
         for (int64_t j = 0; j < count; j += 16)
-            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(count - j), sc + j));
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 total = _mm512_setzero_ps();
+            mx = vf_max(mx, vf_load_part(sc + j, count - j, -INFINITY));
+        const vf top = vf_set1(vf_hmax(mx));
+        vf total = vf_zero();
         for (int64_t j = 0; j < count; j += 16) {
-            const __mmask16 k = tail_mask(count - j);
-            const __m512 e = _mm512_maskz_mov_ps(k, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), top)));
-            _mm512_mask_storeu_ps(sc + j, k, e);
-            total = _mm512_add_ps(total, e);
+            const vf e = vf_keep_part(vexp(vf_sub(vf_load_part(sc + j, count - j, 0.0f), top)), count - j);
+            vf_store_part(sc + j, e, count - j);
+            total = vf_add(total, e);
         }
-        const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
+        const vf sum = vf_set1(vf_sum(total));
         /* Weighted values: one chain per output lane, keys in position order. */
-        __m512 acc[16];
+        vf acc[16];
         const int64_t chunks = D / 16;
-        for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; c++) acc[c] = vf_zero();
         for (int64_t j = 0; j < count; j++) {
             const int64_t li = first + j;
             const int64_t slot = li < pre ? li : xs[li - pre];
-            const __m512 p = _mm512_set1_ps(sc[j]);
+            const vf p = vf_set1(sc[j]);
             const float *v = vv + slot * D;
-            for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
+            for (int64_t c = 0; c < chunks; c++) acc[c] = vf_fma(p, vf_load(v + 16 * c), acc[c]);
         }
         float *o = out + item * D;
-        for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(acc[c], sum));
+        for (int64_t c = 0; c < chunks; c++) vf_store(o + 16 * c, vf_div(acc[c], sum));
     }
 }
 
@@ -749,13 +1077,13 @@ static void attention(const vs_stack *s, const vs_layer *L, const float *keys, c
 ALWAYS void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
     const int64_t half = D / 2;
     for (int64_t i = 0; i < half; i += 16) {
-        const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + half + i);
-        const __m512 ra = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(cos + i)),
-                                        _mm512_mul_ps(b, _mm512_loadu_ps(sin + i)));
-        const __m512 rb = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(cos + half + i)),
-                                        _mm512_mul_ps(a, _mm512_loadu_ps(sin + half + i)));
-        _mm512_storeu_ps(x + i, ra);
-        _mm512_storeu_ps(x + half + i, rb);
+        const vf a = vf_load(x + i), b = vf_load(x + half + i);
+        const vf ra = vf_sub(vf_mul(a, vf_load(cos + i)),
+                                        vf_mul(b, vf_load(sin + i)));
+        const vf rb = vf_add(vf_mul(b, vf_load(cos + half + i)),
+                                        vf_mul(a, vf_load(sin + half + i)));
+        vf_store(x + i, ra);
+        vf_store(x + half + i, rb);
     }
 }
 
@@ -771,7 +1099,7 @@ int64_t vs_attention_scratch(const vs_stack *s) {
 
 ALWAYS void add_rows(float *x, const float *y, int64_t dim) {
     for (int64_t i = 0; i < dim; i += 16)
-        _mm512_storeu_ps(x + i, _mm512_add_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+        vf_store(x + i, vf_add(vf_load(x + i), vf_load(y + i)));
 }
 
 /* x (n x dim) through every layer, in place. The cache holds, per layer, keys (n_kv x head_dim x
@@ -843,9 +1171,9 @@ void vs_stack_forward(const vs_stack *s, float *x, int64_t n, const int32_t *pos
             const float *g = gate + r * I, *u = up + r * I;
             float *ar = act + r * I;
             for (int64_t i = 0; i < I; i += 16) {
-                const __m512 gv = _mm512_loadu_ps(g + i);
-                const __m512 a = s->act ? vgelu_tanh(gv) : vsilu(gv);
-                _mm512_storeu_ps(ar + i, _mm512_mul_ps(a, _mm512_loadu_ps(u + i)));
+                const vf gv = vf_load(g + i);
+                const vf a = s->act ? vgelu_tanh(gv) : vsilu(gv);
+                vf_store(ar + i, vf_mul(a, vf_load(u + i)));
             }
         }
         linear_rows(&L->w_down, act, n, I, o, dim);
@@ -862,48 +1190,373 @@ void vs_stack_forward(const vs_stack *s, float *x, int64_t n, const int32_t *pos
 
 /* ------------------------------------------------------------------ draft heads */
 
+/* For each of M rows (N logits each): the k largest entries (ties: the lower index first) as
+   ids and log-probabilities under the softmax over all of them. Call inside a parallel region. */
+static void topk_rows(const float *logits, int64_t M, int64_t N, int64_t k, int64_t *ids, float *logprobs) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M; i++) {
+        const float *row = logits + i * N;
+        vf mx = vf_set1(-INFINITY);
+        for (int64_t j = 0; j < N; j += 16)
+            mx = vf_max(mx, vf_load_part(row + j, N - j, -INFINITY));
+        const float top = vf_hmax(mx);
+        vf total = vf_zero();
+        for (int64_t j = 0; j < N; j += 16)
+            total = vf_add(total, vf_keep_part(vexp(vf_sub(vf_load_part(row + j, N - j, 0.0f), vf_set1(top))), N - j));
+        const float lse = top + logf(vf_sum(total));
+        /* k best, kept sorted (best first); a candidate must beat the k-th */
+        float best[64];
+        int64_t at[64];
+        int64_t have = 0;
+        const int64_t kk = k < 64 ? k : 64;
+        for (int64_t j = 0; j < N; j++) {
+            const float v = row[j];
+            if (have == kk && !(v > best[kk - 1])) continue;
+            int64_t pos = have < kk ? have++ : kk - 1;
+            while (pos > 0 && v > best[pos - 1]) {
+                best[pos] = best[pos - 1];
+                at[pos] = at[pos - 1];
+                pos--;
+            }
+            best[pos] = v;
+            at[pos] = j;
+        }
+        for (int64_t t = 0; t < kk; t++) {
+            ids[i * k + t] = t < have ? at[t] : 0;
+            logprobs[i * k + t] = t < have ? best[t] - lse : -INFINITY;
+        }
+    }
+}
+
 /* For each of M rows of x: the k largest entries of x w^T (ties: the lower index first) as ids
    and log-probabilities under the softmax over all of them. logits: M x rows scratch. */
 void vs_linear_topk(const vs_weight *w, const float *x, int64_t M, int64_t k, float *logits,
                     int64_t *ids, float *logprobs) {
-    const int64_t N = w->rows;
 #pragma omp parallel
     {
-        linear_rows(w, x, M, w->cols, logits, N);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < M; i++) {
-            const float *row = logits + i * N;
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int64_t j = 0; j < N; j += 16)
-                mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(N - j), row + j));
-            const float top = _mm512_reduce_max_ps(mx);
-            __m512 total = _mm512_setzero_ps();
-            for (int64_t j = 0; j < N; j += 16) {
-                const __mmask16 m = tail_mask(N - j);
-                total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), _mm512_set1_ps(top)))));
-            }
-            const float lse = top + logf(_mm512_reduce_add_ps(total));
-            /* k best, kept sorted (best first); a candidate must beat the k-th */
-            float best[64];
-            int64_t at[64];
-            int64_t have = 0;
-            const int64_t kk = k < 64 ? k : 64;
-            for (int64_t j = 0; j < N; j++) {
-                const float v = row[j];
-                if (have == kk && !(v > best[kk - 1])) continue;
-                int64_t pos = have < kk ? have++ : kk - 1;
-                while (pos > 0 && v > best[pos - 1]) {
-                    best[pos] = best[pos - 1];
-                    at[pos] = at[pos - 1];
-                    pos--;
-                }
-                best[pos] = v;
-                at[pos] = j;
-            }
-            for (int64_t t = 0; t < kk; t++) {
-                ids[i * k + t] = t < have ? at[t] : 0;
-                logprobs[i * k + t] = t < have ? best[t] - lse : -INFINITY;
-            }
+        linear_rows(w, x, M, w->cols, logits, w->rows);
+        topk_rows(logits, M, w->rows, k, ids, logprobs);
+    }
+}
+
+/* ------------------------------------------------------------------ speculative steps
+
+   A draft tree or a verification in one call each, so that a step costs the arithmetic and
+   not the host's bookkeeping between small kernels. Tree nodes are numbered as flattened for
+   the target: the root (the last committed token) first, then depth by depth; node i's
+   parent is smaller than i. */
+
+/* What tree row r of n sees when the tree goes into a cache after `start` slots (committed and
+   pending): slots [0, start), then its ancestors' slots and its own in position order; its
+   position is base + its depth (base: the root's position). parents[0] < 0. */
+void vs_tree_visibility(const int64_t *parents, int64_t n, int64_t start, int64_t base, int32_t *pos,
+                        int32_t *prefix, int32_t *xoff, int32_t *extra) {
+    int64_t used = 0;
+    xoff[0] = 0;
+    for (int64_t r = 0; r < n; r++) {
+        int64_t depth = 0;
+        for (int64_t a = parents[r]; a >= 0; a = parents[a]) depth++;
+        pos[r] = (int32_t)(base + depth);
+        prefix[r] = (int32_t)start;
+        int64_t at = used + depth; /* ancestors fill [used, used + depth), deepest last */
+        extra[at] = (int32_t)(start + r);
+        for (int64_t a = parents[r]; a >= 0; a = parents[a]) extra[--at] = (int32_t)(start + a);
+        used += depth + 1;
+        xoff[r + 1] = (int32_t)used;
+    }
+}
+
+/* Keep the pending slots keep[0..nkeep) (increasing, relative to `length`) of every layer's
+   keys (layers x n_kv x head_dim x T) and values (layers x n_kv x T x head_dim), packed right
+   after the committed `length`. */
+void vs_cache_keep(float *keys, float *values, int64_t layers, int64_t n_kv, int64_t head_dim, int64_t T,
+                   int64_t length, const int64_t *keep, int64_t nkeep) {
+    for (int64_t g = 0; g < layers * n_kv; g++) {
+        float *k = keys + g * head_dim * T, *v = values + g * T * head_dim;
+        for (int64_t j = 0; j < nkeep; j++) {
+            const int64_t src = length + keep[j], dst = length + j;
+            if (src == dst) continue;
+            for (int64_t d = 0; d < head_dim; d++) k[d * T + dst] = k[d * T + src];
+            memcpy(v + dst * head_dim, v + src * head_dim, head_dim * sizeof(float));
         }
     }
+}
+
+/* Greedy verification of a tree whose rows' last hidden states are `hidden` (n x dim): from
+   the root, follow the child carrying the target's argmax (the first index on ties, as
+   plain decoding picks) while there is one. The LM head scores rows as they are reached, in
+   batches along the likeliest path (a node, its first child, that child's first child, up to
+   head_rows rows: about one row's pass over the head's weights). Writes the accepted nodes to
+   path (root first) and returns their count; *next: the target's token after them.
+   work: head_rows x dim floats; logits: head_rows x vocab floats. */
+int64_t vs_verify_greedy(const float *norm, float eps, const vs_weight *w, const float *hidden, int64_t n,
+                         const int64_t *tokens, const int64_t *parents, int64_t head_rows, int64_t *path,
+                         int64_t *next, float *work, float *logits) {
+    const int64_t dim = w->cols, V = w->rows;
+    int64_t *best = malloc((size_t)n * sizeof(int64_t)), *first = malloc((size_t)n * sizeof(int64_t));
+    int64_t batch[64];
+    if (head_rows > 64) head_rows = 64;
+    if (head_rows < 1) head_rows = 1;
+    for (int64_t i = 0; i < n; i++) best[i] = -1, first[i] = -1;
+    for (int64_t i = n - 1; i > 0; i--) first[parents[i]] = i;   /* each node's first child */
+    int64_t node = 0, count = 0;
+    for (;;) {
+        path[count++] = node;
+        if (best[node] < 0) {
+            int64_t m = 0;
+            for (int64_t b = node; b >= 0 && m < head_rows && best[b] < 0; b = first[b]) batch[m++] = b;
+#pragma omp parallel
+            {
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < m; i++) rmsnorm_row(hidden + batch[i] * dim, norm, work + i * dim, dim, eps);
+                linear_rows(w, work, m, dim, logits, V);
+            }
+            for (int64_t i = 0; i < m; i++) {
+                const float *row = logits + i * V;
+                int64_t at = 0;
+                for (int64_t j = 1; j < V; j++)
+                    if (row[j] > row[at]) at = j;
+                best[batch[i]] = at;
+            }
+        }
+        int64_t match = -1;
+        for (int64_t c = node + 1; c < n; c++)
+            if (parents[c] == node && tokens[c] == best[node]) {
+                match = c;
+                break;
+            }
+        if (match < 0) break;
+        node = match;
+    }
+    *next = best[node];
+    free(best);
+    free(first);
+    return count;
+}
+
+/* An EAGLE drafter: fc over (token embedding, feature), its decoder layers (a vs_stack over
+   its own cache), and a draft head over the target's embedding rows (head_ids: the target id
+   of each head row, NULL for all). Features are the target's last hidden states through its
+   final norm. */
+typedef struct {
+    vs_weight fc, head, embed;
+    const int64_t *head_ids;
+    const float *norm;
+    float eps, embed_scale;
+} vs_drafter;
+
+/* x (n x dim) = fc(embedding(tokens), features) for n rows; features: n x dim (normed if
+   `normed`, else the target's hidden states, normed here). pair: n x 2 dim scratch. */
+static void drafter_input(const vs_drafter *d, const int64_t *tokens, const float *features, int normed,
+                          int64_t n, float *pair, float *x) {
+    const int64_t dim = d->fc.rows;
+    for (int64_t i = 0; i < n; i++) {
+        vs_dequant_rows(&d->embed, tokens[i], tokens[i] + 1, pair + i * 2 * dim);
+        if (d->embed_scale != 0.0f)
+            for (int64_t j = 0; j < dim; j++) pair[i * 2 * dim + j] *= d->embed_scale;
+        if (normed) memcpy(pair + i * 2 * dim + dim, features + i * dim, dim * sizeof(float));
+        else rmsnorm_row(features + i * dim, d->norm, pair + i * 2 * dim + dim, dim, d->eps);
+    }
+#pragma omp parallel
+    linear_rows(&d->fc, pair, n, 2 * dim, x, dim);
+}
+
+/* The drafter reads n committed rows (tokens and the target's hidden states at the tokens
+   before them) into its cache after `length` slots, causally; state: the last row's output
+   (dim floats), the predicted feature the next draft starts from. scratch: see below. */
+void vs_drafter_read(const vs_drafter *d, const vs_stack *s, float *keys, float *values, int64_t length,
+                     const int64_t *tokens, const float *hidden, int64_t n, float *state, float *scratch,
+                     float *work, float *att) {
+    const int64_t dim = d->fc.rows;
+    float *pair = scratch, *x = pair + n * 2 * dim;
+    int32_t *pos = (int32_t *)(x + n * dim), *prefix = pos + n, *xoff = prefix + n, *extra = xoff + n + 1;
+    drafter_input(d, tokens, hidden, 0, n, pair, x);
+    for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)(length + i), prefix[i] = (int32_t)(length + i + 1), xoff[i] = 0;
+    xoff[n] = 0;
+    extra[0] = 0;
+    vs_stack_forward(s, x, n, pos, prefix, xoff, extra, keys, values, length, work, att, NULL, 0, NULL);
+    memcpy(state, x + (n - 1) * dim, dim * sizeof(float));
+}
+
+/* Floats of scratch vs_drafter_read needs for n rows. */
+int64_t vs_drafter_read_scratch(const vs_drafter *d, int64_t n) { return n * (3 * (int64_t)d->fc.rows + 4) + 2; }
+
+/* ---- EAGLE-2's dynamic tree (tree.TreeBuilder is the reference; the same nodes, the same
+   order). Node values are summed log-probabilities (double). The root's top_k children form
+   depth 1; each level expands the top_k newest nodes by value (ties: drafted earlier), less
+   those that cannot reach the final tree; finally the best total_tokens nodes are kept (ties:
+   shallower, then drafted earlier) and flattened depth by depth, siblings in their parent's
+   order, most valuable first. */
+typedef struct {
+    const double *value;
+    const int32_t *depth, *parent, *flat;
+} tree_keys;
+
+static __thread const tree_keys *sort_keys;
+
+static int by_value(const void *a, const void *b) { /* -value, then id */
+    const int32_t i = *(const int32_t *)a, j = *(const int32_t *)b;
+    const double vi = sort_keys->value[i], vj = sort_keys->value[j];
+    return vi > vj ? -1 : vi < vj ? 1 : (i > j) - (i < j);
+}
+
+static int by_rank(const void *a, const void *b) { /* -value, depth, id */
+    const int32_t i = *(const int32_t *)a, j = *(const int32_t *)b;
+    const double vi = sort_keys->value[i], vj = sort_keys->value[j];
+    if (vi != vj) return vi > vj ? -1 : 1;
+    if (sort_keys->depth[i] != sort_keys->depth[j]) return sort_keys->depth[i] - sort_keys->depth[j];
+    return (i > j) - (i < j);
+}
+
+static int by_place(const void *a, const void *b) { /* depth, parent's place, -value, id */
+    const int32_t i = *(const int32_t *)a, j = *(const int32_t *)b;
+    if (sort_keys->depth[i] != sort_keys->depth[j]) return sort_keys->depth[i] - sort_keys->depth[j];
+    const int32_t pi = sort_keys->flat[sort_keys->parent[i]], pj = sort_keys->flat[sort_keys->parent[j]];
+    if (pi != pj) return pi - pj;
+    const double vi = sort_keys->value[i], vj = sort_keys->value[j];
+    if (vi != vj) return vi > vj ? -1 : 1;
+    return (i > j) - (i < j);
+}
+
+static int by_double_desc(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x > y ? -1 : x < y;
+}
+
+/* Most nodes a tree of these settings drafts (the root included). */
+int64_t vs_tree_capacity(int64_t top_k, int64_t depth) { return 1 + top_k + depth * top_k * top_k; }
+
+/* Grow the tree from `state` (the drafter's output at the root) over the drafter's cache of
+   `length` committed slots; its expansions are left pending (forgotten: the next read
+   overwrites them). Writes the kept tree, flattened, to tokens/parents (parents[0] = -1) and
+   each node's value rank to ranks (-1 for the root); returns its rows. head_logits: top_k x
+   head rows floats; work/att: as vs_stack_forward for top_k rows. */
+int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, float *keys, float *values, int64_t length,
+                      const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
+                      int64_t *tokens, int64_t *parents, int64_t *ranks, float *head_logits, float *work,
+                      float *att) {
+    const int64_t dim = d->fc.rows, cap = vs_tree_capacity(top_k, depth);
+    int64_t *tok = malloc(cap * sizeof(int64_t)), *ids = malloc(top_k * top_k * sizeof(int64_t));
+    int32_t *par = malloc(cap * sizeof(int32_t)), *dep = malloc(cap * sizeof(int32_t));
+    int32_t *slot = malloc(cap * sizeof(int32_t)), *row_of = malloc(cap * sizeof(int32_t));
+    int32_t *order = malloc(2 * cap * sizeof(int32_t)), *flat = malloc(cap * sizeof(int32_t));
+    double *val = malloc(cap * sizeof(double)), *sorted = malloc(cap * sizeof(double));
+    float *lp = malloc(top_k * top_k * sizeof(float));
+    float *states = malloc(2 * top_k * dim * sizeof(float)), *pair = malloc(top_k * 2 * dim * sizeof(float));
+    int64_t *front_tok = malloc(top_k * sizeof(int64_t));
+    int32_t *pos = malloc(top_k * sizeof(int32_t)), *prefix = malloc(top_k * sizeof(int32_t));
+    int32_t *xoff = malloc((top_k + 1) * sizeof(int32_t)), *extra = malloc(top_k * (depth + 1) * sizeof(int32_t));
+    int32_t front[64], newest_lo, newest_hi;
+    tree_keys keys_ = {val, dep, par, flat};
+    sort_keys = &keys_;
+    int64_t count = 1, pending = 0;
+    tok[0] = root, par[0] = -1, dep[0] = 0, val[0] = 0.0, slot[0] = -1;
+
+    /* Depth 1: the root's children, from `state`. */
+    float *cur = states, *next_states = states + top_k * dim;
+    memcpy(cur, state, dim * sizeof(float));
+    int64_t n_front = 1;
+    front[0] = 0;
+    row_of[0] = 0;
+    for (int64_t level = 0; level <= depth; level++) {
+        /* The frontier's rows (states in cur) through the head: top_k children each. */
+        const int64_t k = top_k < d->head.rows ? top_k : d->head.rows;
+#pragma omp parallel
+        {
+            linear_rows(&d->head, cur, n_front, dim, head_logits, d->head.rows);
+            topk_rows(head_logits, n_front, d->head.rows, k, ids, lp);
+        }
+        newest_lo = (int32_t)count;
+        for (int64_t r = 0; r < n_front; r++) {
+            const int32_t p = front[r];
+            for (int64_t c = 0; c < k; c++) {
+                tok[count] = d->head_ids ? d->head_ids[ids[r * k + c]] : ids[r * k + c];
+                par[count] = p;
+                dep[count] = dep[p] + 1;
+                val[count] = val[p] + (double)lp[r * k + c];
+                slot[count] = -1;
+                count++;
+            }
+        }
+        newest_hi = (int32_t)count;
+        if (level == depth) break;
+        /* The next frontier: the newest layer's top_k by value, less nodes valued at most the
+           total_tokens-th value overall (their descendants could not be kept). */
+        int32_t cand = newest_hi - newest_lo;
+        for (int32_t i = 0; i < cand; i++) order[i] = newest_lo + i;
+        qsort(order, cand, sizeof(int32_t), by_value);
+        if (cand > top_k) cand = (int32_t)top_k;
+        int64_t m = 0;
+        if (count - 1 < total_tokens) {
+            for (int32_t i = 0; i < cand; i++) front[m++] = order[i];
+        } else {
+            memcpy(sorted, val + 1, (count - 1) * sizeof(double));
+            qsort(sorted, count - 1, sizeof(double), by_double_desc);
+            const double cutoff = sorted[total_tokens - 1];
+            for (int32_t i = 0; i < cand; i++)
+                if (val[order[i]] > cutoff) front[m++] = order[i];
+        }
+        if (m == 0) break;
+        /* Their drafter rows: token and parent's state, each seeing its expanded ancestors'
+           pending slots and its own. */
+        for (int64_t r = 0; r < m; r++) {
+            const int32_t node = front[r];
+            front_tok[r] = tok[node];
+            memcpy(next_states + r * dim, cur + row_of[par[node]] * dim, dim * sizeof(float));
+        }
+        drafter_input(d, front_tok, next_states, 1, m, pair, next_states);
+        xoff[0] = 0;
+        for (int64_t r = 0; r < m; r++) {
+            const int32_t node = front[r];
+            pos[r] = (int32_t)(length - 1 + dep[node]);
+            prefix[r] = (int32_t)length;
+            int64_t at = xoff[r] + dep[node];  /* ancestors below the root, then itself */
+            extra[--at] = (int32_t)(length + pending + r);
+            for (int32_t a = par[node]; a > 0; a = par[a]) extra[--at] = (int32_t)(length + slot[a]);
+            xoff[r + 1] = xoff[r] + dep[node];
+        }
+        vs_stack_forward(s, next_states, m, pos, prefix, xoff, extra, keys, values, length + pending, work, att,
+                         NULL, 0, NULL);
+        for (int64_t r = 0; r < m; r++) slot[front[r]] = (int32_t)(pending + r), row_of[front[r]] = (int32_t)r;
+        pending += m;
+        n_front = m;
+        float *t = cur;
+        cur = next_states;
+        next_states = t;
+    }
+    /* Keep the best total_tokens; flatten depth by depth. */
+    int64_t kept = count - 1 < total_tokens ? count - 1 : total_tokens;
+    for (int32_t i = 0; i < count - 1; i++) order[i] = i + 1;
+    qsort(order, count - 1, sizeof(int32_t), by_rank);
+    for (int64_t i = 0; i < count; i++) flat[i] = -1;
+    for (int64_t r = 0; r < kept; r++) row_of[order[r]] = (int32_t)r;   /* value rank */
+    flat[0] = 0;
+    /* Parents are kept with their children and are shallower: placing level by level in
+       depth order sees each parent's place before its children are sorted. */
+    int32_t *place = order + kept, placed = 0;
+    memcpy(place, order, kept * sizeof(int32_t));
+    int64_t lo = 0;
+    for (int32_t dd = 1; lo < kept && dd <= depth + 1; dd++) {
+        int64_t hi = lo;
+        for (int64_t i = lo; i < kept; i++)
+            if (dep[place[i]] == dd) {
+                const int32_t t = place[hi];
+                place[hi++] = place[i];
+                place[i] = t;
+            }
+        qsort(place + lo, hi - lo, sizeof(int32_t), by_place);
+        for (int64_t i = lo; i < hi; i++) flat[place[i]] = (int32_t)(++placed);
+        lo = hi;
+    }
+    tokens[0] = root, parents[0] = -1, ranks[0] = -1;
+    for (int64_t i = 0; i < kept; i++) {
+        const int32_t node = place[i];
+        tokens[i + 1] = tok[node];
+        parents[i + 1] = flat[par[node]];
+        ranks[i + 1] = row_of[node];
+    }
+    free(tok), free(ids), free(par), free(dep), free(slot), free(row_of), free(order), free(flat);
+    free(val), free(sorted), free(lp), free(states), free(pair), free(front_tok), free(pos), free(prefix);
+    free(xoff), free(extra);
+    return kept + 1;
 }

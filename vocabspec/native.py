@@ -9,8 +9,10 @@ per row, over weights kept in their GGUF groups, in one call per forward.
 
 The library is compiled on first use with the machine's C compiler into the cache directory
 (keyed by the source, the compiler and the CPU), and shares torch's OpenMP threads: torch is
-imported first, so the dynamic loader hands the library torch's libgomp. Where it cannot be
-built (no compiler, no AVX-512), `available()` says why and the engine runs torch's kernels.
+imported first, so the dynamic loader hands the library torch's libgomp. It needs AVX-512 (F,
+BW) or AVX2 with FMA and F16C; the same per-lane arithmetic runs on both. A fresh build must
+pass a self-test (every row of a matmul alone has the bits it has among others) before it is
+kept. Where it cannot be built or fails the test, `available()` says why.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class Stack(ctypes.Structure):
                 ("attn_scale", ctypes.c_float), ("layers", ctypes.POINTER(Layer))]
 
 
+class Drafter(ctypes.Structure):
+    _fields_ = [("fc", Weight), ("head", Weight), ("embed", Weight), ("head_ids", ctypes.c_void_p),
+                ("norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("embed_scale", ctypes.c_float)]
+
+
 def _cpu_key() -> str:
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -68,21 +75,107 @@ def _cpu_key() -> str:
     return flags
 
 
+# Every row's bits must not depend on the call: no contraction the source does not write, no
+# reassociation, whatever defaults a compiler wrapper in $CC adds before these.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math",
+         "-fno-unsafe-math-optimizations", "-fno-associative-math", "-fno-reciprocal-math",
+         "-fno-finite-math-only", "-fsigned-zeros", "-ftrapping-math", "-fPIC", "-shared"]
+
+
+def isa() -> str:
+    """The instruction set the engine compiles for here: avx512 or avx2 (RuntimeError if neither)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"the native engine needs an x86-64 CPU ({platform.machine()})")
+    flags = set(_cpu_key().split())
+    if {"avx512f", "avx512bw"} <= flags:
+        return "avx512"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
+    raise RuntimeError("the native engine needs AVX-512 (F, BW) or AVX2 with FMA and F16C, which this CPU lacks")
+
+
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_key().encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_key().encode()
+                         + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"native-{key}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared",
-               "-o", str(out), str(SOURCE), "-lm"]
+        cmd = [compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
+        _self_test(_declare(ctypes.CDLL(str(out))))
         os.replace(out, target)   # atomic: a concurrent build of the same key is harmless
     return target
+
+
+def _self_test(lib) -> None:
+    """Row invariance, checked once per build: each of 7 rows through a matmul of every kind
+    family (float, quantized, 8-bit activations where built) and the fused top-k must get the
+    bits it gets alone. RuntimeError names the first that does not."""
+    generator = torch.Generator().manual_seed(0)
+    rows, cols, n = 40, 96, 7          # 40: a block of 16 rows with a tail
+    weight = torch.randn(rows, cols, generator=generator)
+    x = torch.randn(n, cols, generator=generator)
+    blocks = -(-rows // 16)
+    # f32 layout: (blocks, units, input, lane)
+    padded = torch.zeros(blocks * 16, cols)
+    padded[:rows] = weight
+    data = padded.view(blocks, 16, cols // 32, 32).permute(0, 2, 3, 1).contiguous()
+    f32 = Weight(kind=KINDS["f32"], rows=rows, cols=cols, group=32, data=data.data_ptr())
+    # q8i: signed codes and a float scale per (row, unit), four inputs' codes per row together
+    codes = torch.randint(-128, 128, (blocks * 16, cols), generator=generator, dtype=torch.int8)
+    scales = torch.rand(blocks, cols // 32, 16, generator=generator) + 0.5
+    q8i_data = codes.view(blocks, 16, cols // 32, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    q8i = Weight(kind=KINDS["q8i"], rows=rows, cols=cols, group=32, data=q8i_data.data_ptr(),
+                 scale=scales.data_ptr())
+    checks = [("f32 matmul", f32)] + ([("8-bit-activation matmul", q8i)] if lib.vs_has_int8() else [])
+    for name, w in checks:
+        together = torch.empty(n, rows)
+        lib.vs_linear(ctypes.byref(w), x.data_ptr(), n, together.data_ptr())
+        for i in range(n):
+            alone = torch.empty(1, rows)
+            lib.vs_linear(ctypes.byref(w), x[i:i + 1].contiguous().data_ptr(), 1, alone.data_ptr())
+            if not torch.equal(alone[0], together[i]):
+                raise RuntimeError(f"self-test failed: a row of a {name} changes with the rows beside it "
+                                   "(the compiler reordered the arithmetic?)")
+    ids, logprobs, logits = torch.empty(n, 4, dtype=torch.int64), torch.empty(n, 4), torch.empty(n, rows)
+    lib.vs_linear_topk(ctypes.byref(f32), x.data_ptr(), n, 4, logits.data_ptr(), ids.data_ptr(), logprobs.data_ptr())
+    if not torch.equal(ids, torch.topk(logits, 4).indices):
+        raise RuntimeError("self-test failed: the fused top-k disagrees with the products it ranks")
+
+
+def _declare(lib):
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.vs_linear.argtypes = [ctypes.POINTER(Weight), p, i64, p]
+    lib.vs_has_int8.restype = ctypes.c_int
+    lib.vs_tile_rows.restype = ctypes.c_int
+    lib.vs_linear_topk.argtypes = [ctypes.POINTER(Weight), p, i64, i64, p, p, p]
+    lib.vs_dequant_rows.argtypes = [ctypes.POINTER(Weight), i64, i64, p]
+    lib.vs_embed.argtypes = [ctypes.POINTER(Weight), p, i64, f32, p]
+    lib.vs_head.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p]
+    lib.vs_stack_work.argtypes = [ctypes.POINTER(Stack), i64]
+    lib.vs_stack_work.restype = i64
+    lib.vs_attention_scratch.argtypes = [ctypes.POINTER(Stack)]
+    lib.vs_attention_scratch.restype = i64
+    lib.vs_stack_forward.argtypes = [ctypes.POINTER(Stack), p, i64, p, p, p, p, p, p, i64, p, p, p, i64, p]
+    lib.vs_tree_visibility.argtypes = [p, i64, i64, i64, p, p, p, p]
+    lib.vs_cache_keep.argtypes = [p, p, i64, i64, i64, i64, i64, p, i64]
+    lib.vs_verify_greedy.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p, i64, p, p, p, p]
+    lib.vs_verify_greedy.restype = i64
+    lib.vs_drafter_read.argtypes = [ctypes.POINTER(Drafter), ctypes.POINTER(Stack), p, p, i64, p, p, i64, p,
+                                    p, p, p]
+    lib.vs_drafter_read_scratch.argtypes = [ctypes.POINTER(Drafter), i64]
+    lib.vs_drafter_read_scratch.restype = i64
+    lib.vs_tree_capacity.argtypes = [i64, i64]
+    lib.vs_tree_capacity.restype = i64
+    lib.vs_eagle_tree.argtypes = [ctypes.POINTER(Drafter), ctypes.POINTER(Stack), p, p, i64, p, i64, i64, i64,
+                                  i64, p, p, p, p, p, p]
+    lib.vs_eagle_tree.restype = i64
+    return lib
 
 
 def library():
@@ -93,31 +186,21 @@ def library():
     if _error is not None:
         raise RuntimeError(_error)
     try:
-        if platform.machine() not in ("x86_64", "AMD64"):
-            raise RuntimeError(f"the native engine needs an x86-64 CPU with AVX-512 ({platform.machine()})")
-        if "avx512f" not in _cpu_key().split():
-            raise RuntimeError("the native engine needs AVX-512F, which this CPU lacks")
+        isa()
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
             raise RuntimeError("the native engine is compiled on first use and needs a C compiler (cc)")
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = _declare(ctypes.CDLL(str(_build(compiler))))
     except (RuntimeError, OSError) as exc:
         _error = f"native CPU engine unavailable: {exc}"
         raise RuntimeError(_error) from exc
-    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.vs_linear.argtypes = [ctypes.POINTER(Weight), p, i64, p]
-    lib.vs_has_vnni.restype = ctypes.c_int
-    lib.vs_linear_topk.argtypes = [ctypes.POINTER(Weight), p, i64, i64, p, p, p]
-    lib.vs_dequant_rows.argtypes = [ctypes.POINTER(Weight), i64, i64, p]
-    lib.vs_embed.argtypes = [ctypes.POINTER(Weight), p, i64, f32, p]
-    lib.vs_head.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p]
-    lib.vs_stack_work.argtypes = [ctypes.POINTER(Stack), i64]
-    lib.vs_stack_work.restype = i64
-    lib.vs_attention_scratch.argtypes = [ctypes.POINTER(Stack)]
-    lib.vs_attention_scratch.restype = i64
-    lib.vs_stack_forward.argtypes = [ctypes.POINTER(Stack), p, i64, p, p, p, p, p, p, i64, p, p, p, i64, p]
     _lib = lib
     return lib
+
+
+def has_int8() -> bool:
+    """Whether products with 8-bit activations (`gguf-a8`) run here: AVX-512 VNNI, or AVX2."""
+    return bool(library().vs_has_int8())
 
 
 def available() -> tuple[bool, str]:
@@ -171,6 +254,21 @@ def visibility(length: int, pending: int, positions: torch.Tensor, tree_mask: to
             (cols + length).to(torch.int32) if cols.numel() else torch.zeros(1, dtype=torch.int32))
 
 
+def tree_visibility(parents: torch.Tensor, start: int, base: int):
+    """(positions, prefix, xoff, extra), int32, for a tree's rows (parents (n,), -1 for the
+    root) written after `start` cache slots with the root at position `base`: each row sees
+    the slots before, its ancestors' and its own (see `visibility`)."""
+    parents = parents.to(torch.int64).contiguous()
+    n = parents.numel()
+    pos, prefix, xoff = (torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32),
+                         torch.empty(n + 1, dtype=torch.int32))
+    depth_bound = n * (n + 1) // 2
+    extra = torch.empty(max(depth_bound, 1), dtype=torch.int32)
+    library().vs_tree_visibility(parents.data_ptr(), n, start, base, pos.data_ptr(), prefix.data_ptr(),
+                                 xoff.data_ptr(), extra.data_ptr())
+    return pos, prefix, xoff, extra
+
+
 class NativeStack:
     """Decoder layers on the native engine: their description is built once; a forward is one
     call. `layers`: one dict per layer with PackedWeights wq, wk, wv, wo, w_gate, w_up, w_down
@@ -200,31 +298,47 @@ class NativeStack:
         self.work = torch.empty(0, dtype=torch.float32)
         self.dim, self.n_layers, self.n_kv, self.head_dim = dim, len(layers), n_kv, head_dim
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                length: int, pending: int, tree_mask: torch.Tensor | None = None,
-                taps: tuple[int, ...] = ()) -> torch.Tensor | None:
-        """Run x (n, dim), float32, in place through the layers; the new keys and values go to
-        the slots after the `length` committed and `pending` uncommitted ones. Returns the
-        `taps` layers' outputs side by side (n, len(taps) * dim), or None."""
-        lib = library()
-        n = x.shape[0]
-        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dim:
-            raise ValueError("native forward needs contiguous float32 rows of the model width")
+    def check_cache(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """The slots of a cache in this stack's native layout (ValueError if it is not)."""
         slots = keys.shape[-1]
         if keys.shape != (self.n_layers, self.n_kv, self.head_dim, slots) or \
-                values.shape != (self.n_layers, self.n_kv, slots, self.head_dim):
+                values.shape != (self.n_layers, self.n_kv, slots, self.head_dim) or \
+                keys.dtype != torch.float32 or values.dtype != torch.float32:
             raise ValueError("the cache does not have the native layout of this stack")
-        if length + pending + n > slots:
-            raise ValueError(f"sequence would reach {length + pending + n} tokens, beyond the cache's {slots}")
-        prefix, xoff, extra = visibility(length, pending, positions, tree_mask)
+        return slots
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """Size the workspace for forwards of up to `rows` rows over a cache of `slots`."""
+        lib = library()
         self.stack.max_len = slots
-        need = lib.vs_stack_work(ctypes.byref(self.stack), n)
+        need = lib.vs_stack_work(ctypes.byref(self.stack), rows)
         if self.work.numel() < need:
             self.work = torch.empty(need, dtype=torch.float32)
         need = lib.vs_attention_scratch(ctypes.byref(self.stack))
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.float32)
-        pos32 = positions.to(torch.int32).contiguous()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+                length: int, pending: int, tree_mask: torch.Tensor | None = None,
+                taps: tuple[int, ...] = (), parents: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run x (n, dim), float32, in place through the layers; the new keys and values go to
+        the slots after the `length` committed and `pending` uncommitted ones. What each row
+        sees: `tree_mask` (see `visibility`), or a tree's `parents` (n,) (-1 for its root, whose
+        position is length + pending; positions are then its rows' depths after it), or
+        causally. Returns the `taps` layers' outputs side by side (n, len(taps) * dim), or None."""
+        lib = library()
+        n = x.shape[0]
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dim:
+            raise ValueError("native forward needs contiguous float32 rows of the model width")
+        slots = self.check_cache(keys, values)
+        if length + pending + n > slots:
+            raise ValueError(f"sequence would reach {length + pending + n} tokens, beyond the cache's {slots}")
+        if parents is not None:
+            pos32, prefix, xoff, extra = tree_visibility(parents, length + pending, length + pending)
+        else:
+            prefix, xoff, extra = visibility(length, pending, positions, tree_mask)
+            pos32 = positions.to(torch.int32).contiguous()
+        self.reserve(n, slots)
         tapped = torch.empty(n, len(taps) * self.dim) if taps else None
         tap_ids = torch.tensor(taps, dtype=torch.int32) if taps else None
         lib.vs_stack_forward(ctypes.byref(self.stack), x.data_ptr(), n, pos32.data_ptr(),
@@ -265,3 +379,106 @@ class NativeModel:
             library().vs_head(self.norm.data_ptr(), self.eps, ctypes.byref(self._head_struct),
                               hidden.data_ptr(), rows, self._work.data_ptr(), logits.data_ptr())
         return logits
+
+    @property
+    def head_rows(self) -> int:
+        """Rows verification scores at a time: as many as one pass over the head's weights
+        takes (the matmul's row tile)."""
+        return library().vs_tile_rows()
+
+    def verify_greedy(self, hidden: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                      head_rows: int | None = None) -> tuple[list[int], int]:
+        """Greedy verification of a tree in one call (`vs_verify_greedy`): the accepted nodes,
+        root first, and the target's token after them. hidden: the tree rows' last hidden
+        states; the LM head scores rows as verification reaches them, `head_rows` at a time
+        (default: `self.head_rows`)."""
+        head_rows = self.head_rows if head_rows is None else head_rows
+        hidden = hidden.contiguous()
+        n = hidden.shape[0]
+        tokens, parents = tokens.to(torch.int64).contiguous(), parents.to(torch.int64).contiguous()
+        rows = min(max(head_rows, 1), 64)
+        if self._work.numel() < rows * hidden.shape[1]:
+            self._work = torch.empty(rows * hidden.shape[1], dtype=torch.float32)
+        if not hasattr(self, "_logits") or self._logits.numel() < rows * self.head_weight.rows:
+            self._logits = torch.empty(rows * self.head_weight.rows, dtype=torch.float32)
+        path = torch.empty(n, dtype=torch.int64)
+        following = torch.empty(1, dtype=torch.int64)
+        count = library().vs_verify_greedy(self.norm.data_ptr(), self.eps, ctypes.byref(self._head_struct),
+                                           hidden.data_ptr(), n, tokens.data_ptr(), parents.data_ptr(), rows,
+                                           path.data_ptr(), following.data_ptr(), self._work.data_ptr(),
+                                           self._logits.data_ptr())
+        return path[:count].tolist(), int(following)
+
+
+def cache_keep(keys: torch.Tensor, values: torch.Tensor, length: int, keep: list[int]) -> None:
+    """Keep pending slots `keep` (increasing, counted from `length`) of a native-layout cache,
+    packed after the committed ones, in one call."""
+    layers, n_kv, head_dim, slots = keys.shape
+    kept = torch.tensor(keep, dtype=torch.int64)
+    library().vs_cache_keep(keys.data_ptr(), values.data_ptr(), layers, n_kv, head_dim, slots, length,
+                            kept.data_ptr(), len(keep))
+
+
+class NativeDrafter:
+    """An EAGLE drafter on the native engine, a read of committed tokens and a whole draft tree
+    in one call each (native.c's `vs_drafter_read`, `vs_eagle_tree`; tree.TreeBuilder is the
+    reference the tree follows). fc and the stack are the drafter's; head: its draft head as a
+    PackedWeight over the target's rows `head_ids` (None: all of them); embed, embed_scale,
+    norm, eps: the target's embedding and final norm (features are the target's hidden states
+    through it)."""
+
+    def __init__(self, fc, stack: NativeStack, head, head_ids: torch.Tensor | None, embed,
+                 embed_scale: float | None, norm: torch.Tensor, eps: float):
+        self.head_ids = None if head_ids is None else head_ids.to(torch.int64).contiguous()
+        self.norm = norm.detach().float().contiguous()
+        self.stack, self.keep = stack, (fc, head, embed)
+        self.struct = Drafter(fc=fc.struct(), head=head.struct(), embed=embed.struct(),
+                              head_ids=ptr(self.head_ids), norm=self.norm.data_ptr(), eps=eps,
+                              embed_scale=embed_scale or 0.0)
+        self.dim = fc.rows
+        self.head_rows = head.rows
+        self.state = torch.zeros(self.dim)
+        self._scratch = torch.empty(0)
+        self._tree = None
+
+    def read(self, keys: torch.Tensor, values: torch.Tensor, length: int, tokens: list[int],
+             hidden: torch.Tensor) -> None:
+        """Tokens and the target's hidden states at the tokens before each into the cache after
+        `length` committed slots; `state` becomes the last row's output."""
+        lib = library()
+        n = len(tokens)
+        slots = self.stack.check_cache(keys, values)
+        if length + n > slots:
+            raise ValueError(f"the drafter's cache holds {slots} slots, {length + n} needed")
+        hidden = hidden.to(torch.float32).contiguous()
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        need = lib.vs_drafter_read_scratch(ctypes.byref(self.struct), n)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        self.stack.reserve(n, slots)
+        lib.vs_drafter_read(ctypes.byref(self.struct), ctypes.byref(self.stack.stack), keys.data_ptr(),
+                            values.data_ptr(), length, ids.data_ptr(), hidden.data_ptr(), n, self.state.data_ptr(),
+                            self._scratch.data_ptr(), self.stack.work.data_ptr(), self.stack.scratch.data_ptr())
+
+    def tree(self, keys: torch.Tensor, values: torch.Tensor, length: int, root: int, top_k: int, depth: int,
+             total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """EAGLE-2's tree from `state` over a cache of `length` committed slots: (tokens,
+        parents, value ranks), flattened with the root first."""
+        lib = library()
+        if not 1 <= top_k <= 64:
+            raise ValueError(f"the native drafter expands 1 to 64 children a node, not {top_k}")
+        slots = self.stack.check_cache(keys, values)
+        if length + depth * top_k > slots:
+            raise ValueError(f"the drafter's cache holds {slots} slots, {length + depth * top_k} needed")
+        shape = (top_k, depth, total_tokens)
+        if self._tree is None or self._tree[0] != shape:
+            rows = min(lib.vs_tree_capacity(top_k, depth), total_tokens + 1)
+            self._tree = (shape, torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int64),
+                          torch.empty(rows, dtype=torch.int64), torch.empty(top_k * self.head_rows))
+        _, tokens, parents, ranks, logits = self._tree
+        self.stack.reserve(top_k, slots)
+        n = lib.vs_eagle_tree(ctypes.byref(self.struct), ctypes.byref(self.stack.stack), keys.data_ptr(),
+                              values.data_ptr(), length, self.state.data_ptr(), root, top_k, depth, total_tokens,
+                              tokens.data_ptr(), parents.data_ptr(), ranks.data_ptr(), logits.data_ptr(),
+                              self.stack.work.data_ptr(), self.stack.scratch.data_ptr())
+        return tokens[:n].clone(), parents[:n].clone(), ranks[1:n].tolist()

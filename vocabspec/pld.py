@@ -30,11 +30,16 @@ class PromptLookupProposer:
         self.context: list[int] = []
         self.length = num_draft        # the next draft's length (see the module docstring)
         self._drafted: list[int] = []
+        # Each n-gram's latest start among those that end before the context's last token (so
+        # a match has a continuation); n-grams ending at or before _indexed are in it.
+        self._latest: dict[tuple[int, ...], int] = {}
+        self._indexed = 0
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         self.context = list(prompt_ids) + [first_token]
         self.length = self.num_draft
         self._drafted = []
+        self._latest, self._indexed = {}, 0
 
     def observe(self, accepted, hidden, next_token) -> None:
         self.context.extend(accepted[1:] + [next_token])
@@ -46,7 +51,7 @@ class PromptLookupProposer:
 
     def propose(self, root_token: int) -> DraftTree:
         start = time.perf_counter()
-        self._drafted = self.lookup(self.context)[:self.length]
+        self._drafted = self.lookup()[:self.length]
         tree = chain_tree(root_token, self._drafted, self.device)
         self.seconds += time.perf_counter() - start
         return tree
@@ -58,7 +63,7 @@ class PromptLookupProposer:
         from .static_step import chain
 
         start = time.perf_counter()
-        self._drafted = self.lookup(self.context)[:self.length]
+        self._drafted = self.lookup()[:self.length]
         tree = chain(root, self._drafted)
         self.seconds += time.perf_counter() - start
         return tree
@@ -72,13 +77,17 @@ class PromptLookupProposer:
     def draft_parameters(self) -> int:
         return 0
 
-    def lookup(self, context: list[int]) -> list[int]:
+    def lookup(self) -> list[int]:
+        """What followed the latest earlier occurrence of the context's last n-gram, longest n
+        first (up to num_draft tokens; [] if none occurred)."""
+        context = self.context
+        last = len(context) - 1       # n-grams ending before the last token, by their end
+        for end in range(self._indexed + 1, last + 1):
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._latest[tuple(context[end - n:end])] = end - n
+        self._indexed = max(self._indexed, last)
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
-            suffix = context[-n:]
-            # Latest earlier match first: recent text predicts best.
-            for start in range(len(context) - n - 1, -1, -1):
-                if context[start:start + n] == suffix:
-                    follow = context[start + n:start + n + self.num_draft]
-                    if follow:
-                        return follow
+            start = self._latest.get(tuple(context[-n:]))
+            if start is not None:
+                return context[start + n:start + n + self.num_draft]
         return []

@@ -34,14 +34,22 @@ class DraftTree:
         """Drafted tokens, the root excluded."""
         return self.tokens.numel() - 1
 
+    @classmethod
+    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, ranks: list[int] | None = None) -> "DraftTree":
+        """A flattened tree from its tokens and parents (-1 for the root; each node's parent
+        before it), children in index order."""
+        parent_list = parents.tolist()
+        depths, children = [0] * len(parent_list), [[] for _ in parent_list]
+        for node in range(1, len(parent_list)):
+            depths[node] = depths[parent_list[node]] + 1
+            children[parent_list[node]].append(node)
+        return cls(tokens=tokens, parents=parents,
+                   depths=torch.tensor(depths, dtype=torch.long, device=tokens.device),
+                   children=children, ranks=[-1] + list(ranks) if ranks is not None else None)
+
     def attention_mask(self) -> torch.Tensor:
         """(n + 1, n + 1) bool: node i sees node j iff j is i or one of its ancestors."""
-        n = self.tokens.numel()
-        mask = torch.eye(n, dtype=torch.bool)
-        parents = self.parents.tolist()
-        for i in range(1, n):
-            mask[i] |= mask[parents[i]]
-        return mask.to(self.tokens.device)
+        return ancestor_mask(self.parents)
 
     def positions(self, start: int) -> torch.Tensor:
         return self.depths + start
@@ -60,6 +68,17 @@ class DraftTree:
         paths = [self.path_to(leaf) for leaf in leaves]
         width = max(len(p) for p in paths)
         return torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.long)
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """(n, n) bool for a flattened tree (parents (n,), -1 for the root, each parent before
+    its children): row i sees j iff j is i or one of its ancestors."""
+    n = parents.numel()
+    mask = torch.eye(n, dtype=torch.bool)
+    parent_list = parents.tolist()
+    for i in range(1, n):
+        mask[i] |= mask[parent_list[i]]
+    return mask.to(parents.device)
 
 
 def chain_tree(root: int, tokens: list[int], device: torch.device | None = None) -> DraftTree:
@@ -142,13 +161,14 @@ class TreeBuilder:
         # Ties go to the earlier drafted node, so a tree grown with a smaller total_tokens
         # expands the same nodes, in the same order, as the part of a larger one it keeps.
         chosen = sorted(self.newest, key=lambda i: (-self.value[i], i))[:self.top_k]
-        if len(self.value) - 1 <= self.total_tokens:
+        if len(self.value) - 1 < self.total_tokens:
             return chosen
-        # total_tokens nodes already beat anything valued below the cutoff, and a child's value
-        # never exceeds its parent's: such a node's descendants would all be dropped by build().
-        # Skipping them leaves the built tree as it was and spares the drafter those rows.
+        # total_tokens nodes are valued at least the cutoff, and a child's value never exceeds
+        # its parent's while build() ranks deeper nodes after shallower ones of equal value: the
+        # descendants of a node valued at most the cutoff would all be dropped. Skipping them
+        # leaves the built tree as it was and spares the drafter those rows.
         cutoff = sorted(self.value[1:], reverse=True)[self.total_tokens - 1]
-        return [node for node in chosen if self.value[node] >= cutoff]
+        return [node for node in chosen if self.value[node] > cutoff]
 
     def frontier_mask(self, frontier: list[int], slot_of: dict[int, int], pending: int,
                       device: torch.device | None = None) -> torch.Tensor:
