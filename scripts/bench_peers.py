@@ -1,15 +1,18 @@
 """vocabspec against the engines a CPU user would pick instead, on the same GGUF file, side by
-side in one run: llama.cpp's plain decoding and its prompt-lookup decoding (llama-cpp-python),
-transformers' greedy `generate`, and vocabspec's plain decoding in every weight format plus its
-speculative methods. One first-turn prompt per Spec-Bench category (13), 128 new tokens,
-greedy; every engine answers a prompt before the next prompt starts (machine drift hits all
-alike), and the whole sweep repeats --runs times: the table gives each engine's median
-tokens/s over runs, with the spread (lowest-highest). Every vocabspec method's tokens are
-compared with vocabspec's plain decoding in the same format (0 mismatches is the promise).
+side in one run: llama.cpp's own C++ tools (llama-completion plain, llama-lookup prompt
+lookup; built by scripts/build_llamacpp.sh), llama-cpp-python's generate loop where it is
+installed (what Python users get), transformers' greedy `generate`, and vocabspec's plain
+decoding in every weight format plus its speculative methods. One first-turn prompt per
+Spec-Bench category (13), 128 new tokens, greedy, prefill included (llama.cpp's tools report
+their prompt and generation times; their model loading is left out, as ours is); every engine
+answers a prompt before the next prompt starts (machine drift hits all alike), and the whole
+sweep repeats --runs times: the table gives each engine's median tokens/s over runs, with the
+spread (lowest-highest). Every vocabspec method's tokens are compared with vocabspec's plain
+decoding in the same format (0 mismatches is the promise). Decode alone: llama-bench tg128
+after 0 and 256 tokens (`--decode-only`).
 
-Needs `pip install llama-cpp-python` (a source build; see BENCHMARKS.md for the flags).
-
-    python scripts/bench_peers.py --model smollm2 --runs 3 --out docs/bench/smollm2/peers.json
+    bash scripts/build_llamacpp.sh
+    python scripts/bench_peers.py --model smollm2 --runs 3 --out docs/bench/peers-smollm2.json
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from llamacpp import LlamaCppTool, decode_only
+from vocabspec.bench import BUILTIN_QUESTIONS
+from vocabspec.formats import FORMATS
 from vocabspec.generate import Engine, GenerationConfig
 from vocabspec.loading import load_model, resolve_model_path
 from vocabspec.proposers import DraftConfig, make_proposer
@@ -32,6 +38,7 @@ from vocabspec.tokenizer import load_tokenizer
 from vocabspec.prompts import encode_conversation
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+QUESTIONS = QUESTIONS if QUESTIONS.exists() else BUILTIN_QUESTIONS   # the project's own prompts
 
 
 def prompts(tokenizer, path: Path) -> list[list[int]]:
@@ -42,16 +49,13 @@ def prompts(tokenizer, path: Path) -> list[list[int]]:
     return [encode_conversation(tokenizer, [("user", text)], answer_open=True) for text in seen.values()]
 
 
-class LlamaCpp:
-    def __init__(self, path, threads: int, lookup: bool):
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+class LlamaCppPython:
+    """llama-cpp-python's generate loop (its Python loop is part of what it measures)."""
 
-        draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
-        # logits_all: llama-cpp-python's draft path writes every row's logits (without it, a
-        # long prompt overflows its score buffer).
-        self.llm = Llama(model_path=str(path), n_ctx=4096, n_threads=threads, n_batch=512,
-                         draft_model=draft, logits_all=lookup, verbose=False)
+    def __init__(self, path, threads: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(path), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
 
     def generate(self, ids, new_tokens):
         out = []
@@ -85,11 +89,16 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per answer")
     parser.add_argument("--runs", type=int, default=3, help="sweeps over every engine and prompt")
     parser.add_argument("--threads", type=int, default=2, help="threads for every engine")
-    parser.add_argument("--weights", default="gguf,gguf-a8,bf16,f32", help="vocabspec formats")
+    parser.add_argument("--weights", default=",".join(FORMATS), help="vocabspec formats")
     parser.add_argument("--methods", default="pld,eagle,eagle+pld",
                         help="vocabspec's speculative methods, in every format (draft[:vocab][@DxN])")
-    parser.add_argument("--no-transformers", action="store_true", help="skip transformers")
+    parser.add_argument("--transformers", default="float32,bfloat16",
+                        help="transformers' dtypes to run (empty: none)")
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp")
+    parser.add_argument("--binding", action="store_true",
+                        help="also llama-cpp-python's generate loop (needs it installed)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="also llama-bench's tg128 after 0 and 256 tokens")
     parser.add_argument("--out", default=None, help="write the result as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -109,11 +118,12 @@ def main():
             ours[f"vocabspec {weights} {method if draft != 'none' else 'plain'}"] = (engine, weights)
     eos = sorted(next(iter(ours.values()))[0].eos_ids)
     if not args.no_llamacpp:
-        engines["llama.cpp plain"] = LlamaCpp(path, args.threads, lookup=False)
-        engines["llama.cpp prompt lookup"] = LlamaCpp(path, args.threads, lookup=True)
-    if not args.no_transformers:
-        engines["transformers float32"] = Transformers(path, torch.float32)
-        engines["transformers bfloat16"] = Transformers(path, torch.bfloat16)
+        engines["llama.cpp plain"] = LlamaCppTool(path, tokenizer, args.threads, lookup=False)
+        engines["llama.cpp prompt lookup"] = LlamaCppTool(path, tokenizer, args.threads, lookup=True)
+    if args.binding:
+        engines["llama-cpp-python plain"] = LlamaCppPython(path, args.threads)
+    for dtype in filter(None, args.transformers.split(",")):
+        engines[f"transformers {dtype}"] = Transformers(path, getattr(torch, dtype))
     ids_list = prompts(tokenizer, Path(args.questions))
     names = list(engines) + list(ours)
     speeds = {name: [] for name in names}
@@ -128,6 +138,11 @@ def main():
             plain = {}
             for name in names:
                 start = time.perf_counter()
+                if isinstance(engines.get(name), LlamaCppTool):     # its own clock, no loading
+                    count, spent = engines[name].generate(ids, args.new_tokens)
+                    seconds[name] += spent
+                    tokens[name] += count
+                    continue
                 if name in engines:
                     engine = engines[name]
                     out = engine.generate(ids, args.new_tokens, eos) if name.startswith("transformers") \
@@ -154,6 +169,8 @@ def main():
     result = {"model": args.model, "date": str(date.today()), "machine": machine(),
               "threads": args.threads, "prompts": len(ids_list), "new_tokens": args.new_tokens,
               "runs": args.runs, "commit": commit(), "engines": rows}
+    if args.decode_only:
+        result["llama_bench"] = decode_only(path, args.threads)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))

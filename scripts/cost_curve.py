@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from vocabspec.formats import FORMATS
+
 from vocabspec.autotune import forward_seconds
 from vocabspec.loading import load_model
 
@@ -26,7 +28,7 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,gemma3", help="comma-separated model names")
-    parser.add_argument("--weights", default="gguf,gguf-a8,bf16,f32", help="comma-separated formats")
+    parser.add_argument("--weights", default=",".join(FORMATS), help="comma-separated formats")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="new tokens per forward")
     parser.add_argument("--repeats", type=int, default=7, help="rounds (medians are reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads")

@@ -2,7 +2,8 @@
 `f32` format: gguf-py's float32 values of the file's weights, float32 arithmetic): the largest
 |logit difference| over every position of the 13 Spec-Bench category prompts (one per
 category), and greedy agreement: how many of the 13 answers (64 new tokens) are identical, and
-the mean share of tokens before the first difference.
+the mean share of tokens before the first difference. With --llama-cpp, llama.cpp's own greedy
+answers on the same GGUF join the agreement columns (its text re-encoded by our tokenizer).
 
     python scripts/faithfulness.py --models smollm2,gemma3 --out docs/bench/faithfulness.json
 """
@@ -16,12 +17,14 @@ from pathlib import Path
 
 import torch
 
+from vocabspec.bench import BUILTIN_QUESTIONS
 from vocabspec.generate import Engine, GenerationConfig
 from vocabspec.loading import load_model
 from vocabspec.prompts import encode_conversation
 from vocabspec.tokenizer import load_tokenizer
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+QUESTIONS = QUESTIONS if QUESTIONS.exists() else BUILTIN_QUESTIONS   # the project's own prompts
 
 
 def main():
@@ -31,6 +34,9 @@ def main():
     parser.add_argument("--questions", default=str(QUESTIONS), help="Spec-Bench question.jsonl")
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per answer")
     parser.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also llama.cpp's own greedy answers (llama-completion, the same GGUF; "
+                             "scripts/build_llamacpp.sh), re-encoded by our tokenizer")
     parser.add_argument("--out", default=None, help="write the result as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -62,6 +68,19 @@ def main():
                              "mean_share_before_first_difference": round(sum(shares) / len(shares), 3)}
             print(json.dumps({"model": name, "weights": weights, **rows[weights]}), flush=True)
             del model, engine
+        if args.llama_cpp:
+            from llamacpp import LlamaCppTool
+
+            tool = LlamaCppTool(path, tokenizer, args.threads, lookup=False)
+            same, shares = 0, []
+            for ids, ref in zip(prompts, want_tokens):
+                out = tokenizer.encode(tool.answer(ids, args.new_tokens), add_bos=False)[:len(ref)]
+                same += out == ref
+                first = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+                shares.append(first / len(ref))
+            rows["llama.cpp"] = {"max_abs_logit_diff": None, "identical_answers": same,
+                                 "mean_share_before_first_difference": round(sum(shares) / len(shares), 3)}
+            print(json.dumps({"model": name, "weights": "llama.cpp", **rows["llama.cpp"]}), flush=True)
         result["models"][name] = rows
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -20,6 +20,7 @@ first turns) instead of being generated again.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import json
 
 import torch
@@ -35,7 +36,8 @@ from vocabspec.prompts import encode_conversation
 from vocabspec.ranker import hits_in_top
 from vocabspec.drafter import draft_states, features_of
 
-QUESTIONS = "../shared/data/spec_bench/question.jsonl"
+QUESTIONS = "../shared/data/spec_bench/question.jsonl"   # Spec-Bench's, beside the repository
+QUESTIONS = QUESTIONS if Path(QUESTIONS).exists() else "builtin"   # else the project's own prompts
 
 
 def _vanilla_answers(path: str, questions: list[dict]) -> dict:
@@ -85,8 +87,9 @@ def main():
     args = parser.parse_args()
     ks = [int(k) for k in args.k.split(",")]
     # torch's kernels: the ranker is read as training reads it (train.draft_states).
+    # (It measures recall, not speculative output: torch's inexact verification is allowed.)
     lm = vocabspec.load(args.model, draft="eagle", path=args.draft_path, vocab="full", total_tokens=8,
-                        backend="torch")
+                        backend="torch", allow_inexact=True)
     target, drafter = lm.engine.model, lm.engine.proposer.drafter
     full_head = lm.engine.proposer.head.weight      # in the drafter's dtype, as it drafts
     files = bundled_drafter_dir(args.model)

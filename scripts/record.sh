@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
 # Regenerates the benchmark record under docs/bench (the figures BENCHMARKS.md quotes): the
-# cost curve, the peers comparison and faithfulness per format, Spec-Bench three times per
-# model, the drafter families once per model, then the tables. About 2.5 hours on a 2-core
-# CPU; run alone (nothing else on the machine), from the repository root, with
-# llama-cpp-python installed (see BENCHMARKS.md).
+# cost curve, faithfulness per format beside llama.cpp's answers, Spec-Bench three times per
+# model, the draft heads at small trees, the peers (llama.cpp's own C++ tools, transformers) per
+# model, the drafter families once per model, then the tables. About 2 hours on a 2-core CPU;
+# run alone (nothing else on the machine: llama.cpp's threads spin), from the repository root.
+# llama.cpp's tools are built on first use (scripts/build_llamacpp.sh, about 10 minutes).
 set -euo pipefail
 Q=${QUESTIONS:-../shared/data/spec_bench/question.jsonl}
 RUNS=${RUNS:-3}
 OUT=${OUT:-docs/bench}
 WORK=${WORK:-runs/record}
 mkdir -p "$OUT" "$WORK"
+bash scripts/build_llamacpp.sh >/dev/null
 python scripts/cost_curve.py --repeats 7 --out "$OUT/cost_curve.json"
-python scripts/faithfulness.py --questions "$Q" --out "$OUT/faithfulness.json"
-for model in smollm2 gemma3; do
-  python scripts/bench_peers.py --model "$model" --runs "$RUNS" --questions "$Q" --out "$OUT/peers-$model.json"
-done
+python scripts/faithfulness.py --questions "$Q" --llama-cpp --out "$OUT/faithfulness.json"
 for run in $(seq 1 "$RUNS"); do
   for model in smollm2 gemma3; do
     vocabspec bench --model "$model" --questions "$Q" --per-category 1 --max-new-tokens 128 \
-      --methods vanilla,pld,eagle2,eagle2+fr:32k,eagle2+spec:1024,eagle2+fr:32k+pld \
-      --out "$WORK/specbench-$model-run$run"
+      --methods vanilla,pld,eagle,eagle+pld,eagle@2x2 --out "$WORK/specbench-$model-run$run"
   done
+done
+# Draft heads at the small trees a CPU verifies: each head at one node and at two.
+HEADS=vanilla,eagle2+fr:2k@1x1,eagle2+fr:4k@1x1,eagle2+fr:8k@1x1,eagle2+trim:4k@1x1,eagle2+full@1x1,eagle2+spec:1024@1x1,eagle2+fr:4k@2x2
+for model in smollm2 gemma3; do
+  vocabspec bench --model "$model" --questions "$Q" --per-category 1 --max-new-tokens 128 \
+    --methods "$HEADS" --out "$OUT/heads-$model"
+  python scripts/bench_peers.py --model "$model" --runs "$RUNS" --questions "$Q" --weights gguf-a8,gguf,f32 \
+    --methods pld,eagle,eagle+pld --transformers float32 --decode-only --out "$OUT/peers-$model.json"
 done
 # Drafter families (Medusa, an independent draft model) beside EAGLE-2, float32 targets.
 vocabspec bench --model smollm2 --weights f32 --questions "$Q" --per-category 1 --max-new-tokens 128 \

@@ -15,6 +15,8 @@ import shutil
 import statistics
 from pathlib import Path
 
+from vocabspec.files import cache_dir
+
 
 def spec_bench(work: Path, model: str) -> tuple[list[str], dict]:
     runs = sorted(work.glob(f"specbench-{model}-run*"))
@@ -39,11 +41,46 @@ def spec_bench(work: Path, model: str) -> tuple[list[str], dict]:
     for name, r in table.items():
         lines.append(f"| {name} | {r['speedup']:.2f}x ({r['low']:.2f}-{r['high']:.2f}) | {r['tokens_per_s']:.1f} | "
                      f"{r['tau']:.2f} | {', '.join(r['trees']) or '-'} | {r['mismatches']} |")
+    # What a step costs, in vanilla forwards (vocabspec.bench): medians over the runs.
+    costs = {name: [s["methods"][name]["step_cost"] for s in summaries if "step_cost" in s["methods"][name]]
+             for name in methods}
+    lines += ["", "Step cost in vanilla forwards (median of the runs): verification / drafting / "
+              "prefill spread over the steps / other (the drafter's pass over the prompt, bookkeeping).", "",
+              "| method | verification | drafting | prefill | other | whole step | tokens per step |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, rows in costs.items():
+        if rows:
+            med = {k: statistics.median(r.get(k, 0.0) for r in rows)
+                   for k in ("verify", "draft", "prefill", "other", "whole", "tokens_per_step")}
+            lines.append(f"| {name} | {med['verify']:.2f} | {med['draft']:.2f} | {med['prefill']:.2f} | "
+                         f"{med['other']:.2f} | {med['whole']:.2f} | {med['tokens_per_step']:.2f} |")
     meta = summaries[-1]
     header = [f"Spec-Bench, {model}: {meta['questions']} questions (one per category), "
               f"max {meta['config']['max_new_tokens']} new tokens, greedy, weights {meta['target_weights']}; "
               f"{meta['date']} on {meta['machine']}."]
     return header + [""] + lines, table
+
+
+def calibrations(path: Path) -> list[str]:
+    """The autotuner's choices cached on this machine (VOCABSPEC_CACHE/autotune.json): the tree
+    it chose per model, drafter head and format, and what its calibration measured against plain
+    decoding on its own four prompts (32 tokens each)."""
+    if not path.exists():
+        return []
+    known = json.loads(path.read_text())
+    lines = ["| model | draft head | weights | chosen tree (depth/tokens) | calibration: predicted tok/s | "
+             "calibration: measured vs plain |", "| --- | --- | --- | --- | --- | --- |"]
+    for key, entry in known.items():
+        if key.startswith("forward|") or "table" not in entry:
+            continue
+        parts = key.split("|")
+        model, head, weights = parts[0], parts[2], parts[7]
+        chosen = f"{entry['depth']}/{entry['total_tokens']}" if entry["total_tokens"] else "plain"
+        row = entry["table"].get(f"{entry['depth']}/{entry['total_tokens']}") or \
+            next((r for r in entry["table"].values() if r["total_tokens"] == entry["total_tokens"]), None)
+        predicted = f"{row['tokens_per_s']:.1f}" if row and entry["total_tokens"] else "-"
+        lines.append(f"| {model} | {head} | {weights} | {chosen} | {predicted} | {entry['measured_speedup']:.2f}x |")
+    return lines if len(lines) > 2 else []
 
 
 def peers(paths: list[Path]) -> list[str]:
@@ -92,7 +129,8 @@ def faithfulness(path: Path) -> list[str]:
              "| --- | --- | --- | --- | --- |"]
     for model, rows in data["models"].items():
         for weights, r in rows.items():
-            lines.append(f"| {model} | {weights} | {r['max_abs_logit_diff']} | {r['identical_answers']}/"
+            diff = "-" if r["max_abs_logit_diff"] is None else r["max_abs_logit_diff"]
+            lines.append(f"| {model} | {weights} | {diff} | {r['identical_answers']}/"
                          f"{data['prompts']} | {r['mean_share_before_first_difference']:.0%} |")
     return lines
 
@@ -101,6 +139,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="runs/record", help="where record.sh put the runs")
     parser.add_argument("--out", default="docs/bench", help="the record's folder")
+    parser.add_argument("--autotune", default=str(cache_dir() / "autotune.json"),
+                        help="the autotuner's cache of tree choices on this machine")
     args = parser.parse_args()
     work, out = Path(args.work), Path(args.out)
     sections = {"Cost curve": cost_curve(out / "cost_curve.json"),
@@ -116,6 +156,7 @@ def main():
             (out / model / "summary.md").write_text("\n".join(lines) + "\n")
         sections[f"Spec-Bench, {model}"] = lines
     sections["Peers"] = peers([out / f"peers-{model}.json" for model in ("smollm2", "gemma3")])
+    sections["Tree choices"] = calibrations(Path(args.autotune))
     for title, lines in sections.items():
         if lines:
             print(f"## {title}\n\n" + "\n".join(lines) + "\n")

@@ -28,11 +28,12 @@ from pathlib import Path
 
 import vocabspec.drafter as drafter_module
 from vocabspec.api import load
-from vocabspec.bench import load_questions
+from vocabspec.bench import BUILTIN_QUESTIONS, load_questions
 from vocabspec.prompts import encode_conversation
 from vocabspec.tree import TreeBuilder
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+SPEC_BENCH = SPEC_BENCH if SPEC_BENCH.exists() else BUILTIN_QUESTIONS   # the project's own prompts
 
 
 class RecordingBuilder(TreeBuilder):
@@ -47,6 +48,9 @@ def record_steps(args) -> list[dict]:
     drafter_module.TreeBuilder = RecordingBuilder
     lm = load(args.model, draft="eagle", path=args.draft_path, depth=args.depth,
               total_tokens=args.total)
+    # The reference growth from Python (the native one drafts the same tree node for node): its
+    # builder keeps every drafted node's value for the replay.
+    lm.engine.proposer.native = None
     steps = []
     questions = load_questions(args.questions, args.per_category)[:args.limit or None]
     for number, question in enumerate(questions):

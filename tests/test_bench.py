@@ -33,14 +33,23 @@ def test_copy_fraction():
     assert copy_fraction([1, 2, 3, 4], [7, 8]) == 0.0
 
 
+def test_questions_come_from_spec_bench_or_the_projects_own_set():
+    """With no --questions the benchmark runs the project's own prompts, one per Spec-Bench
+    category, so it works on a clone with nothing beside it; Spec-Bench's file reads the same."""
+    own = load_questions("builtin", None)
+    assert len(own) == 13 and len({q["category"] for q in own}) == 13
+    if SPEC_BENCH.exists():
+        assert len(load_questions(SPEC_BENCH, 2)) == 26
+        assert {q["category"] for q in own} == {q["category"] for q in load_questions(SPEC_BENCH, 1)}
+    with pytest.raises(FileNotFoundError, match="builtin"):
+        load_questions("no/such/question.jsonl", 1)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_bench_smoke(tmp_path, temperature):
-    if not SPEC_BENCH.exists():
-        pytest.skip("Spec-Bench questions not found")
-    assert len(load_questions(SPEC_BENCH, 2)) == 26
     out = tmp_path / "bench"
     methods = "vanilla,pld,eagle2,eagle2+fr:8k,eagle2+spec:512" if temperature == 0 else "vanilla,eagle2+fr:8k"
-    code = main(["bench", "--questions", str(SPEC_BENCH), "--model", "smollm2", "--methods", methods,
+    code = main(["bench", "--model", "smollm2", "--methods", methods,
                  "--per-category", "1", "--max-new-tokens", "6",
                  "--depth", "3", "--tree-top-k", "4", "--total-tokens", "12",
                  "--temperature", str(temperature), "--out", str(out)])
@@ -62,6 +71,7 @@ def test_bench_smoke(tmp_path, temperature):
             assert summary["methods"][name]["mismatched_questions"] == []
         cost, vanilla = summary["methods"][name]["step_cost"], summary["methods"]["vanilla"]["step_cost"]
         assert cost["verify"] > 0 and cost["whole"] == pytest.approx(cost["verify"] + cost["draft"] + cost["rest"])
+        assert cost["rest"] == pytest.approx(cost["prefill"] + cost["other"]) and cost["prefill"] > 0
         assert overall["speedup"] == pytest.approx((cost["tokens_per_step"] / cost["whole"])
                                                    / (vanilla["tokens_per_step"] / vanilla["whole"]))
     assert summary["methods"]["vanilla"]["categories"]["overall"]["tau"] == pytest.approx(1.0)

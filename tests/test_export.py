@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from vocabspec.cli import main
 from vocabspec.drafter import EagleDrafter
+from vocabspec.formats import PackedWeight
 from vocabspec.generate import Engine, GenerationConfig
 from vocabspec.token_map import load_token_map, save_token_map
 
@@ -103,3 +104,26 @@ def test_exported_drafter_matches_eagle_reference(smollm2, tmp_path):
     assert (ours[64:] - theirs[64:]).abs().max() < 1e-4 * theirs.abs().max()
     assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
 
+
+
+def test_drafters_ship_as_q8_0_groups_the_engine_drafts_with_unchanged(smollm2, tmp_path):
+    """Shipped drafters hold their matrices as Q8_0 groups (half of bfloat16's bytes): loaded,
+    they give the native engine exactly the 8-bit groups it drafts with beside 8-bit activations,
+    and they export as bfloat16 for EAGLE's readers."""
+    model = smollm2.model
+    drafter = EagleDrafter.random(model, seed=4)
+    drafter.save(tmp_path / "q8", q8_0=True)
+    tensors = load_file(str(tmp_path / "q8" / "model.safetensors"))
+    assert tensors["fc.weight"].dtype == torch.int8 and tensors["fc.weight_scale"].dtype == torch.float16
+    again = EagleDrafter.load(tmp_path / "q8", model)
+    drafter.use_native("q8i")
+    again.use_native("q8i")
+    for ours, theirs in zip(drafter.native[1].keep + [{"fc": drafter.native[0]}],
+                            again.native[1].keep + [{"fc": again.native[0]}]):
+        for name, packed in ours.items():
+            if isinstance(packed, PackedWeight):
+                assert torch.equal(packed.data, theirs[name].data) and torch.equal(packed.scale, theirs[name].scale)
+    out = tmp_path / "export"
+    assert main(["export", "--model", "smollm2", "--draft-path", str(tmp_path / "q8"), "--out", str(out)]) == 0
+    exported = load_file(str(out / "model.safetensors"))
+    assert set(exported) == EAGLE_KEYS and exported["fc.weight"].dtype == torch.bfloat16

@@ -145,7 +145,9 @@ def test_drafting_pipeline_for_each_family(family, tmp_path):
     for vocab in ("full", "trim:64"):
         head = make_draft_vocab(vocab, model.head_weight, tmp_path)
         proposer = EagleProposer(drafter, head=head, depth=4, top_k=4, total_tokens=12)
-        engine = Engine(model, proposer=proposer)
+        # On torch's kernels (a family the native engine cannot run) float32 is not row-
+        # invariant, so speculation is allowed explicitly; its output is still checked below.
+        engine = Engine(model, proposer=proposer, allow_inexact=not model.exact)
         steps = 0
         for prompt, want in zip(prompts[:4], answers[:4]):
             result = engine.generate(prompt, config)

@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SPEC_BENCH
+from conftest import QUESTIONS
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-@pytest.mark.skipif(not SPEC_BENCH.exists(), reason="Spec-Bench questions not beside the repo")
 def test_ranker_recall_script_measures_recall():
     done = subprocess.run([sys.executable, str(SCRIPTS / "ranker_recall_specbench.py"),
-                           "--model", "smollm2", "--questions", str(SPEC_BENCH),
+                           "--model", "smollm2", "--questions", str(QUESTIONS),
                            "--per-category", "1", "--new-tokens", "8", "--k", "64,4096"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -41,10 +40,9 @@ def test_cost_curve_script_times_every_size(tmp_path):
     assert out.with_suffix(".png").exists()
 
 
-@pytest.mark.skipif(not SPEC_BENCH.exists(), reason="Spec-Bench questions not beside the repo")
 def test_tree_calibration_replay_reproduces_the_runs_own_accept_lengths(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPTS / "tree_calibration.py"), "--model", "smollm2",
-                           "--questions", str(SPEC_BENCH), "--limit", "3", "--max-new-tokens", "24",
+                           "--questions", str(QUESTIONS), "--limit", "3", "--max-new-tokens", "24",
                            "--out", str(tmp_path / "calibration.json")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -80,10 +80,7 @@ def load(model: str = "smollm2", draft: str | DraftConfig = "none", weights: str
         if unknown:
             raise ValueError(f"unknown drafting option(s) {', '.join(sorted(unknown))} "
                              f"(DraftConfig fields: {', '.join(sorted(DRAFT_FIELDS))})")
-        method, _, draft_model = draft.partition(":")      # model:NAME names the draft model
-        if draft_model:
-            draft_options["draft_model"] = draft_model
-        config = DraftConfig(method=method, **draft_options)
+        config = DraftConfig.from_draft(draft, **draft_options)
     target, path = load_model(model, weights=weights, device=device, max_seq_len=max_seq_len,
                               backend=backend)
     if config.method != "none":      # before a drafter is built and its tree timed

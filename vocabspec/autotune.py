@@ -46,7 +46,7 @@ TOLERANCE = 0.03
 CALIBRATION_NEW_TOKENS = 32
 FORWARD_REPEATS = 5
 SIZE_TIMING_EVERY = 6          # steps between timings of the proposer at every size
-BUDGET_SECONDS = 12.0          # calibration stops adding depths past this (shallow ones first);
+BUDGET_SECONDS = 10.0          # calibration stops adding depths past this (shallow ones first);
                                # one more depth and the confirmation fit in the 30 s
 # Open answers and answers that lean on their prompt (a summary, a calculation) accept at
 # different rates, and the tree size that pays depends on the mix: with open answers alone the
@@ -106,10 +106,12 @@ def forward_seconds(model, sizes, context: int = 256, repeats: int = FORWARD_REP
 
 def pick(table: dict[str, dict], tolerance: float = TOLERANCE) -> dict:
     """The cheapest row (fewest tokens verified, then shallowest) whose predicted speed is
-    within `tolerance` of the best."""
+    within `tolerance` of the best. A tree of m nodes is at most m deep (a node's ancestors rank
+    before it), so the depth it is given is at most m."""
     fastest = max(row["tokens_per_s"] for row in table.values())
     close = [row for row in table.values() if row["tokens_per_s"] >= (1 - tolerance) * fastest]
-    return min(close, key=lambda row: (row["total_tokens"], row["depth"]))
+    best = min(close, key=lambda row: (row["total_tokens"], min(row["depth"], row["total_tokens"])))
+    return {**best, "depth": min(best["depth"], best["total_tokens"])}
 
 
 class SizeTimer:
@@ -207,7 +209,7 @@ def confirm(model, tokenizer, proposer, prompts, rounds: int = 1) -> float:
     prediction leaves out what a step costs besides the forward and the drafting (the head's
     later rows, bookkeeping): on a CPU where plain decoding is fast, a tree predicted 1.13x
     faster decoded at 0.81x (SmolLM2, 8-bit activations, 2026-11-26)."""
-    return measured_speedups(model, tokenizer, {"tree": proposer}, prompts[:2] * rounds)["tree"]
+    return measured_speedups(model, tokenizer, {"tree": proposer}, prompts * rounds)["tree"]
 
 
 def _cache_key(model, key: str) -> str:
@@ -240,7 +242,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
 
     path = cache_dir() / "autotune.json"
     known = _load(path)
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v13")
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v15")
     if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
@@ -276,21 +278,22 @@ CHAIN_LENGTHS = (1, 2, 3, 4, 5, 6, 8)
 def measured_speedups(model, tokenizer, proposers: dict, prompts) -> dict:
     """Each proposer's decoding speed over plain decoding's, from real generations of the
     calibration prompts taken in turn (plain, then each proposer, prompt by prompt), so that
-    drift on a shared machine hits all alike."""
+    drift on a shared machine hits all alike: the median over prompts of each prompt's ratio,
+    so that one stall of the machine during one generation does not decide."""
     from .generate import Engine, GenerationConfig
 
     engines = {"plain": Engine(model, tokenizer)}
     engines.update({key: Engine(model, tokenizer, p) for key, p in proposers.items()})
     config = GenerationConfig(max_new_tokens=CALIBRATION_NEW_TOKENS)
-    tokens = {key: 0 for key in engines}
-    seconds = {key: 0.0 for key in engines}
+    ratios = {key: [] for key in proposers}
     for ids in prompts:
+        speed = {}
         for key, engine in engines.items():
             result = engine.generate(ids, config)
-            tokens[key] += result.new_tokens
-            seconds[key] += result.seconds
-    plain = tokens["plain"] / seconds["plain"]
-    return {key: tokens[key] / seconds[key] / plain for key in proposers}
+            speed[key] = result.new_tokens / result.seconds
+        for key in proposers:
+            ratios[key].append(speed[key] / speed["plain"])
+    return {key: statistics.median(values) for key, values in ratios.items()}
 
 
 def _smallest_close(speedups: dict) -> int:

@@ -61,10 +61,19 @@ class BenchConfig:
     resume: bool = False              # keep the finished questions of an interrupted run in `out`
 
 
+# The project's own prompts, one per Spec-Bench category (two turns where Spec-Bench's MT-Bench
+# categories have two), so the benchmark runs without a download. Spec-Bench's own 480 come
+# from its repository (github.com/hemingkx/Spec-Bench, data/spec_bench/question.jsonl).
+BUILTIN_QUESTIONS = Path(__file__).parent / "data" / "prompts.jsonl"
+
+
 def load_questions(path: str | Path, per_category: int | None) -> list[dict]:
-    path = Path(path)
+    """Questions in Spec-Bench's format from a question.jsonl, or "builtin": the project's own."""
+    path = BUILTIN_QUESTIONS if str(path) == "builtin" else Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"questions file {path} does not exist")
+        raise FileNotFoundError(f"questions file {path} does not exist (Spec-Bench's question.jsonl "
+                                "comes from github.com/hemingkx/Spec-Bench; --questions builtin runs "
+                                "the project's own prompts)")
     questions, seen = [], defaultdict(int)
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -263,7 +272,7 @@ RESUME_KEYS = ("questions", "model", "methods", "max_new_tokens", "per_category"
 def _run_settings(cfg: BenchConfig) -> dict:
     settings = {k: getattr(cfg, k) for k in RESUME_KEYS}
     settings["methods"] = list(cfg.methods)
-    settings["questions"] = str(Path(cfg.questions).resolve())
+    settings["questions"] = str((BUILTIN_QUESTIONS if cfg.questions == "builtin" else Path(cfg.questions)).resolve())
     return settings
 
 

@@ -38,7 +38,9 @@ def _float(text: str) -> float:
 
 
 def add_weight_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--weights", default="auto", choices=["auto", "gguf", "gguf-a8", "bf16", "f32"],
+    from .formats import FORMATS
+
+    parser.add_argument("--weights", default="auto", choices=["auto", *FORMATS],
                         help="the target's run-time weight format: gguf (the file's own quantized "
                              "groups, float32 activations), gguf-a8 (the same weights, 8-bit "
                              "activations in products, as llama.cpp), bf16 or f32; auto: the "
@@ -113,11 +115,10 @@ def draft_config(args):
     """The DraftConfig the command line asks for."""
     from .proposers import DraftConfig
 
-    method, _, draft_model = args.draft.partition(":")
-    return DraftConfig(method=method, path=args.draft_path, vocab=args.draft_vocab,
-                       token_map=args.token_map, ranker=args.ranker, depth=args.depth,
-                       top_k=args.tree_top_k, total_tokens=args.total_tokens, dtype=args.draft_dtype,
-                       draft_model=draft_model or None, draft_weights=args.draft_weights)
+    return DraftConfig.from_draft(args.draft, path=args.draft_path, vocab=args.draft_vocab,
+                                  token_map=args.token_map, ranker=args.ranker, depth=args.depth,
+                                  top_k=args.tree_top_k, total_tokens=args.total_tokens,
+                                  dtype=args.draft_dtype, draft_weights=args.draft_weights)
 
 
 TRAIN_OPTIONS = (
@@ -242,8 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     ranker.add_argument("--out", default=None, help="default: next to the bundled drafter")
 
     bench = sub.add_parser("bench", help="Spec-Bench: every method side by side, with plots")
-    bench.add_argument("--questions", default="../shared/data/spec_bench/question.jsonl",
-                       help="Spec-Bench question.jsonl")
+    bench.add_argument("--questions", default="builtin",
+                       help="Spec-Bench's question.jsonl (from github.com/hemingkx/Spec-Bench, "
+                            "data/spec_bench/question.jsonl), or builtin (default): the project's own "
+                            "13 prompts, one per Spec-Bench category")
     bench.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
     bench.add_argument("--methods", default="vanilla,pld,eagle2,eagle2+fr:32k,eagle2+trim:32k,eagle2+spec:2048",
                        help="comma-separated: vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, "

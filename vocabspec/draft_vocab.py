@@ -455,6 +455,10 @@ def make_draft_vocab(spec: str, head_weight: torch.Tensor, files: Path | None,
 
     kind, size = parse_draft_vocab(spec)
     vocab = head_weight.shape[0]
+    if token_map is not None and kind not in ("fr", "trim"):
+        raise ValueError(f"--token-map applies to --draft-vocab fr:N or trim:N, not {spec}")
+    if ranker is not None and kind != "spec":
+        raise ValueError(f"--ranker applies to --draft-vocab spec:K, not {spec}")
     if kind == "full":
         return FullVocab(packed_head if packed_head is not None else head_weight.to(dtype or head_weight.dtype))
     if kind in ("fr", "trim"):

@@ -37,7 +37,10 @@ def export(model: str, out: str | Path, draft_path: str | None = None, draft_voc
                          "reading the last-layer feature alone")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    weights_dtype = next(iter(_tensors(source).values())).dtype
+    tensors = _tensors(source)
+    # A drafter shipped as Q8_0 groups exports as bfloat16 (what EAGLE's readers take).
+    weights_dtype = torch.bfloat16 if any(k.endswith("_scale") for k in tensors) else \
+        next(iter(tensors.values())).dtype
     drafter.to(weights_dtype).save(out)
     config = json.loads((out / "config.json").read_text())
     config["torch_dtype"] = str(weights_dtype).replace("torch.", "")

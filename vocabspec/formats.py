@@ -48,11 +48,6 @@ class PackedWeight:
     source: str = ""               # the GGUF type it came from, for reports
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.data, self.scale, self.min, self.high, self.bias) if t is not None)
-
-    @property
     def shape(self) -> tuple[int, int]:
         return self.rows, self.cols
 
@@ -199,16 +194,29 @@ def pack_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor, min: torch.T
     return PackedWeight(kind, rows, cols, data, scale, min, high, group, _bias(bias), source)
 
 
-def quantize_q8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
-    """A float weight quantized as GGUF's Q8_0 does (per 32 inputs: d = max|w| / 127 in float16,
-    codes round(w / d)), for products with 8-bit activations (q8i). Lossy: for drafters, whose
-    rounding changes what is drafted, never what is accepted."""
+def q8_0_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight as GGUF's Q8_0 groups: per 32 inputs d = max|w| / 127 in float16 and
+    codes round(w / d); (codes (rows, cols) int8, d (rows, cols / 32) float16). Quantizing
+    `q8_0_float`'s result again gives the same groups."""
     rows, cols = weight.shape
     check_shape(rows, cols)
     w = weight.detach().float().reshape(rows, cols // UNIT, UNIT)
     d = (w.abs().amax(-1) / 127).half()
     inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(d.float()))
-    codes = torch.round(w * inv[..., None]).clamp(-127, 127).to(torch.int8).reshape(rows, cols)
+    return torch.round(w * inv[..., None]).clamp(-127, 127).to(torch.int8).reshape(rows, cols), d
+
+
+def q8_0_float(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The float32 weight of Q8_0 groups (exact: an 8-bit code times a float16 scale)."""
+    rows, cols = codes.shape
+    return (codes.float().reshape(rows, cols // UNIT, UNIT) * d.float()[..., None]).reshape(rows, cols)
+
+
+def quantize_q8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
+    """A float weight quantized as GGUF's Q8_0 does (`q8_0_groups`), for products with 8-bit
+    activations (q8i). Lossy: for drafters, whose rounding changes what is drafted, never what
+    is accepted."""
+    codes, d = q8_0_groups(weight)
     return pack_codes("q8i", codes, d, bias=bias, source="q8_0")
 
 

@@ -7,7 +7,8 @@ or itself (summaries, retrieval answers, code edits) and silent otherwise. Verif
 unchanged and needs nothing from the drafter (greedy follows the target's argmax; sampling
 tries each node's children as deterministic candidates), so the union of both drafts stays
 lossless. The grafted path costs up to `num_draft` more tokens in the target's forward, and
-only where it leaves the drafter's tree.
+only where it leaves the drafter's tree; its length adapts as prompt lookup's own does (see
+pld.py), to what the lookup path got accepted.
 
 Copy mode: while the answer is copying (the last step accepted at least `copy_after` tokens
 of the lookup path), the next step proposes the lookup path alone and skips the drafter's
@@ -58,7 +59,7 @@ class EagleLookupProposer(EagleProposer):
 
     def propose(self, root_token: int) -> DraftTree:
         start = time.perf_counter()
-        self._chain = self.lookup.lookup()
+        self._chain = self.lookup.draft()
         if self._copying and self._chain:
             self.copy_steps += 1
             self.grafted += len(self._chain)

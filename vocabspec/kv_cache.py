@@ -92,7 +92,7 @@ class KVCache:
         self.pending = 0
 
     def rollback(self, length: int) -> None:
-        """Forget committed tokens past `length` (used when a request is cancelled)."""
+        """Forget committed tokens past `length` (tests replay paths from one context)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.length}")
         self.length = length

@@ -1,4 +1,5 @@
-"""The target model: one readable decoder-only transformer for Llama and Gemma 3.
+"""The target model: one readable decoder-only transformer for Llama (and Mistral, Qwen2, Qwen3)
+and Gemma 3.
 
 A forward pass takes token ids, their positions and (optionally) a mask over the new tokens,
 so a whole draft tree is scored in one pass against the cached context. It returns the last

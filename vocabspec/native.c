@@ -611,41 +611,55 @@ ALWAYS void fifth_bits(uint64_t bits, __m256i *lo, __m256i *hi) {
     *hi = _mm256_cmpeq_epi8(_mm256_and_si256(src, bhi), bhi);
 }
 
-ALWAYS void unit_isums_q45(const int kind, const uint8_t *p, const uint64_t *high, const int8_t *xq, int64_t K,
-                           const int MR, vi *isum) {
+ALWAYS void unit_isums_q45(const int kind, const uint8_t *const *pv, const uint64_t *const *hv, const int8_t *xq,
+                           int64_t K, const int MR, const int NR, vi isum[TILE_M][TILE_N]) {
     const __m256i nib = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
     const int per = kind == VS_Q5I ? 2 : 4;  /* quads summed in 16 bits before widening */
 #pragma GCC unroll 4
-    for (int i = 0; i < MR; i++) isum[i] = vi_zero();
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NR; v++) isum[i][v] = vi_zero();
 #pragma GCC unroll 4
     for (int t0 = 0; t0 < 8; t0 += per) {
-        __m256i acc16[TILE_M];
+        __m256i acc16[TILE_M][TILE_N];
 #pragma GCC unroll 4
-        for (int i = 0; i < MR; i++) acc16[i] = _mm256_setzero_si256();
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+            for (int v = 0; v < NR; v++) acc16[i][v] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int t = t0; t < t0 + per; t++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + t * 32));
-            __m256i lo = _mm256_and_si256(raw, nib);                          /* inputs 4t, 4t + 1 */
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);    /* inputs 4t + 2, 4t + 3 */
-            if (kind == VS_Q5I) {
-                __m256i mlo, mhi;
-                fifth_bits(high[t], &mlo, &mhi);
-                lo = _mm256_add_epi8(lo, _mm256_and_si256(mlo, sixteen));
-                hi = _mm256_add_epi8(hi, _mm256_and_si256(mhi, sixteen));
+            __m256i lo[TILE_N], hi[TILE_N];
+#pragma GCC unroll 4
+            for (int v = 0; v < NR; v++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(pv[v] + t * 32));
+                lo[v] = _mm256_and_si256(raw, nib);                          /* inputs 4t, 4t + 1 */
+                hi[v] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);    /* inputs 4t + 2, 4t + 3 */
+                if (kind == VS_Q5I) {
+                    __m256i mlo, mhi;
+                    fifth_bits(hv[v][t], &mlo, &mhi);
+                    lo[v] = _mm256_add_epi8(lo[v], _mm256_and_si256(mlo, sixteen));
+                    hi[v] = _mm256_add_epi8(hi[v], _mm256_and_si256(mhi, sixteen));
+                }
             }
 #pragma GCC unroll 4
             for (int i = 0; i < MR; i++) {
                 int16_t x01, x23;
                 memcpy(&x01, xq + i * K + 4 * t, 2);
                 memcpy(&x23, xq + i * K + 4 * t + 2, 2);
-                acc16[i] = _mm256_add_epi16(acc16[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi16(x01)));
-                acc16[i] = _mm256_add_epi16(acc16[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi16(x23)));
+                const __m256i b01 = _mm256_set1_epi16(x01), b23 = _mm256_set1_epi16(x23);
+#pragma GCC unroll 4
+                for (int v = 0; v < NR; v++) {
+                    acc16[i][v] = _mm256_add_epi16(acc16[i][v], _mm256_maddubs_epi16(lo[v], b01));
+                    acc16[i][v] = _mm256_add_epi16(acc16[i][v], _mm256_maddubs_epi16(hi[v], b23));
+                }
             }
         }
 #pragma GCC unroll 4
         for (int i = 0; i < MR; i++)
-            isum[i] = vi_add(isum[i], vi_make(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[i])),
-                                              _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[i], 1))));
+#pragma GCC unroll 4
+            for (int v = 0; v < NR; v++)
+                isum[i][v] = vi_add(isum[i][v], vi_make(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[i][v])),
+                                                        _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[i][v], 1))));
     }
 }
 #endif
@@ -676,15 +690,8 @@ ALWAYS void tile_i8(const int kind, const int f16, const int g16, const int MR, 
         }
         const int8_t *xq = xr.q + m0 * K + u * 32;
 #if !VS_AVX512
-        if (kind != VS_Q8I) {
-#pragma GCC unroll 8
-            for (int v = 0; v < NR; v++) {
-                vi sums[TILE_M];
-                unit_isums_q45(kind, pv[v], hv[v], xq, K, MR, sums);
-#pragma GCC unroll 8
-                for (int i = 0; i < MR; i++) isum[i][v] = sums[i];
-            }
-        } else
+        if (kind != VS_Q8I) unit_isums_q45(kind, pv, hv, xq, K, MR, NR, isum);
+        else
 #endif
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {

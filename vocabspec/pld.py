@@ -44,15 +44,25 @@ class PromptLookupProposer:
     def observe(self, accepted, hidden, next_token) -> None:
         self.context.extend(accepted[1:] + [next_token])
         if self._drafted:
-            taken = len(accepted) - 1
+            # The drafted tokens the step accepted (in a hybrid tree the accepted path may
+            # leave the lookup's).
+            taken = 0
+            while taken < min(len(self._drafted), len(accepted) - 1) and \
+                    self._drafted[taken] == accepted[1 + taken]:
+                taken += 1
             self.length = min(self.num_draft, 2 * self.length) if taken == len(self._drafted) \
                 else taken + 1
         self._drafted = []
 
+    def draft(self) -> list[int]:
+        """The next draft: the lookup's continuation at the adaptive length (see the module
+        docstring), remembered for `observe`."""
+        self._drafted = self.lookup()[:self.length]
+        return self._drafted
+
     def propose(self, root_token: int) -> DraftTree:
         start = time.perf_counter()
-        self._drafted = self.lookup()[:self.length]
-        tree = chain_tree(root_token, self._drafted, self.device)
+        tree = chain_tree(root_token, self.draft(), self.device)
         self.seconds += time.perf_counter() - start
         return tree
 
@@ -63,8 +73,7 @@ class PromptLookupProposer:
         from .static_step import chain
 
         start = time.perf_counter()
-        self._drafted = self.lookup()[:self.length]
-        tree = chain(root, self._drafted)
+        tree = chain(root, self.draft())
         self.seconds += time.perf_counter() - start
         return tree
 

@@ -8,10 +8,19 @@ means the same everywhere.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 METHODS = ("none", "eagle", "pld", "eagle+pld", "medusa", "model")
+# The options each method reads, and their command-line names: one set elsewhere is refused by
+# name rather than ignored.
+_EAGLE = {"path", "vocab", "token_map", "ranker", "depth", "top_k", "total_tokens", "dtype"}
+APPLIES = {"none": set(), "pld": set(), "eagle": _EAGLE, "eagle+pld": _EAGLE,
+           "medusa": {"path", "vocab", "token_map", "ranker", "total_tokens"},
+           "model": {"vocab", "token_map", "depth", "top_k", "total_tokens", "draft_model", "draft_weights"}}
+FLAGS = {"path": "--draft-path", "vocab": "--draft-vocab", "token_map": "--token-map", "ranker": "--ranker",
+         "depth": "--depth", "top_k": "--tree-top-k", "total_tokens": "--total-tokens",
+         "dtype": "--draft-dtype", "draft_model": "model:NAME", "draft_weights": "--draft-weights"}
 BUNDLED_DRAFTERS = Path(__file__).parent / "drafters"
 
 
@@ -73,10 +82,31 @@ class DraftConfig:
             raise ValueError(f"total_tokens must be a positive integer or 'auto', got {self.total_tokens!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"unknown draft dtype {self.dtype!r} (choose from auto, float32, bfloat16)")
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in sorted(set(FLAGS) - APPLIES[self.method] - {"vocab", "draft_model"}):
+            if getattr(self, name) != defaults[name]:
+                users = [m for m in METHODS if name in APPLIES[m]]
+                raise ValueError(f"{FLAGS[name]} does not apply to --draft {self.method} (it applies to "
+                                 f"{', '.join(users)})")
+        kind = self.vocab.split(":")[0]       # auto: checked once resolved (make_draft_vocab)
+        if self.token_map is not None and kind not in ("fr", "trim", "auto"):
+            raise ValueError(f"--token-map applies to --draft-vocab fr:N or trim:N, not {self.vocab}")
+        if self.ranker is not None and kind not in ("spec", "auto"):
+            raise ValueError(f"--ranker applies to --draft-vocab spec:K, not {self.vocab}")
+
+    @classmethod
+    def from_draft(cls, draft: str, **fields) -> "DraftConfig":
+        """What --draft and `vocabspec.load(draft=...)` name: a method, or model:NAME (an
+        independent draft model), with any other field."""
+        method, colon, draft_model = draft.partition(":")
+        if colon:
+            fields["draft_model"] = draft_model or None
+        return cls(method=method, **fields)
 
     @classmethod
     def from_method(cls, name: str, **defaults) -> "DraftConfig":
-        """A benchmark method name: vanilla, pld, eagle2, eagle2+fr:32k, eagle2+trim:32k,
+        """A benchmark method name: vanilla, pld, eagle and eagle+pld (the drafter's default head, as
+        --draft names them), eagle2 (the full head), eagle2+fr:32k, eagle2+trim:32k,
         eagle2+spec:2048, any of those + "+pld" (prompt lookup grafted on), medusa or
         medusa+HEAD, model:NAME or model:NAME+HEAD (HEAD: fr:N, trim:N...), then optionally
         /float32 or /bfloat16 (the drafter's dtype on torch's kernels) and @DEPTHxTOKENS (a
@@ -95,26 +125,33 @@ class DraftConfig:
             if dtype not in ("float32", "bfloat16"):
                 raise ValueError(f"method {name!r}: the drafter's dtype is /float32 or /bfloat16")
             defaults["dtype"] = dtype
+        def made(method: str, **fields):
+            # Options given for every method of a benchmark apply where they apply.
+            fields.update({k: v for k, v in defaults.items() if k in APPLIES[method]})
+            return cls(method=method, **fields)
+
         if base in ("vanilla", "none"):
-            return cls(method="none", vocab="full", **defaults)
+            return made("none", vocab="full")
         if base == "pld":
-            return cls(method="pld", vocab="full", **defaults)
+            return made("pld", vocab="full")
+        if base in ("eagle", "eagle+pld"):       # as --draft names them: the drafter's default head
+            return made(base, vocab="auto")
         if base.startswith("medusa") or base.startswith("model:"):
             head, plus, vocab = base.partition("+")
             method = "medusa" if head == "medusa" else "model"
             if method == "model":
                 defaults["draft_model"] = head[len("model:"):]
             if head == "medusa" or (method == "model" and head != "model:"):
-                return cls(method=method, vocab=vocab if plus else "full", **defaults)
+                return made(method, vocab=vocab if plus else "full")
         if base.startswith("eagle2"):
             method, rest = "eagle", base[len("eagle2"):]
             if rest.endswith("+pld"):
                 method, rest = "eagle+pld", rest[:-len("+pld")]
             if rest == "":
-                return cls(method=method, vocab="full", **defaults)
+                return made(method, vocab="full")
             if rest.startswith("+"):
-                return cls(method=method, vocab=rest[1:], **defaults)
-        raise ValueError(f"unknown method {name!r} (vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, "
+                return made(method, vocab=rest[1:])
+        raise ValueError(f"unknown method {name!r} (vanilla, pld, eagle, eagle+pld, eagle2, eagle2+fr:N, eagle2+trim:N, "
                          "eagle2+spec:K; +pld after any eagle2 method adds prompt lookup; medusa, "
                          "medusa+fr:N...; model:NAME, model:NAME+trim:N...)")
 
@@ -178,6 +215,10 @@ def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, l
     # heads score with the target's own head in its run-time format.
     packed_head = None
     if model.native is not None and not drafter.taps:
+        if config.dtype != "auto":
+            raise ValueError("--draft-dtype chooses what the drafter computes in on torch's kernels; on "
+                             "the native engine it drafts with float32 activations over weights in the "
+                             "target's format (leave --draft-dtype at auto)")
         # With 8-bit activations the drafter's weights go to Q8_0 groups too (lossy, for the
         # drafter only: it changes what is drafted, never what is accepted).
         drafter.use_native("q8i" if model.weights == "gguf-a8" else "bf16")

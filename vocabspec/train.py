@@ -733,7 +733,7 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
             shipped = EagleDrafter.load(out / "drafter", target).to(torch.bfloat16)
             # The shipped drafter's default draft head is a measured choice: keep it.
             keep = {"draft_vocab": default_vocab(ship_dir(cfg.model))} if ship_dir(cfg.model).exists() else {}
-            shipped.save(ship_dir(cfg.model), extra={**keep, **extra})
+            shipped.save(ship_dir(cfg.model), extra={**keep, **extra}, q8_0=True)
             if drafter.trained_ranker is not None:
                 shutil.copy(out / "drafter" / "ranker.safetensors", ship_dir(cfg.model))
             log(f"shipped to {ship_dir(cfg.model)}")

@@ -69,11 +69,6 @@ class Verdict:
     path: list[int]      # accepted tree indices, root (index 0) first
     next_token: int      # the target's token after the path (the bonus token)
 
-    @property
-    def accept_length(self) -> int:
-        """Tokens this step adds to the output: the accepted drafts plus the bonus token."""
-        return len(self.path)
-
 
 def verify_greedy(tree: DraftTree, logits) -> Verdict:
     """logits[i]: (vocab,) scores of the token after tree node i (a tensor, or TreeLogits).
