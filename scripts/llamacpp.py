@@ -41,19 +41,22 @@ class LlamaCppTool:
             prompt.write(text)
             prompt.flush()
             cmd = [str(self.tool), "-m", str(self.path), "-t", str(self.threads), "-f", prompt.name,
-                   "-n", str(new_tokens), "--temp", "0", "-c", "4096", "--no-warmup"]
-            if not self.lookup:
-                cmd += ["-no-cnv", "--no-display-prompt"]
+                   "-n", str(new_tokens), "--temp", "0", "-c", "4096"]
+            if not self.lookup:        # (llama-lookup has neither option)
+                cmd += ["-no-cnv", "--no-display-prompt", "--no-warmup"]
             if ignore_eos:
                 cmd += ["--ignore-eos"]
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            # errors="replace": an answer cut at a token count may end inside a UTF-8 character.
+            done = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
         return done
 
     def answer(self, ids: list[int], new_tokens: int) -> str:
-        """llama-completion's greedy continuation of `ids` as text (exactly `new_tokens`)."""
-        return self.run(ids, new_tokens, ignore_eos=True).stdout
+        """llama-completion's greedy continuation of `ids` as text (exactly `new_tokens`; the
+        tool writes a newline before it)."""
+        text = self.run(ids, new_tokens, ignore_eos=True).stdout
+        return text[1:] if text.startswith("\n") else text
 
     def generate(self, ids: list[int], new_tokens: int) -> tuple[int, float]:
         """(new tokens, seconds of prompt and generation as the tool reports them)."""

@@ -61,6 +61,31 @@ def spec_bench(work: Path, model: str) -> tuple[list[str], dict]:
     return header + [""] + lines, table
 
 
+def heads(out: Path) -> list[str]:
+    """The draft heads at small trees, one run per model (record.sh's heads-MODEL runs):
+    speedup, tau and the step's cost per head, the models side by side."""
+    data = {model: json.loads((out / f"heads-{model}" / "summary.json").read_text())
+            for model in ("smollm2", "gemma3") if (out / f"heads-{model}" / "summary.json").exists()}
+    if not data:
+        return []
+    lines = [f"{model}: {d['date']} on {d['machine']}, weights {d['target_weights']}, one run."
+             for model, d in data.items()]
+    lines += ["", "| head @ tree | " + " | ".join(f"{m} speedup | tau | verification / drafting" for m in data) + " |",
+              "| --- |" + " --- | --- | --- |" * len(data)]
+    for name in next(iter(data.values()))["methods"]:
+        cells = []
+        for d in data.values():
+            row = d["methods"].get(name)
+            if row is None:
+                cells += ["-", "-", "-"]
+                continue
+            overall, cost = row["categories"]["overall"], row.get("step_cost", {})
+            cells += [f"{overall['speedup']:.2f}x", f"{overall['tau']:.2f}",
+                      f"{cost.get('verify', 0):.2f} / {cost.get('draft', 0):.2f}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def calibrations(path: Path) -> list[str]:
     """The autotuner's choices cached on this machine (VOCABSPEC_CACHE/autotune.json): the tree
     it chose per model, drafter head and format, and what its calibration measured against plain
@@ -157,6 +182,7 @@ def main():
         sections[f"Spec-Bench, {model}"] = lines
     sections["Peers"] = peers([out / f"peers-{model}.json" for model in ("smollm2", "gemma3")])
     sections["Tree choices"] = calibrations(Path(args.autotune))
+    sections["Draft heads at small trees"] = heads(out)
     for title, lines in sections.items():
         if lines:
             print(f"## {title}\n\n" + "\n".join(lines) + "\n")
