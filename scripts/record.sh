@@ -2,7 +2,8 @@
 # Regenerates the benchmark record under docs/bench (the figures BENCHMARKS.md quotes): the
 # cost curve, faithfulness per format beside llama.cpp's answers, Spec-Bench three times per
 # model, the draft heads at small trees, the peers (llama.cpp's own C++ tools, transformers) per
-# model, the drafter families once per model, then the tables. About 2 hours on a 2-core CPU;
+# model, serving (continuous batching beside llama-server), the drafter families once per model,
+# then the tables. About 2.5 hours on a 2-core CPU;
 # run alone (nothing else on the machine: llama.cpp's threads spin), from the repository root.
 # llama.cpp's tools are built on first use (scripts/build_llamacpp.sh, about 10 minutes).
 set -euo pipefail
@@ -28,6 +29,13 @@ for model in smollm2 gemma3; do
   python scripts/bench_peers.py --model "$model" --runs "$RUNS" --questions "$Q" --weights gguf-a8,gguf,f32 \
     --methods pld,eagle,eagle+pld --transformers float32 --decode-only --out "$OUT/peers-$model.json"
 done
+# Serving: continuous batching against llama-server, greedy per model, then seeded sampling.
+for model in smollm2 gemma3; do
+  python scripts/bench_serving.py --model "$model" --methods vanilla,pld,eagle@1x1 --concurrency 1,2,4,8,16 \
+    --requests-per-client 2 --out "$OUT/serving-$model"
+done
+python scripts/bench_serving.py --model smollm2 --methods vanilla,pld,eagle@1x1 --temperature 0.7 --concurrency 1,8 \
+  --requests-per-client 2 --no-llama-server --out "$OUT/serving-smollm2-sampled"
 # Drafter families (Medusa, an independent draft model) beside EAGLE-2, float32 targets.
 vocabspec bench --model smollm2 --weights f32 --questions "$Q" --per-category 1 --max-new-tokens 128 \
   --methods vanilla,pld,eagle2+fr:32k,medusa,medusa+fr:32k,medusa@3x8,medusa+fr:32k@3x8,model:smollm2,model:smollm2+trim:32k \

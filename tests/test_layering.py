@@ -12,7 +12,7 @@ import vocabspec
 
 PACKAGE = Path(vocabspec.__file__).parent
 TRAINING = {"train", "ranker", "answers", "task_prompts", "sharegpt"}
-BENCHMARKING = {"bench"}
+BENCHMARKING = {"bench", "throughput"}
 COMMANDS = {"cli", "server", "export", "__init__"}   # entry points: may import any layer
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from .batch import BatchEngine, BatchLimits
 from .generate import Engine, GenerationConfig, GenerationResult, require_exact
 from .loading import load_model
 from .proposers import DraftConfig, make_proposer
@@ -24,10 +25,12 @@ DRAFT_FIELDS = {f.name for f in fields(DraftConfig)} - {"method"}
 
 
 class LanguageModel:
-    def __init__(self, engine: Engine, name: str):
+    def __init__(self, engine: Engine, name: str, draft: DraftConfig | None = None):
         self.engine = engine
         self.name = name
         self.tokenizer = engine.tokenizer
+        self.draft = draft or DraftConfig()
+        self._batch = None
 
     def encode_prompt(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
         if not isinstance(prompt, (str, list)):
@@ -59,6 +62,28 @@ class LanguageModel:
     def generate(self, prompt, chat: bool = False, **kwargs) -> GenerationResult:
         return self.engine.generate(self.encode_prompt(prompt, chat), self._config(**kwargs))
 
+    def batch(self, limits: BatchLimits | None = None, thread: bool = False) -> BatchEngine:
+        """A continuous-batching engine over this model (batch.py), each slot drafting as this
+        model does; built on first use, kept for later calls with the same settings. `thread`:
+        steps on a background thread of its own, else on the thread that calls its `run` or
+        `generate` (the fast choice on a CPU: see batch.py)."""
+        limits = limits or BatchLimits(window=min(BatchLimits.window, self.engine.model.args.max_seq_len))
+        if self._batch is None or self._batch.limits != limits or (self._batch.thread is not None) != thread:
+            if self._batch is not None:
+                self._batch.close()
+            proposer = self.engine.proposer
+            make = None if proposer is None else \
+                (lambda: make_proposer(self.engine.model, self.draft, self.name, tokenizer=self.tokenizer))
+            self._batch = BatchEngine(self.engine, make, limits, thread=thread)
+        return self._batch
+
+    def generate_batch(self, prompts: list, chat: bool = False, limits: BatchLimits | None = None,
+                       **kwargs) -> list[GenerationResult]:
+        """Every prompt's result, decoded together: each one exactly what `generate` gives it
+        alone (batch.py). Keywords as for `generate`, the same for every prompt."""
+        ids = [self.encode_prompt(prompt, chat) for prompt in prompts]
+        return self.batch(limits).generate(ids, self._config(**kwargs))
+
 
 def load(model: str = "smollm2", draft: str | DraftConfig = "none", weights: str = "auto",
          device: str = "cpu", max_seq_len: int | None = None, backend: str = "auto",
@@ -87,4 +112,4 @@ def load(model: str = "smollm2", draft: str | DraftConfig = "none", weights: str
         require_exact(target, allow_inexact)
     tokenizer = load_tokenizer(path)
     proposer = make_proposer(target, config, model, tokenizer=tokenizer, log=log)
-    return LanguageModel(Engine(target, tokenizer, proposer, allow_inexact=allow_inexact), model)
+    return LanguageModel(Engine(target, tokenizer, proposer, allow_inexact=allow_inexact), model, config)

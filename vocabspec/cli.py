@@ -153,8 +153,14 @@ TRAIN_OPTIONS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vocabspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("prompt", help="the prompt text")
+    gen = sub.add_parser("generate", help="generate text from a prompt, or answer a JSONL file of prompts")
+    gen.add_argument("prompt", nargs="?", default=None, help="the prompt text (or --input)")
+    gen.add_argument("--input", default=None,
+                     help="a JSONL file of requests, one object a line: prompt (text) or messages "
+                          "(chat), and optionally max_new_tokens, temperature, top_p, top_k, seed, "
+                          "stop; answered together (continuous batching), each exactly as alone")
+    gen.add_argument("--output", default=None, help="with --input: where the JSONL answers go (default stdout)")
+    gen.add_argument("--max-batch", type=_positive_int, default=8, help="with --input: requests decoding at once")
     add_model_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="tokens to generate at most")
@@ -255,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "torch's kernels; @DEPTHxTOKENS fixes the tree instead of --total-tokens "
                             "(eagle2+fr:32k@3x8)")
     bench.add_argument("--out", default=None, help="output directory (default runs/bench-MODEL)")
+    bench.add_argument("--throughput", default=None,
+                       help="the serving benchmark instead: concurrent clients (official openai "
+                            "client) against the OpenAI server, e.g. 1,2,4,8,16; aggregate tok/s, "
+                            "p50/p95 latency and answers differing from alone per method")
+    bench.add_argument("--requests-per-client", type=_positive_int, default=4,
+                       help="with --throughput: answers per client at each concurrency")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=1024, help="new tokens per turn")
     bench.add_argument("--per-category", type=_positive_int, default=None,
                        help="questions per category (default: all 480)")
@@ -275,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest max_tokens a request may ask for")
     serve.add_argument("--max-seconds", type=_float, default=300.0, help="generation time per request")
     serve.add_argument("--max-queue", type=_positive_int, default=64, help="requests waiting or running")
+    serve.add_argument("--max-batch", type=_positive_int, default=8,
+                       help="requests decoding at once (continuous batching; each answer exactly as alone)")
+    serve.add_argument("--kv-tokens", type=_positive_int, default=None,
+                       help="KV cache budget in tokens over the decoding requests (default: max-batch x "
+                            "the model window, capped at 4096 each); a request's prompt and answer fit "
+                            "in its share")
 
     export = sub.add_parser("export", help="write the drafter (EAGLE/SGLang layout) and the draft "
                                            "vocabulary (SGLang token map, EAGLE-3 d2t/t2d)")
@@ -297,8 +315,10 @@ def cmd_serve(args) -> int:
     lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
               max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
               log=lambda message: print(message, file=sys.stderr))
+    window = args.kv_tokens // args.max_batch if args.kv_tokens else 4096
     limits = ServerLimits(max_tokens_cap=args.max_tokens_cap, max_seconds=args.max_seconds,
-                          max_queue=args.max_queue)
+                          max_queue=args.max_queue, max_batch=args.max_batch,
+                          window=min(window, lm.engine.model.args.max_seq_len))
     serve(lm, args.model, host=args.host, port=args.port, limits=limits)
     return 0
 
@@ -326,6 +346,22 @@ def cmd_bench(args) -> int:
         DraftConfig.from_method(method)
     if args.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {args.temperature}")
+    if args.throughput is not None:
+        from .throughput import run_throughput
+
+        try:
+            concurrencies = [int(c) for c in args.throughput.split(",")]
+        except ValueError:
+            raise ValueError(f"--throughput takes client counts, e.g. 1,2,4,8, not {args.throughput!r}") from None
+        if not concurrencies or min(concurrencies) < 1:
+            raise ValueError("--throughput takes positive client counts")
+        run_throughput(args.model, list(methods), concurrencies, args.out or f"runs/throughput-{args.model}",
+                       questions=args.questions, per_category=args.per_category or 1,
+                       max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                       requests_per_client=args.requests_per_client, weights=args.weights,
+                       log=lambda m: print(m, file=sys.stderr))
+        print(open(f"{args.out or f'runs/throughput-{args.model}'}/report.md").read())
+        return 0
     cfg = BenchConfig(questions=args.questions, model=args.model, methods=methods,
                       out=args.out or f"runs/bench-{args.model}", max_new_tokens=args.max_new_tokens,
                       per_category=args.per_category, temperature=args.temperature, seed=args.seed,
@@ -471,6 +507,12 @@ def cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
     # Validate cheap things before spending seconds on loading the model.
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if (args.prompt is None) == (args.input is None):
+        raise ValueError("give a prompt or --input FILE.jsonl (not both)")
+    if args.input is not None:
+        return generate_file(args)
+    if args.output is not None:
+        raise ValueError("--output applies to --input")
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
     lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
@@ -493,6 +535,69 @@ def cmd_generate(args) -> int:
         print(f"[{result.new_tokens} tokens, {result.seconds:.2f} s, {result.tokens_per_s:.1f} tok/s"
               + (f", mean accepted length {result.mean_accept_len:.2f}" if args.draft != "none" else "")
               + "]", file=sys.stderr)
+    return 0
+
+
+FILE_FIELDS = {"prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+
+
+def generate_file(args) -> int:
+    """--input: every request of a JSONL file answered together, one JSON line per answer in
+    the input's order (text, tokens, stop reason, timings)."""
+    from pathlib import Path
+
+    from .api import load
+    from .batch import BatchLimits
+
+    path = Path(args.input)
+    if not path.is_file():
+        raise FileNotFoundError(f"--input {path} does not exist")
+    requests = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc})") from exc
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}:{number}: a request is a JSON object")
+        unknown = set(item) - FILE_FIELDS
+        if unknown:
+            raise ValueError(f"{path}:{number}: unknown field(s) {', '.join(sorted(unknown))} "
+                             f"(known: {', '.join(sorted(FILE_FIELDS))})")
+        if ("prompt" in item) == ("messages" in item):
+            raise ValueError(f"{path}:{number}: give prompt or messages")
+        requests.append(item)
+    if not requests:
+        raise ValueError(f"{path} holds no requests")
+    lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
+              max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
+              log=lambda message: print(message, file=sys.stderr))
+    print(describe(lm, args.draft), file=sys.stderr)
+    defaults = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    prompts, configs = [], []
+    for number, item in enumerate(requests, 1):
+        try:
+            prompts.append(lm.encode_prompt(item.get("prompt", item.get("messages")),
+                                            chat=args.chat or "messages" in item))
+            configs.append(lm._config(**{**defaults, **{k: v for k, v in item.items()
+                                                        if k not in ("prompt", "messages")}}))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{args.input}: request {number}: {exc}") from exc
+    window = max(len(ids) + config.max_new_tokens + 1 for ids, config in zip(prompts, configs))
+    batch = lm.batch(BatchLimits(max_batch=args.max_batch, window=min(max(window, 256),
+                                                                        lm.engine.model.args.max_seq_len)))
+    results = batch.generate(prompts, configs)
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        for index, result in enumerate(results):
+            out.write(json.dumps({"index": index, **result.as_dict(), "tokens": result.tokens}) + "\n")
+    finally:
+        if args.output:
+            out.close()
+    print(f"[{len(results)} answers, {sum(r.new_tokens for r in results)} tokens]", file=sys.stderr)
     return 0
 
 

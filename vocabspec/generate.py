@@ -17,6 +17,7 @@ import torch
 from .model import Transformer
 from .sampling import SamplingParams, greedy_token, make_generator, sample, target_probs
 from .tokenizer import Tokenizer
+from .kv_cache import KVCache
 from .tree import DraftTree, chain_tree
 from .verify import TreeLogits, Verdict, verify
 
@@ -254,77 +255,121 @@ class Engine:
 
 
 class Generation:
-    """Iterating yields text deltas as tokens are committed; `.result` holds the outcome."""
+    """One request's decoding. Iterating yields text deltas as tokens are committed; `.result`
+    holds the outcome. A step is `propose` (the tree to verify), the target's forward over it
+    (alone, or beside other requests' trees in one batch: batch.py), then `finish`; iterating
+    runs those steps for this request alone. `cache` and `proposer` are the engine's unless a
+    batch gives the request its own."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig):
+    def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig,
+                 cache: KVCache | None = None, proposer: Proposer | None = None):
         self.engine = engine
         self.prompt_ids = prompt_ids
         self.config = config
+        self.cache = engine.cache if cache is None else cache
+        self.proposer = engine.proposer if cache is None else proposer
         self.result = GenerationResult(prompt_tokens=len(prompt_ids), engine=engine.model.engine)
         self.text = TextStream(engine.tokenizer)
         self.streamed = ""      # text already yielded; never retracted
+        params = config.sampling
+        self.generator = None if params.greedy else make_generator(params.seed, engine.model.device)
+        # Greedy on the native engine without logprobs: verification is one native call.
+        self.native_greedy = engine.model.native is not None and params.greedy and config.logprobs is None
+        self.taps = self.proposer.taps if self.proposer is not None else ()
+        self.tree_room = (self.proposer.max_tree_tokens if self.proposer is not None else 0) + 1
+        self.token = -1          # the last sampled token: the next tree's root
+        self.started = 0.0
 
     def __iter__(self) -> Iterator[str]:
-        engine, config, result = self.engine, self.config, self.result
-        model, cache, proposer = engine.model, engine.cache, engine.proposer
-        params = config.sampling
-        generator = None if params.greedy else make_generator(params.seed, model.device)
-        tree_room = (proposer.max_tree_tokens if proposer is not None else 0) + 1
-        start = time.perf_counter()
-        cache.reset()
-        static = engine.static and params.greedy and config.logprobs is None
-        loop = self._loop_static if static else self._loop
-        try:
-            yield from loop(start, generator, tree_room)
-        finally:
-            result.seconds = time.perf_counter() - start
+        # Each step holds the model's lock; between steps (while the caller reads a delta) a
+        # batch's thread or another generation may run theirs.
+        steps = self._steps()
+        while True:
+            with self.engine.model.lock:
+                try:
+                    delta = next(steps)
+                except StopIteration:
+                    return
+            yield delta
 
-    def _loop(self, start: float, generator, tree_room: int) -> Iterator[str]:
+    def _steps(self) -> Iterator[str]:
         engine, config, result = self.engine, self.config, self.result
-        model, cache, proposer = engine.model, engine.cache, engine.proposer
-        params = config.sampling
-        taps = proposer.taps if proposer is not None else ()
-        # Greedy on the native engine without logprobs: verification is one native call.
-        native_greedy = model.native is not None and params.greedy and config.logprobs is None
-        with torch.inference_mode():
-            logits, token = self._prefill(start, generator, taps)
-            emitted, rows = [token], [logits[0]]
-            while True:
-                delta = self._emit(emitted, rows)
-                if delta:
-                    yield delta
-                if self._stopped():
-                    break
-                # Near the end of the window, fall back to plain steps rather than overflow.
-                can_draft = cache.length + tree_room <= cache.max_len
-                t0 = time.perf_counter()
-                tree = proposer.propose(token) if (proposer is not None and can_draft) \
-                    else chain_tree(token, [], model.device)
-                t1 = time.perf_counter()
-                hidden, _, *tapped = model(tree.tokens, tree.positions(cache.length), cache,
-                                           parents=tree.parents if tree.size else None,
-                                           logits_rows=[], taps=taps)
-                if native_greedy:      # the LM head, the argmax walk: one native call
-                    verdict = Verdict(*model.native.verify_greedy(hidden, tree.tokens, tree.parents))
-                else:
-                    logits = TreeLogits(model.lm_head, hidden, tree, model.verify_head_rows)
-                    verdict = verify(tree, logits, params, generator)
-                cache.commit(verdict.path)
-                t2 = time.perf_counter()
-                tokens = tree.tokens.tolist()
-                accepted = [tokens[node] for node in verdict.path]
-                if proposer is not None:
-                    path = torch.tensor(verdict.path, dtype=torch.long, device=model.device)
-                    proposer.observe(accepted, proposer_rows(hidden, tapped, path), verdict.next_token)
-                t3 = time.perf_counter()
-                ranks = tuple(tree.ranks[i] for i in verdict.path[1:]) if tree.ranks else ()
-                result.steps.append(StepRecord(len(verdict.path), tree.size,
-                                               (t1 - t0) + (t3 - t2), t2 - t1, ranks))
-                token = verdict.next_token
-                emitted = accepted[1:] + [token]
-                # Each emitted token's distribution is the target's row at its parent node.
-                # (verification has read every one of these rows already).
-                rows = None if native_greedy else [logits[node] for node in verdict.path]
+        static = engine.static and config.sampling.greedy and config.logprobs is None
+        self.started = time.perf_counter()
+        try:
+            if static:
+                self.cache.reset()
+                yield from self._loop_static(self.started, self.generator, self.tree_room)
+                return
+            with torch.inference_mode():
+                delta = self.start()
+                while True:
+                    if delta:
+                        yield delta
+                    if self.done:
+                        break
+                    tree = self.propose()
+                    t1 = time.perf_counter()
+                    hidden, _, *tapped = engine.model(tree.tokens, tree.positions(self.cache.length), self.cache,
+                                                      parents=tree.parents if tree.size else None,
+                                                      logits_rows=[], taps=self.taps)
+                    delta = self.finish(tree, hidden, tapped, t1)
+        finally:
+            result.seconds = time.perf_counter() - self.started
+
+    # ---------------------------------------------------------------- steps
+
+    def start(self) -> str:
+        """Prefill, the first token, the proposer's start; the text that token shows."""
+        if not self.started:
+            self.started = time.perf_counter()
+        self.cache.reset()
+        logits, self.token = self._prefill(self.started, self.generator, self.taps)
+        return self._emit([self.token], [logits[0]])
+
+    @property
+    def done(self) -> bool:
+        """Whether the request has ended (a stop condition, cancelled, or out of time)."""
+        return self._stopped()
+
+    def propose(self) -> DraftTree:
+        """The tree the next step verifies: the proposer's, or the root alone (plain decoding,
+        and near the end of the window, where a tree would not fit)."""
+        self._t0 = time.perf_counter()
+        proposer, cache = self.proposer, self.cache
+        if proposer is not None and cache.length + self.tree_room <= cache.max_len:
+            return proposer.propose(self.token)
+        return chain_tree(self.token, [], self.engine.model.device)
+
+    def finish(self, tree: DraftTree, hidden: torch.Tensor, tapped: list[torch.Tensor], t1: float,
+               verdict: Verdict | None = None) -> str:
+        """Verify the step's tree from its rows' hidden states (or take `verdict`, greedy
+        verification already done for a batch), commit the accepted path, tell the proposer,
+        emit; the text the step shows."""
+        model, cache, proposer = self.engine.model, self.cache, self.proposer
+        logits = None
+        if verdict is None:
+            if self.native_greedy:      # the LM head, the argmax walk: one native call
+                verdict = Verdict(*model.native.verify_greedy(hidden, tree.tokens, tree.parents))
+            else:
+                logits = TreeLogits(model.lm_head, hidden, tree, model.verify_head_rows)
+                verdict = verify(tree, logits, self.config.sampling, self.generator)
+        cache.commit(verdict.path)
+        t2 = time.perf_counter()
+        tokens = tree.tokens.tolist()
+        accepted = [tokens[node] for node in verdict.path]
+        if proposer is not None:
+            path = torch.tensor(verdict.path, dtype=torch.long, device=model.device)
+            proposer.observe(accepted, proposer_rows(hidden, tapped, path), verdict.next_token)
+        t3 = time.perf_counter()
+        ranks = tuple(tree.ranks[i] for i in verdict.path[1:]) if tree.ranks else ()
+        self.result.steps.append(StepRecord(len(verdict.path), tree.size,
+                                            (t1 - self._t0) + (t3 - t2), t2 - t1, ranks))
+        self.token = verdict.next_token
+        # Each emitted token's distribution is the target's row at its parent node (verification
+        # has read every one of these rows already).
+        rows = None if logits is None else [logits[node] for node in verdict.path]
+        return self._emit(accepted[1:] + [self.token], rows)
 
     def _loop_static(self, start: float, generator, tree_room: int) -> Iterator[str]:
         """Greedy steps that read the device back once each (static_step.py)."""
@@ -365,11 +410,11 @@ class Generation:
         """Run the prompt, pick the first token and start the proposer on the prompt's states;
         (the prompt's last logits, that token)."""
         engine, result = self.engine, self.result
-        hidden, logits = prefill(engine.model, engine.cache, self.prompt_ids, taps)
+        hidden, logits = prefill(engine.model, self.cache, self.prompt_ids, taps)
         token = self._pick(logits[0], self.config.sampling, generator)
         result.prefill_seconds = time.perf_counter() - start
-        if engine.proposer is not None:
-            engine.proposer.reset(self.prompt_ids, hidden, token)
+        if self.proposer is not None:
+            self.proposer.reset(self.prompt_ids, hidden, token)
         return logits, token
 
     def _stopped(self) -> bool:

@@ -18,6 +18,7 @@ number of rows in the forward, over weights in any of the formats of formats.py.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -305,6 +306,9 @@ class Transformer(nn.Module):
         self.rope = {}
         self._init_rope()
         self.native = None       # native.NativeModel once `use_native` has run
+        # Held by whoever runs a step (a generation, a batch's thread): a model's scratch
+        # buffers and native state serve one caller at a time.
+        self.lock = threading.RLock()
         self.engine = "torch's kernels"   # what runs it, and why (loading.load_model says)
 
     def _init_rope(self):
@@ -391,6 +395,30 @@ class Transformer(nn.Module):
     def head_weight(self) -> torch.Tensor:
         """The LM head's weight: the embedding's, or an untied head's."""
         return self.embed.weight if self.output is None else self.output.weight
+
+    def forward_batch(self, items: list[tuple[torch.Tensor, torch.Tensor, KVCache, torch.Tensor | None]]
+                      ) -> list[torch.Tensor]:
+        """Rows of several sequences, each item (tokens (n,), positions (n,), its cache, parents
+        or None) going after its cache's committed tokens as a tree (see `forward`) or causally,
+        and left pending there. Returns each item's hidden states (n, dim) before the final norm.
+        On the native engine the items share one call and every row gets the bits it gets in a
+        forward of its own item; on torch's kernels they run in turn."""
+        for tokens, _, cache, _ in items:
+            if cache.pending:
+                raise ValueError("a batched forward goes after committed tokens: commit first")
+            if cache.length + tokens.numel() > self.args.max_seq_len:
+                raise ValueError(f"positions up to {cache.length + tokens.numel() - 1} are beyond "
+                                 f"max_seq_len {self.args.max_seq_len}")
+        if self.native is None:
+            return [self(tokens, positions, cache, parents=parents, logits_rows=[])[0]
+                    for tokens, positions, cache, parents in items]
+        sizes = [tokens.numel() for tokens, *_ in items]
+        x = self.embed_tokens(torch.cat([tokens for tokens, *_ in items]))
+        self.native.stack.forward_rows(x, [(cache.keys, cache.values, cache.length, parents, n)
+                                           for (_, _, cache, parents), n in zip(items, sizes)])
+        for (_, _, cache, _), n in zip(items, sizes):
+            cache.advance(n)
+        return list(x.split(sizes))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None,

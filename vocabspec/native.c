@@ -1001,19 +1001,19 @@ void vs_head(const float *norm, float eps, const vs_weight *w, const float *hidd
 /* Visibility of row r: cache slots [0, prefix[r]) hold positions 0 .. prefix[r] - 1, then the
    slots extra[xoff[r] .. xoff[r+1]) hold the next positions, the row's own last. Logical index
    i is position i; a sliding window drops indices below pos - window + 1. */
-static void attention(const vs_stack *s, const vs_layer *L, const float *keys, const float *values,
-                      const float *q, int64_t n,
+static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, float *const *values,
+                      int64_t layer, const float *q, int64_t n,
                       const int32_t *pos, const int32_t *prefix, const int32_t *xoff,
                       const int32_t *extra, float *out, float *scratch) {
-    const int64_t H = s->n_heads, D = s->head_dim, hpg = s->n_heads / s->n_kv, T = s->max_len;
+    const int64_t H = s->n_heads, D = s->head_dim, hpg = s->n_heads / s->n_kv, T = s->max_len, G = s->n_kv;
     const vf scale = vf_set1(s->attn_scale);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < n * H; item++) {
         const int64_t r = item / H, h = item % H, g = h / hpg;
         float *sc = scratch + (int64_t)omp_get_thread_num() * (T + 64);
         const float *qv = q + item * D;
-        const float *kt = keys + g * D * T;
-        const float *vv = values + g * T * D;
+        const float *kt = keys[r] + (layer * G + g) * D * T;     /* row r's own cache */
+        const float *vv = values[r] + (layer * G + g) * T * D;
         const int64_t pre = prefix[r], nx = xoff[r + 1] - xoff[r];
         const int32_t *xs = extra + xoff[r];
         int64_t first = 0;
@@ -1109,14 +1109,16 @@ ALWAYS void add_rows(float *x, const float *y, int64_t dim) {
         vf_store(x + i, vf_add(vf_load(x + i), vf_load(y + i)));
 }
 
-/* x (n x dim) through every layer, in place. The cache holds, per layer, keys (n_kv x head_dim x
-   max_len: a key's dimensions are strided, so scores read 16 keys a vector) and values (n_kv x
-   max_len x head_dim). The new rows' keys and values go to slots start .. start + n - 1.
-   taps: layer indices whose outputs are copied to tapped (n x ntaps*dim, side by side). */
-void vs_stack_forward(const vs_stack *s, float *x, int64_t n, const int32_t *pos, const int32_t *prefix,
-                      const int32_t *xoff, const int32_t *extra, float *keys, float *values,
-                      int64_t start, float *work, float *scratch, const int32_t *taps, int64_t ntaps,
-                      float *tapped) {
+/* x (n x dim) through every layer, in place, each row over a cache of its own (rows of several
+   sequences share a call; each row's arithmetic is the same whatever shares it). A cache holds,
+   per layer, keys (n_kv x head_dim x max_len: a key's dimensions are strided, so scores read 16
+   keys a vector) and values (n_kv x max_len x head_dim); keys[r], values[r] are row r's, whose
+   new key and value go to slot slot[r]. taps: layer indices whose outputs are copied to tapped
+   (n x ntaps*dim, side by side). */
+void vs_stack_forward_rows(const vs_stack *s, float *x, int64_t n, const int32_t *pos, const int32_t *prefix,
+                           const int32_t *xoff, const int32_t *extra, float *const *keys, float *const *values,
+                           const int32_t *slot, float *work, float *scratch, const int32_t *taps, int64_t ntaps,
+                           float *tapped) {
     const int64_t dim = s->dim, H = s->n_heads, G = s->n_kv, D = s->head_dim, I = s->hidden;
     const int64_t qs = H * D, kvs = G * D, T = s->max_len;
     float *h = work;              /* n x dim: normed input of a sub-block */
@@ -1131,7 +1133,6 @@ void vs_stack_forward(const vs_stack *s, float *x, int64_t n, const int32_t *pos
 #pragma omp parallel
     for (int64_t l = 0; l < s->n_layers; l++) {
         const vs_layer *L = s->layers + l;
-        float *lk = keys + l * G * D * T, *lv = values + l * G * T * D;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; r++) {
             if (L->attn_norm) rmsnorm_row(x + r * dim, L->attn_norm, h + r * dim, dim, s->eps);
@@ -1153,13 +1154,13 @@ void vs_stack_forward(const vs_stack *s, float *x, int64_t n, const int32_t *pos
             for (int64_t g = 0; g < G; g++) {
                 if (L->k_norm) rmsnorm_row(kr + g * D, L->k_norm, kr + g * D, D, s->eps);
                 rope_head(kr + g * D, cos, sin, D);
-                float *kt = lk + g * D * T + start + r;
+                float *kt = keys[r] + (l * G + g) * D * T + slot[r];
                 for (int64_t d = 0; d < D; d++) kt[d * T] = kr[g * D + d];
-                memcpy(lv + (g * T + start + r) * D, vr + g * D, D * sizeof(float));
+                memcpy(values[r] + ((l * G + g) * T + slot[r]) * D, vr + g * D, D * sizeof(float));
             }
             memcpy(att + r * qs, qr, qs * sizeof(float));
         }
-        attention(s, L, lk, lv, att, n, pos, prefix, xoff, extra, q, scratch);
+        attention(s, L, keys, values, l, att, n, pos, prefix, xoff, extra, q, scratch);
         linear_rows(&L->wo, q, n, qs, o, dim);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; r++) {
@@ -1193,6 +1194,20 @@ void vs_stack_forward(const vs_stack *s, float *x, int64_t n, const int32_t *pos
                 if (taps[t] == l) memcpy(tapped + (r * ntaps + t) * dim, xr, dim * sizeof(float));
         }
     }
+}
+
+/* vs_stack_forward_rows for rows of one sequence: one cache, new slots start .. start + n - 1. */
+void vs_stack_forward(const vs_stack *s, float *x, int64_t n, const int32_t *pos, const int32_t *prefix,
+                      const int32_t *xoff, const int32_t *extra, float *keys, float *values,
+                      int64_t start, float *work, float *scratch, const int32_t *taps, int64_t ntaps,
+                      float *tapped) {
+    float **rows = malloc(2 * (size_t)n * sizeof(float *));
+    int32_t *slot = malloc((size_t)n * sizeof(int32_t));
+    for (int64_t r = 0; r < n; r++) rows[r] = keys, rows[n + r] = values, slot[r] = (int32_t)(start + r);
+    vs_stack_forward_rows(s, x, n, pos, prefix, xoff, extra, rows, rows + n, slot, work, scratch, taps, ntaps,
+                          tapped);
+    free(rows);
+    free(slot);
 }
 
 /* ------------------------------------------------------------------ draft heads */
@@ -1289,56 +1304,82 @@ void vs_cache_keep(float *keys, float *values, int64_t layers, int64_t n_kv, int
     }
 }
 
-/* Greedy verification of a tree whose rows' last hidden states are `hidden` (n x dim): from
-   the root, follow the child carrying the target's argmax (the first index on ties, as
-   plain decoding picks) while there is one. The LM head scores rows as they are reached, in
-   batches along the likeliest path (a node, its first child, that child's first child, up to
-   head_rows rows: about one row's pass over the head's weights). Writes the accepted nodes to
-   path (root first) and returns their count; *next: the target's token after them.
-   work: head_rows x dim floats; logits: head_rows x vocab floats. */
-int64_t vs_verify_greedy(const float *norm, float eps, const vs_weight *w, const float *hidden, int64_t n,
-                         const int64_t *tokens, const int64_t *parents, int64_t head_rows, int64_t *path,
-                         int64_t *next, float *work, float *logits) {
+/* The head's argmax (the first index on ties, as plain decoding picks) of m rows of hidden:
+   norm, then one pass over the head's weights. */
+static void head_argmax(const float *norm, float eps, const vs_weight *w, const float *hidden, const int64_t *rows,
+                        int64_t m, int64_t *best, float *work, float *logits) {
     const int64_t dim = w->cols, V = w->rows;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) rmsnorm_row(hidden + rows[i] * dim, norm, work + i * dim, dim, eps);
+        linear_rows(w, work, m, dim, logits, V);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) {
+            const float *row = logits + i * V;
+            int64_t at = 0;
+            for (int64_t j = 1; j < V; j++)
+                if (row[j] > row[at]) at = j;
+            best[i] = at;
+        }
+    }
+}
+
+/* Greedy verification of `ntrees` trees, tree t's rows being rows offsets[t] .. offsets[t+1] of
+   hidden (their last hidden states) with tokens and parents (tree-local, -1 for the root): from
+   each root, follow the child carrying the target's argmax while there is one. The LM head
+   scores rows as they are reached, in batches along the likeliest path (a node, its first child,
+   that child's first child, up to head_rows rows: about one row's pass over the head's weights),
+   every tree's first batch in one pass. Writes each tree's accepted nodes to paths (at its
+   offset, root first), their count to counts[t] and the target's token after them to next[t].
+   work: ntrees * head_rows x dim floats; logits: as many rows x vocab. */
+void vs_verify_greedy(const float *norm, float eps, const vs_weight *w, const float *hidden, int64_t ntrees,
+                      const int64_t *offsets, const int64_t *tokens, const int64_t *parents, int64_t head_rows,
+                      int64_t *paths, int64_t *counts, int64_t *next, float *work, float *logits) {
+    const int64_t n = offsets[ntrees];
     int64_t *best = malloc((size_t)n * sizeof(int64_t)), *first = malloc((size_t)n * sizeof(int64_t));
-    int64_t batch[64];
+    int64_t *rows = malloc((size_t)(ntrees * 64 > 64 ? ntrees * 64 : 64) * sizeof(int64_t));
+    int64_t *found = malloc((size_t)(ntrees * 64 > 64 ? ntrees * 64 : 64) * sizeof(int64_t));
     if (head_rows > 64) head_rows = 64;
     if (head_rows < 1) head_rows = 1;
     for (int64_t i = 0; i < n; i++) best[i] = -1, first[i] = -1;
-    for (int64_t i = n - 1; i > 0; i--) first[parents[i]] = i;   /* each node's first child */
-    int64_t node = 0, count = 0;
-    for (;;) {
-        path[count++] = node;
-        if (best[node] < 0) {
-            int64_t m = 0;
-            for (int64_t b = node; b >= 0 && m < head_rows && best[b] < 0; b = first[b]) batch[m++] = b;
-#pragma omp parallel
-            {
-#pragma omp for schedule(static)
-                for (int64_t i = 0; i < m; i++) rmsnorm_row(hidden + batch[i] * dim, norm, work + i * dim, dim, eps);
-                linear_rows(w, work, m, dim, logits, V);
-            }
-            for (int64_t i = 0; i < m; i++) {
-                const float *row = logits + i * V;
-                int64_t at = 0;
-                for (int64_t j = 1; j < V; j++)
-                    if (row[j] > row[at]) at = j;
-                best[batch[i]] = at;
-            }
-        }
-        int64_t match = -1;
-        for (int64_t c = node + 1; c < n; c++)
-            if (parents[c] == node && tokens[c] == best[node]) {
-                match = c;
-                break;
-            }
-        if (match < 0) break;
-        node = match;
+    for (int64_t t = 0; t < ntrees; t++)
+        for (int64_t i = offsets[t + 1] - 1; i > offsets[t]; i--) first[offsets[t] + parents[i]] = i;
+    /* Every tree's first batch: its root and the first children below it. */
+    int64_t m = 0;
+    for (int64_t t = 0; t < ntrees; t++) {
+        int64_t taken = 0;
+        for (int64_t b = offsets[t]; b >= 0 && taken < head_rows; b = first[b], taken++) rows[m++] = b;
     }
-    *next = best[node];
+    head_argmax(norm, eps, w, hidden, rows, m, found, work, logits);
+    for (int64_t i = 0; i < m; i++) best[rows[i]] = found[i];
+    for (int64_t t = 0; t < ntrees; t++) {
+        const int64_t base = offsets[t], end = offsets[t + 1];
+        int64_t node = base, count = 0;
+        for (;;) {
+            paths[base + count++] = node - base;
+            if (best[node] < 0) {      /* off the first batch: score this node's own batch */
+                int64_t k = 0;
+                for (int64_t b = node; b >= 0 && k < head_rows && best[b] < 0; b = first[b]) rows[k++] = b;
+                head_argmax(norm, eps, w, hidden, rows, k, found, work, logits);
+                for (int64_t i = 0; i < k; i++) best[rows[i]] = found[i];
+            }
+            int64_t match = -1;
+            for (int64_t c = node + 1; c < end; c++)
+                if (base + parents[c] == node && tokens[c] == best[node]) {
+                    match = c;
+                    break;
+                }
+            if (match < 0) break;
+            node = match;
+        }
+        counts[t] = count;
+        next[t] = best[node];
+    }
     free(best);
     free(first);
-    return count;
+    free(rows);
+    free(found);
 }
 
 /* An EAGLE drafter: fc over (token embedding, feature), its decoder layers (a vs_stack over

@@ -164,8 +164,8 @@ def _declare(lib):
     lib.vs_stack_forward.argtypes = [ctypes.POINTER(Stack), p, i64, p, p, p, p, p, p, i64, p, p, p, i64, p]
     lib.vs_tree_visibility.argtypes = [p, i64, i64, i64, p, p, p, p]
     lib.vs_cache_keep.argtypes = [p, p, i64, i64, i64, i64, i64, p, i64]
-    lib.vs_verify_greedy.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p, i64, p, p, p, p]
-    lib.vs_verify_greedy.restype = i64
+    lib.vs_stack_forward_rows.argtypes = [ctypes.POINTER(Stack), p, i64, p, p, p, p, p, p, p, p, p, p, i64, p]
+    lib.vs_verify_greedy.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p, p, i64, p, p, p, p, p]
     lib.vs_drafter_read.argtypes = [ctypes.POINTER(Drafter), ctypes.POINTER(Stack), p, p, i64, p, p, i64, p,
                                     p, p, p]
     lib.vs_drafter_read_scratch.argtypes = [ctypes.POINTER(Drafter), i64]
@@ -347,6 +347,53 @@ class NativeStack:
                              self.scratch.data_ptr(), ptr(tap_ids), len(taps), ptr(tapped))
         return tapped
 
+    def forward_rows(self, x: torch.Tensor, parts: list[tuple], taps: tuple[int, ...] = ()) -> torch.Tensor | None:
+        """Rows of several sequences in one call, each part over a cache of its own: parts are
+        (keys, values, length, parents or None, rows), their rows following one another in x;
+        a part's rows go after its `length` committed slots as a tree (`parents`, see
+        `forward`) or causally. Every row gets the bits it gets in a call of its own part.
+        Returns the taps' outputs as `forward` does."""
+        lib = library()
+        n = x.shape[0]
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dim:
+            raise ValueError("native forward needs contiguous float32 rows of the model width")
+        if sum(part[4] for part in parts) != n:
+            raise ValueError("the parts' rows do not add up to x's")
+        slots = {self.check_cache(keys, values) for keys, values, *_ in parts}
+        if len(slots) != 1:
+            raise ValueError("the caches of one call must have the same size")
+        slots = slots.pop()
+        pos, prefix, xoff, extra, keys_at, values_at, slot = [], [], [torch.zeros(1, dtype=torch.int32)], [], [], [], []
+        seen = 0                      # extra slots listed so far
+        for keys, values, length, parents, rows in parts:
+            if length + rows > slots:
+                raise ValueError(f"sequence would reach {length + rows} tokens, beyond the cache's {slots}")
+            if parents is not None:
+                p, f, o, e = tree_visibility(parents, length, length)
+                e = e[:int(o[-1])]
+            else:
+                p = torch.arange(length, length + rows, dtype=torch.int32)
+                f, o, e = p + 1, torch.zeros(rows + 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+            pos.append(p)
+            prefix.append(f)
+            xoff.append(o[1:] + seen)
+            seen += int(o[-1])
+            extra.append(e)
+            keys_at += [keys.data_ptr()] * rows
+            values_at += [values.data_ptr()] * rows
+            slot.append(torch.arange(length, length + rows, dtype=torch.int32))
+        pos32, prefix, xoff, extra, slot = (torch.cat(t).contiguous() for t in (pos, prefix, xoff, extra, slot))
+        extra = extra if extra.numel() else torch.zeros(1, dtype=torch.int32)
+        keys_at, values_at = torch.tensor(keys_at, dtype=torch.int64), torch.tensor(values_at, dtype=torch.int64)
+        self.reserve(n, slots)
+        tapped = torch.empty(n, len(taps) * self.dim) if taps else None
+        tap_ids = torch.tensor(taps, dtype=torch.int32) if taps else None
+        lib.vs_stack_forward_rows(ctypes.byref(self.stack), x.data_ptr(), n, pos32.data_ptr(), prefix.data_ptr(),
+                                  xoff.data_ptr(), extra.data_ptr(), keys_at.data_ptr(), values_at.data_ptr(),
+                                  slot.data_ptr(), self.work.data_ptr(), self.scratch.data_ptr(), ptr(tap_ids),
+                                  len(taps), ptr(tapped))
+        return tapped
+
 
 class NativeModel:
     """A target model's layers, LM head and embedding on the native engine (see model.py)."""
@@ -392,22 +439,32 @@ class NativeModel:
         root first, and the target's token after them. hidden: the tree rows' last hidden
         states; the LM head scores rows as verification reaches them, `head_rows` at a time
         (default: `self.head_rows`)."""
-        head_rows = self.head_rows if head_rows is None else head_rows
-        hidden = hidden.contiguous()
-        n = hidden.shape[0]
-        tokens, parents = tokens.to(torch.int64).contiguous(), parents.to(torch.int64).contiguous()
-        rows = min(max(head_rows, 1), 64)
+        return self.verify_greedy_trees(hidden, [(tokens, parents)], head_rows)[0]
+
+    def verify_greedy_trees(self, hidden: torch.Tensor, trees: list[tuple[torch.Tensor, torch.Tensor]],
+                            head_rows: int | None = None) -> list[tuple[list[int], int]]:
+        """`verify_greedy` for several trees (tokens, parents) whose rows follow one another in
+        hidden, every tree's first batch of head rows in one pass over the head's weights."""
+        head_rows = min(max(self.head_rows if head_rows is None else head_rows, 1), 64)
+        hidden = hidden.to(torch.float32).contiguous()
+        sizes = [t.numel() for t, _ in trees]
+        offsets = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
+        tokens = torch.cat([t for t, _ in trees]).to(torch.int64).contiguous()
+        parents = torch.cat([p for _, p in trees]).to(torch.int64).contiguous()
+        rows = head_rows * len(trees)
         if self._work.numel() < rows * hidden.shape[1]:
             self._work = torch.empty(rows * hidden.shape[1], dtype=torch.float32)
         if not hasattr(self, "_logits") or self._logits.numel() < rows * self.head_weight.rows:
             self._logits = torch.empty(rows * self.head_weight.rows, dtype=torch.float32)
-        path = torch.empty(n, dtype=torch.int64)
-        following = torch.empty(1, dtype=torch.int64)
-        count = library().vs_verify_greedy(self.norm.data_ptr(), self.eps, ctypes.byref(self._head_struct),
-                                           hidden.data_ptr(), n, tokens.data_ptr(), parents.data_ptr(), rows,
-                                           path.data_ptr(), following.data_ptr(), self._work.data_ptr(),
-                                           self._logits.data_ptr())
-        return path[:count].tolist(), int(following)
+        paths = torch.empty(int(offsets[-1]), dtype=torch.int64)
+        counts, following = torch.empty(len(trees), dtype=torch.int64), torch.empty(len(trees), dtype=torch.int64)
+        library().vs_verify_greedy(self.norm.data_ptr(), self.eps, ctypes.byref(self._head_struct),
+                                   hidden.data_ptr(), len(trees), offsets.data_ptr(), tokens.data_ptr(),
+                                   parents.data_ptr(), head_rows, paths.data_ptr(), counts.data_ptr(),
+                                   following.data_ptr(), self._work.data_ptr(), self._logits.data_ptr())
+        paths, counts, following = paths.tolist(), counts.tolist(), following.tolist()
+        return [(paths[start:start + count], nxt)
+                for start, count, nxt in zip(offsets.tolist(), counts, following)]
 
 
 def cache_keep(keys: torch.Tensor, values: torch.Tensor, length: int, keep: list[int]) -> None:

@@ -60,6 +60,11 @@ class PromptLookupProposer:
         self._drafted = self.lookup()[:self.length]
         return self._drafted
 
+    def next_tree_tokens(self) -> int:
+        """The tokens the next proposal will hold (the lookup is cheap: a batch asks before
+        choosing who drafts)."""
+        return len(self.lookup()[:self.length])
+
     def propose(self, root_token: int) -> DraftTree:
         start = time.perf_counter()
         tree = chain_tree(root_token, self.draft(), self.device)

@@ -1,9 +1,10 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (both with
 `stream: true` as server-sent events), /v1/models and /health, on FastAPI + uvicorn.
 
-One model has one KV cache, so generations run one at a time on a single worker thread;
-requests wait in a bounded queue (503 when it is full). A streaming client that disconnects
-cancels its generation at the next step. Requests are bounded in size, in max_tokens and in
+Requests decode together (batch.py): up to `max_batch` at once, each in a slot with its own KV
+cache of `window` tokens, joining and leaving between steps; each answer is exactly the one it
+gets served alone. More requests wait in a bounded queue (503 when it is full). A streaming
+client that disconnects cancels its generation at the next step, freeing its slot. Requests are bounded in size, in max_tokens and in
 generation time. Every bad request gets a 400 with an OpenAI-style error body, and the server
 goes on serving.
 
@@ -24,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .api import LanguageModel
+from .batch import BatchLimits, Busy
 from .generate import GenerationResult, TokenLogprob
 
 
@@ -34,6 +36,8 @@ class ServerLimits:
     default_max_tokens: int = 256
     max_seconds: float = 300.0          # generation time per request
     max_queue: int = 64                 # requests waiting or running
+    max_batch: int = 8                  # requests decoding at once
+    window: int = 4096                  # KV cache tokens per decoding request (prompt + answer)
 
 
 class BadRequest(Exception):
@@ -151,11 +155,16 @@ def message_text(message, index: int) -> tuple[str, str]:
 
 
 class Server:
-    def __init__(self, lm: LanguageModel, model_name: str, limits: ServerLimits | None = None):
+    def __init__(self, lm: LanguageModel, model_name: str, limits: ServerLimits | None = None,
+                 batch_thread: bool = True):
         self.lm = lm
         self.model_name = model_name
         self.limits = limits or ServerLimits()
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vocabspec-gen")
+        window = min(self.limits.window, lm.engine.model.args.max_seq_len)
+        self.batch = lm.batch(BatchLimits(max_batch=self.limits.max_batch, max_waiting=self.limits.max_queue,
+                                          window=window), thread=batch_thread)
+        # A thread per admitted request waits for its answer (they only wait: the batch decodes).
+        self.worker = ThreadPoolExecutor(max_workers=self.limits.max_queue, thread_name_prefix="vocabspec-req")
         self.waiting = 0
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
         self.lock = threading.Lock()
@@ -216,6 +225,7 @@ class Server:
         try:
             config = self.lm._config(**params)
             self.lm.engine.check_prompt(ids, config)
+            self.batch._check(ids, config)
         except ValueError as exc:
             raise BadRequest(str(exc), "prompt" if "prompt" in str(exc) else None) from exc
         return ids, params
@@ -237,17 +247,22 @@ class Server:
                 self.counts["served"] += 1
 
     def run(self, ids, params, cancel: threading.Event, on_piece=None) -> GenerationResult:
-        """Blocking: runs on the worker thread."""
+        """Blocking: runs on a request's thread while the batch decodes it."""
         config = self.lm._config(**params, cancel=cancel,
                                  deadline=time.monotonic() + self.limits.max_seconds)
-        generation = self.lm.engine.stream(ids, config)
         sent = 0
-        for piece in generation:
-            if on_piece is not None:
-                entries = generation.result.logprobs[sent:]
-                sent += len(entries)
-                on_piece(piece, entries)
-        return generation.result
+
+        def piece(text: str, result: GenerationResult) -> None:
+            nonlocal sent
+            entries = result.logprobs[sent:]
+            sent += len(entries)
+            on_piece(text, entries)
+
+        try:
+            request = self.batch.submit(ids, config, on_piece=piece if on_piece is not None else None)
+        except Busy as exc:
+            raise BadRequest(str(exc), status=503) from exc
+        return request.wait()
 
     # ------------------------------------------------------------ responses
 
@@ -304,11 +319,14 @@ class Server:
         return out
 
 
-def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None = None):
+def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None = None,
+               batch_thread: bool = True):
+    """The FastAPI app. `batch_thread`: the batch steps on a thread of its own; else whoever
+    serves the app steps it (`app.state.server.batch.run()`, as `serve` does on the main thread)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    server = Server(lm, model_name, limits)
+    server = Server(lm, model_name, limits, batch_thread)
     app = FastAPI(title="vocabspec", version="0.1")
     app.state.server = server
 
@@ -357,6 +375,8 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
             result = None
             try:
                 result = await loop.run_in_executor(server.worker, server.run, ids, params, cancel)
+            except BadRequest as exc:
+                return error(exc)
             except Exception as exc:  # keep serving whatever one generation does
                 return error(BadRequest(f"generation failed: {exc}", status=500))
             finally:
@@ -434,6 +454,20 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
 
 def serve(lm: LanguageModel, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           limits: ServerLimits | None = None) -> None:
+    """Serve until interrupted: HTTP on a thread of its own, the batch's steps on this one
+    (the process's main thread, where OpenMP runs the native engine at full speed: batch.py)."""
     import uvicorn
 
-    uvicorn.run(create_app(lm, model_name, limits), host=host, port=port, log_level="info")
+    app = create_app(lm, model_name, limits, batch_thread=False)
+    http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    thread = threading.Thread(target=http.run, name="vocabspec-http", daemon=True)
+    thread.start()
+    batch = app.state.server.batch
+    try:
+        batch.run(until=lambda: not thread.is_alive())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        http.should_exit = True
+        thread.join(timeout=30)
+        batch.close()

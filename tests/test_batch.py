@@ -1,0 +1,217 @@
+"""Serving many requests at once, each answer bit-identical to serving it alone.
+
+- The batched forward: rows of several sequences in one native call, each over its own cache,
+  get the bits their sequence gets alone: every format, both models, sequences of different
+  lengths, trees and single rows, and Gemma past its 512-token sliding window.
+- Continuous batching: requests joining and leaving a running batch, greedy and seeded
+  sampling, drafted and plain, get exactly the tokens `generate` gives each alone; a cancelled
+  request frees its slot; a full engine refuses with Busy; the speculation budget keeps
+  greedy answers and never touches sampled ones.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import vocabspec
+from vocabspec.batch import BatchEngine, BatchLimits, Busy
+from vocabspec.generate import Engine, GenerationConfig
+from vocabspec.loading import load_model
+from vocabspec.sampling import SamplingParams
+from vocabspec.tree import chain_tree
+
+from conftest import loaded
+from test_native import random_tree
+
+FORMATS = ["gguf", "gguf-a8", "bf16", "f32"]
+
+
+def committed(model, context: list[int], max_len: int):
+    cache = model.new_cache(max_len)
+    with torch.inference_mode():
+        model(torch.tensor(context), torch.arange(len(context)), cache)
+    cache.commit()
+    return cache
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("weights", FORMATS)
+def test_batched_rows_have_the_bits_of_each_sequence_alone(name, weights):
+    from vocabspec import native
+
+    if weights == "gguf-a8" and not native.has_int8():
+        pytest.skip("gguf-a8 needs 8-bit dot products")
+    model, _ = load_model(name, weights=weights)
+    vocab = model.args.vocab_size
+    g = torch.Generator().manual_seed(5)
+    # Contexts of different lengths (Gemma's 600 past its window), each followed by a tree, a
+    # single row, or a causal run of rows.
+    lengths = [37, 600, 5, 180] if name == "gemma3" else [37, 250, 5, 180]
+    items = []
+    for index, length in enumerate(lengths):
+        cache = committed(model, torch.randint(3, 20000, (length,), generator=g).tolist(), 1024)
+        if index % 2 == 0:
+            tree = random_tree(vocab, 6 + 3 * index, seed=index)
+            items.append((tree.tokens, tree.positions(length), cache, tree.parents))
+        else:
+            tree = chain_tree(int(torch.randint(vocab, (1,), generator=g)), [], None)
+            items.append((tree.tokens, tree.positions(length), cache, None))
+    with torch.inference_mode():
+        together = model.forward_batch(items)
+        for _, _, cache, _ in items:
+            cache.discard()
+        for (tokens, positions, cache, parents), rows in zip(items, together):
+            alone, _ = model(tokens, positions, cache, parents=parents, logits_rows=[])
+            cache.discard()
+            assert torch.equal(alone, rows), (name, weights, tokens.numel())
+        # And in another order, beside other items: still the same bits.
+        again = model.forward_batch(items[::-1])
+        for (_, _, cache, _), rows, want in zip(items[::-1], again, together[::-1]):
+            cache.discard()
+            assert torch.equal(rows, want)
+
+
+@pytest.fixture(scope="module")
+def lms():
+    """SmolLM2 drafting with EAGLE-2 on a small fixed tree and with prompt lookup."""
+    return {"eagle": vocabspec.load("smollm2", draft="eagle", depth=2, total_tokens=3, max_seq_len=1024),
+            "pld": vocabspec.load("smollm2", draft="pld", max_seq_len=1024)}
+
+
+PROMPTS = ["Name three colours of the rainbow.", "Write a haiku about rain.",
+           "What is the capital of Italy? Answer in one sentence.", "Count from one to ten in words.",
+           "Explain why the sea is salty.", "List two uses of copper."]
+
+
+def requests():
+    """Greedy and seeded sampling, drafted and plain, of several lengths."""
+    out = []
+    for index, prompt in enumerate(PROMPTS):
+        sampling = SamplingParams() if index % 2 == 0 else SamplingParams(temperature=0.8, top_p=0.9, seed=index)
+        out.append((prompt, GenerationConfig(max_new_tokens=12 + 9 * index, sampling=sampling), index % 3 != 2))
+    return out
+
+
+@pytest.mark.parametrize("method", ["eagle", "pld"])
+def test_continuous_batching_gives_each_request_its_tokens_alone(lms, method):
+    lm = lms[method]
+    batch = BatchEngine(lm.engine, lambda: vocabspec.proposers.make_proposer(
+        lm.engine.model, lm.draft, "smollm2", tokenizer=lm.tokenizer),
+        BatchLimits(max_batch=3, window=1024, tree_rows=8))
+    try:
+        submitted = []
+        for prompt, config, draft in requests():     # six requests for three slots: joins and leaves
+            ids = lm.encode_prompt(prompt, chat=True)
+            submitted.append((ids, config, draft, batch.submit(ids, config, draft)))
+        for ids, config, draft, request in submitted:
+            result = request.wait(120)
+            # Alone on the calling thread while the batch may still run: the model's lock
+            # keeps their steps apart.
+            plain = Engine(lm.engine.model, lm.tokenizer)
+            alone = (lm.engine if draft else plain).generate(ids, GenerationConfig(
+                max_new_tokens=config.max_new_tokens, sampling=config.sampling))
+            assert result.tokens == alone.tokens, (method, config.sampling, draft)
+            assert result.stop_reason in ("length", "eos")
+        assert batch.steps < sum(len(r.result.steps) for *_, r in submitted)     # steps were shared
+        drafted = [r.result for _, c, d, r in submitted if d]
+        assert max(s.tree_size for result in drafted for s in result.steps) > 0
+    finally:
+        batch.close()
+
+
+def test_a_cancelled_request_frees_its_slot_and_a_full_engine_refuses(lms):
+    lm = lms["pld"]
+    batch = BatchEngine(lm.engine, None, BatchLimits(max_batch=1, max_waiting=1, window=512))
+    try:
+        ids = lm.encode_prompt("Tell me a long story about a lighthouse.", chat=True)
+        config = GenerationConfig(max_new_tokens=400, stop_on_eos=False)
+        first = batch.submit(ids, config)
+        deadline = time.monotonic() + 30
+        while not batch.waiting.empty() and time.monotonic() < deadline:     # until it holds the slot
+            time.sleep(0.01)
+        second = batch.submit(ids, GenerationConfig(max_new_tokens=3))
+        with pytest.raises(Busy, match="slots"):
+            batch.submit(ids, GenerationConfig(max_new_tokens=3))
+        time.sleep(0.2)
+        first.cancel.set()
+        assert first.wait(30).stop_reason == "cancelled"
+        assert second.wait(30).new_tokens == 3          # took the freed slot
+        with pytest.raises(ValueError, match="window"):
+            batch.submit(ids, GenerationConfig(max_new_tokens=500))
+        with pytest.raises(ValueError, match="empty"):
+            batch.submit([], GenerationConfig(max_new_tokens=3))
+    finally:
+        batch.close()
+
+
+def test_generate_batch_and_the_jsonl_command(lms, tmp_path):
+    import json
+
+    from vocabspec.cli import main
+
+    lm = lms["pld"]
+    results = lm.generate_batch(PROMPTS[:3], chat=True, max_new_tokens=10)
+    assert [r.tokens for r in results] == [lm.generate(p, chat=True, max_new_tokens=10).tokens for p in PROMPTS[:3]]
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(json.dumps(item) for item in [
+        {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_new_tokens": 6},
+        {"prompt": "Once upon a time", "max_new_tokens": 5, "temperature": 0.7, "seed": 3}]))
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--input", str(source), "--output", str(out), "--max-batch", "2",
+                 "--max-seq-len", "1024"]) == 0
+    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [a["index"] for a in answers] == [0, 1] and answers[0]["new_tokens"] == 6
+    assert answers[0]["tokens"] == lm.generate(PROMPTS[0], chat=True, max_new_tokens=6).tokens
+    assert answers[1]["tokens"] == lm.generate("Once upon a time", max_new_tokens=5, temperature=0.7,
+                                               seed=3).tokens
+    source.write_text(json.dumps({"prompt": "hi", "frobnicate": 1}))
+    assert main(["generate", "--input", str(source)]) == 2
+
+
+def test_the_serving_benchmark_measures_batches_with_the_openai_client(tmp_path):
+    """`vocabspec bench --throughput`: concurrent official-openai clients against the server,
+    every answer compared with the same request answered by one client alone."""
+    import json
+
+    from vocabspec.cli import main
+
+    out = tmp_path / "serving"
+    assert main(["bench", "--model", "smollm2", "--methods", "vanilla,pld", "--throughput", "1,3",
+                 "--requests-per-client", "2", "--max-new-tokens", "12", "--per-category", "1",
+                 "--out", str(out)]) == 0
+    result = json.loads((out / "throughput.json").read_text())
+    assert set(result["methods"]) == {"vanilla", "pld"}
+    for data in result["methods"].values():
+        assert [row["concurrency"] for row in data["points"]] == [1, 3]
+        assert all(row["tokens"] > 0 and row["answers_differing_from_alone"] == 0 for row in data["points"])
+        assert data["points"][1]["requests"] >= 6
+    assert (out / "throughput.png").stat().st_size > 1000
+    assert "| pld | 3 |" in (out / "report.md").read_text()
+
+
+def test_the_draft_budget_follows_the_cost_curve(lms):
+    """Rows nearly free (a GPU's curve): every greedy request drafts. Each row a whole forward's
+    cost: none does, a drafted tree never paying for its rows. Tokens as alone either way."""
+    from vocabspec.batch import Costs
+
+    lm = lms["eagle"]
+    batch = BatchEngine(lm.engine, lambda: vocabspec.proposers.make_proposer(
+        lm.engine.model, lm.draft, "smollm2", tokenizer=lm.tokenizer), BatchLimits(max_batch=3, window=1024),
+        thread=False)
+    assert batch.costs is not None and batch.costs(1) > 0      # measured on this machine
+    ids = [lm.encode_prompt(p, chat=True) for p in PROMPTS[:3]]
+    config = GenerationConfig(max_new_tokens=16)
+    alone = [lm.engine.generate(i, config).tokens for i in ids]
+    try:
+        for curve, drafts in ((Costs({1: 1.0, 64: 1.0}), True), (Costs({1: 1.0, 2: 2.0}), False)):
+            batch.costs = curve
+            before = batch.stats()
+            assert [r.tokens for r in batch.generate(ids, config)] == alone
+            after = batch.stats()
+            assert (after["drafted"] > before["drafted"]) == drafts
+            if drafts:     # every request, every step while the three run together
+                assert after["rows"] - before["rows"] > after["steps"] - before["steps"]
+    finally:
+        batch.close()
