@@ -21,7 +21,8 @@ import httpx
 from llamacpp import llama_cpp_bin
 from vocabspec.bench import load_questions
 from vocabspec.loading import resolve_model_path
-from vocabspec.throughput import free_port, plot, prompts_for, report, run_throughput, sweep
+from vocabspec.server import free_port
+from vocabspec.throughput import plot, prompts_for, report, run_throughput, sweep
 from vocabspec.tokenizer import load_tokenizer
 
 

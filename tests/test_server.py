@@ -4,8 +4,6 @@ concurrent clients, 200 requests) with no failure, bounded memory and greedy res
 to single-client runs."""
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,42 +11,19 @@ import httpx
 import pytest
 
 import vocabspec
-from vocabspec.server import ServerLimits, create_app
+from vocabspec.server import HTTPThread, ServerLimits, create_app
+from vocabspec.throughput import rss_mb
 
 PROMPTS = ["Name a colour.", "What is 2 + 2?", "Say hi.", "Name a fruit.", "Write one word."]
 
 
-def rss_mb() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
-
     lm = vocabspec.load("smollm2", draft="pld", max_seq_len=1024)
     app = create_app(lm, "smollm2", ServerLimits(max_tokens_cap=256, max_seconds=60, max_queue=64))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    yield base, lm, app
-    uv.should_exit = True
-    thread.join(timeout=10)
+    http = HTTPThread(app)
+    yield http.wait_ready(), lm, app
+    http.stop(10)
 
 
 def chat(base, content, **extra):

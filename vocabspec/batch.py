@@ -43,7 +43,6 @@ from typing import Callable
 import torch
 
 from .generate import Engine, Generation, GenerationConfig, GenerationResult, Verdict
-from .tree import chain_tree
 
 
 class Busy(RuntimeError):
@@ -171,7 +170,7 @@ class BatchEngine:
         Busy if every slot and the queue are full)."""
         if self.stopping:
             raise RuntimeError("the batch engine has stopped")
-        self._check(prompt_ids, config)
+        self.check(prompt_ids, config)
         cancel = config.cancel if config.cancel is not None else threading.Event()
         request = Request(list(prompt_ids), replace(config, cancel=cancel), draft, on_piece, cancel=cancel)
         try:
@@ -189,7 +188,7 @@ class BatchEngine:
         if len(configs) != len(prompts):
             raise ValueError("one config per prompt")
         for ids, cfg in zip(prompts, configs):
-            self._check(ids, cfg)
+            self.check(ids, cfg)
         pending, requests = list(zip(prompts, configs)), []
         while pending or not all(request.done.is_set() for request in requests):
             while pending:
@@ -216,16 +215,10 @@ class BatchEngine:
         else:
             self._stop()
 
-    def _check(self, prompt_ids: list[int], config: GenerationConfig) -> None:
-        window, engine = self.limits.window, self.engine
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = engine.model.args.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) + config.max_new_tokens + 1 > window:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) "
-                             f"exceed a slot's window of {window} tokens")
+    def check(self, prompt_ids: list[int], config: GenerationConfig) -> None:
+        """ValueError unless the request can run in a slot (Engine.check_prompt, the slot's
+        window as the limit)."""
+        self.engine.check_prompt(prompt_ids, config, self.limits.window)
 
     # ---------------------------------------------------------------- the steps
 
@@ -295,13 +288,7 @@ class BatchEngine:
         model = self.engine.model
         drafts = self._drafting(running)
         with torch.inference_mode():
-            trees = []
-            for slot, draft in zip(running, drafts):
-                if draft:
-                    trees.append(slot.generation.propose())
-                else:
-                    slot.generation._t0 = time.perf_counter()
-                    trees.append(chain_tree(slot.generation.token, [], model.device))
+            trees = [slot.generation.propose(draft) for slot, draft in zip(running, drafts)]
             t1 = time.perf_counter()
             hidden = model.forward_batch([(tree.tokens, tree.positions(slot.cache.length), slot.cache,
                                            tree.parents if tree.size else None)
@@ -327,16 +314,12 @@ class BatchEngine:
 
     def _drafting(self, running: list[Slot]) -> list[bool]:
         """Which running requests draft this step (the module docstring's rule)."""
-        def can(slot: Slot) -> bool:
-            generation = slot.generation
-            return generation.proposer is not None and \
-                generation.cache.length + generation.tree_room <= generation.cache.max_len
         sampled = [not slot.generation.config.sampling.greedy for slot in running]
-        drafts = [s and can(slot) for s, slot in zip(sampled, running)]
+        drafts = [s and slot.generation.can_draft for s, slot in zip(sampled, running)]
         rows = len(running) + sum(slot.proposer.max_tree_tokens for slot, d in zip(running, drafts) if d)
         tokens = len(running) + sum(slot.gain for slot, d in zip(running, drafts) if d)
         # Greedy requests, likeliest to gain first.
-        for index in sorted((i for i, slot in enumerate(running) if not sampled[i] and can(slot)),
+        for index in sorted((i for i, slot in enumerate(running) if not sampled[i] and slot.generation.can_draft),
                             key=lambda i: -running[i].gain):
             slot = running[index]
             # The proposal's rows where the proposer can say them cheaply (prompt lookup), else

@@ -227,8 +227,10 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
 
-    def check_prompt(self, prompt_ids: list[int], config: GenerationConfig) -> None:
-        limit = self.cache.max_len
+    def check_prompt(self, prompt_ids: list[int], config: GenerationConfig, limit: int | None = None) -> None:
+        """ValueError unless the prompt can run: not empty, ids in the vocabulary, prompt and
+        answer within `limit` tokens of cache (default: this engine's)."""
+        limit = self.cache.max_len if limit is None else limit
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.args.vocab_size
@@ -299,7 +301,7 @@ class Generation:
         try:
             if static:
                 self.cache.reset()
-                yield from self._loop_static(self.started, self.generator, self.tree_room)
+                yield from self._loop_static(self.started, self.generator)
                 return
             with torch.inference_mode():
                 delta = self.start()
@@ -332,13 +334,18 @@ class Generation:
         """Whether the request has ended (a stop condition, cancelled, or out of time)."""
         return self._stopped()
 
-    def propose(self) -> DraftTree:
+    @property
+    def can_draft(self) -> bool:
+        """Whether this step may draft: a proposer, and room for its largest tree in the cache
+        (near the end of the window a tree would not fit)."""
+        return self.proposer is not None and self.cache.length + self.tree_room <= self.cache.max_len
+
+    def propose(self, draft: bool = True) -> DraftTree:
         """The tree the next step verifies: the proposer's, or the root alone (plain decoding,
-        and near the end of the window, where a tree would not fit)."""
+        `draft=False`, or no room for a tree)."""
         self._t0 = time.perf_counter()
-        proposer, cache = self.proposer, self.cache
-        if proposer is not None and cache.length + self.tree_room <= cache.max_len:
-            return proposer.propose(self.token)
+        if draft and self.can_draft:
+            return self.proposer.propose(self.token)
         return chain_tree(self.token, [], self.engine.model.device)
 
     def finish(self, tree: DraftTree, hidden: torch.Tensor, tapped: list[torch.Tensor], t1: float,
@@ -371,12 +378,12 @@ class Generation:
         rows = None if logits is None else [logits[node] for node in verdict.path]
         return self._emit(accepted[1:] + [self.token], rows)
 
-    def _loop_static(self, start: float, generator, tree_room: int) -> Iterator[str]:
+    def _loop_static(self, start: float, generator) -> Iterator[str]:
         """Greedy steps that read the device back once each (static_step.py)."""
         from .static_step import chain, read_back, verify_greedy
 
         engine, config, result = self.engine, self.config, self.result
-        model, cache, proposer = engine.model, engine.cache, engine.proposer
+        model, cache, proposer = engine.model, self.cache, self.proposer
         taps = proposer.taps if proposer is not None else ()
         with torch.inference_mode():
             _, token = self._prefill(start, generator, taps)
@@ -388,9 +395,8 @@ class Generation:
                     yield delta
                 if self._stopped():
                     break
-                can_draft = cache.length + tree_room <= cache.max_len
                 t0 = time.perf_counter()
-                tree = proposer.propose_static(root) if (proposer is not None and can_draft) \
+                tree = proposer.propose_static(root) if self.can_draft \
                     else chain(root, [])
                 t1 = time.perf_counter()
                 hidden, logits, *tapped = model(tree.tokens, tree.depths + cache.length, cache,

@@ -224,8 +224,7 @@ class Server:
             ids = self.lm.tokenizer.encode(prompt)
         try:
             config = self.lm._config(**params)
-            self.lm.engine.check_prompt(ids, config)
-            self.batch._check(ids, config)
+            self.batch.check(ids, config)
         except ValueError as exc:
             raise BadRequest(str(exc), "prompt" if "prompt" in str(exc) else None) from exc
         return ids, params
@@ -452,22 +451,59 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
     return app
 
 
+def free_port() -> int:
+    """A local TCP port free at the time of asking."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+class HTTPThread:
+    """uvicorn serving `app` on a thread of its own, leaving the calling thread free to step the
+    batch (`serve`, the serving benchmark, the tests). `port=None`: a free one."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+        import uvicorn
+
+        port = free_port() if port is None else port
+        self.base = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+        self.thread = threading.Thread(target=self.server.run, name="vocabspec-http", daemon=True)
+        self.thread.start()
+
+    def wait_ready(self, seconds: float = 30.0) -> str:
+        """Block until /health answers; the base URL (RuntimeError if the server died or is late)."""
+        import httpx
+
+        deadline = time.monotonic() + seconds
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            try:
+                if httpx.get(self.base + "/health").status_code == 200:
+                    return self.base
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError(f"the server at {self.base} did not start")
+
+    def stop(self, seconds: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=seconds)
+
+
 def serve(lm: LanguageModel, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           limits: ServerLimits | None = None) -> None:
     """Serve until interrupted: HTTP on a thread of its own, the batch's steps on this one
     (the process's main thread, where OpenMP runs the native engine at full speed: batch.py)."""
-    import uvicorn
-
     app = create_app(lm, model_name, limits, batch_thread=False)
-    http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
-    thread = threading.Thread(target=http.run, name="vocabspec-http", daemon=True)
-    thread.start()
+    http = HTTPThread(app, host, port, log_level="info")
     batch = app.state.server.batch
     try:
-        batch.run(until=lambda: not thread.is_alive())
+        batch.run(until=lambda: not http.thread.is_alive())
     except KeyboardInterrupt:
         pass
     finally:
-        http.should_exit = True
-        thread.join(timeout=30)
+        http.stop()
         batch.close()

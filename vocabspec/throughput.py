@@ -13,7 +13,6 @@ benchmark it with and without speculation; a peer (llama.cpp's llama-server) is 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -154,39 +153,17 @@ def rss_mb() -> float:
     return 0.0
 
 
-def free_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
 def serve_while(lm, model_name: str, limits, work: Callable[..., dict]) -> dict:
     """vocabspec's server for `lm` on a free local port while `work(base_url, batch)` runs
-    (batch: the server's BatchEngine): HTTP on a
-    thread, `work` on another, the batch's steps on this one (the main thread's, as `serve`
-    runs them: batch.py says why). Returns what `work` returns."""
-    import httpx
-    import uvicorn
+    (batch: the server's BatchEngine): HTTP on a thread, `work` on another, the batch's steps on
+    this one (the main thread's, as `serve` runs them: batch.py says why). Returns what `work`
+    returns."""
+    from .server import HTTPThread, create_app
 
-    from .server import create_app
-
-    port = free_port()
     app = create_app(lm, model_name, limits, batch_thread=False)
     batch = app.state.server.batch
-    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    http_thread = threading.Thread(target=http.run, daemon=True)
-    http_thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    else:
-        raise RuntimeError("the server did not start")
+    http = HTTPThread(app)
+    base = http.wait_ready()
     outcome: dict = {}
 
     def run_work() -> None:
@@ -200,8 +177,7 @@ def serve_while(lm, model_name: str, limits, work: Callable[..., dict]) -> dict:
     try:
         batch.run(until=lambda: not worker.is_alive())
     finally:
-        http.should_exit = True
-        http_thread.join(timeout=30)
+        http.stop()
         batch.close()
     if "error" in outcome:
         raise outcome["error"]
