@@ -1,13 +1,15 @@
-"""The GPU check: exactness, read-backs and speed on one CUDA device, in a few minutes.
+"""The GPU check: exactness, read-backs, CUDA graphs and speed on one CUDA device, in minutes.
 
-1. Exactness: on the Spec-Bench category prompts, greedy EAGLE-2 (static steps) and prompt
-   lookup against plain decoding, in float32 (TF32 off; must be 0 mismatches) and bfloat16
-   (torch's kernels are not row-count invariant there: mismatches are counted and reported).
-2. Read-backs: every way a tensor reaches the host is counted over a generation (static
-   steps): at most one a step.
-3. Speed: tokens/s of plain decoding and the main methods, float32 and bfloat16, SmolLM2.
-4. Drafting cost on a random model shaped like Llama-3-8B (128k vocabulary): drafting time a
-   step with FR-Spec's 32k head against the full head.
+1. Exactness: on the Spec-Bench category prompts, greedy EAGLE-2 (full head and FR-Spec 32k),
+   prompt lookup and plain decoding as static steps captured as CUDA graphs (static_step.py),
+   against plain decoding, in float32 (TF32 off; must be 0 mismatches) and bfloat16 (torch's
+   kernels are not row-count invariant there: mismatches are counted and reported).
+2. Read-backs: every way a tensor reaches the host is counted over a generation: at most one
+   a step.
+3. Speed: tokens/s of each method, float32 and bfloat16, SmolLM2; plain decoding and EAGLE-2
+   (FR 32k) also with capture off (eager static steps), so the graphs' share is visible.
+4. Drafting cost on a random model shaped like Llama-3-8B (128k vocabulary): an EAGLE-2 5x48
+   draft with FR-Spec's 32k head against the full head, captured and eager.
 
 Writes report.md and run.json to the folder given.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,11 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vocabspec.drafter import EagleDrafter, EagleProposer  # noqa: E402
 from vocabspec.draft_vocab import FullVocab, StaticSubset  # noqa: E402
 from vocabspec.generate import Engine, GenerationConfig  # noqa: E402
+from vocabspec.kv_cache import DeviceKVCache  # noqa: E402
 from vocabspec.loading import load_model  # noqa: E402
 from vocabspec.model import ModelArgs, Transformer  # noqa: E402
 from vocabspec.pld import PromptLookupProposer  # noqa: E402
 from vocabspec.prompts import encode_conversation  # noqa: E402
-from vocabspec.static_step import count_read_backs  # noqa: E402
+from vocabspec.static_step import capture_graph, count_read_backs  # noqa: E402
 from vocabspec.token_map import load_token_map  # noqa: E402
 from vocabspec.tokenizer import load_tokenizer  # noqa: E402
 
@@ -41,6 +45,7 @@ DRAFTER = Path(__file__).resolve().parents[1] / "vocabspec" / "drafters" / "smol
 
 
 DEVICE = "cuda"
+WARMUP_IDS: list[int] = []
 
 
 def sync():
@@ -58,15 +63,28 @@ def methods(model):
             "eagle2+fr:32k 5x48": EagleProposer(drafter, head=fr, depth=5, top_k=8, total_tokens=48)}
 
 
+def make_engines(model, tokenizer, graphs: bool, only=None) -> dict:
+    """Static-step engines per method, their decoders made (and graphs captured) while CUDA
+    graphs are on or off as asked."""
+    os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1" if graphs else "0"
+    engines = {name: Engine(model, tokenizer, proposer, allow_inexact=True, static=True)
+               for name, proposer in methods(model).items() if only is None or name in only}
+    for engine in engines.values():                      # warm-up: decoders, graphs
+        engine.generate(WARMUP_IDS, GenerationConfig(max_new_tokens=8))
+    os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1"
+    return engines
+
+
 def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int) -> dict:
+    global WARMUP_IDS
     model, _ = load_model(str(path), weights=weights, device=DEVICE, backend="torch")
     tokenizer = load_tokenizer(path)
     ids = [encode_conversation(tokenizer, [("user", p)], answer_open=True) for p in prompts]
+    WARMUP_IDS = ids[0]
     config = GenerationConfig(max_new_tokens=new_tokens)
-    engines = {name: Engine(model, tokenizer, proposer, allow_inexact=True, static=True)
-               for name, proposer in methods(model).items()}
-    for engine in engines.values():                      # warm-up
-        engine.generate(ids[0], GenerationConfig(max_new_tokens=8))
+    engines = make_engines(model, tokenizer, graphs=True)
+    eager = make_engines(model, tokenizer, graphs=False, only=("plain", "eagle2+fr:32k 5x48"))
+    engines.update({f"{name} (eager)": engine for name, engine in eager.items()})
     rows = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "mismatches": 0} for name in engines}
     for prompt in ids:
         reference = None
@@ -84,10 +102,13 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int) -
             elif out.tokens != reference:
                 row["mismatches"] += 1
     plain = rows["plain"]["tokens"] / rows["plain"]["seconds"]
-    for row in rows.values():
+    for name, row in rows.items():
         row["tokens_per_s"] = round(row["tokens"] / row["seconds"], 1)
         row["speedup"] = round(row["tokens_per_s"] / plain, 2)
         row["tau"] = round(row["tokens"] / max(row["steps"], 1), 2)
+        decoders = engines[name].decoders.values()
+        row["graphs"] = sum(len(d.graphs) for d in decoders)
+        row["graph_failures"] = [why for d in decoders for why in d.graph_failures.values()]
     return rows
 
 
@@ -97,7 +118,7 @@ def read_backs(path: Path, prompt: str) -> dict:
     ids = encode_conversation(tokenizer, [("user", prompt)], answer_open=True)
     out = {}
     for name, proposer in methods(model).items():
-        engine = Engine(model, tokenizer, proposer, static=True)
+        engine = Engine(model, tokenizer, proposer, static=True, allow_inexact=True)
         config = GenerationConfig(max_new_tokens=32, stop_on_eos=False)
         engine.generate(ids, config)
         with count_read_backs() as counts:
@@ -107,7 +128,8 @@ def read_backs(path: Path, prompt: str) -> dict:
 
 
 def drafting_cost(layers: int, steps: int = 20) -> dict:
-    """Drafting seconds per step on a random Llama-3-8B-shaped model, bfloat16, 5x48 trees."""
+    """Milliseconds per EAGLE-2 5x48 draft on a random Llama-3-8B-shaped model, bfloat16, with
+    the full head and FR-Spec's 32k: eager, and (on CUDA) replayed as a captured graph."""
     args = ModelArgs(arch="llama", vocab_size=128256, dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8,
                      head_dim=128, intermediate_size=14336, norm_eps=1e-5, rope_base=500000.0,
                      max_seq_len=1024)
@@ -117,22 +139,33 @@ def drafting_cost(layers: int, steps: int = 20) -> dict:
     heads = {"full": FullVocab(model.embed.weight),
              "fr:32k": StaticSubset(model.embed.weight, torch.arange(32768), name="fr:32k")}
     result = {}
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        sync()
+        return round((time.perf_counter() - start) / steps * 1e3, 2)
+
     for name, head in heads.items():
         proposer = EagleProposer(drafter, head=head, depth=5, top_k=8, total_tokens=48)
+        proposer.set_static(512)
         with torch.inference_mode():
-            cache = model.new_cache(512)
+            cache = DeviceKVCache(args.n_layers, args.n_kv_heads, args.head_dim, 512, model.dtype, model.device)
             hidden, _ = model(torch.arange(100, device=DEVICE), torch.arange(100, device=DEVICE), cache)
+            cache.commit()
             proposer.reset(list(range(100)), hidden, 7)
-            root = torch.tensor(7, device=DEVICE)
-            for _ in range(3):
-                proposer.propose_static(root)
-            sync()
-            start = time.perf_counter()
-            for _ in range(steps):
-                proposer.propose_static(root)
-            sync()
-        result[name] = round((time.perf_counter() - start) / steps * 1e3, 2)
-    result["fr_over_full"] = round(result["fr:32k"] / result["full"], 2)
+            root = torch.tensor([7], device=DEVICE)
+            result[f"{name} eager"] = timed(lambda: proposer.propose_static(root))
+            if DEVICE == "cuda":
+                graph, _ = capture_graph(lambda: proposer.propose_static(root).tokens,
+                                         proposer.static_buffers(), [proposer.cache])
+                result[f"{name} graph"] = timed(graph.replay)
+    kind = "graph" if DEVICE == "cuda" else "eager"
+    result["fr_over_full"] = round(result[f"fr:32k {kind}"] / result[f"full {kind}"], 2)
     return result
 
 
@@ -165,12 +198,15 @@ def main():
     (out / "run.json").write_text(json.dumps(run, indent=1))
     lines = [f"# GPU check: {run['device']}, torch {run['torch']}, {run['date']}", "",
              f"SmolLM2-135M-Instruct, {len(prompts)} Spec-Bench prompts, {args.new_tokens} new tokens, greedy, "
-             "static steps (one read-back each); mismatches against plain decoding in the same dtype.", "",
-             "| dtype | method | tok/s | speedup | tau | mismatches |", "| --- | --- | --- | --- | --- | --- |"]
+             "static steps (one read-back each) replayed as CUDA graphs unless marked eager; "
+             "mismatches against plain decoding in the same dtype.", "",
+             "| dtype | method | tok/s | speedup | tau | mismatches | graphs | capture failures |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for weights in ("f32", "bf16"):
         for name, row in run[weights].items():
             lines.append(f"| {weights} | {name} | {row['tokens_per_s']} | {row['speedup']}x | {row['tau']} | "
-                         f"{row['mismatches'] if name != 'plain' else '-'} |")
+                         f"{row['mismatches'] if name != 'plain' else '-'} | {row['graphs']} | "
+                         f"{'; '.join(row['graph_failures']) or '-'} |")
     lines += ["", "Read-backs over a 32-token generation (float32): " +
               ", ".join(f"{n} {r['read_backs']} in {r['steps']} steps" for n, r in run["read_backs"].items()),
               "", "Drafting per step, random Llama-3-8B-shaped model (bfloat16, tree 5x48): "

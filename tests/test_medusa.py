@@ -1,6 +1,6 @@
 """Medusa: the shipped heads draft the published tree and greedy output stays plain decoding's,
-with every draft head (full, FR-Spec, VocabTrim, SpecVocab), in the general and the static
-(one read-back) loop; the tree is built as the choices say; bad checkpoints and trees are
+with every draft head (full, FR-Spec, VocabTrim, SpecVocab) (the static loop's Medusa is in
+test_static_step.py); the tree is built as the choices say; bad checkpoints and trees are
 refused by name. Sampling is checked in test_sampling.py."""
 
 import pytest
@@ -42,18 +42,6 @@ def test_medusa_greedy_lossless_with_every_draft_head(real_model):
     assert not mismatches, f"Medusa's output differs from plain decoding: {mismatches}"
     tau = sum(s.accept_length for s in steps) / len(steps)
     assert tau > 1.3, f"the shipped heads' mean accepted length is only {tau:.2f}"
-
-
-def test_medusa_static_loop_matches_plain_decoding(smollm2):
-    """The one-read-back loop a GPU uses (forced on here) drafts the same tree on the device."""
-    config = GenerationConfig(max_new_tokens=32)
-    ids = smollm2.prompt_ids("Explain how a bicycle's gears make it easier to ride uphill.")
-    reference = Engine(smollm2.model, smollm2.tokenizer).generate(ids, config).tokens
-    engine = Engine(smollm2.model, smollm2.tokenizer, shipped_proposer(smollm2, "fr:8k"), static=True)
-    assert engine.static
-    out = engine.generate(ids, config)
-    assert out.tokens == reference
-    assert out.mean_accept_len > 1.2
 
 
 def test_tree_follows_the_choices():

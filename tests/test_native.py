@@ -153,7 +153,7 @@ def assert_trees_match_one_token_forwards(model, context: list[int], sizes, voca
                         assert torch.equal(h[0], hidden[node]), f"tree of {size}: hidden of node {node}"
                         assert torch.equal(lg[0], logits[node]), f"tree of {size}: logits of node {node}"
                         checked.add(node)
-                cache.rollback(base)
+                cache.length = base      # back to the shared context for the next path
             assert checked == set(range(tree.tokens.numel()))
 
 

@@ -1,60 +1,158 @@
-"""Greedy steps with static shapes (static_step.py, what the engine runs on a GPU), on the CPU:
-they emit plain decoding's tokens, EAGLE-2's static tree keeps the dynamic tree's nodes, and a
-step reads the device back once (counted by wrapping every way a tensor reaches the host)."""
+"""Greedy steps a CUDA graph can capture (static_step.py), on the CPU: they emit plain
+decoding's tokens in float32 on both models (Gemma's sliding window narrowed so that it cuts),
+every step of a generation runs the same operations on the same shapes and keeps its state in
+the same tensors (what replaying a captured graph needs), no operation reads the device back or
+has a data-dependent shape, and a generation reads the device back once a step (counted by
+wrapping every way a tensor reaches the host)."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from vocabspec.draft_vocab import make_draft_vocab
 from vocabspec.drafter import EagleDrafter, EagleProposer
 from vocabspec.generate import Engine, GenerationConfig
 from vocabspec.loading import load_model
+from vocabspec.medusa import MedusaHeads, MedusaProposer, bundled_medusa_dir
 from vocabspec.pld import PromptLookupProposer
 from vocabspec.proposers import bundled_drafter_dir
-from vocabspec.static_step import count_read_backs
+from vocabspec.static_step import StaticDecoder, count_read_backs
+from vocabspec.tokenizer import load_tokenizer
 
 from conftest import spec_bench_prompts
 
+# Operations a captured step may not run: a value handed to the host, an output whose shape
+# depends on values, a tensor made from host data.
+FORBIDDEN = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+             "unique_consecutive", "argwhere", "repeat_interleave")
+
+
+class TorchModel:
+    """A bundled model on torch's kernels in float32 (the path a GPU takes), and its proposers:
+    EAGLE-2 with the full head, Medusa with FR-Spec's 8k head, prompt lookup."""
+
+    def __init__(self, name: str, sliding_window: int | None = None):
+        self.name = name
+        self.model, path = load_model(name, backend="torch", weights="f32")
+        if sliding_window is not None:
+            self.model.args.sliding_window = sliding_window
+        self.tokenizer = load_tokenizer(path)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        if self.tokenizer.chat_template:
+            return self.tokenizer.encode_chat([{"role": "user", "content": text}])
+        return self.tokenizer.encode(f"Question: {text}\nAnswer:")
+
+    def proposers(self) -> dict:
+        drafter = EagleDrafter.load(bundled_drafter_dir(self.name), self.model)
+        heads = MedusaHeads.load(bundled_medusa_dir(self.name), self.model.args)
+        fr = make_draft_vocab("fr:8k", self.model.head_weight, bundled_drafter_dir(self.name))
+        return {"plain": None, "pld": PromptLookupProposer(),
+                "eagle": EagleProposer(drafter, depth=3, top_k=4, total_tokens=10),
+                "medusa": MedusaProposer(self.model, heads, fr, total_tokens=16)}
+
 
 @pytest.fixture(scope="module")
-def torch_smollm2(smollm2):
-    """SmolLM2 on torch's kernels in float32: the path a GPU takes."""
-    model, _ = load_model("smollm2", backend="torch")
-    return model, smollm2
+def torch_smollm2():
+    return TorchModel("smollm2")
 
 
-def paths(tree_tokens, parents) -> set[tuple[int, ...]]:
-    """Every node as the token path from the root's child down to it."""
-    out = set()
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def torch_model(request, torch_smollm2):
+    # Gemma's window narrowed to 48: prompt and answer outgrow it, so the static cache's
+    # distance mask is what keeps old keys out.
+    return torch_smollm2 if request.param == "smollm2" else TorchModel("gemma3", sliding_window=48)
+
+
+def test_static_steps_emit_plain_decoding(torch_model):
+    model, tokenizer = torch_model.model, torch_model.tokenizer
+    config = GenerationConfig(max_new_tokens=24)
+    vanilla = Engine(model, tokenizer)
+    proposers = torch_model.proposers()
+    engines = {name: Engine(model, tokenizer, proposer, static=True, allow_inexact=True)
+               for name, proposer in proposers.items()}
+    mismatches, steps = [], {name: 0 for name in engines}
+    for category, text in spec_bench_prompts()[::4]:
+        ids = torch_model.prompt_ids(text[:600])
+        want = vanilla.generate(ids, config).tokens
+        for name, engine in engines.items():
+            assert engine.static
+            out = engine.generate(ids, config)
+            # torch's kernels are not row-invariant (allowed explicitly); float32 ties that
+            # close do not occur on these prompts.
+            if out.tokens != want:
+                mismatches.append((category, name))
+            assert 1 + sum(s.accept_length for s in out.steps) >= len(out.tokens)
+            steps[name] += len(out.steps)
+    assert not mismatches, f"static steps differ from plain decoding: {mismatches}"
+    # Every drafter saves steps over plain decoding's one token each.
+    assert all(steps[name] < steps["plain"] for name in ("eagle", "medusa")), steps
+
+
+class StepTrace(TorchDispatchMode):
+    """Every operation run inside a step, with its outputs' shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shapes = tuple(tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                       if isinstance(t, torch.Tensor))
+        self.ops.append((func.overloadpacket.__name__, shapes))
+        return out
+
+
+@pytest.mark.parametrize("method", ["plain", "pld", "eagle", "medusa"])
+def test_every_step_runs_the_same_work_in_the_same_tensors(torch_smollm2, method, monkeypatch):
+    model, tokenizer = torch_smollm2.model, torch_smollm2.tokenizer
+    proposer = torch_smollm2.proposers()[method]
+    engine = Engine(model, tokenizer, proposer, static=True, allow_inexact=True)
+    traces, buffers = {}, []
+    step = StaticDecoder._step
+
+    def traced(decoder, draft):
+        buffers.append([t.data_ptr() for t in decoder._state()] + [decoder.cache.keys.data_ptr()])
+        with StepTrace() as trace:
+            out = step(decoder, draft)
+        traces.setdefault(draft, []).append(trace.ops)
+        return out
+
+    monkeypatch.setattr(StaticDecoder, "_step", traced)
+    ids = torch_smollm2.prompt_ids("one two three four five six seven one two three four five six")
+    out = engine.generate(ids, GenerationConfig(max_new_tokens=16, stop_on_eos=False))
+    assert len(out.steps) >= 4
+    for draft, runs in traces.items():
+        # After one warm-up step (CPU weights are packed for oneDNN on first use; capture
+        # warms up twice), every step runs the same operations on the same shapes.
+        assert len(runs) >= 3 and all(run == runs[1] for run in runs[1:]), \
+            f"{method}: a step's work changed (draft={draft})"
+        ops = [op for run in runs for op in run]
+        used = {name for name, _ in ops}
+        assert not used & set(FORBIDDEN), f"{method}: the step runs {used & set(FORBIDDEN)}"
+        # Host data made into a tensor inside the step would be a copy a graph cannot hold;
+        # only 0-dim constants (kernel scalars) may appear.
+        assert all(shapes == ((),) for name, shapes in ops if name.startswith("lift_fresh")), method
+    assert all(b == buffers[0] for b in buffers), f"{method}: a step's state moved to new tensors"
+    assert set(traces) == ({False} if method == "plain" else {True})
+
+
+def test_native_engine_refuses_static_steps(smollm2):
+    with pytest.raises(ValueError, match="torch's kernels"):
+        Engine(smollm2.model, smollm2.tokenizer, static=True)
+
+
+def paths(tree_tokens, parents, ranks=None) -> dict[tuple[int, ...], int]:
+    """Every node as the token path from the root's child down to it, with its value rank."""
+    out = {}
     for node in range(1, len(tree_tokens)):
         path, at = [], node
         while at != 0:
             path.append(tree_tokens[at])
             at = parents[at]
-        out.add(tuple(reversed(path)))
+        out[tuple(reversed(path))] = ranks[node] if ranks is not None else None
     return out
-
-
-@pytest.mark.parametrize("backend", ["native", "torch"])
-def test_static_steps_emit_plain_decoding(smollm2, torch_smollm2, backend):
-    model = smollm2.model if backend == "native" else torch_smollm2[0]
-    tokenizer = smollm2.tokenizer
-    drafter = EagleDrafter.load(bundled_drafter_dir("smollm2"), model)
-    if model.native is not None:
-        drafter.use_native()
-    config = GenerationConfig(max_new_tokens=24)
-    vanilla = Engine(model, tokenizer)
-    for category, text in spec_bench_prompts()[::3]:
-        ids = smollm2.prompt_ids(text[:1200])
-        want = vanilla.generate(ids, config).tokens
-        for proposer in (EagleProposer(drafter, depth=3, top_k=4, total_tokens=10), PromptLookupProposer()):
-            # torch's kernels are not row-invariant (allowed explicitly); float32 ties that
-            # close do not occur on these prompts.
-            engine = Engine(model, tokenizer, proposer, static=True, allow_inexact=model.native is None)
-            assert engine.static
-            out = engine.generate(ids, config)
-            assert out.tokens == want, (backend, category, type(proposer).__name__)
-            assert 1 + sum(s.accept_length for s in out.steps) >= len(out.tokens)
-        assert Engine(model, tokenizer, static=True).generate(ids, config).tokens == want
 
 
 def test_static_tree_keeps_the_dynamic_trees_nodes(smollm2):
@@ -70,20 +168,16 @@ def test_static_tree_keeps_the_dynamic_trees_nodes(smollm2):
         dynamic = proposer.propose(root)
         static = proposer.propose_static(torch.tensor(root))
         assert static.tokens.numel() == dynamic.tokens.numel() == total + 1
-        assert paths(static.tokens.tolist(), static.parents.tolist()) == \
-            paths(dynamic.tokens.tolist(), dynamic.parents.tolist())
+        # The same nodes with the same value ranks (what the autotuner reads from a step).
+        assert paths(static.tokens.tolist(), static.parents.tolist(), static.ranks.tolist()) == \
+            paths(dynamic.tokens.tolist(), dynamic.parents.tolist(), dynamic.ranks)
         assert torch.equal(static.mask, static.mask & torch.ones_like(static.mask).tril())
 
 
-@pytest.mark.parametrize("method", ["plain", "pld", "eagle"])
+@pytest.mark.parametrize("method", ["plain", "pld", "eagle", "medusa"])
 def test_one_read_back_per_step(torch_smollm2, method):
-    model, smollm2 = torch_smollm2
-    proposer = None
-    if method == "pld":
-        proposer = PromptLookupProposer()
-    elif method == "eagle":
-        proposer = EagleProposer(EagleDrafter.load(bundled_drafter_dir("smollm2"), model),
-                                 depth=3, top_k=4, total_tokens=8)
+    model, smollm2 = torch_smollm2.model, torch_smollm2
+    proposer = torch_smollm2.proposers()[method]
     engine = Engine(model, smollm2.tokenizer, proposer, static=True, allow_inexact=True)
     ids = smollm2.prompt_ids("one two three four five six seven one two three four five six")
     config = GenerationConfig(max_new_tokens=20, stop_on_eos=False)

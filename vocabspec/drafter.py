@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .draft_vocab import FullVocab, HeadTimedDrafting
-from .kv_cache import KVCache
+from .kv_cache import DeviceKVCache, KVCache
 from .linear import Linear
 from .model import Block, ModelArgs, Transformer
 from .tree import DraftTree, TreeBuilder
@@ -215,7 +215,9 @@ class EagleDrafter(nn.Module):
         x = self.fc(torch.cat([self.target.embed_tokens(tokens).to(dtype), features.to(dtype)], dim=-1))
         cos, sin = self.target.rope["global"]
         n = tokens.shape[0]
-        if tree_mask is not None:      # (n, pending + n): tree expansion
+        if isinstance(cache, DeviceKVCache):
+            mask = cache.begin(n, tree_mask)
+        elif tree_mask is not None:      # (n, pending + n): tree expansion
             mask = torch.cat([torch.ones(n, cache.length, dtype=torch.bool, device=tokens.device),
                               tree_mask], dim=1)
         elif n > 1:                    # accepted context, causal
@@ -244,8 +246,12 @@ class EagleDrafter(nn.Module):
         self.layers.append(layer)
         self.args = drafter_args(self.target.args, len(self.layers))
 
-    def new_cache(self, max_len: int) -> KVCache:
+    def new_cache(self, max_len: int, on_device: bool = False) -> KVCache:
+        """A cache for this drafter; on_device: a DeviceKVCache (kv_cache.py) for static steps."""
         a = self.args
+        if on_device:
+            return DeviceKVCache(len(self.layers), a.n_kv_heads, a.head_dim, max_len,
+                                 self.fc.weight.dtype, self.fc.weight.device)
         if self.native is not None:
             return KVCache(len(self.layers), a.n_kv_heads, a.head_dim, max_len, torch.float32,
                            self.fc.weight.device, layout="native")
@@ -453,6 +459,9 @@ class EagleProposer(HeadTimedDrafting):
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_tree_tokens = total_tokens
         self.cache = drafter.new_cache(self.target.args.max_seq_len + depth * top_k + 1)
+        self._host_cache = self.cache
+        self._device_caches: dict[int, DeviceKVCache] = {}    # static steps' caches, by size
+        self._state_buffer = None        # static steps: last_state, updated in place
         self.taps = drafter.taps        # the engine then passes these layers' outputs too
         self.last_state = None
         self.device = self.target.device
@@ -479,9 +488,8 @@ class EagleProposer(HeadTimedDrafting):
 
     def _run(self, tokens: list[int], features: torch.Tensor, timed: bool = True) -> torch.Tensor:
         device = self.target.device
-        start = self.cache.length
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
-        positions = torch.arange(start, start + len(tokens), device=device)
+        positions = torch.arange(len(tokens), device=device) + self.cache.length
         out = (self._layer if timed else self.drafter)(ids, features, positions, self.cache)
         self.cache.commit()
         return out
@@ -496,6 +504,10 @@ class EagleProposer(HeadTimedDrafting):
             return
         self.last_state = self._run(prompt_ids[1:] + [first_token], self._features(prompt_hidden),
                                     timed=False)[-1:]
+        if self.cache is not self._host_cache:     # a captured step reads this very tensor
+            if self._state_buffer is None:
+                self._state_buffer = torch.empty_like(self.last_state)
+            self.last_state = self._state_buffer.copy_(self.last_state)
 
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
         start = time.perf_counter()
@@ -538,6 +550,44 @@ class EagleProposer(HeadTimedDrafting):
         candidates need the drafted tokens on the host)."""
         return not hasattr(self.head, "candidate_ids")
 
+    # Static steps (static_step.StaticDecoder): the drafter's cache on the device, its reads
+    # and its tree as device work of fixed shapes.
+
+    @property
+    def static_rows(self) -> int:
+        return min(self.total_tokens, self.top_k + self.depth * self.top_k * self.top_k) + 1
+
+    def set_static(self, max_len: int | None) -> None:
+        """Draft for static steps over a target cache of `max_len` slots, or (None) for the
+        general loop."""
+        if max_len is None:
+            self.cache = self._host_cache
+            return
+        if self.native is not None or self.drafter.native is not None:
+            raise ValueError("static steps run on torch's kernels: this drafter drafts natively")
+        if max_len not in self._device_caches:
+            self._device_caches[max_len] = self.drafter.new_cache(
+                max_len + self.depth * self.top_k + 1, on_device=True)
+        self.cache = self._device_caches[max_len]
+
+    def static_buffers(self) -> list[torch.Tensor]:
+        return [self.cache.length, self.last_state]
+
+    def observe_static(self, reads: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -> None:
+        """The drafter reads the step's accepted tokens: `reads` (m,) each accepted token's
+        successor, `rows` (m, width) the target's rows of the accepted nodes, of which the
+        first `count` (0-dim) count; all m run, the rest are left past the committed slots."""
+        cache = self.cache
+        positions = torch.arange(reads.numel(), device=reads.device) + cache.length
+        states = self.drafter(reads, self._features(rows), positions, cache)
+        cache.keep(torch.arange(reads.numel(), device=reads.device), count)
+        self.last_state.copy_(states.index_select(0, (count - 1).view(1)))
+
+    def after_static(self, accepted: list[int], next_token: int, length: int) -> None:
+        """Host bookkeeping after a static step's read-back (the committed `length`)."""
+        self.head.see_tokens(accepted + [next_token])
+        self.cache.settle(length)
+
     def propose_static(self, root: torch.Tensor):
         """EAGLE-2's tree with static shapes and no read-back (static_step.py): `top_k` rows a
         level, no frontier pruning, the same kept nodes as `propose`."""
@@ -557,14 +607,14 @@ class EagleProposer(HeadTimedDrafting):
         drafted = k
         for level in range(1, self.depth + 1):
             read = torch.cat(tokens)[front]
-            positions = torch.full((k,), self.cache.length - 1 + level, dtype=torch.long, device=device)
+            positions = torch.full((k,), level - 1, dtype=torch.long, device=device) + self.cache.length
             states = self._layer(read, features, positions, self.cache,
                                  tree_mask=torch.cat([visible, eye], dim=1))
             ids, log_probs = self._top_k(states, None, level)            # (k, k)
             layer_values = (front_values[:, None] + log_probs).flatten()
             tokens.append(ids.flatten())
             values.append(layer_values)
-            parents.append(front.repeat_interleave(k))
+            parents.append(front[:, None].expand(-1, k).flatten())     # each frontier node k times
             depths.append(torch.full((k * k,), level + 1, dtype=torch.long, device=device))
             # The next frontier: the level's k most valuable nodes (ties: drafted earlier).
             order = torch.argsort(-layer_values, stable=True)[:k]

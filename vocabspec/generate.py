@@ -213,14 +213,18 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
-        # Greedy steps with static shapes and one read-back each (static_step.py): what a GPU
-        # wants. None: on CUDA devices, for proposers that can (prompt lookup, EAGLE without
-        # SpecVocab); on the CPU the general loop scores fewer verification rows.
+        # Greedy steps with static shapes and one read-back each, captured as CUDA graphs on
+        # a GPU (static_step.py). None: on CUDA devices, for proposers that can (prompt lookup,
+        # Medusa, EAGLE without SpecVocab); on the CPU the general loop scores fewer rows.
         if static is None:
             static = model.device.type == "cuda"
+        if static and model.native is not None:
+            raise ValueError("static steps run on torch's kernels (a GPU's path); the native "
+                             "engine keeps its own cache: load with backend='torch'")
         if static and proposer is not None and not getattr(proposer, "static", False):
             static = False
         self.static = static
+        self.decoders: dict[int, object] = {}    # static_step.StaticDecoder by cache size
         self.cache = model.new_cache()
         eos = set(model.args.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -244,6 +248,19 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
                              f"({config.max_new_tokens}) exceed the context window of {limit} "
                              f"tokens; at most {room - 1} new tokens fit")
+
+    def static_decoder(self, tokens: int):
+        """The static steps' decoder with room for `tokens`, its cache's slots rounded up to a
+        power of two (from 256) so that a few sizes, and their CUDA graphs, serve every request."""
+        from .static_step import StaticDecoder
+
+        size = 256
+        while size < tokens:
+            size *= 2
+        size = min(size, self.cache.max_len)
+        if size not in self.decoders:
+            self.decoders[size] = StaticDecoder(self.model, self.proposer, size)
+        return self.decoders[size]
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig) -> "Generation":
         self.check_prompt(prompt_ids, config)
@@ -298,9 +315,10 @@ class Generation:
         engine, config, result = self.engine, self.config, self.result
         static = engine.static and config.sampling.greedy and config.logprobs is None
         self.started = time.perf_counter()
+        if getattr(self.proposer, "static", False):
+            self.proposer.set_static(None)
         try:
             if static:
-                self.cache.reset()
                 yield from self._loop_static(self.started, self.generator)
                 return
             with torch.inference_mode():
@@ -338,7 +356,7 @@ class Generation:
     def can_draft(self) -> bool:
         """Whether this step may draft: a proposer, and room for its largest tree in the cache
         (near the end of the window a tree would not fit)."""
-        return self.proposer is not None and self.cache.length + self.tree_room <= self.cache.max_len
+        return self.proposer is not None and self.cache.used + self.tree_room <= self.cache.max_len
 
     def propose(self, draft: bool = True) -> DraftTree:
         """The tree the next step verifies: the proposer's, or the root alone (plain decoding,
@@ -379,16 +397,19 @@ class Generation:
         return self._emit(accepted[1:] + [self.token], rows)
 
     def _loop_static(self, start: float, generator) -> Iterator[str]:
-        """Greedy steps that read the device back once each (static_step.py)."""
-        from .static_step import chain, read_back, verify_greedy
-
-        engine, config, result = self.engine, self.config, self.result
-        model, cache, proposer = engine.model, self.cache, self.proposer
-        taps = proposer.taps if proposer is not None else ()
+        """Greedy steps that are device work only, one read-back each (static_step.py)."""
+        engine, config, result, proposer = self.engine, self.config, self.result, self.proposer
+        room = len(self.prompt_ids) + config.max_new_tokens + self.tree_room
+        decoder = engine.static_decoder(room)
+        self.cache = decoder.cache
+        self.cache.reset()
+        if proposer is not None:
+            proposer.set_static(decoder.max_len)
+            self.tree_room = proposer.static_rows
         with torch.inference_mode():
-            _, token = self._prefill(start, generator, taps)
+            _, token = self._prefill(start, generator, decoder.taps)
+            decoder.start(token)
             emitted = [token]
-            root = torch.tensor(token, device=model.device)
             while True:
                 delta = self._emit(emitted)
                 if delta:
@@ -396,20 +417,11 @@ class Generation:
                 if self._stopped():
                     break
                 t0 = time.perf_counter()
-                tree = proposer.propose_static(root) if self.can_draft \
-                    else chain(root, [])
-                t1 = time.perf_counter()
-                hidden, logits, *tapped = model(tree.tokens, tree.depths + cache.length, cache,
-                                                tree_mask=tree.mask, all_logits=True, taps=taps)
-                path, length_bonus = verify_greedy(tree, logits)
-                accepted, token = read_back(tree, path, length_bonus)
-                cache.commit(path[:len(accepted)], skip_kept_prefix=False)
-                t2 = time.perf_counter()
+                accepted, token, ranks, size = decoder.step(self.can_draft)
                 if proposer is not None:
-                    proposer.observe(accepted, proposer_rows(hidden, tapped, path[:len(accepted)]), token)
-                t3 = time.perf_counter()
-                result.steps.append(StepRecord(len(accepted), tree.size, (t1 - t0) + (t3 - t2), t2 - t1))
-                root = torch.tensor(token, device=model.device)
+                    proposer.after_static(accepted, token, decoder.length)
+                # A step is one launch (a CUDA graph): all of it counts as verification.
+                result.steps.append(StepRecord(len(accepted), size, 0.0, time.perf_counter() - t0, ranks))
                 emitted = accepted[1:] + [token]
 
     def _prefill(self, start: float, generator, taps) -> tuple[torch.Tensor, int]:

@@ -9,6 +9,12 @@ prefix, and forgets the rest. Nothing here allocates during decoding.
 Two layouts: "torch" (layers, 1, kv heads, slots, head_dim), which torch's attention reads,
 and "native" (native.c), where keys are (layers, kv heads, head_dim, slots) so that a vector
 holds one dimension of 16 keys, and values are (layers, kv heads, slots, head_dim).
+
+`DeviceKVCache` is the same cache with its committed length kept on the device: writes go to
+device-computed slots (`index_copy_`), attention reads every slot under a mask built on the
+device, and keeping a path copies a fixed number of slots. A step over it has the same shapes
+every time and never asks the device for a value: what a CUDA graph can capture (gpt-fast's
+static cache, with EAGLE's tree on top).
 """
 
 from __future__ import annotations
@@ -37,10 +43,15 @@ class KVCache:
         self.length = 0
         self.pending = 0
 
+    @property
+    def used(self) -> int:
+        """Slots taken (committed and pending), known on the host."""
+        return self.length + self.pending
+
     def check_room(self, n_new: int) -> None:
-        if self.length + self.pending + n_new > self.max_len:
+        if self.used + n_new > self.max_len:
             raise ValueError(
-                f"sequence would reach {self.length + self.pending + n_new} tokens, beyond the cache's "
+                f"sequence would reach {self.used + n_new} tokens, beyond the cache's "
                 f"{self.max_len}; raise max_seq_len or shorten the prompt/max_new_tokens")
 
     def write(self, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor):
@@ -91,9 +102,78 @@ class KVCache:
         """Forget all pending slots."""
         self.pending = 0
 
-    def rollback(self, length: int) -> None:
-        """Forget committed tokens past `length` (tests replay paths from one context)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self.length}")
-        self.length = length
+
+class DeviceKVCache(KVCache):
+    """The torch layout with `length` a 0-dim device tensor (see the module docstring).
+
+    The host keeps `pending` (a step's structure fixes it) and `bound`, an upper bound on the
+    committed length that needs no read-back: it grows by every slot a `keep` could keep, and
+    `settle` lowers it to the true length once the caller has read that back anyway.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__(n_layers, n_kv_heads, head_dim, max_len, dtype, device)
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        self.slot_ids = torch.arange(max_len, device=device)
+        self.slots = None        # where the running forward writes (set by `begin`)
+        self.bound = 0
+
+    def reset(self) -> None:
+        self.length.zero_()
         self.pending = 0
+        self.bound = 0
+
+    @property
+    def used(self) -> int:
+        return self.bound + self.pending
+
+    def begin(self, n: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
+        """Start a forward of `n` new tokens after the pending ones; returns which slots each
+        new token sees (n, max_len): every committed slot, then the pending and new ones per
+        `tree_mask` (n, pending + n), or causally when it is None."""
+        self.check_room(n)
+        width = self.pending + n
+        start = self.length + self.pending
+        self.slots = self.slot_ids[:n] + start
+        offset = self.slot_ids - self.length                  # slot's place after the committed
+        if tree_mask is None:
+            rows = self.slot_ids[:n, None] + self.pending
+            fresh = offset[None, :] <= rows
+        else:
+            index = offset.clamp(0, width - 1).expand(n, -1)
+            fresh = tree_mask.gather(1, index) & (offset < width)[None, :]
+        return (offset < 0)[None, :] | fresh
+
+    def write(self, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor):
+        self.keys[layer].index_copy_(2, self.slots, new_keys)
+        self.values[layer].index_copy_(2, self.slots, new_values)
+        return self.keys[layer], self.values[layer]
+
+    def commit(self, keep=None, skip_kept_prefix: bool = True) -> None:
+        """Keep every pending slot (a prompt, a drafter's read); `keep` rows: see `keep`."""
+        if keep is not None:
+            raise ValueError("a device cache keeps rows with `keep(rows, count)`")
+        self.length.add_(self.pending)
+        self.bound += self.pending
+        self.pending = 0
+
+    def keep(self, rows: torch.Tensor, count: torch.Tensor) -> None:
+        """Keep the first `count` (0-dim) of the pending slots `rows` (m,), in order: all m
+        slots move (the rest land past the committed length, where nothing reads them), so
+        the copy has one shape whatever is kept."""
+        m = rows.numel()
+        if self.bound + self.pending + m > self.max_len:
+            raise ValueError(f"keeping {m} slots after {self.bound + self.pending} overruns the "
+                             f"cache's {self.max_len}")
+        source = rows + self.length
+        target = self.slot_ids[:m] + self.length
+        self.keys.index_copy_(3, target, self.keys.index_select(3, source))
+        self.values.index_copy_(3, target, self.values.index_select(3, source))
+        self.length.add_(count)
+        self.bound += min(m, self.pending)
+        self.pending = 0
+
+    def settle(self, length: int) -> None:
+        """The committed length as read back by the caller: the host bound becomes exact."""
+        self.bound = length

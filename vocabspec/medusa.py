@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from .draft_vocab import FullVocab, HeadTimedDrafting, float_rows, int8_rows
 from .linear import Linear
 from .tree import DraftTree
+from .static_step import StaticTree, ancestor_mask
 
 # Medusa's published tree for its 7B models (FasterDecoding/Medusa, medusa_choices.py,
 # mc_sim_7b_63): each entry is a path of top-k indices, one per head, best first.
@@ -198,21 +199,18 @@ class TreeLayout:
         self.depths = torch.tensor(depths, dtype=torch.long, device=device)
         self.heads = torch.tensor(heads, dtype=torch.long, device=device)
         self.picks = torch.tensor(picks, dtype=torch.long, device=device)
-        self._static = None
+        self.rank_tensor = torch.tensor(ranks, dtype=torch.long, device=device)
+        self.static_parents = self.parents.clamp_min(0)      # the root its own parent
+        self.static_mask = ancestor_mask(self.static_parents, self.max_depth)
 
     def tree(self, root: torch.Tensor, ids: torch.Tensor) -> DraftTree:
         tokens = torch.cat([root.view(1), ids[self.heads, self.picks]])
         return DraftTree(tokens, self.parents, self.depths, self.children, list(self.ranks))
 
-    def static_tree(self, root: torch.Tensor, ids: torch.Tensor):
-        from .static_step import StaticTree, ancestor_mask
-
-        if self._static is None:
-            parents = self.parents.clamp_min(0)
-            self._static = (parents, ancestor_mask(parents, self.max_depth))
-        parents, mask = self._static
+    def static_tree(self, root: torch.Tensor, ids: torch.Tensor) -> StaticTree:
         tokens = torch.cat([root.view(1), ids[self.heads, self.picks]])
-        return StaticTree(tokens, parents, self.depths, mask, self.max_depth)
+        return StaticTree(tokens, self.static_parents, self.depths, self.static_mask, self.max_depth,
+                          ranks=self.rank_tensor)
 
 
 class MedusaProposer(HeadTimedDrafting):
@@ -235,6 +233,8 @@ class MedusaProposer(HeadTimedDrafting):
         self.total_tokens = total
         self.max_tree_tokens = len(choices)
         self.feature = None
+        self._static = False              # drafting for static steps (static_step.py)
+        self._feature_buffer = None
         self._layouts: dict[int, TreeLayout] = {}
         self.device = target.device
         self.reset_timings()
@@ -261,6 +261,10 @@ class MedusaProposer(HeadTimedDrafting):
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         self.head.see_tokens(list(prompt_ids) + [first_token], reset=True)
         self.feature = prompt_hidden[-1:]
+        if self._static:            # a captured step reads this very tensor
+            if self._feature_buffer is None:
+                self._feature_buffer = torch.empty_like(self.feature)
+            self.feature = self._feature_buffer.copy_(self.feature)
 
     def observe(self, accepted, hidden, next_token) -> None:
         self.head.see_tokens(list(accepted) + [next_token])
@@ -296,6 +300,25 @@ class MedusaProposer(HeadTimedDrafting):
         tree = self.layout().static_tree(root, self._candidates(None))
         self.timings["total"] += time.perf_counter() - start
         return tree
+
+    @property
+    def static_rows(self) -> int:
+        return self.total_tokens + 1
+
+    def set_static(self, max_len: int | None) -> None:
+        self._static = max_len is not None
+        if self._static:         # built before the first step, which must be like every other
+            self.layout()
+            self.heads._fused()
+
+    def static_buffers(self) -> list[torch.Tensor]:
+        return [self.feature]
+
+    def observe_static(self, reads, rows, count) -> None:
+        self.feature.copy_(rows.index_select(0, (count - 1).view(1)))
+
+    def after_static(self, accepted, next_token, length) -> None:
+        self.head.see_tokens(list(accepted) + [next_token])
 
 
 def bundled_medusa_dir(model_name: str) -> Path | None:

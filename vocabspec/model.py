@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kv_cache import KVCache
+from .kv_cache import DeviceKVCache, KVCache
 from .linear import Linear, linear
 from .tree import ancestor_mask
 
@@ -267,6 +267,27 @@ class AttentionPlan:
         return cos, sin, mask, key_start
 
 
+class DevicePlan:
+    """AttentionPlan over a DeviceKVCache: every layer reads the whole cache under a mask built
+    on the device (committed slots, then the tree's), sliding layers also by distance (a
+    committed slot's index is its position; a fresh slot's index is at least its position, so a
+    tree shorter than the window is never cut; causal rows sit at their positions)."""
+
+    def __init__(self, args: ModelArgs, cache: DeviceKVCache, positions: torch.Tensor,
+                 tree_mask: torch.Tensor | None, rope: dict):
+        self.rows = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in rope.items()}
+        mask = cache.begin(positions.shape[0], tree_mask)
+        self.masks = {"global": (mask, 0)}
+        if any(args.is_sliding(i) for i in range(args.n_layers)):
+            if tree_mask is not None and cache.pending + positions.shape[0] > args.sliding_window:
+                raise ValueError(f"a tree of {cache.pending + positions.shape[0]} fresh slots does "
+                                 f"not fit the sliding window of {args.sliding_window}")
+            near = (positions[:, None] - cache.slot_ids[None, :]) < args.sliding_window
+            self.masks["local"] = (mask & near, 0)
+
+    for_layer = AttentionPlan.for_layer
+
+
 def norm_tensors(block: Block) -> dict:
     """A block's norm weights as the native engine reads them (None where the block has none)."""
     def weight(module):
@@ -440,13 +461,16 @@ class Transformer(nn.Module):
             raise ValueError("forward needs at least one token")
         # New tokens sit at positions past the cached ones, a tree's deepest at most n - 1
         # further: checked on the host (reading positions back would wait for the device).
-        if cache.length + cache.pending + n > self.args.max_seq_len:
-            raise ValueError(f"positions up to {cache.length + cache.pending + n - 1} are beyond "
+        if cache.used + n > self.args.max_seq_len:
+            raise ValueError(f"positions up to {cache.used + n - 1} are beyond "
                              f"max_seq_len {self.args.max_seq_len}")
         if any(not 0 <= t < self.args.n_layers for t in taps):
             raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
         cache.check_room(n)
         x = self.embed_tokens(tokens)
+        device_cache = isinstance(cache, DeviceKVCache)
+        if device_cache and self.native is not None:
+            raise ValueError("the native engine keeps its own cache: a device cache is for torch's kernels")
         if self.native is not None:
             tapped = self.native.stack.forward(x, positions, cache.keys, cache.values, cache.length,
                                                cache.pending, tree_mask, taps, parents=parents)
@@ -456,7 +480,8 @@ class Transformer(nn.Module):
                 if cache.pending:
                     raise ValueError("a tree given by its parents sees every cached token: commit first")
                 tree_mask = ancestor_mask(parents)
-            plan = AttentionPlan(self.args, cache, positions, tree_mask, self.rope)
+            plan = (DevicePlan if device_cache else AttentionPlan)(self.args, cache, positions,
+                                                                  tree_mask, self.rope)
             tapped = []
             for i, layer in enumerate(self.layers):
                 cos, sin, mask, key_start = plan.for_layer(self.args, i)

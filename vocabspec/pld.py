@@ -34,12 +34,16 @@ class PromptLookupProposer:
         # a match has a continuation); n-grams ending at or before _indexed are in it.
         self._latest: dict[tuple[int, ...], int] = {}
         self._indexed = 0
+        self._static = False
+        self._buffer = self._count = None     # static steps' staged path
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         self.context = list(prompt_ids) + [first_token]
         self.length = self.num_draft
         self._drafted = []
         self._latest, self._indexed = {}, 0
+        if self._static:
+            self._stage()
 
     def observe(self, accepted, hidden, next_token) -> None:
         self.context.extend(accepted[1:] + [next_token])
@@ -71,16 +75,42 @@ class PromptLookupProposer:
         self.seconds += time.perf_counter() - start
         return tree
 
+    # Static steps (static_step.StaticDecoder): the lookup runs on the host between steps and
+    # its path goes to a device buffer of num_draft tokens, padded; the step reads the buffer.
     static = True
 
+    @property
+    def static_rows(self) -> int:
+        return self.num_draft + 1
+
+    def set_static(self, max_len: int | None) -> None:
+        if max_len is not None and self._buffer is None:
+            self._buffer = torch.zeros(self.num_draft, dtype=torch.long, device=self.device)
+            self._count = torch.zeros((), dtype=torch.long, device=self.device)
+        self._static = max_len is not None
+
+    def static_buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def _stage(self) -> None:
+        start = time.perf_counter()
+        drafted = self.draft()
+        self._buffer.copy_(torch.tensor(drafted + [0] * (self.num_draft - len(drafted))))
+        self._count.fill_(len(drafted))
+        self.seconds += time.perf_counter() - start
+
     def propose_static(self, root: torch.Tensor):
-        """The lookup path as a static_step.StaticTree (host tokens copied over, no read-back)."""
+        """The staged lookup path as a static_step.StaticTree (device tensors only)."""
         from .static_step import chain
 
-        start = time.perf_counter()
-        tree = chain(root, self.draft())
-        self.seconds += time.perf_counter() - start
-        return tree
+        return chain(root, self._buffer, self._count)
+
+    def observe_static(self, reads, rows, count) -> None:
+        pass
+
+    def after_static(self, accepted, next_token, length) -> None:
+        self.observe(accepted, None, next_token)
+        self._stage()
 
     def time_breakdown(self) -> dict[str, float]:
         return {"lookup": self.seconds}
