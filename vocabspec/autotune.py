@@ -269,7 +269,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
     return int(chosen["depth"]), int(chosen["total_tokens"])
 
 
-# ---------------------------------------------------------------- Medusa's tree, a draft model's chain
+# ---------------------------------------------------------------- measured sizes: Medusa's tree, a chain
 
 MEDUSA_SIZES = (4, 8, 12, 16, 24, 32, 48, 63)
 CHAIN_LENGTHS = (1, 2, 3, 4, 5, 6, 8)
@@ -343,35 +343,28 @@ def choose_medusa_tree(model, heads, head, tokenizer, key: str, log=None):
                 for rank in step.path_ranks:
                     hits[rank] += 1
         order = sorted(range(len(MEDUSA_63)), key=lambda i: (-hits[i], len(MEDUSA_63[i]), i))
-        choices = [MEDUSA_63[i] for i in order]
-        speedups = measured_speedups(model, tokenizer, {
-            m: MedusaProposer(model, heads, head, choices, total_tokens=m) for m in MEDUSA_SIZES}, prompts[:2])
-        return {"choices": [list(c) for c in choices], "hits": [hits[i] for i in order],
-                "total_tokens": _smallest_close(speedups),
-                "measured_speedup": {str(m): round(r, 3) for m, r in speedups.items()}}
+        return {"choices": [list(MEDUSA_63[i]) for i in order], "hits": [hits[i] for i in order]}
 
-    chosen = _cached(f"{key}|medusa|v1", model, compute, log)
-    if log and not chosen["total_tokens"]:
-        log(f"no Medusa tree beats plain decoding on this machine (the best measured "
-            f"{max(chosen['measured_speedup'].values()):.2f}x)")
-    return [tuple(c) for c in chosen["choices"]], int(chosen["total_tokens"])
+    ordered = _cached(f"{key}|medusa-order|v1", model, compute, log)
+    choices = [tuple(c) for c in ordered["choices"]]
+    size = choose_size(model, tokenizer, f"{key}|medusa", MEDUSA_SIZES,
+                       lambda m: MedusaProposer(model, heads, head, choices, total_tokens=m), log)
+    return choices, size
 
 
-def choose_chain(model, draft, head, tokenizer, key: str, log=None) -> int:
-    """The draft model's chain length that decodes fastest on this machine, measured against
-    plain decoding side by side; 0 where no length beats plain decoding."""
-    from .draft_model import DraftModelProposer
-
+def choose_size(model, tokenizer, key: str, sizes, make, log=None) -> int:
+    """The size among `sizes` whose proposer (`make(size)`) decodes fastest on this machine,
+    measured against plain decoding side by side (the smallest within TOLERANCE of the best);
+    0 where none beats plain decoding. What a family's `sizes` ask for (proposers.Family), and a
+    draft model's chain length."""
     def compute():
-        prompts = _calibration_prompts(tokenizer)
-        speedups = measured_speedups(model, tokenizer, {
-            n: DraftModelProposer(draft, head, depth=n, top_k=1, total_tokens=n) for n in CHAIN_LENGTHS},
-            prompts[:2])
-        return {"length": _smallest_close(speedups),
+        speedups = measured_speedups(model, tokenizer, {n: make(n) for n in sizes},
+                                     _calibration_prompts(tokenizer)[:2])
+        return {"size": _smallest_close(speedups),
                 "measured_speedup": {str(n): round(r, 3) for n, r in speedups.items()}}
 
-    chosen = _cached(f"{key}|chain|v1", model, compute, log)
-    if log and not chosen["length"]:
-        log(f"no draft chain beats plain decoding on this machine (the best measured "
+    chosen = _cached(f"{key}|size|v1", model, compute, log)
+    if log and not chosen["size"]:
+        log(f"no draft size beats plain decoding on this machine (the best measured "
             f"{max(chosen['measured_speedup'].values()):.2f}x)")
-    return int(chosen["length"])
+    return int(chosen["size"])

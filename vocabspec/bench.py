@@ -472,7 +472,9 @@ def plot(summary: dict, out: Path) -> None:
     plt.close(fig)
     breakdown = {n: m["draft_breakdown_s"] for n, m in methods.items() if "draft_breakdown_s" in m}
     if breakdown:
-        parts = ["layer", "head", "rank", "topk", "tree"]
+        # Every phase any method reports (EAGLE's layer, Medusa's blocks, a draft model's
+        # forwards, prompt lookup's lookup; the heads' matmuls, ranker and top-k; the tree).
+        parts = list(dict.fromkeys(part for parts_of in breakdown.values() for part in parts_of))
         fig, ax = plt.subplots(figsize=(7, 4))
         bottoms = [0.0] * len(breakdown)
         for part in parts:

@@ -67,12 +67,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None:
     """The fields of proposers.DraftConfig (the bench names its methods instead of --draft)."""
     if method:
+        from .proposers import FAMILIES
+
         parser.add_argument("--draft", default="none", type=_draft_method, metavar="METHOD",
-                            help="proposer: none (plain decoding), eagle (EAGLE-2 tree), pld (prompt "
-                                 "lookup), eagle+pld (EAGLE-2's tree plus prompt lookup's path), medusa "
-                                 "(Medusa heads and tree), model:NAME (an independent draft model "
-                                 "sharing the target's tokenizer: a bundled name, .gguf file or "
-                                 "model directory)")
+                            help="proposer: " + ", ".join(f"{f.display} ({f.summary})"
+                                                          for f in FAMILIES.values()))
         parser.add_argument("--draft-weights", default="auto",
                             help="the draft model's weight format (--draft model:NAME): auto (the "
                                  "fastest here: with a float32 or bfloat16 target, its own 8-bit copy), "
@@ -103,12 +102,13 @@ def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None
 
 
 def _draft_method(text: str) -> str:
-    from .proposers import METHODS
+    from .proposers import FAMILIES, draft_names
 
-    if text in METHODS and text != "model" or (text.startswith("model:") and len(text) > len("model:")):
+    name, colon, value = text.partition(":")
+    family = FAMILIES.get(name)
+    if family is not None and (bool(colon) == bool(family.argument)) and (value or not colon):
         return text
-    raise argparse.ArgumentTypeError(f"unknown draft method {text!r} (none, eagle, pld, eagle+pld, "
-                                     "medusa, model:NAME)")
+    raise argparse.ArgumentTypeError(f"unknown draft method {text!r} ({draft_names()})")
 
 
 def draft_config(args):
@@ -170,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    from .proposers import FAMILIES
+
     train = sub.add_parser("train", help="train an EAGLE drafter or Medusa heads for a model (data, "
                                          "features, training)")
     from .train import TrainConfig
@@ -178,8 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default=None, help="work directory (default runs/train-MODEL)")
     train.add_argument("--stages", default="data,features,train",
                        help="comma-separated subset of data,features,train")
-    train.add_argument("--drafter", default=defaults.drafter, choices=("eagle", "medusa"),
-                       help="what to train: eagle (EAGLE's drafter) or medusa (Medusa heads)")
+    train.add_argument("--drafter", default=defaults.drafter,
+                       choices=tuple(f.name for f in FAMILIES.values() if f.trainable),
+                       help="what to train: " + ", ".join(f"{f.name} ({f.summary})"
+                                                          for f in FAMILIES.values() if f.trainable))
     train.add_argument("--ship", action="store_true",
                        help="copy the trained drafter (bfloat16; Medusa heads: 8-bit rows) into the "
                             "package as the bundled default")
@@ -255,11 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "13 prompts, one per Spec-Bench category")
     bench.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
     bench.add_argument("--methods", default="vanilla,pld,eagle2,eagle2+fr:32k,eagle2+trim:32k,eagle2+spec:2048",
-                       help="comma-separated: vanilla, pld, eagle2, eagle2+fr:N, eagle2+trim:N, "
-                            "eagle2+spec:K[,name=value...]; +pld after an eagle2 method adds prompt "
-                            "lookup (eagle2+pld); /float32 or /bfloat16 sets the drafter's dtype on "
-                            "torch's kernels; @DEPTHxTOKENS fixes the tree instead of --total-tokens "
-                            "(eagle2+fr:32k@3x8)")
+                       help="comma-separated: " + "; ".join(f.grammar for f in FAMILIES.values())
+                            + "; then /float32 or /bfloat16 sets the drafter's dtype on torch's kernels "
+                            "and @DEPTHxTOKENS fixes the tree (eagle2+fr:32k@3x8)")
     bench.add_argument("--out", default=None, help="output directory (default runs/bench-MODEL)")
     bench.add_argument("--throughput", default=None,
                        help="the serving benchmark instead: concurrent clients (official openai "

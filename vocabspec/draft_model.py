@@ -171,20 +171,13 @@ class DraftModelProposer(HeadTimedDrafting):
         builder = TreeBuilder(root_token, self.top_k, self.total_tokens)
         tokens, log_probs = self.head.top_k(self.root_state, self.top_k, [root_token], 0)
         builder.add_children([0], tokens, log_probs)
-        slot_of: dict[int, int] = {}
-        for level in range(1, self.depth):
-            frontier = builder.frontier()
-            if not frontier:
-                break
-            n_pending = self.cache.pending
-            mask = builder.frontier_mask(frontier, slot_of, n_pending, device)
+
+        def expand(level, frontier, mask):
             read = [builder.token[n] for n in frontier]
             positions = torch.tensor([base - 1 + builder.depth[n] for n in frontier], device=device)
-            states = self._forward(read, positions, mask)
-            for row, node in enumerate(frontier):
-                slot_of[node] = n_pending + row
-            tokens, log_probs = self.head.top_k(states, self.top_k, read, level)
-            builder.add_children(frontier, tokens, log_probs)
+            return self.head.top_k(self._forward(read, positions, mask), self.top_k, read, level)
+
+        slot_of = builder.grow(self.depth - 1, expand, lambda: self.cache.pending, device)
         tree = builder.build(device)
         # Keyed by the tree's node indices (the builder numbers nodes otherwise), kept nodes only.
         self.slot_of = {builder.flat_index[n]: slot for n, slot in slot_of.items() if n in builder.flat_index}

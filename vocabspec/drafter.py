@@ -647,24 +647,18 @@ class EagleProposer(HeadTimedDrafting):
         # Each expanded node's drafter state feeds its children; its pending KV slot lets
         # descendants attend to it.
         state_of = {0: self.last_state[0]}
-        slot_of: dict[int, int] = {}
         base = self.cache.length
         device = self.target.device
-        for level in range(1, self.depth + 1):
-            frontier = builder.frontier()
-            if not frontier:
-                break
-            n_pending = self.cache.pending
-            mask = builder.frontier_mask(frontier, slot_of, n_pending, device)
+
+        def expand(level, frontier, mask):
             read = [builder.token[n] for n in frontier]
             ids = torch.tensor(read, dtype=torch.long, device=device)
             features = torch.stack([state_of[builder.parent[n]] for n in frontier])
             positions = torch.tensor([base - 1 + builder.depth[n] for n in frontier], device=device)
             states = self._layer(ids, features, positions, self.cache, tree_mask=mask)
-            for row, node in enumerate(frontier):
-                slot_of[node] = n_pending + row
-                state_of[node] = states[row]
-            tokens, log_probs = self._top_k(states, read, level)
-            builder.add_children(frontier, tokens, log_probs)
+            state_of.update(zip(frontier, states))
+            return self._top_k(states, read, level)
+
+        builder.grow(self.depth, expand, lambda: self.cache.pending, device)
         self.cache.discard()
         return builder.build(device)

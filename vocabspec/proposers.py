@@ -1,27 +1,83 @@
-"""Choosing a proposer: every drafting option in one `DraftConfig`, and the proposer it builds.
+"""Choosing a proposer: every drafting option in one `DraftConfig`, the drafting families, and
+the proposer a config builds.
 
 The CLI, the Python API, the server and the benchmark all describe drafting with a DraftConfig,
 and the benchmark's method names (`eagle2+fr:32k+pld@3x8`) parse into one here, so an option
-means the same everywhere.
+means the same everywhere. Each drafting family (plain decoding, EAGLE-2, prompt lookup, the
+hybrid, Medusa, a draft model) is one `register(Family(...))` below: its --draft name, the
+options it reads, its benchmark names, how it is built and what the autotuner measures for it.
+The CLI's choices and help, the method grammar, the option refusals and the autotuner read the
+registry, so a new family is its own module plus one registration.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Callable
 
-METHODS = ("none", "eagle", "pld", "eagle+pld", "medusa", "model")
-# The options each method reads, and their command-line names: one set elsewhere is refused by
-# name rather than ignored.
-_EAGLE = {"path", "vocab", "token_map", "ranker", "depth", "top_k", "total_tokens", "dtype"}
-APPLIES = {"none": set(), "pld": set(), "eagle": _EAGLE, "eagle+pld": _EAGLE,
-           "medusa": {"path", "vocab", "token_map", "ranker", "total_tokens"},
-           "model": {"vocab", "token_map", "depth", "top_k", "total_tokens", "draft_model", "draft_weights"}}
+# Every option a family may read, and its command-line name: one set where the chosen family
+# does not read it is refused by name rather than ignored.
 FLAGS = {"path": "--draft-path", "vocab": "--draft-vocab", "token_map": "--token-map", "ranker": "--ranker",
          "depth": "--depth", "top_k": "--tree-top-k", "total_tokens": "--total-tokens",
          "dtype": "--draft-dtype", "draft_model": "model:NAME", "draft_weights": "--draft-weights"}
 BUNDLED_DRAFTERS = Path(__file__).parent / "drafters"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A drafting method, as every place that names, checks, builds, tunes or benchmarks drafting
+    reads it.
+
+    name: --draft NAME and DraftConfig.method. summary: its --help line. options: the
+    DraftConfig fields it reads (FLAGS' names). build(model, config, model_name, tokenizer, log):
+    its proposer for a loaded target (None: decode plainly). bench(name): the DraftConfig fields
+    a benchmark method name means (the name without /dtype and @tree), None where the name is
+    not this family's; grammar: those names, for help and errors. argument: the field that
+    NAME:VALUE sets (model:NAME). head: drafts through a draft-vocabulary head (--draft-vocab
+    applies). check(config): its own refusals. sizes: the tree sizes the autotuner measures
+    against plain decoding when total_tokens is "auto" (empty: `build` tunes itself, as EAGLE-2's
+    cost model, Medusa's ordered tree and a draft model's chain do). trainable: `vocabspec train
+    --drafter NAME` trains it."""
+    name: str
+    summary: str
+    options: frozenset[str]
+    build: Callable
+    bench: Callable[[str], dict | None]
+    grammar: str
+    argument: str | None = None
+    head: bool = False
+    check: Callable | None = None
+    sizes: tuple[int, ...] = ()
+    trainable: bool = False
+
+    @property
+    def display(self) -> str:
+        """How --draft writes it (model:NAME)."""
+        return f"{self.name}:{FLAGS[self.argument].partition(':')[2]}" if self.argument else self.name
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add a drafting family (see Family); its name must be new and its options known."""
+    if family.name in FAMILIES or ":" in family.name:
+        raise ValueError(f"a drafting family is already named {family.name!r}" if family.name in FAMILIES
+                         else f"a family's name has no colon: {family.name!r}")
+    unknown = set(family.options) - set(FLAGS)
+    if unknown:
+        raise ValueError(f"family {family.name}: unknown options {sorted(unknown)} (known: {', '.join(FLAGS)})")
+    if family.sizes and "total_tokens" not in family.options:
+        raise ValueError(f"family {family.name}: the autotuner sets total_tokens, so it must read it")
+    FAMILIES[family.name] = family
+    return family
+
+
+def draft_names() -> str:
+    """Every --draft choice, for messages."""
+    return ", ".join(f.display for f in FAMILIES.values())
 
 
 @dataclass(frozen=True)
@@ -54,20 +110,24 @@ class DraftConfig:
     def __post_init__(self):
         from .draft_vocab import parse_draft_vocab
 
-        if self.method not in METHODS:
-            raise ValueError(f"unknown draft method {self.method!r} (choose from {', '.join(METHODS)})")
+        family = FAMILIES.get(self.method)
+        if family is None:
+            raise ValueError(f"unknown draft method {self.method!r} (choose from {draft_names()})")
         if self.vocab != "auto":
             parse_draft_vocab(self.vocab)
-            if self.method in ("none", "pld") and self.vocab != "full":
+            if not family.head and self.vocab != "full":
                 raise ValueError(f"--draft-vocab {self.vocab} applies to a drafter's LM head (--draft "
-                                 f"eagle, medusa or model:NAME), not to --draft {self.method}")
-            if self.method == "model" and self.vocab.startswith("spec"):
-                raise ValueError("SpecVocab's ranker is trained for the EAGLE drafter's states: a draft "
-                                 "model's head takes full, fr:N or trim:N")
-        if (self.method == "model") != bool(self.draft_model):
-            raise ValueError("--draft model:NAME names its draft model (a bundled name, .gguf file or "
-                             "model directory)" if self.method == "model" else
-                             f"a draft model applies to --draft model:NAME, not {self.method}")
+                                 f"{', '.join(f.display for f in FAMILIES.values() if f.head)}), "
+                                 f"not to --draft {self.method}")
+        for other in {f.argument for f in FAMILIES.values() if f.argument}:
+            owner = [f.display for f in FAMILIES.values() if f.argument == other]
+            if other == family.argument and not getattr(self, other):
+                raise ValueError(f"--draft {family.display} names its {other.replace('_', ' ')}")
+            if other != family.argument and getattr(self, other):
+                raise ValueError(f"a {other.replace('_', ' ')} applies to --draft {', '.join(owner)}, "
+                                 f"not {self.method}")
+        if family.check is not None:
+            family.check(self)
         from .loading import WEIGHTS
 
         if self.draft_weights not in WEIGHTS:
@@ -83,9 +143,10 @@ class DraftConfig:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"unknown draft dtype {self.dtype!r} (choose from auto, float32, bfloat16)")
         defaults = {f.name: f.default for f in fields(self)}
-        for name in sorted(set(FLAGS) - APPLIES[self.method] - {"vocab", "draft_model"}):
+        arguments = {f.argument for f in FAMILIES.values()}
+        for name in sorted(set(FLAGS) - family.options - {"vocab"} - arguments):
             if getattr(self, name) != defaults[name]:
-                users = [m for m in METHODS if name in APPLIES[m]]
+                users = [f.display for f in FAMILIES.values() if name in f.options]
                 raise ValueError(f"{FLAGS[name]} does not apply to --draft {self.method} (it applies to "
                                  f"{', '.join(users)})")
         kind = self.vocab.split(":")[0]       # auto: checked once resolved (make_draft_vocab)
@@ -96,21 +157,24 @@ class DraftConfig:
 
     @classmethod
     def from_draft(cls, draft: str, **fields) -> "DraftConfig":
-        """What --draft and `vocabspec.load(draft=...)` name: a method, or model:NAME (an
-        independent draft model), with any other field."""
-        method, colon, draft_model = draft.partition(":")
+        """What --draft and `vocabspec.load(draft=...)` name: a family, or NAME:VALUE for a
+        family that takes an argument (model:NAME, an independent draft model), with any other
+        field."""
+        method, colon, value = draft.partition(":")
         if colon:
-            fields["draft_model"] = draft_model or None
+            family = FAMILIES.get(method)
+            if family is None or family.argument is None:
+                raise ValueError(f"unknown draft method {draft!r} (choose from {draft_names()})")
+            fields[family.argument] = value or None
         return cls(method=method, **fields)
 
     @classmethod
     def from_method(cls, name: str, **defaults) -> "DraftConfig":
-        """A benchmark method name: vanilla, pld, eagle and eagle+pld (the drafter's default head, as
-        --draft names them), eagle2 (the full head), eagle2+fr:32k, eagle2+trim:32k,
-        eagle2+spec:2048, any of those + "+pld" (prompt lookup grafted on), medusa or
-        medusa+HEAD, model:NAME or model:NAME+HEAD (HEAD: fr:N, trim:N...), then optionally
-        /float32 or /bfloat16 (the drafter's dtype on torch's kernels) and @DEPTHxTOKENS (a
-        fixed tree). `defaults`: other fields (path, depth, top_k, total_tokens)."""
+        """A benchmark method name: each family's own names (vanilla, pld, eagle, eagle+pld,
+        eagle2, eagle2+fr:32k, eagle2+fr:32k+pld, medusa+fr:32k, model:NAME+trim:32k...: see
+        `grammar`), then optionally /float32 or /bfloat16 (the drafter's dtype on torch's kernels)
+        and @DEPTHxTOKENS (a fixed tree). `defaults`: other fields (path, depth, top_k,
+        total_tokens), applied where the family reads them."""
         base, slash, rest = name.partition("/")           # /dtype before or after @tree
         if slash:
             dtype, at, tree = rest.partition("@")
@@ -125,35 +189,13 @@ class DraftConfig:
             if dtype not in ("float32", "bfloat16"):
                 raise ValueError(f"method {name!r}: the drafter's dtype is /float32 or /bfloat16")
             defaults["dtype"] = dtype
-        def made(method: str, **fields):
-            # Options given for every method of a benchmark apply where they apply.
-            fields.update({k: v for k, v in defaults.items() if k in APPLIES[method]})
-            return cls(method=method, **fields)
-
-        if base in ("vanilla", "none"):
-            return made("none", vocab="full")
-        if base == "pld":
-            return made("pld", vocab="full")
-        if base in ("eagle", "eagle+pld"):       # as --draft names them: the drafter's default head
-            return made(base, vocab="auto")
-        if base.startswith("medusa") or base.startswith("model:"):
-            head, plus, vocab = base.partition("+")
-            method = "medusa" if head == "medusa" else "model"
-            if method == "model":
-                defaults["draft_model"] = head[len("model:"):]
-            if head == "medusa" or (method == "model" and head != "model:"):
-                return made(method, vocab=vocab if plus else "full")
-        if base.startswith("eagle2"):
-            method, rest = "eagle", base[len("eagle2"):]
-            if rest.endswith("+pld"):
-                method, rest = "eagle+pld", rest[:-len("+pld")]
-            if rest == "":
-                return made(method, vocab="full")
-            if rest.startswith("+"):
-                return made(method, vocab=rest[1:])
-        raise ValueError(f"unknown method {name!r} (vanilla, pld, eagle, eagle+pld, eagle2, eagle2+fr:N, eagle2+trim:N, "
-                         "eagle2+spec:K; +pld after any eagle2 method adds prompt lookup; medusa, "
-                         "medusa+fr:N...; model:NAME, model:NAME+trim:N...)")
+        for family in FAMILIES.values():
+            named = family.bench(base)
+            if named is not None:
+                # Options given for every method of a benchmark apply where they apply.
+                named.update({k: v for k, v in defaults.items() if k in family.options})
+                return cls(method=family.name, **named)
+        raise ValueError(f"unknown method {name!r} ({'; '.join(f.grammar for f in FAMILIES.values())})")
 
     @property
     def fixed_tree(self) -> bool:
@@ -185,21 +227,43 @@ def _weights_key(path) -> str:
 
 def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, log=None):
     """The proposer `config` asks for, for the loaded target `model` (None for plain decoding).
-    `vocab="auto"` resolves to the shipped drafter's own default head. With total_tokens
-    "auto", where the autotuner measured that no tree beats plain decoding, eagle gives plain
-    decoding and eagle+pld prompt lookup alone (the log says so)."""
+    `vocab="auto"` resolves to the shipped drafter's own default head. With total_tokens "auto"
+    the size is the autotuner's: measured over the family's `sizes` where it declares them,
+    else the family's own tuning; where no size beats plain decoding, plain decoding (eagle+pld:
+    prompt lookup alone), and the log says so."""
+    family = FAMILIES[config.method]
+    if config.total_tokens == "auto" and family.sizes:
+        from .autotune import choose_size
+
+        if tokenizer is None:
+            raise ValueError("total_tokens='auto' needs the model's tokenizer")
+        size = choose_size(model, tokenizer, f"{model_name}|{family.name}|{config}", family.sizes,
+                           lambda n: family.build(model, replace(config, total_tokens=n), model_name,
+                                                  tokenizer, None), log=log)
+        if not size:
+            if log:
+                log(f"{family.name}: decoding plainly")
+            return None
+        config = replace(config, total_tokens=size)
+    return family.build(model, config, model_name, tokenizer, log)
+
+
+def _plain(model, config, model_name, tokenizer=None, log=None):
+    return None
+
+
+def _prompt_lookup(model, config, model_name, tokenizer=None, log=None):
+    from .pld import PromptLookupProposer
+
+    return PromptLookupProposer(device=model.device)
+
+
+def make_eagle_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, log=None):
+    """EAGLE-2's tree (eagle) or the tree with prompt lookup's path grafted on (eagle+pld)."""
     from .draft_vocab import make_draft_vocab
     from .drafter import EagleDrafter, EagleProposer, draft_dtype
     from .pld import PromptLookupProposer
 
-    if config.method == "none":
-        return None
-    if config.method == "pld":
-        return PromptLookupProposer(device=model.device)
-    if config.method == "medusa":
-        return make_medusa_proposer(model, config, model_name, tokenizer, log)
-    if config.method == "model":
-        return make_draft_model_proposer(model, config, model_name, tokenizer, log)
     dtype = draft_dtype(model, config.dtype)
     path = config.path or bundled_drafter_dir(model_name)
     if path is None:
@@ -313,14 +377,76 @@ def make_draft_model_proposer(model, config: DraftConfig, model_name: str, token
     if config.total_tokens != "auto":
         return DraftModelProposer(draft, head, depth=max(1, config.depth), top_k=config.top_k,
                                   total_tokens=config.total_tokens)
-    from .autotune import choose_chain
+    from .autotune import CHAIN_LENGTHS, choose_size
 
     if tokenizer is None:
         raise ValueError("total_tokens='auto' needs the model's tokenizer")
-    length = choose_chain(model, draft, head, tokenizer,
-                          key=f"{model_name}|model|{config.draft_model}|{draft.weights}|{head.name}", log=log)
+    # The draft is loaded once; the autotuner measures chains of each length over it.
+    length = choose_size(model, tokenizer, f"{model_name}|model|{config.draft_model}|{draft.weights}|{head.name}",
+                         CHAIN_LENGTHS, lambda n: DraftModelProposer(draft, head, depth=n, top_k=1, total_tokens=n),
+                         log=log)
     if not length:
         if log:
             log("model: decoding plainly")
         return None
     return DraftModelProposer(draft, head, depth=length, top_k=1, total_tokens=length)
+
+
+# ---------------------------------------------------------------- the families
+
+def _names(*names: str, vocab: str = "full"):
+    """A family's benchmark names that take no head."""
+    return lambda base: {"vocab": vocab} if base in names else None
+
+
+def _eagle_names(with_lookup: bool):
+    """eagle (+pld): the drafter's default head, as --draft names it; eagle2[+HEAD][+pld]."""
+    def parse(base: str) -> dict | None:
+        if base == ("eagle+pld" if with_lookup else "eagle"):
+            return {"vocab": "auto"}
+        if not base.startswith("eagle2"):
+            return None
+        rest = base[len("eagle2"):]
+        if rest.endswith("+pld") != with_lookup:
+            return None
+        rest = rest[:-len("+pld")] if with_lookup else rest
+        if rest == "":
+            return {"vocab": "full"}
+        return {"vocab": rest[1:]} if rest.startswith("+") else None
+    return parse
+
+
+def _medusa_names(base: str) -> dict | None:
+    if base == "medusa":
+        return {"vocab": "full"}
+    return {"vocab": base[len("medusa+"):]} if base.startswith("medusa+") else None
+
+
+def _draft_model_names(base: str) -> dict | None:
+    head, plus, vocab = base.partition("+")
+    if not head.startswith("model:") or head == "model:":
+        return None
+    return {"draft_model": head[len("model:"):], "vocab": vocab if plus else "full"}
+
+
+def _draft_model_check(config: DraftConfig) -> None:
+    if config.vocab.startswith("spec"):
+        raise ValueError("SpecVocab's ranker is trained for the EAGLE drafter's states: a draft "
+                         "model's head takes full, fr:N or trim:N")
+
+
+_EAGLE = frozenset({"path", "vocab", "token_map", "ranker", "depth", "top_k", "total_tokens", "dtype"})
+register(Family("none", "plain decoding", frozenset(), _plain, _names("vanilla", "none"), "vanilla"))
+register(Family("eagle", "EAGLE-2's dynamic tree", _EAGLE, make_eagle_proposer, _eagle_names(False),
+                "eagle, eagle2, eagle2+HEAD (HEAD: fr:N, trim:N, spec:K...)", head=True, trainable=True))
+register(Family("pld", "prompt lookup", frozenset(), _prompt_lookup, _names("pld"), "pld"))
+register(Family("eagle+pld", "EAGLE-2's tree plus prompt lookup's path", _EAGLE, make_eagle_proposer,
+                _eagle_names(True), "eagle+pld, eagle2+pld, eagle2+HEAD+pld", head=True))
+register(Family("medusa", "Medusa's heads and tree",
+                frozenset({"path", "vocab", "token_map", "ranker", "total_tokens"}), make_medusa_proposer,
+                _medusa_names, "medusa, medusa+HEAD", head=True, trainable=True))
+register(Family("model", "an independent draft model sharing the target's tokenizer: a bundled name, "
+                "a .gguf file or a model directory",
+                frozenset({"vocab", "token_map", "depth", "top_k", "total_tokens", "draft_model", "draft_weights"}),
+                make_draft_model_proposer, _draft_model_names, "model:NAME, model:NAME+HEAD",
+                argument="draft_model", head=True, check=_draft_model_check))

@@ -170,6 +170,25 @@ class TreeBuilder:
         cutoff = sorted(self.value[1:], reverse=True)[self.total_tokens - 1]
         return [node for node in chosen if self.value[node] > cutoff]
 
+    def grow(self, levels: int, expand, pending, device: torch.device | None = None) -> dict[int, int]:
+        """Grow the tree level by level, at most `levels` times, as a drafter with its own KV
+        cache does (EAGLE's drafter, a draft model): `expand(level, frontier, mask)` runs the
+        frontier's nodes (mask: `frontier_mask`'s, over `pending()` slots before them) and
+        returns each row's top children (tokens, log_probs). Returns the pending slot of every
+        expanded node."""
+        slot_of: dict[int, int] = {}
+        for level in range(1, levels + 1):
+            frontier = self.frontier()
+            if not frontier:
+                break
+            n_pending = pending()
+            mask = self.frontier_mask(frontier, slot_of, n_pending, device)
+            tokens, log_probs = expand(level, frontier, mask)
+            for row, node in enumerate(frontier):
+                slot_of[node] = n_pending + row
+            self.add_children(frontier, tokens, log_probs)
+        return slot_of
+
     def frontier_mask(self, frontier: list[int], slot_of: dict[int, int], pending: int,
                       device: torch.device | None = None) -> torch.Tensor:
         """(len(frontier), pending + len(frontier)) bool, for a drafter that grows the tree level
