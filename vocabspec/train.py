@@ -82,6 +82,8 @@ class TrainConfig:
     distill_new_tokens: int = 256   # tokens per self-distilled answer, at most
     answers: str = ""               # answer archive directory (answers.py): its answers are
                                     # used instead of generating them, new ones are added to it
+    generate_answers: bool = False  # with an archive: generate the answers it lacks (without
+                                    # this a run that would generate any refuses, saying how many)
     distill_batch: int = 32         # prompts generated together
     unroll: int = 1                 # drafting steps trained per position (1: EAGLE's loss)
     init: str = ""                  # drafter directory to start from (default: random start)
@@ -257,6 +259,13 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
         if taken:
             _atomic_save(done, out)
     todo = sorted((p for p in prompts if tuple(p) not in finished), key=len)
+    if cfg.answers:
+        print(f"self-distillation: {len(prompts) - len(todo)} of {len(prompts)} answers from the "
+              f"archive and this work directory, {len(todo)} to generate")
+        if todo and not cfg.generate_answers:
+            raise ValueError(f"{len(todo)} of {len(prompts)} answers are neither in the archive "
+                             f"{cfg.answers} nor in {cfg.out}: generating them takes the target "
+                             "hours on a CPU; pass --generate-answers to do it (they join the archive)")
     if todo:
         _generate_answers(cfg, tokenizer, model_path, todo, done, out)
     if cfg.answers:
