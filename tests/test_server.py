@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, for real on loopback: streaming, bad input (a 4xx each, and the
 server keeps serving), a disconnecting client cancels its generation, and a load test (8
 concurrent clients, 200 requests) with no failure, bounded memory and greedy results identical
-to single-client runs."""
+to single-client runs; a stopped server lets its model be freed."""
 
 import json
 import time
@@ -223,3 +223,24 @@ def test_logprobs_from_the_target(server):
     reference = lm.generate("One, two, three,", max_new_tokens=6, logprobs=1)
     assert logprobs["token_logprobs"] == [e.logprob for e in reference.logprobs]
     assert len(logprobs["tokens"]) == len(logprobs["top_logprobs"]) == len(logprobs["text_offset"]) == 6
+
+
+def test_a_stopped_server_lets_its_model_go():
+    """Once its server has stopped, nothing keeps a model alive (the serving benchmark loads one
+    model per method in one process)."""
+    import gc
+    import weakref
+
+    def serve_once():
+        lm = vocabspec.load("smollm2", max_seq_len=512)
+        app = create_app(lm, "smollm2", ServerLimits(max_batch=2, window=256, max_queue=4))
+        http = HTTPThread(app)
+        base = http.wait_ready()
+        assert chat(base, "Say hi.").status_code == 200
+        http.stop(10)
+        app.state.server.batch.close()
+        return weakref.ref(lm.engine.model)
+
+    model = serve_once()
+    gc.collect()
+    assert model() is None, "a stopped server's model is still referenced"

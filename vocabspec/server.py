@@ -325,9 +325,11 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    server = Server(lm, model_name, limits, batch_thread)
     app = FastAPI(title="vocabspec", version="0.1")
-    app.state.server = server
+    app.state.server = Server(lm, model_name, limits, batch_thread)
+    # Endpoints find the server through the request, never in a closure: FastAPI caches what
+    # it learns of each endpoint function for the life of the process, and a closure would keep
+    # the model alive there after the app is gone.
 
     def error(exc: BadRequest) -> JSONResponse:
         kind = "invalid_request_error" if exc.status < 500 else "server_busy"
@@ -335,6 +337,7 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
                                        "code": None}}, status_code=exc.status)
 
     async def read_json(request: Request):
+        server = request.app.state.server
         raw = await request.body()
         if len(raw) > server.limits.max_request_bytes:
             raise BadRequest(f"request body over {server.limits.max_request_bytes} bytes", status=413)
@@ -348,15 +351,17 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
             raise BadRequest(f"the request body is not valid JSON ({exc})")
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_name, "waiting": server.waiting, **server.counts}
+    async def health(request: Request):
+        server = request.app.state.server
+        return {"status": "ok", "model": server.model_name, "waiting": server.waiting, **server.counts}
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
+    async def models(request: Request):
+        return {"object": "list", "data": [{"id": request.app.state.server.model_name, "object": "model",
                                             "created": 0, "owned_by": "vocabspec"}]}
 
     async def complete(request: Request, chat: bool):
+        server = request.app.state.server
         try:
             body = await read_json(request)
             ids, params = server.parse(body, chat)
