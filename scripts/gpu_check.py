@@ -45,7 +45,6 @@ DRAFTER = Path(__file__).resolve().parents[1] / "vocabspec" / "drafters" / "smol
 
 
 DEVICE = "cuda"
-WARMUP_IDS: list[int] = []
 
 
 def sync():
@@ -63,27 +62,25 @@ def methods(model):
             "eagle2+fr:32k 5x48": EagleProposer(drafter, head=fr, depth=5, top_k=8, total_tokens=48)}
 
 
-def make_engines(model, tokenizer, graphs: bool, only=None) -> dict:
-    """Static-step engines per method, their decoders made (and graphs captured) while CUDA
-    graphs are on or off as asked."""
+def make_engines(model, tokenizer, graphs: bool, warmup_ids: list[int], only=None) -> dict:
+    """Static-step engines per method, their decoders made (and graphs captured) on
+    `warmup_ids` while CUDA graphs are on or off as asked."""
     os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1" if graphs else "0"
     engines = {name: Engine(model, tokenizer, proposer, allow_inexact=True, static=True)
                for name, proposer in methods(model).items() if only is None or name in only}
     for engine in engines.values():                      # warm-up: decoders, graphs
-        engine.generate(WARMUP_IDS, GenerationConfig(max_new_tokens=8))
+        engine.generate(warmup_ids, GenerationConfig(max_new_tokens=8))
     os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1"
     return engines
 
 
 def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int) -> dict:
-    global WARMUP_IDS
     model, _ = load_model(str(path), weights=weights, device=DEVICE, backend="torch")
     tokenizer = load_tokenizer(path)
     ids = [encode_conversation(tokenizer, [("user", p)], answer_open=True) for p in prompts]
-    WARMUP_IDS = ids[0]
     config = GenerationConfig(max_new_tokens=new_tokens)
-    engines = make_engines(model, tokenizer, graphs=True)
-    eager = make_engines(model, tokenizer, graphs=False, only=("plain", "eagle2+fr:32k 5x48"))
+    engines = make_engines(model, tokenizer, graphs=True, warmup_ids=ids[0])
+    eager = make_engines(model, tokenizer, graphs=False, warmup_ids=ids[0], only=("plain", "eagle2+fr:32k 5x48"))
     engines.update({f"{name} (eager)": engine for name, engine in eager.items()})
     rows = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "mismatches": 0} for name in engines}
     for prompt in ids:

@@ -23,9 +23,9 @@ QUESTIONS = SPEC_BENCH if SPEC_BENCH.exists() else \
 
 
 class Loaded:
-    def __init__(self, name, weights="auto"):
+    def __init__(self, name, weights="auto", backend="auto"):
         self.name = name
-        self.model, self.path = load_model(name, weights=weights)
+        self.model, self.path = load_model(name, weights=weights, backend=backend)
         self.tokenizer = load_tokenizer(self.path)
 
     def prompt_ids(self, text: str) -> list[int]:

@@ -12,14 +12,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vocabspec.draft_vocab import make_draft_vocab
 from vocabspec.drafter import EagleDrafter, EagleProposer
 from vocabspec.generate import Engine, GenerationConfig
-from vocabspec.loading import load_model
 from vocabspec.medusa import MedusaHeads, MedusaProposer, bundled_medusa_dir
 from vocabspec.pld import PromptLookupProposer
 from vocabspec.proposers import bundled_drafter_dir
 from vocabspec.static_step import StaticDecoder, count_read_backs
-from vocabspec.tokenizer import load_tokenizer
 
-from conftest import spec_bench_prompts
+from conftest import Loaded, spec_bench_prompts
 
 # Operations a captured step may not run: a value handed to the host, an output whose shape
 # depends on values, a tensor made from host data.
@@ -27,21 +25,14 @@ FORBIDDEN = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_uniq
              "unique_consecutive", "argwhere", "repeat_interleave")
 
 
-class TorchModel:
+class TorchModel(Loaded):
     """A bundled model on torch's kernels in float32 (the path a GPU takes), and its proposers:
     EAGLE-2 with the full head, Medusa with FR-Spec's 8k head, prompt lookup."""
 
     def __init__(self, name: str, sliding_window: int | None = None):
-        self.name = name
-        self.model, path = load_model(name, backend="torch", weights="f32")
+        super().__init__(name, weights="f32", backend="torch")
         if sliding_window is not None:
             self.model.args.sliding_window = sliding_window
-        self.tokenizer = load_tokenizer(path)
-
-    def prompt_ids(self, text: str) -> list[int]:
-        if self.tokenizer.chat_template:
-            return self.tokenizer.encode_chat([{"role": "user", "content": text}])
-        return self.tokenizer.encode(f"Question: {text}\nAnswer:")
 
     def proposers(self) -> dict:
         drafter = EagleDrafter.load(bundled_drafter_dir(self.name), self.model)

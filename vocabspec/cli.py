@@ -102,13 +102,13 @@ def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None
 
 
 def _draft_method(text: str) -> str:
-    from .proposers import FAMILIES, draft_names
+    from .proposers import DraftConfig
 
-    name, colon, value = text.partition(":")
-    family = FAMILIES.get(name)
-    if family is not None and (bool(colon) == bool(family.argument)) and (value or not colon):
-        return text
-    raise argparse.ArgumentTypeError(f"unknown draft method {text!r} ({draft_names()})")
+    try:
+        DraftConfig.from_draft(text)        # the family, and its NAME:VALUE argument
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+    return text
 
 
 def draft_config(args):

@@ -624,7 +624,7 @@ class EagleProposer(HeadTimedDrafting):
             drafted += k * k
         self.cache.discard()
         tree = flatten(root, torch.cat(tokens), torch.cat(values), torch.cat(parents),
-                       torch.cat(depths), min(self.total_tokens, drafted), self.depth + 1)
+                       torch.cat(depths), self.static_rows - 1, self.depth + 1)
         self.timings["total"] += time.perf_counter() - start
         return tree
 

@@ -163,9 +163,7 @@ class DeviceKVCache(KVCache):
         slots move (the rest land past the committed length, where nothing reads them), so
         the copy has one shape whatever is kept."""
         m = rows.numel()
-        if self.bound + self.pending + m > self.max_len:
-            raise ValueError(f"keeping {m} slots after {self.bound + self.pending} overruns the "
-                             f"cache's {self.max_len}")
+        self.check_room(m)       # the slots moved land after the pending ones at worst
         source = rows + self.length
         target = self.slot_ids[:m] + self.length
         self.keys.index_copy_(3, target, self.keys.index_select(3, source))

@@ -120,8 +120,8 @@ def verify_greedy(tree: StaticTree, logits: torch.Tensor) -> tuple[torch.Tensor,
 
 class StaticDecoder:
     """Greedy steps over a DeviceKVCache of `max_len` slots for one model and proposer (see the
-    module docstring). `prefill` starts a generation; each `step` verifies one tree and returns
-    what the host needs. On CUDA each (tree size, drafting) step is captured as a CUDA graph
+    module docstring). `start` takes a generation's first token once its prompt is in the cache;
+    each `step` verifies one tree and returns what the host needs. On CUDA each (tree size, drafting) step is captured as a CUDA graph
     after two warm-up runs and replayed; if capture fails the step runs eagerly, and
     `graph_failures` says why (VOCABSPEC_CUDA_GRAPHS=0 turns capture off)."""
 
@@ -134,14 +134,18 @@ class StaticDecoder:
                                    model.dtype, model.device)
         self.taps = proposer.taps if proposer is not None else ()
         self.root = torch.zeros(1, dtype=torch.long, device=model.device)
-        self.length = 0                  # committed tokens (host, from the read-backs)
         self.capture = model.device.type == "cuda" and os.environ.get("VOCABSPEC_CUDA_GRAPHS", "1") != "0"
         self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_failures: dict[tuple[bool, int], str] = {}
 
+    @property
+    def length(self) -> int:
+        """Committed tokens, as the host knows them: the cache's bound, settled after each
+        step's read-back."""
+        return self.cache.bound
+
     def start(self, token: int) -> None:
         """After the prompt has run through `self.cache` (generate.prefill): its first token."""
-        self.length = self.cache.bound
         self.root.fill_(token)
 
     def rows(self, draft: bool) -> int:
@@ -152,8 +156,9 @@ class StaticDecoder:
         """One greedy step: (accepted tokens, root first; the next token; the accepted drafts'
         value ranks; the drafted tokens verified). The host reads the device back once."""
         rows = self.rows(draft)
-        if self.length + rows > self.max_len:
-            raise ValueError(f"a step of {rows} rows after {self.length} tokens overruns the "
+        committed = self.length
+        if committed + rows > self.max_len:
+            raise ValueError(f"a step of {rows} rows after {committed} tokens overruns the "
                              f"static cache's {self.max_len}")
         key = (draft, rows)
         out = self._replay(key) if self.capture else None
@@ -164,8 +169,7 @@ class StaticDecoder:
         width = (len(values) - 2) // 2
         accepted = values[2:2 + length]
         ranks = tuple(values[2 + width + 1:2 + width + length])
-        self.length += length
-        self.cache.settle(self.length)
+        self.cache.settle(committed + length)
         return accepted, token, ranks, rows - 1
 
     def _step(self, draft: bool) -> torch.Tensor:
