@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -74,7 +75,8 @@ def make_engines(model, tokenizer, graphs: bool, warmup_ids: list[int], only=Non
     return engines
 
 
-def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int) -> dict:
+def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int, budget_s: float) -> dict:
+    """Every method on each prompt in turn, until the prompts or `budget_s` run out."""
     model, _ = load_model(str(path), weights=weights, device=DEVICE, backend="torch")
     tokenizer = load_tokenizer(path)
     ids = [encode_conversation(tokenizer, [("user", p)], answer_open=True) for p in prompts]
@@ -82,8 +84,11 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int) -
     engines = make_engines(model, tokenizer, graphs=True, warmup_ids=ids[0])
     eager = make_engines(model, tokenizer, graphs=False, warmup_ids=ids[0], only=("plain", "eagle2+fr:32k 5x48"))
     engines.update({f"{name} (eager)": engine for name, engine in eager.items()})
-    rows = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "mismatches": 0} for name in engines}
+    rows = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "mismatches": 0, "prompts": 0} for name in engines}
+    started = time.perf_counter()
     for prompt in ids:
+        if time.perf_counter() - started > budget_s:
+            break
         reference = None
         for name, engine in engines.items():
             sync()
@@ -94,6 +99,7 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int) -
             row["seconds"] += time.perf_counter() - start
             row["tokens"] += out.new_tokens
             row["steps"] += len(out.steps)
+            row["prompts"] += 1
             if reference is None:
                 reference = out.tokens
             elif out.tokens != reference:
@@ -166,51 +172,78 @@ def drafting_cost(layers: int, steps: int = 20) -> dict:
     return result
 
 
+SECTIONS = ("read_backs", "f32", "drafting", "bf16")
+
+
+def report(run: dict, prompts: int, new_tokens: int) -> str:
+    lines = [f"# GPU check: {run['device']}, torch {run['torch']}, {run['date']}", "",
+             f"SmolLM2-135M-Instruct, up to {prompts} Spec-Bench prompts (column 'prompts': how many ran in the time given), {new_tokens} new tokens, greedy, "
+             "static steps (one read-back each) replayed as CUDA graphs unless marked eager; "
+             "mismatches against plain decoding in the same dtype.", "",
+             "| dtype | method | prompts | tok/s | speedup | tau | mismatches | graphs | capture failures |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for weights in ("f32", "bf16"):
+        for name, row in run.get(weights, {}).items():
+            lines.append(f"| {weights} | {name} | {row['prompts']} | {row['tokens_per_s']} | {row['speedup']}x | {row['tau']} | "
+                         f"{row['mismatches'] if name != 'plain' else '-'} | {row['graphs']} | "
+                         f"{'; '.join(row['graph_failures']) or '-'} |")
+    if "read_backs" in run:
+        lines += ["", "Read-backs over a 32-token generation (float32): " +
+                  ", ".join(f"{n} {r['read_backs']} in {r['steps']} steps" for n, r in run["read_backs"].items())]
+    if "drafting" in run:
+        lines += ["", "Drafting per step, random Llama-3-8B-shaped model (bfloat16, tree 5x48): "
+                  + json.dumps(run["drafting"]) + " ms"]
+    for section, error in run.get("errors", {}).items():
+        lines += ["", f"Section {section} failed: {error}"]
+    lines += ["", f"Whole check: {run['seconds']} s."]
+    return "\n".join(lines) + "\n"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", required=True, help="SmolLM2's GGUF file")
-    parser.add_argument("--prompts", required=True, help="JSON list of prompts (one per category)")
+    parser.add_argument("--gguf", help="SmolLM2's GGUF file (every section but drafting)")
+    parser.add_argument("--prompts", help="JSON list of prompts (one per category)")
     parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per answer")
+    parser.add_argument("--budget-s", type=float, default=120,
+                        help="seconds per dtype after which no further prompt is started")
     parser.add_argument("--out", required=True, help="folder for report.md and run.json")
     parser.add_argument("--device", default="cuda", help="cuda (the check), or cpu to try the script")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, from {', '.join(SECTIONS)}")
     parser.add_argument("--target-layers", type=int, default=32,
                         help="layers of the Llama-3-8B-shaped model (drafting reads none of them)")
     args = parser.parse_args()
+    sections = args.sections.split(",")
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    if set(sections) - {"drafting"} and not (args.gguf and args.prompts):
+        parser.error("every section but drafting needs --gguf and --prompts")
     global DEVICE
     DEVICE = args.device
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = json.loads(Path(args.prompts).read_text())
+    prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else []
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
-    run = {"device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    run = {"device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "errors": {}}
     started = time.perf_counter()
-    run["read_backs"] = read_backs(Path(args.gguf), prompts[0])
-    print(json.dumps(run["read_backs"]), flush=True)
-    for weights in ("f32", "bf16"):
-        run[weights] = check_model(Path(args.gguf), prompts, weights, args.new_tokens)
-        print(weights, json.dumps(run[weights]), flush=True)
-    run["drafting_ms_llama3_8b_shape"] = drafting_cost(args.target_layers)
-    print(json.dumps(run["drafting_ms_llama3_8b_shape"]), flush=True)
-    run["seconds"] = round(time.perf_counter() - started, 1)
-    (out / "run.json").write_text(json.dumps(run, indent=1))
-    lines = [f"# GPU check: {run['device']}, torch {run['torch']}, {run['date']}", "",
-             f"SmolLM2-135M-Instruct, {len(prompts)} Spec-Bench prompts, {args.new_tokens} new tokens, greedy, "
-             "static steps (one read-back each) replayed as CUDA graphs unless marked eager; "
-             "mismatches against plain decoding in the same dtype.", "",
-             "| dtype | method | tok/s | speedup | tau | mismatches | graphs | capture failures |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for weights in ("f32", "bf16"):
-        for name, row in run[weights].items():
-            lines.append(f"| {weights} | {name} | {row['tokens_per_s']} | {row['speedup']}x | {row['tau']} | "
-                         f"{row['mismatches'] if name != 'plain' else '-'} | {row['graphs']} | "
-                         f"{'; '.join(row['graph_failures']) or '-'} |")
-    lines += ["", "Read-backs over a 32-token generation (float32): " +
-              ", ".join(f"{n} {r['read_backs']} in {r['steps']} steps" for n, r in run["read_backs"].items()),
-              "", "Drafting per step, random Llama-3-8B-shaped model (bfloat16, tree 5x48): "
-              + json.dumps(run["drafting_ms_llama3_8b_shape"]) + " ms", "",
-              f"Whole check: {run['seconds']} s."]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    jobs = {"read_backs": lambda: read_backs(Path(args.gguf), prompts[0]),
+            "f32": lambda: check_model(Path(args.gguf), prompts, "f32", args.new_tokens, args.budget_s),
+            "bf16": lambda: check_model(Path(args.gguf), prompts, "bf16", args.new_tokens, args.budget_s),
+            "drafting": lambda: drafting_cost(args.target_layers)}
+    for section in SECTIONS:
+        if section not in sections:
+            continue
+        # A failing section is reported and the others still run: a GPU is lent for minutes.
+        try:
+            run[section] = jobs[section]()
+            print(section, json.dumps(run[section]), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            run["errors"][section] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        run["seconds"] = round(time.perf_counter() - started, 1)
+        (out / "run.json").write_text(json.dumps(run, indent=1))
+        (out / "report.md").write_text(report(run, len(prompts), args.new_tokens))
+    print(report(run, len(prompts), args.new_tokens))
 
 
 if __name__ == "__main__":

@@ -9,4 +9,4 @@ out=${1:?usage: gpu_check.sh OUT SMOLLM2_GGUF PROMPTS_JSON}
 gguf=${2:?usage: gpu_check.sh OUT SMOLLM2_GGUF PROMPTS_JSON}
 prompts=${3:?usage: gpu_check.sh OUT SMOLLM2_GGUF PROMPTS_JSON}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python3 "$(dirname "$0")/gpu_check.py" --gguf "$gguf" --prompts "$prompts" --out "$out"
+python3 "$(dirname "$0")/gpu_check.py" --gguf "$gguf" --prompts "$prompts" --out "$out" "${@:4}"
