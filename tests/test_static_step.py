@@ -86,9 +86,20 @@ class StepTrace(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = []
+        self.host_made = set()           # tensors made from host data inside the step
+        self.host_copies = []            # operations that read one of them into another tensor
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        tensors = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        # Arithmetic may take a 0-dim host tensor as a scalar, but a copy of one into a device
+        # tensor is a host-to-device transfer, which CUDA graph capture refuses.
+        if name in ("copy_", "index_put_", "index_copy_", "_to_copy", "masked_fill_", "where") and \
+                any(id(t) in self.host_made for t in tensors[1:]):
+            self.host_copies.append(name)
         out = func(*args, **(kwargs or {}))
+        if name.startswith("lift_fresh"):
+            self.host_made.add(id(out))
         shapes = tuple(tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
                        if isinstance(t, torch.Tensor))
         self.ops.append((func.overloadpacket.__name__, shapes))
@@ -100,7 +111,7 @@ def test_every_step_runs_the_same_work_in_the_same_tensors(torch_smollm2, method
     model, tokenizer = torch_smollm2.model, torch_smollm2.tokenizer
     proposer = torch_smollm2.proposers()[method]
     engine = Engine(model, tokenizer, proposer, static=True, allow_inexact=True)
-    traces, buffers = {}, []
+    traces, buffers, host_copies = {}, [], []
     step = StaticDecoder._step
 
     def traced(decoder, draft):
@@ -108,6 +119,7 @@ def test_every_step_runs_the_same_work_in_the_same_tensors(torch_smollm2, method
         with StepTrace() as trace:
             out = step(decoder, draft)
         traces.setdefault(draft, []).append(trace.ops)
+        host_copies.extend(trace.host_copies)
         return out
 
     monkeypatch.setattr(StaticDecoder, "_step", traced)
@@ -126,6 +138,7 @@ def test_every_step_runs_the_same_work_in_the_same_tensors(torch_smollm2, method
         # only 0-dim constants (kernel scalars) may appear.
         assert all(shapes == ((),) for name, shapes in ops if name.startswith("lift_fresh")), method
     assert all(b == buffers[0] for b in buffers), f"{method}: a step's state moved to new tensors"
+    assert not host_copies, f"{method}: the step copies host data into device tensors ({host_copies})"
     assert set(traces) == ({False} if method == "plain" else {True})
 
 

@@ -106,7 +106,7 @@ def verify_greedy(tree: StaticTree, logits: torch.Tensor) -> tuple[torch.Tensor,
     ok = tree.tokens == best[tree.parents]
     if tree.valid is not None:
         ok = ok & tree.valid
-    ok[0] = True
+    ok[0].fill_(True)          # a fill, not `ok[0] = True`: that copies a host tensor in, which no graph holds
     for _ in range(tree.max_depth):
         ok = ok & ok[tree.parents]
     depth_slots = tree.max_depth + 2                                  # the last slot collects rejects
