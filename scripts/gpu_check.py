@@ -116,7 +116,32 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int, b
         decoders = engines[name].decoders.values()
         row["graphs"] = sum(len(d.graphs) for d in decoders)
         row["graph_failures"] = [why for d in decoders for why in d.graph_failures.values()]
+        try:                                   # a timing aid: never the section's undoing
+            row["replay_ms"] = replay_ms(engines[name])
+        except Exception as exc:  # noqa: BLE001
+            row["replay_ms"] = {"error": f"{type(exc).__name__}: {exc}"}
     return rows
+
+
+def replay_ms(engine, replays: int = 8) -> dict:
+    """Milliseconds of each captured step replayed alone (the device's share of a step), its
+    state restored after each replay so that the cache never fills."""
+    times = {}
+    for decoder in engine.decoders.values():
+        for key, (graph, _) in decoder.graphs.items():
+            state = decoder._state()
+            saved = [t.clone() for t in state]
+            total = 0.0
+            for _ in range(replays):
+                sync()
+                start = time.perf_counter()
+                graph.replay()
+                sync()
+                total += time.perf_counter() - start
+                for tensor, value in zip(state, saved):
+                    tensor.copy_(value)
+            times[f"{decoder.max_len} slots, {key[1]} rows"] = round(total / replays * 1e3, 3)
+    return times
 
 
 def read_backs(path: Path, prompt: str) -> dict:
@@ -186,11 +211,16 @@ def report(run: dict, prompts: int, new_tokens: int) -> str:
              "mismatches against plain decoding in the same dtype.", "",
              "| dtype | method | prompts | tok/s | speedup | tau | mismatches | graphs | capture failures |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    replays = []
     for weights in ("f32", "bf16"):
         for name, row in run.get(weights, {}).items():
+            replays.append(f"{weights} {name}: {json.dumps(row.get('replay_ms', {}))}")
             lines.append(f"| {weights} | {name} | {row['prompts']} | {row['tokens_per_s']} | {row['speedup']}x | {row['tau']} | "
                          f"{row['mismatches'] if name != 'plain' else '-'} | {row['graphs']} | "
                          f"{'; '.join(row['graph_failures']) or '-'} |")
+    if replays:
+        lines += ["", "Captured steps replayed alone (ms, by cache slots and tree rows):", ""]
+        lines += [f"- {r}" for r in replays]
     if "read_backs" in run:
         lines += ["", "Read-backs over a 32-token generation (float32): " +
                   ", ".join(f"{n} {r['read_backs']} in {r['steps']} steps" for n, r in run["read_backs"].items())]
