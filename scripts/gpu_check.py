@@ -123,6 +123,7 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int, b
     return rows
 
 
+@torch.inference_mode()                      # the step's buffers are inference tensors
 def replay_ms(engine, replays: int = 8) -> dict:
     """Milliseconds of each captured step replayed alone (the device's share of a step), its
     state restored after each replay so that the cache never fills."""
