@@ -1,12 +1,13 @@
 """The drafting families' registry (proposers.Family): a family registered in one place is a
 --draft choice with its help line, a benchmark method name, a set of options the others are
-refused against, and a size the autotuner measures; the built-in families keep their names."""
+refused against, a size the autotuner measures and a trainer `vocabspec train` runs; the built-in
+families keep their names."""
 
 import json
 
 import pytest
 
-from vocabspec import cli, proposers
+from vocabspec import cli, proposers, train
 from vocabspec.files import cache_dir
 from vocabspec.pld import PromptLookupProposer
 from vocabspec.proposers import DraftConfig, Family, make_proposer, register
@@ -19,6 +20,10 @@ def registry(monkeypatch):
     return proposers.FAMILIES
 
 
+def train_lookup_n(cfg, target, split, report, ship, log):
+    """The throwaway family's trainer: `vocabspec train --drafter lookup-n` resolves to it."""
+
+
 def test_a_family_registered_once_is_found_everywhere(smollm2, registry, monkeypatch, tmp_path):
     monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))
     built = []
@@ -28,7 +33,8 @@ def test_a_family_registered_once_is_found_everywhere(smollm2, registry, monkeyp
         return PromptLookupProposer(num_draft=config.total_tokens, device=model.device)
 
     register(Family("lookup-n", "prompt lookup of N tokens", frozenset({"total_tokens"}), build,
-                    lambda base: {} if base == "lookup-n" else None, "lookup-n", sizes=(1, 4)))
+                    lambda base: {} if base == "lookup-n" else None, "lookup-n", sizes=(1, 4),
+                    trainer=f"{__name__}:train_lookup_n"))
 
     # The CLI: a choice, with its help line.
     parser = cli.build_parser()
@@ -38,6 +44,12 @@ def test_a_family_registered_once_is_found_everywhere(smollm2, registry, monkeyp
     assert "lookup-n (prompt lookup of N tokens)" in " ".join(generate_help.split())
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "--draft", "lookup-n:x", "hello"])   # takes no argument
+
+    # Training: a --drafter choice, and the trainer it names is the one `vocabspec train` runs.
+    assert parser.parse_args(["train", "--model", "smollm2", "--drafter", "lookup-n"]).drafter == "lookup-n"
+    assert train.trainer_of("lookup-n") is train_lookup_n
+    with pytest.raises(ValueError, match="no trainer for drafter 'pld'"):
+        train.trainer_of("pld")
 
     # The benchmark's grammar, with a fixed size; options it does not read are refused.
     assert DraftConfig.from_method("lookup-n@0x4") == DraftConfig(method="lookup-n", depth=6, total_tokens=4)

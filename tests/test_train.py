@@ -1,6 +1,7 @@
 """Drafter training on a tiny random target: the candidate-set loss equals the exact loss when
 the candidates cover the vocabulary, training lowers the loss, and an interrupted run resumes."""
 
+import json
 import pytest
 import torch
 
@@ -422,3 +423,21 @@ def test_recipes_find_their_answers_in_the_archive(model, monkeypatch):
             assert missing == 0, f"{missing} of {len(own)} answers are not archived: {cfg}"
             reproduced += 1
     assert reproduced >= 2
+
+
+def test_medusa_trainer_trains_and_saves_heads(tmp_path):
+    # The Medusa family's trainer as `vocabspec train --drafter medusa` runs it (train.trainer_of).
+    from vocabspec.medusa import MedusaHeads
+    from vocabspec.train import trainer_of
+
+    model = tiny_model("llama", vocab_size=50)
+    fake_shards(model, tmp_path)
+    cfg = TrainConfig(out=str(tmp_path), drafter="medusa", medusa_heads=2, medusa_positions=8,
+                      epochs=2, max_steps=6, lr=3e-3, warmup_steps=1, negatives=4)
+    report, logs = {}, []
+    trainer_of("medusa")(cfg, model, {}, report, False, logs.append)
+    heads = MedusaHeads.load(tmp_path / "medusa", model.args)
+    # Trained from zero blocks: the saved heads moved, and their figures are the report's.
+    assert heads.n_heads == 2 and any(block.weight.abs().sum() > 0 for block in heads.blocks)
+    saved = json.loads((tmp_path / "medusa" / "config.json").read_text())["vocabspec"]["training"]
+    assert saved == report and report["steps"] == 6 and len(report["heldout"]["top1"]) == 2

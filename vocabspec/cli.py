@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     from .proposers import FAMILIES
 
-    train = sub.add_parser("train", help="train an EAGLE drafter or Medusa heads for a model (data, "
-                                         "features, training)")
+    train = sub.add_parser("train", help="train a drafter for a model (data, features, training); "
+                                         "--drafter names its family")
     from .train import TrainConfig
     defaults = TrainConfig()
     train.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")

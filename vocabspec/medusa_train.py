@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 from .medusa import MedusaHeads
 from .model import Transformer
+from .train import load_shards, ship_dir
 
 HEAD_DECAY = 0.8
 
@@ -128,3 +130,21 @@ def train_medusa(cfg, target: Transformer, train_set, heldout, log=print) -> tup
               "heldout": accuracy(heads, target, heldout)}
     log(f"medusa: {report}")
     return heads, report
+
+
+def train_and_save(cfg, target: Transformer, split: dict, report: dict, ship: bool, log) -> None:
+    """The Medusa family's trainer (proposers.Family.trainer): train the heads on the feature
+    shards, save them to `cfg.out`/medusa, and with `ship` into the package."""
+    heads, figures = train_medusa(cfg, target, load_shards(cfg, "train") + load_shards(cfg, "distill"),
+                                  load_shards(cfg, "heldout"), log=log)
+    report.update(figures)
+    extra = {"training": dict(report)}
+    heads.save(Path(cfg.out) / "medusa", target.args, extra=extra)
+    if ship:
+        from .proposers import default_vocab
+
+        directory = ship_dir(cfg.model) / "medusa"
+        # The shipped heads' default draft head is a measured choice: keep it.
+        keep = {"draft_vocab": default_vocab(directory)} if (directory / "config.json").exists() else {}
+        heads.save(directory, target.args, extra={**keep, **extra})
+        log(f"shipped to {directory}")

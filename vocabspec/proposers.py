@@ -38,8 +38,10 @@ class Family:
     NAME:VALUE sets (model:NAME). head: drafts through a draft-vocabulary head (--draft-vocab
     applies). check(config): its own refusals. sizes: the tree sizes the autotuner measures
     against plain decoding when total_tokens is "auto" (empty: `build` tunes itself, as EAGLE-2's
-    cost model, Medusa's ordered tree and a draft model's chain do). trainable: `vocabspec train
-    --drafter NAME` trains it."""
+    cost model, Medusa's ordered tree and a draft model's chain do). trainer: "module:function"
+    that `vocabspec train --drafter NAME` calls to train and save its drafter, as
+    fn(cfg, target, split, report, ship, log) after the data and features stages (a name, not
+    the function: the core never imports training)."""
     name: str
     summary: str
     options: frozenset[str]
@@ -50,7 +52,11 @@ class Family:
     head: bool = False
     check: Callable | None = None
     sizes: tuple[int, ...] = ()
-    trainable: bool = False
+    trainer: str | None = None
+
+    @property
+    def trainable(self) -> bool:
+        return self.trainer is not None
 
     @property
     def display(self) -> str:
@@ -438,13 +444,15 @@ def _draft_model_check(config: DraftConfig) -> None:
 _EAGLE = frozenset({"path", "vocab", "token_map", "ranker", "depth", "top_k", "total_tokens", "dtype"})
 register(Family("none", "plain decoding", frozenset(), _plain, _names("vanilla", "none"), "vanilla"))
 register(Family("eagle", "EAGLE-2's dynamic tree", _EAGLE, make_eagle_proposer, _eagle_names(False),
-                "eagle, eagle2, eagle2+HEAD (HEAD: fr:N, trim:N, spec:K...)", head=True, trainable=True))
+                "eagle, eagle2, eagle2+HEAD (HEAD: fr:N, trim:N, spec:K...)", head=True,
+                trainer="vocabspec.train:train_eagle"))
 register(Family("pld", "prompt lookup", frozenset(), _prompt_lookup, _names("pld"), "pld"))
 register(Family("eagle+pld", "EAGLE-2's tree plus prompt lookup's path", _EAGLE, make_eagle_proposer,
                 _eagle_names(True), "eagle+pld, eagle2+pld, eagle2+HEAD+pld", head=True))
 register(Family("medusa", "Medusa's heads and tree",
                 frozenset({"path", "vocab", "token_map", "ranker", "total_tokens"}), make_medusa_proposer,
-                _medusa_names, "medusa, medusa+HEAD", head=True, trainable=True))
+                _medusa_names, "medusa, medusa+HEAD", head=True,
+                trainer="vocabspec.medusa_train:train_and_save"))
 register(Family("model", "an independent draft model sharing the target's tokenizer: a bundled name, "
                 "a .gguf file or a model directory",
                 frozenset({"vocab", "token_map", "depth", "top_k", "total_tokens", "draft_model", "draft_weights"}),

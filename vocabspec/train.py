@@ -97,7 +97,7 @@ class TrainConfig:
                                     # as the identity
     taps: str = ""                  # target layers fused into the drafter's input, EAGLE-3's
                                     # way (e.g. "1,14"; empty: the last layer's feature alone)
-    drafter: str = "eagle"          # what to train: eagle (EAGLE's drafter) or medusa (heads)
+    drafter: str = "eagle"          # what to train: a trainable drafting family (eagle, medusa)
     medusa_heads: int = 4           # Medusa heads (tokens t+2 .. t+K+1)
     medusa_positions: int = 256     # positions sampled per sequence and step (Medusa)
     archive_sequences: int = 0      # also train on this many prompt + answer sequences taken
@@ -680,11 +680,26 @@ def ship_dir(model_name: str) -> Path:
     return Path(__file__).parent / "drafters" / model_name
 
 
+def trainer_of(name: str):
+    """The trainer that the drafting family `name` registers (proposers.Family.trainer)."""
+    import importlib
+
+    from .proposers import FAMILIES
+
+    family = FAMILIES.get(name)
+    if family is None or not family.trainable:
+        trainable = ", ".join(f.name for f in FAMILIES.values() if f.trainable)
+        raise ValueError(f"no trainer for drafter {name!r} (trainable: {trainable})")
+    module, _, function = family.trainer.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = False,
         log=print) -> dict:
     from .loading import load_model, resolve_model_path
     from .tokenizer import load_tokenizer
 
+    train_family = trainer_of(cfg.drafter)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -695,8 +710,6 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
     split = prepare_sequences(cfg, tokenizer)
     report["train_sequences"] = len(split["train"])
     report["train_tokens"] = split["train_tokens"]
-    if cfg.drafter not in ("eagle", "medusa"):
-        raise ValueError(f"unknown drafter {cfg.drafter!r} (eagle or medusa)")
     if cfg.self_distill or cfg.task_prompts:
         split["distill"] = distill_sequences(cfg, tokenizer, model_path)
         report["distill_sequences"] = len(split["distill"])
@@ -713,41 +726,45 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
         extract_features(cfg, extractor, split)
         report["features_seconds"] = round(time.perf_counter() - t1, 1)
         del extractor
-    if "train" in stages and cfg.drafter == "medusa":
+    if "train" in stages:
         target, _ = load_model(cfg.model, max_seq_len=4096, backend="torch")
-        _train_medusa(cfg, target, report, ship, log)
-    elif "train" in stages:
-        target, _ = load_model(cfg.model, max_seq_len=4096, backend="torch")
-        t2 = time.perf_counter()
-        drafter = train_drafter(cfg, target, log=log)
-        seconds = drafter.train_seconds
-        report["train_seconds"] = round(time.perf_counter() - t2 if seconds is None else seconds, 1)
-        final = evaluate(drafter, load_shards(cfg, "heldout"), steps=max(2, cfg.unroll))
-        report.update(final)
-        report["tau_heldout_prompts"] = round(measure_tau(drafter, target,
-                                                          split["heldout_prompts"][:4]), 3)
+        train_family(cfg, target, split, report, ship, log)
         report["total_seconds"] = round(time.perf_counter() - t0, 1)
-        log(json.dumps({k: v for k, v in report.items() if k != "config"}))
-        if drafter.trained_ranker is not None:
-            report["ranker"] = ranker_recall(drafter, *drafter.trained_ranker, load_shards(cfg, "heldout"))
-        # The drafter describes itself in data: its training configuration and figures.
-        extra = {"training": dict(report)}
-        drafter.save(out / "drafter", extra=extra)
-        if drafter.trained_ranker is not None:
-            save_ranker(*(t.to(torch.bfloat16) for t in drafter.trained_ranker),
-                        out / "drafter" / "ranker.safetensors", meta={"joint_training": report["ranker"]})
-        if ship:
-            from .proposers import default_vocab
-
-            shipped = EagleDrafter.load(out / "drafter", target).to(torch.bfloat16)
-            # The shipped drafter's default draft head is a measured choice: keep it.
-            keep = {"draft_vocab": default_vocab(ship_dir(cfg.model))} if ship_dir(cfg.model).exists() else {}
-            shipped.save(ship_dir(cfg.model), extra={**keep, **extra}, q8_0=True)
-            if drafter.trained_ranker is not None:
-                shutil.copy(out / "drafter" / "ranker.safetensors", ship_dir(cfg.model))
-            log(f"shipped to {ship_dir(cfg.model)}")
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def train_eagle(cfg: TrainConfig, target: Transformer, split: dict, report: dict, ship: bool, log) -> None:
+    """The EAGLE family's trainer (proposers.Family.trainer): train the drafter on the feature
+    shards, measure it, save it to `cfg.out`/drafter, and with `ship` into the package."""
+    out = Path(cfg.out)
+    t2 = time.perf_counter()
+    drafter = train_drafter(cfg, target, log=log)
+    seconds = drafter.train_seconds
+    report["train_seconds"] = round(time.perf_counter() - t2 if seconds is None else seconds, 1)
+    final = evaluate(drafter, load_shards(cfg, "heldout"), steps=max(2, cfg.unroll))
+    report.update(final)
+    report["tau_heldout_prompts"] = round(measure_tau(drafter, target,
+                                                      split["heldout_prompts"][:4]), 3)
+    log(json.dumps({k: v for k, v in report.items() if k != "config"}))
+    if drafter.trained_ranker is not None:
+        report["ranker"] = ranker_recall(drafter, *drafter.trained_ranker, load_shards(cfg, "heldout"))
+    # The drafter describes itself in data: its training configuration and figures.
+    extra = {"training": dict(report)}
+    drafter.save(out / "drafter", extra=extra)
+    if drafter.trained_ranker is not None:
+        save_ranker(*(t.to(torch.bfloat16) for t in drafter.trained_ranker),
+                    out / "drafter" / "ranker.safetensors", meta={"joint_training": report["ranker"]})
+    if ship:
+        from .proposers import default_vocab
+
+        shipped = EagleDrafter.load(out / "drafter", target).to(torch.bfloat16)
+        # The shipped drafter's default draft head is a measured choice: keep it.
+        keep = {"draft_vocab": default_vocab(ship_dir(cfg.model))} if ship_dir(cfg.model).exists() else {}
+        shipped.save(ship_dir(cfg.model), extra={**keep, **extra}, q8_0=True)
+        if drafter.trained_ranker is not None:
+            shutil.copy(out / "drafter" / "ranker.safetensors", ship_dir(cfg.model))
+        log(f"shipped to {ship_dir(cfg.model)}")
 
 
 def archive_sequences(cfg: TrainConfig, model_path: Path) -> list[list[int]]:
@@ -761,21 +778,3 @@ def archive_sequences(cfg: TrainConfig, model_path: Path) -> list[list[int]]:
         raise ValueError(f"the archive {cfg.answers} holds {len(archived)} answers, "
                          f"{cfg.archive_sequences} asked for")
     return [s[:cfg.max_len] for s in archived[:cfg.archive_sequences]]
-
-
-def _train_medusa(cfg: TrainConfig, target: Transformer, report: dict, ship: bool, log) -> None:
-    from .medusa_train import train_medusa
-
-    heads, figures = train_medusa(cfg, target, load_shards(cfg, "train") + load_shards(cfg, "distill"),
-                                  load_shards(cfg, "heldout"), log=log)
-    report.update(figures)
-    extra = {"training": dict(report)}
-    heads.save(Path(cfg.out) / "medusa", target.args, extra=extra)
-    if ship:
-        from .proposers import default_vocab
-
-        directory = ship_dir(cfg.model) / "medusa"
-        # The shipped heads' default draft head is a measured choice: keep it.
-        keep = {"draft_vocab": default_vocab(directory)} if (directory / "config.json").exists() else {}
-        heads.save(directory, target.args, extra={**keep, **extra})
-        log(f"shipped to {directory}")
