@@ -10,6 +10,11 @@
    (FR 32k) also with capture off (eager static steps), so the graphs' share is visible.
 4. Drafting cost on a random model shaped like Llama-3-8B (128k vocabulary): an EAGLE-2 5x48
    draft with FR-Spec's 32k head against the full head, captured and eager.
+5. The tree for this device: EAGLE-2 FR 32k also runs at the (depth, size) that the static-step
+   tuner (autotune.choose_static_tree) picks on its own calibration prompts, not these; its
+   table (step milliseconds and tau by depth and size) is reported, per dtype.
+6. Profile: one float32 step of plain decoding and of EAGLE-2 FR 32k under torch.profiler,
+   captured and eager; the kernels that take the device's time, and a trace of each.
 
 Writes report.md and run.json to the folder given.
 
@@ -30,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vocabspec import autotune  # noqa: E402
 from vocabspec.drafter import EagleDrafter, EagleProposer  # noqa: E402
 from vocabspec.draft_vocab import FullVocab, StaticSubset  # noqa: E402
 from vocabspec.generate import Engine, GenerationConfig  # noqa: E402
@@ -46,6 +52,7 @@ DRAFTER = Path(__file__).resolve().parents[1] / "vocabspec" / "drafters" / "smol
 
 
 DEVICE = "cuda"
+RUN = time.strftime("%Y%m%dT%H%M%S")     # the tuner's cache key: each run measures afresh
 
 
 def sync():
@@ -53,22 +60,40 @@ def sync():
         torch.cuda.synchronize()
 
 
-def methods(model):
+def methods(model, tokenizer=None) -> dict:
+    """The methods checked; with a tokenizer, also EAGLE-2 FR 32k at the tuner's tree (where
+    one beats plain decoding)."""
     drafter = EagleDrafter.load(DRAFTER, model)
     full = FullVocab(model.embed.weight.to(drafter.fc.weight.dtype))
     fr = StaticSubset(model.embed.weight, load_token_map(DRAFTER / "token_map_fr.pt")[:32768],
                       name="fr:32k", dtype=drafter.fc.weight.dtype)
-    return {"plain": None, "pld": PromptLookupProposer(device=model.device),
-            "eagle2 5x48": EagleProposer(drafter, head=full, depth=5, top_k=8, total_tokens=48),
-            "eagle2+fr:32k 5x48": EagleProposer(drafter, head=fr, depth=5, top_k=8, total_tokens=48)}
+    out = {"plain": None, "pld": PromptLookupProposer(device=model.device),
+           "eagle2 5x48": EagleProposer(drafter, head=full, depth=5, top_k=8, total_tokens=48),
+           "eagle2+fr:32k 5x48": EagleProposer(drafter, head=fr, depth=5, top_k=8, total_tokens=48)}
+    if tokenizer is not None:
+        depth, total = autotune.choose_static_tree(model, drafter, fr, tokenizer, depth=6, top_k=8,
+                                                   key=f"gpu_check {RUN}|fr:32k|{model.weights}")
+        if total:
+            out[f"eagle2+fr:32k {depth}x{total} (tuned)"] = EagleProposer(
+                drafter, head=fr, depth=depth, top_k=8, total_tokens=total)
+    return out
 
 
-def make_engines(model, tokenizer, graphs: bool, warmup_ids: list[int], only=None) -> dict:
-    """Static-step engines per method, their decoders made (and graphs captured) on
-    `warmup_ids` while CUDA graphs are on or off as asked."""
+def tuning_record(model) -> dict:
+    """What the static-step tuner measured for this model's dtype, this run (from its cache)."""
+    from vocabspec.files import cache_dir
+
+    known = json.loads((cache_dir() / "autotune.json").read_text())
+    return next(entry for key, entry in known.items() if key.startswith(f"gpu_check {RUN}|fr:32k|{model.weights}|"))
+
+
+def make_engines(model, tokenizer, graphs: bool, warmup_ids: list[int], only=None, tuned=False) -> dict:
+    """Static-step engines per method (with the tuner's tree too if `tuned`), their decoders
+    made (and graphs captured) on `warmup_ids` while CUDA graphs are on or off as asked."""
     os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1" if graphs else "0"
+    proposers = methods(model, tokenizer if tuned else None)
     engines = {name: Engine(model, tokenizer, proposer, allow_inexact=True, static=True)
-               for name, proposer in methods(model).items() if only is None or name in only}
+               for name, proposer in proposers.items() if only is None or name in only}
     for engine in engines.values():                      # warm-up: decoders, graphs
         engine.generate(warmup_ids, GenerationConfig(max_new_tokens=8))
     os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1"
@@ -81,7 +106,7 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int, b
     tokenizer = load_tokenizer(path)
     ids = [encode_conversation(tokenizer, [("user", p)], answer_open=True) for p in prompts]
     config = GenerationConfig(max_new_tokens=new_tokens)
-    engines = make_engines(model, tokenizer, graphs=True, warmup_ids=ids[0])
+    engines = make_engines(model, tokenizer, graphs=True, warmup_ids=ids[0], tuned=True)
     eager = make_engines(model, tokenizer, graphs=False, warmup_ids=ids[0], only=("plain", "eagle2+fr:32k 5x48"))
     engines.update({f"{name} (eager)": engine for name, engine in eager.items()})
     rows = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "mismatches": 0, "prompts": 0} for name in engines}
@@ -120,6 +145,13 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int, b
             row["replay_ms"] = replay_ms(engines[name])
         except Exception as exc:  # noqa: BLE001
             row["replay_ms"] = {"error": f"{type(exc).__name__}: {exc}"}
+    record = tuning_record(model)
+    rows["tuner"] = {"chosen": f"{record['depth']}x{record['total_tokens']}",
+                     "measured_speedup": record["measured_speedup"],
+                     "plain_step_ms": round(record["plain_step_s"] * 1e3, 3),
+                     "loop_ms": round(record["loop_s"] * 1e3, 3),
+                     "step_ms": {k: round(r["step_s"] * 1e3, 3) for k, r in record["table"].items()},
+                     "tau": {k: r["tau"] for k, r in record["table"].items()}}
     return rows
 
 
@@ -130,19 +162,55 @@ def replay_ms(engine, replays: int = 8) -> dict:
     times = {}
     for decoder in engine.decoders.values():
         for key, (graph, _) in decoder.graphs.items():
-            state = decoder._state()
-            saved = [t.clone() for t in state]
             total = 0.0
             for _ in range(replays):
-                sync()
-                start = time.perf_counter()
-                graph.replay()
-                sync()
-                total += time.perf_counter() - start
-                for tensor, value in zip(state, saved):
-                    tensor.copy_(value)
+                with decoder.rewound():
+                    sync()
+                    start = time.perf_counter()
+                    graph.replay()
+                    sync()
+                    total += time.perf_counter() - start
             times[f"{decoder.max_len} slots, {key[1]} rows"] = round(total / replays * 1e3, 3)
     return times
+
+
+def profile_steps(path: Path, prompt: str, out: Path, steps: int = 3) -> dict:
+    """Plain decoding's and EAGLE-2 FR 32k's float32 step under torch.profiler, `steps` runs
+    each in place (rewound), captured and eager: per run, the top kernels (on the CPU: operations)
+    by their own time, in microseconds a step; each profile's trace goes to OUT."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, _ = load_model(str(path), weights="f32", device=DEVICE, backend="torch")
+    tokenizer = load_tokenizer(path)
+    ids = encode_conversation(tokenizer, [("user", prompt)], answer_open=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    own_time = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    result = {}
+    for graphs in (True, False):
+        only = ("plain", "eagle2+fr:32k 5x48")
+        for name, engine in make_engines(model, tokenizer, graphs, ids, only=only).items():
+            os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1" if graphs else "0"
+            generation = engine.stream(ids, GenerationConfig(max_new_tokens=16, stop_on_eos=False))
+            for _ in generation:
+                pass
+            decoder, draft = generation.decoder, engine.proposer is not None
+            with torch.inference_mode():
+                with decoder.rewound():
+                    decoder.step(draft)           # capture (or warm up) outside the profile
+                with profile(activities=activities) as prof:
+                    for _ in range(steps):
+                        with decoder.rewound():
+                            decoder.step(draft)
+                        sync()
+            os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1"
+            label = f"{name} {'graph' if graphs else 'eager'}"
+            prof.export_chrome_trace(str(out / f"trace {label}.json".replace(" ", "_")))
+            events = [e for e in prof.key_averages() if getattr(e, own_time, 0) > 0]
+            events.sort(key=lambda e: -getattr(e, own_time))
+            result[label] = {"us_per_step": round(sum(getattr(e, own_time) for e in events) / steps, 1),
+                             "top": [[e.key[:90], e.count // steps, round(getattr(e, own_time) / steps, 1)]
+                                     for e in events[:15]]}
+    return result
 
 
 def read_backs(path: Path, prompt: str) -> dict:
@@ -202,7 +270,7 @@ def drafting_cost(layers: int, steps: int = 20) -> dict:
     return result
 
 
-SECTIONS = ("read_backs", "f32", "drafting", "bf16")
+SECTIONS = ("read_backs", "f32", "drafting", "bf16", "profile")
 
 
 def report(run: dict, prompts: int, new_tokens: int) -> str:
@@ -215,6 +283,8 @@ def report(run: dict, prompts: int, new_tokens: int) -> str:
     replays = []
     for weights in ("f32", "bf16"):
         for name, row in run.get(weights, {}).items():
+            if name == "tuner":
+                continue
             replays.append(f"{weights} {name}: {json.dumps(row.get('replay_ms', {}))}")
             lines.append(f"| {weights} | {name} | {row['prompts']} | {row['tokens_per_s']} | {row['speedup']}x | {row['tau']} | "
                          f"{row['mismatches'] if name != 'plain' else '-'} | {row['graphs']} | "
@@ -222,6 +292,12 @@ def report(run: dict, prompts: int, new_tokens: int) -> str:
     if replays:
         lines += ["", "Captured steps replayed alone (ms, by cache slots and tree rows):", ""]
         lines += [f"- {r}" for r in replays]
+    for weights in ("f32", "bf16"):
+        if "tuner" in run.get(weights, {}):
+            lines += ["", *tuner_lines(weights, run[weights]["tuner"])]
+    for label, prof in run.get("profile", {}).items():
+        lines += ["", f"Profile, {label}: {prof['us_per_step']} us of own time a step; top: " +
+                  "; ".join(f"{k} x{n} {us} us" for k, n, us in prof["top"][:8])]
     if "read_backs" in run:
         lines += ["", "Read-backs over a 32-token generation (float32): " +
                   ", ".join(f"{n} {r['read_backs']} in {r['steps']} steps" for n, r in run["read_backs"].items())]
@@ -232,6 +308,23 @@ def report(run: dict, prompts: int, new_tokens: int) -> str:
         lines += ["", f"Section {section} failed: {error}"]
     lines += ["", f"Whole check: {run['seconds']} s."]
     return "\n".join(lines) + "\n"
+
+
+def tuner_lines(weights: str, tuner: dict) -> list[str]:
+    """The static-step tuner's table as markdown: step ms (tau) by depth and tree size."""
+    keys = [k.split("/") for k in tuner["step_ms"]]
+    depths = sorted({int(d) for d, _ in keys})
+    sizes = sorted({int(m) for _, m in keys})
+    lines = [f"Static-step tuner, {weights}, EAGLE-2 FR 32k, top_k 8 (its own calibration prompts): "
+             f"chose {tuner['chosen']}, measured {tuner['measured_speedup']}x plain decoding; plain "
+             f"step {tuner['plain_step_ms']} ms, loop {tuner['loop_ms']} ms a step. Step ms (tau):", "",
+             "| depth | " + " | ".join(str(m) for m in sizes) + " |",
+             "| --- |" + " --- |" * len(sizes)]
+    for d in depths:
+        cells = [f"{tuner['step_ms'][f'{d}/{m}']} ({tuner['tau'][f'{d}/{m}']})" if f"{d}/{m}" in tuner["step_ms"]
+                 else "-" for m in sizes]
+        lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main():
@@ -264,7 +357,8 @@ def main():
     jobs = {"read_backs": lambda: read_backs(Path(args.gguf), prompts[0]),
             "f32": lambda: check_model(Path(args.gguf), prompts, "f32", args.new_tokens, args.budget_s),
             "bf16": lambda: check_model(Path(args.gguf), prompts, "bf16", args.new_tokens, args.budget_s),
-            "drafting": lambda: drafting_cost(args.target_layers)}
+            "drafting": lambda: drafting_cost(args.target_layers),
+            "profile": lambda: profile_steps(Path(args.gguf), prompts[0], out)}
     for section in SECTIONS:
         if section not in sections:
             continue

@@ -52,11 +52,12 @@ def real_model(request):
 _LOADED = {}
 
 
-def loaded(name: str, weights: str) -> Loaded:
-    """A real model in a given weight format, loaded once per test run."""
-    if (name, weights) not in _LOADED:
-        _LOADED[(name, weights)] = Loaded(name, weights)
-    return _LOADED[(name, weights)]
+def loaded(name: str, weights: str, backend: str = "auto") -> Loaded:
+    """A real model in a given weight format (and backend), loaded once per test run: tests
+    that share it must leave it as they found it."""
+    if (name, weights, backend) not in _LOADED:
+        _LOADED[(name, weights, backend)] = Loaded(name, weights, backend)
+    return _LOADED[(name, weights, backend)]
 
 
 def spec_bench_prompts() -> list[tuple[str, str]]:

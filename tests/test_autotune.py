@@ -134,3 +134,119 @@ def test_timing_every_size_leaves_the_proposals_unchanged():
     assert all(len(seconds) == sampled for seconds in timer.propose_seconds.values())
     assert len(timer.observe_seconds) == len(plain.steps)
     assert set(timer.draft_seconds()) == {1, 2, 5, 12}
+
+
+# ---------------------------------------------------------------- static steps (a GPU's path), on the CPU
+
+@pytest.fixture(scope="module")
+def torch_smollm2():
+    from conftest import loaded
+
+    return loaded("smollm2", "f32", "torch")      # torch's kernels: inexact, static steps run
+
+
+def test_static_tree_of_m_nodes_accepts_what_the_largest_trees_ranks_say(torch_smollm2):
+    """A static tree of m nodes is the drafted nodes of value rank < m: on the same prompt the
+    first step at each size accepts exactly what the largest tree's accepted ranks predict. And
+    timing a step in place leaves the decoder, its caches and the drafter as they were."""
+    from vocabspec.autotune import step_seconds
+    from vocabspec.drafter import EagleDrafter, EagleProposer
+    from vocabspec.generate import Engine, GenerationConfig
+    from vocabspec.proposers import bundled_drafter_dir
+
+    from conftest import spec_bench_prompts
+
+    model, sizes = torch_smollm2.model, (1, 2, 4, 8, 16)
+    drafter = EagleDrafter.load(bundled_drafter_dir("smollm2"), model)
+    config = GenerationConfig(max_new_tokens=4, stop_on_eos=False)
+    engines = {m: Engine(model, None, EagleProposer(drafter, depth=3, top_k=4, total_tokens=m),
+                         allow_inexact=True, static=True) for m in sizes}
+    gained = 0
+    for _, text in spec_bench_prompts()[::3]:
+        ids = torch_smollm2.prompt_ids(text[:400])
+        first = {m: engine.generate(ids, config).steps[0] for m, engine in engines.items()}
+        ranks = first[max(sizes)].path_ranks
+        assert {m: s.accept_length for m, s in first.items()} == \
+            {m: accept_length_at(ranks, m) for m in sizes}, text[:40]
+        gained += first[max(sizes)].accept_length > first[min(sizes)].accept_length
+    assert gained, "no prompt where the larger tree accepted more: the check would be empty"
+
+    generation = engines[16].stream(ids, config)
+    for _ in generation:
+        pass
+    decoder, proposer = generation.decoder, engines[16].proposer
+
+    def state():
+        return ([t.clone() for t in decoder._state()], decoder.cache.bound, proposer.cache.bound,
+                decoder.cache.pending, proposer.cache.pending)
+
+    before = state()
+    assert step_seconds(decoder, True, repeats=2) > 0 and step_seconds(decoder, False, repeats=2) > 0
+    after = state()
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and before[1:] == after[1:]
+
+
+def test_static_tree_choice_is_measured_on_static_steps_and_cached(torch_smollm2, tmp_path, monkeypatch):
+    import json
+
+    import vocabspec.autotune as autotune
+    from vocabspec.autotune import choose_static_tree, pick
+    from vocabspec.draft_vocab import StaticSubset
+    from vocabspec.drafter import EagleDrafter
+    from vocabspec.proposers import bundled_drafter_dir
+
+    monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "STATIC_SIZES", (2, 4))          # a quick calibration
+    monkeypatch.setattr(autotune, "STEP_REPEATS", 2)
+    monkeypatch.setattr(autotune, "CALIBRATION_NEW_TOKENS", 8)
+    monkeypatch.setattr(autotune, "CALIBRATION_QUESTIONS", autotune.CALIBRATION_QUESTIONS[:2])
+    model = torch_smollm2.model
+    drafter = EagleDrafter.load(bundled_drafter_dir("smollm2"), model)
+    head = StaticSubset(model.head_weight, torch.arange(8000), name="fr")
+    depth, total = choose_static_tree(model, drafter, head, torch_smollm2.tokenizer, depth=2, top_k=4,
+                                      key="test|static")
+    known = json.loads((tmp_path / "autotune.json").read_text())
+    (key, entry), = known.items()
+    assert "static" in key
+    table = entry["table"]
+    assert set(table) == {"1/2", "1/4", "2/2", "2/4"}
+    for d in (1, 2):             # a larger tree keeps every node of a smaller one
+        assert 1 <= table[f"{d}/2"]["tau"] <= table[f"{d}/4"]["tau"]
+    assert all(row["step_s"] > 0 for row in table.values()) and entry["plain_step_s"] > 0
+    best = pick(table)
+    want = (best["depth"], best["total_tokens"]) if entry["measured_speedup"] >= 1 else (0, 0)
+    assert entry["measured_speedup"] > 0 and (depth, total) == want
+    (tmp_path / "autotune.json").write_text(json.dumps({key: {**entry, "total_tokens": 7}}))
+    assert choose_static_tree(model, drafter, head, torch_smollm2.tokenizer, depth=2, top_k=4,
+                              key="test|static")[1] == 7
+
+
+def test_inexact_engines_tune_and_static_ones_tune_by_static_steps(torch_smollm2, tmp_path, monkeypatch):
+    """On torch's kernels (inexact, allowed by the caller) the tuner's own engines run too; and
+    where an Engine would run static steps (CUDA), EAGLE's tree is chosen by the static tuner."""
+    import vocabspec.autotune as autotune
+    import vocabspec.generate as generate
+    from vocabspec.draft_vocab import FullVocab
+    from vocabspec.drafter import EagleDrafter
+    from vocabspec.proposers import DraftConfig, make_proposer
+
+    monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "CANDIDATE_SIZES", (2, 4))
+    monkeypatch.setattr(autotune, "CALIBRATION_NEW_TOKENS", 8)
+    monkeypatch.setattr(autotune, "CALIBRATION_QUESTIONS", autotune.CALIBRATION_QUESTIONS[:1])
+    model = torch_smollm2.model
+    depth, total = autotune.choose_tree(model, EagleDrafter.random(model), FullVocab(model.head_weight),
+                                        torch_smollm2.tokenizer, depth=1, top_k=4, key="test|inexact")
+    assert depth in (0, 1) and total in (0, 2, 4)
+
+    calls = []
+
+    def static_tuner(model, drafter, head, tokenizer, depth, top_k, key, log=None):
+        calls.append((depth, top_k))
+        return 2, 5
+
+    monkeypatch.setattr(autotune, "choose_static_tree", static_tuner)
+    monkeypatch.setattr(generate, "static_by_default", lambda model: True)
+    proposer = make_proposer(model, DraftConfig(method="eagle", vocab="full", depth=3, top_k=4),
+                             "smollm2", torch_smollm2.tokenizer)
+    assert calls == [(3, 4)] and (proposer.depth, proposer.total_tokens) == (2, 5)

@@ -17,7 +17,7 @@ from vocabspec.pld import PromptLookupProposer
 from vocabspec.proposers import bundled_drafter_dir
 from vocabspec.static_step import StaticDecoder, count_read_backs
 
-from conftest import Loaded, spec_bench_prompts
+from conftest import Loaded, loaded, spec_bench_prompts
 
 # Operations a captured step may not run: a value handed to the host, an output whose shape
 # depends on values, a tensor made from host data.
@@ -30,9 +30,12 @@ class TorchModel(Loaded):
     EAGLE-2 with the full head, Medusa with FR-Spec's 8k head, prompt lookup."""
 
     def __init__(self, name: str, sliding_window: int | None = None):
+        if sliding_window is None:       # the run's shared copy (autotune's tests use it too)
+            shared = loaded(name, "f32", "torch")
+            self.name, self.model, self.path, self.tokenizer = name, shared.model, shared.path, shared.tokenizer
+            return
         super().__init__(name, weights="f32", backend="torch")
-        if sliding_window is not None:
-            self.model.args.sliding_window = sliding_window
+        self.model.args.sliding_window = sliding_window
 
     def proposers(self) -> dict:
         drafter = EagleDrafter.load(bundled_drafter_dir(self.name), self.model)

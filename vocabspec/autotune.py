@@ -25,6 +25,14 @@ predicted speed the smallest tree wins: a difference that small is noise on a sh
 machine, and the smaller tree costs less where the estimate is wrong. Calibration stops
 adding depths after BUDGET_SECONDS (the whole choice takes under 30 s). Results are cached per
 machine, model, dtype and drafter (VOCABSPEC_CACHE/autotune.json).
+
+Where greedy decoding runs as static steps (on CUDA: static_step.py, captured as CUDA graphs),
+a step's cost is one replayed graph, not a forward plus drafting timed apart, and static trees
+keep every level's top_k rows. `choose_static_tree` times that very step at each (depth, size)
+in place (rewound after each run, so that one decoder serves every size) beside plain
+decoding's step on the same decoder, and takes tau from the static steps' own ranks. On an
+H100 in float32 a prompt-lookup step of 11 rows replayed in 1.5x plain decoding's 2.36 ms, in
+bfloat16 1.15x (docs/bench/gpu): the size that pays depends on the dtype as much as the device.
 """
 
 from __future__ import annotations
@@ -180,7 +188,7 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
         proposer = EagleProposer(drafter, head=head, depth=d, top_k=top_k, total_tokens=largest)
         proposer.timing_sync = True          # drafting times must include the device's work
         timer = SizeTimer(proposer, CANDIDATE_SIZES, SIZE_TIMING_EVERY)
-        engine = Engine(model, tokenizer, timer)
+        engine = Engine(model, tokenizer, timer, allow_inexact=True)
         engine.generate(prompts[0], GenerationConfig(max_new_tokens=4))   # warm-up
         timer.clear()
         steps = []
@@ -275,15 +283,17 @@ MEDUSA_SIZES = (4, 8, 12, 16, 24, 32, 48, 63)
 CHAIN_LENGTHS = (1, 2, 3, 4, 5, 6, 8)
 
 
-def measured_speedups(model, tokenizer, proposers: dict, prompts) -> dict:
+def measured_speedups(model, tokenizer, proposers: dict, prompts, static: bool | None = None) -> dict:
     """Each proposer's decoding speed over plain decoding's, from real generations of the
     calibration prompts taken in turn (plain, then each proposer, prompt by prompt), so that
     drift on a shared machine hits all alike: the median over prompts of each prompt's ratio,
     so that one stall of the machine during one generation does not decide."""
     from .generate import Engine, GenerationConfig
 
-    engines = {"plain": Engine(model, tokenizer)}
-    engines.update({key: Engine(model, tokenizer, p) for key, p in proposers.items()})
+    # The tuner only measures: whether inexact drafting may run is the caller's Engine's to say.
+    engines = {"plain": Engine(model, tokenizer, static=static)}
+    engines.update({key: Engine(model, tokenizer, p, allow_inexact=True, static=static)
+                    for key, p in proposers.items()})
     config = GenerationConfig(max_new_tokens=CALIBRATION_NEW_TOKENS)
     ratios = {key: [] for key in proposers}
     for ids in prompts:
@@ -336,7 +346,7 @@ def choose_medusa_tree(model, heads, head, tokenizer, key: str, log=None):
         prompts = _calibration_prompts(tokenizer)
         from .generate import Engine, GenerationConfig
 
-        engine = Engine(model, tokenizer, MedusaProposer(model, heads, head, MEDUSA_63))
+        engine = Engine(model, tokenizer, MedusaProposer(model, heads, head, MEDUSA_63), allow_inexact=True)
         hits = [0] * len(MEDUSA_63)
         for ids in prompts:
             for step in engine.generate(ids, GenerationConfig(max_new_tokens=CALIBRATION_NEW_TOKENS)).steps:
@@ -368,3 +378,93 @@ def choose_size(model, tokenizer, key: str, sizes, make, log=None) -> int:
         log(f"no draft size beats plain decoding on this machine (the best measured "
             f"{max(chosen['measured_speedup'].values()):.2f}x)")
     return int(chosen["size"])
+
+
+# ---------------------------------------------------------------- static steps (a GPU's path)
+
+STATIC_SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+STEP_REPEATS = 10
+
+
+def step_seconds(decoder, draft: bool, repeats: int | None = None) -> float:
+    """Median seconds of one static step of `decoder` run in place and rewound after each run
+    (static_step.StaticDecoder.rewound): the device's work and the one read-back. The first
+    run, which captures the step's CUDA graph (or warms up), is not counted."""
+    times = []
+    with torch.inference_mode():          # a step updates inference tensors in place
+        for run in range((repeats or STEP_REPEATS) + 1):
+            with decoder.rewound():
+                start = time.perf_counter()
+                decoder.step(draft)
+                if run:
+                    times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calibrate_static(model, drafter, head, prompts, depth: int, top_k: int, sizes=None,
+                     new_tokens: int | None = None, bar=None) -> dict:
+    """The table `choose_static_tree` picks from: per depth, one static generation of each
+    prompt with the largest tree gives tau at every size (the accepted nodes' ranks), and its
+    last decoder times the step at every size and plain decoding's step. `loop_s`: the
+    generation loop's own time per step (text, bookkeeping), added to every step alike."""
+    from .drafter import EagleProposer
+    from .generate import Engine, GenerationConfig
+
+    sizes = sizes or STATIC_SIZES
+    config = GenerationConfig(max_new_tokens=new_tokens or CALIBRATION_NEW_TOKENS)
+    table, plain, loop = {}, [], []
+    for d in calibration_depths(depth):
+        proposer = EagleProposer(drafter, head=head, depth=d, top_k=top_k, total_tokens=max(sizes))
+        largest = proposer.static_rows - 1          # a level drafts top_k rows at most
+        engine = Engine(model, None, proposer, allow_inexact=True, static=True)
+        steps, decoder = [], None
+        for ids in prompts:
+            generation = engine.stream(ids, config)
+            for _ in generation:
+                pass
+            result, decoder = generation.result, generation.decoder
+            steps += result.steps
+            loop.append((result.seconds - result.prefill_seconds
+                         - sum(s.verify_seconds for s in result.steps)) / max(len(result.steps), 1))
+            if bar is not None:
+                bar.update()
+        for m in [m for m in sizes if m <= largest]:
+            proposer.total_tokens = m
+            seconds = step_seconds(decoder, True)
+            tau = sum(accept_length_at(s.path_ranks, m) for s in steps) / len(steps)
+            table[f"{d}/{m}"] = {"depth": d, "total_tokens": m, "tau": round(tau, 3),
+                                 "step_s": round(seconds, 6)}
+        proposer.total_tokens = max(sizes)
+        plain.append(step_seconds(decoder, False))
+    plain_s, loop_s = statistics.median(plain), max(0.0, statistics.median(loop))
+    for row in table.values():
+        row["tokens_per_s"] = round(row["tau"] / (row["step_s"] + loop_s), 2)
+    return {"table": table, "plain_step_s": round(plain_s, 6), "loop_s": round(loop_s, 6),
+            "plain_tokens_per_s": round(1 / (plain_s + loop_s), 2)}
+
+
+def choose_static_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
+                       log=None) -> tuple[int, int]:
+    """(depth, total_tokens) for EAGLE-2's static steps on this device (see the module
+    docstring), depth at most the one given; (0, 0) where no tree decodes faster than plain
+    decoding's static steps, measured side by side. Cached like `choose_tree`."""
+    def compute():
+        prompts = _calibration_prompts(tokenizer)
+        with tqdm(total=len(calibration_depths(depth)) * len(prompts), desc="autotune", unit="run",
+                  disable=log is None, leave=False) as bar:
+            calibration = calibrate_static(model, drafter, head, prompts, depth, top_k, bar=bar)
+        best = pick(calibration["table"])
+        from .drafter import EagleProposer
+
+        ratio = measured_speedups(model, tokenizer, {"tree": EagleProposer(
+            drafter, head=head, depth=best["depth"], top_k=top_k, total_tokens=best["total_tokens"])},
+            prompts, static=True)["tree"]
+        chosen = (best["depth"], best["total_tokens"]) if ratio >= 1.0 else (0, 0)
+        return {"depth": chosen[0], "total_tokens": chosen[1], "measured_speedup": round(ratio, 3),
+                **calibration}
+
+    chosen = _cached(f"{key}|{depth}|{top_k}|static-v1", model, compute, log)
+    if log and not chosen["total_tokens"]:
+        log(f"no draft tree beats plain decoding on this device (the best measured "
+            f"{chosen['measured_speedup']:.2f}x)")
+    return int(chosen["depth"]), int(chosen["total_tokens"])

@@ -211,7 +211,7 @@ def _answer(cfg: BenchConfig, run: MethodRun, q: dict, tokenizer, config, bar) -
     for turn in q["turns"]:
         history.append(("user", turn))
         ids = encode_conversation(tokenizer, history, answer_open=True)
-        ids = ids[-(run.engine.cache.max_len - cfg.max_new_tokens - 80):]
+        ids = ids[-(run.engine.max_len - cfg.max_new_tokens - 80):]
         result = run.engine.generate(ids, config)
         history.append(("assistant", result.text))
         lengths = [s.accept_length for s in result.steps]

@@ -424,6 +424,12 @@ def features_of(target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
 
 
 
+def drafts_statically(head) -> bool:
+    """Whether EAGLE-2 with this draft head can run as static steps (static_step.py): not with
+    SpecVocab, whose candidates need the drafted tokens on the host."""
+    return not hasattr(head, "candidate_ids")
+
+
 def native_drafting(drafter: EagleDrafter, head):
     """The drafter's reads and trees as native calls (native.NativeDrafter), where the drafter
     and its draft head run on the native engine (a full or fixed-subset head over the target's
@@ -546,9 +552,8 @@ class EagleProposer(HeadTimedDrafting):
 
     @property
     def static(self) -> bool:
-        """Whether `propose_static` can draft without reading the device back (SpecVocab's
-        candidates need the drafted tokens on the host)."""
-        return not hasattr(self.head, "candidate_ids")
+        """Whether `propose_static` can draft without reading the device back."""
+        return drafts_statically(self.head)
 
     # Static steps (static_step.StaticDecoder): the drafter's cache on the device, its reads
     # and its tree as device work of fixed shapes.

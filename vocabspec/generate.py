@@ -202,6 +202,12 @@ def require_exact(model: Transformer, allow_inexact: bool = False) -> None:
         "(allow_inexact=True) to accept that")
 
 
+def static_by_default(model: Transformer) -> bool:
+    """Whether an Engine runs greedy steps as static, capturable steps unless told: on CUDA,
+    where CUDA graphs pay; on the CPU the general loop scores fewer rows."""
+    return model.device.type == "cuda"
+
+
 class Engine:
     """A target model (and optionally a proposer) ready to generate."""
 
@@ -214,10 +220,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.proposer = proposer
         # Greedy steps with static shapes and one read-back each, captured as CUDA graphs on
-        # a GPU (static_step.py). None: on CUDA devices, for proposers that can (prompt lookup,
-        # Medusa, EAGLE without SpecVocab); on the CPU the general loop scores fewer rows.
+        # a GPU (static_step.py). None: `static_by_default`, for proposers that can (prompt
+        # lookup, Medusa, EAGLE without SpecVocab).
         if static is None:
-            static = model.device.type == "cuda"
+            static = static_by_default(model)
         if static and model.native is not None:
             raise ValueError("static steps run on torch's kernels (a GPU's path); the native "
                              "engine keeps its own cache: load with backend='torch'")
@@ -225,16 +231,26 @@ class Engine:
             static = False
         self.static = static
         self.decoders: dict[int, object] = {}    # static_step.StaticDecoder by cache size
-        self.cache = model.new_cache()
+        self.max_len = model.args.max_seq_len
+        self._cache: KVCache | None = None
         eos = set(model.args.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
 
+    @property
+    def cache(self) -> KVCache:
+        """The general loop's cache, made when first needed: static steps keep their own per
+        size (`decoders`), and a cache of the whole context window is the largest allocation a
+        request makes (1 GB for an 8B model at 8k tokens in bfloat16)."""
+        if self._cache is None:
+            self._cache = self.model.new_cache(self.max_len)
+        return self._cache
+
     def check_prompt(self, prompt_ids: list[int], config: GenerationConfig, limit: int | None = None) -> None:
         """ValueError unless the prompt can run: not empty, ids in the vocabulary, prompt and
         answer within `limit` tokens of cache (default: this engine's)."""
-        limit = self.cache.max_len if limit is None else limit
+        limit = self.max_len if limit is None else limit
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.args.vocab_size
@@ -257,7 +273,7 @@ class Engine:
         size = 256
         while size < tokens:
             size *= 2
-        size = min(size, self.cache.max_len)
+        size = min(size, self.max_len)
         if size not in self.decoders:
             self.decoders[size] = StaticDecoder(self.model, self.proposer, size)
         return self.decoders[size]
@@ -285,7 +301,7 @@ class Generation:
         self.engine = engine
         self.prompt_ids = prompt_ids
         self.config = config
-        self.cache = engine.cache if cache is None else cache
+        self._cache = cache      # None: the engine's, made when first used (static steps bring their own)
         self.proposer = engine.proposer if cache is None else proposer
         self.result = GenerationResult(prompt_tokens=len(prompt_ids), engine=engine.model.engine)
         self.text = TextStream(engine.tokenizer)
@@ -298,6 +314,15 @@ class Generation:
         self.tree_room = (self.proposer.max_tree_tokens if self.proposer is not None else 0) + 1
         self.token = -1          # the last sampled token: the next tree's root
         self.started = 0.0
+        self.decoder = None      # the static steps' decoder, where they ran (static_step.py)
+
+    @property
+    def cache(self) -> KVCache:
+        return self.engine.cache if self._cache is None else self._cache
+
+    @cache.setter
+    def cache(self, cache: KVCache) -> None:
+        self._cache = cache
 
     def __iter__(self) -> Iterator[str]:
         # Each step holds the model's lock; between steps (while the caller reads a delta) a
@@ -400,7 +425,7 @@ class Generation:
         """Greedy steps that are device work only, one read-back each (static_step.py)."""
         engine, config, result, proposer = self.engine, self.config, self.result, self.proposer
         room = len(self.prompt_ids) + config.max_new_tokens + self.tree_room
-        decoder = engine.static_decoder(room)
+        decoder = self.decoder = engine.static_decoder(room)
         self.cache = decoder.cache
         self.cache.reset()
         if proposer is not None:

@@ -297,12 +297,17 @@ def make_eagle_proposer(model, config: DraftConfig, model_name: str, tokenizer=N
                             dtype=dtype, packed_head=packed_head)
     depth, total = config.depth, config.total_tokens
     if total == "auto":
-        from .autotune import choose_tree
+        from .autotune import choose_static_tree, choose_tree
+        from .drafter import drafts_statically
+        from .generate import static_by_default
 
         if tokenizer is None:
             raise ValueError("total_tokens='auto' needs the model's tokenizer")
-        depth, total = choose_tree(model, drafter, head, tokenizer, depth=depth, top_k=config.top_k,
-                                   key=f"{model_name}|{_weights_key(path)}|{head.name}|{dtype}", log=log)
+        # Where an Engine runs static steps (a GPU), the tree is chosen by their costs.
+        static = config.method == "eagle" and static_by_default(model) and drafts_statically(head)
+        choose = choose_static_tree if static else choose_tree
+        depth, total = choose(model, drafter, head, tokenizer, depth=depth, top_k=config.top_k,
+                              key=f"{model_name}|{_weights_key(path)}|{head.name}|{dtype}", log=log)
         if not total:            # measured: no tree beats plain decoding on this machine
             if config.method == "eagle+pld":
                 if log:

@@ -198,6 +198,17 @@ class StaticDecoder:
         extra = self.proposer.static_buffers() if self.proposer is not None else []
         return [self.cache.length, self.root, *extra]
 
+    def _caches(self) -> list[DeviceKVCache]:
+        """The device caches a step writes: the target's, and the drafter's if it keeps one."""
+        return [self.cache] + [c for c in [getattr(self.proposer, "cache", None)]
+                               if isinstance(c, DeviceKVCache)]
+
+    def rewound(self):
+        """A context in which steps run and are then undone: the decoder, its caches' lengths
+        and the drafter's state are as they were before (what steps wrote to cache slots past
+        the committed ones is never read). For timing a step in place (autotune.py)."""
+        return kept_state(self._state(), self._caches())
+
     def _replay(self, key) -> torch.Tensor | None:
         """The captured step for `key`, capturing it first; None where capture failed."""
         if key in self.graph_failures:
@@ -207,10 +218,8 @@ class StaticDecoder:
                 self.graph_failures[key] = "a timing breakdown waits for the device inside the step"
                 log.warning("CUDA graph for step %s not captured: %s", key, self.graph_failures[key])
                 return None
-            caches = [self.cache] + [c for c in [getattr(self.proposer, "cache", None)]
-                                     if isinstance(c, DeviceKVCache)]
             try:
-                self.graphs[key] = capture_graph(lambda: self._step(key[0]), self._state(), caches)
+                self.graphs[key] = capture_graph(lambda: self._step(key[0]), self._state(), self._caches())
             except Exception as exc:       # any capture error: run eagerly, say why
                 self.graph_failures[key] = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graph for step %s not captured, running eagerly: %s", key, exc)
@@ -220,14 +229,26 @@ class StaticDecoder:
         return out
 
 
+@contextlib.contextmanager
+def kept_state(state: list[torch.Tensor], caches: list[DeviceKVCache]):
+    """Leaves the device tensors `state` and the caches' host counts as the block found them."""
+    saved = [t.clone() for t in state]
+    hosts = [(c, c.bound, c.pending) for c in caches]
+    try:
+        yield
+    finally:
+        for tensor, value in zip(state, saved):
+            tensor.copy_(value)
+        for cache, bound, pending in hosts:
+            cache.bound, cache.pending = bound, pending
+
+
 def capture_graph(fn, state: list[torch.Tensor], caches: list[DeviceKVCache], warmup: int = 2):
     """(graph, output): `fn` (device work that updates `state` in place) captured as a CUDA
     graph after `warmup` runs on a side stream. The warm-up runs and the capture leave `state`
     and the caches' host counts as they found them (what they wrote to cache slots past the
     committed ones is never read)."""
-    saved = [t.clone() for t in state]
-    hosts = [(c, c.bound, c.pending) for c in caches]
-    try:
+    with kept_state(state, caches):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -238,11 +259,6 @@ def capture_graph(fn, state: list[torch.Tensor], caches: list[DeviceKVCache], wa
         with torch.cuda.graph(graph):
             out = fn()
         return graph, out
-    finally:
-        for tensor, value in zip(state, saved):
-            tensor.copy_(value)
-        for cache, bound, pending in hosts:
-            cache.bound, cache.pending = bound, pending
 
 
 @contextlib.contextmanager
