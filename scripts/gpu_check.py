@@ -1,9 +1,10 @@
 """The GPU check: exactness, read-backs, CUDA graphs and speed on one CUDA device, in minutes.
 
-1. Exactness: on the Spec-Bench category prompts, greedy EAGLE-2 (full head and FR-Spec 32k),
-   prompt lookup and plain decoding as static steps captured as CUDA graphs (static_step.py),
-   against plain decoding, in float32 (TF32 off; must be 0 mismatches) and bfloat16 (torch's
-   kernels are not row-count invariant there: mismatches are counted and reported).
+1. Exactness: on the Spec-Bench category prompts, greedy EAGLE-2 (full head and FR-Spec 32k,
+   and FR 32k with prompt lookup's path grafted on), prompt lookup and plain decoding as static
+   steps captured as CUDA graphs (static_step.py), against plain decoding, in float32 (TF32
+   off; must be 0 mismatches) and bfloat16 (torch's kernels are not row-count invariant
+   there: mismatches are counted and reported).
 2. Read-backs: every way a tensor reaches the host is counted over a generation: at most one
    a step.
 3. Speed: tokens/s of each method, float32 and bfloat16, SmolLM2; plain decoding and EAGLE-2
@@ -39,6 +40,7 @@ from vocabspec import autotune  # noqa: E402
 from vocabspec.drafter import EagleDrafter, EagleProposer  # noqa: E402
 from vocabspec.draft_vocab import FullVocab, StaticSubset  # noqa: E402
 from vocabspec.generate import Engine, GenerationConfig  # noqa: E402
+from vocabspec.hybrid import EagleLookupProposer  # noqa: E402
 from vocabspec.kv_cache import DeviceKVCache  # noqa: E402
 from vocabspec.loading import load_model  # noqa: E402
 from vocabspec.model import ModelArgs, Transformer  # noqa: E402
@@ -69,7 +71,8 @@ def methods(model, tokenizer=None) -> dict:
                       name="fr:32k", dtype=drafter.fc.weight.dtype)
     out = {"plain": None, "pld": PromptLookupProposer(device=model.device),
            "eagle2 5x48": EagleProposer(drafter, head=full, depth=5, top_k=8, total_tokens=48),
-           "eagle2+fr:32k 5x48": EagleProposer(drafter, head=fr, depth=5, top_k=8, total_tokens=48)}
+           "eagle2+fr:32k 5x48": EagleProposer(drafter, head=fr, depth=5, top_k=8, total_tokens=48),
+           "eagle2+fr:32k+pld 5x48": EagleLookupProposer(drafter, head=fr, depth=5, top_k=8, total_tokens=48)}
     if tokenizer is not None:
         depth, total = autotune.choose_static_tree(model, drafter, fr, tokenizer, depth=6, top_k=8,
                                                    key=f"gpu_check {RUN}|fr:32k|{model.weights}")

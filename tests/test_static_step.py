@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vocabspec.draft_vocab import make_draft_vocab
 from vocabspec.drafter import EagleDrafter, EagleProposer
 from vocabspec.generate import Engine, GenerationConfig
+from vocabspec.hybrid import EagleLookupProposer
 from vocabspec.medusa import MedusaHeads, MedusaProposer, bundled_medusa_dir
 from vocabspec.pld import PromptLookupProposer
 from vocabspec.proposers import bundled_drafter_dir
@@ -43,7 +44,9 @@ class TorchModel(Loaded):
         fr = make_draft_vocab("fr:8k", self.model.head_weight, bundled_drafter_dir(self.name))
         return {"plain": None, "pld": PromptLookupProposer(),
                 "eagle": EagleProposer(drafter, depth=3, top_k=4, total_tokens=10),
-                "medusa": MedusaProposer(self.model, heads, fr, total_tokens=16)}
+                "medusa": MedusaProposer(self.model, heads, fr, total_tokens=16),
+                "eagle+pld": EagleLookupProposer(drafter, depth=3, top_k=4, total_tokens=10,
+                                                 lookup=PromptLookupProposer(num_draft=6))}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,8 @@ def test_static_steps_emit_plain_decoding(torch_model):
     config = GenerationConfig(max_new_tokens=24)
     vanilla = Engine(model, tokenizer)
     proposers = torch_model.proposers()
+    if torch_model.name != "smollm2":      # the graft is the model's business no more than the tree
+        del proposers["eagle+pld"]
     engines = {name: Engine(model, tokenizer, proposer, static=True, allow_inexact=True)
                for name, proposer in proposers.items()}
     mismatches, steps = [], {name: 0 for name in engines}
@@ -80,7 +85,7 @@ def test_static_steps_emit_plain_decoding(torch_model):
             steps[name] += len(out.steps)
     assert not mismatches, f"static steps differ from plain decoding: {mismatches}"
     # Every drafter saves steps over plain decoding's one token each.
-    assert all(steps[name] < steps["plain"] for name in ("eagle", "medusa")), steps
+    assert all(steps[name] < steps["plain"] for name in engines if name not in ("plain", "pld")), steps
 
 
 class StepTrace(TorchDispatchMode):
@@ -109,7 +114,7 @@ class StepTrace(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("method", ["plain", "pld", "eagle", "medusa"])
+@pytest.mark.parametrize("method", ["plain", "pld", "eagle", "medusa", "eagle+pld"])
 def test_every_step_runs_the_same_work_in_the_same_tensors(torch_smollm2, method, monkeypatch):
     model, tokenizer = torch_smollm2.model, torch_smollm2.tokenizer
     proposer = torch_smollm2.proposers()[method]
@@ -121,7 +126,8 @@ def test_every_step_runs_the_same_work_in_the_same_tensors(torch_smollm2, method
         buffers.append([t.data_ptr() for t in decoder._state()] + [decoder.cache.keys.data_ptr()])
         with StepTrace() as trace:
             out = step(decoder, draft)
-        traces.setdefault(draft, []).append(trace.ops)
+        # One captured graph per (drafting, rows): eagle+pld's copy mode is a second shape.
+        traces.setdefault((draft, decoder.rows(draft)), []).append(trace.ops)
         host_copies.extend(trace.host_copies)
         return out
 
@@ -129,11 +135,11 @@ def test_every_step_runs_the_same_work_in_the_same_tensors(torch_smollm2, method
     ids = torch_smollm2.prompt_ids("one two three four five six seven one two three four five six")
     out = engine.generate(ids, GenerationConfig(max_new_tokens=16, stop_on_eos=False))
     assert len(out.steps) >= 4
-    for draft, runs in traces.items():
+    assert max(len(runs) for runs in traces.values()) >= 3
+    for key, runs in traces.items():
         # After one warm-up step (CPU weights are packed for oneDNN on first use; capture
-        # warms up twice), every step runs the same operations on the same shapes.
-        assert len(runs) >= 3 and all(run == runs[1] for run in runs[1:]), \
-            f"{method}: a step's work changed (draft={draft})"
+        # warms up twice), every step of a shape runs the same operations on the same shapes.
+        assert all(run == runs[1] for run in runs[1:]), f"{method}: a step's work changed ({key})"
         ops = [op for run in runs for op in run]
         used = {name for name, _ in ops}
         assert not used & set(FORBIDDEN), f"{method}: the step runs {used & set(FORBIDDEN)}"
@@ -142,7 +148,9 @@ def test_every_step_runs_the_same_work_in_the_same_tensors(torch_smollm2, method
         assert all(shapes == ((),) for name, shapes in ops if name.startswith("lift_fresh")), method
     assert all(b == buffers[0] for b in buffers), f"{method}: a step's state moved to new tensors"
     assert not host_copies, f"{method}: the step copies host data into device tensors ({host_copies})"
-    assert set(traces) == ({False} if method == "plain" else {True})
+    assert {draft for draft, _ in traces} == ({False} if method == "plain" else {True})
+    # The prompt counts twice: the lookup's path is taken whole, and eagle+pld copies.
+    assert len(traces) == (2 if method == "eagle+pld" else 1), sorted(traces)
 
 
 def test_native_engine_refuses_static_steps(smollm2):
@@ -181,7 +189,69 @@ def test_static_tree_keeps_the_dynamic_trees_nodes(smollm2):
         assert torch.equal(static.mask, static.mask & torch.ones_like(static.mask).tril())
 
 
-@pytest.mark.parametrize("method", ["plain", "pld", "eagle", "medusa"])
+def test_grafted_path_holds_the_nodes_the_host_graft_adds():
+    """static_step.graft (eagle+pld's static steps) against tree.graft_chain on the host: the
+    valid rows spell the same token paths with the same ranks, on random trees and paths that
+    follow them for a while, and each row sees exactly its ancestors."""
+    import random
+
+    from vocabspec.static_step import StaticTree, ancestor_mask, graft
+    from vocabspec.tree import DraftTree, graft_chain
+
+    rng = random.Random(0)
+    for case in range(200):
+        parents, tokens, depths = [0], [rng.randrange(5)], [0]
+        for _ in range(rng.randrange(1, 13)):
+            parent = rng.randrange(len(tokens))
+            taken = {tokens[c] for c in range(1, len(tokens)) if parents[c] == parent}
+            free = [t for t in range(5) if t not in taken]
+            if not free:
+                continue
+            parents.append(parent)
+            tokens.append(rng.choice(free))
+            depths.append(depths[parent] + 1)
+        ranks = list(range(len(tokens) - 1))
+        rng.shuffle(ranks)
+        k = rng.randrange(1, 6)
+        # A path along the tree for a while, then anywhere; `count` of its k tokens drafted.
+        chain, at = [], 0
+        while len(chain) < k:
+            kids = [c for c in range(1, len(tokens)) if parents[c] == at]
+            if kids and rng.random() < 0.7:
+                at = rng.choice(kids)
+                chain.append(tokens[at])
+            else:
+                at = -1
+                chain.append(rng.randrange(5))
+        count = rng.randrange(0, k + 1)
+        max_depth = max(depths)
+        static = StaticTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths),
+                            ancestor_mask(torch.tensor(parents), max_depth), max_depth,
+                            ranks=torch.tensor([-1] + ranks))
+        grafted = graft(static, torch.tensor(chain), torch.tensor(count))
+        host, _ = graft_chain(DraftTree.from_parents(torch.tensor(tokens), torch.tensor([-1] + parents[1:]), ranks),
+                              chain[:count])
+        valid = grafted.valid.tolist()
+        g_tokens, g_parents, g_ranks = grafted.tokens.tolist(), grafted.parents.tolist(), grafted.ranks.tolist()
+        assert all(valid[p] for i, p in enumerate(g_parents) if valid[i]), case
+        kept = paths([t if v else None for t, v in zip(g_tokens, valid)], g_parents, g_ranks)
+        kept = {p: r for p, r in kept.items() if None not in p}
+        assert kept == paths(host.tokens.tolist(), host.parents.tolist(), host.ranks), case
+        assert grafted.depths.tolist() == [len(path_of(g_parents, i)) - 1 for i in range(len(g_tokens))]
+        for i in range(len(g_tokens)):
+            assert grafted.mask[i].nonzero().flatten().tolist() == sorted(path_of(g_parents, i)), case
+
+
+def path_of(parents, node) -> list[int]:
+    """`node` and its ancestors up to the root (row 0)."""
+    out = [node]
+    while node != 0:
+        node = parents[node]
+        out.append(node)
+    return out
+
+
+@pytest.mark.parametrize("method", ["plain", "pld", "eagle", "medusa", "eagle+pld"])
 def test_one_read_back_per_step(torch_smollm2, method):
     model, smollm2 = torch_smollm2.model, torch_smollm2
     proposer = torch_smollm2.proposers()[method]

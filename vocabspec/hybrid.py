@@ -15,6 +15,12 @@ of the lookup path), the next step proposes the lookup path alone and skips the 
 tree, whose layer and head calls are then wasted time; the first step whose lookup path
 falls short goes back to both. The drafter still reads every accepted token, so its state
 is current when its tree is needed again.
+
+As static steps (static_step.py, a GPU's path) the lookup runs on the host between steps, as
+prompt lookup's own static steps do, and its path is grafted onto the drafter's static tree
+on the device (`static_step.graft`): every step verifies the tree's rows plus `num_draft`,
+the path's own rows invalid where the tree already holds them. Copy mode is a step of the
+path alone, a second captured shape.
 """
 
 from __future__ import annotations
@@ -27,8 +33,6 @@ from .tree import DraftTree, chain_tree, graft_chain
 
 
 class EagleLookupProposer(EagleProposer):
-    static = False      # grafting works on the host tree (tree.graft_chain)
-
     def __init__(self, *args, lookup: PromptLookupProposer | None = None, copy_after: int = 2,
                  **kwargs):
         super().__init__(*args, **kwargs)
@@ -42,14 +46,13 @@ class EagleLookupProposer(EagleProposer):
         self._chain: list[int] = []
         self._copying = False
 
-    def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
-        super().reset(prompt_ids, prompt_hidden, first_token)
-        self.lookup.reset(prompt_ids, prompt_hidden, first_token)
-        self._chain, self._copying = [], False
-
     def observe(self, accepted, hidden, next_token) -> None:
         super().observe(accepted, hidden, next_token)
         self.lookup.observe(accepted, hidden, next_token)
+        self._follow(accepted)
+
+    def _follow(self, accepted: list[int]) -> None:
+        """Copy mode on when the step accepted at least `copy_after` tokens of the path."""
         followed = 0
         for drafted, token in zip(self._chain, accepted[1:]):
             if drafted != token:
@@ -72,6 +75,47 @@ class EagleLookupProposer(EagleProposer):
         tree, added = graft_chain(tree, self._chain)
         self.grafted += added
         self._count_lookup(looked_up + time.perf_counter() - start)
+        return tree
+
+    # Static steps (static_step.StaticDecoder).
+
+    @property
+    def static_rows(self) -> int:
+        """The next step's rows: the path alone while copying, else the tree and the path."""
+        path = self.lookup.num_draft
+        return path + 1 if self._copying and self._chain else super().static_rows + path
+
+    def set_static(self, max_len: int | None) -> None:
+        super().set_static(max_len)
+        self.lookup.set_static(max_len)
+
+    def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
+        super().reset(prompt_ids, prompt_hidden, first_token)
+        self.lookup.reset(prompt_ids, prompt_hidden, first_token)
+        self._chain = list(self.lookup._drafted)       # staged by a static lookup, else []
+        self._copying = False
+
+    def after_static(self, accepted: list[int], next_token: int, length: int) -> None:
+        super().after_static(accepted, next_token, length)
+        self._follow(accepted)
+        self.lookup.after_static(accepted, next_token, length)      # stages the next path
+        self._chain = list(self.lookup._drafted)
+        if self._copying and self._chain:            # the next step is the path alone
+            self.copy_steps += 1
+
+    def propose_static(self, root):
+        """The path alone while copying, else grafted onto the drafter's tree. Device work (a
+        captured graph replays the branch it was captured in: the two have different row
+        counts, so different graphs); `grafted` counts the general loop's added nodes only."""
+        from .static_step import chain, graft
+
+        path, count = self.lookup._buffer, self.lookup._count
+        if self._copying and self._chain:
+            return chain(root, path, count)
+        tree = super().propose_static(root)          # counts its own time
+        start = time.perf_counter()
+        tree = graft(tree, path, count)
+        self._count_lookup(time.perf_counter() - start)
         return tree
 
     def _count_lookup(self, seconds: float) -> None:

@@ -304,7 +304,7 @@ def make_eagle_proposer(model, config: DraftConfig, model_name: str, tokenizer=N
         if tokenizer is None:
             raise ValueError("total_tokens='auto' needs the model's tokenizer")
         # Where an Engine runs static steps (a GPU), the tree is chosen by their costs.
-        static = config.method == "eagle" and static_by_default(model) and drafts_statically(head)
+        static = static_by_default(model) and drafts_statically(head)
         choose = choose_static_tree if static else choose_tree
         depth, total = choose(model, drafter, head, tokenizer, depth=depth, top_k=config.top_k,
                               key=f"{model_name}|{_weights_key(path)}|{head.name}|{dtype}", log=log)

@@ -3,7 +3,8 @@
 On a GPU every `.item()`, `.tolist()` or `bool(tensor)` waits for the device, and a forward
 that slices its KV cache by host-side lengths cannot be captured. Here a whole greedy step is
 one function of fixed-shape device tensors (`StaticDecoder`): the draft tree (EAGLE-2's,
-Medusa's, prompt lookup's path padded to its longest, or the root alone), the target's
+Medusa's, prompt lookup's path padded to its longest, EAGLE-2's with that path grafted on, or
+the root alone), the target's
 forward over a `DeviceKVCache` (slots written at device positions, attention over every slot
 under a mask built on the device), verification, keeping the accepted path in both caches,
 and the drafter's read of the accepted tokens. Its shapes depend only on the tree's size, so
@@ -97,6 +98,42 @@ def flatten(root: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor, pare
     return StaticTree(torch.cat([root.view(1), tokens[kept]]), tree_parents, tree_depths,
                       ancestor_mask(tree_parents, max_depth), max_depth,
                       ranks=torch.cat([minus_one, rank_of[kept]]))
+
+
+def graft(tree: StaticTree, chain_tokens: torch.Tensor, count: torch.Tensor) -> StaticTree:
+    """`tree` with a path from the root grafted on (prompt lookup's, hybrid.py): `chain_tokens`
+    (k,) of which the first `count` (0-dim) are drafts. As `tree.graft_chain` does on the host,
+    the path follows the tree's nodes while they carry its tokens and leaves it as new rows; here
+    all k rows are always appended (shapes stay fixed) and those the tree already holds, or past
+    `count`, are invalid. A tree's siblings carry distinct tokens (a row's top k), so at most one
+    node per depth lies on the path."""
+    device = tree.tokens.device
+    rows, k = tree.tokens.numel(), chain_tokens.numel()
+    index = torch.arange(rows, device=device)
+    # Nodes whose whole path from the root spells the path's first tokens.
+    want = chain_tokens[(tree.depths - 1).clamp(0, k - 1)]
+    on_path = ((tree.tokens == want) & (tree.depths >= 1)) | (index == 0)
+    if tree.valid is not None:
+        on_path = on_path & tree.valid
+    for _ in range(tree.max_depth):
+        on_path = on_path & on_path[tree.parents]
+    # at_depth[d]: the tree's node at depth d on the path, -1 where it left the tree.
+    slot = torch.where(on_path & (tree.depths <= k), tree.depths, torch.full_like(tree.depths, k + 1))
+    at_depth = torch.full((k + 2,), -1, dtype=torch.long, device=device).scatter_(0, slot, index)
+    held = at_depth[1:k + 1] >= 0                                  # path token i is a tree node
+    steps = torch.arange(k, device=device)
+    # A new row hangs from the tree's node one level up while the path was still on the tree,
+    # else from the path's previous row.
+    parents = torch.where(at_depth[:k] >= 0, at_depth[:k], rows + steps - 1)
+    valid = ~held & (steps < count)
+    tree_valid = tree.valid if tree.valid is not None else torch.ones(rows, dtype=torch.bool, device=device)
+    tree_parents = torch.cat([tree.parents, parents])
+    max_depth = max(tree.max_depth, k)
+    ranks = tree.ranks if tree.ranks is not None else torch.full_like(tree.tokens, -1)
+    return StaticTree(torch.cat([tree.tokens, chain_tokens]), tree_parents,
+                      torch.cat([tree.depths, steps + 1]), ancestor_mask(tree_parents, max_depth),
+                      max_depth, valid=torch.cat([tree_valid, valid]),
+                      ranks=torch.cat([ranks, torch.full_like(chain_tokens, -1)]))
 
 
 def verify_greedy(tree: StaticTree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
