@@ -156,13 +156,13 @@ def test_static_tree_of_m_nodes_accepts_what_the_largest_trees_ranks_say(torch_s
 
     from conftest import spec_bench_prompts
 
-    model, sizes = torch_smollm2.model, (1, 2, 4, 8, 16)
+    model, sizes = torch_smollm2.model, (1, 4, 16)
     drafter = EagleDrafter.load(bundled_drafter_dir("smollm2"), model)
     config = GenerationConfig(max_new_tokens=4, stop_on_eos=False)
     engines = {m: Engine(model, None, EagleProposer(drafter, depth=3, top_k=4, total_tokens=m),
                          allow_inexact=True, static=True) for m in sizes}
     gained = 0
-    for _, text in spec_bench_prompts()[::3]:
+    for _, text in spec_bench_prompts()[::4]:
         ids = torch_smollm2.prompt_ids(text[:400])
         first = {m: engine.generate(ids, config).steps[0] for m, engine in engines.items()}
         ranks = first[max(sizes)].path_ranks
@@ -231,13 +231,14 @@ def test_inexact_engines_tune_and_static_ones_tune_by_static_steps(torch_smollm2
     from vocabspec.proposers import DraftConfig, make_proposer
 
     monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(autotune, "CANDIDATE_SIZES", (2, 4))
-    monkeypatch.setattr(autotune, "CALIBRATION_NEW_TOKENS", 8)
+    monkeypatch.setattr(autotune, "CANDIDATE_SIZES", (2,))
+    monkeypatch.setattr(autotune, "FORWARD_REPEATS", 1)
+    monkeypatch.setattr(autotune, "CALIBRATION_NEW_TOKENS", 4)
     monkeypatch.setattr(autotune, "CALIBRATION_QUESTIONS", autotune.CALIBRATION_QUESTIONS[:1])
     model = torch_smollm2.model
     depth, total = autotune.choose_tree(model, EagleDrafter.random(model), FullVocab(model.head_weight),
                                         torch_smollm2.tokenizer, depth=1, top_k=4, key="test|inexact")
-    assert depth in (0, 1) and total in (0, 2, 4)
+    assert (depth, total) in ((0, 0), (1, 2))
 
     calls = []
 
