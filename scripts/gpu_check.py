@@ -62,41 +62,43 @@ def sync():
         torch.cuda.synchronize()
 
 
-def methods(model, tokenizer=None) -> dict:
-    """The methods checked; with a tokenizer, also EAGLE-2 FR 32k at the tuner's tree (where
-    one beats plain decoding)."""
+def drafter_and_heads(model):
+    """The shipped drafter, its full head and FR-Spec's 32k, in the drafter's dtype."""
     drafter = EagleDrafter.load(DRAFTER, model)
     full = FullVocab(model.embed.weight.to(drafter.fc.weight.dtype))
     fr = StaticSubset(model.embed.weight, load_token_map(DRAFTER / "token_map_fr.pt")[:32768],
                       name="fr:32k", dtype=drafter.fc.weight.dtype)
+    return drafter, full, fr
+
+
+def methods(model, tuned: tuple[int, int] | None = None) -> dict:
+    """The methods checked; with a `tuned` (depth, total_tokens), also EAGLE-2 FR 32k there."""
+    drafter, full, fr = drafter_and_heads(model)
     out = {"plain": None, "pld": PromptLookupProposer(device=model.device),
            "eagle2 5x48": EagleProposer(drafter, head=full, depth=5, top_k=8, total_tokens=48),
            "eagle2+fr:32k 5x48": EagleProposer(drafter, head=fr, depth=5, top_k=8, total_tokens=48),
            "eagle2+fr:32k+pld 5x48": EagleLookupProposer(drafter, head=fr, depth=5, top_k=8, total_tokens=48)}
-    if tokenizer is not None:
-        depth, total = autotune.choose_static_tree(model, drafter, fr, tokenizer, depth=6, top_k=8,
-                                                   key=f"gpu_check {RUN}|fr:32k|{model.weights}")
-        if total:
-            out[f"eagle2+fr:32k {depth}x{total} (tuned)"] = EagleProposer(
-                drafter, head=fr, depth=depth, top_k=8, total_tokens=total)
+    if tuned is not None:
+        depth, total = tuned
+        out[f"eagle2+fr:32k {depth}x{total} (tuned)"] = EagleProposer(
+            drafter, head=fr, depth=depth, top_k=8, total_tokens=total)
     return out
 
 
-def tuning_record(model) -> dict:
-    """What the static-step tuner measured for this model's dtype, this run (from its cache)."""
-    from vocabspec.files import cache_dir
+def tune(model, tokenizer) -> dict:
+    """The static-step tuner's choice for EAGLE-2 FR 32k on this device and dtype, measured
+    afresh this run (its own key), with its table."""
+    drafter, _, fr = drafter_and_heads(model)
+    return autotune.static_tree_choice(model, drafter, fr, tokenizer, depth=6, top_k=8,
+                                       key=f"gpu_check {RUN}|fr:32k|{model.weights}")
 
-    known = json.loads((cache_dir() / "autotune.json").read_text())
-    return next(entry for key, entry in known.items() if key.startswith(f"gpu_check {RUN}|fr:32k|{model.weights}|"))
 
-
-def make_engines(model, tokenizer, graphs: bool, warmup_ids: list[int], only=None, tuned=False) -> dict:
-    """Static-step engines per method (with the tuner's tree too if `tuned`), their decoders
-    made (and graphs captured) on `warmup_ids` while CUDA graphs are on or off as asked."""
+def make_engines(model, tokenizer, graphs: bool, warmup_ids: list[int], only=None, tuned=None) -> dict:
+    """Static-step engines per method (with the tuner's tree too where `tuned` names one), their
+    decoders made (and graphs captured) on `warmup_ids` while CUDA graphs are on or off as asked."""
     os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1" if graphs else "0"
-    proposers = methods(model, tokenizer if tuned else None)
     engines = {name: Engine(model, tokenizer, proposer, allow_inexact=True, static=True)
-               for name, proposer in proposers.items() if only is None or name in only}
+               for name, proposer in methods(model, tuned).items() if only is None or name in only}
     for engine in engines.values():                      # warm-up: decoders, graphs
         engine.generate(warmup_ids, GenerationConfig(max_new_tokens=8))
     os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1"
@@ -109,7 +111,9 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int, b
     tokenizer = load_tokenizer(path)
     ids = [encode_conversation(tokenizer, [("user", p)], answer_open=True) for p in prompts]
     config = GenerationConfig(max_new_tokens=new_tokens)
-    engines = make_engines(model, tokenizer, graphs=True, warmup_ids=ids[0], tuned=True)
+    record = tune(model, tokenizer)
+    tuned = (record["depth"], record["total_tokens"]) if record["total_tokens"] else None
+    engines = make_engines(model, tokenizer, graphs=True, warmup_ids=ids[0], tuned=tuned)
     eager = make_engines(model, tokenizer, graphs=False, warmup_ids=ids[0], only=("plain", "eagle2+fr:32k 5x48"))
     engines.update({f"{name} (eager)": engine for name, engine in eager.items()})
     rows = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "mismatches": 0, "prompts": 0} for name in engines}
@@ -148,7 +152,6 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int, b
             row["replay_ms"] = replay_ms(engines[name])
         except Exception as exc:  # noqa: BLE001
             row["replay_ms"] = {"error": f"{type(exc).__name__}: {exc}"}
-    record = tuning_record(model)
     rows["tuner"] = {"chosen": f"{record['depth']}x{record['total_tokens']}",
                      "measured_speedup": record["measured_speedup"],
                      "plain_step_ms": round(record["plain_step_s"] * 1e3, 3),

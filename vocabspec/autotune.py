@@ -212,12 +212,12 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
             "measured_speedup": round(ratio, 3), "table": table}
 
 
-def confirm(model, tokenizer, proposer, prompts, rounds: int = 1) -> float:
+def confirm(model, tokenizer, proposer, prompts, rounds: int = 1, static: bool | None = None) -> float:
     """The chosen tree's speed over plain decoding's, from real generations side by side. The
     prediction leaves out what a step costs besides the forward and the drafting (the head's
     later rows, bookkeeping): on a CPU where plain decoding is fast, a tree predicted 1.13x
     faster decoded at 0.81x (SmolLM2, 8-bit activations, 2026-11-26)."""
-    return measured_speedups(model, tokenizer, {"tree": proposer}, prompts * rounds)["tree"]
+    return measured_speedups(model, tokenizer, {"tree": proposer}, prompts * rounds, static)["tree"]
 
 
 def _cache_key(model, key: str) -> str:
@@ -443,22 +443,20 @@ def calibrate_static(model, drafter, head, prompts, depth: int, top_k: int, size
             "plain_tokens_per_s": round(1 / (plain_s + loop_s), 2)}
 
 
-def choose_static_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
-                       log=None) -> tuple[int, int]:
-    """(depth, total_tokens) for EAGLE-2's static steps on this device (see the module
-    docstring), depth at most the one given; (0, 0) where no tree decodes faster than plain
-    decoding's static steps, measured side by side. Cached like `choose_tree`."""
+def static_tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
+                       log=None) -> dict:
+    """What `choose_static_tree` chose and measured: depth, total_tokens, measured_speedup and
+    `calibrate_static`'s table (the GPU check prints it)."""
     def compute():
+        from .drafter import EagleProposer
+
         prompts = _calibration_prompts(tokenizer)
         with tqdm(total=len(calibration_depths(depth)) * len(prompts), desc="autotune", unit="run",
                   disable=log is None, leave=False) as bar:
             calibration = calibrate_static(model, drafter, head, prompts, depth, top_k, bar=bar)
         best = pick(calibration["table"])
-        from .drafter import EagleProposer
-
-        ratio = measured_speedups(model, tokenizer, {"tree": EagleProposer(
-            drafter, head=head, depth=best["depth"], top_k=top_k, total_tokens=best["total_tokens"])},
-            prompts, static=True)["tree"]
+        ratio = confirm(model, tokenizer, EagleProposer(drafter, head=head, depth=best["depth"], top_k=top_k,
+                                                        total_tokens=best["total_tokens"]), prompts, static=True)
         chosen = (best["depth"], best["total_tokens"]) if ratio >= 1.0 else (0, 0)
         return {"depth": chosen[0], "total_tokens": chosen[1], "measured_speedup": round(ratio, 3),
                 **calibration}
@@ -467,4 +465,13 @@ def choose_static_tree(model, drafter, head, tokenizer, depth: int, top_k: int, 
     if log and not chosen["total_tokens"]:
         log(f"no draft tree beats plain decoding on this device (the best measured "
             f"{chosen['measured_speedup']:.2f}x)")
+    return chosen
+
+
+def choose_static_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
+                       log=None) -> tuple[int, int]:
+    """(depth, total_tokens) for EAGLE-2's static steps on this device (see the module
+    docstring), depth at most the one given; (0, 0) where no tree decodes faster than plain
+    decoding's static steps, measured side by side. Cached like `choose_tree`."""
+    chosen = static_tree_choice(model, drafter, head, tokenizer, depth, top_k, key, log)
     return int(chosen["depth"]), int(chosen["total_tokens"])

@@ -107,14 +107,13 @@ class EagleLookupProposer(EagleProposer):
         """The path alone while copying, else grafted onto the drafter's tree. Device work (a
         captured graph replays the branch it was captured in: the two have different row
         counts, so different graphs); `grafted` counts the general loop's added nodes only."""
-        from .static_step import chain, graft
+        from .static_step import graft
 
-        path, count = self.lookup._buffer, self.lookup._count
         if self._copying and self._chain:
-            return chain(root, path, count)
+            return self.lookup.propose_static(root)
         tree = super().propose_static(root)          # counts its own time
         start = time.perf_counter()
-        tree = graft(tree, path, count)
+        tree = graft(tree, self.lookup._buffer, self.lookup._count)
         self._count_lookup(time.perf_counter() - start)
         return tree
 
