@@ -307,3 +307,56 @@ def test_the_cache_keeps_exactly_the_accepted_slots():
     cache.length, cache.pending = 10, 3
     with pytest.raises(ValueError, match="increase"):
         cache.commit([2, 1])
+
+
+# ---------------------------------------------------------------- threads
+
+def test_no_bit_depends_on_threads_or_a_busy_neighbour():
+    """Items of work go to whichever thread is free (native.c, "threads"): one thread, two,
+    three on two cores, beside a process spinning on a core, and two callers at once all give
+    every row of a tree forward and of one-token decoding the same bits."""
+    import subprocess
+    import sys
+    import threading
+
+    weights = "gguf-a8" if int8() else "gguf"
+    models = [load_model("smollm2", weights=weights)[0] for _ in range(2)]   # a caller's scratch each
+    context = list(range(2000, 2000 + 40))
+    tree = random_tree(models[0].args.vocab_size, 24, seed=5)
+
+    def forwards(model=models[0]):
+        cache = model.new_cache(len(context) + 32)
+        with torch.inference_mode():
+            _, first = model(torch.tensor(context), torch.arange(len(context)), cache, all_logits=True)
+            cache.commit()
+            hidden, logits = model(tree.tokens, tree.positions(len(context)), cache,
+                                   tree_mask=tree.attention_mask(), all_logits=True)
+        return first, hidden, logits
+
+    want = forwards()
+    try:
+        for threads in (1, 3, 2):
+            native.set_threads(threads)
+            assert all(torch.equal(a, b) for a, b in zip(forwards(), want)), f"{threads} threads"
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            for _ in range(3):
+                assert all(torch.equal(a, b) for a, b in zip(forwards(), want)), "beside a busy process"
+        finally:
+            spinner.kill()
+            spinner.wait()
+        results = [None, None]
+
+        def run(i):
+            results[i] = forwards(models[i])
+        callers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join()
+        for got in results:
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), "two callers at once"
+    finally:
+        native.set_threads(torch.get_num_threads())
+    with pytest.raises(ValueError, match="at least 1"):
+        native.set_threads(0)

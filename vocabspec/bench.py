@@ -65,15 +65,18 @@ class BenchConfig:
 # categories have two), so the benchmark runs without a download. Spec-Bench's own 480 come
 # from its repository (github.com/hemingkx/Spec-Bench, data/spec_bench/question.jsonl).
 BUILTIN_QUESTIONS = Path(__file__).parent / "data" / "prompts.jsonl"
+# Code and chat prompts written for measuring, in no training set and not Spec-Bench's.
+HELDOUT_QUESTIONS = Path(__file__).parent / "data" / "heldout.jsonl"
 
 
 def load_questions(path: str | Path, per_category: int | None) -> list[dict]:
-    """Questions in Spec-Bench's format from a question.jsonl, or "builtin": the project's own."""
-    path = BUILTIN_QUESTIONS if str(path) == "builtin" else Path(path)
+    """Questions in Spec-Bench's format from a question.jsonl, "builtin" (the project's own, one
+    per Spec-Bench category) or "heldout" (code and chat prompts in no training set)."""
+    path = {"builtin": BUILTIN_QUESTIONS, "heldout": HELDOUT_QUESTIONS}.get(str(path), Path(path))
     if not path.is_file():
         raise FileNotFoundError(f"questions file {path} does not exist (Spec-Bench's question.jsonl "
-                                "comes from github.com/hemingkx/Spec-Bench; --questions builtin runs "
-                                "the project's own prompts)")
+                                "comes from github.com/hemingkx/Spec-Bench; --questions builtin or heldout "
+                                "runs the project's own prompts)")
     questions, seen = [], defaultdict(int)
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
