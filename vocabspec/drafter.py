@@ -119,6 +119,18 @@ def draft_dtype(target: "Transformer", requested: str = "auto") -> torch.dtype:
     return names[requested]
 
 
+def attention_mask(cache, n: int, tree_mask, device):
+    """What n new drafter rows attend to over `cache`: a tree's rows (tree_mask (n, pending +
+    n)) the committed slots and their ancestors; accepted rows the context causally."""
+    if isinstance(cache, DeviceKVCache):
+        return cache.begin(n, tree_mask)
+    if tree_mask is not None:
+        return torch.cat([torch.ones(n, cache.length, dtype=torch.bool, device=device), tree_mask], dim=1)
+    if n > 1:
+        return torch.ones(n, cache.length + n, dtype=torch.bool, device=device).tril(cache.length)
+    return None
+
+
 class EagleDrafter(nn.Module):
     def __init__(self, target: Transformer, input_norm: bool = False, taps: tuple[int, ...] = (),
                  n_layers: int = 1):
@@ -203,6 +215,17 @@ class EagleDrafter(nn.Module):
                  for t in tapped.split(self.args.dim, dim=-1)]
         return self.fuse(torch.cat(parts + [features.to(dtype)], dim=-1))
 
+    def input_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The drafter's input features from the target's rows at positions it has run: its
+        tapped layer outputs (if any), then its last layer's hidden state."""
+        width = self.target.args.dim
+        return self.input_features(self.target.norm(rows[:, -width:]), rows[:, :-width] if self.taps else None)
+
+    def head_input(self, states: torch.Tensor) -> torch.Tensor:
+        """What the draft head scores: the predicted features themselves (the target's head
+        reads features after its final norm)."""
+        return states
+
     def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
         """Predicted next features (n, dim) for (token, feature) pairs."""
         if self.native is not None:
@@ -214,16 +237,7 @@ class EagleDrafter(nn.Module):
         dtype = self.fc.weight.dtype
         x = self.fc(torch.cat([self.target.embed_tokens(tokens).to(dtype), features.to(dtype)], dim=-1))
         cos, sin = self.target.rope["global"]
-        n = tokens.shape[0]
-        if isinstance(cache, DeviceKVCache):
-            mask = cache.begin(n, tree_mask)
-        elif tree_mask is not None:      # (n, pending + n): tree expansion
-            mask = torch.cat([torch.ones(n, cache.length, dtype=torch.bool, device=tokens.device),
-                              tree_mask], dim=1)
-        elif n > 1:                    # accepted context, causal
-            mask = torch.ones(n, cache.length + n, dtype=torch.bool, device=tokens.device).tril(cache.length)
-        else:
-            mask = None
+        mask = attention_mask(cache, tokens.shape[0], tree_mask, tokens.device)
         cos, sin = cos[positions], sin[positions]
         for layer in self.layers:
             x = layer(x, cos, sin, cache, mask, 0)
@@ -535,14 +549,12 @@ class EagleProposer(HeadTimedDrafting):
 
     def _features(self, rows: torch.Tensor) -> torch.Tensor:
         """The drafter's input features from the target's rows (see generate.Proposer)."""
-        width = self.target.args.dim
-        features = self.target.norm(rows[:, -width:])
-        return self.drafter.input_features(features, rows[:, :-width] if self.taps else None)
+        return self.drafter.input_rows(rows)
 
     def _top_k(self, states: torch.Tensor, tokens: list[int], level: int):
         """Each row's top tokens; `tokens`: the token each row has just read, `level`: the
         rows' tree level (0: the root)."""
-        return self.head.top_k(states, self.top_k, tokens, level)
+        return self.head.top_k(self.drafter.head_input(states), self.top_k, tokens, level)
 
     def propose(self, root_token: int) -> DraftTree:
         start = time.perf_counter()

@@ -267,17 +267,24 @@ def _prompt_lookup(model, config, model_name, tokenizer=None, log=None):
 def make_eagle_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, log=None):
     """EAGLE-2's tree (eagle) or the tree with prompt lookup's path grafted on (eagle+pld)."""
     from .draft_vocab import make_draft_vocab
-    from .drafter import EagleDrafter, EagleProposer, draft_dtype
-    from .pld import PromptLookupProposer
+    from .drafter import EagleDrafter, draft_dtype
+    from .eagle3 import Eagle3Drafter, is_eagle3
 
     dtype = draft_dtype(model, config.dtype)
     path = config.path or bundled_drafter_dir(model_name)
     if path is None:
         raise ValueError(f"no drafter is bundled for {model_name!r}: pass --draft-path DIR "
                          "(an EAGLE checkpoint directory)")
+    files = _head_files(config, model_name)
+    if path != "random" and is_eagle3(path):
+        # An EAGLE-3 checkpoint (speculators' or SGLang's layout): its own head and vocabulary.
+        drafter = Eagle3Drafter.load(path, model, dtype=dtype)
+        if config.ranker is not None:
+            raise ValueError("--ranker applies to SpecVocab heads, which EAGLE-3 drafters do not take")
+        head = drafter.draft_head("full" if config.vocab == "auto" else config.vocab, files, config.token_map)
+        return _eagle_tree(model, config, model_name, tokenizer, log, drafter, head, path, dtype)
     drafter = EagleDrafter.random(model, dtype=dtype) if path == "random" else \
         EagleDrafter.load(path, model, dtype=dtype)
-    files = _head_files(config, model_name)
     vocab = default_vocab(files) if config.vocab == "auto" else config.vocab
     if config.vocab == "auto" and log:
         log(f"draft vocabulary: {vocab} (the drafter's default; --draft-vocab to choose)")
@@ -295,6 +302,14 @@ def make_eagle_proposer(model, config: DraftConfig, model_name: str, tokenizer=N
         packed_head = model.native.head_weight
     head = make_draft_vocab(vocab, model.head_weight, files, config.token_map, config.ranker,
                             dtype=dtype, packed_head=packed_head)
+    return _eagle_tree(model, config, model_name, tokenizer, log, drafter, head, path, dtype)
+
+
+def _eagle_tree(model, config: DraftConfig, model_name: str, tokenizer, log, drafter, head, path, dtype):
+    """EAGLE-2's tree proposer over `drafter` and `head`, the tree chosen where asked (auto)."""
+    from .drafter import EagleProposer
+    from .pld import PromptLookupProposer
+
     depth, total = config.depth, config.total_tokens
     if total == "auto":
         from .autotune import choose_static_tree, choose_tree

@@ -1,0 +1,179 @@
+"""EAGLE-3 drafters in the ecosystem's layouts (eagle3.py).
+
+- vLLM's `speculators` package builds and saves a small random Eagle3 drafter in its own
+  environment (a virtual environment beside this one, made once: its pins clash with ours);
+  vocabspec loads the checkpoint and gives the package's own draft logits, for the first draft
+  step and for a second that reads the first's outputs.
+- The speculators and SGLang layouts round-trip: saved in one, loaded, saved in the other, the
+  same drafter.
+- Drafting with a loaded EAGLE-3 drafter through `--draft-path` (its own head, FR-Spec and
+  VocabTrim subsets of it, and grafted prompt lookup) gives plain decoding's tokens.
+- Checkpoints that do not fit their target are refused by name.
+"""
+
+import json
+import os
+import subprocess
+import venv
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import vocabspec
+from vocabspec.drafter import DrafterMismatch
+from vocabspec.eagle3 import Eagle3Config, Eagle3Drafter, is_eagle3
+from vocabspec.files import cache_dir
+
+from conftest import tiny_native
+
+SPECULATORS = ["speculators==0.9.0", "hs-connectors==0.9.0"]      # installed without their pins
+SPECULATORS_NEEDS = ["loguru", "pydantic-settings", "datasets<=5.1.0"]
+
+
+@pytest.fixture(scope="module")
+def speculators_python() -> str:
+    """A Python that imports `speculators`: a virtual environment over this one's packages (its
+    torch among them) with the package added, made on first use in the cache directory."""
+    env = cache_dir() / "speculators-env"
+    python = env / "bin" / "python"
+    check = [str(python), "-c", "import speculators.models.eagle3"]
+    if not python.exists() or subprocess.run(check, capture_output=True).returncode != 0:
+        venv.create(env, system_site_packages=True, with_pip=True, clear=True)
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        for args in (["--no-deps", *SPECULATORS], SPECULATORS_NEEDS):
+            done = subprocess.run(pip + args, capture_output=True, text=True)
+            assert done.returncode == 0, f"installing {args} failed:\n{done.stderr[-2000:]}"
+        done = subprocess.run(check, capture_output=True, text=True)
+        assert done.returncode == 0, f"speculators does not import:\n{done.stderr[-2000:]}"
+    return str(python)
+
+
+def tiny_target():
+    """A target whose width and vocabulary the reference drafter fits (6 layers, so its fused
+    hidden states 1, 3 and 5 are three of the engine's taps)."""
+    _, target = tiny_native("llama", seed=4, n_layers=6)
+    return target
+
+
+def test_speculators_checkpoint_gives_the_packages_draft_logits(speculators_python, tmp_path):
+    script = Path(__file__).with_name("speculators_reference.py")
+    done = subprocess.run([speculators_python, str(script), str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = torch.load(tmp_path / "reference.pt")
+    target = tiny_target()
+    assert is_eagle3(tmp_path / "checkpoint")
+    drafter = Eagle3Drafter.load(tmp_path / "checkpoint", target, dtype=torch.float32)
+    assert drafter.taps == (0, 2, 4)            # hidden states 1, 3 and 5: outputs of layers 0, 2, 4
+    n, dim = ref["tokens"].numel(), target.args.dim
+    # The engine's rows (taps side by side, then the last layer) carry the fused states in order.
+    last = torch.randn(n, dim)
+    rows = torch.cat([ref["fused"], last], dim=-1)
+    features = drafter.input_rows(rows)
+    with torch.no_grad():
+        torch.testing.assert_close(features, drafter.fc(ref["fused"]), rtol=0, atol=0)
+        cache = drafter.new_cache(64)
+        out1 = drafter(ref["tokens"], features, torch.arange(n), cache)
+        cache.commit()
+        logits1 = drafter.lm_head(drafter.head_input(out1))
+        torch.testing.assert_close(logits1, ref["logits1"], rtol=1e-4, atol=1e-4)
+        out2 = torch.empty_like(out1)
+        for i in reversed(range(n)):       # row i writes slot i + 1, which no row before it reads
+            cache.length, cache.pending = i + 1, 0
+            out2[i] = drafter(ref["second"][i:i + 1], out1[i:i + 1], torch.tensor([i + 1]), cache,
+                              tree_mask=torch.ones(1, 1, dtype=torch.bool))[0]
+        logits2 = drafter.lm_head(drafter.head_input(out2))
+    torch.testing.assert_close(logits2, ref["logits2"], rtol=1e-4, atol=1e-4)
+    # Its draft vocabulary maps through d2t to the target's ids.
+    state = load_file(str(tmp_path / "checkpoint" / "model.safetensors"))
+    assert torch.equal(drafter.draft_ids, torch.arange(state["d2t"].numel()) + state["d2t"])
+
+
+def random_config(target, draft_vocab: int, aux=(1, 3, 5)) -> Eagle3Config:
+    a = target.args
+    return Eagle3Config(dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                        intermediate_size=a.intermediate_size, n_layers=1, norm_eps=1e-6, rope_base=10000.0,
+                        draft_vocab_size=draft_vocab, aux_layers=tuple(aux), target_dim=a.dim)
+
+
+def test_layouts_round_trip(tmp_path):
+    target = tiny_target()
+    drafter = Eagle3Drafter.random(target, random_config(target, 150), seed=1)
+    drafter.draft_ids.copy_(torch.randperm(200, generator=torch.Generator().manual_seed(2))[:150])
+    drafter.save(tmp_path / "speculators", layout="speculators")
+    sglang = Eagle3Drafter.load(tmp_path / "speculators", target)
+    sglang.save(tmp_path / "sglang", layout="sglang")
+    again = Eagle3Drafter.load(tmp_path / "sglang", target)
+    assert json.loads((tmp_path / "sglang" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert "midlayer.hidden_norm.weight" in load_file(str(tmp_path / "sglang" / "model.safetensors"))
+    for a, b in zip(drafter.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+    tokens, features = torch.randint(200, (5,)), torch.randn(5, target.args.dim)
+    with torch.no_grad():
+        want = drafter(tokens, features, torch.arange(5), drafter.new_cache(16))
+        got = again(tokens, features, torch.arange(5), again.new_cache(16))
+    assert torch.equal(want, got)
+
+
+@pytest.fixture(scope="module")
+def smollm2_eagle3(tmp_path_factory):
+    """A random EAGLE-3 drafter for SmolLM2 in speculators' layout: 8k draft vocabulary."""
+    from vocabspec.loading import load_model
+
+    target, _ = load_model("smollm2")
+    directory = tmp_path_factory.mktemp("eagle3-smollm2")
+    config = random_config(target, 8192, aux=(2, 15, 27))
+    config.intermediate_size = 1536
+    drafter = Eagle3Drafter.random(target, config, seed=3)
+    drafter.draft_ids.copy_(torch.arange(8192))
+    drafter.save(directory, layout="speculators")
+    return directory
+
+
+@pytest.mark.parametrize("method,vocab", [("eagle", "full"), ("eagle", "fr:4k"), ("eagle+pld", "trim:4k")])
+def test_eagle3_drafting_gives_plain_decodings_tokens(smollm2_eagle3, method, vocab):
+    prompts = ["Write a haiku about the sea.", "List three prime numbers and explain why they are prime."]
+    plain = vocabspec.load("smollm2")
+    drafted = vocabspec.load("smollm2", draft=method, path=str(smollm2_eagle3), vocab=vocab, depth=3,
+                             top_k=4, total_tokens=8)
+    for prompt in prompts:
+        want = plain.generate(prompt, chat=True, max_new_tokens=40)
+        got = drafted.generate(prompt, chat=True, max_new_tokens=40)
+        assert got.tokens == want.tokens, f"{method} {vocab}: {prompt}"
+    assert drafted.engine.proposer.head.name.startswith(vocab.split(":")[0] if vocab != "full" else "eagle3")
+
+
+def test_eagle3_checkpoints_that_do_not_fit_are_refused(tmp_path):
+    target = tiny_target()
+    drafter = Eagle3Drafter.random(target, random_config(target, 150), seed=1)
+    good = tmp_path / "good"
+    drafter.save(good)
+    state = load_file(str(good / "model.safetensors"))
+    config = json.loads((good / "config.json").read_text())
+
+    def variant(name, tensors=None, cfg=None):
+        directory = tmp_path / name
+        directory.mkdir()
+        save_file(tensors if tensors is not None else state, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text(json.dumps(cfg if cfg is not None else config))
+        return directory
+
+    cases = {
+        "d2t": (variant("d2t", {**state, "d2t": state["d2t"] + 500}), "d2t does not map"),
+        "missing": (variant("missing", {k: v for k, v in state.items() if k != "norm.weight"}), "norm.weight"),
+        "unknown": (variant("unknown", {**state, "extra.weight": torch.zeros(2)}), "extra.weight"),
+        "width": (variant("width", cfg={**config, "target_hidden_size": 128}), "width 128"),
+        "layers": (variant("layers", cfg={**config, "eagle_aux_hidden_state_layer_ids": [0, 3, 5]}), "layers"),
+        "shape": (variant("shape", {**state, "fc.weight": torch.zeros(64, 64)}), "fc.weight"),
+    }
+    for name, (directory, message) in cases.items():
+        with pytest.raises(DrafterMismatch, match=message):
+            Eagle3Drafter.load(directory, target)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DrafterMismatch, match="unreadable"):
+        Eagle3Drafter.load(tmp_path / "empty", target)
+    with pytest.raises(ValueError, match="SpecVocab"):
+        drafter.draft_head("spec:64")

@@ -1,0 +1,403 @@
+"""EAGLE-3 drafters in the ecosystem's layouts: loaded for any target, drafting EAGLE-2's
+dynamic trees, saved back.
+
+EAGLE-3 (Li et al., 2025) drafts from three target layers at once. At a position the target
+has run, `fc` fuses the outputs of a low, a middle and a high layer into one feature; the
+first decoder layer's attention reads the next token's embedding and that feature side by
+side, each through a norm of its own (q, k and v over 2 x hidden), with the feature as the
+residual; a final norm and the drafter's own LM head score a draft vocabulary, whose ids map
+to the target's by `d2t` (target id = draft id + d2t[draft id]). A deeper draft step reads
+the layer's output (before the final norm) in place of the fused feature, as EAGLE-2's
+drafter reads its predicted feature.
+
+Two layouts are read and written:
+- speculators' (vllm-project/speculators, what vLLM serves): config.json with
+  `speculators_model_type: eagle3` and the layer's `transformer_layer_config`; tensors
+  `fc`, `layers.N.*` (layer 0 with `hidden_norm`), `norm`, `lm_head`, `d2t`, `t2d`,
+  optionally `embed_tokens`;
+- SGLang's `LlamaForCausalLMEagle3` (EAGLE-3's reference checkpoints): a Llama config with
+  `draft_vocab_size`; tensors `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`, optionally
+  `embed_tokens`, any of them under `model.`.
+
+Target layers are named as both do, by Hugging Face's hidden-state index: 0 is the embedding
+output and i the output of layer i - 1 (the input of layer i); by default [2, N/2, N - 3].
+The embedding is the checkpoint's where it has one, else the target's table (unscaled, as
+both read it). Drafting runs on torch's kernels, on any device; it only chooses what is
+drafted, so the target's verification keeps the output exactly the target's own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .drafter import DrafterMismatch, attention_mask
+from .kv_cache import DeviceKVCache, KVCache
+from .linear import Linear
+from .model import Block, ModelArgs, RMSNorm, Transformer, rope_tables
+
+LAYOUTS = ("speculators", "sglang")
+
+
+@dataclass
+class Eagle3Config:
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    n_layers: int
+    norm_eps: float
+    rope_base: float
+    draft_vocab_size: int
+    aux_layers: tuple[int, ...]            # target hidden-state indices fused by fc, in fc's order
+    target_dim: int
+    layer_type: str = "llama"              # the drafter's layers: llama, or qwen3 (q/k norms)
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    fc_bias: bool = False
+    norm_before_residual: bool = False     # the residual is the normed feature
+    norm_before_fc: bool = False           # one norm over fc's whole input
+    fc_norm: bool = False                  # one norm per fused layer
+    norm_output: bool = False              # the layer's output is normed before it is fed back
+
+
+def _layer_fields(c: dict) -> dict:
+    """What a Hugging Face layer config says of the drafter's layers."""
+    rope = c.get("rope_parameters") or {}
+    base = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("llama3", "linear"):
+            raise DrafterMismatch(f"RoPE scaling {kind!r} (supported: llama3, linear)")
+        scaling = {k: v for k, v in scaling.items() if k not in ("rope_type", "rope_theta")} | {"type": kind}
+    heads = c["num_attention_heads"]
+    return dict(dim=c["hidden_size"], n_heads=heads, n_kv_heads=c.get("num_key_value_heads", heads),
+                head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                intermediate_size=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-6),
+                rope_base=float(base), rope_scaling=scaling, attention_bias=bool(c.get("attention_bias", False)),
+                layer_type="qwen3" if c.get("model_type") == "qwen3" else "llama")
+
+
+def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
+    return (2, n_layers // 2, n_layers - 3)
+
+
+def read_config(config: dict, target: Transformer) -> tuple[str, Eagle3Config]:
+    """(layout, config) of an EAGLE-3 checkpoint's config.json for `target`."""
+    n = target.args.n_layers
+    if config.get("speculators_model_type") == "eagle3":
+        layer = config.get("transformer_layer_config") or {}
+        aux = config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(n)
+        fields = dict(n_layers=layer.get("num_hidden_layers", 1), draft_vocab_size=config["draft_vocab_size"],
+                      fc_bias=False, norm_before_residual=bool(config.get("norm_before_residual")),
+                      norm_before_fc=bool(config.get("norm_before_fc")), fc_norm=bool(config.get("fc_norm")),
+                      norm_output=bool(config.get("norm_output")),
+                      target_dim=config.get("target_hidden_size") or layer["hidden_size"])
+        layout = "speculators"
+    else:
+        layer = config
+        aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(n)
+        fields = dict(n_layers=config.get("num_hidden_layers", 1),
+                      draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
+                      fc_bias=bool(config.get("bias", False)),
+                      target_dim=config.get("target_hidden_size") or config["hidden_size"])
+        layout = "sglang"
+    try:
+        return layout, Eagle3Config(**_layer_fields(layer), **fields, aux_layers=tuple(int(i) for i in aux))
+    except (KeyError, TypeError) as exc:
+        raise DrafterMismatch(f"not an EAGLE-3 config: {exc!r} missing or malformed") from exc
+
+
+def is_eagle3(directory: str | Path) -> bool:
+    """Whether `directory` holds an EAGLE-3 checkpoint in either layout."""
+    path = Path(directory) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("speculators_model_type") == "eagle3" or \
+        any("Eagle3" in a for a in config.get("architectures") or [])
+
+
+class Eagle3Drafter(nn.Module):
+    """An EAGLE-3 drafter for `target`; the interface of drafter.EagleDrafter that
+    drafter.EagleProposer drafts with (forward, input_rows, head_input, new_cache, taps)."""
+
+    native = None     # drafts on torch's kernels
+
+    def __init__(self, target: Transformer, config: Eagle3Config):
+        super().__init__()
+        ta = target.args
+        if config.target_dim != ta.dim:
+            raise DrafterMismatch(f"fuses target states of width {config.target_dim}, the target's are {ta.dim}")
+        if len(config.aux_layers) < 1 or any(not 1 <= i <= ta.n_layers for i in config.aux_layers):
+            raise DrafterMismatch(f"fuses target layers {list(config.aux_layers)}: this target's hidden "
+                                  f"states run from 1 to {ta.n_layers} (0, the embedding, is not read)")
+        if not 1 <= config.draft_vocab_size <= ta.vocab_size:
+            raise DrafterMismatch(f"draft vocabulary of {config.draft_vocab_size} tokens; the target has "
+                                  f"{ta.vocab_size}")
+        self.config = config
+        self.args = ModelArgs(arch=config.layer_type, vocab_size=config.draft_vocab_size, dim=config.dim,
+                              n_layers=config.n_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
+                              head_dim=config.head_dim, intermediate_size=config.intermediate_size,
+                              norm_eps=config.norm_eps, rope_base=config.rope_base,
+                              rope_scaling=config.rope_scaling, max_seq_len=ta.max_seq_len,
+                              qkv_bias=config.attention_bias)
+        a, width = self.args, len(config.aux_layers) * ta.dim
+        self.input_norm = RMSNorm(width, a.norm_eps) if config.norm_before_fc else None
+        self.fc_norms = nn.ModuleList(RMSNorm(ta.dim, a.norm_eps) for _ in config.aux_layers) \
+            if config.fc_norm else None
+        self.fc = Linear(width, a.dim, bias=config.fc_bias)
+        self.embed_norm = RMSNorm(a.dim, a.norm_eps)     # layer 0's input_layernorm
+        self.hidden_norm = RMSNorm(a.dim, a.norm_eps)
+        self.layers = nn.ModuleList(Block(a, i) for i in range(a.n_layers))
+        first = self.layers[0]
+        first.attn.wqkv = Linear(2 * a.dim, first.attn.wqkv.out_features, bias=config.attention_bias)
+        first.attn_norm = nn.Identity()                  # embed_norm and hidden_norm instead
+        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.lm_head = Linear(a.dim, config.draft_vocab_size, bias=False)
+        self.embed = None                                # the checkpoint's, when it has one
+        self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size))   # target id per row
+        # The target's taps (native.c: outputs of layers) that hold the fused hidden states;
+        # index n_layers is the last layer's output, which the engine always passes.
+        self.taps = tuple(sorted({i - 1 for i in config.aux_layers if i < ta.n_layers}))
+        self.__dict__["target"] = target                 # shared, never trained
+        cos, sin = rope_tables(a.head_dim, a.rope_base, a.max_seq_len + 256, a.rope_scaling)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    # ------------------------------------------------------------ running
+
+    def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.embed if self.embed is not None else self.target.embed
+        return table(tokens)
+
+    def input_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Fused features from the target's rows at positions it has run: its tapped layer
+        outputs side by side (`taps` order), then its last layer's hidden state."""
+        dim, n = self.target.args.dim, self.target.args.n_layers
+        parts = {t + 1: rows[:, k * dim:(k + 1) * dim] for k, t in enumerate(self.taps)}
+        parts[n] = rows[:, -dim:]
+        dtype = self.fc.weight.dtype
+        chunks = [parts[i].to(dtype) for i in self.config.aux_layers]
+        if self.fc_norms is not None:
+            chunks = [norm(c) for norm, c in zip(self.fc_norms, chunks)]
+        x = torch.cat(chunks, dim=-1)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        return self.fc(x)
+
+    def head_input(self, states: torch.Tensor) -> torch.Tensor:
+        """What the draft head scores: the drafter's output through its final norm."""
+        return states if self.config.norm_output else self.norm(states)
+
+    def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
+        """The layers' outputs (n, dim) for (token, feature) pairs: what the head scores (after
+        `head_input`) and what a draft step below reads as its feature."""
+        dtype = self.fc.weight.dtype
+        embeds, features = self.embedding(tokens).to(dtype), features.to(dtype)
+        mask = attention_mask(cache, tokens.shape[0], tree_mask, tokens.device)
+        cos, sin = self.cos[positions], self.sin[positions]
+        first, rest = self.layers[0], self.layers[1:]
+        normed = self.hidden_norm(features)
+        x = (normed if self.config.norm_before_residual else features) + \
+            first.attn(torch.cat([self.embed_norm(embeds), normed], dim=-1), cos, sin, cache, mask, 0)
+        x = x + first.mlp(first.mlp_norm(x))
+        for layer in rest:
+            x = layer(x, cos, sin, cache, mask, 0)
+        cache.advance(tokens.shape[0])
+        return self.norm(x) if self.config.norm_output else x
+
+    def new_cache(self, max_len: int, on_device: bool = False) -> KVCache:
+        a, w = self.args, self.fc.weight
+        if on_device:
+            return DeviceKVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
+
+    def draft_head(self, spec: str, files: Path | None = None, token_map: str | Path | None = None):
+        """The draft head over the drafter's own vocabulary: `full` (all of it), or `fr:N` /
+        `trim:N`: the token map's first N tokens that the drafter's vocabulary holds."""
+        from .draft_vocab import StaticSubset, parse_draft_vocab
+        from .token_map import load_token_map
+
+        kind, size = parse_draft_vocab(spec)
+        rows, ids = self.lm_head.weight, self.draft_ids
+        if kind == "full":
+            return StaticSubset.of_rows(rows, ids, name=f"eagle3:{ids.numel()}")
+        if kind == "spec":
+            raise ValueError(f"--draft-vocab {spec}: SpecVocab's ranker scores the target's vocabulary, "
+                             "and an EAGLE-3 drafter's head has a draft vocabulary of its own; use full "
+                             "(the drafter's), fr:N or trim:N")
+        path = Path(token_map) if token_map else (files / f"token_map_{kind}.pt" if files else None)
+        if path is None or not path.exists():
+            raise ValueError(f"--draft-vocab {spec} needs a token map ({path} does not exist)")
+        ranked = load_token_map(path, self.target.args.vocab_size).to(ids.device)
+        row_of = torch.full((self.target.args.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        row_of[ids] = torch.arange(ids.numel(), device=ids.device)
+        keep = row_of[ranked]
+        keep = keep[keep >= 0][:size]
+        if keep.numel() == 0:
+            raise ValueError(f"token map {path} shares no token with the drafter's vocabulary")
+        return StaticSubset.of_rows(rows[keep], ids[keep], name=f"{kind}:{size}")
+
+    # ------------------------------------------------------------ checkpoints
+
+    @classmethod
+    def random(cls, target: Transformer, config: Eagle3Config, seed: int = 0,
+               dtype: torch.dtype | None = None) -> "Eagle3Drafter":
+        """An untrained drafter (tests); its draft vocabulary: the target's first ids."""
+        generator = torch.Generator().manual_seed(seed)
+        drafter = cls(target, config)
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if p.dim() == 1 and "norm" in name:
+                    p.fill_(1.0)
+                elif p.dim() == 2:
+                    p.copy_(torch.randn(p.shape, generator=generator) * p.shape[1] ** -0.5)
+                else:
+                    p.zero_()
+        return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
+
+    def state_in(self, layout: str) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors in `layout` (speculators or sglang)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown EAGLE-3 layout {layout!r} (choose from {', '.join(LAYOUTS)})")
+        a = self.args
+        state = {"fc.weight": self.fc.weight, "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight}
+        if self.fc.bias is not None:
+            state["fc.bias"] = self.fc.bias
+        if self.input_norm is not None:
+            state["input_norm.weight"] = self.input_norm.weight
+        if self.fc_norms is not None:
+            state.update({f"fc_norm.{i}.weight": n.weight for i, n in enumerate(self.fc_norms)})
+        d2t = self.draft_ids - torch.arange(self.draft_ids.numel(), device=self.draft_ids.device)
+        t2d = torch.zeros(self.target.args.vocab_size, dtype=torch.bool, device=d2t.device)
+        t2d[self.draft_ids] = True
+        state.update({"d2t": d2t, "t2d": t2d})
+        if self.embed is not None:
+            state["embed_tokens.weight"] = self.embed.weight
+        sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
+        for index, layer in enumerate(self.layers):
+            prefix = ("midlayer." if index == 0 else f"additional_layers.{index - 1}.") \
+                if layout == "sglang" else f"layers.{index}."
+            for kind in ("weight", "bias") if a.qkv_bias else ("weight",):
+                for name, part in zip("qkv", getattr(layer.attn.wqkv, kind).split(sizes)):
+                    state[prefix + f"self_attn.{name}_proj.{kind}"] = part
+            gate, up = layer.mlp.w_gate_up.weight.split(a.intermediate_size)
+            state |= {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
+                      prefix + "mlp.down_proj.weight": layer.mlp.w_down.weight,
+                      prefix + "self_attn.o_proj.weight": layer.attn.wo.weight,
+                      prefix + "post_attention_layernorm.weight": layer.mlp_norm.weight}
+            if layer.attn.q_norm is not None:
+                state |= {prefix + "self_attn.q_norm.weight": layer.attn.q_norm.weight,
+                          prefix + "self_attn.k_norm.weight": layer.attn.k_norm.weight}
+            if index == 0:
+                state |= {prefix + "input_layernorm.weight": self.embed_norm.weight,
+                          prefix + "hidden_norm.weight": self.hidden_norm.weight}
+            else:     # SGLang's later layers call their input norm hidden_norm
+                name = "hidden_norm" if layout == "sglang" else "input_layernorm"
+                state[prefix + f"{name}.weight"] = layer.attn_norm.weight
+        return state
+
+    def config_in(self, layout: str, extra: dict | None = None) -> dict:
+        """config.json in `layout`."""
+        c, ta = self.config, self.target.args
+        layer = {"architectures": ["LlamaForCausalLM"], "model_type": c.layer_type, "hidden_size": c.dim,
+                 "intermediate_size": c.intermediate_size, "num_attention_heads": c.n_heads,
+                 "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": c.n_layers,
+                 "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_base, "hidden_act": "silu",
+                 "attention_bias": c.attention_bias, "vocab_size": ta.vocab_size,
+                 "max_position_embeddings": ta.context_length or ta.max_seq_len, "tie_word_embeddings": False}
+        if c.rope_scaling is not None:
+            layer["rope_scaling"] = {"rope_type" if k == "type" else k: v for k, v in c.rope_scaling.items()}
+        if layout == "sglang":
+            config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": c.draft_vocab_size,
+                      "target_hidden_size": ta.dim, "bias": c.fc_bias,
+                      "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.aux_layers)}}
+        else:
+            config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                      "transformer_layer_config": layer, "draft_vocab_size": c.draft_vocab_size,
+                      "target_hidden_size": ta.dim, "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+                      "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc,
+                      "fc_norm": c.fc_norm, "norm_output": c.norm_output, "embed_requires_grad": False,
+                      "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                             "proposal_methods": [{"proposal_type": "greedy",
+                                                                   "speculative_tokens": 3}],
+                                             "verifier": {"architectures": [], "name_or_path": None}}}
+        if extra:
+            config["vocabspec"] = extra
+        return config
+
+    def save(self, directory: str | Path, layout: str = "speculators", extra: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_in(layout).items()}
+        save_file(state, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text(json.dumps(self.config_in(layout, extra), indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> "Eagle3Drafter":
+        """A checkpoint in either layout, for `target`, computing in `dtype` (default: the
+        target's, float32 for a quantized one)."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        try:
+            config = json.loads((directory / "config.json").read_text())
+            files = sorted(directory.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError("no .safetensors file")
+            state = {}
+            for path in files:
+                state.update(load_file(str(path)))
+        except Exception as exc:
+            raise DrafterMismatch(f"EAGLE-3 drafter {directory}: unreadable checkpoint ({exc})") from exc
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        try:
+            layout, parsed = read_config(config, target)
+            drafter = cls(target, parsed)
+        except DrafterMismatch as exc:
+            raise DrafterMismatch(f"EAGLE-3 drafter {directory}: {exc}") from exc
+        mine = drafter.state_in(layout)
+        missing = [k for k in mine if k not in state and k not in ("t2d", "embed_tokens.weight")]
+        if missing:
+            raise DrafterMismatch(f"EAGLE-3 drafter {directory} ({layout} layout): tensors missing: "
+                                  f"{', '.join(missing)}")
+        unknown = sorted(set(state) - set(mine) - {"embed_tokens.weight", "t2d"})
+        if unknown:
+            raise DrafterMismatch(f"EAGLE-3 drafter {directory} ({layout} layout): tensors this reader "
+                                  f"does not know: {', '.join(unknown[:8])}")
+        d2t = state["d2t"].long()
+        ids = torch.arange(d2t.numel()) + d2t
+        if d2t.numel() != parsed.draft_vocab_size or int(ids.min()) < 0 or \
+                int(ids.max()) >= target.args.vocab_size or torch.unique(ids).numel() != ids.numel():
+            raise DrafterMismatch(f"EAGLE-3 drafter {directory}: d2t does not map its {parsed.draft_vocab_size} "
+                                  f"draft ids to distinct ids of the target's {target.args.vocab_size}")
+        if "embed_tokens.weight" in state:
+            table = state["embed_tokens.weight"]
+            if tuple(table.shape) != (target.args.vocab_size, parsed.dim):
+                raise DrafterMismatch(f"EAGLE-3 drafter {directory}: embed_tokens of shape {tuple(table.shape)}, "
+                                      f"the target needs ({target.args.vocab_size}, {parsed.dim})")
+            drafter.embed = nn.Embedding(*table.shape)
+        with torch.no_grad():
+            for name, param in mine.items():
+                if name in ("d2t", "t2d"):
+                    continue
+                if tuple(state[name].shape) != tuple(param.shape):
+                    raise DrafterMismatch(f"EAGLE-3 drafter {directory}: {name} has shape "
+                                          f"{tuple(state[name].shape)}, the config gives {tuple(param.shape)}")
+                param.copy_(state[name].to(param.dtype))
+            if drafter.embed is not None:
+                drafter.embed.weight.copy_(state["embed_tokens.weight"].float())
+            drafter.draft_ids.copy_(ids)
+        dtype = dtype or (target.dtype if target.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                          else torch.float32)
+        return drafter.to(device=target.device, dtype=dtype).eval().requires_grad_(False)
