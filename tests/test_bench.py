@@ -23,7 +23,8 @@ def test_method_names_parse_into_draft_configs():
         DraftConfig(method="eagle", vocab="fr:32k", dtype="float32", depth=1, total_tokens=6)
     assert parse("eagle2@6x60", path="x", top_k=4) == \
         DraftConfig(method="eagle", vocab="full", path="x", top_k=4, depth=6, total_tokens=60)
-    for bad in ("eagle2+fr:", "eagle2pld", "eagle2+", "eagle3", "eagle2/float16", "eagle2@6", "pld+fr:8k"):
+    assert parse("eagle3+trim:8k@3x8") == DraftConfig(method="eagle3", vocab="trim:8k", depth=3, total_tokens=8)
+    for bad in ("eagle2+fr:", "eagle2pld", "eagle2+", "eagle4", "eagle3+", "eagle2/float16", "eagle2@6", "pld+fr:8k"):
         with pytest.raises(ValueError):
             parse(bad)
 

@@ -70,9 +70,12 @@ def test_a_family_registered_once_is_found_everywhere(smollm2, registry, monkeyp
 
 
 def test_builtin_families_and_their_names(registry):
-    assert list(registry) == ["none", "eagle", "pld", "eagle+pld", "medusa", "model"]
+    assert list(registry) == ["none", "eagle", "eagle3", "pld", "eagle+pld", "medusa", "model"]
     # (Each family's benchmark names: test_bench.py, test_medusa.py, test_draft_model.py.)
     assert DraftConfig.from_method("eagle") == DraftConfig(method="eagle", vocab="auto")
+    assert DraftConfig.from_method("eagle3+trim:4k") == DraftConfig(method="eagle3", vocab="trim:4k")
+    with pytest.raises(ValueError, match="does not apply to --draft eagle3"):
+        DraftConfig(method="eagle3", ranker="r.safetensors")
     assert DraftConfig.from_draft("model:smollm2").draft_model == "smollm2"
     with pytest.raises(ValueError, match="unknown draft method"):
         DraftConfig.from_draft("pld:3")

@@ -132,7 +132,7 @@ def smollm2_eagle3(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("method,vocab", [("eagle", "full"), ("eagle", "fr:4k"), ("eagle+pld", "trim:4k")])
+@pytest.mark.parametrize("method,vocab", [("eagle", "full"), ("eagle3", "fr:4k"), ("eagle+pld", "trim:4k")])
 def test_eagle3_drafting_gives_plain_decodings_tokens(smollm2_eagle3, method, vocab):
     prompts = ["Write a haiku about the sea.", "List three prime numbers and explain why they are prime."]
     plain = vocabspec.load("smollm2")
@@ -177,3 +177,80 @@ def test_eagle3_checkpoints_that_do_not_fit_are_refused(tmp_path):
         Eagle3Drafter.load(tmp_path / "empty", target)
     with pytest.raises(ValueError, match="SpecVocab"):
         drafter.draft_head("spec:64")
+
+
+# ---------------------------------------------------------------- training (eagle3_train.py)
+
+def test_training_time_test_drafts_what_a_tree_drafts():
+    """Step k of training-time test gives row i the state a tree's level-k node gets when it
+    drafts the same chain at inference: the same attention, positions and features."""
+    from vocabspec.eagle3_train import StepKeys, step_mask
+
+    target = tiny_target()
+    drafter = Eagle3Drafter.random(target, random_config(target, 150), seed=5)
+    tokens, features = torch.randint(200, (12,)), torch.randn(12, target.args.dim)
+    steps, n = 3, 12 - 1 - 3
+    with torch.no_grad():
+        cache, chain = StepKeys(), [features[:n]]
+        for k in range(steps):
+            chain.append(drafter(tokens[1 + k:1 + k + n], chain[-1], torch.arange(n) + k, cache,
+                                 tree_mask=step_mask(n, k)))
+        for i in (0, 3, n - 1):
+            live = drafter.new_cache(32)
+            state = drafter(tokens[1:2 + i], features[:i + 1], torch.arange(i + 1), live)[-1:]
+            live.commit()
+            torch.testing.assert_close(state, chain[1][i:i + 1], rtol=1e-5, atol=1e-5)
+            for k in range(1, steps):       # a chain of tree nodes below position i
+                mask = torch.ones(1, k, dtype=torch.bool)
+                state = drafter(tokens[1 + i + k:2 + i + k], state, torch.tensor([i + k]), live,
+                                tree_mask=mask)
+                torch.testing.assert_close(state, chain[k + 1][i:i + 1], rtol=1e-5, atol=1e-5)
+
+
+def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tmp_path, monkeypatch):
+    from vocabspec import eagle3_train, proposers
+    from vocabspec.train import TrainConfig, _atomic_save
+
+    _, target = tiny_native("llama", seed=4, n_layers=8)   # fuses hidden states 2, 4, 5
+    taps = (1, 3, 4)
+    generator = torch.Generator().manual_seed(0)
+    for part, count in (("train", 8), ("heldout", 2)):
+        shard = {"tokens": [], "hidden": [], "candidates": [], "taps": list(taps), "tapped": []}
+        for _ in range(count):
+            ids = torch.randint(200, (20,), generator=generator)
+            with torch.inference_mode():
+                hidden, _, tapped = target(ids, torch.arange(20), target.new_cache(20), logits_rows=[],
+                                           taps=taps)
+                candidates = torch.topk(target.lm_head(hidden), 8, dim=-1).indices
+            shard["tokens"].append(ids.int())
+            shard["hidden"].append(hidden.to(torch.bfloat16))
+            shard["candidates"].append(candidates.int())
+            shard["tapped"].append(tapped.to(torch.bfloat16))
+        _atomic_save(shard, tmp_path / "features" / f"{part}-00000.pt")
+    torch.save(torch.randperm(200, generator=generator), tmp_path / "token_map_trim.pt")
+    monkeypatch.setattr(proposers, "bundled_drafter_dir", lambda name: tmp_path)
+    cfg = TrainConfig(out=str(tmp_path), drafter="eagle3", taps="1,3,4", draft_vocab="trim:150", epochs=6,
+                      accumulate=2, lr=3e-3, warmup_steps=2, checkpoint_every=6, max_steps=6)
+    reference = eagle3_train.new_drafter(target, eagle3_train.draft_vocabulary("trim:150", target, tmp_path), 0)
+
+    def mean_loss(drafter):
+        shards = torch.load(tmp_path / "features" / "train-00000.pt")
+        with torch.no_grad():
+            return sum(float(eagle3_train.sequence_loss(drafter, t, h, c, tp, 3)[0])
+                       for t, h, c, tp in zip(shards["tokens"], shards["hidden"], shards["candidates"],
+                                              shards["tapped"])) / 8
+    before = mean_loss(reference)
+    drafter = eagle3_train.train(cfg, target, log=lambda *_: None)
+    cfg.max_steps = 12                                     # resumes at step 6, not from scratch
+    logs = []
+    resumed = eagle3_train.train(cfg, target, log=logs.append)
+    assert any("resuming from step 6" in line for line in logs)
+    assert mean_loss(resumed) < mean_loss(drafter) < before
+    report = {}
+    cfg.max_steps = 12
+    eagle3_train.train_and_save(cfg, target, {}, report, ship=False, log=lambda *_: None)
+    assert {"top1_step1", "top1_step2", "top1_step3"} <= set(report)
+    loaded = Eagle3Drafter.load(tmp_path / "drafter", target)
+    assert torch.equal(loaded.draft_ids, reference.draft_ids) and loaded.taps == taps
+    with pytest.raises(ValueError, match="--ship"):
+        eagle3_train.train_and_save(cfg, target, {}, {}, ship=True, log=lambda *_: None)

@@ -11,7 +11,7 @@ from pathlib import Path
 import vocabspec
 
 PACKAGE = Path(vocabspec.__file__).parent
-TRAINING = {"train", "medusa_train", "ranker", "answers", "task_prompts", "sharegpt"}
+TRAINING = {"train", "medusa_train", "eagle3_train", "ranker", "answers", "task_prompts", "sharegpt"}
 BENCHMARKING = {"bench", "throughput"}
 COMMANDS = {"cli", "server", "export", "__init__"}   # entry points: may import any layer
 

@@ -37,6 +37,19 @@ def _float(text: str) -> float:
     return value
 
 
+def _token_list(text: str) -> str:
+    """fr:N or trim:N: a token map's first N tokens."""
+    from .draft_vocab import parse_draft_vocab
+
+    try:
+        kind, _ = parse_draft_vocab(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+    if kind not in ("fr", "trim"):
+        raise argparse.ArgumentTypeError(f"expected fr:N or trim:N, got {text!r}")
+    return text
+
+
 def add_weight_args(parser: argparse.ArgumentParser) -> None:
     from .formats import FORMATS
 
@@ -143,6 +156,8 @@ TRAIN_OPTIONS = (
     ("ranker_positions", _positive_int, "positions per sequence and step in the ranker's loss"),
     ("ranker_lr", _float, "the ranker's learning rate"),
     ("layers", _positive_int, "drafter layers (EAGLE: 1; added layers start as the identity)"),
+    ("ttt_steps", _positive_int, "--drafter eagle3: draft steps trained per position (training-time test)"),
+    ("draft_vocab", _token_list, "--drafter eagle3: its draft vocabulary, fr:N or trim:N (a bundled token map's first N)"),
     ("medusa_heads", _positive_int, "Medusa heads (--drafter medusa)"),
     ("medusa_positions", _positive_int, "positions sampled per sequence and step (Medusa)"),
     ("archive_sequences", _non_negative_int, "also train on this many sequences of the answer "

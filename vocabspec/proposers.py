@@ -276,6 +276,9 @@ def make_eagle_proposer(model, config: DraftConfig, model_name: str, tokenizer=N
         raise ValueError(f"no drafter is bundled for {model_name!r}: pass --draft-path DIR "
                          "(an EAGLE checkpoint directory)")
     files = _head_files(config, model_name)
+    if config.method == "eagle3" and (path == "random" or not is_eagle3(path)):
+        raise ValueError(f"--draft eagle3 reads an EAGLE-3 checkpoint (speculators' or SGLang's layout); "
+                         f"{path} is not one: pass --draft-path DIR")
     if path != "random" and is_eagle3(path):
         # An EAGLE-3 checkpoint (speculators' or SGLang's layout): its own head and vocabulary.
         drafter = Eagle3Drafter.load(path, model, dtype=dtype)
@@ -442,6 +445,12 @@ def _eagle_names(with_lookup: bool):
     return parse
 
 
+def _eagle3_names(base: str) -> dict | None:
+    if base == "eagle3":
+        return {"vocab": "full"}
+    return {"vocab": base[len("eagle3+"):]} if base.startswith("eagle3+") else None
+
+
 def _medusa_names(base: str) -> dict | None:
     if base == "medusa":
         return {"vocab": "full"}
@@ -466,6 +475,10 @@ register(Family("none", "plain decoding", frozenset(), _plain, _names("vanilla",
 register(Family("eagle", "EAGLE-2's dynamic tree", _EAGLE, make_eagle_proposer, _eagle_names(False),
                 "eagle, eagle2, eagle2+HEAD (HEAD: fr:N, trim:N, spec:K...)", head=True,
                 trainer="vocabspec.train:train_eagle"))
+register(Family("eagle3", "EAGLE-3: three target layers fused, a draft vocabulary of its own (a checkpoint "
+                "in speculators' or SGLang's layout, --draft-path; `eagle` reads one too)",
+                _EAGLE - {"ranker"}, make_eagle_proposer, _eagle3_names, "eagle3, eagle3+HEAD (HEAD: fr:N, trim:N)",
+                head=True, trainer="vocabspec.eagle3_train:train_and_save"))
 register(Family("pld", "prompt lookup", frozenset(), _prompt_lookup, _names("pld"), "pld"))
 register(Family("eagle+pld", "EAGLE-2's tree plus prompt lookup's path", _EAGLE, make_eagle_proposer,
                 _eagle_names(True), "eagle+pld, eagle2+pld, eagle2+HEAD+pld", head=True))

@@ -97,7 +97,9 @@ class TrainConfig:
                                     # as the identity
     taps: str = ""                  # target layers fused into the drafter's input, EAGLE-3's
                                     # way (e.g. "1,14"; empty: the last layer's feature alone)
-    drafter: str = "eagle"          # what to train: a trainable drafting family (eagle, medusa)
+    drafter: str = "eagle"          # what to train: a trainable drafting family (eagle, eagle3, medusa)
+    ttt_steps: int = 3              # eagle3: draft steps trained per position (training-time test)
+    draft_vocab: str = "trim:8k"    # eagle3: the draft vocabulary (a bundled token map's first N)
     medusa_heads: int = 4           # Medusa heads (tokens t+2 .. t+K+1)
     medusa_positions: int = 256     # positions sampled per sequence and step (Medusa)
     archive_sequences: int = 0      # also train on this many prompt + answer sequences taken
@@ -722,6 +724,10 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
         # torch's kernels: feature extraction is long prefills, where its batched matmuls win.
         fast = {torch.float32: "f32", torch.bfloat16: "bf16"}[_fast_dtype(cfg.feature_dtype)]
         extractor, _ = load_model(cfg.model, weights=fast, backend="torch", max_seq_len=cfg.max_len + 8)
+        if cfg.drafter == "eagle3" and not cfg.taps:     # EAGLE-3's fused layers, unless named
+            cfg.taps = ",".join(map(str, default_eagle3_taps(extractor.args.n_layers)))
+            (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+            report["config"] = asdict(cfg)
         t1 = time.perf_counter()
         extract_features(cfg, extractor, split)
         report["features_seconds"] = round(time.perf_counter() - t1, 1)
@@ -732,6 +738,13 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
         report["total_seconds"] = round(time.perf_counter() - t0, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def default_eagle3_taps(n_layers: int) -> tuple[int, ...]:
+    """The taps (outputs of layers) holding EAGLE-3's default fused hidden states 2, N/2, N - 3."""
+    from .eagle3 import default_aux_layers
+
+    return tuple(sorted({i - 1 for i in default_aux_layers(n_layers) if i < n_layers}))
 
 
 def train_eagle(cfg: TrainConfig, target: Transformer, split: dict, report: dict, ship: bool, log) -> None:

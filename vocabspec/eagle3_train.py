@@ -1,0 +1,241 @@
+"""Training an EAGLE-3 drafter (eagle3.py) on the feature shards of train.py: `--recipe eagle3`.
+
+EAGLE-3's recipe (Li et al., 2025), against EAGLE-2's (train.py):
+- the input fuses three target layers (hidden states 2, N/2 and N - 3, the features stage's
+  taps), not the last layer's feature alone;
+- no feature regression: the loss is the token loss alone, so the drafter's states are free
+  to be whatever predicts the next tokens best;
+- training-time test: each position is drafted `ttt_steps` steps deep, step k reading the
+  states step k - 1 produced, with the attention a tree's level k has (the context causally,
+  then its own earlier steps), and every step's loss counts;
+- a compressed draft vocabulary (EAGLE-3's d2t): the head scores `draft_vocab` (a VocabTrim or
+  FR-Spec list's first N tokens), and the target's distribution is restricted to those tokens.
+  That makes the head, and the loss, affordable on Gemma's 262k vocabulary; positions whose
+  target token lies outside it carry no loss.
+
+The head starts as the target's own rows for the draft tokens and the final norm as the
+target's, so that the drafter starts out reading its states as the target reads its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layers
+from .model import Transformer
+
+
+def draft_vocabulary(spec: str, target: Transformer, files: Path | None) -> torch.Tensor:
+    """The draft vocabulary's target ids, from a bundled token map (fr:N or trim:N)."""
+    from .draft_vocab import parse_draft_vocab
+    from .token_map import load_token_map
+
+    kind, size = parse_draft_vocab(spec)
+    if kind not in ("fr", "trim"):
+        raise ValueError(f"an EAGLE-3 draft vocabulary is fr:N or trim:N, not {spec}")
+    path = files / f"token_map_{kind}.pt" if files else None
+    if path is None or not path.exists():
+        raise ValueError(f"draft vocabulary {spec} needs {path}: make it with `vocabspec vocab`")
+    ids = load_token_map(path, target.args.vocab_size)
+    if size > ids.numel():
+        raise ValueError(f"{path} ranks {ids.numel()} tokens, {size} asked for")
+    return ids[:size].clone()
+
+
+def new_drafter(target: Transformer, ids: torch.Tensor, seed: int) -> Eagle3Drafter:
+    a = target.args
+    config = Eagle3Config(dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                          intermediate_size=a.intermediate_size, n_layers=1, norm_eps=a.norm_eps,
+                          rope_base=a.rope_base,
+                          draft_vocab_size=ids.numel(), aux_layers=default_aux_layers(a.n_layers),
+                          target_dim=a.dim)
+    drafter = Eagle3Drafter.random(target, config, seed=seed, dtype=torch.float32)
+    with torch.no_grad():
+        drafter.draft_ids.copy_(ids)
+        drafter.lm_head.weight.copy_(target.head_weight[ids].float())
+        drafter.norm.weight.copy_(target.norm.weight.float())
+    return drafter
+
+
+class StepKeys:
+    """The keys and values of every training-time-test step so far, differentiable: step k's
+    rows see step 0's causally and their own rows of steps 1 to k (as KVCache's tree rows see
+    committed and pending slots)."""
+
+    length = 0
+
+    def __init__(self):
+        self.pending = 0
+        self.keys, self.values = {}, {}
+
+    def write(self, layer, keys, values):
+        if layer in self.keys:
+            keys = torch.cat([self.keys[layer], keys], dim=2)
+            values = torch.cat([self.values[layer], values], dim=2)
+        self.keys[layer], self.values[layer] = keys, values
+        return keys, values
+
+    def advance(self, n):
+        self.pending += n
+
+
+def step_mask(n: int, step: int) -> torch.Tensor:
+    """(n, (step + 1) n): row i sees step 0's rows up to i, then row i of each later step."""
+    eye = torch.eye(n, dtype=torch.bool)
+    return torch.cat([torch.ones(n, n, dtype=torch.bool).tril()] + [eye] * step, dim=1)
+
+
+def sequence_loss(drafter: Eagle3Drafter, tokens, hidden, candidates, tapped, steps: int):
+    """Training-time test over one sequence: (loss, per-step accuracy). Row i of step k reads
+    token i + 1 + k and predicts token i + 2 + k; its label is the target's distribution there,
+    over the draft vocabulary, where the target's own choice (candidates[:, 0]) is in it."""
+    target = drafter.target
+    tokens = tokens.long()
+    n = tokens.shape[0] - 1 - steps
+    if n < 1:
+        return None, {}
+    features = drafter.input_rows(torch.cat([tapped.float(), hidden.float()], dim=-1))[:n]
+    ids = drafter.draft_ids
+    with torch.no_grad():
+        target_logits = F.linear(target.norm(hidden.float()), target.head_weight[ids].float())   # (L, V_draft)
+        in_draft = torch.zeros(target.args.vocab_size, dtype=torch.bool)
+        in_draft[ids] = True
+        chosen = candidates[:, 0].long()
+    cache = StepKeys()
+    loss, info = 0.0, {}
+    for k in range(steps):
+        positions = torch.arange(n) + k
+        states = drafter(tokens[1 + k:1 + k + n], features, positions, cache, tree_mask=step_mask(n, k))
+        logits = drafter.lm_head(drafter.head_input(states)).float()
+        labels = target_logits[1 + k:1 + k + n]
+        wanted = labels.argmax(-1)
+        keep = in_draft[chosen[1 + k:1 + k + n]]
+        per_row = -(F.softmax(labels, -1) * F.log_softmax(logits, -1)).sum(-1)
+        loss = loss + (per_row * keep).sum() / keep.sum().clamp_min(1) / steps
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == wanted) & keep
+            info[f"acc{k + 1}"] = float(hit.sum() / keep.sum().clamp_min(1))
+        features = states
+    return loss, info
+
+
+@torch.no_grad()
+def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> dict:
+    """Top-1 agreement with the target's next token (full vocabulary) at each step, held out."""
+    target, hits, counts = drafter.target, [0] * steps, [0] * steps
+    for tokens, hidden, candidates, tapped in heldout[:limit]:
+        tokens = tokens.long()
+        n = tokens.shape[0] - 1 - steps
+        if n < 1:
+            continue
+        features = drafter.input_rows(torch.cat([tapped.float(), hidden.float()], dim=-1))[:n]
+        cache = StepKeys()
+        for k in range(steps):
+            states = drafter(tokens[1 + k:1 + k + n], features, torch.arange(n) + k, cache,
+                             tree_mask=step_mask(n, k))
+            guess = drafter.draft_ids[drafter.lm_head(drafter.head_input(states)).argmax(-1)]
+            hits[k] += int((guess == candidates[1 + k:1 + k + n, 0].long()).sum())
+            counts[k] += n
+            features = states
+    return {f"top1_step{k + 1}": round(hits[k] / max(counts[k], 1), 4) for k in range(steps)}
+
+
+def train(cfg, target: Transformer, log=print) -> Eagle3Drafter:
+    from .proposers import bundled_drafter_dir
+    from .train import _atomic_save, _lr, _run_identity, load_shards, parse_taps
+
+    out = Path(cfg.out)
+    train_set = load_shards(cfg, "train") + load_shards(cfg, "distill")
+    heldout = load_shards(cfg, "heldout")
+    if not train_set:
+        raise ValueError(f"no training features under {out / 'features'}: run the features stage")
+    torch.manual_seed(cfg.seed)
+    ids = draft_vocabulary(cfg.draft_vocab, target, bundled_drafter_dir(cfg.model))
+    drafter = Eagle3Drafter.load(cfg.init, target, dtype=torch.float32) if cfg.init else \
+        new_drafter(target, ids, cfg.seed)
+    if tuple(parse_taps(cfg.taps)) != drafter.taps:
+        raise ValueError(f"the drafter fuses the target's taps {list(drafter.taps)}; the features hold "
+                         f"{cfg.taps or 'none'}: run the features stage with --taps "
+                         f"{','.join(map(str, drafter.taps))}")
+    drafter.train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(0.9, 0.95))
+    steps_per_epoch = math.ceil(len(train_set) / cfg.accumulate)
+    total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or steps_per_epoch * cfg.epochs)
+    step, history, seconds_before = 0, [], 0.0
+    checkpoint = out / "checkpoint-eagle3.pt"
+    if checkpoint.exists() and _run_identity(torch.load(checkpoint)["config"]) != _run_identity(asdict(cfg)):
+        kept = out / f"checkpoint-eagle3-{time.strftime('%Y%m%d-%H%M%S')}.pt"
+        checkpoint.replace(kept)
+        log(f"{checkpoint} belongs to a run with other settings: moved to {kept.name}")
+    if checkpoint.exists():
+        state = torch.load(checkpoint)
+        drafter.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, history, seconds_before = state["step"], state["history"], state["seconds"]
+        log(f"resuming from step {step}/{total}")
+    started, tokens_seen = time.perf_counter(), 0
+    bar = tqdm(total=total, initial=step, desc="training (EAGLE-3)", unit="step")
+    while step < total:
+        epoch, index = divmod(step, steps_per_epoch)
+        order = list(range(len(train_set)))
+        random.Random(cfg.seed + epoch).shuffle(order)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, total, cfg)
+        optimizer.zero_grad(set_to_none=True)
+        stats = []
+        batch = order[index * cfg.accumulate:(index + 1) * cfg.accumulate]
+        for i in batch:
+            tokens, hidden, candidates, tapped = train_set[i]
+            loss, info = sequence_loss(drafter, tokens, hidden, candidates, tapped, cfg.ttt_steps)
+            if loss is None:
+                continue
+            (loss / len(batch)).backward()
+            stats.append(info | {"loss": float(loss.detach())})
+            tokens_seen += tokens.numel()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        optimizer.step()
+        step += 1
+        if stats:
+            mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+            bar.set_postfix(loss=f"{mean['loss']:.3f}", acc1=f"{mean['acc1']:.3f}",
+                            tok_s=f"{tokens_seen / (time.perf_counter() - started):.0f}")
+        bar.update(1)
+        if step % cfg.checkpoint_every == 0 or step == total:
+            drafter.eval()
+            metrics = {"step": step, **evaluate(drafter, heldout, cfg.ttt_steps)}
+            drafter.train()
+            history.append(metrics)
+            log(json.dumps(metrics))
+            _atomic_save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                          "history": history, "config": asdict(cfg),
+                          "seconds": seconds_before + time.perf_counter() - started}, checkpoint)
+    bar.close()
+    drafter.eval().requires_grad_(False)
+    drafter.train_seconds = torch.load(checkpoint)["seconds"] if checkpoint.exists() else None
+    return drafter
+
+
+def train_and_save(cfg, target: Transformer, split: dict, report: dict, ship: bool, log) -> None:
+    """EAGLE-3's trainer (train.train_eagle with --recipe eagle3): train, measure, save to
+    `cfg.out`/drafter in speculators' layout."""
+    from .train import load_shards
+
+    if ship:
+        raise ValueError("--ship copies a drafter in the bundled EAGLE-2 layout; an EAGLE-3 drafter is "
+                         "saved to --out/drafter (speculators' layout) and read with --draft-path")
+    started = time.perf_counter()
+    drafter = train(cfg, target, log=log)
+    report["train_seconds"] = round(drafter.train_seconds or time.perf_counter() - started, 1)
+    report.update(evaluate(drafter, load_shards(cfg, "heldout"), max(2, cfg.ttt_steps)))
+    log(json.dumps({k: v for k, v in report.items() if k != "config"}))
+    drafter.save(Path(cfg.out) / "drafter", layout="speculators", extra={"training": dict(report)})
