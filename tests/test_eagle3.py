@@ -254,3 +254,21 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
     assert torch.equal(loaded.draft_ids, reference.draft_ids) and loaded.taps == taps
     with pytest.raises(ValueError, match="--ship"):
         eagle3_train.train_and_save(cfg, target, {}, {}, ship=True, log=lambda *_: None)
+
+
+def test_export_writes_an_eagle3_drafter_in_either_layout(smollm2_eagle3, tmp_path):
+    from vocabspec.export import export
+    from vocabspec.loading import load_model
+
+    target, _ = load_model("smollm2")
+    original = Eagle3Drafter.load(smollm2_eagle3, target, dtype=torch.bfloat16)
+    for layout in ("sglang", "speculators"):
+        export("smollm2", tmp_path / layout, draft_path=str(smollm2_eagle3), layout=layout)
+        config = json.loads((tmp_path / layout / "config.json").read_text())
+        assert ("speculators_model_type" in config) == (layout == "speculators")
+        again = Eagle3Drafter.load(tmp_path / layout, target, dtype=torch.bfloat16)
+        assert all(torch.equal(a, b) for a, b in zip(original.state_dict().values(), again.state_dict().values()))
+    with pytest.raises(ValueError, match="carries its draft vocabulary"):
+        export("smollm2", tmp_path / "x", draft_path=str(smollm2_eagle3), draft_vocab="fr:4k")
+    with pytest.raises(ValueError, match="EAGLE-1/2"):
+        export("smollm2", tmp_path / "y", layout="sglang")

@@ -320,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--draft-path", default=None, help="drafter directory (default: bundled)")
     export.add_argument("--draft-vocab", default=None, help="fr:N or trim:N to export as a token map")
     export.add_argument("--token-map", default=None, help="token map file to cut fr:N/trim:N from")
+    export.add_argument("--layout", default=None, choices=("speculators", "sglang"),
+                        help="an EAGLE-3 drafter's layout: speculators (vLLM) or sglang "
+                             "(LlamaForCausalLMEagle3) (default: speculators)")
     export.add_argument("--out", required=True, help="output directory")
     return parser
 
@@ -347,7 +350,7 @@ def cmd_export(args) -> int:
     from .export import export
 
     written = export(args.model, args.out, draft_path=args.draft_path, draft_vocab=args.draft_vocab,
-                     token_map=args.token_map)
+                     token_map=args.token_map, layout=args.layout)
     for path in written:
         print(path)
     return 0

@@ -8,6 +8,10 @@ Writes, in one directory:
 - token_map.pt: the static draft vocabulary as SGLang's --speculative-token-map (a torch-saved
   list of target token ids, most frequent first).
 - d2t_t2d.safetensors: the same vocabulary as EAGLE-3's d2t / t2d tensors.
+
+An EAGLE-3 drafter (eagle3.py: `vocabspec train --drafter eagle3`, or any checkpoint in either
+layout) is written instead in `layout`: speculators' (what vLLM reads) or SGLang's
+(LlamaForCausalLMEagle3); its draft vocabulary travels inside it as d2t / t2d.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import torch
 
 
 def export(model: str, out: str | Path, draft_path: str | None = None, draft_vocab: str | None = None,
-           token_map: str | None = None) -> list[Path]:
+           token_map: str | None = None, layout: str | None = None) -> list[Path]:
     from .proposers import bundled_drafter_dir
     from .draft_vocab import parse_draft_vocab
     from .drafter import EagleDrafter
+    from .eagle3 import Eagle3Drafter, is_eagle3
     from .loading import load_model
     from .token_map import load_token_map, save_eagle3, save_token_map
 
@@ -30,6 +35,15 @@ def export(model: str, out: str | Path, draft_path: str | None = None, draft_voc
     source = Path(draft_path) if draft_path else bundled_drafter_dir(model)
     if source is None:
         raise ValueError(f"no drafter bundled for {model!r}: pass --draft-path")
+    if is_eagle3(source):
+        if draft_vocab or token_map:
+            raise ValueError("an EAGLE-3 drafter carries its draft vocabulary (d2t/t2d): --draft-vocab "
+                             "and --token-map do not apply")
+        drafter = Eagle3Drafter.load(source, target, dtype=torch.bfloat16)
+        drafter.save(out, layout=layout or "speculators")
+        return [Path(out) / "config.json", Path(out) / "model.safetensors"]
+    if layout is not None:
+        raise ValueError(f"--layout chooses an EAGLE-3 drafter's layout; {source} is an EAGLE-1/2 drafter")
     drafter = EagleDrafter.load(source, target)
     if drafter.taps or len(drafter.layers) > 1:
         raise ValueError(f"drafter {source} has {len(drafter.layers)} layers and taps "
