@@ -46,6 +46,14 @@ while True:
 """
 
 
+def machine() -> str:
+    """The CPU's model name (lscpu's), and whether it has AVX-512."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.processor() or platform.machine())
+    return f"{name} ({'AVX-512' if ' avx512f' in info else 'AVX2'})"
+
+
 def answer_all(lm, prompts: list[list[int]], config) -> tuple[float, list[list[int]]]:
     tokens, seconds, answers = 0, 0.0, []
     for ids in prompts:
@@ -119,7 +127,7 @@ def main():
             print(json.dumps(row), flush=True)
         del lm
     header = (f"{args.model}: {len(questions)} prompts ({args.questions}), {args.max_new_tokens} new tokens, "
-              f"greedy; {date.today()}, {platform.processor() or platform.machine()}, "
+              f"greedy; {date.today()}, {machine()}, "
               f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads.")
     table = ["| method | condition | tok/s | x quiet | answers differing | neighbour tok/s |",
              "| --- | --- | --- | --- | --- | --- |"]
