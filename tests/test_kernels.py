@@ -1,0 +1,71 @@
+"""Row-invariant GPU kernels (kernels.py), run by Triton's interpreter on the CPU (on a GPU where
+one is present): each row's bits do not depend on how many rows share the call or what they
+hold, a tree's attention rows equal the one-token rows of their paths bit for bit, and every
+kernel agrees with torch to float rounding. Tiny shapes: the interpreter is slow."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is imported
+
+from vocabspec import kernels, native  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernels.available()[0], reason=kernels.available()[1])
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_do_not_depend_on_the_rows_beside_them(dtype):
+    weight, bias, x = rand(70, 64, dtype=dtype, seed=1), rand(70, dtype=dtype, seed=2), rand(40, 64, dtype=dtype)
+    full = kernels.linear(x, weight, bias)
+    for m in (1, 17):
+        assert torch.equal(kernels.linear(x[:m], weight, bias), full[:m]), f"{m} rows"
+    others = torch.cat([x[5:6], rand(20, 64, dtype=dtype, seed=3)])
+    assert torch.equal(kernels.linear(others, weight, bias)[0], full[5])
+    want = (x.float() @ weight.float().T + bias.float()).to(dtype)
+    torch.testing.assert_close(full, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_rms_norm_and_argmax():
+    x, weight = rand(9, 48), rand(48, seed=4)
+    normed = kernels.rms_norm(x, weight, 1e-6)
+    assert torch.equal(kernels.rms_norm(x[3:4], weight, 1e-6)[0], normed[3])
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    torch.testing.assert_close(normed, want, rtol=1e-5, atol=1e-5)
+    logits = rand(5, 300, seed=5)
+    logits[2, 7] = logits[2, 250] = logits[2].max() + 1        # a tie: the first index wins
+    assert torch.equal(kernels.argmax(logits, block=128).cpu(), logits.argmax(-1).cpu())
+    assert int(kernels.argmax(logits, block=128)[2]) == 7
+
+
+def test_tree_attention_rows_are_the_one_token_rows_of_their_paths():
+    heads, groups, dim, slots, start = 4, 2, 16, 96, 40
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 5, 6])          # a tree of 9 rows after 40 slots
+    n = parents.numel()
+    positions, prefix, xoff, extra = native.tree_visibility(parents, start, start)
+    keys, values, q = rand(groups, slots, dim, seed=6), rand(groups, slots, dim, seed=7), rand(n, heads, dim, seed=8)
+    tree = kernels.attention(q, keys, values, prefix.to(DEVICE), xoff.to(DEVICE), extra.to(DEVICE), 0.25)
+    for r in range(n):
+        seen = extra[int(xoff[r]):int(xoff[r + 1])].long()          # its ancestors' slots, then its own
+        path_keys, path_values = keys.clone(), values.clone()       # the path laid out contiguously
+        path_keys[:, start:start + seen.numel()] = keys[:, seen]
+        path_values[:, start:start + seen.numel()] = values[:, seen]
+        alone = kernels.attention(q[r:r + 1], path_keys, path_values,
+                                  torch.tensor([start + seen.numel()], device=DEVICE),
+                                  torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                                  torch.zeros(1, dtype=torch.int32, device=DEVICE), 0.25)
+        assert torch.equal(alone[0], tree[r]), f"tree row {r}"
+        visible = torch.cat([torch.arange(start, device=DEVICE), seen.to(DEVICE)])
+        kv = keys[:, visible].repeat_interleave(heads // groups, 0)
+        vv = values[:, visible].repeat_interleave(heads // groups, 0)
+        scores = torch.einsum("hd,htd->ht", q[r], kv) * 0.25
+        want = torch.einsum("ht,htd->hd", scores.softmax(-1), vv)
+        torch.testing.assert_close(tree[r], want, rtol=1e-5, atol=1e-5)
