@@ -25,10 +25,11 @@ def rand(*shape, dtype=torch.float32, seed=0):
 def test_linear_rows_do_not_depend_on_the_rows_beside_them(dtype):
     weight, bias, x = rand(70, 64, dtype=dtype, seed=1), rand(70, dtype=dtype, seed=2), rand(40, 64, dtype=dtype)
     full = kernels.linear(x, weight, bias)
-    for m in (1, 17):
-        assert torch.equal(kernels.linear(x[:m], weight, bias), full[:m]), f"{m} rows"
-    others = torch.cat([x[5:6], rand(20, 64, dtype=dtype, seed=3)])
-    assert torch.equal(kernels.linear(others, weight, bias)[0], full[5])
+    assert torch.equal(kernels.linear(x[:17], weight, bias), full[:17])
+    for i in (0, 6, 13, 39):            # alone, as row 0 (as one-token decoding computes it)
+        assert torch.equal(kernels.linear(x[i:i + 1], weight, bias)[0], full[i]), f"row {i}"
+    others = torch.cat([rand(9, 64, dtype=dtype, seed=3), x[5:6], rand(11, 64, dtype=dtype, seed=4)])
+    assert torch.equal(kernels.linear(others, weight, bias)[9], full[5])   # elsewhere in a tile
     want = (x.float() @ weight.float().T + bias.float()).to(dtype)
     torch.testing.assert_close(full, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
@@ -69,3 +70,28 @@ def test_tree_attention_rows_are_the_one_token_rows_of_their_paths():
         scores = torch.einsum("hd,htd->ht", q[r], kv) * 0.25
         want = torch.einsum("ht,htd->hd", scores.softmax(-1), vv)
         torch.testing.assert_close(tree[r], want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- a model on the kernels
+
+def test_a_model_on_the_kernels_is_exact():
+    """A tiny Gemma 3 (query and key norms, post-norms, a sliding window of 6) with every
+    matmul, norm and attention on the kernels: each row of a tree forward has the bits of the
+    one-token forwards of its path, the engine calls it exact, and greedy EAGLE-2 decoding gives
+    plain decoding's tokens with no --allow-inexact."""
+    from test_native import assert_trees_match_one_token_forwards
+
+    from conftest import tiny_native
+    from vocabspec.drafter import EagleDrafter, EagleProposer
+    from vocabspec.generate import Engine, GenerationConfig
+
+    reference, _ = tiny_native("gemma3", seed=2, n_layers=2)   # a sliding layer and a global one
+    model = reference.to(DEVICE)
+    model.use_kernels()
+    assert model.exact
+    context = torch.randint(0, 200, (10,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert_trees_match_one_token_forwards(model, context, [5], 200)
+    plain = Engine(model).generate(context, GenerationConfig(max_new_tokens=5))
+    drafted = Engine(model, proposer=EagleProposer(EagleDrafter.random(model, seed=1), depth=2, top_k=2,
+                                                   total_tokens=4)).generate(context, GenerationConfig(max_new_tokens=5))
+    assert drafted.tokens == plain.tokens

@@ -58,9 +58,11 @@ def add_weight_args(parser: argparse.ArgumentParser) -> None:
                              "groups, float32 activations), gguf-a8 (the same weights, 8-bit "
                              "activations in products, as llama.cpp), bf16 or f32; auto: the "
                              "fastest exact one here")
-    parser.add_argument("--backend", default="auto", choices=["auto", "native", "torch"],
+    parser.add_argument("--backend", default="auto", choices=["auto", "native", "torch", "triton"],
                         help="native: the CPU engine whose rows are bit-identical at any row count "
-                             "(auto where it runs); torch: torch's kernels, any device")
+                             "(auto where it runs); torch: torch's kernels, any device; triton: "
+                             "torch's path on row-invariant Triton kernels, exact on a GPU "
+                             "(the cuda extra) (default auto)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--allow-inexact", action="store_true",
                         help="draft even where verification is not bit-exact (on torch's "

@@ -6,8 +6,11 @@ cuBLAS and torch's attention choose kernels, tiles and split-K by shape, so a ro
 changes with the number of rows beside it. Here every shape choice is fixed:
 
 - `linear`: output tiles of BLOCK_M x BLOCK_N, the inputs reduced in BLOCK_K steps in ascending
-  order with float32 accumulation, never split; row i of x meets the same tiles and the same
-  steps whether the call has 1 row or 64 (the rows beside it only fill the tile's other rows);
+  order with float32 accumulation, never split. Within a step each output sums its BLOCK_K
+  products with the same reduction whatever its place in the tile: not a matrix-multiply
+  instruction, whose summation may differ by a row's place in the tile (a BLAS kernel's does:
+  a tree's row r and the same row alone, as row 0, came out one unit apart), so a row gets the
+  same bits at any place in any call;
 - `attention`: one program per (row, head); the keys a row sees are taken in position order
   (slots [0, prefix) then its own list of further slots), BLOCK_T at a time, with an online
   softmax over them: a tree's row and the one-token forward of its path see the same keys in
@@ -20,8 +23,6 @@ triton is imported), where the tests check them on tiny shapes.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:
@@ -30,11 +31,8 @@ try:
 except ImportError:            # the `cuda` extra installs it; without it nothing here runs
     triton = tl = None
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32     # one tiling for every call: no per-shape choice
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 16     # one tiling for every call: no per-shape choice
 BLOCK_T = 32                               # keys per attention step
-# Triton's interpreter (a CPU) has no bfloat16 dot: it multiplies tiles upcast to float32, as
-# the tensor cores do internally (exact products, float32 accumulation).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available() -> tuple[bool, str]:
@@ -46,7 +44,7 @@ def available() -> tuple[bool, str]:
 
 if triton is not None:
     @triton.jit
-    def _linear(x, w, b, y, M, N, K, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    def _linear(x, w, b, y, M, N, K, HAS_BIAS: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -58,10 +56,8 @@ if triton is not None:
                          other=0.0)
             wt = tl.load(w + cols[:, None] * K + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
                          other=0.0)
-            if UPCAST:
-                xt, wt = xt.to(tl.float32), wt.to(tl.float32)
-            # float32 inputs as IEEE float32 products (no TF32: a float32 model's own rounding)
-            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+            products = xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]    # (BM, BN, BK)
+            acc += tl.sum(products, axis=2)
         if HAS_BIAS:
             acc += tl.load(b + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y + rows[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty),
@@ -93,7 +89,7 @@ if triton is not None:
         tl.store(out + row, at)
 
     @triton.jit
-    def _attention(q, k, v, prefix, xoff, extra, out, H, G, T, D, scale,
+    def _attention(q, k, v, prefix, xoff, extra, pos, out, H, G, T, D, scale, window,
                    BT: tl.constexpr, BD: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -103,11 +99,14 @@ if triton is not None:
         pre = tl.load(prefix + row)
         x0 = tl.load(xoff + row)
         count = pre + tl.load(xoff + row + 1) - x0
+        first = 0
+        if window > 0:      # a sliding layer sees positions pos - window + 1 .. pos
+            first = tl.maximum(tl.load(pos + row) - window + 1, 0)
         m = tl.full((), float("-inf"), tl.float32)
         total = tl.full((), 0.0, tl.float32)
         acc = tl.zeros((BD,), dtype=tl.float32)
         steps = tl.arange(0, BT)
-        for start in range(0, count, BT):
+        for start in range(first, count, BT):
             index = start + steps                      # logical positions, in order
             live = index < count
             slot = tl.where(index < pre, index,
@@ -141,7 +140,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     _linear[grid](x, weight, bias if bias is not None else weight, y, M, N, K, bias is not None,
-                  INTERPRETED and x.dtype != torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+                  BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
     return y
 
 
@@ -164,15 +163,18 @@ def argmax(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor,
-              xoff: torch.Tensor, extra: torch.Tensor, scale: float) -> torch.Tensor:
+              xoff: torch.Tensor, extra: torch.Tensor, scale: float, positions: torch.Tensor | None = None,
+              window: int = 0) -> torch.Tensor:
     """Attention of q (n, heads, D) over keys and values (groups, T, D): row r sees slots
     [0, prefix[r]) and then extra[xoff[r]:xoff[r + 1]], in position order (its own last), as
-    native.visibility describes a tree's rows. Returns (n, heads, D) in q's dtype."""
+    native.visibility describes a tree's rows; with a `window`, only its last `window`
+    positions (`positions`: each row's). Returns (n, heads, D) in q's dtype."""
     _need()
     n, H, D = q.shape
     G, T, _ = keys.shape
     out = torch.empty_like(q)
+    pos = (positions if positions is not None else prefix).to(torch.int32).contiguous()
     _attention[(n, H)](q.contiguous(), keys.contiguous(), values.contiguous(), prefix.to(torch.int32).contiguous(),
-                       xoff.to(torch.int32).contiguous(), extra.to(torch.int32).contiguous(), out, H, G, T, D,
-                       scale, BT=BLOCK_T, BD=triton.next_power_of_2(D))
+                       xoff.to(torch.int32).contiguous(), extra.to(torch.int32).contiguous(), pos, out, H, G, T,
+                       D, scale, window, BT=BLOCK_T, BD=triton.next_power_of_2(D))
     return out

@@ -75,7 +75,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same checkpoint keys) computed by `linear`."""
+    """nn.Linear (same parameters, same checkpoint keys) computed by `linear`, or by the
+    row-invariant kernel (kernels.linear) once `row_invariant` is set."""
+
+    row_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_invariant:
+            from .kernels import linear as fixed_order
+
+            return fixed_order(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
         return linear(x, self.weight, self.bias)

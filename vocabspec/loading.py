@@ -339,7 +339,7 @@ def hf_args(config: dict, arch: str, max_seq_len: int | None, config_path) -> Mo
 # ---------------------------------------------------------------- entry point
 
 WEIGHTS = ("auto",) + FORMATS
-BACKENDS = ("auto", "native", "torch")
+BACKENDS = ("auto", "native", "torch", "triton")
 
 
 def choose_backend(device: torch.device, backend: str = "auto") -> tuple[str, str]:
@@ -347,8 +347,8 @@ def choose_backend(device: torch.device, backend: str = "auto") -> tuple[str, st
     not native)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
-    if backend == "torch":
-        return "torch", "--backend torch"
+    if backend in ("torch", "triton"):
+        return "torch", f"--backend {backend}"
     ok, why = native.available()
     if device.type != "cpu" or os.environ.get("VOCABSPEC_NATIVE", "1") == "0":
         why = f"the native engine runs on the CPU, not {device.type}" if device.type != "cpu" \
@@ -365,7 +365,8 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
 
     weights: the run-time format (formats.py); "auto" is the fastest exact one here
     (`auto_weights`). On torch's kernels (other devices, or no native engine) f32 and bf16 run
-    (bf16 computes in bfloat16). backend: auto, native or torch (torch's kernels, any device)."""
+    (bf16 computes in bfloat16). backend: auto, native, torch (torch's kernels, any device) or
+    triton (torch's path with the row-invariant kernels of kernels.py: exact on a GPU)."""
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weight format {weights!r} (choose from {', '.join(WEIGHTS)})")
     device = torch.device(device)
@@ -408,7 +409,10 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
         # forward would then differ from one-token decoding far beyond float32 rounding.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+    if backend == "triton":
+        net.use_kernels()
     net.engine = f"the native CPU engine ({native.isa()})" if engine == "native" else \
+        f"row-invariant Triton kernels on {device.type}" if backend == "triton" else \
         f"torch's kernels on {device.type} (native engine not used: {why})"
     return net, path
 

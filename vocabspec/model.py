@@ -96,12 +96,18 @@ class ModelArgs:
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. Gemma's (1 + w) is already folded into the weight."""
 
+    row_invariant = False      # kernels.rms_norm instead (Transformer.use_kernels)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_invariant:
+            from .kernels import rms_norm
+
+            return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         x32 = x.float()
         if x.is_cuda:      # one kernel instead of six: CUDA steps are bound by kernel count
             return F.rms_norm(x32, (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
@@ -183,6 +189,12 @@ class Attention(nn.Module):
             q, k = qk[:, :args.n_heads], qk[:, args.n_heads:]
         v = v.view(n, args.n_kv_heads, args.head_dim).transpose(0, 1).unsqueeze(0)
         keys, values = cache.write(self.layer, k, v)
+        if isinstance(mask, Visibility):     # row-invariant kernels (Transformer.use_kernels)
+            from .kernels import attention
+
+            out = attention(q[0].transpose(0, 1), keys[0], values[0], mask.prefix, mask.xoff, mask.extra,
+                            self.scale, mask.positions, mask.window)
+            return self.wo(out.reshape(n, self.q_size))
         if key_start:
             keys, values = keys[:, :, key_start:], values[:, :, key_start:]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
@@ -228,6 +240,42 @@ class Block(nn.Module):
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         return x + h
+
+
+@dataclass
+class Visibility:
+    """What each new row attends to, as the row-invariant kernels read it (native.visibility's
+    prefix, xoff, extra, on the device), and the sliding window where a layer has one."""
+    prefix: torch.Tensor
+    xoff: torch.Tensor
+    extra: torch.Tensor
+    positions: torch.Tensor
+    window: int = 0
+
+
+class KernelPlan:
+    """RoPE rows and visibility for one forward on the row-invariant kernels: the keys each row
+    sees as slot lists in position order, so that a tree's row and its path's one-token row
+    reduce over the same keys in the same order."""
+
+    def __init__(self, args: ModelArgs, cache: KVCache, positions: torch.Tensor,
+                 tree_mask: torch.Tensor | None, rope: dict):
+        from .native import visibility
+
+        self.rows = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in rope.items()}
+        prefix, xoff, extra = (t.to(positions.device) for t in
+                               visibility(cache.length, cache.pending, positions.cpu(),
+                                          tree_mask.cpu() if tree_mask is not None else None))
+        seen = Visibility(prefix, xoff, extra, positions)
+        self.masks = {"global": (seen, 0)}
+        if args.sliding_window is not None:
+            self.masks["local"] = (Visibility(prefix, xoff, extra, positions, args.sliding_window), 0)
+
+    def for_layer(self, args: ModelArgs, layer: int):
+        kind = "local" if args.is_sliding(layer) else "global"
+        cos, sin = self.rows[kind if kind in self.rows else "global"]
+        mask, key_start = self.masks[kind]
+        return cos, sin, mask, key_start
 
 
 class AttentionPlan:
@@ -335,6 +383,7 @@ class Transformer(nn.Module):
         self.rope = {}
         self._init_rope()
         self.native = None       # native.NativeModel once `use_native` has run
+        self.kernels = False     # the row-invariant kernels (kernels.py) once `use_kernels` has run
         # Held by whoever runs a step (a generation, a batch's thread): a model's scratch
         # buffers and native state serve one caller at a time.
         self.lock = threading.RLock()
@@ -377,7 +426,22 @@ class Transformer(nn.Module):
         """Whether a forward gives every row the bits a one-token forward gives it (the native
         engine, by construction). torch's kernels do not promise it; in float32 their tree and
         one-token results differ in the last bits only."""
-        return self.native is not None
+        return self.native is not None or self.kernels
+
+    def use_kernels(self) -> None:
+        """Compute every matmul, norm and attention with the row-invariant kernels (kernels.py):
+        a tree's rows then get the bits of one-token decoding on a GPU, in any dtype."""
+        from .kernels import available
+
+        ok, why = available()
+        if not ok:
+            raise ValueError(f"the row-invariant kernels cannot run here: {why}")
+        if self.native is not None:
+            raise ValueError("the native engine is row-invariant already; the kernels are for torch's path")
+        for module in self.modules():
+            if isinstance(module, (Linear, RMSNorm)):
+                module.row_invariant = True
+        self.kernels = True
 
     def use_native(self, packed: dict, weights: str) -> None:
         """Run on the native CPU engine with `packed` weights (formats.pack_model)."""
@@ -418,6 +482,10 @@ class Transformer(nn.Module):
         """Logits from pre-norm hidden states (rows, dim) -> (rows, vocab), in float32."""
         if self.native is not None:
             return self.native.head(hidden)
+        if self.kernels:
+            from .kernels import linear as fixed_order
+
+            return fixed_order(self.norm(hidden), self.head_weight).float()
         return linear(self.norm(hidden), self.head_weight).float()
 
     @property
@@ -488,8 +556,10 @@ class Transformer(nn.Module):
                 if cache.pending:
                     raise ValueError("a tree given by its parents sees every cached token: commit first")
                 tree_mask = ancestor_mask(parents)
-            plan = (DevicePlan if device_cache else AttentionPlan)(self.args, cache, positions,
-                                                                  tree_mask, self.rope)
+            if device_cache and self.kernels:
+                raise ValueError("static steps (a device cache) do not run on the row-invariant kernels yet")
+            plan = (DevicePlan if device_cache else KernelPlan if self.kernels else AttentionPlan)(
+                self.args, cache, positions, tree_mask, self.rope)
             tapped = []
             for i, layer in enumerate(self.layers):
                 cos, sin, mask, key_start = plan.for_layer(self.args, i)
