@@ -161,6 +161,46 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int, b
     return rows
 
 
+def check_kernels(path: Path, prompts: list[str], weights: str, new_tokens: int, budget_s: float) -> dict:
+    """The row-invariant kernels (--backend triton): plain decoding, prompt lookup and EAGLE-2
+    (FR 32k, alone and with the lookup path) in the general loop, each exact with no
+    --allow-inexact, mismatches counted against plain decoding on the same kernels."""
+    model, _ = load_model(str(path), weights=weights, device=DEVICE, backend="triton")
+    tokenizer = load_tokenizer(path)
+    ids = [encode_conversation(tokenizer, [("user", p)], answer_open=True) for p in prompts]
+    drafter, _, fr = drafter_and_heads(model)
+    proposers = {"plain": None, "pld": PromptLookupProposer(device=model.device),
+                 "eagle2+fr:32k 4x16": EagleProposer(drafter, head=fr, depth=4, top_k=8, total_tokens=16),
+                 "eagle2+fr:32k+pld 4x16": EagleLookupProposer(drafter, head=fr, depth=4, top_k=8, total_tokens=16)}
+    engines = {name: Engine(model, tokenizer, proposer, static=False) for name, proposer in proposers.items()}
+    for engine in engines.values():                                  # warm-up: compiles the kernels
+        engine.generate(ids[0], GenerationConfig(max_new_tokens=4))
+    rows = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "mismatches": 0, "prompts": 0} for name in engines}
+    started = time.perf_counter()
+    for prompt in ids:
+        if time.perf_counter() - started > budget_s:
+            break
+        reference = None
+        for name, engine in engines.items():
+            sync()
+            start = time.perf_counter()
+            out = engine.generate(prompt, GenerationConfig(max_new_tokens=new_tokens))
+            sync()
+            row = rows[name]
+            row["seconds"] += time.perf_counter() - start
+            row["tokens"] += out.new_tokens
+            row["steps"] += len(out.steps)
+            row["prompts"] += 1
+            reference = out.tokens if reference is None else reference
+            row["mismatches"] += out.tokens != reference
+    plain = rows["plain"]["tokens"] / rows["plain"]["seconds"]
+    for row in rows.values():
+        row["tokens_per_s"] = round(row["tokens"] / row["seconds"], 1)
+        row["speedup"] = round(row["tokens_per_s"] / plain, 2)
+        row["tau"] = round(row["tokens"] / max(row["steps"], 1), 2)
+    return rows
+
+
 @torch.inference_mode()                      # the step's buffers are inference tensors
 def replay_ms(engine, replays: int = 8) -> dict:
     """Milliseconds of each captured step replayed alone (the device's share of a step), its
@@ -276,7 +316,7 @@ def drafting_cost(layers: int, steps: int = 20) -> dict:
     return result
 
 
-SECTIONS = ("read_backs", "f32", "drafting", "bf16", "profile")
+SECTIONS = ("read_backs", "f32", "drafting", "bf16", "profile", "triton_f32", "triton_bf16")
 
 
 def report(run: dict, prompts: int, new_tokens: int) -> str:
@@ -298,6 +338,13 @@ def report(run: dict, prompts: int, new_tokens: int) -> str:
     if replays:
         lines += ["", "Captured steps replayed alone (ms, by cache slots and tree rows):", ""]
         lines += [f"- {r}" for r in replays]
+    for section in ("triton_f32", "triton_bf16"):
+        if section in run:
+            lines += ["", f"Row-invariant kernels (--backend triton), {section[7:]}, general loop, no "
+                      "--allow-inexact; mismatches against plain decoding on the same kernels:", "",
+                      "| method | prompts | tok/s | speedup | tau | mismatches |", "| --- | --- | --- | --- | --- | --- |"]
+            lines += [f"| {name} | {row['prompts']} | {row['tokens_per_s']} | {row['speedup']}x | {row['tau']} | "
+                      f"{row['mismatches'] if name != 'plain' else '-'} |" for name, row in run[section].items()]
     for weights in ("f32", "bf16"):
         if "tuner" in run.get(weights, {}):
             lines += ["", *tuner_lines(weights, run[weights]["tuner"])]
@@ -364,7 +411,9 @@ def main():
             "f32": lambda: check_model(Path(args.gguf), prompts, "f32", args.new_tokens, args.budget_s),
             "bf16": lambda: check_model(Path(args.gguf), prompts, "bf16", args.new_tokens, args.budget_s),
             "drafting": lambda: drafting_cost(args.target_layers),
-            "profile": lambda: profile_steps(Path(args.gguf), prompts[0], out)}
+            "profile": lambda: profile_steps(Path(args.gguf), prompts[0], out),
+            "triton_f32": lambda: check_kernels(Path(args.gguf), prompts, "f32", args.new_tokens, args.budget_s),
+            "triton_bf16": lambda: check_kernels(Path(args.gguf), prompts, "bf16", args.new_tokens, args.budget_s)}
     for section in SECTIONS:
         if section not in sections:
             continue

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check in one command (under 8 minutes on one H100/H200): exactness in float32 and
 # bfloat16, read-backs a step, speed of plain decoding and the main methods (EAGLE-2 also at the
-# static-step tuner's tree, with its table), drafting cost on a Llama-3-8B-shaped model, and a
-# profile of one step; report.md, run.json and the profiles' traces go to OUT.
+# static-step tuner's tree, with its table), drafting cost on a Llama-3-8B-shaped model, a
+# profile of one step, and the row-invariant Triton kernels (--backend triton: exact without
+# --allow-inexact, in float32 and bfloat16); report.md, run.json and the traces go to OUT.
 #   bash scripts/gpu_check.sh OUT SMOLLM2_GGUF PROMPTS_JSON
 # PROMPTS_JSON: a JSON list of prompts (the Spec-Bench category prompts: see BENCHMARKS.md).
 set -euo pipefail
