@@ -116,6 +116,28 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int, b
     engines = make_engines(model, tokenizer, graphs=True, warmup_ids=ids[0], tuned=tuned)
     eager = make_engines(model, tokenizer, graphs=False, warmup_ids=ids[0], only=("plain", "eagle2+fr:32k 5x48"))
     engines.update({f"{name} (eager)": engine for name, engine in eager.items()})
+    rows = timed_rows(engines, ids, config, budget_s)
+    for name, row in rows.items():
+        decoders = engines[name].decoders.values()
+        row["graphs"] = sum(len(d.graphs) for d in decoders)
+        row["graph_failures"] = [why for d in decoders for why in d.graph_failures.values()]
+        try:                                   # a timing aid: never the section's undoing
+            row["replay_ms"] = replay_ms(engines[name])
+        except Exception as exc:  # noqa: BLE001
+            row["replay_ms"] = {"error": f"{type(exc).__name__}: {exc}"}
+    rows["tuner"] = {"chosen": f"{record['depth']}x{record['total_tokens']}",
+                     "measured_speedup": record["measured_speedup"],
+                     "plain_step_ms": round(record["plain_step_s"] * 1e3, 3),
+                     "loop_ms": round(record["loop_s"] * 1e3, 3),
+                     "step_ms": {k: round(r["step_s"] * 1e3, 3) for k, r in record["table"].items()},
+                     "tau": {k: r["tau"] for k, r in record["table"].items()}}
+    return rows
+
+
+def timed_rows(engines: dict, ids: list[list[int]], config: GenerationConfig, budget_s: float) -> dict:
+    """Every engine on each prompt in turn until the prompts or `budget_s` run out: tokens,
+    seconds, steps and mismatches against the first engine's tokens (plain decoding's), per
+    engine, with tok/s, speedup over the first and tau."""
     rows = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "mismatches": 0, "prompts": 0} for name in engines}
     started = time.perf_counter()
     for prompt in ids:
@@ -130,34 +152,19 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int, b
             start = time.perf_counter()
             out = engine.generate(prompt, config)
             sync()
+            os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1"
             row = rows[name]
             row["seconds"] += time.perf_counter() - start
             row["tokens"] += out.new_tokens
             row["steps"] += len(out.steps)
             row["prompts"] += 1
-            os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1"
-            if reference is None:
-                reference = out.tokens
-            elif out.tokens != reference:
-                row["mismatches"] += 1
-    plain = rows["plain"]["tokens"] / rows["plain"]["seconds"]
-    for name, row in rows.items():
+            reference = out.tokens if reference is None else reference
+            row["mismatches"] += out.tokens != reference
+    first = next(iter(rows.values()))
+    for row in rows.values():
         row["tokens_per_s"] = round(row["tokens"] / row["seconds"], 1)
-        row["speedup"] = round(row["tokens_per_s"] / plain, 2)
+        row["speedup"] = round(row["tokens_per_s"] / (first["tokens"] / first["seconds"]), 2)
         row["tau"] = round(row["tokens"] / max(row["steps"], 1), 2)
-        decoders = engines[name].decoders.values()
-        row["graphs"] = sum(len(d.graphs) for d in decoders)
-        row["graph_failures"] = [why for d in decoders for why in d.graph_failures.values()]
-        try:                                   # a timing aid: never the section's undoing
-            row["replay_ms"] = replay_ms(engines[name])
-        except Exception as exc:  # noqa: BLE001
-            row["replay_ms"] = {"error": f"{type(exc).__name__}: {exc}"}
-    rows["tuner"] = {"chosen": f"{record['depth']}x{record['total_tokens']}",
-                     "measured_speedup": record["measured_speedup"],
-                     "plain_step_ms": round(record["plain_step_s"] * 1e3, 3),
-                     "loop_ms": round(record["loop_s"] * 1e3, 3),
-                     "step_ms": {k: round(r["step_s"] * 1e3, 3) for k, r in record["table"].items()},
-                     "tau": {k: r["tau"] for k, r in record["table"].items()}}
     return rows
 
 
@@ -175,30 +182,7 @@ def check_kernels(path: Path, prompts: list[str], weights: str, new_tokens: int,
     engines = {name: Engine(model, tokenizer, proposer, static=False) for name, proposer in proposers.items()}
     for engine in engines.values():                                  # warm-up: compiles the kernels
         engine.generate(ids[0], GenerationConfig(max_new_tokens=4))
-    rows = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "mismatches": 0, "prompts": 0} for name in engines}
-    started = time.perf_counter()
-    for prompt in ids:
-        if time.perf_counter() - started > budget_s:
-            break
-        reference = None
-        for name, engine in engines.items():
-            sync()
-            start = time.perf_counter()
-            out = engine.generate(prompt, GenerationConfig(max_new_tokens=new_tokens))
-            sync()
-            row = rows[name]
-            row["seconds"] += time.perf_counter() - start
-            row["tokens"] += out.new_tokens
-            row["steps"] += len(out.steps)
-            row["prompts"] += 1
-            reference = out.tokens if reference is None else reference
-            row["mismatches"] += out.tokens != reference
-    plain = rows["plain"]["tokens"] / rows["plain"]["seconds"]
-    for row in rows.values():
-        row["tokens_per_s"] = round(row["tokens"] / row["seconds"], 1)
-        row["speedup"] = round(row["tokens_per_s"] / plain, 2)
-        row["tau"] = round(row["tokens"] / max(row["steps"], 1), 2)
-    return rows
+    return timed_rows(engines, ids, GenerationConfig(max_new_tokens=new_tokens), budget_s)
 
 
 @torch.inference_mode()                      # the step's buffers are inference tensors

@@ -131,6 +131,21 @@ def attention_mask(cache, n: int, tree_mask, device):
     return None
 
 
+def randomized(drafter: nn.Module, target: Transformer, seed: int, dtype: torch.dtype | None) -> nn.Module:
+    """`drafter` untrained: norms at 1, matrices drawn with variance 1 / inputs, the rest 0; on
+    the target's device, in `dtype` (default: the target's), frozen."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.fill_(1.0)
+            elif p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * p.shape[1] ** -0.5)
+            else:
+                p.zero_()
+    return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
+
+
 class EagleDrafter(nn.Module):
     def __init__(self, target: Transformer, input_norm: bool = False, taps: tuple[int, ...] = (),
                  n_layers: int = 1):
@@ -177,17 +192,7 @@ class EagleDrafter(nn.Module):
                dtype: torch.dtype | None = None, taps: tuple[int, ...] = (),
                n_layers: int = 1) -> "EagleDrafter":
         """An untrained drafter (tests, and measuring the engine's overhead)."""
-        generator = torch.Generator().manual_seed(seed)
-        drafter = cls(target, input_norm=input_norm, taps=taps, n_layers=n_layers)
-        with torch.no_grad():
-            for name, p in drafter.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif p.dim() == 2:
-                    p.copy_(torch.randn(p.shape, generator=generator) * p.shape[1] ** -0.5)
-                else:
-                    p.zero_()
-        return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
+        return randomized(cls(target, input_norm=input_norm, taps=taps, n_layers=n_layers), target, seed, dtype)
 
     def add_taps(self, taps: tuple[int, ...]) -> None:
         """Start fusing `taps` into an untapped drafter: the fusion starts as the identity on

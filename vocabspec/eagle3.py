@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .drafter import DrafterMismatch, attention_mask
+from .drafter import DrafterMismatch, attention_mask, randomized
 from .kv_cache import DeviceKVCache, KVCache
 from .linear import Linear
 from .model import Block, ModelArgs, RMSNorm, Transformer, rope_tables
@@ -252,17 +252,7 @@ class Eagle3Drafter(nn.Module):
     def random(cls, target: Transformer, config: Eagle3Config, seed: int = 0,
                dtype: torch.dtype | None = None) -> "Eagle3Drafter":
         """An untrained drafter (tests); its draft vocabulary: the target's first ids."""
-        generator = torch.Generator().manual_seed(seed)
-        drafter = cls(target, config)
-        with torch.no_grad():
-            for name, p in drafter.named_parameters():
-                if p.dim() == 1 and "norm" in name:
-                    p.fill_(1.0)
-                elif p.dim() == 2:
-                    p.copy_(torch.randn(p.shape, generator=generator) * p.shape[1] ** -0.5)
-                else:
-                    p.zero_()
-        return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
+        return randomized(cls(target, config), target, seed, dtype)
 
     def state_in(self, layout: str) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors in `layout` (speculators or sglang)."""

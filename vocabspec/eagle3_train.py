@@ -151,7 +151,7 @@ def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> di
 
 def train(cfg, target: Transformer, log=print) -> Eagle3Drafter:
     from .proposers import bundled_drafter_dir
-    from .train import _atomic_save, _lr, _run_identity, load_shards, parse_taps
+    from .train import _atomic_save, _lr, load_shards, parse_taps, resumable
 
     out = Path(cfg.out)
     train_set = load_shards(cfg, "train") + load_shards(cfg, "distill")
@@ -173,12 +173,8 @@ def train(cfg, target: Transformer, log=print) -> Eagle3Drafter:
     total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or steps_per_epoch * cfg.epochs)
     step, history, seconds_before = 0, [], 0.0
     checkpoint = out / "checkpoint-eagle3.pt"
-    if checkpoint.exists() and _run_identity(torch.load(checkpoint)["config"]) != _run_identity(asdict(cfg)):
-        kept = out / f"checkpoint-eagle3-{time.strftime('%Y%m%d-%H%M%S')}.pt"
-        checkpoint.replace(kept)
-        log(f"{checkpoint} belongs to a run with other settings: moved to {kept.name}")
-    if checkpoint.exists():
-        state = torch.load(checkpoint)
+    state = resumable(checkpoint, cfg, log)
+    if state is not None:
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         step, history, seconds_before = state["step"], state["history"], state["seconds"]

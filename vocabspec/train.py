@@ -542,6 +542,20 @@ def _run_identity(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in ("max_steps", "checkpoint_every", "out", "answers")}
 
 
+def resumable(checkpoint: Path, cfg: TrainConfig, log=print) -> dict | None:
+    """The state saved at `checkpoint` by this same run (`_run_identity`), to resume from; a
+    checkpoint of another run (say, the one --init starts from) is moved aside, kept."""
+    if not checkpoint.exists():
+        return None
+    state = torch.load(checkpoint)
+    if _run_identity(state["config"]) == _run_identity(asdict(cfg)):
+        return state
+    kept = checkpoint.with_name(f"{checkpoint.stem}-{time.strftime('%Y%m%d-%H%M%S')}.pt")
+    checkpoint.replace(kept)
+    log(f"{checkpoint} belongs to a run with other settings: moved to {kept.name}")
+    return None
+
+
 def _lr(step: int, total: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -587,13 +601,8 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
         total = min(total, cfg.max_steps)
     step, history, seconds_before = 0, [], 0.0
     checkpoint = out / "checkpoint.pt"
-    if checkpoint.exists() and _run_identity(torch.load(checkpoint)["config"]) != _run_identity(asdict(cfg)):
-        # Another run's checkpoint (say, the one --init starts from): kept, not resumed.
-        kept = out / f"checkpoint-{time.strftime('%Y%m%d-%H%M%S')}.pt"
-        checkpoint.replace(kept)
-        log(f"{checkpoint} belongs to a run with other settings: moved to {kept.name}")
-    if checkpoint.exists():
-        state = torch.load(checkpoint)
+    state = resumable(checkpoint, cfg, log)
+    if state is not None:
         drafter.load_state_dict(state["drafter"])
         if ranker is not None:
             with torch.no_grad():
