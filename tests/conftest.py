@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton's kernels (kernels.py) run on the CPU under its interpreter, which must be chosen before
+# anything imports triton (transformers may, through its integrations).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from vocabspec.loading import load_model
 from vocabspec.model import ModelArgs, Transformer
 from vocabspec.tokenizer import load_tokenizer

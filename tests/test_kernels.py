@@ -3,15 +3,10 @@ one is present): each row's bits do not depend on how many rows share the call o
 hold, a tree's attention rows equal the one-token rows of their paths bit for bit, and every
 kernel agrees with torch to float rounding. Tiny shapes: the interpreter is slow."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is imported
-
-from vocabspec import kernels, native  # noqa: E402
+from vocabspec import kernels, native     # (conftest.py chooses Triton's interpreter on a CPU)
 
 pytestmark = pytest.mark.skipif(not kernels.available()[0], reason=kernels.available()[1])
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

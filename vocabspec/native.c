@@ -322,9 +322,10 @@ typedef struct {
    A job is `n` items of work that any thread may take, one at a time; each item writes outputs
    of its own, so which thread takes which changes no bits, and neither does the number of
    threads. Each thread starts on a contiguous share of the items (so it streams one stretch of
-   a weight, as a static split would) and then takes what is left of the others' shares. The
-   calling thread returns once every item is finished: it waits only for items another thread
-   has taken, never for a thread to arrive. A worker the OS has descheduled (another process
+   a weight, as a static split would) and then takes what is left of the others' shares. Each
+   finished item is marked with its job's number, and the calling thread returns once every
+   item of its job is marked: it waits only for items another thread has taken, never for a
+   thread to arrive. A worker the OS has descheduled (another process
    busy on its core) so costs at most the item it holds, where a barrier costs its whole
    absence: with barriers (OpenMP's) a forward's hundreds of them each waited for a
    descheduled thread, and a busy neighbour made decoding a hundred times slower. Idle workers
@@ -346,11 +347,10 @@ typedef struct {
 
 typedef void (*item_fn)(void *ctx, int64_t item, int worker);
 
-/* A thread's share of the current job, and what it finished, on cache lines of their own. */
+/* A thread's share of the current job, on a cache line of its own. */
 typedef struct {
     _Alignas(64) _Atomic uint64_t next; /* the job's number << 32 | the share's next item */
     _Atomic int64_t end;
-    _Alignas(64) _Atomic int64_t done;  /* items this thread finished in the job */
 } share;
 
 static struct {
@@ -363,6 +363,11 @@ static struct {
     int64_t solo_until, solo_span, last_stall; /* the caller's, under `busy` */
     pthread_mutex_t busy;
     share share[VS_MAX_THREADS];
+    /* Item i of the current job is finished once done[i] holds the job's number: the caller
+       waits for exactly its own job's items, item by item, whatever else any thread writes.
+       Grown by the caller; an outgrown array is kept (a worker may still be reading it). */
+    _Atomic(_Atomic uint32_t *) done;
+    int64_t done_cap;
 } pool = {.threads = 1, .busy = PTHREAD_MUTEX_INITIALIZER};
 
 static int64_t now_ns(void) {
@@ -375,25 +380,23 @@ static int64_t now_ns(void) {
 static void take_items(uint32_t job, int worker) {
     const int shares = atomic_load(&pool.shares);
     if (worker >= shares) return; /* a worker beyond vs_set_threads' count stays idle */
-    int64_t done = 0;
     for (int k = 0; k < shares; k++) {
         share *sh = &pool.share[(worker + k) % shares];
         for (;;) {
             uint64_t next = atomic_load(&sh->next);
-            if ((uint32_t)(next >> 32) != job) goto out;
+            if ((uint32_t)(next >> 32) != job) return;   /* the job is over */
             /* Read before the claim: a job's fields change only once all its items are
                finished, which this one (if the claim below succeeds) is not. */
             const item_fn fn = atomic_load(&pool.fn);
             void *ctx = atomic_load(&pool.ctx);
+            _Atomic uint32_t *done = atomic_load(&pool.done);
             const int64_t item = (int64_t)(next & 0xFFFFFFFFu);
             if (item >= atomic_load(&sh->end)) break;
             if (!atomic_compare_exchange_weak(&sh->next, &next, next + 1)) continue;
             fn(ctx, item, worker);
-            done++;
+            atomic_store(&done[item], job);
         }
     }
-out:
-    if (done) atomic_fetch_add(&pool.share[worker].done, done);
 }
 
 static uint32_t next_job(uint32_t seen) {
@@ -464,25 +467,38 @@ static void run_job(item_fn fn, void *ctx, int64_t n) {
         if (failed) break; /* fewer workers: the caller takes what they would have */
         pool.started++;
     }
+    if (n > pool.done_cap) {
+        int64_t cap = pool.done_cap ? pool.done_cap : 4096;
+        while (cap < n) cap *= 2;
+        _Atomic uint32_t *grown = calloc((size_t)cap, sizeof(uint32_t));
+        if (grown == NULL) { /* no room to track the items: take them all here */
+            pthread_mutex_unlock(&pool.busy);
+            for (int64_t i = 0; i < n; i++) fn(ctx, i, 0);
+            return;
+        }
+        atomic_store(&pool.done, grown);
+        pool.done_cap = cap;
+    }
+    _Atomic uint32_t *done = atomic_load(&pool.done);
     const int shares = pool.started + 1 < pool.threads ? pool.started + 1 : pool.threads;
     const uint32_t job = atomic_load(&pool.job) + 1;
     atomic_store(&pool.fn, fn);
     atomic_store(&pool.ctx, ctx);
     atomic_store(&pool.shares, shares);
     for (int t = 0; t < shares; t++) {
-        atomic_store(&pool.share[t].done, 0);
         atomic_store(&pool.share[t].end, n * (t + 1) / shares);
         atomic_store(&pool.share[t].next, (uint64_t)job << 32 | (uint64_t)(n * t / shares));
     }
     atomic_store(&pool.job, job);
-    if (atomic_load(&pool.sleepers) > 0)
-        syscall(SYS_futex, (uint32_t *)&pool.job, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    /* A worker woken from its sleep may take long to run again (a VM's wake-up): not a stall,
+       or every solo stretch, whose end wakes the sleeping workers, would call for another. */
+    const int woke = atomic_load(&pool.sleepers) > 0;
+    if (woke) syscall(SYS_futex, (uint32_t *)&pool.job, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     take_items(job, 0);
     int64_t start = 0, waited = 0;
-    for (int64_t i = 1;; i++) {
-        int64_t done = 0;
-        for (int t = 0; t < shares; t++) done += atomic_load(&pool.share[t].done);
-        if (done == n) break;
+    for (int64_t item = 0, i = 1; item < n; i++) {
+        while (item < n && atomic_load(&done[item]) == job) item++;
+        if (item == n) break;
         if (i % 64) {
             _mm_pause();
             continue;
@@ -492,7 +508,7 @@ static void run_job(item_fn fn, void *ctx, int64_t n) {
         waited = now - start;
         if (waited >= WAIT_SPIN_NS) sched_yield();
     }
-    if (waited >= STALL_NS) {
+    if (waited >= STALL_NS && !woke) {
         const int64_t now = now_ns();
         pool.solo_span = pool.solo_span == 0 ? SOLO_MIN_NS : pool.solo_span * 2 < SOLO_MAX_NS ? pool.solo_span * 2 : SOLO_MAX_NS;
         pool.solo_until = now + pool.solo_span;
