@@ -9,11 +9,11 @@ generator are its own: its tokens are exactly those it gets served alone, whatev
 The batch changes when tokens arrive, never which.
 
 The steps run on one thread: the engine's own (`thread=True`), or the caller's, through `run`
-(`thread=False`). The native engine runs as fast from either (its worker threads take items
-of work from whichever thread calls it); torch's own CPU kernels do not: OpenMP (libgomp)
-throttles a parallel team started outside the process's first thread once its threads
-outnumber the cores. So `serve` answers HTTP on a thread of its own and steps the batch on the
-main thread, and `generate` steps it on the calling thread.
+(`thread=False`). The second is the fast one on a CPU: OpenMP (libgomp) throttles a parallel
+team started outside the process's first thread once its threads outnumber the cores, and every
+layer's parallel region then waits on the kernel instead of spinning: on 2 cores a forward in
+another thread costs about 4x. So `serve` answers HTTP on a thread of its own and steps the
+batch on the main thread, and `generate` steps it on the calling thread.
 
 The engine has `max_batch` slots, each a KV cache of `window` tokens and a proposer built once;
 a request takes a free slot (prefilled when it joins), or waits in a queue of at most

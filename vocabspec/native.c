@@ -10,32 +10,24 @@
  *    weighted sum of values is one chain per output lane over those keys;
  *  - norms, RoPE and activations are per-row vector code with no scalar tails.
  * How the work is split between threads (over output columns, over rows and heads) changes no
- * order: items of work are taken by whichever thread is free (see "threads" below). Activations are float32 throughout; weights are float32, bfloat16 or quantized groups.
+ * order. Activations are float32 throughout; weights are float32, bfloat16 or quantized groups.
  *
  * The arithmetic is written once over 16-lane vectors (`vf`, `vi` below): one AVX-512 register,
  * or two AVX2 registers doing the same per-lane operations, with horizontal sums in one order
  * written out here (not left to a compiler's reduce builtins). Each lane sees the same sequence
  * of IEEE operations on either instruction set; integer dot products are exact on both.
  *
- * Built by native.py with the machine's C compiler (-O3 -march=native -pthread
+ * Built by native.py with the machine's C compiler (-O3 -march=native -fopenmp
  * -ffp-contract=off -fno-fast-math: every fused multiply-add here is written as one). Needs
  * AVX-512 (F, BW) or AVX2 with FMA and F16C.
  */
 
-#define _GNU_SOURCE
 #include <immintrin.h>
-#include <limits.h>
-#include <linux/futex.h>
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
+#include <omp.h>
 
 #if defined(__FAST_MATH__) || __FINITE_MATH_ONLY__ || defined(__ASSOCIATIVE_MATH__)
 #error "the vocabspec native engine must be built without fast-math: its reductions have one fixed order"
@@ -316,215 +308,6 @@ typedef struct {
     vs_layer *layers;
 } vs_stack;
 
-
-/* ------------------------------------------------------------------ threads
-
-   A job is `n` items of work that any thread may take, one at a time; each item writes outputs
-   of its own, so which thread takes which changes no bits, and neither does the number of
-   threads. Each thread starts on a contiguous share of the items (so it streams one stretch of
-   a weight, as a static split would) and then takes what is left of the others' shares. Each
-   finished item is marked with its job's number, and the calling thread returns once every
-   item of its job is marked: it waits only for items another thread has taken, never for a
-   thread to arrive. A worker the OS has descheduled (another process
-   busy on its core) so costs at most the item it holds, where a barrier costs its whole
-   absence: with barriers (OpenMP's) a forward's hundreds of them each waited for a
-   descheduled thread, and a busy neighbour made decoding a hundred times slower. Idle workers
-   spin briefly (a forward's jobs come microseconds apart), then yield the core, then sleep on
-   a futex. When the caller waits long for an item a worker holds, another process has the
-   worker's core: for a while (doubling while it recurs) the caller runs jobs alone, and the
-   idle workers sleep, which leaves the caller a larger share of the busy cores than two
-   threads each taking turns with the neighbour would have. One caller uses the workers at a
-   time; a second caller's jobs run on its own thread alone. None of this changes a bit. */
-
-#define VS_MAX_THREADS 64
-#define SPIN_NS 50000L      /* a worker spins this long for the next job, */
-#define YIELD_NS 2000000L   /* then yields its core until this long, then sleeps */
-#define WAIT_SPIN_NS 20000L /* the caller spins this long for taken items, then yields */
-#define STALL_NS 300000L    /* a wait this long for one job's items: a worker was descheduled */
-#define SOLO_MIN_NS 20000000L  /* the caller then runs jobs alone this long, doubling */
-#define SOLO_MAX_NS 640000000L /* up to this */
-#define CALM_NS 2000000000L /* a stall-free stretch this long forgets earlier stalls */
-
-typedef void (*item_fn)(void *ctx, int64_t item, int worker);
-
-/* A thread's share of the current job, on a cache line of its own. */
-typedef struct {
-    _Alignas(64) _Atomic uint64_t next; /* the job's number << 32 | the share's next item */
-    _Atomic int64_t end;
-} share;
-
-static struct {
-    _Alignas(64) _Atomic(item_fn) fn;
-    _Atomic(void *) ctx;
-    _Atomic int shares;
-    _Alignas(64) _Atomic uint32_t job; /* the current job's number (a futex word) */
-    _Atomic int sleepers;
-    int threads, started;              /* threads: the caller and threads - 1 workers */
-    int64_t solo_until, solo_span, last_stall; /* the caller's, under `busy` */
-    pthread_mutex_t busy;
-    share share[VS_MAX_THREADS];
-    /* Item i of the current job is finished once done[i] holds the job's number: the caller
-       waits for exactly its own job's items, item by item, whatever else any thread writes.
-       Grown by the caller; an outgrown array is kept (a worker may still be reading it). */
-    _Atomic(_Atomic uint32_t *) done;
-    int64_t done_cap;
-} pool = {.threads = 1, .busy = PTHREAD_MUTEX_INITIALIZER};
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000L + t.tv_nsec;
-}
-
-/* Run items of job `job`: this thread's share first, then the others', until none is left. */
-static void take_items(uint32_t job, int worker) {
-    const int shares = atomic_load(&pool.shares);
-    if (worker >= shares) return; /* a worker beyond vs_set_threads' count stays idle */
-    for (int k = 0; k < shares; k++) {
-        share *sh = &pool.share[(worker + k) % shares];
-        for (;;) {
-            uint64_t next = atomic_load(&sh->next);
-            if ((uint32_t)(next >> 32) != job) return;   /* the job is over */
-            /* Read before the claim: a job's fields change only once all its items are
-               finished, which this one (if the claim below succeeds) is not. */
-            const item_fn fn = atomic_load(&pool.fn);
-            void *ctx = atomic_load(&pool.ctx);
-            _Atomic uint32_t *done = atomic_load(&pool.done);
-            const int64_t item = (int64_t)(next & 0xFFFFFFFFu);
-            if (item >= atomic_load(&sh->end)) break;
-            if (!atomic_compare_exchange_weak(&sh->next, &next, next + 1)) continue;
-            fn(ctx, item, worker);
-            atomic_store(&done[item], job);
-        }
-    }
-}
-
-static uint32_t next_job(uint32_t seen) {
-    const int64_t start = now_ns();
-    for (int64_t i = 1;; i++) {
-        const uint32_t job = atomic_load(&pool.job);
-        if (job != seen) return job;
-        if (i % 64) {
-            _mm_pause();
-            continue;
-        }
-        const int64_t waited = now_ns() - start;
-        if (waited < SPIN_NS) continue;
-        if (waited < YIELD_NS) {
-            sched_yield();
-            continue;
-        }
-        atomic_fetch_add(&pool.sleepers, 1);
-        syscall(SYS_futex, (uint32_t *)&pool.job, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
-        atomic_fetch_sub(&pool.sleepers, 1);
-    }
-}
-
-static void *worker_main(void *arg) {
-    const int worker = (int)(intptr_t)arg;
-    for (uint32_t seen = atomic_load(&pool.job);;) {
-        seen = next_job(seen);
-        take_items(seen, worker);
-    }
-    return NULL;
-}
-
-/* Threads for later jobs (the caller's included), at most VS_MAX_THREADS. Workers are started
-   on first need and kept; fewer threads leave the rest idle. */
-void vs_set_threads(int threads) {
-    pthread_mutex_lock(&pool.busy);
-    pool.threads = threads < 1 ? 1 : threads > VS_MAX_THREADS ? VS_MAX_THREADS : threads;
-    pthread_mutex_unlock(&pool.busy);
-}
-
-int vs_threads(void) { return pool.threads; }
-
-/* fn(ctx, item, worker) for every item in [0, n); worker < vs_threads() tells a thread's
-   scratch apart. Returns when all are finished. */
-static void run_job(item_fn fn, void *ctx, int64_t n) {
-    if (n <= 0) return;
-    if (pool.threads == 1 || n == 1 || pthread_mutex_trylock(&pool.busy) != 0) {
-        for (int64_t i = 0; i < n; i++) fn(ctx, i, 0);
-        return;
-    }
-    if (pool.solo_until != 0) {
-        const int64_t now = now_ns();
-        if (now < pool.solo_until) {
-            pthread_mutex_unlock(&pool.busy);
-            for (int64_t i = 0; i < n; i++) fn(ctx, i, 0);
-            return;
-        }
-        if (now - pool.last_stall > CALM_NS) pool.solo_span = 0;
-        pool.solo_until = 0;
-    }
-    while (pool.started < pool.threads - 1) {
-        pthread_t thread;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const int failed = pthread_create(&thread, &attr, worker_main, (void *)(intptr_t)(pool.started + 1));
-        pthread_attr_destroy(&attr);
-        if (failed) break; /* fewer workers: the caller takes what they would have */
-        pool.started++;
-    }
-    if (n > pool.done_cap) {
-        int64_t cap = pool.done_cap ? pool.done_cap : 4096;
-        while (cap < n) cap *= 2;
-        _Atomic uint32_t *grown = calloc((size_t)cap, sizeof(uint32_t));
-        if (grown == NULL) { /* no room to track the items: take them all here */
-            pthread_mutex_unlock(&pool.busy);
-            for (int64_t i = 0; i < n; i++) fn(ctx, i, 0);
-            return;
-        }
-        atomic_store(&pool.done, grown);
-        pool.done_cap = cap;
-    }
-    _Atomic uint32_t *done = atomic_load(&pool.done);
-    const int shares = pool.started + 1 < pool.threads ? pool.started + 1 : pool.threads;
-    const uint32_t job = atomic_load(&pool.job) + 1;
-    atomic_store(&pool.fn, fn);
-    atomic_store(&pool.ctx, ctx);
-    atomic_store(&pool.shares, shares);
-    for (int t = 0; t < shares; t++) {
-        atomic_store(&pool.share[t].end, n * (t + 1) / shares);
-        atomic_store(&pool.share[t].next, (uint64_t)job << 32 | (uint64_t)(n * t / shares));
-    }
-    atomic_store(&pool.job, job);
-    /* A worker woken from its sleep may take long to run again (a VM's wake-up): not a stall,
-       or every solo stretch, whose end wakes the sleeping workers, would call for another. */
-    const int woke = atomic_load(&pool.sleepers) > 0;
-    if (woke) syscall(SYS_futex, (uint32_t *)&pool.job, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-    take_items(job, 0);
-    int64_t start = 0, waited = 0;
-    for (int64_t item = 0, i = 1; item < n; i++) {
-        while (item < n && atomic_load(&done[item]) == job) item++;
-        if (item == n) break;
-        if (i % 64) {
-            _mm_pause();
-            continue;
-        }
-        const int64_t now = now_ns();
-        if (start == 0) start = now;
-        waited = now - start;
-        if (waited >= WAIT_SPIN_NS) sched_yield();
-    }
-    if (waited >= STALL_NS && !woke) {
-        const int64_t now = now_ns();
-        pool.solo_span = pool.solo_span == 0 ? SOLO_MIN_NS : pool.solo_span * 2 < SOLO_MAX_NS ? pool.solo_span * 2 : SOLO_MAX_NS;
-        pool.solo_until = now + pool.solo_span;
-        pool.last_stall = now;
-    }
-    pthread_mutex_unlock(&pool.busy);
-}
-
-/* Per-row work: in one job where the rows are many, else on the calling thread (a job's
-   hand-over costs more than a few rows of norms). */
-#define ROWS_IN_PARALLEL 16
-static void run_rows(item_fn fn, void *ctx, int64_t n) {
-    if (n >= ROWS_IN_PARALLEL) run_job(fn, ctx, n);
-    else
-        for (int64_t i = 0; i < n; i++) fn(ctx, i, 0);
-}
 
 /* ------------------------------------------------------------------ elementwise math */
 
@@ -1073,59 +856,60 @@ static const float *unit_sums(const vs_weight *w, const float *x, int64_t M, int
 
 #define CHUNK 4 /* blocks per work item */
 
-ALWAYS int64_t chunks_of(const vs_weight *w) { return ((w->rows + RB - 1) / RB + CHUNK - 1) / CHUNK; }
-
-/* ys[i] = x ws[i]^T (+ bias) for `count` weights of the same input width, as one job over all
-   their blocks (q, k and v: one hand-over, not three). Each thread quantizes x (or sums its
-   units) once, on its first item. (Items that take the same blocks of gate and up and apply
-   the activation at once save a hand-over but stream two weights by turns: 10% slower.) */
-typedef struct {
-    const vs_weight *const *ws;
-    float *const *ys;
-    const int64_t *ldy;
-    int count;
-    const float *x;
-    int64_t M, ldx;
-    const float *xs[VS_MAX_THREADS];
-#if VS_HAS_INT8
-    quant_rows xr[VS_MAX_THREADS];
-#endif
-} linear_job;
-
-static void blocks_of(linear_job *j, int i, int64_t c, int worker) {
-    const vs_weight *w = j->ws[i];
-    const int64_t blocks = (w->rows + RB - 1) / RB;
-    const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
-#if VS_HAS_INT8
-    if (is_i8(w)) {
-        if (j->xr[worker].q == NULL) j->xr[worker] = quantize_rows(j->x, j->M, j->ldx, w->cols);
-        blocks_i8_for(w)(w, b0, b1, j->xr[worker], j->M, j->ys[i], j->ldy[i]);
-        return;
-    }
-#endif
-    if (j->xs[worker] == NULL) j->xs[worker] = unit_sums(w, j->x, j->M, j->ldx);
-    blocks_for(w)(w, b0, b1, j->x, j->M, j->ldx, j->xs[worker], j->ys[i], j->ldy[i]);
-}
-
-static void linear_item(void *ctx, int64_t item, int worker) {
-    linear_job *j = ctx;
-    int i = 0;
-    while (item >= chunks_of(j->ws[i])) item -= chunks_of(j->ws[i]), i++;
-    blocks_of(j, i, item, worker);
-}
-
-static void linear_many(const vs_weight *const *ws, float *const *ys, const int64_t *ldy, int count,
-                        const float *x, int64_t M, int64_t ldx) {
-    linear_job j;
-    memset(&j, 0, sizeof j);
-    j.ws = ws, j.ys = ys, j.ldy = ldy, j.count = count, j.x = x, j.M = M, j.ldx = ldx;
+/* ys[i] = x ws[i]^T (+ bias) for `count` weights of the same input width, in one work-sharing
+   loop over all their blocks (q, k and v; gate and up: one barrier, not `count`). Call inside
+   a parallel region. */
+static void linear_rows_multi(const vs_weight *const *ws, float *const *ys, int count, const float *x,
+                              int64_t M, int64_t ldx) {
     int64_t total = 0;
-    for (int i = 0; i < count; i++) total += chunks_of(ws[i]);
-    run_job(linear_item, &j, total);
+    const float *xs = NULL; /* the same for every weight: they share x */
+#if VS_HAS_INT8
+    quant_rows xr = {NULL, NULL, NULL};
+#endif
+    for (int i = 0; i < count; i++) total += ((ws[i]->rows + RB - 1) / RB + CHUNK - 1) / CHUNK;
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < total; item++) {
+        int64_t c = item;
+        int i = 0;
+        while (c >= ((ws[i]->rows + RB - 1) / RB + CHUNK - 1) / CHUNK)
+            c -= ((ws[i]->rows + RB - 1) / RB + CHUNK - 1) / CHUNK, i++;
+        const int64_t blocks = (ws[i]->rows + RB - 1) / RB;
+        const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
+#if VS_HAS_INT8
+        if (is_i8(ws[i])) {
+            if (xr.q == NULL) xr = quantize_rows(x, M, ldx, ws[i]->cols);
+            blocks_i8_for(ws[i])(ws[i], b0, b1, xr, M, ys[i], ws[i]->rows);
+            continue;
+        }
+#endif
+        if (xs == NULL) xs = unit_sums(ws[i], x, M, ldx);
+        blocks_for(ws[i])(ws[i], b0, b1, x, M, ldx, xs, ys[i], ws[i]->rows);
+    }
 }
 
 static void linear_rows(const vs_weight *w, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy) {
-    linear_many(&w, &y, &ldy, 1, x, M, ldx);
+    const int64_t blocks = (w->rows + RB - 1) / RB;
+#if VS_HAS_INT8
+    if (is_i8(w)) {
+        quant_rows xr = {NULL, NULL, NULL};
+        const blocks_i8_fn fn = blocks_i8_for(w);
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < (blocks + CHUNK - 1) / CHUNK; c++) {
+            if (xr.q == NULL) xr = quantize_rows(x, M, ldx, w->cols);
+            const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
+            fn(w, b0, b1, xr, M, y, ldy);
+        }
+        return;
+    }
+#endif
+    const float *xs = NULL;
+    const blocks_fn fn = blocks_for(w);
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < (blocks + CHUNK - 1) / CHUNK; c++) {
+        if (xs == NULL) xs = unit_sums(w, x, M, ldx);
+        const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
+        fn(w, b0, b1, x, M, ldx, xs, y, ldy);
+    }
 }
 
 /* Rows [r0, r1) of w as float32 weights: code * scale (+ min), one rounding, exactly as gguf-py
@@ -1187,6 +971,7 @@ void vs_dequant_rows(const vs_weight *w, int64_t r0, int64_t r1, float *out) {
 }
 
 void vs_linear(const vs_weight *w, const float *x, int64_t M, float *y) {
+#pragma omp parallel
     linear_rows(w, x, M, w->cols, y, w->rows);
 }
 
@@ -1199,33 +984,16 @@ void vs_embed(const vs_weight *w, const int32_t *ids, int64_t n, float scale, fl
     }
 }
 
-/* Rows rows[i] (or i, rows NULL) of x through an RMS norm into y (row i). */
-typedef struct {
-    const float *x, *norm;
-    const int64_t *rows;
-    float *y;
-    int64_t dim;
-    float eps;
-} norm_job;
-
-static void norm_item(void *ctx, int64_t i, int worker) {
-    (void)worker;
-    const norm_job *j = ctx;
-    rmsnorm_row(j->x + (j->rows ? j->rows[i] : i) * j->dim, j->norm, j->y + i * j->dim, j->dim, j->eps);
-}
-
-static void norm_rows(const float *x, const int64_t *rows, int64_t n, const float *norm, float eps, int64_t dim,
-                      float *y) {
-    norm_job j = {x, norm, rows, y, dim, eps};
-    run_rows(norm_item, &j, n);
-}
-
 /* logits (M x vocab) = head(rmsnorm(hidden)) for M rows. work: M x dim floats. */
 void vs_head(const float *norm, float eps, const vs_weight *w, const float *hidden, int64_t M,
              float *work, float *logits) {
     const int64_t dim = w->cols;
-    norm_rows(hidden, NULL, M, norm, eps, dim, work);
-    linear_rows(w, work, M, dim, logits, w->rows);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M; i++) rmsnorm_row(hidden + i * dim, norm, work + i * dim, dim, eps);
+        linear_rows(w, work, M, dim, logits, w->rows);
+    }
 }
 
 /* ------------------------------------------------------------------ attention */
@@ -1233,31 +1001,16 @@ void vs_head(const float *norm, float eps, const vs_weight *w, const float *hidd
 /* Visibility of row r: cache slots [0, prefix[r]) hold positions 0 .. prefix[r] - 1, then the
    slots extra[xoff[r] .. xoff[r+1]) hold the next positions, the row's own last. Logical index
    i is position i; a sliding window drops indices below pos - window + 1. */
-typedef struct {
-    const vs_stack *s;
-    const vs_layer *L;
-    float *const *keys, *const *values;
-    int64_t layer;
-    const float *q;
-    const int32_t *pos, *prefix, *xoff, *extra;
-    float *out, *scratch;
-} attention_job;
-
-/* One item: row r's attention for head h (item r * heads + h). */
-static void attention_item(void *ctx, int64_t item, int worker) {
-    const attention_job *j = ctx;
-    const vs_stack *s = j->s;
-    const vs_layer *L = j->L;
-    float *const *keys = j->keys, *const *values = j->values;
-    const int64_t layer = j->layer;
-    const float *q = j->q;
-    const int32_t *pos = j->pos, *prefix = j->prefix, *xoff = j->xoff, *extra = j->extra;
-    float *out = j->out;
+static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, float *const *values,
+                      int64_t layer, const float *q, int64_t n,
+                      const int32_t *pos, const int32_t *prefix, const int32_t *xoff,
+                      const int32_t *extra, float *out, float *scratch) {
     const int64_t H = s->n_heads, D = s->head_dim, hpg = s->n_heads / s->n_kv, T = s->max_len, G = s->n_kv;
     const vf scale = vf_set1(s->attn_scale);
-    {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n * H; item++) {
         const int64_t r = item / H, h = item % H, g = h / hpg;
-        float *sc = j->scratch + (int64_t)worker * (T + 64);
+        float *sc = scratch + (int64_t)omp_get_thread_num() * (T + 64);
         const float *qv = q + item * D;
         const float *kt = keys[r] + (layer * G + g) * D * T;     /* row r's own cache */
         const float *vv = values[r] + (layer * G + g) * T * D;
@@ -1325,14 +1078,6 @@ static void attention_item(void *ctx, int64_t item, int worker) {
     }
 }
 
-static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, float *const *values,
-                      int64_t layer, const float *q, int64_t n,
-                      const int32_t *pos, const int32_t *prefix, const int32_t *xoff,
-                      const int32_t *extra, float *out, float *scratch) {
-    attention_job j = {s, L, keys, values, layer, q, pos, prefix, xoff, extra, out, scratch};
-    run_job(attention_item, &j, n * s->n_heads);
-}
-
 /* ------------------------------------------------------------------ decoder layers */
 
 /* Rotate-half RoPE of one head (D floats) at position p, as x * cos + rotate_half(x) * sin. */
@@ -1356,7 +1101,7 @@ int64_t vs_stack_work(const vs_stack *s, int64_t n) {
 }
 
 int64_t vs_attention_scratch(const vs_stack *s) {
-    return (int64_t)VS_MAX_THREADS * (s->max_len + 64);
+    return (int64_t)omp_get_max_threads() * (s->max_len + 64);
 }
 
 ALWAYS void add_rows(float *x, const float *y, int64_t dim) {
@@ -1364,103 +1109,18 @@ ALWAYS void add_rows(float *x, const float *y, int64_t dim) {
         vf_store(x + i, vf_add(vf_load(x + i), vf_load(y + i)));
 }
 
-/* The per-row steps of a layer, between its matmuls. */
-typedef struct {
-    const vs_stack *s;
-    const vs_layer *L, *next; /* next: the following layer (its input norm), or NULL */
-    int64_t l, ntaps;
-    float *x, *h, *q, *k, *v, *att, *gate, *up, *act, *o, *tapped;
-    const int32_t *pos, *slot, *taps;
-    float *const *keys, *const *values;
-} layer_rows;
-
-/* The input norm of layer L into h. */
-ALWAYS void input_norm(const layer_rows *j, const vs_layer *L, int64_t r) {
-    const int64_t dim = j->s->dim;
-    if (L->attn_norm) rmsnorm_row(j->x + r * dim, L->attn_norm, j->h + r * dim, dim, j->s->eps);
-    else memcpy(j->h + r * dim, j->x + r * dim, dim * sizeof(float));
-}
-
-static void first_norm_row(void *ctx, int64_t r, int worker) {
-    (void)worker;
-    const layer_rows *j = ctx;
-    input_norm(j, j->L, r);
-}
-
-/* Query and key norms and RoPE; the new key and value into the row's cache slot. */
-static void rope_row(void *ctx, int64_t r, int worker) {
-    (void)worker;
-    const layer_rows *j = ctx;
-    const vs_stack *s = j->s;
-    const vs_layer *L = j->L;
-    const int64_t H = s->n_heads, G = s->n_kv, D = s->head_dim, T = s->max_len, qs = H * D, kvs = G * D;
-    float *qr = j->q + r * qs, *kr = j->k + r * kvs, *vr = j->v + r * kvs;
-    const float *cos = L->cos + (int64_t)j->pos[r] * D, *sin = L->sin + (int64_t)j->pos[r] * D;
-    for (int64_t hh = 0; hh < H; hh++) {
-        if (L->q_norm) rmsnorm_row(qr + hh * D, L->q_norm, qr + hh * D, D, s->eps);
-        rope_head(qr + hh * D, cos, sin, D);
-    }
-    for (int64_t g = 0; g < G; g++) {
-        if (L->k_norm) rmsnorm_row(kr + g * D, L->k_norm, kr + g * D, D, s->eps);
-        rope_head(kr + g * D, cos, sin, D);
-        float *kt = j->keys[r] + (j->l * G + g) * D * T + j->slot[r];
-        for (int64_t d = 0; d < D; d++) kt[d * T] = kr[g * D + d];
-        memcpy(j->values[r] + ((j->l * G + g) * T + j->slot[r]) * D, vr + g * D, D * sizeof(float));
-    }
-    memcpy(j->att + r * qs, qr, qs * sizeof(float));
-}
-
-/* The attention block's output into the residual stream, then the MLP's input norm. */
-static void attn_out_row(void *ctx, int64_t r, int worker) {
-    (void)worker;
-    const layer_rows *j = ctx;
-    const int64_t dim = j->s->dim;
-    float *orow = j->o + r * dim, *xr = j->x + r * dim;
-    if (j->L->post_attn_norm) rmsnorm_row(orow, j->L->post_attn_norm, orow, dim, j->s->eps);
-    add_rows(xr, orow, dim);
-    rmsnorm_row(xr, j->L->mlp_norm, j->h + r * dim, dim, j->s->eps);
-}
-
-/* The MLP's activation: f(gate) * up. */
-static void act_row(void *ctx, int64_t r, int worker) {
-    (void)worker;
-    const layer_rows *j = ctx;
-    const int64_t I = j->s->hidden;
-    const float *g = j->gate + r * I, *u = j->up + r * I;
-    float *ar = j->act + r * I;
-    for (int64_t i = 0; i < I; i += 16) {
-        const vf gv = vf_load(g + i);
-        const vf a = j->s->act ? vgelu_tanh(gv) : vsilu(gv);
-        vf_store(ar + i, vf_mul(a, vf_load(u + i)));
-    }
-}
-
-/* The MLP's output into the residual stream, the taps, then the next layer's input norm. */
-static void mlp_out_row(void *ctx, int64_t r, int worker) {
-    (void)worker;
-    const layer_rows *j = ctx;
-    const int64_t dim = j->s->dim;
-    float *orow = j->o + r * dim, *xr = j->x + r * dim;
-    if (j->L->post_mlp_norm) rmsnorm_row(orow, j->L->post_mlp_norm, orow, dim, j->s->eps);
-    add_rows(xr, orow, dim);
-    for (int64_t t = 0; t < j->ntaps; t++)
-        if (j->taps[t] == j->l) memcpy(j->tapped + (r * j->ntaps + t) * dim, xr, dim * sizeof(float));
-    if (j->next) input_norm(j, j->next, r);
-}
-
 /* x (n x dim) through every layer, in place, each row over a cache of its own (rows of several
    sequences share a call; each row's arithmetic is the same whatever shares it). A cache holds,
    per layer, keys (n_kv x head_dim x max_len: a key's dimensions are strided, so scores read 16
    keys a vector) and values (n_kv x max_len x head_dim); keys[r], values[r] are row r's, whose
    new key and value go to slot slot[r]. taps: layer indices whose outputs are copied to tapped
-   (n x ntaps*dim, side by side). A layer is five jobs (q, k and v; attention; the output
-   projection; gate and up; down) with the per-row steps between them. */
+   (n x ntaps*dim, side by side). */
 void vs_stack_forward_rows(const vs_stack *s, float *x, int64_t n, const int32_t *pos, const int32_t *prefix,
                            const int32_t *xoff, const int32_t *extra, float *const *keys, float *const *values,
                            const int32_t *slot, float *work, float *scratch, const int32_t *taps, int64_t ntaps,
                            float *tapped) {
     const int64_t dim = s->dim, H = s->n_heads, G = s->n_kv, D = s->head_dim, I = s->hidden;
-    const int64_t qs = H * D, kvs = G * D;
+    const int64_t qs = H * D, kvs = G * D, T = s->max_len;
     float *h = work;              /* n x dim: normed input of a sub-block */
     float *q = h + n * dim;       /* n x qs: queries, then the attention output */
     float *k = q + n * qs;        /* n x kvs */
@@ -1470,31 +1130,69 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, int64_t n, const int32_t
     float *up = gate + n * I;     /* n x I */
     float *act = up + n * I;      /* n x I */
     float *o = act + n * I;       /* n x dim: a sub-block's output */
-    layer_rows j = {s, s->layers, NULL, 0, ntaps, x, h, q, k, v, att, gate, up, act, o, tapped, pos, slot, taps, keys,
-                    values};
-    run_rows(first_norm_row, &j, n);
+#pragma omp parallel
     for (int64_t l = 0; l < s->n_layers; l++) {
         const vs_layer *L = s->layers + l;
-        j.L = L, j.l = l, j.next = l + 1 < s->n_layers ? L + 1 : NULL;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            if (L->attn_norm) rmsnorm_row(x + r * dim, L->attn_norm, h + r * dim, dim, s->eps);
+            else memcpy(h + r * dim, x + r * dim, dim * sizeof(float));
+        }
         {
             const vs_weight *ws[3] = {&L->wq, &L->wk, &L->wv};
             float *ys[3] = {q, k, v};
-            const int64_t ld[3] = {qs, kvs, kvs};
-            linear_many(ws, ys, ld, 3, h, n, dim);
+            linear_rows_multi(ws, ys, 3, h, n, dim);
         }
-        run_rows(rope_row, &j, n);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            float *qr = q + r * qs, *kr = k + r * kvs, *vr = v + r * kvs;
+            const float *cos = L->cos + (int64_t)pos[r] * D, *sin = L->sin + (int64_t)pos[r] * D;
+            for (int64_t hh = 0; hh < H; hh++) {
+                if (L->q_norm) rmsnorm_row(qr + hh * D, L->q_norm, qr + hh * D, D, s->eps);
+                rope_head(qr + hh * D, cos, sin, D);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                if (L->k_norm) rmsnorm_row(kr + g * D, L->k_norm, kr + g * D, D, s->eps);
+                rope_head(kr + g * D, cos, sin, D);
+                float *kt = keys[r] + (l * G + g) * D * T + slot[r];
+                for (int64_t d = 0; d < D; d++) kt[d * T] = kr[g * D + d];
+                memcpy(values[r] + ((l * G + g) * T + slot[r]) * D, vr + g * D, D * sizeof(float));
+            }
+            memcpy(att + r * qs, qr, qs * sizeof(float));
+        }
         attention(s, L, keys, values, l, att, n, pos, prefix, xoff, extra, q, scratch);
         linear_rows(&L->wo, q, n, qs, o, dim);
-        run_rows(attn_out_row, &j, n);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            float *orow = o + r * dim, *xr = x + r * dim;
+            if (L->post_attn_norm) rmsnorm_row(orow, L->post_attn_norm, orow, dim, s->eps);
+            add_rows(xr, orow, dim);
+            rmsnorm_row(xr, L->mlp_norm, h + r * dim, dim, s->eps);
+        }
         {
             const vs_weight *ws[2] = {&L->w_gate, &L->w_up};
             float *ys[2] = {gate, up};
-            const int64_t ld[2] = {I, I};
-            linear_many(ws, ys, ld, 2, h, n, dim);
+            linear_rows_multi(ws, ys, 2, h, n, dim);
         }
-        run_rows(act_row, &j, n);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            const float *g = gate + r * I, *u = up + r * I;
+            float *ar = act + r * I;
+            for (int64_t i = 0; i < I; i += 16) {
+                const vf gv = vf_load(g + i);
+                const vf a = s->act ? vgelu_tanh(gv) : vsilu(gv);
+                vf_store(ar + i, vf_mul(a, vf_load(u + i)));
+            }
+        }
         linear_rows(&L->w_down, act, n, I, o, dim);
-        run_rows(mlp_out_row, &j, n);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            float *orow = o + r * dim, *xr = x + r * dim;
+            if (L->post_mlp_norm) rmsnorm_row(orow, L->post_mlp_norm, orow, dim, s->eps);
+            add_rows(xr, orow, dim);
+            for (int64_t t = 0; t < ntaps; t++)
+                if (taps[t] == l) memcpy(tapped + (r * ntaps + t) * dim, xr, dim * sizeof(float));
+        }
     }
 }
 
@@ -1515,22 +1213,11 @@ void vs_stack_forward(const vs_stack *s, float *x, int64_t n, const int32_t *pos
 /* ------------------------------------------------------------------ draft heads */
 
 /* For each of M rows (N logits each): the k largest entries (ties: the lower index first) as
-   ids and log-probabilities under the softmax over all of them. */
-typedef struct {
-    const float *logits;
-    int64_t N, k;
-    int64_t *ids;
-    float *logprobs;
-} topk_job;
-
-static void topk_row(void *ctx, int64_t i, int worker) {
-    (void)worker;
-    const topk_job *j = ctx;
-    const int64_t N = j->N, k = j->k;
-    int64_t *ids = j->ids;
-    float *logprobs = j->logprobs;
-    {
-        const float *row = j->logits + i * N;
+   ids and log-probabilities under the softmax over all of them. Call inside a parallel region. */
+static void topk_rows(const float *logits, int64_t M, int64_t N, int64_t k, int64_t *ids, float *logprobs) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M; i++) {
+        const float *row = logits + i * N;
         vf mx = vf_set1(-INFINITY);
         for (int64_t j = 0; j < N; j += 16)
             mx = vf_max(mx, vf_load_part(row + j, N - j, -INFINITY));
@@ -1563,18 +1250,15 @@ static void topk_row(void *ctx, int64_t i, int worker) {
     }
 }
 
-/* Each row scans the whole head's logits: a job whenever there are several rows. */
-static void topk_rows(const float *logits, int64_t M, int64_t N, int64_t k, int64_t *ids, float *logprobs) {
-    topk_job j = {logits, N, k, ids, logprobs};
-    run_job(topk_row, &j, M);
-}
-
 /* For each of M rows of x: the k largest entries of x w^T (ties: the lower index first) as ids
    and log-probabilities under the softmax over all of them. logits: M x rows scratch. */
 void vs_linear_topk(const vs_weight *w, const float *x, int64_t M, int64_t k, float *logits,
                     int64_t *ids, float *logprobs) {
-    linear_rows(w, x, M, w->cols, logits, w->rows);
-    topk_rows(logits, M, w->rows, k, ids, logprobs);
+#pragma omp parallel
+    {
+        linear_rows(w, x, M, w->cols, logits, w->rows);
+        topk_rows(logits, M, w->rows, k, ids, logprobs);
+    }
 }
 
 /* ------------------------------------------------------------------ speculative steps
@@ -1622,29 +1306,23 @@ void vs_cache_keep(float *keys, float *values, int64_t layers, int64_t n_kv, int
 
 /* The head's argmax (the first index on ties, as plain decoding picks) of m rows of hidden:
    norm, then one pass over the head's weights. */
-typedef struct {
-    const float *logits;
-    int64_t V;
-    int64_t *best;
-} argmax_job;
-
-static void argmax_row(void *ctx, int64_t i, int worker) {
-    (void)worker;
-    const argmax_job *j = ctx;
-    const float *row = j->logits + i * j->V;
-    int64_t at = 0;
-    for (int64_t c = 1; c < j->V; c++)
-        if (row[c] > row[at]) at = c;
-    j->best[i] = at;
-}
-
 static void head_argmax(const float *norm, float eps, const vs_weight *w, const float *hidden, const int64_t *rows,
                         int64_t m, int64_t *best, float *work, float *logits) {
     const int64_t dim = w->cols, V = w->rows;
-    norm_rows(hidden, rows, m, norm, eps, dim, work);
-    linear_rows(w, work, m, dim, logits, V);
-    argmax_job j = {logits, V, best};
-    run_job(argmax_row, &j, m);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) rmsnorm_row(hidden + rows[i] * dim, norm, work + i * dim, dim, eps);
+        linear_rows(w, work, m, dim, logits, V);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) {
+            const float *row = logits + i * V;
+            int64_t at = 0;
+            for (int64_t j = 1; j < V; j++)
+                if (row[j] > row[at]) at = j;
+            best[i] = at;
+        }
+    }
 }
 
 /* Greedy verification of `ntrees` trees, tree t's rows being rows offsets[t] .. offsets[t+1] of
@@ -1727,6 +1405,7 @@ static void drafter_input(const vs_drafter *d, const int64_t *tokens, const floa
         if (normed) memcpy(pair + i * 2 * dim + dim, features + i * dim, dim * sizeof(float));
         else rmsnorm_row(features + i * dim, d->norm, pair + i * 2 * dim + dim, dim, d->eps);
     }
+#pragma omp parallel
     linear_rows(&d->fc, pair, n, 2 * dim, x, dim);
 }
 
@@ -1830,8 +1509,11 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, float *keys, float
     for (int64_t level = 0; level <= depth; level++) {
         /* The frontier's rows (states in cur) through the head: top_k children each. */
         const int64_t k = top_k < d->head.rows ? top_k : d->head.rows;
-        linear_rows(&d->head, cur, n_front, dim, head_logits, d->head.rows);
-        topk_rows(head_logits, n_front, d->head.rows, k, ids, lp);
+#pragma omp parallel
+        {
+            linear_rows(&d->head, cur, n_front, dim, head_logits, d->head.rows);
+            topk_rows(head_logits, n_front, d->head.rows, k, ids, lp);
+        }
         newest_lo = (int32_t)count;
         for (int64_t r = 0; r < n_front; r++) {
             const int32_t p = front[r];

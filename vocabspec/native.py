@@ -8,10 +8,8 @@ losslessly. native.c computes a whole stack of decoder layers with one fixed red
 per row, over weights kept in their GGUF groups, in one call per forward.
 
 The library is compiled on first use with the machine's C compiler into the cache directory
-(keyed by the source, the compiler and the CPU). It runs on threads of its own, as many as
-torch's (`torch.get_num_threads()` when first loaded, `set_threads` after), which take items of
-work rather than meet at barriers, so a busy neighbour process slows a forward by its share of
-the cores, not by a descheduled thread at every barrier. It needs AVX-512 (F,
+(keyed by the source, the compiler and the CPU), and shares torch's OpenMP threads: torch is
+imported first, so the dynamic loader hands the library torch's libgomp. It needs AVX-512 (F,
 BW) or AVX2 with FMA and F16C; the same per-lane arithmetic runs on both. A fresh build must
 pass a self-test (every row of a matmul alone has the bits it has among others) before it is
 kept. Where it cannot be built or fails the test, `available()` says why.
@@ -79,7 +77,7 @@ def _cpu_key() -> str:
 
 # Every row's bits must not depend on the call: no contraction the source does not write, no
 # reassociation, whatever defaults a compiler wrapper in $CC adds before these.
-FLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=off", "-fno-fast-math",
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math",
          "-fno-unsafe-math-optimizations", "-fno-associative-math", "-fno-reciprocal-math",
          "-fno-finite-math-only", "-fsigned-zeros", "-ftrapping-math", "-fPIC", "-shared"]
 
@@ -153,8 +151,6 @@ def _self_test(lib) -> None:
 def _declare(lib):
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.vs_linear.argtypes = [ctypes.POINTER(Weight), p, i64, p]
-    lib.vs_set_threads.argtypes = [ctypes.c_int]
-    lib.vs_threads.restype = ctypes.c_int
     lib.vs_has_int8.restype = ctypes.c_int
     lib.vs_tile_rows.restype = ctypes.c_int
     lib.vs_linear_topk.argtypes = [ctypes.POINTER(Weight), p, i64, i64, p, p, p]
@@ -195,19 +191,11 @@ def library():
         if compiler is None:
             raise RuntimeError("the native engine is compiled on first use and needs a C compiler (cc)")
         lib = _declare(ctypes.CDLL(str(_build(compiler))))
-        lib.vs_set_threads(torch.get_num_threads())
     except (RuntimeError, OSError) as exc:
         _error = f"native CPU engine unavailable: {exc}"
         raise RuntimeError(_error) from exc
     _lib = lib
     return lib
-
-
-def set_threads(threads: int) -> None:
-    """Threads the engine's later calls use (the caller's included); no row's bits depend on it."""
-    if threads < 1:
-        raise ValueError(f"threads must be at least 1, not {threads}")
-    library().vs_set_threads(threads)
 
 
 def has_int8() -> bool:

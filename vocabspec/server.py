@@ -501,7 +501,7 @@ class HTTPThread:
 def serve(lm: LanguageModel, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           limits: ServerLimits | None = None) -> None:
     """Serve until interrupted: HTTP on a thread of its own, the batch's steps on this one
-    (the process's main thread, where torch's OpenMP kernels run at full speed: batch.py)."""
+    (the process's main thread, where OpenMP runs the native engine at full speed: batch.py)."""
     app = create_app(lm, model_name, limits, batch_thread=False)
     http = HTTPThread(app, host, port, log_level="info")
     batch = app.state.server.batch
