@@ -151,13 +151,10 @@ def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> di
 
 def train(cfg, target: Transformer, log=print) -> Eagle3Drafter:
     from .proposers import bundled_drafter_dir
-    from .train import _atomic_save, _lr, load_shards, parse_taps, resumable
+    from .train import _atomic_save, _lr, parse_taps, resumable, training_shards
 
     out = Path(cfg.out)
-    train_set = load_shards(cfg, "train") + load_shards(cfg, "distill")
-    heldout = load_shards(cfg, "heldout")
-    if not train_set:
-        raise ValueError(f"no training features under {out / 'features'}: run the features stage")
+    train_set, heldout = training_shards(cfg)
     torch.manual_seed(cfg.seed)
     ids = draft_vocabulary(cfg.draft_vocab, target, bundled_drafter_dir(cfg.model))
     drafter = Eagle3Drafter.load(cfg.init, target, dtype=torch.float32) if cfg.init else \

@@ -563,12 +563,17 @@ def _lr(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def training_shards(cfg: TrainConfig) -> tuple[list, list]:
+    """(training sequences, held-out ones) from the feature shards; ValueError if none."""
+    train_set = load_shards(cfg, "train") + load_shards(cfg, "distill")
+    if not train_set:
+        raise ValueError(f"no training features under {Path(cfg.out) / 'features'}: run the features stage")
+    return train_set, load_shards(cfg, "heldout")
+
+
 def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDrafter:
     out = Path(cfg.out)
-    train_set = load_shards(cfg, "train") + load_shards(cfg, "distill")
-    heldout = load_shards(cfg, "heldout")
-    if not train_set:
-        raise ValueError(f"no training features under {out / 'features'}: run the features stage")
+    train_set, heldout = training_shards(cfg)
     torch.manual_seed(cfg.seed)
     std = feature_std(target, train_set)
     taps = parse_taps(cfg.taps)
