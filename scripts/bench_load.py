@@ -10,7 +10,8 @@ keeps there, per method, on the held-out prompts (`--questions heldout`):
 Each condition answers every prompt once after a warm-up; tok/s is new tokens over decoding
 seconds summed over the prompts. `busy`: N processes spinning in a Python loop; `neighbour`:
 another process generating with the same model and method over and over (its own tok/s is
-reported too). Run it with nothing else on the machine.
+reported too). `--threads 2` fixes both processes' native thread teams (no governor), for the
+comparison. Run it with nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ from pathlib import Path
 import torch
 
 import vocabspec
+from vocabspec import native
 from vocabspec.bench import load_questions
 from vocabspec.prompts import encode_conversation, stop_strings
 
 NEIGHBOUR = """
 import sys, time, vocabspec
+from vocabspec import native
 from vocabspec.prompts import encode_conversation, stop_strings
+native.set_threads(int(sys.argv[5]))
 lm = vocabspec.load(sys.argv[1], draft=sys.argv[2])
 ids = encode_conversation(lm.tokenizer, [("user", sys.argv[3])], answer_open=True)
 config = lm._config(max_new_tokens=int(sys.argv[4]), stop=stop_strings(lm.tokenizer))
@@ -69,8 +73,9 @@ def spinners(count: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
-def neighbour(model: str, method: str, prompt: str, max_new_tokens: int) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, model, method, prompt, str(max_new_tokens)],
+def neighbour(model: str, method: str, prompt: str, max_new_tokens: int, threads: int) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, model, method, prompt, str(max_new_tokens),
+                                str(threads)],
                                stdout=subprocess.PIPE, text=True)
     if process.stdout.readline().strip() != "ready":
         raise RuntimeError("the neighbour process failed to start")
@@ -91,8 +96,11 @@ def main():
     parser.add_argument("--prompts", type=int, default=4, help="prompts answered per condition")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--busy", type=int, default=2, help="spinning processes in the busy condition")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="native threads, both processes: 0 (default) the governor's, N fixed")
     parser.add_argument("--out", default=None, help="directory for load.json and load.md")
     args = parser.parse_args()
+    native.set_threads(args.threads)
     questions = load_questions(args.questions, None)[:args.prompts]
     rows = []
     for method in args.methods.split(","):
@@ -110,7 +118,7 @@ def main():
         finally:
             stop(load)
         results[f"beside {args.busy} busy processes"] = (speed, sum(a != b for a, b in zip(answers, reference)))
-        other = neighbour(args.model, method, questions[0]["turns"][0], args.max_new_tokens)
+        other = neighbour(args.model, method, questions[0]["turns"][0], args.max_new_tokens, args.threads)
         try:
             speed, answers = answer_all(lm, prompts, config)
         finally:
@@ -128,7 +136,8 @@ def main():
         del lm
     header = (f"{args.model}: {len(questions)} prompts ({args.questions}), {args.max_new_tokens} new tokens, "
               f"greedy; {date.today()}, {machine()}, "
-              f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads.")
+              f"{os.cpu_count()} CPUs, torch {torch.__version__}, native threads: "
+              f"{args.threads or 'the governor'}.")
     table = ["| method | condition | tok/s | x quiet | answers differing | neighbour tok/s |",
              "| --- | --- | --- | --- | --- | --- |"]
     table += [f"| {r['method']} | {r['condition']} | {r['tok_s']} | {r['x_quiet']} | {r['answers_differing']} | "

@@ -308,3 +308,59 @@ def test_the_cache_keeps_exactly_the_accepted_slots():
     with pytest.raises(ValueError, match="increase"):
         cache.commit([2, 1])
 
+
+
+# ---------------------------------------------------------------- threads
+
+def test_thread_count_changes_no_bits():
+    """A tree forward on one thread and on all of them: the same bits, hidden states and logits
+    (the team the governor picks on a busy machine must not change an answer)."""
+    native.set_threads(2)
+    if native.threads() < 2:
+        pytest.skip("one thread here")
+    model, _ = load_model("smollm2", weights="gguf-a8" if int8() else "gguf")
+    tree = random_tree(model.args.vocab_size, 24, seed=5)
+    context = torch.arange(2000, 2060)
+    results = []
+    try:
+        for threads in (1, 2, 0):
+            native.set_threads(threads)
+            assert native.threads() == threads or threads == 0
+            cache = model.new_cache(120)
+            with torch.inference_mode():
+                model(context, torch.arange(60), cache)
+                cache.commit()
+                results.append(model(tree.tokens, tree.positions(60), cache, tree_mask=tree.attention_mask(),
+                                     all_logits=True))
+    finally:
+        native.set_threads(0)
+    for hidden, logits in results[1:]:
+        assert torch.equal(hidden, results[0][0]) and torch.equal(logits, results[0][1])
+
+
+def test_the_governor_shrinks_the_team_on_a_low_share_and_probes_back():
+    """Forwards whose threads got 40% of their wall time shrink the team to one; a probe on two
+    threads that was hindered leaves it there, one that ran unhindered restores two."""
+    lib = native.library()
+    native.set_threads(2)
+    if native.threads() < 2:
+        pytest.skip("one thread here")
+    try:
+        native.set_threads(0)
+        lib.vs_threads_observe(2, 2 * 0.97 * 0.01, 0.01)    # (a probe, if it started on one)
+        assert native.threads() == 2
+        for share in (0.9, 0.8, 0.6):                        # small losses must persist
+            lib.vs_threads_observe(2, 2 * share * 0.01, 0.01)
+            assert native.threads() == 2
+        lib.vs_threads_observe(2, 2 * 0.4 * 0.01, 0.01)      # half the time lost: at once
+        assert native.threads() == 1
+        lib.vs_threads_observe(2, 2 * 0.6 * 0.01, 0.01)      # a probe that was hindered
+        assert native.threads() == 1
+        lib.vs_threads_observe(1, 0.5 * 0.01, 0.01)          # one thread's share decides nothing
+        assert native.threads() == 1
+        lib.vs_threads_observe(2, 2 * 0.97 * 0.01, 0.01)     # a probe that ran unhindered
+        assert native.threads() == 2
+        with pytest.raises(ValueError):
+            native.set_threads(-1)
+    finally:
+        native.set_threads(0)

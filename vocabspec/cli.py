@@ -7,6 +7,19 @@ import json
 import sys
 
 
+
+def set_threads(threads: int | None) -> None:
+    """--threads: torch's and the native engine's thread count, fixed; None: torch's default and
+    the native engine's governor (see native.c, "threads")."""
+    if threads:
+        import torch
+
+        from . import native
+
+        torch.set_num_threads(threads)
+        if native.available()[0]:
+            native.set_threads(threads)
+
 def _int_at_least(minimum: int, what: str):
     def parse(text: str) -> int:
         try:
@@ -73,7 +86,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="bundled name (smollm2, gemma3), a .gguf file or a HF model directory")
     add_weight_args(parser)
-    parser.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
+    parser.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all, fewer while other processes hold cores)")
     parser.add_argument("--max-seq-len", type=_positive_int, default=None,
                         help="KV cache size in tokens (default 4096, capped by the model)")
     add_draft_args(parser)
@@ -239,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "has fast bfloat16 matmuls, else float32)")
     train.add_argument("--full-vocab-loss", action="store_true",
                        help="exact cross-entropy over the whole vocabulary (slow on a CPU)")
-    train.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
+    train.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all, fewer while other processes hold cores)")
 
     vocab = sub.add_parser("vocab", help="rank tokens by frequency and write a draft token map")
     vocab.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
@@ -295,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (mismatches are counted)")
     bench.add_argument("--seed", type=int, default=0, help="sampling seed")
     add_weight_args(bench)
-    bench.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
+    bench.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all, fewer while other processes hold cores)")
     add_draft_args(bench, method=False)
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     bench.add_argument("--resume", action="store_true",
@@ -330,13 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
-    import torch
-
     from .api import load
     from .server import ServerLimits, serve
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
               max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
               log=lambda message: print(message, file=sys.stderr))
@@ -359,13 +369,10 @@ def cmd_export(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import torch
-
     from .bench import BenchConfig, run_bench
     from .proposers import DraftConfig
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     for method in methods:
         DraftConfig.from_method(method)
@@ -506,12 +513,9 @@ def cmd_ranker(args) -> int:
 
 
 def cmd_train(args) -> int:
-    import torch
-
     from .train import TrainConfig, run
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     stages = tuple(s for s in args.stages.split(",") if s)
     unknown = set(stages) - {"data", "features", "train"}
     if unknown:
@@ -523,13 +527,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
     from .api import load
     from .sampling import SamplingParams
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     # Validate cheap things before spending seconds on loading the model.
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if (args.prompt is None) == (args.input is None):

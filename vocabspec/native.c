@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <omp.h>
 
 #if defined(__FAST_MATH__) || __FINITE_MATH_ONLY__ || defined(__ASSOCIATIVE_MATH__)
@@ -854,6 +855,112 @@ static const float *unit_sums(const vs_weight *w, const float *x, int64_t M, int
     return xs;
 }
 
+/* ------------------------------------------------------------------ threads
+
+   Every parallel region runs on the team the governor sets. A region's threads wait at each
+   work-sharing loop's barrier for the slowest of them, and a forward has about eight barriers a
+   layer. When another process takes a core, the OS deschedules one of the team for a time slice
+   and every barrier waits for it: decoding beside one busy process fell a hundredfold. So each
+   forward measures the share of the CPU its team got (the threads' CPU time over team x wall
+   time, which spinning at a barrier counts and waiting to be scheduled does not); a share well
+   below one shrinks the team to the cores it gets, and now and then one forward tries a larger
+   team again (less often after each failed try), when a quick barrier test finds the cores free.
+   OpenMP's maximum (OMP_NUM_THREADS) bounds it all. A row's bits do not depend on the team: every
+   output element is computed whole by one thread, in one order (see the top of this file). */
+
+static double wall_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static double thread_cpu_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static int team_max, team_now, team_fixed; /* team_fixed: set by vs_set_threads, no governing */
+static int probe_wait, probe_gap = 16;
+static double share_avg = 1.0;
+
+/* Whether a team of n would run unhindered now: sixteen barriers of n threads within a
+   millisecond, timed after a first barrier has woken the sleeping ones (a wake-up is slow on some
+   VMs and says nothing of contention). A descheduled thread holds them a time slice
+   (milliseconds), so a busy machine fails this at the cost of one slice, not of a stalled
+   forward's hundreds. */
+static int team_runs_freely(int n) {
+    double started = 0.0, took = 0.0;
+#pragma omp parallel num_threads(n)
+    {
+#pragma omp barrier
+#pragma omp master
+        started = wall_now();
+        for (int i = 0; i < 16; i++) {
+#pragma omp barrier
+        }
+#pragma omp master
+        took = wall_now() - started;
+    }
+    return took < 1e-3;
+}
+
+/* A new team: all threads if they run freely, else one (probes grow it). Counting runnable tasks
+   instead would count this process's own spinning threads (torch's too). */
+static int starting_team(void) { return team_max > 1 && team_runs_freely(team_max) ? team_max : 1; }
+
+static void team_init(void) {
+    if (team_max == 0) team_max = omp_get_max_threads(), team_now = starting_team();
+}
+
+/* The team for the next region (not a forward: no probing). */
+static int team(void) {
+    team_init();
+    return team_fixed ? team_fixed : team_now;
+}
+
+/* n > 0: every region runs n threads (at most OpenMP's maximum); 0: the governor decides. */
+void vs_set_threads(int n) {
+    team_init();
+    team_fixed = n > 0 ? (n < team_max ? n : team_max) : 0;
+    team_now = starting_team(), share_avg = 1.0, probe_gap = 16, probe_wait = probe_gap;
+}
+
+int vs_threads(void) { return team(); }
+
+/* The team for the next forward: the governor's, or one more thread as a probe when a quick
+   barrier test finds a core for it (a probe beside busy cores costs a stalled forward). */
+static int forward_team(void) {
+    team_init();
+    if (team_fixed) return team_fixed;
+    if (team_now < team_max && --probe_wait <= 0) {
+        if (team_runs_freely(team_now + 1)) return team_now + 1;
+        probe_wait = probe_gap;
+    }
+    return team_now;
+}
+
+/* What a forward on `n` threads measured: CPU seconds of its threads over `wall` seconds. */
+void vs_threads_observe(int n, double cpu, double wall) {
+    team_init();
+    if (team_fixed || wall < 2e-4) return; /* too short to tell a stall from a wake-up */
+    const double share = cpu / (n * wall);
+    if (n > team_now) { /* a probe: keep the larger team if it ran unhindered */
+        if (share >= 0.9) team_now = n, share_avg = 1.0, probe_gap = 16;
+        else probe_gap = probe_gap < 1024 ? 2 * probe_gap : 1024;
+        probe_wait = probe_gap;
+        return;
+    }
+    share_avg = 0.75 * share_avg + 0.25 * share;
+    /* a forward that lost half its time is evidence enough; smaller losses must persist */
+    const double seen = share < 0.5 ? share : share_avg;
+    if (n > 1 && seen < 0.7) {
+        const int fit = (int)(seen * n);
+        team_now = fit < 1 ? 1 : fit < n ? fit : n - 1;
+        share_avg = 1.0, probe_gap = 16, probe_wait = probe_gap;
+    }
+}
+
 #define CHUNK 4 /* blocks per work item */
 
 /* ys[i] = x ws[i]^T (+ bias) for `count` weights of the same input width, in one work-sharing
@@ -971,7 +1078,7 @@ void vs_dequant_rows(const vs_weight *w, int64_t r0, int64_t r1, float *out) {
 }
 
 void vs_linear(const vs_weight *w, const float *x, int64_t M, float *y) {
-#pragma omp parallel
+#pragma omp parallel num_threads(team())
     linear_rows(w, x, M, w->cols, y, w->rows);
 }
 
@@ -988,7 +1095,7 @@ void vs_embed(const vs_weight *w, const int32_t *ids, int64_t n, float scale, fl
 void vs_head(const float *norm, float eps, const vs_weight *w, const float *hidden, int64_t M,
              float *work, float *logits) {
     const int64_t dim = w->cols;
-#pragma omp parallel
+#pragma omp parallel num_threads(team())
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++) rmsnorm_row(hidden + i * dim, norm, work + i * dim, dim, eps);
@@ -1130,7 +1237,12 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, int64_t n, const int32_t
     float *up = gate + n * I;     /* n x I */
     float *act = up + n * I;      /* n x I */
     float *o = act + n * I;       /* n x dim: a sub-block's output */
-#pragma omp parallel
+    const int threads = forward_team();
+    const double started = wall_now();
+    double cpu = 0.0;
+#pragma omp parallel num_threads(threads) reduction(+ : cpu)
+    {
+    const double cpu_started = thread_cpu_now();
     for (int64_t l = 0; l < s->n_layers; l++) {
         const vs_layer *L = s->layers + l;
 #pragma omp for schedule(static)
@@ -1194,6 +1306,9 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, int64_t n, const int32_t
                 if (taps[t] == l) memcpy(tapped + (r * ntaps + t) * dim, xr, dim * sizeof(float));
         }
     }
+    cpu += thread_cpu_now() - cpu_started;
+    }
+    vs_threads_observe(threads, cpu, wall_now() - started);
 }
 
 /* vs_stack_forward_rows for rows of one sequence: one cache, new slots start .. start + n - 1. */
@@ -1254,7 +1369,7 @@ static void topk_rows(const float *logits, int64_t M, int64_t N, int64_t k, int6
    and log-probabilities under the softmax over all of them. logits: M x rows scratch. */
 void vs_linear_topk(const vs_weight *w, const float *x, int64_t M, int64_t k, float *logits,
                     int64_t *ids, float *logprobs) {
-#pragma omp parallel
+#pragma omp parallel num_threads(team())
     {
         linear_rows(w, x, M, w->cols, logits, w->rows);
         topk_rows(logits, M, w->rows, k, ids, logprobs);
@@ -1309,7 +1424,7 @@ void vs_cache_keep(float *keys, float *values, int64_t layers, int64_t n_kv, int
 static void head_argmax(const float *norm, float eps, const vs_weight *w, const float *hidden, const int64_t *rows,
                         int64_t m, int64_t *best, float *work, float *logits) {
     const int64_t dim = w->cols, V = w->rows;
-#pragma omp parallel
+#pragma omp parallel num_threads(team())
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++) rmsnorm_row(hidden + rows[i] * dim, norm, work + i * dim, dim, eps);
@@ -1405,7 +1520,7 @@ static void drafter_input(const vs_drafter *d, const int64_t *tokens, const floa
         if (normed) memcpy(pair + i * 2 * dim + dim, features + i * dim, dim * sizeof(float));
         else rmsnorm_row(features + i * dim, d->norm, pair + i * 2 * dim + dim, dim, d->eps);
     }
-#pragma omp parallel
+#pragma omp parallel num_threads(team())
     linear_rows(&d->fc, pair, n, 2 * dim, x, dim);
 }
 
@@ -1509,7 +1624,7 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, float *keys, float
     for (int64_t level = 0; level <= depth; level++) {
         /* The frontier's rows (states in cur) through the head: top_k children each. */
         const int64_t k = top_k < d->head.rows ? top_k : d->head.rows;
-#pragma omp parallel
+#pragma omp parallel num_threads(team())
         {
             linear_rows(&d->head, cur, n_front, dim, head_logits, d->head.rows);
             topk_rows(head_logits, n_front, d->head.rows, k, ids, lp);

@@ -175,6 +175,9 @@ def _declare(lib):
     lib.vs_eagle_tree.argtypes = [ctypes.POINTER(Drafter), ctypes.POINTER(Stack), p, p, i64, p, i64, i64, i64,
                                   i64, p, p, p, p, p, p]
     lib.vs_eagle_tree.restype = i64
+    lib.vs_set_threads.argtypes = [ctypes.c_int]
+    lib.vs_threads.restype = ctypes.c_int
+    lib.vs_threads_observe.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_double]
     return lib
 
 
@@ -201,6 +204,20 @@ def library():
 def has_int8() -> bool:
     """Whether products with 8-bit activations (`gguf-a8`) run here: AVX-512 VNNI, or AVX2."""
     return bool(library().vs_has_int8())
+
+
+def set_threads(n: int = 0) -> None:
+    """n > 0: every native call runs n threads (at most OpenMP's maximum, OMP_NUM_THREADS);
+    0 (the default): each forward measures the CPU share its threads get and the team shrinks
+    while other processes hold cores (see native.c, "threads"). Bits never depend on it."""
+    if n < 0:
+        raise ValueError(f"threads must be 0 (adaptive) or positive, not {n}")
+    library().vs_set_threads(n)
+
+
+def threads() -> int:
+    """The threads the next native call runs."""
+    return library().vs_threads()
 
 
 def available() -> tuple[bool, str]:
