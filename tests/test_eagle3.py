@@ -252,8 +252,18 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
     assert {"top1_step1", "top1_step2", "top1_step3"} <= set(report)
     loaded = Eagle3Drafter.load(tmp_path / "drafter", target)
     assert torch.equal(loaded.draft_ids, reference.draft_ids) and loaded.taps == taps
+    # The last checkpoint holds the saved drafter (a run measured part of the way uses this).
+    checkpointed = eagle3_train.drafter_from_checkpoint(tmp_path / "checkpoint-eagle3.pt", target).state_dict()
+    saved = loaded.state_dict()
+    assert checkpointed.keys() == saved.keys() and all(torch.equal(checkpointed[k], saved[k]) for k in saved)
     with pytest.raises(ValueError, match="--ship"):
         eagle3_train.train_and_save(cfg, target, {}, {}, ship=True, log=lambda *_: None)
+    # The same shards serve an EAGLE-2 run (no taps: the last layer's states only), not other taps.
+    from vocabspec.train import load_shards
+    untapped = load_shards(TrainConfig(out=str(tmp_path), taps=""), "train")
+    assert len(untapped) == 8 and all(tp is None for *_, tp in untapped)
+    with pytest.raises(ValueError, match="holds taps"):
+        load_shards(TrainConfig(out=str(tmp_path), taps="1,2,4"), "train")
 
 
 def test_export_writes_an_eagle3_drafter_in_either_layout(smollm2_eagle3, tmp_path):

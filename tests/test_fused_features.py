@@ -152,3 +152,15 @@ def test_bad_taps_and_depths_are_refused_clearly(tmp_path):
     drafter.save(tmp_path / "two")
     with pytest.raises(DrafterMismatch, match="num_hidden_layers=2"):
         EagleDrafter.load(tmp_path / "two", tiny_model("llama", n_layers=1))
+
+
+def test_the_trainers_tau_estimate_runs_on_torchs_kernels():
+    """The trainer measures tau on its torch target, where drafting is otherwise refused as
+    inexact: the estimate must run there and count at least the bonus token a step."""
+    from vocabspec.train import measure_tau
+
+    model = tiny_model("llama")
+    assert not model.exact
+    drafter = EagleDrafter.random(model, seed=1)
+    tau = measure_tau(drafter, model, [[1, 2, 3, 4], [5, 6, 7]], max_new_tokens=6)
+    assert 1.0 <= tau <= 7.0

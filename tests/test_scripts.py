@@ -51,3 +51,16 @@ def test_tree_calibration_replay_reproduces_the_runs_own_accept_lengths(tmp_path
     assert result["steps"] > 3 and result["replay_mismatches_on_complete_steps"] == 0
     assert result["run_tau"] > 1.0
     assert all(1.0 <= tau <= 8.0 for tau in result["replay_tau"].values())
+
+
+def test_drafter_scaling_script_tabulates_and_plots_acceptance(tmp_path):
+    bundled = Path(__file__).resolve().parents[1] / "vocabspec" / "drafters" / "smollm2"
+    done = subprocess.run([sys.executable, str(SCRIPTS / "drafter_scaling.py"), "--model", "smollm2",
+                           "--point", f"EAGLE-2,1.5M,{bundled}", "--questions", str(QUESTIONS),
+                           "--per-category", "1", "--max-new-tokens", "8", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "scaling.json").read_text())["rows"]
+    assert row["tokens"] == 1.5e6 and 0.0 <= row["first_step_acceptance"] <= 1.0
+    assert 1.0 <= row["tau_1x1"] <= 2.0 and 1.0 <= row["tau_3x3"] <= 4.0 and row["tau_6x60"] >= 1.0
+    assert (tmp_path / "scaling.png").exists() and "| EAGLE-2 | 1.5M |" in (tmp_path / "scaling.md").read_text()

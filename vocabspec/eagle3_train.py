@@ -66,6 +66,19 @@ def new_drafter(target: Transformer, ids: torch.Tensor, seed: int) -> Eagle3Draf
     return drafter
 
 
+def drafter_from_checkpoint(path: Path, target: Transformer) -> Eagle3Drafter:
+    """The drafter a training checkpoint (OUT/checkpoint-eagle3.pt) holds, as `train` left it
+    at that step: for measuring a run part of the way through its data."""
+    from .proposers import bundled_drafter_dir
+
+    state = torch.load(path)
+    config = state["config"]
+    drafter = new_drafter(target, draft_vocabulary(config["draft_vocab"], target,
+                                                   bundled_drafter_dir(config["model"])), config["seed"])
+    drafter.load_state_dict(state["drafter"])
+    return drafter.eval().requires_grad_(False)
+
+
 class StepKeys:
     """The keys and values of every training-time-test step so far, differentiable: step k's
     rows see step 0's causally and their own rows of steps 1 to k (as KVCache's tree rows see
