@@ -101,13 +101,17 @@ def test_training_reads_taps_from_the_shards(tmp_path):
     assert torch.equal(tapped, expected.to(torch.bfloat16))
     drafter = train_drafter(cfg, model, log=lambda _: None)
     assert drafter.taps == (1, 2) and drafter.fuse.weight.abs().sum() > 0
-    # Shards made for other taps are not silently read as these.
-    with pytest.raises(ValueError, match="taps"):
-        load_shards(TrainConfig(out=str(tmp_path)), "train")
-    # A fresh extraction without taps rebuilds them.
-    extract_features(TrainConfig(out=str(tmp_path), top_candidates=4, max_len=32),
-                     model, {"train": sequences})
+    # The shards serve a run without taps (the last layer's states only); not other taps.
     assert load_shards(TrainConfig(out=str(tmp_path)), "train")[0][3] is None
+    with pytest.raises(ValueError, match="taps"):
+        load_shards(TrainConfig(out=str(tmp_path), taps="0"), "train")
+    # An extraction for other taps rebuilds them.
+    extract_features(TrainConfig(out=str(tmp_path), taps="0", top_candidates=4, max_len=32),
+                     model, {"train": sequences})
+    tokens, _, _, tapped = load_shards(TrainConfig(out=str(tmp_path), taps="0"), "train")[0]
+    with torch.inference_mode():
+        _, _, expected = model(tokens.long(), torch.arange(16), model.new_cache(16), taps=(0,))
+    assert torch.equal(tapped, expected.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("n_layers", [1, 2])
