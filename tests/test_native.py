@@ -312,11 +312,17 @@ def test_the_cache_keeps_exactly_the_accepted_slots():
 
 # ---------------------------------------------------------------- threads
 
+def two_threads_here() -> bool:
+    """Whether the engine can run a team of two (the governor is left in charge after asking)."""
+    native.set_threads(2)
+    two = native.threads() >= 2
+    native.set_threads(0)
+    return two
+
 def test_thread_count_changes_no_bits():
     """A tree forward on one thread and on all of them: the same bits, hidden states and logits
     (the team the governor picks on a busy machine must not change an answer)."""
-    native.set_threads(2)
-    if native.threads() < 2:
+    if not two_threads_here():
         pytest.skip("one thread here")
     model, _ = load_model("smollm2", weights="gguf-a8" if int8() else "gguf")
     tree = random_tree(model.args.vocab_size, 24, seed=5)
@@ -342,8 +348,7 @@ def test_the_governor_shrinks_the_team_on_a_low_share_and_probes_back():
     """Forwards whose threads got 40% of their wall time shrink the team to one; a probe on two
     threads that was hindered leaves it there, one that ran unhindered restores two."""
     lib = native.library()
-    native.set_threads(2)
-    if native.threads() < 2:
+    if not two_threads_here():
         pytest.skip("one thread here")
     try:
         native.set_threads(0)
