@@ -1,9 +1,11 @@
-"""Throughput of self-distillation's generator (transformers, batched greedy) per dtype and
-batch size: the numbers behind `vocabspec train`'s choice of bfloat16 where the CPU multiplies
-it fast and float32 elsewhere. Every batch decodes exactly --new-tokens tokens per row (no early
-stop), on self-distillation prompts of SmolLM2's round-9 range (distill-start 5449).
+"""Throughput of self-distillation's generator: the batch engine (what `vocabspec train` and
+`generate --input` use) at each batch size, against the cost curve's tokens per second at as
+many rows (measured in the same run), and against transformers' batched greedy generation (the
+generator a user would otherwise pick) on the same prompts. Answers stop at end-of-sequence or
+--new-tokens; a run's time includes every prompt's prefill, reported apart with the steps'
+own share of the curve.
 
-    python scripts/bench_generation.py --dtypes float32,bfloat16 --batches 32,64
+    python scripts/bench_generation.py --prompts 256 --batches 16,32 --hf-prompts 64
 """
 
 from __future__ import annotations
@@ -13,44 +15,93 @@ import json
 import time
 
 import torch
+from tqdm import tqdm
 
+from vocabspec.api import load
+from vocabspec.autotune import forward_seconds
+from vocabspec.batch import BatchLimits
+from vocabspec.cli import set_threads
+from vocabspec.generate import GenerationConfig
 from vocabspec.loading import resolve_model_path
-from vocabspec.tokenizer import load_tokenizer
-from vocabspec.train import TrainConfig, _distill_prompts, left_padded, load_generator
+from vocabspec.train import TrainConfig, _distill_prompts
 
 
-def time_batch(hf, prompts: list[list[int]], pad: int, new_tokens: int) -> float:
-    """Answer tokens per second for one left-padded batch."""
-    ids, mask = left_padded(prompts, pad)
+def engine_speed(lm, prompts: list[list[int]], rows: int, new_tokens: int) -> dict:
+    """Answer tokens per second of the batch engine with `rows` slots over all prompts."""
+    config = GenerationConfig(max_new_tokens=new_tokens)
+    window = max(map(len, prompts)) + new_tokens + 1
+    batch = lm.batch(BatchLimits(max_batch=rows, max_waiting=len(prompts), window=window))
+    lm._batch = None                         # a fresh engine per size
     start = time.perf_counter()
-    with torch.inference_mode():
-        hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens, pad_token_id=pad)
-    return len(prompts) * new_tokens / (time.perf_counter() - start)
+    results = batch.generate(prompts, config)
+    seconds = time.perf_counter() - start
+    tokens = sum(r.new_tokens for r in results)
+    return {"answers": len(results), "answer_tokens": tokens, "prompt_tokens": sum(map(len, prompts)),
+            "seconds": round(seconds, 2), "answer_tok_s": round(tokens / seconds, 1), "steps": batch.stats()}
+
+
+def transformers_speed(path, prompts: list[list[int]], dtype: torch.dtype, rows: int, new_tokens: int,
+                       eos: int) -> dict:
+    """Answer tokens (up to each row's end-of-sequence) per second of transformers' generate,
+    left-padded batches of `rows` prompts sorted by length."""
+    from transformers import AutoModelForCausalLM
+
+    if path.suffix == ".gguf":
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    ordered = sorted(prompts, key=len)
+    tokens, start = 0, time.perf_counter()
+    for first in tqdm(range(0, len(ordered), rows), desc=f"transformers {dtype}", unit="batch"):
+        group = ordered[first:first + rows]
+        width = max(map(len, group))
+        ids = torch.tensor([[eos] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                              max_new_tokens=new_tokens, pad_token_id=eos)
+        for row in out[:, width:].tolist():
+            tokens += row.index(eos) + 1 if eos in row else len(row)
+    seconds = time.perf_counter() - start
+    return {"answers": len(prompts), "answer_tokens": tokens, "seconds": round(seconds, 2),
+            "answer_tok_s": round(tokens / seconds, 1)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--batches", default="32")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=256, help="self-distillation prompts answered")
+    parser.add_argument("--batches", default="16,32", help="batch engine slots (comma-separated)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--hf-prompts", type=int, default=64, help="of those, answered by transformers (0: none)")
+    parser.add_argument("--hf-dtype", default="bfloat16")
+    parser.add_argument("--hf-batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None, help="fixed threads (default: all, governed)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    path = resolve_model_path(args.model)
-    tokenizer = load_tokenizer(path)
+    set_threads(args.threads)
+    lm = load(args.model)
+    config = TrainConfig(model=args.model, conversations=64, distill_start=5449, self_distill=args.prompts)
+    prompts = _distill_prompts(config, lm.tokenizer)
     batches = [int(b) for b in args.batches.split(",")]
-    config = TrainConfig(model=args.model, conversations=64, distill_start=5449,
-                         self_distill=2100 + max(batches))
-    prompts = _distill_prompts(config, tokenizer)[2100:]
-    pad = tokenizer.eos_token_id or 0
-    for name in args.dtypes.split(","):
-        hf = load_generator(path, getattr(torch, name))
-        for size in batches:
-            speed = time_batch(hf, prompts[:size], pad, args.new_tokens)
-            print(json.dumps({"dtype": name, "batch": size, "answer_tok_s": round(speed, 1)}), flush=True)
-        del hf
+    rows = {}
+    for size in batches:
+        rows[size] = engine_speed(lm, prompts, size, args.new_tokens)
+        print(json.dumps({"generator": "batch engine", "rows": size, **rows[size]}), flush=True)
+    curve = forward_seconds(lm.engine.model, [n - 1 for n in batches], repeats=7)
+    for size in batches:
+        ideal = size / curve[size - 1]
+        run = rows[size]
+        # The steps alone: the tokens they made (each answer's first comes from its prefill).
+        stepping = (run["answer_tokens"] - run["answers"]) / run["steps"]["steps_seconds"]
+        print(json.dumps({"rows": size, "curve_ms": round(curve[size - 1] * 1e3, 2),
+                          "curve_tok_s": round(ideal, 1), "of_curve": round(run["answer_tok_s"] / ideal, 3),
+                          "steps_of_curve": round(stepping / ideal, 3),
+                          "prefill_share": round(run["steps"]["prefill_seconds"] / run["seconds"], 3)}), flush=True)
+    if args.hf_prompts:
+        eos = lm.tokenizer.eos_token_id or 0
+        hf = transformers_speed(resolve_model_path(args.model), prompts[:args.hf_prompts],
+                                getattr(torch, args.hf_dtype), args.hf_batch, args.new_tokens, eos)
+        print(json.dumps({"generator": f"transformers {args.hf_dtype}", "rows": args.hf_batch, **hf}), flush=True)
 
 
 if __name__ == "__main__":

@@ -296,13 +296,13 @@ def test_the_cache_keeps_exactly_the_accepted_slots():
         cache = KVCache(3, 2, 32, 40, torch.float32, torch.device("cpu"), layout="native")
         cache.keys.copy_(torch.randn(cache.keys.shape, generator=g))
         cache.values.copy_(torch.randn(cache.values.shape, generator=g))
-        keys, values = cache.keys.clone(), cache.values.clone()
+        keys, values = cache.key_slots(), cache.values.clone()
         cache.length, cache.pending = 10, 6
         cache.commit(torch.tensor(keep, dtype=torch.long))
         assert cache.length == 10 + len(keep) and cache.pending == 0
         src = torch.tensor([10 + k for k in keep], dtype=torch.long)
-        assert torch.equal(cache.keys[..., :10], keys[..., :10])
-        assert torch.equal(cache.keys[..., 10:10 + len(keep)], keys[..., src])
+        assert torch.equal(cache.key_slots()[..., :10], keys[..., :10])
+        assert torch.equal(cache.key_slots()[..., 10:10 + len(keep)], keys[..., src])
         assert torch.equal(cache.values[:, :, 10:10 + len(keep)], values[:, :, src])
     cache.length, cache.pending = 10, 3
     with pytest.raises(ValueError, match="increase"):

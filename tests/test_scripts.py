@@ -32,12 +32,24 @@ def test_ranker_recall_script_measures_recall():
 def test_cost_curve_script_times_every_size(tmp_path):
     out = tmp_path / "curve.json"
     done = subprocess.run([sys.executable, str(SCRIPTS / "cost_curve.py"), "--models", "smollm2",
-                           "--weights", "gguf", "--sizes", "1,4", "--repeats", "1", "--out", str(out)],
+                           "--weights", "gguf", "--sizes", "1,4", "--contexts", "256,32", "--repeats", "1",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    curve = json.loads(out.read_text())["ms"]["smollm2"]["gguf"]
-    assert set(curve) == {"1", "4"} and all(ms > 0 for ms in curve.values())
+    curves = json.loads(out.read_text())["ms"]["smollm2"]
+    assert set(curves) == {"gguf", "gguf @32"}         # one curve per context
+    assert all(set(curve) == {"1", "4"} and all(ms > 0 for ms in curve.values()) for curve in curves.values())
     assert out.with_suffix(".png").exists()
+
+
+def test_generation_benchmark_sets_the_batch_engine_against_the_curve():
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_generation.py"), "--prompts", "4",
+                           "--batches", "2", "--new-tokens", "8", "--hf-prompts", "0"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run, curve = (json.loads(line) for line in done.stdout.strip().splitlines())
+    assert run["answers"] == 4 and 4 <= run["answer_tokens"] <= 32 and run["steps"]["steps"] > 0
+    assert curve["rows"] == 2 and 0 < curve["of_curve"] < curve["steps_of_curve"]
 
 
 def test_tree_calibration_replay_reproduces_the_runs_own_accept_lengths(tmp_path):

@@ -126,20 +126,32 @@ def test_held_out_agreement_at_step_k_follows_the_unrolled_chain():
     assert short["top1_step2"] == short["top1_step3"] == 0.0
 
 
-class _CharTokenizer:
-    chat_template = None
+def test_self_distilled_answers_are_the_engines_greedy_answers_with_their_end(tmp_path):
+    """The batch engine answers every prompt as plain decoding alone would, the end-of-sequence
+    token that ended an answer kept (a drafter learns to propose it), and the file saved."""
+    from vocabspec.api import load
+    from vocabspec.generate import GenerationConfig
+    from vocabspec.loading import resolve_model_path
+    from vocabspec.prompts import encode_conversation
+    from vocabspec.train import _generate_answers
 
-    def decode(self, ids):
-        return "".join(map(chr, ids))
-
-
-def test_self_distilled_answers_end_at_eos_or_the_stop_string():
-    from vocabspec.train import _cut_answer
-
-    text = [ord(c) for c in "Paris.\n\nQuestion: next"]
-    assert _cut_answer(text, {ord(".")}, _CharTokenizer()) == [ord(c) for c in "Paris."]
-    assert _cut_answer(text, set(), _CharTokenizer()) == [ord(c) for c in "Paris.\n\nQuestion:"]
-    assert _cut_answer(text[:6], set(), _CharTokenizer()) == text[:6]
+    lm = load("smollm2")
+    prompts = [encode_conversation(lm.tokenizer, [("user", text)], answer_open=True)
+               for text in ("Say hi.", "Name a colour.", "Write a long poem about the sea.")]
+    done, out = {"prompts": [], "sequences": []}, tmp_path / "distilled.pt"
+    name = _generate_answers(TrainConfig(distill_new_tokens=24, distill_batch=2), resolve_model_path("smollm2"),
+                             prompts, done, out)
+    assert "batch engine" in name and torch.load(out) == done
+    ended = 0
+    for prompt in prompts:
+        sequence = done["sequences"][done["prompts"].index(prompt)]
+        alone = lm.engine.generate(prompt, GenerationConfig(max_new_tokens=24))
+        if alone.stop_reason == "eos":
+            ended += 1
+            assert sequence == prompt + alone.tokens + [alone.eos_token]
+        else:
+            assert sequence == prompt + alone.tokens and len(alone.tokens) == 24
+    assert 0 < ended < len(prompts)          # both endings seen
 
 
 def test_self_distillation_resumes_per_prompt_and_grows_without_redoing(tmp_path, monkeypatch):
@@ -147,12 +159,13 @@ def test_self_distillation_resumes_per_prompt_and_grows_without_redoing(tmp_path
 
     calls = []
 
-    def fake_generate(cfg, tokenizer, model_path, todo, done, out):
+    def fake_generate(cfg, model_path, todo, done, out):
         calls.append([tuple(p) for p in todo])
         for prompt in todo:
             done["prompts"].append(prompt)
             done["sequences"].append(prompt + [99])
         _atomic_save(done, out)
+        return "fake"
 
     pool = [[1, 2], [3], [4, 5, 6], [7], [8, 9]]
     monkeypatch.setattr(train, "_generate_answers", fake_generate)
@@ -180,12 +193,13 @@ def test_answer_archive_carries_answers_to_another_work_directory(tmp_path, monk
 
     generated = []
 
-    def fake_generate(cfg, tokenizer, model_path, todo, done, out):
+    def fake_generate(cfg, model_path, todo, done, out):
         generated.extend(tuple(p) for p in todo)
         for prompt in todo:
             done["prompts"].append(prompt)
             done["sequences"].append(prompt + [99, 98])
         _atomic_save(done, out)
+        return "fake"
 
     pool = [[1, 2], [3], [4, 5, 6], [7]]
     monkeypatch.setattr(train, "_generate_answers", fake_generate)

@@ -1,9 +1,10 @@
 """An archive of the target's own answers, kept in the repository so self-distillation data
 accumulates across machines.
 
-Generating answers is the slow part of training on a CPU (about 1.4-1.6 h per million answer
-tokens on 2 cores with AVX-512 bf16), and a machine's work directory may not outlive the
-run. The answers themselves are small (2 or 4 bytes a token), so each run that generates some
+Generating answers is a slow part of training on a CPU (the batch engine takes about 20-25
+minutes per million answer tokens on 2 cores, transformers took 1.4-1.6 h), and a machine's
+work directory may not outlive the run. Each file names its generator: the archive's first
+answers came from transformers in bfloat16, later ones from the batch engine. The answers themselves are small (2 or 4 bytes a token), so each run that generates some
 can write them to an archive directory, and later runs on any machine read them back instead
 of generating them again. Answers are greedy, so a prompt has one answer per target: each file
 records a fingerprint of the target's weights file and the answer-length cap, and is refused

@@ -152,6 +152,7 @@ class BatchEngine:
         if drafting and self.limits.tree_rows is None:
             self.costs = Costs.measure(model, self.limits.max_batch * (drafting[0].max_tree_tokens + 1))
         self.rows = self.drafted = 0          # rows verified, trees drafted (over all steps)
+        self.seconds = {"prefill": 0.0, "steps": 0.0}     # time in joining requests' prefill, in steps
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=self.limits.max_waiting)
         self.wake = threading.Event()
         self.stopping = False
@@ -243,8 +244,10 @@ class BatchEngine:
         if not running:
             return False
         try:
+            started = time.perf_counter()
             with self.engine.model.lock:
                 self._step(running)
+            self.seconds["steps"] += time.perf_counter() - started
         except BaseException as exc:       # a failed step fails its requests, not the engine
             for slot in running:
                 self._end(slot, exc)
@@ -275,11 +278,14 @@ class BatchEngine:
             except queue.Empty:
                 return
             generation = Generation(self.engine, request.prompt_ids, request.config, cache=slot.cache,
-                                    proposer=slot.proposer if request.draft else None)
+                                    proposer=slot.proposer if request.draft else None,
+                                    stream=request.on_piece is not None)
             slot.generation, slot.request = generation, request
             try:
+                started = time.perf_counter()
                 with torch.inference_mode(), self.engine.model.lock:
                     delta = generation.start()
+                self.seconds["prefill"] += time.perf_counter() - started
                 self._deliver(slot, delta)
             except BaseException as exc:
                 self._end(slot, exc)
@@ -339,8 +345,10 @@ class BatchEngine:
         return drafts
 
     def stats(self) -> dict:
-        """Steps run, rows verified and trees drafted so far (the draft budget at work)."""
-        return {"steps": self.steps, "rows": self.rows, "drafted": self.drafted}
+        """Steps run, rows verified and trees drafted so far (the draft budget at work), and the
+        seconds spent prefilling joining requests and stepping running ones."""
+        return {"steps": self.steps, "rows": self.rows, "drafted": self.drafted,
+                **{f"{part}_seconds": round(value, 3) for part, value in self.seconds.items()}}
 
     def _deliver(self, slot: Slot, delta: str) -> None:
         request, generation = slot.request, slot.generation

@@ -119,6 +119,7 @@ class GenerationResult:
     stop_reason: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)   # one per token, if asked
     engine: str = ""         # what ran the target, and why (Transformer.engine)
+    eos_token: int = -1      # the end-of-sequence token that ended it (stop_reason "eos")
 
     @property
     def new_tokens(self) -> int:
@@ -298,7 +299,7 @@ class Generation:
     batch gives the request its own."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig,
-                 cache: KVCache | None = None, proposer: Proposer | None = None):
+                 cache: KVCache | None = None, proposer: Proposer | None = None, stream: bool = True):
         self.engine = engine
         self.prompt_ids = prompt_ids
         self.config = config
@@ -307,6 +308,9 @@ class Generation:
         self.result = GenerationResult(prompt_tokens=len(prompt_ids), engine=engine.model.engine)
         self.text = TextStream(engine.tokenizer)
         self.streamed = ""      # text already yielded; never retracted
+        # stream=False: nobody reads the text before the end, so it is decoded once then
+        # (decoding the answer so far at every step costs more than a step's Python).
+        self.stream = stream
         params = config.sampling
         self.generator = None if params.greedy else make_generator(params.seed, engine.model.device)
         # Greedy on the native engine without logprobs: verification is one native call.
@@ -468,11 +472,14 @@ class Generation:
             return True
         if config.cancel is not None and config.cancel.is_set():
             result.stop_reason = "cancelled"
-            return True
-        if config.deadline is not None and time.monotonic() > config.deadline:
+        elif config.deadline is not None and time.monotonic() > config.deadline:
             result.stop_reason = "time"
-            return True
-        return False
+        else:
+            return False
+        if not config.stop:             # the text so far, where it was not decoded as it came
+            self.text.update(result.tokens)
+            result.text = self.text.text
+        return True
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> int:
         if params.greedy:
@@ -486,7 +493,7 @@ class Generation:
         result, config = self.result, self.config
         for index, token in enumerate(new_tokens):
             if config.stop_on_eos and token in self.engine.eos_ids:
-                result.stop_reason = "eos"
+                result.stop_reason, result.eos_token = "eos", token
                 break
             result.tokens.append(token)
             if config.logprobs is not None:
@@ -497,7 +504,7 @@ class Generation:
                 result.stop_reason = "stop"
             if result.stop_reason:
                 break
-        if not config.stop:
+        if not config.stop and (self.stream or result.stop_reason):
             self.text.update(result.tokens)
         result.text = self.text.text
         # Text that may be the start of a stop string is held back until the next tokens

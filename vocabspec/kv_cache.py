@@ -7,8 +7,10 @@ keeps the chosen pending slots (the accepted path), packing them right after the
 prefix, and forgets the rest. Nothing here allocates during decoding.
 
 Two layouts: "torch" (layers, 1, kv heads, slots, head_dim), which torch's attention reads,
-and "native" (native.c), where keys are (layers, kv heads, head_dim, slots) so that a vector
-holds one dimension of 16 keys, and values are (layers, kv heads, slots, head_dim).
+and "native" (native.c), where keys are (layers, kv heads, slots / 16, head_dim, 16): blocks of
+16 keys, each dimension's 16 values side by side, so that a vector holds one dimension of 16 keys
+and scoring reads a block front to back; values are (layers, kv heads, slots, head_dim). Its
+slots are rounded up to whole blocks.
 
 `DeviceKVCache` is the same cache with its committed length kept on the device: writes go to
 device-computed slots (`index_copy_`), attention reads every slot under a mask built on the
@@ -30,8 +32,9 @@ class KVCache:
             self.keys = torch.zeros(shape, dtype=dtype, device=device)
             self.values = torch.zeros(shape, dtype=dtype, device=device)
         elif layout == "native":
-            self.keys = torch.zeros(n_layers, n_kv_heads, head_dim, max_len, dtype=dtype, device=device)
-            self.values = torch.zeros(n_layers, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+            slots = -(-max_len // 16) * 16        # whole blocks of 16 keys
+            self.keys = torch.zeros(n_layers, n_kv_heads, slots // 16, head_dim, 16, dtype=dtype, device=device)
+            self.values = torch.zeros(n_layers, n_kv_heads, slots, head_dim, dtype=dtype, device=device)
         else:
             raise ValueError(f"unknown cache layout {layout!r}")
         self.layout = layout
@@ -84,7 +87,8 @@ class KVCache:
             keep = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
             if any(not 0 <= a < b for a, b in zip(keep, keep[1:] + [self.pending])):
                 raise ValueError(f"slots to keep must increase within the {self.pending} pending: {keep}")
-            cache_keep(self.keys, self.values, self.length, keep)
+            if keep[-1:] != [len(keep) - 1]:     # else the kept slots are where they stay
+                cache_keep(self.keys, self.values, self.length, keep)
             self.length += len(keep)
         else:
             keep = torch.as_tensor(keep, dtype=torch.long, device=self.keys.device)
@@ -101,6 +105,11 @@ class KVCache:
     def discard(self) -> None:
         """Forget all pending slots."""
         self.pending = 0
+
+    def key_slots(self) -> torch.Tensor:
+        """The native layout's keys as (layers, kv heads, head_dim, slots): a copy, for reading."""
+        layers, heads, blocks, head_dim, _ = self.keys.shape
+        return self.keys.permute(0, 1, 3, 2, 4).reshape(layers, heads, head_dim, blocks * 16)
 
 
 class DeviceKVCache(KVCache):

@@ -1105,9 +1105,13 @@ void vs_head(const float *norm, float eps, const vs_weight *w, const float *hidd
 
 /* ------------------------------------------------------------------ attention */
 
+/* Where dimension d of the key in slot t lies in one kv head's keys (T/16 blocks of D x 16). */
+#define KEY_AT(t, d, D) ((((int64_t)(t) >> 4) * (D) + (d)) * 16 + ((t) & 15))
+
 /* Visibility of row r: cache slots [0, prefix[r]) hold positions 0 .. prefix[r] - 1, then the
    slots extra[xoff[r] .. xoff[r+1]) hold the next positions, the row's own last. Logical index
-   i is position i; a sliding window drops indices below pos - window + 1. */
+   i is position i; a sliding window drops indices below pos - window + 1. Keys are stored in
+   blocks of 16 slots (KEY_AT), so 64 keys' scores read four contiguous runs of memory. */
 static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, float *const *values,
                       int64_t layer, const float *q, int64_t n,
                       const int32_t *pos, const int32_t *prefix, const int32_t *xoff,
@@ -1117,7 +1121,6 @@ static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < n * H; item++) {
         const int64_t r = item / H, h = item % H, g = h / hpg;
-        float *sc = scratch + (int64_t)omp_get_thread_num() * (T + 64);
         const float *qv = q + item * D;
         const float *kt = keys[r] + (layer * G + g) * D * T;     /* row r's own cache */
         const float *vv = values[r] + (layer * G + g) * T * D;
@@ -1126,19 +1129,24 @@ static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, 
         int64_t first = 0;
         if (L->window > 0 && pos[r] - L->window + 1 > 0) first = pos[r] - L->window + 1;
         const int64_t count = pre + nx - first;
+        /* Scores from the block holding `first` (those before it computed and dropped): sc[j]
+           is index first + j's. */
+        const int64_t start = first & ~(int64_t)15;
+        float *const from = scratch + (int64_t)omp_get_thread_num() * (T + 64);
+        float *const sc = from + (first - start);
         /* Scores over the prefix: 16 keys a vector, each key one fma chain over d. */
-        int64_t i = first;
+        int64_t i = start;
         for (; i + 64 <= pre; i += 64) {
             vf a0 = vf_zero(), a1 = a0, a2 = a0, a3 = a0;
+            const float *kb = kt + i * D;          /* four blocks of 16 keys, one after another */
             for (int64_t d = 0; d < D; d++) {
                 const vf qd = vf_set1(qv[d]);
-                const float *kd = kt + d * T + i;
-                a0 = vf_fma(qd, vf_load(kd), a0);
-                a1 = vf_fma(qd, vf_load(kd + 16), a1);
-                a2 = vf_fma(qd, vf_load(kd + 32), a2);
-                a3 = vf_fma(qd, vf_load(kd + 48), a3);
+                a0 = vf_fma(qd, vf_load(kb + d * 16), a0);
+                a1 = vf_fma(qd, vf_load(kb + (D + d) * 16), a1);
+                a2 = vf_fma(qd, vf_load(kb + (2 * D + d) * 16), a2);
+                a3 = vf_fma(qd, vf_load(kb + (3 * D + d) * 16), a3);
             }
-            float *o = sc + (i - first);
+            float *o = from + (i - start);
             vf_store(o, vf_mul(a0, scale));
             vf_store(o + 16, vf_mul(a1, scale));
             vf_store(o + 32, vf_mul(a2, scale));
@@ -1146,15 +1154,16 @@ static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, 
         }
         for (; i < pre; i += 16) {
             vf a0 = vf_zero();
+            const float *kb = kt + i * D;
             for (int64_t d = 0; d < D; d++)
-                a0 = vf_fma(vf_set1(qv[d]), vf_load_part(kt + d * T + i, pre - i, 0.0f), a0);
-            vf_store_part(sc + (i - first), vf_mul(a0, scale), pre - i);
+                a0 = vf_fma(vf_set1(qv[d]), vf_load_part(kb + d * 16, pre - i, 0.0f), a0);
+            vf_store_part(from + (i - start), vf_mul(a0, scale), pre - i);
         }
         /* The extra slots: the same chain, one key at a time. */
         for (int64_t e = first > pre ? first - pre : 0; e < nx; e++) {
-            const float *kd = kt + xs[e];
+            const float *kd = kt + KEY_AT(xs[e], 0, D);
             float a = 0.0f;
-            for (int64_t d = 0; d < D; d++) a = fmaf(qv[d], kd[d * T], a);
+            for (int64_t d = 0; d < D; d++) a = fmaf(qv[d], kd[d * 16], a);
             sc[pre + e - first] = a * s->attn_scale;
         }
         /* Softmax in position order. */
@@ -1218,8 +1227,8 @@ ALWAYS void add_rows(float *x, const float *y, int64_t dim) {
 
 /* x (n x dim) through every layer, in place, each row over a cache of its own (rows of several
    sequences share a call; each row's arithmetic is the same whatever shares it). A cache holds,
-   per layer, keys (n_kv x head_dim x max_len: a key's dimensions are strided, so scores read 16
-   keys a vector) and values (n_kv x max_len x head_dim); keys[r], values[r] are row r's, whose
+   per layer, keys (n_kv x max_len/16 x head_dim x 16: blocks of 16 keys with each dimension's 16
+   values together, so scores read 16 keys a vector, and a block's vectors follow each other) and values (n_kv x max_len x head_dim); keys[r], values[r] are row r's, whose
    new key and value go to slot slot[r]. taps: layer indices whose outputs are copied to tapped
    (n x ntaps*dim, side by side). */
 void vs_stack_forward_rows(const vs_stack *s, float *x, int64_t n, const int32_t *pos, const int32_t *prefix,
@@ -1266,8 +1275,8 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, int64_t n, const int32_t
             for (int64_t g = 0; g < G; g++) {
                 if (L->k_norm) rmsnorm_row(kr + g * D, L->k_norm, kr + g * D, D, s->eps);
                 rope_head(kr + g * D, cos, sin, D);
-                float *kt = keys[r] + (l * G + g) * D * T + slot[r];
-                for (int64_t d = 0; d < D; d++) kt[d * T] = kr[g * D + d];
+                float *kt = keys[r] + (l * G + g) * D * T + KEY_AT(slot[r], 0, D);
+                for (int64_t d = 0; d < D; d++) kt[d * 16] = kr[g * D + d];
                 memcpy(values[r] + ((l * G + g) * T + slot[r]) * D, vr + g * D, D * sizeof(float));
             }
             memcpy(att + r * qs, qr, qs * sizeof(float));
@@ -1404,7 +1413,7 @@ void vs_tree_visibility(const int64_t *parents, int64_t n, int64_t start, int64_
 }
 
 /* Keep the pending slots keep[0..nkeep) (increasing, relative to `length`) of every layer's
-   keys (layers x n_kv x head_dim x T) and values (layers x n_kv x T x head_dim), packed right
+   keys (layers x n_kv x T/16 x head_dim x 16) and values (layers x n_kv x T x head_dim), packed right
    after the committed `length`. */
 void vs_cache_keep(float *keys, float *values, int64_t layers, int64_t n_kv, int64_t head_dim, int64_t T,
                    int64_t length, const int64_t *keep, int64_t nkeep) {
@@ -1413,7 +1422,8 @@ void vs_cache_keep(float *keys, float *values, int64_t layers, int64_t n_kv, int
         for (int64_t j = 0; j < nkeep; j++) {
             const int64_t src = length + keep[j], dst = length + j;
             if (src == dst) continue;
-            for (int64_t d = 0; d < head_dim; d++) k[d * T + dst] = k[d * T + src];
+            for (int64_t d = 0; d < head_dim; d++)
+                k[KEY_AT(dst, d, head_dim)] = k[KEY_AT(src, d, head_dim)];
             memcpy(v + dst * head_dim, v + src * head_dim, head_dim * sizeof(float));
         }
     }

@@ -317,8 +317,8 @@ class NativeStack:
 
     def check_cache(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """The slots of a cache in this stack's native layout (ValueError if it is not)."""
-        slots = keys.shape[-1]
-        if keys.shape != (self.n_layers, self.n_kv, self.head_dim, slots) or \
+        slots = values.shape[-2]
+        if slots % 16 or keys.shape != (self.n_layers, self.n_kv, slots // 16, self.head_dim, 16) or \
                 values.shape != (self.n_layers, self.n_kv, slots, self.head_dim) or \
                 keys.dtype != torch.float32 or values.dtype != torch.float32:
             raise ValueError("the cache does not have the native layout of this stack")
@@ -487,7 +487,7 @@ class NativeModel:
 def cache_keep(keys: torch.Tensor, values: torch.Tensor, length: int, keep: list[int]) -> None:
     """Keep pending slots `keep` (increasing, counted from `length`) of a native-layout cache,
     packed after the committed ones, in one call."""
-    layers, n_kv, head_dim, slots = keys.shape
+    layers, n_kv, slots, head_dim = values.shape
     kept = torch.tensor(keep, dtype=torch.int64)
     library().vs_cache_keep(keys.data_ptr(), values.data_ptr(), layers, n_kv, head_dim, slots, length,
                             kept.data_ptr(), len(keep))

@@ -84,7 +84,7 @@ class TrainConfig:
                                     # used instead of generating them, new ones are added to it
     generate_answers: bool = False  # with an archive: generate the answers it lacks (without
                                     # this a run that would generate any refuses, saying how many)
-    distill_batch: int = 32         # prompts generated together
+    distill_batch: int = 32         # answers the batch engine decodes together
     unroll: int = 1                 # drafting steps trained per position (1: EAGLE's loss)
     init: str = ""                  # drafter directory to start from (default: random start)
     ranker_weight: float = 0.0      # SpecVocab's ranker trained jointly: its loss's weight
@@ -195,24 +195,6 @@ def _fast_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def _cut_answer(answer: list[int], eos_ids: set[int], tokenizer) -> list[int]:
-    """The answer up to its first end-of-sequence token (kept) or base-model stop string."""
-    from .prompts import stop_strings
-
-    for i, token in enumerate(answer):
-        if token in eos_ids:
-            return answer[:i + 1]
-    for stop in stop_strings(tokenizer):
-        text = tokenizer.decode(answer)
-        if stop in text:
-            # Shortest prefix whose text reaches the stop string: a drafter then learns to
-            # propose it, which is where the engine stops.
-            for end in range(1, len(answer) + 1):
-                if stop in tokenizer.decode(answer[:end]):
-                    return answer[:end]
-    return answer
-
-
 def _load_distilled(path: Path, prompts: list[list[int]]) -> dict:
     """Answers generated so far, as {"prompts": [...], "sequences": [...]} in generation order.
 
@@ -236,12 +218,10 @@ def _load_distilled(path: Path, prompts: list[list[int]]) -> dict:
 def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[list[int]]:
     """Prompt + the target's greedy answer, for each prompt of `_distill_prompts`.
 
-    Generation runs in batches through transformers (same weights, bfloat16): the engine's
-    model decodes one sequence at a time, and a 32-row batch costs about what one row does on
-    a memory-bound CPU. Prompts are sorted by length so padding stays short. Answers are kept
-    per prompt and the file is rewritten after every batch, so an interrupted run resumes at
-    the next batch and a later run asking for more prompts generates only the new ones (they
-    come after the old answers, so the old feature shards stay valid). With `cfg.answers`, the
+    Generation runs on the batch engine (`_generate_answers`). Answers are kept per prompt and
+    the file is rewritten as they come, so an interrupted run resumes where it stopped and a
+    later run asking for more prompts generates only the new ones (they come after the old
+    answers, so the old feature shards stay valid). With `cfg.answers`, the
     archive's answers (answers.py) come first, and whatever this work directory holds that the
     archive lacks is added to it.
     """
@@ -268,78 +248,69 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
             raise ValueError(f"{len(todo)} of {len(prompts)} answers are neither in the archive "
                              f"{cfg.answers} nor in {cfg.out}: generating them takes the target "
                              "hours on a CPU; pass --generate-answers to do it (they join the archive)")
+    generator = "this work directory's earlier run"
     if todo:
-        _generate_answers(cfg, tokenizer, model_path, todo, done, out)
+        generator = _generate_answers(cfg, model_path, todo, done, out)
     if cfg.answers:
         new = [(p, s) for p, s in zip(done["prompts"], done["sequences"]) if tuple(p) not in archived]
         written = write_answers(Path(cfg.answers), [p for p, _ in new], [s for _, s in new],
-                                fingerprint, cfg.distill_new_tokens, _generator_name(cfg))
+                                fingerprint, cfg.distill_new_tokens, generator)
         if written:
             print(f"archived {written}")   # its name counts the answers, repeats stored once
     wanted = {tuple(p) for p in prompts}
     return [s for p, s in zip(done["prompts"], done["sequences"]) if tuple(p) in wanted]
 
 
-def _generator_name(cfg: TrainConfig) -> str:
-    import transformers
+def _generator_name(lm) -> str:
+    from importlib.metadata import version
 
-    dtype = str(_fast_dtype("auto")).removeprefix("torch.")
-    return f"transformers {transformers.__version__} greedy in {dtype}, batches of {cfg.distill_batch}"
-
-
-def load_generator(model_path: Path, dtype: torch.dtype | None = None):
-    """The target through transformers, for batched greedy generation. The default dtype is
-    bfloat16 only where the CPU multiplies it fast: a 32-row batch from SmolLM2's GGUF file
-    then runs 2.3x faster than in float32 (AVX-512 bf16), where without that hardware it runs
-    several times slower (BENCHMARKS.md, sessions 13 and 22)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    dtype = dtype or _fast_dtype("auto")
-    if model_path.suffix == ".gguf":
-        hf = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                  dtype=dtype)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
-    return hf.eval()
+    model = lm.engine.model
+    return f"vocabspec {version('vocabspec')} batch engine, greedy, {model.weights} weights on {model.engine}"
 
 
-def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and attention mask of a batch padded on the left, as batched generation needs."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
+def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]], done: dict,
+                      out: Path) -> str:
+    """The target's greedy answers to `todo`, appended to `done` as they finish (saved to `out`
+    every SAVE_EVERY answers, so an interrupted run loses at most those). They come from the
+    batch engine (batch.py) in the run-time format a user decodes with: `cfg.distill_batch`
+    requests decode together, each exactly as it would alone, so an answer does not depend on
+    the batch, and it is the text the drafter will meet. An answer keeps the end-of-sequence
+    token that ended it; a base model's ends at its stop string. Returns the generator's name."""
+    from .api import load
+    from .batch import BatchLimits
+    from .generate import GenerationConfig
+    from .prompts import stop_strings
 
-
-def _generate_answers(cfg: TrainConfig, tokenizer, model_path: Path, todo: list[list[int]],
-                      done: dict, out: Path) -> None:
-    hf = load_generator(model_path)
-    eos_ids = set(hf.generation_config.eos_token_id if isinstance(hf.generation_config.eos_token_id, list)
-                  else [hf.generation_config.eos_token_id]) - {None}
-    if tokenizer.eos_token_id is not None:
-        eos_ids.add(tokenizer.eos_token_id)
-    pad = tokenizer.eos_token_id or 0
-    bar = tqdm(total=len(todo), desc="self-distillation", unit="prompt")
-    generated = 0
-    started = time.perf_counter()
-    for start in range(0, len(todo), cfg.distill_batch):
-        batch = todo[start:start + cfg.distill_batch]
-        ids, mask = left_padded(batch, pad)
-        width = ids.shape[1]
-        with torch.inference_mode():
-            output = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                 max_new_tokens=cfg.distill_new_tokens, pad_token_id=pad)
-        for prompt, row in zip(batch, output[:, width:].tolist()):
-            answer = _cut_answer(row, eos_ids, tokenizer)
+    lm = load(str(model_path))
+    config = GenerationConfig(max_new_tokens=cfg.distill_new_tokens, stop=stop_strings(lm.tokenizer))
+    window = min(max(map(len, todo)) + cfg.distill_new_tokens + 1, lm.engine.model.args.max_seq_len)
+    batch = lm.batch(BatchLimits(max_batch=cfg.distill_batch, max_waiting=2 * cfg.distill_batch, window=window))
+    bar = tqdm(total=len(todo), desc="self-distillation", unit="answer")
+    queue, running, unsaved, generated, started = list(reversed(todo)), [], 0, 0, time.perf_counter()
+    while queue or running:
+        while queue and len(running) < 2 * cfg.distill_batch:
+            prompt = queue.pop()
+            running.append((prompt, batch.submit(prompt, config)))
+        batch.run_once()
+        for prompt, request in [item for item in running if item[1].done.is_set()]:
+            running.remove((prompt, request))
+            result = request.wait()
+            answer = result.tokens + ([result.eos_token] if result.stop_reason == "eos" else [])
             done["prompts"].append(prompt)
             done["sequences"].append(prompt + answer)
             generated += len(answer)
-        _atomic_save(done, out)
-        bar.set_postfix(answer_tok_s=f"{generated / (time.perf_counter() - started):.0f}")
-        bar.update(len(batch))
+            unsaved += 1
+            bar.update(1)
+        if unsaved >= SAVE_EVERY or not (queue or running):
+            _atomic_save(done, out)
+            unsaved = 0
+            bar.set_postfix(answer_tok_s=f"{generated / (time.perf_counter() - started):.0f}")
     bar.close()
+    batch.close()
+    return _generator_name(lm)
+
+
+SAVE_EVERY = 64           # answers between saves of the self-distillation file
 
 
 # ---------------------------------------------------------------------------- 2. features
