@@ -1430,24 +1430,69 @@ void vs_cache_keep(float *keys, float *values, int64_t layers, int64_t n_kv, int
 }
 
 /* The head's argmax (the first index on ties, as plain decoding picks) of m rows of hidden:
-   norm, then one pass over the head's weights. */
+   norm, then one pass over the head's weights. Each work item's logits (CHUNK blocks of RB
+   vocabulary rows) go to a small tile of the thread's own and are scanned while in cache, so the
+   vocabulary's logits are never written out; a logit has the bits vs_head gives it. The items
+   of `omp for schedule(static)` are contiguous and in thread order, so keeping a strictly
+   greater value, first within each thread and then over the threads in order, keeps the first
+   maximum. */
 static void head_argmax(const float *norm, float eps, const vs_weight *w, const float *hidden, const int64_t *rows,
-                        int64_t m, int64_t *best, float *work, float *logits) {
-    const int64_t dim = w->cols, V = w->rows;
-#pragma omp parallel num_threads(team())
+                        int64_t m, int64_t *best, float *work) {
+    const int64_t dim = w->cols, V = w->rows, blocks = (V + RB - 1) / RB, items = (blocks + CHUNK - 1) / CHUNK;
+    const int64_t W = CHUNK * RB;                  /* a tile's columns */
+    const int threads = team();
+    float *tiles = malloc((size_t)threads * m * W * sizeof(float));
+    float *top = malloc((size_t)threads * m * sizeof(float));
+    int64_t *at = malloc((size_t)threads * m * sizeof(int64_t));
+#pragma omp parallel num_threads(threads)
     {
+        const int t = omp_get_thread_num();
+        float *tile = tiles + (int64_t)t * m * W, *mine = top + (int64_t)t * m;
+        int64_t *where = at + (int64_t)t * m;
+        for (int64_t i = 0; i < m; i++) mine[i] = -INFINITY, where[i] = -1;
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++) rmsnorm_row(hidden + rows[i] * dim, norm, work + i * dim, dim, eps);
-        linear_rows(w, work, m, dim, logits, V);
+#if VS_HAS_INT8
+        quant_rows xr = {NULL, NULL, NULL};
+        const blocks_i8_fn fn8 = is_i8(w) ? blocks_i8_for(w) : NULL;
+#endif
+        const float *xs = NULL;
+        const blocks_fn fn = blocks_for(w);
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) {
-            const float *row = logits + i * V;
-            int64_t at = 0;
-            for (int64_t j = 1; j < V; j++)
-                if (row[j] > row[at]) at = j;
-            best[i] = at;
+        for (int64_t c = 0; c < items; c++) {
+            const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
+            float *y = tile - b0 * RB;             /* column n of the item at y[i * W + n] */
+#if VS_HAS_INT8
+            if (fn8 != NULL) {
+                if (xr.q == NULL) xr = quantize_rows(work, m, dim, dim);
+                fn8(w, b0, b1, xr, m, y, W);
+            } else
+#endif
+            {
+                if (xs == NULL) xs = unit_sums(w, work, m, dim);
+                fn(w, b0, b1, work, m, dim, xs, y, W);
+            }
+            const int64_t n0 = b0 * RB, count = (b1 * RB < V ? b1 * RB : V) - n0;
+            for (int64_t i = 0; i < m; i++) {
+                const float *row = tile + i * W;
+                vf hi = vf_set1(-INFINITY);
+                for (int64_t j = 0; j < count; j += 16) hi = vf_max(hi, vf_load_part(row + j, count - j, -INFINITY));
+                if (!(vf_hmax(hi) > mine[i])) continue;
+                for (int64_t j = 0; j < count; j++)
+                    if (row[j] > mine[i]) mine[i] = row[j], where[i] = n0 + j;
+            }
         }
     }
+    for (int64_t i = 0; i < m; i++) {
+        int64_t pick = -1;
+        float value = -INFINITY;
+        for (int t = 0; t < threads; t++)
+            if (at[t * m + i] >= 0 && (pick < 0 || top[t * m + i] > value)) pick = at[t * m + i], value = top[t * m + i];
+        best[i] = pick < 0 ? 0 : pick;
+    }
+    free(tiles);
+    free(top);
+    free(at);
 }
 
 /* Greedy verification of `ntrees` trees, tree t's rows being rows offsets[t] .. offsets[t+1] of
@@ -1457,10 +1502,10 @@ static void head_argmax(const float *norm, float eps, const vs_weight *w, const 
    that child's first child, up to head_rows rows: about one row's pass over the head's weights),
    every tree's first batch in one pass. Writes each tree's accepted nodes to paths (at its
    offset, root first), their count to counts[t] and the target's token after them to next[t].
-   work: ntrees * head_rows x dim floats; logits: as many rows x vocab. */
+   work: ntrees * head_rows x dim floats. */
 void vs_verify_greedy(const float *norm, float eps, const vs_weight *w, const float *hidden, int64_t ntrees,
                       const int64_t *offsets, const int64_t *tokens, const int64_t *parents, int64_t head_rows,
-                      int64_t *paths, int64_t *counts, int64_t *next, float *work, float *logits) {
+                      int64_t *paths, int64_t *counts, int64_t *next, float *work) {
     const int64_t n = offsets[ntrees];
     int64_t *best = malloc((size_t)n * sizeof(int64_t)), *first = malloc((size_t)n * sizeof(int64_t));
     int64_t *rows = malloc((size_t)(ntrees * 64 > 64 ? ntrees * 64 : 64) * sizeof(int64_t));
@@ -1476,7 +1521,7 @@ void vs_verify_greedy(const float *norm, float eps, const vs_weight *w, const fl
         int64_t taken = 0;
         for (int64_t b = offsets[t]; b >= 0 && taken < head_rows; b = first[b], taken++) rows[m++] = b;
     }
-    head_argmax(norm, eps, w, hidden, rows, m, found, work, logits);
+    head_argmax(norm, eps, w, hidden, rows, m, found, work);
     for (int64_t i = 0; i < m; i++) best[rows[i]] = found[i];
     for (int64_t t = 0; t < ntrees; t++) {
         const int64_t base = offsets[t], end = offsets[t + 1];
@@ -1486,7 +1531,7 @@ void vs_verify_greedy(const float *norm, float eps, const vs_weight *w, const fl
             if (best[node] < 0) {      /* off the first batch: score this node's own batch */
                 int64_t k = 0;
                 for (int64_t b = node; b >= 0 && k < head_rows && best[b] < 0; b = first[b]) rows[k++] = b;
-                head_argmax(norm, eps, w, hidden, rows, k, found, work, logits);
+                head_argmax(norm, eps, w, hidden, rows, k, found, work);
                 for (int64_t i = 0; i < k; i++) best[rows[i]] = found[i];
             }
             int64_t match = -1;

@@ -165,7 +165,7 @@ def _declare(lib):
     lib.vs_tree_visibility.argtypes = [p, i64, i64, i64, p, p, p, p]
     lib.vs_cache_keep.argtypes = [p, p, i64, i64, i64, i64, i64, p, i64]
     lib.vs_stack_forward_rows.argtypes = [ctypes.POINTER(Stack), p, i64, p, p, p, p, p, p, p, p, p, p, i64, p]
-    lib.vs_verify_greedy.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p, p, i64, p, p, p, p, p]
+    lib.vs_verify_greedy.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p, p, i64, p, p, p, p]
     lib.vs_drafter_read.argtypes = [ctypes.POINTER(Drafter), ctypes.POINTER(Stack), p, p, i64, p, p, i64, p,
                                     p, p, p]
     lib.vs_drafter_read_scratch.argtypes = [ctypes.POINTER(Drafter), i64]
@@ -471,14 +471,12 @@ class NativeModel:
         rows = head_rows * len(trees)
         if self._work.numel() < rows * hidden.shape[1]:
             self._work = torch.empty(rows * hidden.shape[1], dtype=torch.float32)
-        if not hasattr(self, "_logits") or self._logits.numel() < rows * self.head_weight.rows:
-            self._logits = torch.empty(rows * self.head_weight.rows, dtype=torch.float32)
         paths = torch.empty(int(offsets[-1]), dtype=torch.int64)
         counts, following = torch.empty(len(trees), dtype=torch.int64), torch.empty(len(trees), dtype=torch.int64)
         library().vs_verify_greedy(self.norm.data_ptr(), self.eps, ctypes.byref(self._head_struct),
                                    hidden.data_ptr(), len(trees), offsets.data_ptr(), tokens.data_ptr(),
                                    parents.data_ptr(), head_rows, paths.data_ptr(), counts.data_ptr(),
-                                   following.data_ptr(), self._work.data_ptr(), self._logits.data_ptr())
+                                   following.data_ptr(), self._work.data_ptr())
         paths, counts, following = paths.tolist(), counts.tolist(), following.tolist()
         return [(paths[start:start + count], nxt)
                 for start, count, nxt in zip(offsets.tolist(), counts, following)]
