@@ -90,15 +90,18 @@ def test_tree_logits_scores_the_likely_path_first_and_the_rest_when_reached(head
     scored = []
     head = lambda rows: scored.append(rows.shape[0]) or model.lm_head(rows)  # noqa: E731
     lazy = TreeLogits(head, hidden, tree, head_rows=head_rows)
-    # The first batch: the root, its first child, that child's first child... head_rows in all.
+    # The first batch: the root, its first child, that child's first child..., then the other
+    # rows in order, head_rows in all.
     chain = [0]
     while len(chain) < head_rows and tree.children[chain[-1]]:
         chain.append(tree.children[chain[-1]][0])
-    assert sorted(lazy.rows) == sorted(chain) and scored == [len(chain)]
+    first = chain + [i for i in range(tree.tokens.numel()) if i not in chain][:head_rows - len(chain)]
+    assert sorted(lazy.rows) == sorted(first) and scored == [len(first)]
     outside = next((i for i in range(tree.tokens.numel()) if i not in lazy.rows), None)
-    assert outside is not None
-    torch.testing.assert_close(lazy[outside], every[outside])       # scored when reached
-    assert 1 <= scored[-1] <= head_rows
+    assert (outside is None) == (head_rows >= tree.tokens.numel())
+    if outside is not None:
+        torch.testing.assert_close(lazy[outside], every[outside])   # scored when reached
+        assert len(scored) == 2 and 1 <= scored[-1] <= head_rows
     for node in range(tree.tokens.numel()):
         torch.testing.assert_close(lazy[node], every[node])
     # Greedy verification through it finds the same verdict as over all logits.

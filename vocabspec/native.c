@@ -1499,8 +1499,8 @@ static void head_argmax(const float *norm, float eps, const vs_weight *w, const 
    hidden (their last hidden states) with tokens and parents (tree-local, -1 for the root): from
    each root, follow the child carrying the target's argmax while there is one. The LM head
    scores rows as they are reached, in batches along the likeliest path (a node, its first child,
-   that child's first child, up to head_rows rows: about one row's pass over the head's weights),
-   every tree's first batch in one pass. Writes each tree's accepted nodes to paths (at its
+   that child's first child, up to head_rows rows: about one row's pass over the head's weights;
+   a first batch is filled up with the tree's other rows), every tree's first batch in one pass. Writes each tree's accepted nodes to paths (at its
    offset, root first), their count to counts[t] and the target's token after them to next[t].
    work: ntrees * head_rows x dim floats. */
 void vs_verify_greedy(const float *norm, float eps, const vs_weight *w, const float *hidden, int64_t ntrees,
@@ -1515,12 +1515,19 @@ void vs_verify_greedy(const float *norm, float eps, const vs_weight *w, const fl
     for (int64_t i = 0; i < n; i++) best[i] = -1, first[i] = -1;
     for (int64_t t = 0; t < ntrees; t++)
         for (int64_t i = offsets[t + 1] - 1; i > offsets[t]; i--) first[offsets[t] + parents[i]] = i;
-    /* Every tree's first batch: its root and the first children below it. */
+    /* Every tree's first batch: its root and the first children below it (the likeliest path),
+       then its other rows in order while the batch has room: a pass over the head costs about
+       the same for any rows up to head_rows, and a second pass costs a whole one. */
     int64_t m = 0;
+    char *taken_row = calloc((size_t)n + 1, 1);
     for (int64_t t = 0; t < ntrees; t++) {
         int64_t taken = 0;
-        for (int64_t b = offsets[t]; b >= 0 && taken < head_rows; b = first[b], taken++) rows[m++] = b;
+        for (int64_t b = offsets[t]; b >= 0 && taken < head_rows; b = first[b], taken++)
+            rows[m++] = b, taken_row[b] = 1;
+        for (int64_t b = offsets[t] + 1; b < offsets[t + 1] && taken < head_rows; b++)
+            if (!taken_row[b]) rows[m++] = b, taken_row[b] = 1, taken++;
     }
+    free(taken_row);
     head_argmax(norm, eps, w, hidden, rows, m, found, work);
     for (int64_t i = 0; i < m; i++) best[rows[i]] = found[i];
     for (int64_t t = 0; t < ntrees; t++) {

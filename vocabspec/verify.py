@@ -33,8 +33,9 @@ class TreeLogits:
     and the LM head is much of a forward's cost with a large vocabulary (Gemma's 262k rows are
     most of the model). Rows are scored in small batches along the likeliest path: a node, its
     first child (the drafter's most confident), that child's first child, and so on, up to
-    `head_rows` rows, which cost about one row's pass over the head weights. The root's batch
-    is scored at once; a node outside every batch so far starts its own when reached. Rows go
+    `head_rows` rows, which cost about one row's pass over the head weights. The root's batch,
+    filled up with the tree's other rows in order while it has room (a second pass would cost a
+    whole one), is scored at once; a node outside every batch so far starts its own when reached. Rows go
     through the same `lm_head` as plain decoding's one-row steps, and on the native engine a
     row's bits do not depend on the batch, so a token gets exactly the logits it would get
     decoded alone.
@@ -46,15 +47,18 @@ class TreeLogits:
         self.children = tree.children
         self.head_rows = max(1, head_rows)
         self.rows: dict[int, torch.Tensor] = {}
-        self._score(0)
+        self._score(0, fill=True)
 
-    def _score(self, node: int) -> None:
+    def _score(self, node: int, fill: bool = False) -> None:
         batch = [node]
         while len(batch) < self.head_rows and self.children[batch[-1]]:
             child = self.children[batch[-1]][0]
             if child in self.rows:
                 break
             batch.append(child)
+        if fill:
+            chain = set(batch)
+            batch += [i for i in range(len(self.children)) if i not in chain][:self.head_rows - len(batch)]
         for index, row in zip(batch, self.lm_head(self.hidden[batch])):
             self.rows[index] = row
 
