@@ -152,3 +152,22 @@ def test_every_flag_has_help_text():
     missing = [(name, action.dest) for name, sub in commands.items() for action in sub._actions
                if action.dest != "help" and not action.help]
     assert not missing, f"flags without help: {missing}"
+
+
+def test_help_names_each_options_default():
+    import argparse
+
+    from vocabspec.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    unnamed = []
+    for name, sub in commands.items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if not action.option_strings or action.default in (None, argparse.SUPPRESS, []) \
+                    or isinstance(action.default, bool):
+                continue
+            if "default" not in formatter._get_help_string(action):
+                unnamed.append((name, action.dest))
+    assert not unnamed, f"options whose help hides the default: {unnamed}"
+    assert "(default 8)" in commands["generate"].format_help()       # --max-batch

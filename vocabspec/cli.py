@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
+from functools import partial
+from pathlib import Path
 
 
 def set_threads(threads: int | None) -> None:
@@ -180,9 +181,23 @@ TRAIN_OPTIONS = (
 )
 
 
+class ShowDefaults(argparse.HelpFormatter):
+    """Help that names each option's default, unless its text already says it or there is none
+    to show (None, an on/off flag, an empty list)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        value = action.default
+        if "default" in text or not action.option_strings or value in (None, argparse.SUPPRESS) \
+                or isinstance(value, bool) or value == []:
+            return text
+        return f"{text} (default {value})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vocabspec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="vocabspec", description=__doc__, formatter_class=ShowDefaults)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=partial(argparse.ArgumentParser, formatter_class=ShowDefaults))
     gen = sub.add_parser("generate", help="generate text from a prompt, or answer a JSONL file of prompts")
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt text (or --input)")
     gen.add_argument("--input", default=None,
@@ -392,7 +407,9 @@ def cmd_bench(args) -> int:
                        max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                        requests_per_client=args.requests_per_client, weights=args.weights,
                        log=lambda m: print(m, file=sys.stderr))
-        print(open(f"{args.out or f'runs/throughput-{args.model}'}/report.md").read())
+        out = Path(args.out or f"runs/throughput-{args.model}")
+        print((out / "report.md").read_text())
+        print(f"[report, tables and plots in {out}/]", file=sys.stderr)
         return 0
     cfg = BenchConfig(questions=args.questions, model=args.model, methods=methods,
                       out=args.out or f"runs/bench-{args.model}", max_new_tokens=args.max_new_tokens,
@@ -402,7 +419,8 @@ def cmd_bench(args) -> int:
                       total_tokens=args.total_tokens, warmup=not args.no_warmup,
                       draft_path=args.draft_path, resume=args.resume)
     summary = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
-    print(open(f"{cfg.out}/report.md").read())
+    print((Path(cfg.out) / "report.md").read_text())
+    print(f"[report, answers, tables and plots in {cfg.out}/]", file=sys.stderr)
     bad = {n: m["mismatched_questions"] for n, m in summary["methods"].items() if m.get("mismatched_questions")}
     if bad:
         print(f"vocabspec: LOSSLESSNESS VIOLATION: greedy output differs from vanilla: {bad}", file=sys.stderr)
@@ -411,7 +429,6 @@ def cmd_bench(args) -> int:
 
 
 def cmd_vocab(args) -> int:
-    from pathlib import Path
 
     from .loading import load_model
     from .sharegpt import count_sharegpt
@@ -477,7 +494,6 @@ def _write_successors(args, tokenizer, vocab: int) -> int:
 
 
 def cmd_ranker(args) -> int:
-    from pathlib import Path
 
     import torch
 
@@ -570,7 +586,6 @@ FILE_FIELDS = {"prompt", "messages", "max_new_tokens", "temperature", "top_p", "
 def generate_file(args) -> int:
     """--input: every request of a JSONL file answered together, one JSON line per answer in
     the input's order (text, tokens, stop reason, timings)."""
-    from pathlib import Path
 
     from .api import load
     from .batch import BatchLimits
