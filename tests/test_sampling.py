@@ -22,7 +22,7 @@ from scipy.stats import chisquare
 from vocabspec.draft_vocab import FullVocab, SpecVocab, StaticSubset
 from vocabspec.draft_model import DraftModelProposer
 from vocabspec.drafter import EagleDrafter, EagleProposer
-from vocabspec.generate import Engine, GenerationConfig
+from vocabspec.generate import Engine, GenerationConfig, Proposer
 from vocabspec.hybrid import EagleLookupProposer
 from vocabspec.medusa import MedusaHeads, MedusaProposer
 from vocabspec.sampling import SamplingParams, target_probs
@@ -202,7 +202,7 @@ DEEP_VOCAB = 4
 DEEP_TOKENS = 4
 
 
-class RecordingProposer:
+class RecordingProposer(Proposer):
     """Wraps a proposer and keeps every tree it proposes, to see which paths verification took."""
 
     def __init__(self, proposer):

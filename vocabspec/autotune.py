@@ -46,6 +46,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from .generate import Proposer
 from .linear import packing_enabled
 
 CANDIDATE_SIZES = tuple(range(1, 13)) + (16, 20, 24, 32)
@@ -122,7 +123,7 @@ def pick(table: dict[str, dict], tolerance: float = TOLERANCE) -> dict:
     return {**best, "depth": min(best["depth"], best["total_tokens"])}
 
 
-class SizeTimer:
+class SizeTimer(Proposer):
     """A proposer that behaves as the one it wraps, and every `every`-th step also grows the
     tree at each of `sizes` from the same state and times it. Growing leaves no trace (the
     drafter's pending cache rows are discarded), so the real proposal is unchanged."""

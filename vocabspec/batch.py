@@ -328,10 +328,7 @@ class BatchEngine:
         for index in sorted((i for i, slot in enumerate(running) if not sampled[i] and slot.generation.can_draft),
                             key=lambda i: -running[i].gain):
             slot = running[index]
-            # The proposal's rows where the proposer can say them cheaply (prompt lookup), else
-            # the most it drafts.
-            sizer = getattr(slot.proposer, "next_tree_tokens", None)
-            extra = sizer() if sizer is not None else slot.proposer.max_tree_tokens
+            extra = slot.proposer.next_tree_tokens()
             if extra == 0:
                 continue
             if self.costs is None:

@@ -334,7 +334,7 @@ def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
             # VocabTrim's memory-bound speedup: tau / (c * gamma + 1), c = drafter/target
             # parameters read per draft step, gamma = draft forward steps per round.
             c = proposer.draft_parameters() / target_params
-            gamma = getattr(proposer, "draft_forwards", entry["depth"] + 1)
+            gamma = proposer.draft_forwards or entry["depth"] + 1
             entry["mbsu"] = per_cat["overall"]["tau"] / (c * gamma + 1)
         if cfg.temperature == 0 and run.name != "vanilla":
             entry["mismatched_questions"] = mismatches.get(run.name, [])

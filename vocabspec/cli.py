@@ -649,7 +649,7 @@ def describe(lm, draft: str) -> str:
     if engine.proposer is None:
         return what + "plain decoding, no drafting (--draft eagle for EAGLE-2 speculative decoding)]"
     shape = engine.proposer.tree_shape
-    head = getattr(engine.proposer, "head", None)
+    head = engine.proposer.head
     tree = f", tree depth {shape[0]} x {shape[1]} tokens" if shape else ""
     vocab = f", draft head {head.name}" if head is not None else ""
     return what + f"{draft}{vocab}{tree}; output identical to plain decoding]"

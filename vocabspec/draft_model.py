@@ -24,7 +24,7 @@ import time
 import torch
 
 from .draft_vocab import FullVocab, HeadTimedDrafting
-from .generate import PREFILL_CHUNK
+from .generate import PREFILL_CHUNK, Proposer
 from .model import Transformer
 from .tree import DraftTree, TreeBuilder
 
@@ -61,7 +61,7 @@ def load_draft_model(spec: str, target: Transformer, target_tokenizer=None, weig
     return draft
 
 
-class DraftModelProposer(HeadTimedDrafting):
+class DraftModelProposer(HeadTimedDrafting, Proposer):
     """Grows a draft tree (a chain with top_k = 1) with an independent draft model. Timings: the
     draft's forwards ("model"), its head's phases, the tree (the rest)."""
 

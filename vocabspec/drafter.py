@@ -34,6 +34,7 @@ from .draft_vocab import FullVocab, HeadTimedDrafting
 from .kv_cache import DeviceKVCache, KVCache
 from .linear import Linear
 from .model import Block, ModelArgs, Transformer
+from .generate import Proposer
 from .tree import DraftTree, TreeBuilder
 
 _HF_NAMES = {  # our Block's parameter names -> EAGLE / Hugging Face names (q, k, v fused here)
@@ -466,7 +467,7 @@ def native_drafting(drafter: EagleDrafter, head):
                          target.native.norm, target.args.norm_eps)
 
 
-class EagleProposer(HeadTimedDrafting):
+class EagleProposer(HeadTimedDrafting, Proposer):
     """Grows an EAGLE-2 dynamic draft tree from the drafter's view of the accepted context.
     Timings (`time_breakdown`): the decoder layer with fc ("layer"), the head's matmuls, softmax
     and top-k, ranker (SpecVocab), and tree bookkeeping (the rest)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import torch
 
@@ -24,8 +24,10 @@ from .verify import TreeLogits, Verdict, verify
 PREFILL_CHUNK = 512
 
 
-class Proposer(Protocol):
-    """What the engine and the benchmark ask of a proposer.
+class Proposer:
+    """What the engine, the batch, static steps and the benchmark ask of a proposer; every
+    proposer derives from it. A proposer implements `reset`, `propose` and `observe`; the rest
+    have defaults that mean "not this proposer's concern".
 
     `hidden` rows are the target's last-layer hidden states (before the final norm) of the
     tokens given, preceded by the outputs of the layers in `taps` (a fused-feature drafter's
@@ -33,24 +35,40 @@ class Proposer(Protocol):
     engine keeps that much room in the cache)."""
 
     max_tree_tokens: int
-    taps: tuple[int, ...]
-    timing_sync: bool        # time each phase after waiting for the device (a breakdown's cost)
+    taps: tuple[int, ...] = ()
+    timing_sync: bool = False   # time each phase after waiting for the device (a breakdown's cost)
+    # Drafts greedy steps of fixed shapes (static_step.py): then it also has set_static,
+    # static_rows, propose_static, observe_static, after_static and static_buffers.
+    static: bool = False
+    head = None                 # its draft head (draft_vocab.py), if it drafts through one
+    cache = None                # its own KV cache, if it keeps one
+    draft_forwards: int | None = None   # drafting passes a step, where not its tree's depth + 1
+    tree_shape: tuple[int, int] | None = None   # (depth, total tokens) of its tree, if sized so
 
-    def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None: ...
-    def propose(self, root_token: int) -> DraftTree: ...
-    def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None: ...
+    def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
+        raise NotImplementedError
 
-    @property
-    def tree_shape(self) -> tuple[int, int] | None:
-        """(depth, total tokens) of the drafted tree; None for a proposer without a tree size."""
+    def propose(self, root_token: int) -> DraftTree:
+        raise NotImplementedError
+
+    def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
+        raise NotImplementedError
+
+    def next_tree_tokens(self) -> int:
+        """The drafted tokens of the next proposal, where it can say so cheaply (the batch's
+        draft budget); else the most a proposal holds."""
+        return self.max_tree_tokens
 
     def time_breakdown(self) -> dict[str, float]:
         """Seconds spent drafting since `reset_timings`, by phase (the benchmark's breakdown)."""
+        return {}
 
-    def reset_timings(self) -> None: ...
+    def reset_timings(self) -> None:
+        pass
 
     def draft_parameters(self) -> int:
         """Parameters one draft step reads (0 without a model): VocabTrim's memory-bound speedup."""
+        return 0
 
 
 @dataclass
@@ -229,7 +247,7 @@ class Engine:
         if static and model.native is not None:
             raise ValueError("static steps run on torch's kernels (a GPU's path); the native "
                              "engine keeps its own cache: load with backend='torch'")
-        if static and proposer is not None and not getattr(proposer, "static", False):
+        if static and proposer is not None and not proposer.static:
             static = False
         self.static = static
         self.decoders: dict[int, object] = {}    # static_step.StaticDecoder by cache size
@@ -345,7 +363,7 @@ class Generation:
         engine, config, result = self.engine, self.config, self.result
         static = engine.static and config.sampling.greedy and config.logprobs is None
         self.started = time.perf_counter()
-        if getattr(self.proposer, "static", False):
+        if self.proposer is not None and self.proposer.static:
             self.proposer.set_static(None)
         try:
             if static:

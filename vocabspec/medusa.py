@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .draft_vocab import FullVocab, HeadTimedDrafting, float_rows, int8_rows
 from .linear import Linear
+from .generate import Proposer
 from .tree import DraftTree
 from .static_step import StaticTree, ancestor_mask
 
@@ -213,7 +214,7 @@ class TreeLayout:
                           ranks=self.rank_tensor)
 
 
-class MedusaProposer(HeadTimedDrafting):
+class MedusaProposer(HeadTimedDrafting, Proposer):
     """Drafts Medusa's static tree from the target's feature at the last accepted token.
     Timings: the heads' blocks, the LM head's phases, the tree (the rest)."""
 

@@ -12,10 +12,11 @@ import time
 
 import torch
 
+from .generate import Proposer
 from .tree import DraftTree, chain_tree
 
 
-class PromptLookupProposer:
+class PromptLookupProposer(Proposer):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_draft: int = 10,
                  device: torch.device | str = "cpu"):
         if not 1 <= min_ngram <= max_ngram or num_draft < 1:

@@ -237,8 +237,8 @@ class StaticDecoder:
 
     def _caches(self) -> list[DeviceKVCache]:
         """The device caches a step writes: the target's, and the drafter's if it keeps one."""
-        return [self.cache] + [c for c in [getattr(self.proposer, "cache", None)]
-                               if isinstance(c, DeviceKVCache)]
+        drafter_cache = self.proposer.cache if self.proposer is not None else None
+        return [self.cache] + ([drafter_cache] if isinstance(drafter_cache, DeviceKVCache) else [])
 
     def rewound(self):
         """A context in which steps run and are then undone: the decoder, its caches' lengths
@@ -251,7 +251,7 @@ class StaticDecoder:
         if key in self.graph_failures:
             return None
         if key not in self.graphs:
-            if getattr(self.proposer, "timing_sync", False):
+            if self.proposer is not None and self.proposer.timing_sync:
                 self.graph_failures[key] = "a timing breakdown waits for the device inside the step"
                 log.warning("CUDA graph for step %s not captured: %s", key, self.graph_failures[key])
                 return None
