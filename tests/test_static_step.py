@@ -195,7 +195,8 @@ def test_grafted_path_holds_the_nodes_the_host_graft_adds():
     follow them for a while, and each row sees exactly its ancestors."""
     import random
 
-    from vocabspec.static_step import StaticTree, ancestor_mask, graft
+    from vocabspec.static_step import StaticTree, graft
+    from vocabspec.tree import ancestor_mask
     from vocabspec.tree import DraftTree, graft_chain
 
     rng = random.Random(0)

@@ -170,3 +170,24 @@ def test_pruned_frontier_builds_the_same_tree_with_fewer_rows():
         assert pruned.rows_drafted <= full.rows_drafted
         saved += full.rows_drafted - pruned.rows_drafted
     assert saved > 0
+
+
+def test_ancestor_mask_is_each_nodes_path_whatever_the_roots_convention():
+    from vocabspec.tree import ancestor_mask
+
+    generator = torch.Generator().manual_seed(5)
+    for n in (1, 2, 7, 40):
+        parents = [-1] + [int(torch.randint(i, (1,), generator=generator)) for i in range(1, n)]
+        want = torch.zeros(n, n, dtype=torch.bool)
+        depth = [0] * n
+        for i in range(n):
+            node = i
+            while node >= 0:
+                want[i, node] = True
+                node = parents[node]
+            depth[i] = depth[parents[i]] + 1 if i else 0
+        as_tensor = torch.tensor(parents)
+        assert torch.equal(ancestor_mask(as_tensor), want)
+        assert torch.equal(ancestor_mask(as_tensor.clamp_min(0), max(depth)), want)   # root its own parent
+        if max(depth) > 1:          # a bound below the depth misses the deepest ancestors
+            assert not torch.equal(ancestor_mask(as_tensor, max(depth) // 2 - 1 if max(depth) > 3 else 0), want)

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from .draft_vocab import FullVocab, HeadTimedDrafting, float_rows, int8_rows
 from .linear import Linear
 from .generate import Proposer
-from .tree import DraftTree
-from .static_step import StaticTree, ancestor_mask
+from .static_step import StaticTree
+from .tree import DraftTree, ancestor_mask
 
 # Medusa's published tree for its 7B models (FasterDecoding/Medusa, medusa_choices.py,
 # mc_sim_7b_63): each entry is a path of top-k indices, one per head, best first.

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_cache import DeviceKVCache
+from .tree import ancestor_mask
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +50,6 @@ class StaticTree:
     @property
     def size(self) -> int:
         return self.tokens.numel() - 1
-
-
-def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """(rows, rows): each row's ancestors and itself, by gathering parents' rows max_depth times."""
-    rows = parents.numel()
-    mask = torch.eye(rows, dtype=torch.bool, device=parents.device)
-    for _ in range(max_depth):
-        mask = mask | mask[parents]
-    return mask
 
 
 def chain(root: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> StaticTree:
