@@ -252,6 +252,15 @@ def deep_proposer(kind: str, model):
     if kind == "model":          # an independent draft model (random, one layer)
         draft = tiny_model("llama", seed=12, vocab_size=DEEP_VOCAB, n_layers=1)
         return DraftModelProposer(draft, depth=2, top_k=2, total_tokens=4)
+    if kind == "eagle3":         # three target layers fused, a draft vocabulary of 3 of the 4 tokens
+        from vocabspec.eagle3 import Eagle3Config, Eagle3Drafter
+
+        a = model.args
+        config = Eagle3Config(dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                              intermediate_size=a.intermediate_size, n_layers=1, norm_eps=1e-6,
+                              rope_base=10000.0, draft_vocab_size=3, aux_layers=(1, 2, 3), target_dim=a.dim)
+        drafter = Eagle3Drafter.random(model, config, seed=4, dtype=torch.float32)
+        return EagleProposer(drafter, head=drafter.draft_head("full"), depth=1, top_k=2, total_tokens=4)
     # depth=1: one expansion below the root's children, so trees reach depth 2.
     return EagleProposer(eagle_drafter(model, seed=2), head=full_head(model), depth=1, top_k=2, total_tokens=4)
 
@@ -259,15 +268,17 @@ def deep_proposer(kind: str, model):
 @pytest.mark.parametrize("kind, params", [("eagle", SamplingParams(temperature=1.0)),
                                           ("eagle", SamplingParams(temperature=1.3, top_k=3)),
                                           ("medusa", SamplingParams(temperature=1.0)),
-                                          ("model", SamplingParams(temperature=1.0))],
-                         ids=["t1", "t1.3-top_k3", "medusa-t1", "draft-model-t1"])
+                                          ("model", SamplingParams(temperature=1.0)),
+                                          ("eagle3", SamplingParams(temperature=1.0))],
+                         ids=["t1", "t1.3-top_k3", "medusa-t1", "draft-model-t1", "eagle3-t1"])
 def test_sampling_below_the_root_matches_target_distribution(kind, params):
     """Four tokens: the first step's tree is two levels deep over a four-token vocabulary, so
     verification accepts at depth 2, samples residuals at non-root nodes and adds the bonus
     token after accepted leaves; the joint distribution of the four tokens (256 cells) must be
     the target's. Each of those events is counted and must occur in at least 2% of the runs.
-    For EAGLE's drafter, Medusa's heads and an independent draft model."""
-    model = sampling_target(seed=11, vocab=DEEP_VOCAB, n_layers=2)
+    For EAGLE's drafter, Medusa's heads, an independent draft model and an EAGLE-3 drafter (on
+    a three-layer target, whose layers it fuses)."""
+    model = sampling_target(seed=11, vocab=DEEP_VOCAB, n_layers=3 if kind == "eagle3" else 2)
     prompt = [1, 2, 3, 0]
     # 5,000 runs for the plain temperature-1 case, 3,000 for the others (CI's time).
     runs = int(os.environ.get("VOCABSPEC_SAMPLING_RUNS", 5000 if kind == "eagle" and params.top_k == 0 else 3000))
