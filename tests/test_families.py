@@ -170,3 +170,26 @@ def test_drafting_pipeline_for_each_family(family, tmp_path):
     assert rope[0]["rope_theta"] == rope[1]["rope_theta"] and rope[0]["rope_type"] == rope[1]["rope_type"]
     if family == "llama3":
         assert rope[0]["factor"] == 8.0 and rope[0]["original_max_position_embeddings"] == 64
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_a_family_that_differs_in_features_is_one_table_row(backend, tmp_path, monkeypatch):
+    """A throwaway family, Llama with a GELU gate: one row of ARCH_FEATURES (and its name in
+    the loader's table), and it matches transformers on both engines."""
+    from vocabspec import loading, model, native
+
+    if backend == "native" and not native.available()[0]:
+        pytest.skip(native.available()[1])
+    monkeypatch.setitem(model.ARCH_FEATURES, "llama-gelu", model.ArchFeatures(gelu=True))
+    monkeypatch.setitem(loading.HF_ARCHS, "llama", "llama-gelu")
+    reference = save_tiny("llama3", tmp_path, hidden_act="gelu_pytorch_tanh")
+    ours, _ = load_model(str(tmp_path), weights="f32", backend=backend)
+    assert ours.args.arch == "llama-gelu" and ours.layers[0].mlp.gelu
+    ids = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want = reference(ids[None]).logits[0].float()
+        _, got = ours(ids, torch.arange(80), ours.new_cache(128), all_logits=True)
+    assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max())
+    monkeypatch.setitem(loading.HF_ARCHS, "llama", "llama")     # without the row: refused
+    with pytest.raises(ModelLoadError, match="activation"):
+        load_model(str(tmp_path), weights="f32", backend=backend)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .draft_vocab import FullVocab, HeadTimedDrafting
 from .kv_cache import DeviceKVCache, KVCache
 from .linear import Linear
-from .model import Block, ModelArgs, Transformer
+from .model import ARCH_FEATURES, Block, ModelArgs, Transformer
 from .generate import Proposer
 from .tree import DraftTree, TreeBuilder
 
@@ -50,9 +50,10 @@ _HF_NAMES = {  # our Block's parameter names -> EAGLE / Hugging Face names (q, k
 
 
 def _hf_names(arch: str) -> dict[str, str]:
-    """_HF_NAMES for one architecture: Gemma 3 norms before its MLP under another name."""
+    """_HF_NAMES for one architecture: with sandwich norms (Gemma 3) the norm before the MLP
+    has another name."""
     names = dict(_HF_NAMES)
-    if arch == "gemma3":
+    if ARCH_FEATURES[arch].sandwich_norms:
         names["mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
     return names
 
@@ -82,10 +83,10 @@ def hf_config(a: ModelArgs) -> dict:
         "head_dim": a.head_dim, "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps,
         "rope_theta": a.rope_base, "rope_scaling": scaling,
         "max_position_embeddings": a.context_length or a.max_seq_len,
-        "hidden_act": "gelu_pytorch_tanh" if a.arch == "gemma3" else "silu",
+        "hidden_act": "gelu_pytorch_tanh" if a.features.gelu else "silu",
         "attention_bias": a.qkv_bias, "tie_word_embeddings": a.tied_embeddings,
     }
-    if a.arch == "gemma3":
+    if a.features.query_scalar:
         config["query_pre_attn_scalar"] = a.query_pre_attn_scalar
     return config
 

@@ -18,7 +18,7 @@ import torch
 from . import native
 from .files import cache_dir, file_key
 from .formats import FORMATS, PACK_VERSION, flatten_packed, pack_model, unflatten_packed
-from .model import ModelArgs, Transformer
+from .model import ARCH_FEATURES, ModelArgs, Transformer
 
 BUNDLED = ("smollm2", "gemma3")
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -103,12 +103,14 @@ def _args_from_gguf(reader, path: Path) -> ModelArgs:
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(eos)] if eos is not None else [],
     )
-    if arch == "gemma3":
-        args.sliding_window = int(_gguf_field(reader, "gemma3.attention.sliding_window", 512))
+    features = args.features
+    window = _gguf_field(reader, f"{arch}.attention.sliding_window", 512 if features.window_pattern else None)
+    if window is not None:              # Gemma 3's pattern of layers, or every layer (Mistral)
+        args.sliding_window = int(window)
+    if features.query_scalar:
         args.query_pre_attn_scalar = float(head_dim)
+    if features.local_rope:
         args.rope_local_base = 10000.0
-    elif _gguf_field(reader, f"{arch}.attention.sliding_window") is not None:   # Mistral
-        args.sliding_window = int(_gguf_field(reader, f"{arch}.attention.sliding_window"))
     scaling = _gguf_field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
@@ -167,7 +169,7 @@ def _state_dict_from_gguf(reader, args: ModelArgs, path: Path) -> dict[str, torc
         if args.qk_norm:
             sd[o + "attn.q_norm.weight"] = take(p + "attn_q_norm.weight")
             sd[o + "attn.k_norm.weight"] = take(p + "attn_k_norm.weight")
-        if args.arch == "gemma3":
+        if args.features.sandwich_norms:
             sd[o + "post_attn_norm.weight"] = take(p + "post_attention_norm.weight")
             sd[o + "post_mlp_norm.weight"] = take(p + "post_ffw_norm.weight")
     return sd
@@ -242,7 +244,7 @@ def load_hf_dir(path: Path, max_seq_len: int | None = None):
             raise ModelLoadError(f"{path}: tensor {name} is missing")
         return raw[name]
 
-    norm_shift = 1.0 if arch == "gemma3" else 0.0  # HF Gemma stores w, the model multiplies by 1 + w
+    norm_shift = 1.0 if args.features.norm_offset else 0.0  # stored w, a (1 + w) scale
     sd = {"embed.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight") + norm_shift}
     if not args.tied_embeddings:
         sd["output.weight"] = take("lm_head.weight")
@@ -259,7 +261,7 @@ def load_hf_dir(path: Path, max_seq_len: int | None = None):
         if args.qk_norm:
             sd[o + "attn.q_norm.weight"] = take(p + "self_attn.q_norm.weight") + norm_shift
             sd[o + "attn.k_norm.weight"] = take(p + "self_attn.k_norm.weight") + norm_shift
-        if arch == "gemma3":
+        if args.features.sandwich_norms:
             sd[o + "mlp_norm.weight"] = take(p + "pre_feedforward_layernorm.weight") + norm_shift
             sd[o + "post_attn_norm.weight"] = take(p + "post_attention_layernorm.weight") + norm_shift
             sd[o + "post_mlp_norm.weight"] = take(p + "post_feedforward_layernorm.weight") + norm_shift
@@ -306,11 +308,12 @@ def hf_args(config: dict, arch: str, max_seq_len: int | None, config_path) -> Mo
     n_heads = config["num_attention_heads"]
     dim = config["hidden_size"]
     head_dim = config.get("head_dim") or dim // n_heads
-    act = config.get("hidden_act", config.get("hidden_activation", "gelu_pytorch_tanh" if arch == "gemma3" else "silu"))
-    want = "gelu_pytorch_tanh" if arch == "gemma3" else "silu"
+    features = ARCH_FEATURES[arch]
+    want = "gelu_pytorch_tanh" if features.gelu else "silu"
+    act = config.get("hidden_act", config.get("hidden_activation", want))
     if act != want:
         raise ModelLoadError(f"{config_path}: hidden activation {act!r} is not supported for {arch} ({want})")
-    base, scaling = hf_rope(config, "full_attention" if arch == "gemma3" else None, config_path)
+    base, scaling = hf_rope(config, "full_attention" if features.local_rope else None, config_path)
     eos = config.get("eos_token_id")
     args = ModelArgs(
         arch=arch, vocab_size=config["vocab_size"], dim=dim, n_layers=config["num_hidden_layers"],
@@ -321,16 +324,18 @@ def hf_args(config: dict, arch: str, max_seq_len: int | None, config_path) -> Mo
         context_length=config.get("max_position_embeddings"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
-        qkv_bias=arch == "qwen2",
+        qkv_bias=features.qkv_bias,
     )
     layer_types = config.get("layer_types")
-    if arch == "gemma3":
+    if features.window_pattern:
         args.sliding_window = config.get("sliding_window", 512)
+    elif config.get("use_sliding_window", arch == "mistral"):    # Qwen's flag; Mistral's always
+        args.sliding_window = config.get("sliding_window")
+    if features.query_scalar:
         args.query_pre_attn_scalar = config.get("query_pre_attn_scalar", head_dim)
+    if features.local_rope:
         args.rope_local_base = hf_rope(config, "sliding_attention", config_path)[0] \
             if config.get("rope_parameters") else config.get("rope_local_base_freq", 10000.0)
-    elif arch == "mistral" or (arch in ("qwen2", "qwen3") and config.get("use_sliding_window")):
-        args.sliding_window = config.get("sliding_window")
     if args.sliding_window is not None and layer_types:
         args.layer_types = ["sliding" if t == "sliding_attention" else "full" for t in layer_types]
     return args

@@ -30,7 +30,31 @@ from .linear import Linear, linear
 from .tree import ancestor_mask
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+@dataclass(frozen=True)
+class ArchFeatures:
+    """What a family computes differently from Llama's decoder, as data: the model reads these,
+    never the family's name. A family that differs only in them is one row of ARCH_FEATURES."""
+    qk_norm: bool = False           # an RMSNorm over each query and key head
+    sandwich_norms: bool = False    # norms after attention and after the MLP too
+    gelu: bool = False              # a GELU (tanh) gate in the MLP instead of SiLU
+    scale_embeddings: bool = False  # embeddings times sqrt(dim)
+    query_scalar: bool = False      # queries scaled by query_pre_attn_scalar ** -0.5, not head_dim's
+    local_rope: bool = False        # sliding layers rotate with rope_local_base, unscaled
+    window_pattern: bool = False    # every sliding_window_pattern-th layer global, the rest sliding
+                                    # (without it a sliding window covers every layer: Mistral)
+    norm_offset: bool = False       # Hugging Face checkpoints store w for a (1 + w) norm scale
+    qkv_bias: bool = False          # biases on q, k and v
+
+
+ARCH_FEATURES = {
+    "llama": ArchFeatures(),
+    "mistral": ArchFeatures(),
+    "qwen2": ArchFeatures(qkv_bias=True),
+    "qwen3": ArchFeatures(qk_norm=True),
+    "gemma3": ArchFeatures(qk_norm=True, sandwich_norms=True, gelu=True, scale_embeddings=True,
+                           query_scalar=True, local_rope=True, window_pattern=True, norm_offset=True),
+}
+ARCHS = tuple(ARCH_FEATURES)
 ROPE_SCALINGS = ("llama3", "linear", "freqs")
 
 
@@ -63,10 +87,13 @@ class ModelArgs:
     # The context the model was trained for (its config's max_position_embeddings, a GGUF's
     # context_length); max_seq_len is the window this process allocates, often less.
     context_length: int | None = None
+    features: ArchFeatures | None = None   # None: the architecture's row of ARCH_FEATURES
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise ValueError(f"unsupported architecture {self.arch!r} (supported: {', '.join(ARCHS)})")
+        if self.arch not in ARCH_FEATURES:
+            raise ValueError(f"unsupported architecture {self.arch!r} (supported: {', '.join(ARCH_FEATURES)})")
+        if self.features is None:
+            self.features = ARCH_FEATURES[self.arch]
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.rope_scaling is not None and self.rope_scaling.get("type") not in ROPE_SCALINGS:
@@ -78,7 +105,7 @@ class ModelArgs:
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch in ("gemma3", "qwen3")
+        return self.features.qk_norm
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends to the last `sliding_window` positions only: per layer_types
@@ -88,7 +115,7 @@ class ModelArgs:
             return False
         if self.layer_types is not None:
             return self.layer_types[layer] == "sliding"
-        if self.arch == "gemma3":
+        if self.features.window_pattern:
             return (layer + 1) % self.sliding_window_pattern != 0
         return True
 
@@ -168,7 +195,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        scalar = args.query_pre_attn_scalar if args.arch == "gemma3" else None
+        scalar = args.query_pre_attn_scalar if args.features.query_scalar else None
         self.scale = (scalar or args.head_dim) ** -0.5
 
     def forward(self, x, cos, sin, cache: KVCache, mask, key_start: int):
@@ -208,11 +235,11 @@ class MLP(nn.Module):
         self.hidden = args.intermediate_size
         self.w_gate_up = Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.w_down = Linear(args.intermediate_size, args.dim, bias=False)
-        self.gemma = args.arch == "gemma3"
+        self.gelu = args.features.gelu
 
     def forward(self, x):
         gate, up = self.w_gate_up(x).split(self.hidden, dim=-1)
-        gate = F.gelu(gate, approximate="tanh") if self.gemma else F.silu(gate)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.w_down(gate * up)
 
 
@@ -225,7 +252,7 @@ class Block(nn.Module):
         self.attn = Attention(args, layer)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
-        if args.arch == "gemma3":
+        if args.features.sandwich_norms:
             self.post_attn_norm = RMSNorm(args.dim, args.norm_eps)
             self.post_mlp_norm = RMSNorm(args.dim, args.norm_eps)
         else:
@@ -367,7 +394,7 @@ def native_stack(args: ModelArgs, blocks, packed: dict, rope: dict):
                     window=args.sliding_window if args.is_sliding(i) else 0)
         layers.append(spec)
     return NativeStack(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size,
-                       args.norm_eps, blocks[0].attn.scale, args.arch == "gemma3", layers)
+                       args.norm_eps, blocks[0].attn.scale, args.features.gelu, layers)
 
 
 class Transformer(nn.Module):
@@ -379,7 +406,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # An untied LM head (Llama 3 8B, Qwen2.5 1.5B and larger); tied ones read the embedding.
         self.output = None if args.tied_embeddings else Linear(args.dim, args.vocab_size, bias=False)
-        self.embed_scale = math.sqrt(args.dim) if args.arch == "gemma3" else None
+        self.embed_scale = math.sqrt(args.dim) if args.features.scale_embeddings else None
         self.rope = {}
         self._init_rope()
         self.native = None       # native.NativeModel once `use_native` has run
@@ -395,8 +422,8 @@ class Transformer(nn.Module):
         self.rope = {"global": tuple(t.to(device) for t in rope_tables(
             args.head_dim, args.rope_base, args.max_seq_len, args.rope_scaling))}
         if any(args.is_sliding(i) for i in range(args.n_layers)):
-            # Gemma 3's sliding layers have a base (and no scaling) of their own.
-            local = (args.rope_local_base, None) if args.arch == "gemma3" else (args.rope_base, args.rope_scaling)
+            # Sliding layers may have a base (and no scaling) of their own (Gemma 3).
+            local = (args.rope_local_base, None) if args.features.local_rope else (args.rope_base, args.rope_scaling)
             self.rope["local"] = tuple(t.to(device) for t in rope_tables(
                 args.head_dim, local[0], args.max_seq_len, local[1]))
 
