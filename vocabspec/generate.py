@@ -494,9 +494,7 @@ class Generation:
             result.stop_reason = "time"
         else:
             return False
-        if not config.stop:             # the text so far, where it was not decoded as it came
-            self.text.update(result.tokens)
-            result.text = self.text.text
+        self._decode_text(final=True)
         return True
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> int:
@@ -522,9 +520,7 @@ class Generation:
                 result.stop_reason = "stop"
             if result.stop_reason:
                 break
-        if not config.stop and (self.stream or result.stop_reason):
-            self.text.update(result.tokens)
-        result.text = self.text.text
+        self._decode_text(final=bool(result.stop_reason))
         # Text that may be the start of a stop string is held back until the next tokens
         # show whether the stop string follows (then it is cut, never streamed).
         end = len(result.text) if result.stop_reason else self._streamable(result.text)
@@ -533,6 +529,13 @@ class Generation:
         delta = result.text[len(self.streamed):end]
         self.streamed += delta
         return delta
+
+    def _decode_text(self, final: bool) -> None:
+        """result.text: the answer so far, decoded at each step where it streams and once at
+        the end otherwise (with stop strings it is decoded token by token, to find them)."""
+        if not self.config.stop and (self.stream or final):
+            self.text.update(self.result.tokens)
+        self.result.text = self.text.text
 
     def _streamable(self, text: str) -> int:
         held = 0

@@ -54,13 +54,12 @@ ARCH_FEATURES = {
     "gemma3": ArchFeatures(qk_norm=True, sandwich_norms=True, gelu=True, scale_embeddings=True,
                            query_scalar=True, local_rope=True, window_pattern=True, norm_offset=True),
 }
-ARCHS = tuple(ARCH_FEATURES)
 ROPE_SCALINGS = ("llama3", "linear", "freqs")
 
 
 @dataclass
 class ModelArgs:
-    arch: str                      # one of ARCHS
+    arch: str                      # a key of ARCH_FEATURES
     vocab_size: int
     dim: int
     n_layers: int

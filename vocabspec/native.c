@@ -963,16 +963,36 @@ void vs_threads_observe(int n, double cpu, double wall) {
 
 #define CHUNK 4 /* blocks per work item */
 
+/* What a thread's work items over one input share, made on its first item: the input rows
+   quantized to 8 bits (int8 weights) or their unit sums (Q4/Q5 weights). */
+typedef struct {
+#if VS_HAS_INT8
+    quant_rows xr;
+#endif
+    const float *xs;
+} item_inputs;
+
+/* y's columns for weight blocks [b0, b1) of w and M rows of x: one work item. */
+ALWAYS void linear_blocks(const vs_weight *w, int64_t b0, int64_t b1, const float *x, int64_t M, int64_t ldx,
+                          float *y, int64_t ldy, item_inputs *in) {
+#if VS_HAS_INT8
+    if (is_i8(w)) {
+        if (in->xr.q == NULL) in->xr = quantize_rows(x, M, ldx, w->cols);
+        blocks_i8_for(w)(w, b0, b1, in->xr, M, y, ldy);
+        return;
+    }
+#endif
+    if (in->xs == NULL) in->xs = unit_sums(w, x, M, ldx);
+    blocks_for(w)(w, b0, b1, x, M, ldx, in->xs, y, ldy);
+}
+
 /* ys[i] = x ws[i]^T (+ bias) for `count` weights of the same input width, in one work-sharing
    loop over all their blocks (q, k and v; gate and up: one barrier, not `count`). Call inside
    a parallel region. */
 static void linear_rows_multi(const vs_weight *const *ws, float *const *ys, int count, const float *x,
                               int64_t M, int64_t ldx) {
     int64_t total = 0;
-    const float *xs = NULL; /* the same for every weight: they share x */
-#if VS_HAS_INT8
-    quant_rows xr = {NULL, NULL, NULL};
-#endif
+    item_inputs in = {.xs = NULL}; /* the same for every weight: they share x */
     for (int i = 0; i < count; i++) total += ((ws[i]->rows + RB - 1) / RB + CHUNK - 1) / CHUNK;
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < total; item++) {
@@ -982,40 +1002,17 @@ static void linear_rows_multi(const vs_weight *const *ws, float *const *ys, int 
             c -= ((ws[i]->rows + RB - 1) / RB + CHUNK - 1) / CHUNK, i++;
         const int64_t blocks = (ws[i]->rows + RB - 1) / RB;
         const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
-#if VS_HAS_INT8
-        if (is_i8(ws[i])) {
-            if (xr.q == NULL) xr = quantize_rows(x, M, ldx, ws[i]->cols);
-            blocks_i8_for(ws[i])(ws[i], b0, b1, xr, M, ys[i], ws[i]->rows);
-            continue;
-        }
-#endif
-        if (xs == NULL) xs = unit_sums(ws[i], x, M, ldx);
-        blocks_for(ws[i])(ws[i], b0, b1, x, M, ldx, xs, ys[i], ws[i]->rows);
+        linear_blocks(ws[i], b0, b1, x, M, ldx, ys[i], ws[i]->rows, &in);
     }
 }
 
 static void linear_rows(const vs_weight *w, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy) {
     const int64_t blocks = (w->rows + RB - 1) / RB;
-#if VS_HAS_INT8
-    if (is_i8(w)) {
-        quant_rows xr = {NULL, NULL, NULL};
-        const blocks_i8_fn fn = blocks_i8_for(w);
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < (blocks + CHUNK - 1) / CHUNK; c++) {
-            if (xr.q == NULL) xr = quantize_rows(x, M, ldx, w->cols);
-            const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
-            fn(w, b0, b1, xr, M, y, ldy);
-        }
-        return;
-    }
-#endif
-    const float *xs = NULL;
-    const blocks_fn fn = blocks_for(w);
+    item_inputs in = {.xs = NULL};
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < (blocks + CHUNK - 1) / CHUNK; c++) {
-        if (xs == NULL) xs = unit_sums(w, x, M, ldx);
         const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
-        fn(w, b0, b1, x, M, ldx, xs, y, ldy);
+        linear_blocks(w, b0, b1, x, M, ldx, y, ldy, &in);
     }
 }
 
@@ -1452,26 +1449,12 @@ static void head_argmax(const float *norm, float eps, const vs_weight *w, const 
         for (int64_t i = 0; i < m; i++) mine[i] = -INFINITY, where[i] = -1;
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++) rmsnorm_row(hidden + rows[i] * dim, norm, work + i * dim, dim, eps);
-#if VS_HAS_INT8
-        quant_rows xr = {NULL, NULL, NULL};
-        const blocks_i8_fn fn8 = is_i8(w) ? blocks_i8_for(w) : NULL;
-#endif
-        const float *xs = NULL;
-        const blocks_fn fn = blocks_for(w);
+        item_inputs in = {.xs = NULL};
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < items; c++) {
             const int64_t b0 = c * CHUNK, b1 = b0 + CHUNK < blocks ? b0 + CHUNK : blocks;
-            float *y = tile - b0 * RB;             /* column n of the item at y[i * W + n] */
-#if VS_HAS_INT8
-            if (fn8 != NULL) {
-                if (xr.q == NULL) xr = quantize_rows(work, m, dim, dim);
-                fn8(w, b0, b1, xr, m, y, W);
-            } else
-#endif
-            {
-                if (xs == NULL) xs = unit_sums(w, work, m, dim);
-                fn(w, b0, b1, work, m, dim, xs, y, W);
-            }
+            /* column n of the item at tile[i * W + n - b0 * RB] */
+            linear_blocks(w, b0, b1, work, m, dim, tile - b0 * RB, W, &in);
             const int64_t n0 = b0 * RB, count = (b1 * RB < V ? b1 * RB : V) - n0;
             for (int64_t i = 0; i < m; i++) {
                 const float *row = tile + i * W;

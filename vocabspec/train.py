@@ -292,8 +292,9 @@ def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]],
             prompt = queue.pop()
             running.append((prompt, batch.submit(prompt, config)))
         batch.run_once()
-        for prompt, request in [item for item in running if item[1].done.is_set()]:
-            running.remove((prompt, request))
+        finished = [item for item in running if item[1].done.is_set()]   # steps run on this thread
+        running = [item for item in running if not item[1].done.is_set()]
+        for prompt, request in finished:
             result = request.wait()
             answer = result.tokens + ([result.eos_token] if result.stop_reason == "eos" else [])
             done["prompts"].append(prompt)
