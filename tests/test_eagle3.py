@@ -230,7 +230,8 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
     torch.save(torch.randperm(200, generator=generator), tmp_path / "token_map_trim.pt")
     monkeypatch.setattr(proposers, "bundled_drafter_dir", lambda name: tmp_path)
     cfg = TrainConfig(out=str(tmp_path), drafter="eagle3", taps="1,3,4", draft_vocab="trim:150", epochs=6,
-                      accumulate=2, lr=3e-3, warmup_steps=2, checkpoint_every=6, max_steps=6)
+                      accumulate=2, lr=3e-3, warmup_steps=2, checkpoint_every=6, max_steps=6,
+                      snapshot_tokens="100,1M")
     reference = eagle3_train.new_drafter(target, eagle3_train.draft_vocabulary("trim:150", target, tmp_path), 0)
 
     def mean_loss(drafter):
@@ -240,7 +241,18 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
                        for t, h, c, tp in zip(shards["tokens"], shards["hidden"], shards["candidates"],
                                               shards["tapped"])) / 8
     before = mean_loss(reference)
+    # Step k's loss weighs decay**k: a vanishing decay leaves the first step's loss alone (over
+    # the rows that three steps train, as one step over the sequence two tokens shorter).
+    shards = torch.load(tmp_path / "features" / "train-00000.pt")
+    first = [shards[key][0] for key in ("tokens", "hidden", "candidates", "tapped")]
+    with torch.no_grad():
+        torch.testing.assert_close(eagle3_train.sequence_loss(reference, *first, 3, decay=1e-12)[0],
+                                   eagle3_train.sequence_loss(reference, *(t[:-2] for t in first), 1)[0])
     drafter = eagle3_train.train(cfg, target, log=lambda *_: None)
+    # The run as it stood once it had trained on 100 tokens: step 3, 2 sequences of 20 a step.
+    kept = torch.load(tmp_path / "checkpoint-eagle3-at-100.pt")
+    assert (kept["step"], kept["tokens"]) == (3, 120) and not list(tmp_path.glob("*-at-1M.pt"))
+    eagle3_train.drafter_from_checkpoint(tmp_path / "checkpoint-eagle3-at-100.pt", target)
     cfg.max_steps = 12                                     # resumes at step 6, not from scratch
     logs = []
     resumed = eagle3_train.train(cfg, target, log=logs.append)

@@ -10,7 +10,8 @@ from vocabspec.proposers import bundled_drafter_dir
 from vocabspec.drafter import DrafterMismatch, EagleDrafter, EagleProposer
 from vocabspec.generate import Engine, GenerationConfig
 from vocabspec.drafter import draft_states, features_of
-from vocabspec.train import TrainConfig, extract_features, load_shards, train_drafter
+from vocabspec.train import (OnlineFeatures, TrainConfig, extract_features, load_shards, online_sets,
+                             train_drafter)
 
 from conftest import tiny_model
 
@@ -112,6 +113,30 @@ def test_training_reads_taps_from_the_shards(tmp_path):
     with torch.inference_mode():
         _, _, expected = model(tokens.long(), torch.arange(16), model.new_cache(16), taps=(0,))
     assert torch.equal(tapped, expected.to(torch.bfloat16))
+
+
+def test_online_features_are_the_shards_rows_and_train_the_same_drafter(tmp_path):
+    """Features computed as training draws each sequence are the shards' rows bit for bit, so
+    a run on them trains the very drafter a run on shards does."""
+    from dataclasses import replace
+
+    model = tiny_model("llama", vocab_size=40, n_layers=4)
+    sequences = [[(7 * i + j) % 40 for j in range(10 + i)] for i in range(6)] + [[3, 4]]
+    split = {"train": sequences, "heldout": sequences[:2]}
+    cfg = TrainConfig(out=str(tmp_path / "shards"), taps="1,2", top_candidates=4, max_len=32, epochs=2,
+                      accumulate=2, lr=3e-3, warmup_steps=1, checkpoint_every=3, noise=0.0, negatives=4)
+    extract_features(cfg, model, split)
+    shards, online = load_shards(cfg, "train"), OnlineFeatures(model, sequences, cfg)
+    assert len(online) == len(shards) == 6                  # the 2-token sequence left out by both
+    for computed, stored in zip(online[:], shards):
+        assert all(torch.equal(a, b) for a, b in zip(computed, stored))
+    from_shards = train_drafter(cfg, model, log=lambda _: None)
+    online_cfg = replace(cfg, out=str(tmp_path / "online"), online_features=True)
+    from_online = train_drafter(online_cfg, model, {**split, "features": online_sets(online_cfg, model, split)},
+                                log=lambda _: None)
+    assert not (tmp_path / "online" / "features").exists()
+    expected = from_shards.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in from_online.state_dict().items())
 
 
 @pytest.mark.parametrize("n_layers", [1, 2])

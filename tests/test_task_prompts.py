@@ -1,6 +1,8 @@
 """Task-style self-distillation prompts: language detection, the mix of kinds, and their place
 after the ShareGPT prompts (so that adding them keeps earlier answers)."""
 
+import pytest
+
 from vocabspec.task_prompts import language_of, task_prompts
 from vocabspec.train import TrainConfig, _distill_prompts
 
@@ -28,7 +30,20 @@ def test_task_prompts_take_kinds_in_turn_and_fill_when_one_runs_out():
     # Passages are drawn from the other end; "Sure." is too short to be one.
     assert prompts[2] == f"{LONG_ENGLISH}\n\nAnswer from the passage above: Question 4?"
     assert sum(p.startswith("Translate") for p in prompts) == 1     # only one German text
-    assert len(task_prompts(conversations, 100)) == 11               # 5 + 1 + 5: all there is
+    # Once those run out: code requests (none here) and extractions, after all of them.
+    every = task_prompts(conversations, 100)
+    assert every[:11] == task_prompts(conversations, 11) and len(every) == 16   # 5 + 1 + 5, then 5
+    assert every[11] == f"List the key points of this text as bullet points:\n\n{LONG_ENGLISH}"
+
+
+def test_code_requests_ask_about_an_answers_code_block():
+    code = "def area(r):\n    pi = 3.14159\n    squared = r * r\n    return pi * squared"
+    conversations = [("c", [("user", "Area of a circle?"), ("assistant", "Here:\n```python\nx = 1\n```\n"
+                                                                          f"and\n```python\n{code}\n```")]),
+                     ("c2", [("user", "Again?"), ("assistant", f"```\n{code}\n```")])]
+    prompts = task_prompts(conversations, 5)
+    assert prompts == [f"Explain what this code does:\n```\n{code}\n```",      # the 1-line block skipped
+                       f"Add comments to this code:\n```\n{code}\n```"]
 
 
 def test_task_prompts_come_after_the_sharegpt_prompts(smollm2):
@@ -42,6 +57,27 @@ def test_task_prompts_come_after_the_sharegpt_prompts(smollm2):
     assert "Summarize: " in texts[0] and "to English: " in texts[1]
     assert "Answer from the passage above: " in texts[2]
     assert all(len(ids) <= cfg.max_len - cfg.distill_new_tokens for ids in mixed)
+
+
+def test_later_turns_come_last_with_the_conversation_so_far(smollm2):
+    cfg = TrainConfig(conversations=10, heldout=2, self_distill=3, task_prompts=2, max_len=1024,
+                      distill_new_tokens=128)
+    before = _distill_prompts(cfg, smollm2.tokenizer)
+    cfg.later_turns = 3
+    after = _distill_prompts(cfg, smollm2.tokenizer)
+    assert after[:5] == before and len(after) == 8
+    for ids in after[5:]:
+        text = smollm2.tokenizer.decode(ids)
+        assert text.count("\nuser\n") >= 2 and text.count("\nassistant\n") >= 2   # specials decode bare
+        assert text.endswith("\nassistant\n")
+    from vocabspec.train import _later_turn_ids
+    two = [("a", [("user", "Hi"), ("assistant", "Hello"), ("user", "How are you?"), ("assistant", "Fine"),
+                  ("user", "Good")]), ("b", [("user", "Only one turn")])]
+    assert len(_later_turn_ids(TrainConfig(later_turns=2), smollm2.tokenizer, two, 512)) == 2
+    with pytest.raises(ValueError, match="only 2 later turns"):
+        _later_turn_ids(TrainConfig(later_turns=3), smollm2.tokenizer, two, 512)
+    with pytest.raises(ValueError, match="only 0 later turns"):       # none fits 8 tokens
+        _later_turn_ids(TrainConfig(later_turns=1), smollm2.tokenizer, two, 8)
 
 
 def test_training_split_follows_the_settings_it_was_made_with(smollm2, tmp_path):

@@ -42,6 +42,30 @@ def test_candidate_loss_equals_full_loss_when_candidates_cover_vocab(tmp_path):
     assert torch.allclose(sampled, full, atol=1e-5)
 
 
+def test_bfloat16_training_keeps_the_teacher_in_float32():
+    """Under --train-dtype bfloat16 the drafter's matmuls run in bfloat16 and its loss stays
+    near float32's; the target's distribution (the teacher) is computed in float32 as before."""
+    from vocabspec.train import training_precision
+
+    model = tiny_model("llama", vocab_size=40)
+    drafter = EagleDrafter.random(model).float().requires_grad_(True)      # as training has it
+    tokens, hidden = torch.randint(40, (12,)), torch.randn(12, model.args.dim)
+    candidates, std = torch.arange(40).repeat(12, 1), torch.ones(model.args.dim)
+    cfg = TrainConfig(negatives=0, noise=0.0, train_dtype="bfloat16")
+    exact = sequence_loss(drafter, tokens, hidden, candidates, cfg, std)[0].detach()
+    seen = []
+    handle = drafter.fc.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    with training_precision(cfg):
+        fast = sequence_loss(drafter, tokens, hidden, candidates, cfg, std)[0].detach()
+    handle.remove()
+    assert seen == [torch.bfloat16] and fast.dtype == torch.float32
+    assert abs(fast.item() - exact.item()) < 0.02 * abs(exact.item())
+    with training_precision(TrainConfig()):                    # float32: nothing changes
+        assert torch.equal(sequence_loss(drafter, tokens, hidden, candidates, cfg, std)[0].detach(), exact)
+    with pytest.raises(ValueError, match="train_dtype"):
+        training_precision(TrainConfig(train_dtype="float16"))
+
+
 def test_training_lowers_loss_and_resumes(tmp_path):
     model = tiny_model("gemma3", vocab_size=50)
     fake_shards(model, tmp_path)

@@ -173,6 +173,7 @@ TRAIN_OPTIONS = (
     ("ranker_lr", _float, "the ranker's learning rate"),
     ("layers", _positive_int, "drafter layers (EAGLE: 1; added layers start as the identity)"),
     ("ttt_steps", _positive_int, "--drafter eagle3: draft steps trained per position (training-time test)"),
+    ("ttt_decay", _float, "--drafter eagle3: step k's loss weighs this to the k (normalized; EAGLE-3's code uses 0.8)"),
     ("draft_vocab", _token_list, "--drafter eagle3: its draft vocabulary, fr:N or trim:N (a bundled token map's first N)"),
     ("medusa_heads", _positive_int, "Medusa heads (--drafter medusa)"),
     ("medusa_positions", _positive_int, "positions sampled per sequence and step (Medusa)"),
@@ -245,7 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "--conversations grow without generating new answers")
     train.add_argument("--task-prompts", type=_non_negative_int, default=defaults.task_prompts,
                        help="and to this many task-style prompts built from ShareGPT text "
-                            "(summarize, translate, answer from a passage)")
+                            "(summarize, translate, answer from a passage; then code requests and "
+                            "extractions)")
+    train.add_argument("--later-turns", type=_non_negative_int, default=defaults.later_turns,
+                       help="and to this many later user turns of those conversations, with the "
+                            "turns before them (ShareGPT's answers too) as the context")
     train.add_argument("--answers", default=defaults.answers, metavar="DIR",
                        help="answer archive: self-distilled answers found there are not generated "
                             "again, and the ones this run generates are added to it (the "
@@ -265,6 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["auto", "float32", "bfloat16"],
                        help="target dtype for feature extraction (auto: bfloat16 where the CPU "
                             "has fast bfloat16 matmuls, else float32)")
+    train.add_argument("--train-dtype", default=defaults.train_dtype, choices=["float32", "bfloat16", "auto"],
+                       help="the drafter's matmuls in training: bfloat16 runs them under autocast "
+                            "(weights and optimizer stay float32); auto: bfloat16 where the CPU "
+                            "has fast bfloat16 matmuls")
+    train.add_argument("--snapshot-tokens", default=defaults.snapshot_tokens, metavar="N,N",
+                       help="--drafter eagle3: keep the run as it stood after these many training "
+                            "tokens (e.g. 1.9M,5.7M), as OUT/checkpoint-eagle3-at-N.pt: the smaller "
+                            "points of a scaling table from one run")
+    train.add_argument("--online-features", action="store_true",
+                       help="compute the target's features as training draws each sequence instead "
+                            "of storing feature shards (no disk; the same forwards for one epoch)")
     train.add_argument("--full-vocab-loss", action="store_true",
                        help="exact cross-entropy over the whole vocabulary (slow on a CPU)")
     train.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all, fewer while other processes hold cores)")
@@ -529,13 +545,18 @@ def cmd_ranker(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .train import TrainConfig, run
+    from .train import TrainConfig, parse_token_counts, run
 
     set_threads(args.threads)
     stages = tuple(s for s in args.stages.split(",") if s)
     unknown = set(stages) - {"data", "features", "train"}
     if unknown:
         raise ValueError(f"unknown stage(s) {', '.join(sorted(unknown))} (data, features, train)")
+    if args.snapshot_tokens and args.drafter != "eagle3":
+        raise ValueError("--snapshot-tokens applies to --drafter eagle3")
+    parse_token_counts(args.snapshot_tokens)          # before hours of data and features
+    if args.ttt_decay <= 0:
+        raise ValueError(f"--ttt-decay weighs step k's loss by its k-th power: a positive number, not {args.ttt_decay}")
     fields = {k: getattr(args, k) for k in TrainConfig.__dataclass_fields__ if hasattr(args, k)}
     fields["out"] = args.out or f"runs/train-{args.model}"
     run(TrainConfig(**fields), stages=stages, ship=args.ship)

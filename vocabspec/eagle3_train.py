@@ -107,10 +107,13 @@ def step_mask(n: int, step: int) -> torch.Tensor:
     return torch.cat([torch.ones(n, n, dtype=torch.bool).tril()] + [eye] * step, dim=1)
 
 
-def sequence_loss(drafter: Eagle3Drafter, tokens, hidden, candidates, tapped, steps: int):
+def sequence_loss(drafter: Eagle3Drafter, tokens, hidden, candidates, tapped, steps: int,
+                  decay: float = 1.0):
     """Training-time test over one sequence: (loss, per-step accuracy). Row i of step k reads
     token i + 1 + k and predicts token i + 2 + k; its label is the target's distribution there,
-    over the draft vocabulary, where the target's own choice (candidates[:, 0]) is in it."""
+    over the draft vocabulary, where the target's own choice (candidates[:, 0]) is in it. Step
+    k's loss weighs decay**k, the weights normalized to sum to 1 (EAGLE-3's own training uses
+    0.8**k: the first draft step, which every tree has, counts most)."""
     target = drafter.target
     tokens = tokens.long()
     n = tokens.shape[0] - 1 - steps
@@ -118,13 +121,14 @@ def sequence_loss(drafter: Eagle3Drafter, tokens, hidden, candidates, tapped, st
         return None, {}
     features = drafter.input_rows(torch.cat([tapped.float(), hidden.float()], dim=-1))[:n]
     ids = drafter.draft_ids
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):     # the teacher in float32
         target_logits = F.linear(target.norm(hidden.float()), target.head_weight[ids].float())   # (L, V_draft)
         in_draft = torch.zeros(target.args.vocab_size, dtype=torch.bool)
         in_draft[ids] = True
         chosen = candidates[:, 0].long()
     cache = StepKeys()
     loss, info = 0.0, {}
+    weights = [decay ** k for k in range(steps)]
     for k in range(steps):
         positions = torch.arange(n) + k
         states = drafter(tokens[1 + k:1 + k + n], features, positions, cache, tree_mask=step_mask(n, k))
@@ -133,7 +137,7 @@ def sequence_loss(drafter: Eagle3Drafter, tokens, hidden, candidates, tapped, st
         wanted = labels.argmax(-1)
         keep = in_draft[chosen[1 + k:1 + k + n]]
         per_row = -(F.softmax(labels, -1) * F.log_softmax(logits, -1)).sum(-1)
-        loss = loss + (per_row * keep).sum() / keep.sum().clamp_min(1) / steps
+        loss = loss + (per_row * keep).sum() / keep.sum().clamp_min(1) * (weights[k] / sum(weights))
         with torch.no_grad():
             hit = (logits.argmax(-1) == wanted) & keep
             info[f"acc{k + 1}"] = float(hit.sum() / keep.sum().clamp_min(1))
@@ -162,12 +166,13 @@ def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> di
     return {f"top1_step{k + 1}": round(hits[k] / max(counts[k], 1), 4) for k in range(steps)}
 
 
-def train(cfg, target: Transformer, log=print) -> Eagle3Drafter:
+def train(cfg, target: Transformer, split: dict | None = None, log=print) -> Eagle3Drafter:
     from .proposers import bundled_drafter_dir
-    from .train import _atomic_save, _lr, parse_taps, resumable, training_shards
+    from .train import (_atomic_save, _lr, parse_taps, parse_token_counts, resumable, training_precision,
+                        training_sets)
 
     out = Path(cfg.out)
-    train_set, heldout = training_shards(cfg)
+    train_set, heldout = training_sets(cfg, split)
     torch.manual_seed(cfg.seed)
     ids = draft_vocabulary(cfg.draft_vocab, target, bundled_drafter_dir(cfg.model))
     drafter = Eagle3Drafter.load(cfg.init, target, dtype=torch.float32) if cfg.init else \
@@ -181,14 +186,21 @@ def train(cfg, target: Transformer, log=print) -> Eagle3Drafter:
                                   betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(len(train_set) / cfg.accumulate)
     total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or steps_per_epoch * cfg.epochs)
-    step, history, seconds_before = 0, [], 0.0
+    step, history, seconds_before, trained = 0, [], 0.0, 0
     checkpoint = out / "checkpoint-eagle3.pt"
+    snapshots = parse_token_counts(cfg.snapshot_tokens)
     state = resumable(checkpoint, cfg, log)
     if state is not None:
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         step, history, seconds_before = state["step"], state["history"], state["seconds"]
+        trained = state.get("tokens", 0)
         log(f"resuming from step {step}/{total}")
+
+    def state_now(with_optimizer=True):
+        return {"drafter": drafter.state_dict(), "step": step, "history": history, "config": asdict(cfg),
+                "seconds": seconds_before + time.perf_counter() - started, "tokens": trained,
+                **({"optimizer": optimizer.state_dict()} if with_optimizer else {})}
     started, tokens_seen = time.perf_counter(), 0
     bar = tqdm(total=total, initial=step, desc="training (EAGLE-3)", unit="step")
     while step < total:
@@ -202,15 +214,23 @@ def train(cfg, target: Transformer, log=print) -> Eagle3Drafter:
         batch = order[index * cfg.accumulate:(index + 1) * cfg.accumulate]
         for i in batch:
             tokens, hidden, candidates, tapped = train_set[i]
-            loss, info = sequence_loss(drafter, tokens, hidden, candidates, tapped, cfg.ttt_steps)
+            with training_precision(cfg):
+                loss, info = sequence_loss(drafter, tokens, hidden, candidates, tapped, cfg.ttt_steps,
+                                           cfg.ttt_decay)
             if loss is None:
                 continue
             (loss / len(batch)).backward()
             stats.append(info | {"loss": float(loss.detach())})
             tokens_seen += tokens.numel()
+            trained += tokens.numel()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         optimizer.step()
         step += 1
+        for label, count in snapshots.items():       # the run as it stood after `count` tokens
+            kept = out / f"checkpoint-eagle3-at-{label}.pt"
+            if trained >= count and not kept.exists():
+                _atomic_save(state_now(with_optimizer=False), kept)
+                log(f"kept the drafter after {trained} tokens (step {step}) in {kept.name}")
         if stats:
             mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
             bar.set_postfix(loss=f"{mean['loss']:.3f}", acc1=f"{mean['acc1']:.3f}",
@@ -222,9 +242,7 @@ def train(cfg, target: Transformer, log=print) -> Eagle3Drafter:
             drafter.train()
             history.append(metrics)
             log(json.dumps(metrics))
-            _atomic_save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                          "history": history, "config": asdict(cfg),
-                          "seconds": seconds_before + time.perf_counter() - started}, checkpoint)
+            _atomic_save(state_now(), checkpoint)
     bar.close()
     drafter.eval().requires_grad_(False)
     drafter.train_seconds = torch.load(checkpoint)["seconds"] if checkpoint.exists() else None
@@ -234,14 +252,14 @@ def train(cfg, target: Transformer, log=print) -> Eagle3Drafter:
 def train_and_save(cfg, target: Transformer, split: dict, report: dict, ship: bool, log) -> None:
     """EAGLE-3's trainer (train.train_eagle with --recipe eagle3): train, measure, save to
     `cfg.out`/drafter in speculators' layout."""
-    from .train import load_shards
+    from .train import training_sets
 
     if ship:
         raise ValueError("--ship copies a drafter in the bundled EAGLE-2 layout; an EAGLE-3 drafter is "
                          "saved to --out/drafter (speculators' layout) and read with --draft-path")
     started = time.perf_counter()
-    drafter = train(cfg, target, log=log)
+    drafter = train(cfg, target, split, log=log)
     report["train_seconds"] = round(drafter.train_seconds or time.perf_counter() - started, 1)
-    report.update(evaluate(drafter, load_shards(cfg, "heldout"), max(2, cfg.ttt_steps)))
+    report.update(evaluate(drafter, training_sets(cfg, split)[1], max(2, cfg.ttt_steps)))
     log(json.dumps({k: v for k, v in report.items() if k != "config"}))
     drafter.save(Path(cfg.out) / "drafter", layout="speculators", extra={"training": dict(report)})

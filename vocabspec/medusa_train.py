@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from .medusa import MedusaHeads
 from .model import Transformer
-from .train import load_shards, ship_dir
+from .train import ship_dir, training_sets
 
 HEAD_DECAY = 0.8
 
@@ -120,7 +120,7 @@ def train_medusa(cfg, target: Transformer, train_set, heldout, log=print) -> tup
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(heads.parameters(), cfg.grad_clip)
                 optimizer.step()
-                history.append(float(loss))
+                history.append(float(loss.detach()))
                 if step % 50 == 0:
                     bar.set_postfix(loss=f"{sum(history[-50:]) / len(history[-50:]):.3f}")
     heads = heads.eval().requires_grad_(False)
@@ -135,8 +135,7 @@ def train_medusa(cfg, target: Transformer, train_set, heldout, log=print) -> tup
 def train_and_save(cfg, target: Transformer, split: dict, report: dict, ship: bool, log) -> None:
     """The Medusa family's trainer (proposers.Family.trainer): train the heads on the feature
     shards, save them to `cfg.out`/medusa, and with `ship` into the package."""
-    heads, figures = train_medusa(cfg, target, load_shards(cfg, "train") + load_shards(cfg, "distill"),
-                                  load_shards(cfg, "heldout"), log=log)
+    heads, figures = train_medusa(cfg, target, *training_sets(cfg, split), log=log)
     report.update(figures)
     extra = {"training": dict(report)}
     heads.save(Path(cfg.out) / "medusa", target.args, extra=extra)

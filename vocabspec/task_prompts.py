@@ -69,17 +69,38 @@ def _passage_questions(conversations, min_words: int, max_words: int):
             yield f"{answer}\n\nAnswer from the passage above: {question}"
 
 
-def task_prompts(conversations: list, count: int, *, max_words: int = 450) -> list[str]:
-    """`count` user messages, taking summaries, translations and passage questions in turn.
+CODE_BLOCK = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
+CODE_REQUESTS = ("Explain what this code does:", "Add comments to this code:",
+                 "Find possible bugs in this code and fix them:", "Rewrite this code to be easier to read:")
+EXTRACTIONS = ("List the key points of this text as bullet points:",
+               "Extract every name, number and date in this text, with what each refers to:",
+               "Write a title and a one-sentence abstract for this text:")
 
-    conversations: (id, [(role, text), ...]) as `sharegpt.iter_conversations` gives them, in
-    the order to draw from (passages from the other end, so the kinds rarely share a
-    conversation). Translations run out first (ShareGPT has about a hundred
-    German, French or Spanish messages); the other two kinds fill the rest.
-    """
-    sources = [_summaries(conversations, 150, max_words), _translations(conversations, max_words),
-               _passage_questions(conversations[::-1], 100, max_words)]
-    prompts: list[str] = []
+
+def _code_requests(conversations, min_lines: int, max_words: int):
+    """Requests about a code block from an answer (the first one of 4 lines or more in each
+    conversation), the request rotating through CODE_REQUESTS."""
+    n = 0
+    for _, turns in conversations:
+        blocks = (b.strip("\n") for role, text in turns if role == "assistant" for b in CODE_BLOCK.findall(text))
+        block = next((b for b in blocks if b.count("\n") + 1 >= min_lines and _word_count(b) <= max_words), None)
+        if block is not None:
+            yield f"{CODE_REQUESTS[n % len(CODE_REQUESTS)]}\n```\n{block}\n```"
+            n += 1
+
+
+def _extractions(conversations, min_words: int, max_words: int):
+    """Extraction requests on an answer's prose: the last long English answer of each
+    conversation (summaries take the first)."""
+    n = 0
+    for _, turns in conversations:
+        texts = [text for role, text in turns if role == "assistant" and _is_english_prose(text, min_words, max_words)]
+        if texts:
+            yield f"{EXTRACTIONS[n % len(EXTRACTIONS)]}\n\n{texts[-1]}"
+            n += 1
+
+
+def _in_turn(sources, count: int, prompts: list[str]) -> None:
     while sources and len(prompts) < count:
         for source in list(sources):
             prompt = next(source, None)
@@ -87,4 +108,22 @@ def task_prompts(conversations: list, count: int, *, max_words: int = 450) -> li
                 sources.remove(source)
             elif len(prompts) < count:
                 prompts.append(prompt)
+
+
+def task_prompts(conversations: list, count: int, *, max_words: int = 450) -> list[str]:
+    """`count` user messages: summaries, translations and passage questions in turn, then, once
+    those run out, code requests and extractions in turn.
+
+    conversations: (id, [(role, text), ...]) as `sharegpt.iter_conversations` gives them, in
+    the order to draw from (passages from the other end, so the kinds rarely share a
+    conversation). Translations run out first (ShareGPT has about a hundred
+    German, French or Spanish messages); the other two kinds fill the rest. The later kinds
+    come only after every earlier prompt, so that asking for more keeps the earlier prompts
+    (and their archived answers) where they were.
+    """
+    prompts: list[str] = []
+    _in_turn([_summaries(conversations, 150, max_words), _translations(conversations, max_words),
+              _passage_questions(conversations[::-1], 100, max_words)], count, prompts)
+    _in_turn([_code_requests(conversations, 4, max_words), _extractions(conversations, 150, max_words)],
+             count, prompts)
     return prompts

@@ -79,6 +79,8 @@ class TrainConfig:
                                     # (-1: after all of them); fixing it lets --conversations
                                     # grow without asking for new answers
     task_prompts: int = 0           # and task-style prompts built from ShareGPT text (task_prompts.py)
+    later_turns: int = 0            # and later user turns of ShareGPT conversations, the turns
+                                    # before them (ShareGPT's answers too) as their context
     distill_new_tokens: int = 256   # tokens per self-distilled answer, at most
     answers: str = ""               # answer archive directory (answers.py): its answers are
                                     # used instead of generating them, new ones are added to it
@@ -99,11 +101,19 @@ class TrainConfig:
                                     # way (e.g. "1,14"; empty: the last layer's feature alone)
     drafter: str = "eagle"          # what to train: a trainable drafting family (eagle, eagle3, medusa)
     ttt_steps: int = 3              # eagle3: draft steps trained per position (training-time test)
+    ttt_decay: float = 1.0          # eagle3: step k's loss weighs ttt_decay**k (normalized; EAGLE-3's code: 0.8)
     draft_vocab: str = "trim:8k"    # eagle3: the draft vocabulary (a bundled token map's first N)
     medusa_heads: int = 4           # Medusa heads (tokens t+2 .. t+K+1)
     medusa_positions: int = 256     # positions sampled per sequence and step (Medusa)
     archive_sequences: int = 0      # also train on this many prompt + answer sequences taken
                                     # from the answer archive (--answers) as they are
+    train_dtype: str = "float32"    # the drafter's matmuls in training: float32, or bfloat16
+                                    # under autocast (float32 weights and optimizer), or auto:
+                                    # bfloat16 where the CPU has fast bfloat16 matmuls
+    snapshot_tokens: str = ""       # eagle3: keep the run as it stood after these many training
+                                    # tokens (e.g. "1.9M,5.7M"): checkpoint-eagle3-at-1.9M.pt, ...
+    online_features: bool = False   # compute each sequence's features as training draws it
+                                    # (OnlineFeatures) instead of storing feature shards
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -149,7 +159,8 @@ def prepare_sequences(cfg: TrainConfig, tokenizer) -> dict:
 def _distill_prompts(cfg: TrainConfig, tokenizer) -> list[list[int]]:
     """First user turns of ShareGPT conversations that are not held-out ones (nor training
     ones, unless `cfg.distill_start` is below `cfg.conversations`), then `cfg.task_prompts`
-    task-style prompts (after them, so that asking for task prompts later keeps the earlier
+    task-style prompts, then `cfg.later_turns` later turns of the same conversations (each
+    kind after the ones before, so that asking for more of a later kind keeps the earlier
     answers and their feature shards)."""
     from .sharegpt import iter_conversations
 
@@ -167,7 +178,28 @@ def _distill_prompts(cfg: TrainConfig, tokenizer) -> list[list[int]]:
     if len(prompts) < cfg.self_distill:
         raise ValueError(f"ShareGPT has only {len(prompts)} unused prompts of at most {room} "
                          f"tokens, {cfg.self_distill} asked for")
-    return prompts + _task_prompt_ids(cfg, tokenizer, conversations[cfg.heldout:], room)
+    return (prompts + _task_prompt_ids(cfg, tokenizer, conversations[cfg.heldout:], room)
+            + _later_turn_ids(cfg, tokenizer, conversations[cfg.heldout + start:], room))
+
+
+def _later_turn_ids(cfg: TrainConfig, tokenizer, conversations: list, room: int) -> list[list[int]]:
+    """Prompts that end at a conversation's second or a later user turn, the turns before it
+    as the context, ShareGPT's answers included: the target answering in a conversation under
+    way, as chat users' follow-up questions (and Spec-Bench's second turns) have it."""
+    prompts = []
+    for _, turns in conversations:
+        for end in range(2, len(turns)):
+            if len(prompts) == cfg.later_turns:
+                return prompts
+            if turns[end][0] == "user" and turns[end - 1][0] == "assistant":
+                ids = encode_conversation(tokenizer, turns[:end + 1], answer_open=True)
+                if len(ids) > room:
+                    break                       # the later turns are longer still
+                prompts.append(ids)
+    if len(prompts) < cfg.later_turns:
+        raise ValueError(f"ShareGPT has only {len(prompts)} later turns whose conversation so far "
+                         f"fits {room} tokens, {cfg.later_turns} asked for")
+    return prompts
 
 
 def _task_prompt_ids(cfg: TrainConfig, tokenizer, conversations: list, room: int) -> list[list[int]]:
@@ -193,6 +225,19 @@ def _fast_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if bf16_supported(torch.device("cpu")) else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def training_precision(cfg: TrainConfig):
+    """The context a training step's forward runs in: autocast to bfloat16 for
+    `cfg.train_dtype` bfloat16 (the weights, gradients and optimizer stay float32; on a CPU with
+    AVX-512 bf16 the step takes about half the time), else nothing."""
+    import contextlib
+
+    if cfg.train_dtype not in ("float32", "bfloat16", "auto"):
+        raise ValueError(f"train_dtype is float32, bfloat16 or auto, not {cfg.train_dtype!r}")
+    if _fast_dtype(cfg.train_dtype) == torch.bfloat16:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _load_distilled(path: Path, prompts: list[list[int]]) -> dict:
@@ -271,7 +316,8 @@ def _generator_name(lm) -> str:
 def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]], done: dict,
                       out: Path) -> str:
     """The target's greedy answers to `todo`, appended to `done` as they finish (saved to `out`
-    every SAVE_EVERY answers, so an interrupted run loses at most those). They come from the
+    every SAVE_SECONDS, so an interrupted run loses at most those minutes: the file holds every
+    answer so far, and at millions of tokens writing it takes seconds). They come from the
     batch engine (batch.py) in the run-time format a user decodes with: `cfg.distill_batch`
     requests decode together, each exactly as it would alone, so an answer does not depend on
     the batch, and it is the text the drafter will meet. An answer keeps the end-of-sequence
@@ -287,6 +333,7 @@ def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]],
     batch = lm.batch(BatchLimits(max_batch=cfg.distill_batch, max_waiting=2 * cfg.distill_batch, window=window))
     bar = tqdm(total=len(todo), desc="self-distillation", unit="answer")
     queue, running, unsaved, generated, started = list(reversed(todo)), [], 0, 0, time.perf_counter()
+    saved = started
     while queue or running:
         while queue and len(running) < 2 * cfg.distill_batch:
             prompt = queue.pop()
@@ -302,16 +349,16 @@ def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]],
             generated += len(answer)
             unsaved += 1
             bar.update(1)
-        if unsaved >= SAVE_EVERY or not (queue or running):
+        if unsaved and (time.perf_counter() - saved >= SAVE_SECONDS or not (queue or running)):
             _atomic_save(done, out)
-            unsaved = 0
+            unsaved, saved = 0, time.perf_counter()
             bar.set_postfix(answer_tok_s=f"{generated / (time.perf_counter() - started):.0f}")
     bar.close()
     batch.close()
     return _generator_name(lm)
 
 
-SAVE_EVERY = 64           # answers between saves of the self-distillation file
+SAVE_SECONDS = 120.0      # between saves of the self-distillation file
 
 
 # ---------------------------------------------------------------------------- 2. features
@@ -340,6 +387,22 @@ def _features(model: Transformer, cache, ids: list[int], top: int, taps: tuple[i
                             for rows in hidden.split(256)])
     tapped = tapped[0].to(torch.bfloat16).cpu() if taps else None
     return hidden.to(torch.bfloat16).cpu(), candidates.to(torch.int32).cpu(), tapped
+
+
+def parse_token_counts(text: str) -> dict[str, int]:
+    """{"1.9M": 1900000, ...} from "1.9M,5.7M" (k and M scale; plain counts too)."""
+    counts = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        scale = {"k": 1e3, "M": 1e6}.get(item[-1], 1)
+        try:
+            counts[item] = int(float(item[:-1] if scale != 1 else item) * scale)
+        except ValueError:
+            raise ValueError(f"token counts are numbers with an optional k or M, not {item!r}") from None
+        if counts[item] <= 0:
+            raise ValueError(f"a token count must be positive, not {item!r}")
+    return counts
 
 
 def parse_taps(text: str) -> tuple[int, ...]:
@@ -440,7 +503,7 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
         if cfg.negatives:
             pool.append(torch.randint(head.shape[0], (cfg.negatives,), generator=generator))
         rows = head[torch.unique(torch.cat(pool))]
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):     # the teacher in float32
         target_probs = F.softmax(F.linear(wanted, rows).float(), dim=-1)
         if ranker is not None:
             ranker_ids, ranker_probs = teacher(target, wanted, candidates[1:].long())
@@ -513,7 +576,9 @@ def _scale_fc_to_inputs(drafter: EagleDrafter, feature_std: torch.Tensor) -> Non
 
 def _run_identity(config: dict) -> dict:
     """The settings that make two training runs the same run (resumable from each other)."""
-    return {k: v for k, v in config.items() if k not in ("max_steps", "checkpoint_every", "out", "answers")}
+    return {k: v for k, v in config.items()
+            if k not in ("max_steps", "checkpoint_every", "out", "answers", "generate_answers",
+                         "online_features", "snapshot_tokens")}
 
 
 def resumable(checkpoint: Path, cfg: TrainConfig, log=print) -> dict | None:
@@ -537,17 +602,58 @@ def _lr(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def training_shards(cfg: TrainConfig) -> tuple[list, list]:
-    """(training sequences, held-out ones) from the feature shards; ValueError if none."""
+class OnlineFeatures:
+    """The features stage's rows for `sequences`, computed by the extractor when training draws
+    a sequence instead of read from a shard: (tokens, hidden, candidates, tapped), as
+    `load_shards` gives them, bit for bit.
+
+    One epoch costs the same target forwards as extracting shards once, and nothing is stored.
+    That is what large data needs: with EAGLE-3's taps a shard holds about 4.7 kB a token, so
+    twenty million tokens would take about 90 GB of disk, and `load_shards` holds every shard
+    in memory."""
+
+    def __init__(self, extractor: Transformer, sequences: list[list[int]], cfg: TrainConfig):
+        self.extractor = extractor
+        self.sequences = [s for s in sequences if len(s) >= 3]     # as load_shards keeps them
+        self.top = cfg.top_candidates
+        self.taps = checked_taps(parse_taps(cfg.taps), extractor)
+        self.cache = extractor.new_cache(max(map(len, self.sequences), default=1))
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        ids = self.sequences[index]
+        with torch.no_grad():
+            hidden, candidates, tapped = _features(self.extractor, self.cache, ids, self.top, self.taps)
+        return torch.tensor(ids, dtype=torch.int32), hidden, candidates, tapped
+
+
+def online_sets(cfg: TrainConfig, extractor: Transformer, split: dict) -> tuple:
+    """`training_sets`' pair for `split` with online features: the training and distilled
+    sequences as drawn, the held-out ones computed now (every evaluation reads them)."""
+    return (OnlineFeatures(extractor, split["train"] + split.get("distill", []), cfg),
+            OnlineFeatures(extractor, split["heldout"], cfg)[:])
+
+
+def training_sets(cfg: TrainConfig, split: dict | None) -> tuple:
+    """(training sequences' features, held-out ones): `split["features"]` where `run` put
+    online ones (`OnlineFeatures`, the held-out ones computed once), else the feature
+    shards; ValueError if there are none."""
+    if split and "features" in split:
+        return split["features"]
     train_set = load_shards(cfg, "train") + load_shards(cfg, "distill")
     if not train_set:
-        raise ValueError(f"no training features under {Path(cfg.out) / 'features'}: run the features stage")
+        raise ValueError(f"no training features under {Path(cfg.out) / 'features'}: run the features "
+                         "stage, or train with --online-features")
     return train_set, load_shards(cfg, "heldout")
 
 
-def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDrafter:
+def train_drafter(cfg: TrainConfig, target: Transformer, split: dict | None = None, log=print) -> EagleDrafter:
     out = Path(cfg.out)
-    train_set, heldout = training_shards(cfg)
+    train_set, heldout = training_sets(cfg, split)
     torch.manual_seed(cfg.seed)
     std = feature_std(target, train_set)
     taps = parse_taps(cfg.taps)
@@ -606,11 +712,12 @@ def train_drafter(cfg: TrainConfig, target: Transformer, log=print) -> EagleDraf
         stats = []
         for i in batch:
             tokens, hidden, candidates, tapped = train_set[i]
-            loss, info = sequence_loss(drafter, tokens, hidden, candidates, cfg, std, generator,
-                                       ranker, tapped)
+            with training_precision(cfg):
+                loss, info = sequence_loss(drafter, tokens, hidden, candidates, cfg, std, generator,
+                                           ranker, tapped)
             (loss / len(batch)).backward()
             stats.append(info)
-            tokens_seen += train_set[i][0].numel()
+            tokens_seen += tokens.numel()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         if ranker is not None:
             torch.nn.utils.clip_grad_norm_(ranker, cfg.grad_clip)
@@ -702,7 +809,7 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
     split = prepare_sequences(cfg, tokenizer)
     report["train_sequences"] = len(split["train"])
     report["train_tokens"] = split["train_tokens"]
-    if cfg.self_distill or cfg.task_prompts:
+    if cfg.self_distill or cfg.task_prompts or cfg.later_turns:
         split["distill"] = distill_sequences(cfg, tokenizer, model_path)
         report["distill_sequences"] = len(split["distill"])
         report["distill_tokens"] = sum(map(len, split["distill"]))
@@ -718,9 +825,12 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
             cfg.taps = ",".join(map(str, default_eagle3_taps(extractor.args.n_layers)))
             (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
             report["config"] = asdict(cfg)
-        t1 = time.perf_counter()
-        extract_features(cfg, extractor, split)
-        report["features_seconds"] = round(time.perf_counter() - t1, 1)
+        if cfg.online_features:     # computed as training draws them: kept for the train stage
+            split["features"] = online_sets(cfg, extractor, split)
+        else:
+            t1 = time.perf_counter()
+            extract_features(cfg, extractor, split)
+            report["features_seconds"] = round(time.perf_counter() - t1, 1)
         del extractor
     if "train" in stages:
         target, _ = load_model(cfg.model, max_seq_len=4096, backend="torch")
@@ -742,16 +852,17 @@ def train_eagle(cfg: TrainConfig, target: Transformer, split: dict, report: dict
     shards, measure it, save it to `cfg.out`/drafter, and with `ship` into the package."""
     out = Path(cfg.out)
     t2 = time.perf_counter()
-    drafter = train_drafter(cfg, target, log=log)
+    drafter = train_drafter(cfg, target, split, log=log)
     seconds = drafter.train_seconds
     report["train_seconds"] = round(time.perf_counter() - t2 if seconds is None else seconds, 1)
-    final = evaluate(drafter, load_shards(cfg, "heldout"), steps=max(2, cfg.unroll))
+    heldout = training_sets(cfg, split)[1]
+    final = evaluate(drafter, heldout, steps=max(2, cfg.unroll))
     report.update(final)
     report["tau_heldout_prompts"] = round(measure_tau(drafter, target,
                                                       split["heldout_prompts"][:4]), 3)
     log(json.dumps({k: v for k, v in report.items() if k != "config"}))
     if drafter.trained_ranker is not None:
-        report["ranker"] = ranker_recall(drafter, *drafter.trained_ranker, load_shards(cfg, "heldout"))
+        report["ranker"] = ranker_recall(drafter, *drafter.trained_ranker, heldout)
     # The drafter describes itself in data: its training configuration and figures.
     extra = {"training": dict(report)}
     drafter.save(out / "drafter", extra=extra)
