@@ -17,13 +17,13 @@ import time
 import torch
 from tqdm import tqdm
 
-from vocabspec.api import load
-from vocabspec.autotune import forward_seconds
-from vocabspec.batch import BatchLimits
+from vocabspec.serving.api import load
+from vocabspec.speculation.autotune import forward_seconds
+from vocabspec.serving.batch import BatchLimits
 from vocabspec.cli import set_threads
-from vocabspec.generate import GenerationConfig
-from vocabspec.loading import resolve_model_path
-from vocabspec.train import TrainConfig, _distill_prompts
+from vocabspec.speculation.generate import GenerationConfig
+from vocabspec.engine.loading import resolve_model_path
+from vocabspec.training.train import TrainConfig, _distill_prompts
 
 
 def engine_speed(lm, prompts: list[list[int]], rows: int, new_tokens: int) -> dict:

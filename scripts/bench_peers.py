@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 
 from llamacpp import LlamaCppTool, decode_only
-from vocabspec.bench import BUILTIN_QUESTIONS
-from vocabspec.formats import FORMATS
-from vocabspec.generate import Engine, GenerationConfig
-from vocabspec.loading import load_model, resolve_model_path
-from vocabspec.proposers import DraftConfig, make_proposer
-from vocabspec.tokenizer import load_tokenizer
-from vocabspec.prompts import encode_conversation
+from vocabspec.benchmarks.bench import BUILTIN_QUESTIONS
+from vocabspec.engine.formats import FORMATS
+from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.engine.loading import load_model, resolve_model_path
+from vocabspec.speculation.proposers import DraftConfig, make_proposer
+from vocabspec.engine.tokenizer import load_tokenizer
+from vocabspec.engine.prompts import encode_conversation
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 QUESTIONS = QUESTIONS if QUESTIONS.exists() else BUILTIN_QUESTIONS   # the project's own prompts

@@ -2,7 +2,7 @@
 speculation) and llama.cpp's llama-server with --parallel slots (its continuous batching), on
 the same GGUF, driven by the same clients (the official openai package) with the same prompts:
 aggregate tok/s and p50/p95 latency at each concurrency, and answers differing from the same
-request answered alone (vocabspec.throughput). llama-server is built by
+request answered alone (vocabspec.benchmarks.throughput). llama-server is built by
 scripts/build_llamacpp.sh; LCPP_BIN names another build.
 
     python scripts/bench_serving.py --model smollm2 --concurrency 1,2,4,8,16 --out docs/bench/serving-smollm2
@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 
 from llamacpp import llama_cpp_bin
-from vocabspec.bench import load_questions
-from vocabspec.loading import resolve_model_path
-from vocabspec.server import free_port
-from vocabspec.throughput import plot, prompts_for, report, run_throughput, sweep
-from vocabspec.tokenizer import load_tokenizer
+from vocabspec.benchmarks.bench import load_questions
+from vocabspec.engine.loading import resolve_model_path
+from vocabspec.serving.server import free_port
+from vocabspec.benchmarks.throughput import plot, prompts_for, report, run_throughput, sweep
+from vocabspec.engine.tokenizer import load_tokenizer
 
 
 def llama_server(path: Path, slots: int, window: int, threads: int):

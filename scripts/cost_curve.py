@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from vocabspec.formats import FORMATS
+from vocabspec.engine.formats import FORMATS
 
-from vocabspec.autotune import forward_seconds
-from vocabspec.loading import load_model
+from vocabspec.speculation.autotune import forward_seconds
+from vocabspec.engine.loading import load_model
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 

@@ -20,9 +20,9 @@ import json
 from datetime import date
 from pathlib import Path
 
-from vocabspec.bench import BenchConfig, _machine, run_bench
-from vocabspec.eagle3_train import drafter_from_checkpoint
-from vocabspec.loading import load_model
+from vocabspec.benchmarks.bench import BenchConfig, _machine, run_bench
+from vocabspec.training.eagle3_train import drafter_from_checkpoint
+from vocabspec.engine.loading import load_model
 
 TREES = ("1x1", "3x3", "6x60")
 

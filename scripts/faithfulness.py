@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from vocabspec.bench import BUILTIN_QUESTIONS
-from vocabspec.generate import Engine, GenerationConfig
-from vocabspec.loading import load_model
-from vocabspec.prompts import encode_conversation
-from vocabspec.tokenizer import load_tokenizer
+from vocabspec.benchmarks.bench import BUILTIN_QUESTIONS
+from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.engine.loading import load_model
+from vocabspec.engine.prompts import encode_conversation
+from vocabspec.engine.tokenizer import load_tokenizer
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 QUESTIONS = QUESTIONS if QUESTIONS.exists() else BUILTIN_QUESTIONS   # the project's own prompts

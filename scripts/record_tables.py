@@ -15,7 +15,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from vocabspec.files import cache_dir
+from vocabspec.engine.files import cache_dir
 
 
 def spec_bench(work: Path, model: str) -> tuple[list[str], dict]:
@@ -41,7 +41,7 @@ def spec_bench(work: Path, model: str) -> tuple[list[str], dict]:
     for name, r in table.items():
         lines.append(f"| {name} | {r['speedup']:.2f}x ({r['low']:.2f}-{r['high']:.2f}) | {r['tokens_per_s']:.1f} | "
                      f"{r['tau']:.2f} | {', '.join(r['trees']) or '-'} | {r['mismatches']} |")
-    # What a step costs, in vanilla forwards (vocabspec.bench): medians over the runs.
+    # What a step costs, in vanilla forwards (vocabspec.benchmarks.bench): medians over the runs.
     costs = {name: [s["methods"][name]["step_cost"] for s in summaries if "step_cost" in s["methods"][name]]
              for name in methods}
     lines += ["", "Step cost in vanilla forwards (median of the runs): verification / drafting / "

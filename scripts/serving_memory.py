@@ -20,11 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vocabspec.api import load  # noqa: E402
-from vocabspec.bench import load_questions  # noqa: E402
-from vocabspec.proposers import DraftConfig  # noqa: E402
-from vocabspec.server import ServerLimits  # noqa: E402
-from vocabspec.throughput import prompts_for, rss_mb, run_clients_apart, serve_while  # noqa: E402
+from vocabspec.serving.api import load  # noqa: E402
+from vocabspec.benchmarks.bench import load_questions  # noqa: E402
+from vocabspec.speculation.proposers import DraftConfig  # noqa: E402
+from vocabspec.serving.server import ServerLimits  # noqa: E402
+from vocabspec.benchmarks.throughput import prompts_for, rss_mb, run_clients_apart, serve_while  # noqa: E402
 
 
 def disconnect_once(base_url: str, model: str, prompt, chat: bool) -> None:

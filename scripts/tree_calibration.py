@@ -26,11 +26,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import vocabspec.drafter as drafter_module
-from vocabspec.api import load
-from vocabspec.bench import BUILTIN_QUESTIONS, load_questions
-from vocabspec.prompts import encode_conversation
-from vocabspec.tree import TreeBuilder
+import vocabspec.speculation.drafter as drafter_module
+from vocabspec.serving.api import load
+from vocabspec.benchmarks.bench import BUILTIN_QUESTIONS, load_questions
+from vocabspec.engine.prompts import encode_conversation
+from vocabspec.speculation.tree import TreeBuilder
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 SPEC_BENCH = SPEC_BENCH if SPEC_BENCH.exists() else BUILTIN_QUESTIONS   # the project's own prompts

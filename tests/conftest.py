@@ -14,9 +14,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vocabspec.loading import load_model
-from vocabspec.model import ModelArgs, Transformer
-from vocabspec.tokenizer import load_tokenizer
+from vocabspec.engine.loading import load_model
+from vocabspec.engine.model import ModelArgs, Transformer
+from vocabspec.engine.tokenizer import load_tokenizer
 
 torch.set_num_threads(int(os.environ.get("VOCABSPEC_TEST_THREADS", "2")))
 
@@ -102,7 +102,7 @@ def tiny_native(arch: str, seed: int, weights: str = "f32", scale: float = 0.3, 
     """A random model whose shapes the native engine takes (widths multiples of 32), on torch
     (the reference) and on the native engine: (reference, native). scale: the weights' (a
     smaller one spreads the next-token distributions)."""
-    from vocabspec import formats
+    from vocabspec.engine import formats
 
     shapes = dict(vocab_size=200, dim=64, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=96)
     args = tiny_args(arch, **{**shapes, **overrides})

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import vocabspec
-from vocabspec.batch import BatchEngine, BatchLimits, Busy
-from vocabspec.generate import Engine, GenerationConfig
-from vocabspec.loading import load_model
-from vocabspec.sampling import SamplingParams
-from vocabspec.tree import chain_tree
+from vocabspec.serving.batch import BatchEngine, BatchLimits, Busy
+from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.engine.loading import load_model
+from vocabspec.speculation.sampling import SamplingParams
+from vocabspec.speculation.tree import chain_tree
 
 from conftest import loaded
 from test_native import random_tree
@@ -39,7 +39,7 @@ def committed(model, context: list[int], max_len: int):
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 @pytest.mark.parametrize("weights", FORMATS)
 def test_batched_rows_have_the_bits_of_each_sequence_alone(name, weights):
-    from vocabspec import native
+    from vocabspec.engine import native
 
     if weights == "gguf-a8" and not native.has_int8():
         pytest.skip("gguf-a8 needs 8-bit dot products")
@@ -97,7 +97,7 @@ def requests():
 @pytest.mark.parametrize("method", ["eagle", "pld"])
 def test_continuous_batching_gives_each_request_its_tokens_alone(lms, method):
     lm = lms[method]
-    batch = BatchEngine(lm.engine, lambda: vocabspec.proposers.make_proposer(
+    batch = BatchEngine(lm.engine, lambda: vocabspec.speculation.proposers.make_proposer(
         lm.engine.model, lm.draft, "smollm2", tokenizer=lm.tokenizer),
         BatchLimits(max_batch=3, window=1024, tree_rows=8))
     try:
@@ -194,10 +194,10 @@ def test_the_serving_benchmark_measures_batches_with_the_openai_client(tmp_path)
 def test_the_draft_budget_follows_the_cost_curve(lms):
     """Rows nearly free (a GPU's curve): every greedy request drafts. Each row a whole forward's
     cost: none does, a drafted tree never paying for its rows. Tokens as alone either way."""
-    from vocabspec.batch import Costs
+    from vocabspec.serving.batch import Costs
 
     lm = lms["eagle"]
-    batch = BatchEngine(lm.engine, lambda: vocabspec.proposers.make_proposer(
+    batch = BatchEngine(lm.engine, lambda: vocabspec.speculation.proposers.make_proposer(
         lm.engine.model, lm.draft, "smollm2", tokenizer=lm.tokenizer), BatchLimits(max_batch=3, window=1024),
         thread=False)
     assert batch.costs is not None and batch.costs(1) > 0      # measured on this machine

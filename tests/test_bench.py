@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from vocabspec.bench import copy_fraction, load_questions
+from vocabspec.benchmarks.bench import copy_fraction, load_questions
 from vocabspec.cli import main
-from vocabspec.proposers import DraftConfig
+from vocabspec.speculation.proposers import DraftConfig
 
 from conftest import SPEC_BENCH
 

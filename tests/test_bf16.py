@@ -9,10 +9,10 @@ format, bf16 included, is exact (test_native.py, test_lossless.py)."""
 import pytest
 import torch
 
-from vocabspec.drafter import EagleDrafter, EagleProposer
-from vocabspec.generate import Engine, GenerationConfig, prefill
-from vocabspec.loading import load_model
-from vocabspec.pld import PromptLookupProposer
+from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
+from vocabspec.speculation.generate import Engine, GenerationConfig, prefill
+from vocabspec.engine.loading import load_model
+from vocabspec.speculation.pld import PromptLookupProposer
 
 from conftest import spec_bench_prompts
 

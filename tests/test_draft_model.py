@@ -5,10 +5,10 @@ vocabulary or tokenizer is refused by name. Sampling is checked in test_sampling
 
 import pytest
 
-from vocabspec.draft_model import DraftModelMismatch, DraftModelProposer, check_same_tokenizer
-from vocabspec.draft_vocab import make_draft_vocab
-from vocabspec.generate import Engine, GenerationConfig
-from vocabspec.proposers import DraftConfig, bundled_drafter_dir, make_proposer
+from vocabspec.speculation.draft_model import DraftModelMismatch, DraftModelProposer, check_same_tokenizer
+from vocabspec.speculation.draft_vocab import make_draft_vocab
+from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.speculation.proposers import DraftConfig, bundled_drafter_dir, make_proposer
 
 from conftest import loaded, spec_bench_prompts, tiny_model
 

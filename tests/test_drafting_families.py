@@ -7,10 +7,12 @@ import json
 
 import pytest
 
-from vocabspec import cli, proposers, train
-from vocabspec.files import cache_dir
-from vocabspec.pld import PromptLookupProposer
-from vocabspec.proposers import DraftConfig, Family, make_proposer, register
+from vocabspec import cli
+from vocabspec.speculation import proposers
+from vocabspec.training import train
+from vocabspec.engine.files import cache_dir
+from vocabspec.speculation.pld import PromptLookupProposer
+from vocabspec.speculation.proposers import DraftConfig, Family, make_proposer, register
 
 
 @pytest.fixture

@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import vocabspec
-from vocabspec.drafter import DrafterMismatch
-from vocabspec.eagle3 import Eagle3Config, Eagle3Drafter, is_eagle3
-from vocabspec.files import cache_dir
+from vocabspec.speculation.drafter import DrafterMismatch
+from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter, is_eagle3
+from vocabspec.engine.files import cache_dir
 
 from conftest import tiny_native
 
@@ -120,7 +120,7 @@ def test_layouts_round_trip(tmp_path):
 @pytest.fixture(scope="module")
 def smollm2_eagle3(tmp_path_factory):
     """A random EAGLE-3 drafter for SmolLM2 in speculators' layout: 8k draft vocabulary."""
-    from vocabspec.loading import load_model
+    from vocabspec.engine.loading import load_model
 
     target, _ = load_model("smollm2")
     directory = tmp_path_factory.mktemp("eagle3-smollm2")
@@ -184,7 +184,7 @@ def test_eagle3_checkpoints_that_do_not_fit_are_refused(tmp_path):
 def test_training_time_test_drafts_what_a_tree_drafts():
     """Step k of training-time test gives row i the state a tree's level-k node gets when it
     drafts the same chain at inference: the same attention, positions and features."""
-    from vocabspec.eagle3_train import StepKeys, step_mask
+    from vocabspec.training.eagle3_train import StepKeys, step_mask
 
     target = tiny_target()
     drafter = Eagle3Drafter.random(target, random_config(target, 150), seed=5)
@@ -208,8 +208,9 @@ def test_training_time_test_drafts_what_a_tree_drafts():
 
 
 def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tmp_path, monkeypatch):
-    from vocabspec import eagle3_train, proposers
-    from vocabspec.train import TrainConfig, _atomic_save
+    from vocabspec.speculation import proposers
+    from vocabspec.training import eagle3_train
+    from vocabspec.training.train import TrainConfig, _atomic_save
 
     _, target = tiny_native("llama", seed=4, n_layers=8)   # fuses hidden states 2, 4, 5
     taps = (1, 3, 4)
@@ -271,7 +272,7 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
     with pytest.raises(ValueError, match="--ship"):
         eagle3_train.train_and_save(cfg, target, {}, {}, ship=True, log=lambda *_: None)
     # The same shards serve an EAGLE-2 run (no taps: the last layer's states only), not other taps.
-    from vocabspec.train import load_shards
+    from vocabspec.training.train import load_shards
     untapped = load_shards(TrainConfig(out=str(tmp_path), taps=""), "train")
     assert len(untapped) == 8 and all(tp is None for *_, tp in untapped)
     with pytest.raises(ValueError, match="holds taps"):
@@ -280,7 +281,7 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
 
 def test_export_writes_an_eagle3_drafter_in_either_layout(smollm2_eagle3, tmp_path):
     from vocabspec.export import export
-    from vocabspec.loading import load_model
+    from vocabspec.engine.loading import load_model
 
     target, _ = load_model("smollm2")
     original = Eagle3Drafter.load(smollm2_eagle3, target, dtype=torch.bfloat16)

@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from vocabspec.cli import main
-from vocabspec.drafter import EagleDrafter
-from vocabspec.formats import PackedWeight
-from vocabspec.generate import Engine, GenerationConfig
-from vocabspec.token_map import load_token_map, save_token_map
+from vocabspec.speculation.drafter import EagleDrafter
+from vocabspec.engine.formats import PackedWeight
+from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.speculation.token_map import load_token_map, save_token_map
 
 EAGLE_KEYS = {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
               "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
@@ -70,7 +70,7 @@ def test_exported_drafter_matches_eagle_reference(smollm2, tmp_path):
                                 "pip install --no-deps eagle-llm")
     from eagle.model.configs import EConfig
 
-    from vocabspec.drafter import draft_states, features_of
+    from vocabspec.speculation.drafter import draft_states, features_of
 
     out = tmp_path / "export"
     assert main(["export", "--model", "smollm2", "--out", str(out)]) == 0

@@ -12,8 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from vocabspec.generate import Engine, GenerationConfig  # noqa: E402
-from vocabspec.loading import ModelLoadError, load_model  # noqa: E402
+from vocabspec.speculation.generate import Engine, GenerationConfig  # noqa: E402
+from vocabspec.engine.loading import ModelLoadError, load_model  # noqa: E402
 
 SHAPE = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
@@ -56,7 +56,7 @@ def save_tiny(family: str, path, **extra):
 @pytest.mark.parametrize("backend", ["torch", "native"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_transformers(family, backend, tmp_path):
-    from vocabspec import native
+    from vocabspec.engine import native
 
     if backend == "native" and not native.available()[0]:
         pytest.skip(native.available()[1])
@@ -116,11 +116,11 @@ def test_drafting_pipeline_for_each_family(family, tmp_path):
     steps, a VocabTrim token map from the target's predictions; speculative decoding with the
     trained drafter and that map gives plain decoding's tokens; the export loads back and
     reads as the family's Hugging Face config."""
-    from vocabspec.draft_vocab import make_draft_vocab
-    from vocabspec.drafter import EagleDrafter, EagleProposer
+    from vocabspec.speculation.draft_vocab import make_draft_vocab
+    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
     from vocabspec.export import export
-    from vocabspec.token_map import count_target_predictions, rank, save_token_map
-    from vocabspec.train import TrainConfig, extract_features, train_drafter
+    from vocabspec.speculation.token_map import count_target_predictions, rank, save_token_map
+    from vocabspec.training.train import TrainConfig, extract_features, train_drafter
 
     reference = save_tiny(family, tmp_path / "target")
     model, _ = load_model(str(tmp_path / "target"), weights="f32", max_seq_len=128)
@@ -176,7 +176,7 @@ def test_drafting_pipeline_for_each_family(family, tmp_path):
 def test_a_family_that_differs_in_features_is_one_table_row(backend, tmp_path, monkeypatch):
     """A throwaway family, Llama with a GELU gate: one row of ARCH_FEATURES (and its name in
     the loader's table), and it matches transformers on both engines."""
-    from vocabspec import loading, model, native
+    from vocabspec.engine import loading, model, native
 
     if backend == "native" and not native.available()[0]:
         pytest.skip(native.available()[1])

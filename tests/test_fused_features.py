@@ -6,11 +6,11 @@ from the feature shards; a deeper drafter's tree rows see only their ancestors i
 import pytest
 import torch
 
-from vocabspec.proposers import bundled_drafter_dir
-from vocabspec.drafter import DrafterMismatch, EagleDrafter, EagleProposer
-from vocabspec.generate import Engine, GenerationConfig
-from vocabspec.drafter import draft_states, features_of
-from vocabspec.train import (OnlineFeatures, TrainConfig, extract_features, load_shards, online_sets,
+from vocabspec.speculation.proposers import bundled_drafter_dir
+from vocabspec.speculation.drafter import DrafterMismatch, EagleDrafter, EagleProposer
+from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.speculation.drafter import draft_states, features_of
+from vocabspec.training.train import (OnlineFeatures, TrainConfig, extract_features, load_shards, online_sets,
                              train_drafter)
 
 from conftest import tiny_model
@@ -165,7 +165,7 @@ def test_drafter_tree_rows_equal_their_paths_run_alone(n_layers):
 
 
 def test_bad_taps_and_depths_are_refused_clearly(tmp_path):
-    from vocabspec.train import parse_taps
+    from vocabspec.training.train import parse_taps
 
     model = tiny_model("llama")
     ids = torch.arange(4)
@@ -186,7 +186,7 @@ def test_bad_taps_and_depths_are_refused_clearly(tmp_path):
 def test_the_trainers_tau_estimate_runs_on_torchs_kernels():
     """The trainer measures tau on its torch target, where drafting is otherwise refused as
     inexact: the estimate must run there and count at least the bonus token a step."""
-    from vocabspec.train import measure_tau
+    from vocabspec.training.train import measure_tau
 
     model = tiny_model("llama")
     assert not model.exact

@@ -6,7 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from vocabspec.loading import ModelLoadError, load_model  # noqa: E402
+from vocabspec.engine.loading import ModelLoadError, load_model  # noqa: E402
 
 
 def make_checkpoint(arch, directory):

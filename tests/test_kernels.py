@@ -6,7 +6,7 @@ kernel agrees with torch to float rounding. Tiny shapes: the interpreter is slow
 import pytest
 import torch
 
-from vocabspec import kernels, native     # (conftest.py chooses Triton's interpreter on a CPU)
+from vocabspec.engine import kernels, native     # (conftest.py chooses Triton's interpreter on a CPU)
 
 pytestmark = pytest.mark.skipif(not kernels.available()[0], reason=kernels.available()[1])
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,8 +77,8 @@ def test_a_model_on_the_kernels_is_exact():
     from test_native import assert_trees_match_one_token_forwards
 
     from conftest import tiny_native
-    from vocabspec.drafter import EagleDrafter, EagleProposer
-    from vocabspec.generate import Engine, GenerationConfig
+    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
+    from vocabspec.speculation.generate import Engine, GenerationConfig
 
     reference, _ = tiny_native("gemma3", seed=2, n_layers=2)   # a sliding layer and a global one
     model = reference.to(DEVICE)

@@ -1,7 +1,9 @@
-"""The package's layers: the core (model, formats, cache, tree, verification, heads, proposers,
-generation, loading, the API) never imports training or benchmarking, no two modules import
-each other in a cycle (function-level imports included), and loading a model with a drafter
-and generating loads no training module."""
+"""The package's layers, one folder each: the engine (model, formats, cache, native engine)
+imports no other part; speculation (trees, verification, the loop, proposers) only the engine;
+serving (batching, the server, the API) the two below it; training and benchmarking, which the
+core never imports, any of those three but not each other. No two modules import each other in
+a cycle (function-level imports included), and loading a model with a drafter and generating
+loads no training module."""
 
 import ast
 import subprocess
@@ -11,34 +13,64 @@ from pathlib import Path
 import vocabspec
 
 PACKAGE = Path(vocabspec.__file__).parent
-TRAINING = {"train", "medusa_train", "eagle3_train", "ranker", "answers", "task_prompts", "sharegpt"}
-BENCHMARKING = {"bench", "throughput"}
-COMMANDS = {"cli", "server", "export", "__init__"}   # entry points: may import any layer
+# Each part and the parts it may import (besides itself). The root's modules (the CLI, export,
+# the package's __init__) are entry points: they may import any part.
+MAY_IMPORT = {
+    "engine": set(),
+    "speculation": {"engine"},
+    "serving": {"engine", "speculation"},
+    "training": {"engine", "speculation", "serving"},
+    "benchmarks": {"engine", "speculation", "serving"},
+}
+ROOT_MODULES = 12          # at most, at the package's root
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
 
 
 def imports() -> dict[str, set[str]]:
-    """Each vocabspec module -> the vocabspec modules it imports, at any depth of the file."""
+    """Each vocabspec module ("part.module", or "module" at the root) -> the vocabspec modules it
+    imports, at any depth of the file."""
+    paths = [p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent == PACKAGE]
+    names = {module_name(p) for p in paths}
     graph = {}
-    for path in PACKAGE.glob("*.py"):
+    for path in paths:
+        package = module_name(path).split(".")[:-1]
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                if node.module:
-                    found.add(node.module.split(".")[0])
-                else:
-                    found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vocabspec."):
-                found.add(node.module.split(".")[1])
-        graph[path.stem] = found & {p.stem for p in PACKAGE.glob("*.py")}
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+            elif (node.module or "").startswith("vocabspec."):
+                base = []
+            else:
+                continue
+            module = (node.module or "").removeprefix("vocabspec.").split(".") if node.module else []
+            stem = base + [m for m in module if m]
+            found.add(".".join(stem))
+            found.update(".".join(stem + [alias.name]) for alias in node.names)
+        graph[module_name(path)] = found & names
     return graph
 
 
-def test_core_imports_no_training_or_benchmarking():
+def part(module: str) -> str | None:
+    return module.split(".")[0] if "." in module else None
+
+
+def test_the_root_holds_few_modules_and_every_module_a_part():
+    root = [p.name for p in PACKAGE.glob("*.py")]
+    assert len(root) <= ROOT_MODULES, root
+    assert {part(m) for m in imports()} - {None} == set(MAY_IMPORT)
+
+
+def test_each_part_imports_only_the_parts_below_it():
     graph = imports()
-    core = set(graph) - TRAINING - BENCHMARKING - COMMANDS
-    assert {"model", "generate", "drafter", "draft_vocab", "native"} <= core
-    bad = {(m, d) for m in core for d in graph[m] if d in TRAINING | BENCHMARKING}
-    assert not bad, f"core modules importing training or benchmarking: {sorted(bad)}"
+    assert {"engine.model", "speculation.generate", "speculation.drafter", "engine.native"} <= set(graph)
+    bad = sorted((m, d) for m in graph for d in graph[m]
+                 if part(m) and part(d) != part(m) and part(d) not in MAY_IMPORT[part(m)])
+    assert not bad, f"imports across the layers: {bad}"
 
 
 def test_no_import_cycles():
@@ -69,5 +101,5 @@ def test_generation_loads_no_training_module():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = {m.split(".")[1] for m in eval(done.stdout.strip().splitlines()[-1])}
-    assert "generate" in loaded and "drafter" in loaded
-    assert not loaded & (TRAINING | BENCHMARKING), sorted(loaded & (TRAINING | BENCHMARKING))
+    assert {"speculation", "engine", "serving"} <= loaded
+    assert not loaded & {"training", "benchmarks"}, sorted(loaded)

@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vocabspec import linear as linear_module
-from vocabspec.linear import Linear, linear
+from vocabspec.engine import linear as linear_module
+from vocabspec.engine.linear import Linear, linear
 
 
 def _close(a, b, dtype):

@@ -10,12 +10,12 @@ in the default weight format; in every other format the trained drafter on every
 import pytest
 import torch
 
-from vocabspec.proposers import bundled_drafter_dir
-from vocabspec.draft_vocab import make_draft_vocab
-from vocabspec.drafter import EagleDrafter, EagleProposer
-from vocabspec.generate import Engine, GenerationConfig
-from vocabspec.hybrid import EagleLookupProposer
-from vocabspec.pld import PromptLookupProposer
+from vocabspec.speculation.proposers import bundled_drafter_dir
+from vocabspec.speculation.draft_vocab import make_draft_vocab
+from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
+from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.speculation.hybrid import EagleLookupProposer
+from vocabspec.speculation.pld import PromptLookupProposer
 
 from conftest import loaded, spec_bench_prompts
 
@@ -58,7 +58,7 @@ def native_drafter(drafter):
 
 @pytest.mark.parametrize("weights", ["gguf", "gguf-a8", "bf16", "f32"])
 def test_greedy_lossless_in_every_format(real_model, weights):
-    from vocabspec.native import has_int8
+    from vocabspec.engine.native import has_int8
 
     if real_model.model.weights == weights:
         pytest.skip("the default format runs the whole suite below")

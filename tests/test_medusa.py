@@ -6,11 +6,11 @@ refused by name. Sampling is checked in test_sampling.py."""
 import pytest
 import torch
 
-from vocabspec.draft_vocab import make_draft_vocab
-from vocabspec.generate import Engine, GenerationConfig
-from vocabspec.medusa import (MEDUSA_63, MedusaHeads, MedusaMismatch, MedusaProposer, TreeLayout,
+from vocabspec.speculation.draft_vocab import make_draft_vocab
+from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.speculation.medusa import (MEDUSA_63, MedusaHeads, MedusaMismatch, MedusaProposer, TreeLayout,
                               bundled_medusa_dir, check_choices)
-from vocabspec.proposers import DraftConfig, bundled_drafter_dir, make_proposer
+from vocabspec.speculation.proposers import DraftConfig, bundled_drafter_dir, make_proposer
 
 from conftest import spec_bench_prompts, tiny_model
 

@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def ours(real_model):
-    from vocabspec.loading import load_model
+    from vocabspec.engine.loading import load_model
 
     return load_model(real_model.name, weights="f32")[0]
 
@@ -47,7 +47,7 @@ PROMPTS = ["Explain why the sky is blue.", "Write a haiku about autumn leaves.",
 
 @pytest.mark.parametrize("text", PROMPTS)
 def test_greedy_64_tokens_match_transformers(real_model, ours, reference, text):
-    from vocabspec.generate import Engine, GenerationConfig
+    from vocabspec.speculation.generate import Engine, GenerationConfig
 
     ids = real_model.prompt_ids(text)
     engine = Engine(ours, real_model.tokenizer)

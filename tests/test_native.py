@@ -10,7 +10,7 @@ would get in a forward of its own.
   Gemma also past its 512-token sliding window. Tiny models of both architectures (a window of
   6) run on the same engine and agree with torch's reference to float32 rounding.
 - Speculative steps in one call: the native draft tree is tree.TreeBuilder's, node for node;
-  one-call greedy verification accepts what TreeLogits and verify_greedy accept; the cache keeps
+  one-call greedy verification accepts what the torch verifier (verify_greedy) accepts; the cache keeps
   exactly the accepted slots.
 """
 
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from vocabspec import formats, native
-from vocabspec.loading import bundled_gguf, load_model
-from vocabspec.tree import TreeBuilder
+from vocabspec.engine import formats, native
+from vocabspec.engine.loading import bundled_gguf, load_model
+from vocabspec.speculation.tree import TreeBuilder
 
 from conftest import tiny_native
 
@@ -225,8 +225,8 @@ def test_bad_visibility_is_refused():
 def test_native_draft_trees_are_the_reference_trees(arch):
     """vs_eagle_tree against TreeBuilder grown from Python over the same native drafter and head:
     the same tokens, parents, children and value ranks, through several reads of new tokens."""
-    from vocabspec.draft_vocab import FullVocab, StaticSubset
-    from vocabspec.drafter import EagleDrafter, EagleProposer
+    from vocabspec.speculation.draft_vocab import FullVocab, StaticSubset
+    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
 
     _, target = tiny_native(arch, seed=4)
     drafter = EagleDrafter.random(target, seed=1)
@@ -250,9 +250,10 @@ def test_native_draft_trees_are_the_reference_trees(arch):
             proposer.observe(accepted, torch.randn(1 + step, 64, generator=g), step)
 
 
-def test_one_call_greedy_verification_accepts_what_verify_greedy_accepts():
-    from vocabspec.tree import chain_tree, graft_chain
-    from vocabspec.verify import HEAD_ROWS, TreeLogits, verify_greedy
+def test_one_call_greedy_verification_accepts_what_the_torch_verifier_accepts():
+    from vocabspec.speculation.tree import chain_tree, graft_chain
+    from vocabspec.engine.model import HEAD_ROWS
+    from vocabspec.speculation.verify import greedy_verdict
 
     _, model = tiny_native("llama", seed=5)
     g = torch.Generator().manual_seed(2)
@@ -282,14 +283,14 @@ def test_one_call_greedy_verification_accepts_what_verify_greedy_accepts():
             cache.discard()
             for rows in (1, 2, HEAD_ROWS):
                 path, following = model.native.verify_greedy(hidden, tree.tokens, tree.parents, rows)
-                want = verify_greedy(tree, TreeLogits(model.lm_head, hidden, tree, head_rows=rows))
+                want = greedy_verdict(tree, model.lm_head(hidden))
                 assert (path, following) == (want.path, want.next_token)
                 accepted = tree.tokens[path].tolist()
                 assert accepted[1:] == greedy[1:len(accepted)] and following == greedy[len(accepted)]
 
 
 def test_the_cache_keeps_exactly_the_accepted_slots():
-    from vocabspec.kv_cache import KVCache
+    from vocabspec.engine.kv_cache import KVCache
 
     g = torch.Generator().manual_seed(3)
     for keep in ([0], [0, 1, 2], [0, 2, 5], [1, 3], [4], []):

@@ -19,16 +19,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from vocabspec.draft_vocab import FullVocab, SpecVocab, StaticSubset
-from vocabspec.draft_model import DraftModelProposer
-from vocabspec.drafter import EagleDrafter, EagleProposer
-from vocabspec.generate import Engine, GenerationConfig, Proposer
-from vocabspec.hybrid import EagleLookupProposer
-from vocabspec.medusa import MedusaHeads, MedusaProposer
-from vocabspec.sampling import SamplingParams, target_probs
-from vocabspec.tree import chain_tree
-from vocabspec.token_map import successor_lists
-from vocabspec.verify import verify_sampling
+from vocabspec.speculation.draft_vocab import FullVocab, SpecVocab, StaticSubset
+from vocabspec.speculation.draft_model import DraftModelProposer
+from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
+from vocabspec.speculation.generate import Engine, GenerationConfig, Proposer
+from vocabspec.speculation.hybrid import EagleLookupProposer
+from vocabspec.speculation.medusa import MedusaHeads, MedusaProposer
+from vocabspec.speculation.sampling import SamplingParams, target_probs
+from vocabspec.speculation.tree import chain_tree
+from vocabspec.speculation.token_map import successor_lists
+from vocabspec.speculation.verify import verify_sampling
 
 from conftest import tiny_model, tiny_native
 
@@ -39,7 +39,7 @@ def sampling_target(seed: int, vocab: int, n_layers: int):
     """The tiny target: on the native engine where it runs here (exact by construction, as
     speculative sampling's equality with the target's distribution needs), else on torch's
     kernels in float32 (speculation then allowed explicitly: see `engine`)."""
-    from vocabspec import native
+    from vocabspec.engine import native
 
     if native.available()[0]:
         return tiny_native("llama", seed, vocab_size=vocab, n_layers=n_layers, scale=0.15)[1]
@@ -186,7 +186,7 @@ def test_sampling_parameters_are_validated():
 def test_greedy_token_takes_the_first_of_tied_maxima():
     """Vanilla decoding and greedy verification both pick by `greedy_token`; it must agree
     with torch.argmax, ties included (first index), or near-ties would decide differently."""
-    from vocabspec.sampling import greedy_token
+    from vocabspec.speculation.sampling import greedy_token
 
     row = torch.tensor([0.5, 2.0, -1.0, 2.0, 2.0])
     assert greedy_token(row) == 1 == int(row.argmax())
@@ -253,7 +253,7 @@ def deep_proposer(kind: str, model):
         draft = tiny_model("llama", seed=12, vocab_size=DEEP_VOCAB, n_layers=1)
         return DraftModelProposer(draft, depth=2, top_k=2, total_tokens=4)
     if kind == "eagle3":         # three target layers fused, a draft vocabulary of 3 of the 4 tokens
-        from vocabspec.eagle3 import Eagle3Config, Eagle3Drafter
+        from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter
 
         a = model.args
         config = Eagle3Config(dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 import vocabspec
-from vocabspec.server import HTTPThread, ServerLimits, create_app
-from vocabspec.throughput import rss_mb
+from vocabspec.serving.server import HTTPThread, ServerLimits, create_app
+from vocabspec.benchmarks.throughput import rss_mb
 
 PROMPTS = ["Name a colour.", "What is 2 + 2?", "Say hi.", "Name a fruit.", "Write one word."]
 

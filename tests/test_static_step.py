@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vocabspec.draft_vocab import make_draft_vocab
-from vocabspec.drafter import EagleDrafter, EagleProposer
-from vocabspec.generate import Engine, GenerationConfig
-from vocabspec.hybrid import EagleLookupProposer
-from vocabspec.medusa import MedusaHeads, MedusaProposer, bundled_medusa_dir
-from vocabspec.pld import PromptLookupProposer
-from vocabspec.proposers import bundled_drafter_dir
-from vocabspec.static_step import StaticDecoder, count_read_backs
+from vocabspec.speculation.draft_vocab import make_draft_vocab
+from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
+from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.speculation.hybrid import EagleLookupProposer
+from vocabspec.speculation.medusa import MedusaHeads, MedusaProposer, bundled_medusa_dir
+from vocabspec.speculation.pld import PromptLookupProposer
+from vocabspec.speculation.proposers import bundled_drafter_dir
+from vocabspec.speculation.static_step import StaticDecoder, count_read_backs
 
 from conftest import Loaded, loaded, spec_bench_prompts
 
@@ -195,9 +195,9 @@ def test_grafted_path_holds_the_nodes_the_host_graft_adds():
     follow them for a while, and each row sees exactly its ancestors."""
     import random
 
-    from vocabspec.static_step import StaticTree, graft
-    from vocabspec.tree import ancestor_mask
-    from vocabspec.tree import DraftTree, graft_chain
+    from vocabspec.speculation.static_step import StaticTree, graft
+    from vocabspec.engine.kv_cache import ancestor_mask
+    from vocabspec.speculation.tree import DraftTree, graft_chain
 
     rng = random.Random(0)
     for case in range(200):

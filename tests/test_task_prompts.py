@@ -3,8 +3,8 @@ after the ShareGPT prompts (so that adding them keeps earlier answers)."""
 
 import pytest
 
-from vocabspec.task_prompts import language_of, task_prompts
-from vocabspec.train import TrainConfig, _distill_prompts
+from vocabspec.training.task_prompts import language_of, task_prompts
+from vocabspec.training.train import TrainConfig, _distill_prompts
 
 GERMAN = "Ich habe heute keine Zeit, weil ich mit der Familie in die Stadt fahre und das Auto nicht geht."
 FRENCH = "Je ne sais pas si le train est déjà parti, mais nous devons être à la gare avant midi pour le voir."
@@ -70,7 +70,7 @@ def test_later_turns_come_last_with_the_conversation_so_far(smollm2):
         text = smollm2.tokenizer.decode(ids)
         assert text.count("\nuser\n") >= 2 and text.count("\nassistant\n") >= 2   # specials decode bare
         assert text.endswith("\nassistant\n")
-    from vocabspec.train import _later_turn_ids
+    from vocabspec.training.train import _later_turn_ids
     two = [("a", [("user", "Hi"), ("assistant", "Hello"), ("user", "How are you?"), ("assistant", "Fine"),
                   ("user", "Good")]), ("b", [("user", "Only one turn")])]
     assert len(_later_turn_ids(TrainConfig(later_turns=2), smollm2.tokenizer, two, 512)) == 2
@@ -81,7 +81,7 @@ def test_later_turns_come_last_with_the_conversation_so_far(smollm2):
 
 
 def test_training_split_follows_the_settings_it_was_made_with(smollm2, tmp_path):
-    from vocabspec.train import prepare_sequences
+    from vocabspec.training.train import prepare_sequences
 
     cfg = TrainConfig(out=str(tmp_path), conversations=3, heldout=2, max_len=256)
     first = prepare_sequences(cfg, smollm2.tokenizer)

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from vocabspec.drafter import EagleDrafter
-from vocabspec.train import TrainConfig, _atomic_save, sequence_loss, train_drafter
+from vocabspec.speculation.drafter import EagleDrafter
+from vocabspec.training.train import TrainConfig, _atomic_save, sequence_loss, train_drafter
 
 from conftest import tiny_model
 
@@ -45,7 +45,7 @@ def test_candidate_loss_equals_full_loss_when_candidates_cover_vocab(tmp_path):
 def test_bfloat16_training_keeps_the_teacher_in_float32():
     """Under --train-dtype bfloat16 the drafter's matmuls run in bfloat16 and its loss stays
     near float32's; the target's distribution (the teacher) is computed in float32 as before."""
-    from vocabspec.train import training_precision
+    from vocabspec.training.train import training_precision
 
     model = tiny_model("llama", vocab_size=40)
     drafter = EagleDrafter.random(model).float().requires_grad_(True)      # as training has it
@@ -101,7 +101,7 @@ def test_training_lowers_loss_and_resumes(tmp_path):
 def test_unrolled_loss_adds_a_step_on_predicted_features():
     import torch.nn.functional as F
 
-    from vocabspec.drafter import draft_states, features_of
+    from vocabspec.speculation.drafter import draft_states, features_of
 
     model = tiny_model("llama", vocab_size=40)
     drafter = EagleDrafter.random(model).float()
@@ -127,8 +127,8 @@ def test_held_out_agreement_at_step_k_follows_the_unrolled_chain():
     the whole vocabulary: both feed the drafter the same chain of its own predictions."""
     import torch.nn.functional as F
 
-    from vocabspec.drafter import features_of
-    from vocabspec.train import evaluate
+    from vocabspec.speculation.drafter import features_of
+    from vocabspec.training.train import evaluate
 
     model = tiny_model("llama", vocab_size=6)     # few tokens: chance agreement is not rare
     drafter = EagleDrafter.random(model, seed=3).float()
@@ -153,11 +153,11 @@ def test_held_out_agreement_at_step_k_follows_the_unrolled_chain():
 def test_self_distilled_answers_are_the_engines_greedy_answers_with_their_end(tmp_path):
     """The batch engine answers every prompt as plain decoding alone would, the end-of-sequence
     token that ended an answer kept (a drafter learns to propose it), and the file saved."""
-    from vocabspec.api import load
-    from vocabspec.generate import GenerationConfig
-    from vocabspec.loading import resolve_model_path
-    from vocabspec.prompts import encode_conversation
-    from vocabspec.train import _generate_answers
+    from vocabspec.serving.api import load
+    from vocabspec.speculation.generate import GenerationConfig
+    from vocabspec.engine.loading import resolve_model_path
+    from vocabspec.engine.prompts import encode_conversation
+    from vocabspec.training.train import _generate_answers
 
     lm = load("smollm2")
     prompts = [encode_conversation(lm.tokenizer, [("user", text)], answer_open=True)
@@ -179,7 +179,7 @@ def test_self_distilled_answers_are_the_engines_greedy_answers_with_their_end(tm
 
 
 def test_self_distillation_resumes_per_prompt_and_grows_without_redoing(tmp_path, monkeypatch):
-    import vocabspec.train as train
+    import vocabspec.training.train as train
 
     calls = []
 
@@ -212,8 +212,8 @@ def test_self_distillation_resumes_per_prompt_and_grows_without_redoing(tmp_path
 
 
 def test_answer_archive_carries_answers_to_another_work_directory(tmp_path, monkeypatch):
-    import vocabspec.train as train
-    from vocabspec.answers import AnswerArchiveError, read_answers, target_fingerprint
+    import vocabspec.training.train as train
+    from vocabspec.training.answers import AnswerArchiveError, read_answers, target_fingerprint
 
     generated = []
 
@@ -263,7 +263,7 @@ def test_answer_archive_carries_answers_to_another_work_directory(tmp_path, monk
 
 
 def test_a_repeated_prompt_is_archived_once(tmp_path):
-    from vocabspec.answers import write_answers
+    from vocabspec.training.answers import write_answers
 
     path = write_answers(tmp_path, [[1, 2], [3], [1, 2]], [[1, 2, 9], [3, 8], [1, 2, 9]], "key", 256, "test")
     assert path.name.startswith("answers-2-")
@@ -282,8 +282,8 @@ def test_committed_answer_archive_belongs_to_the_bundled_smollm2(tmp_path):
     must be its prompt followed by an answer no longer than the cap."""
     from pathlib import Path
 
-    from vocabspec.answers import read_answers, target_fingerprint
-    from vocabspec.loading import resolve_model_path
+    from vocabspec.training.answers import read_answers, target_fingerprint
+    from vocabspec.engine.loading import resolve_model_path
 
     archive = Path(__file__).resolve().parents[1] / "data" / "answers" / "smollm2"
     cap = TrainConfig().distill_new_tokens
@@ -296,7 +296,7 @@ def test_committed_answer_archive_belongs_to_the_bundled_smollm2(tmp_path):
 
 
 def test_feature_shards_of_a_grown_sequence_list_are_rebuilt(tmp_path):
-    from vocabspec.train import extract_features, load_shards
+    from vocabspec.training.train import extract_features, load_shards
 
     model = tiny_model("llama", vocab_size=40)
     cfg = TrainConfig(out=str(tmp_path), shard_tokens=20, top_candidates=4, max_len=64)
@@ -309,8 +309,8 @@ def test_feature_shards_of_a_grown_sequence_list_are_rebuilt(tmp_path):
 
 
 def test_ranker_distillation_lowers_its_loss_on_sampled_positions(tmp_path):
-    from vocabspec.ranker import train_ranker
-    from vocabspec.train import load_shards
+    from vocabspec.training.ranker import train_ranker
+    from vocabspec.training.train import load_shards
 
     model = tiny_model("llama", vocab_size=60)
     fake_shards(model, tmp_path, count=8)
@@ -323,8 +323,8 @@ def test_ranker_distillation_lowers_its_loss_on_sampled_positions(tmp_path):
 
 
 def test_ranker_training_starts_from_a_given_ranker(tmp_path):
-    from vocabspec.ranker import svd_init, train_ranker
-    from vocabspec.train import load_shards
+    from vocabspec.training.ranker import svd_init, train_ranker
+    from vocabspec.training.train import load_shards
 
     model = tiny_model("llama", vocab_size=60)
     fake_shards(model, tmp_path, count=4)
@@ -340,8 +340,8 @@ def test_ranker_training_starts_from_a_given_ranker(tmp_path):
 
 
 def test_joint_ranker_loss_adds_the_rankers_distillation_to_the_token_loss():
-    from vocabspec.ranker import distillation_loss, svd_init, teacher
-    from vocabspec.drafter import draft_states, features_of
+    from vocabspec.training.ranker import distillation_loss, svd_init, teacher
+    from vocabspec.speculation.drafter import draft_states, features_of
 
     model = tiny_model("llama", vocab_size=40)
     drafter = EagleDrafter.random(model).float().requires_grad_(True)
@@ -416,12 +416,12 @@ def test_recipes_find_their_answers_in_the_archive(model, monkeypatch):
     from dataclasses import replace
     from pathlib import Path
 
-    import vocabspec.sharegpt as sharegpt
-    import vocabspec.train as train
-    from vocabspec.answers import read_answers, target_fingerprint
+    import vocabspec.training.sharegpt as sharegpt
+    import vocabspec.training.train as train
+    from vocabspec.training.answers import read_answers, target_fingerprint
     from vocabspec.cli import build_parser
-    from vocabspec.loading import resolve_model_path
-    from vocabspec.tokenizer import load_tokenizer
+    from vocabspec.engine.loading import resolve_model_path
+    from vocabspec.engine.tokenizer import load_tokenizer
 
     root = Path(__file__).resolve().parents[1]
     conversations = list(sharegpt.iter_conversations())
@@ -465,8 +465,8 @@ def test_recipes_find_their_answers_in_the_archive(model, monkeypatch):
 
 def test_medusa_trainer_trains_and_saves_heads(tmp_path):
     # The Medusa family's trainer as `vocabspec train --drafter medusa` runs it (train.trainer_of).
-    from vocabspec.medusa import MedusaHeads
-    from vocabspec.train import trainer_of
+    from vocabspec.speculation.medusa import MedusaHeads
+    from vocabspec.training.train import trainer_of
 
     model = tiny_model("llama", vocab_size=50)
     fake_shards(model, tmp_path)

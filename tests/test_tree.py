@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from vocabspec.tree import TreeBuilder, chain_tree, graft_chain
+from vocabspec.speculation.tree import TreeBuilder, chain_tree, graft_chain
 
 WORDS = ["It", "is", "has", "a", "the", "to", "good", "nice", "be", "do"]
 ID = {w: i for i, w in enumerate(WORDS)}
@@ -173,7 +173,7 @@ def test_pruned_frontier_builds_the_same_tree_with_fewer_rows():
 
 
 def test_ancestor_mask_is_each_nodes_path_whatever_the_roots_convention():
-    from vocabspec.tree import ancestor_mask
+    from vocabspec.engine.kv_cache import ancestor_mask
 
     generator = torch.Generator().manual_seed(5)
     for n in (1, 2, 7, 40):

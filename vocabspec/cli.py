@@ -15,7 +15,7 @@ def set_threads(threads: int | None) -> None:
     if threads:
         import torch
 
-        from . import native
+        from .engine import native
 
         torch.set_num_threads(threads)
         if native.available()[0]:
@@ -53,7 +53,7 @@ def _float(text: str) -> float:
 
 def _token_list(text: str) -> str:
     """fr:N or trim:N: a token map's first N tokens."""
-    from .draft_vocab import parse_draft_vocab
+    from .speculation.draft_vocab import parse_draft_vocab
 
     try:
         kind, _ = parse_draft_vocab(text)
@@ -65,7 +65,7 @@ def _token_list(text: str) -> str:
 
 
 def add_weight_args(parser: argparse.ArgumentParser) -> None:
-    from .formats import FORMATS
+    from .engine.formats import FORMATS
 
     parser.add_argument("--weights", default="auto", choices=["auto", *FORMATS],
                         help="the target's run-time weight format: gguf (the file's own quantized "
@@ -96,7 +96,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None:
     """The fields of proposers.DraftConfig (the bench names its methods instead of --draft)."""
     if method:
-        from .proposers import FAMILIES
+        from .speculation.proposers import FAMILIES
 
         parser.add_argument("--draft", default="none", type=_draft_method, metavar="METHOD",
                             help="proposer: " + ", ".join(f"{f.display} ({f.summary})"
@@ -131,7 +131,7 @@ def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None
 
 
 def _draft_method(text: str) -> str:
-    from .proposers import DraftConfig
+    from .speculation.proposers import DraftConfig
 
     try:
         DraftConfig.from_draft(text)        # the family, and its NAME:VALUE argument
@@ -142,7 +142,7 @@ def _draft_method(text: str) -> str:
 
 def draft_config(args):
     """The DraftConfig the command line asks for."""
-    from .proposers import DraftConfig
+    from .speculation.proposers import DraftConfig
 
     return DraftConfig.from_draft(args.draft, path=args.draft_path, vocab=args.draft_vocab,
                                   token_map=args.token_map, ranker=args.ranker, depth=args.depth,
@@ -216,11 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    from .proposers import FAMILIES
+    from .speculation.proposers import FAMILIES
 
     train = sub.add_parser("train", help="train a drafter for a model (data, features, training); "
                                          "--drafter names its family")
-    from .train import TrainConfig
+    from .training.train import TrainConfig
     defaults = TrainConfig()
     train.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
     train.add_argument("--out", default=None, help="work directory (default runs/train-MODEL)")
@@ -374,8 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
-    from .api import load
-    from .server import ServerLimits, serve
+    from .serving.api import load
+    from .serving.server import ServerLimits, serve
 
     set_threads(args.threads)
     lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
@@ -400,8 +400,8 @@ def cmd_export(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import BenchConfig, run_bench
-    from .proposers import DraftConfig
+    from .benchmarks.bench import BenchConfig, run_bench
+    from .speculation.proposers import DraftConfig
 
     set_threads(args.threads)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -410,7 +410,7 @@ def cmd_bench(args) -> int:
     if args.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {args.temperature}")
     if args.throughput is not None:
-        from .throughput import run_throughput
+        from .benchmarks.throughput import run_throughput
 
         try:
             concurrencies = [int(c) for c in args.throughput.split(",")]
@@ -446,11 +446,11 @@ def cmd_bench(args) -> int:
 
 def cmd_vocab(args) -> int:
 
-    from .loading import load_model
-    from .sharegpt import count_sharegpt
-    from .token_map import (count_files, count_target_predictions, rank,
+    from .engine.loading import load_model
+    from .training.sharegpt import count_sharegpt
+    from .speculation.token_map import (count_files, count_target_predictions, rank,
                             save_eagle3, save_token_map)
-    from .tokenizer import load_tokenizer
+    from .engine.tokenizer import load_tokenizer
 
     model, path = load_model(args.model, max_seq_len=64)
     tokenizer = load_tokenizer(path)
@@ -489,8 +489,8 @@ def cmd_vocab(args) -> int:
 
 
 def _write_successors(args, tokenizer, vocab: int) -> int:
-    from .sharegpt import sharegpt_ids
-    from .token_map import file_ids, save_successors, successor_lists
+    from .training.sharegpt import sharegpt_ids
+    from .speculation.token_map import file_ids, save_successors, successor_lists
 
     if args.source not in ("sharegpt", "files"):
         raise ValueError("--successors counts a corpus: --source sharegpt or files")
@@ -513,12 +513,12 @@ def cmd_ranker(args) -> int:
 
     import torch
 
-    from .proposers import bundled_drafter_dir
-    from .drafter import EagleDrafter
-    from .loading import load_model
-    from .draft_vocab import load_ranker, save_ranker
-    from .ranker import train_ranker
-    from .train import TrainConfig, load_shards
+    from .speculation.proposers import bundled_drafter_dir
+    from .speculation.drafter import EagleDrafter
+    from .engine.loading import load_model
+    from .speculation.draft_vocab import load_ranker, save_ranker
+    from .training.ranker import train_ranker
+    from .training.train import TrainConfig, load_shards
 
     target, _ = load_model(args.model, backend="torch")
     draft_path = args.draft_path or bundled_drafter_dir(args.model)
@@ -545,7 +545,7 @@ def cmd_ranker(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .train import TrainConfig, parse_token_counts, run
+    from .training.train import TrainConfig, parse_token_counts, run
 
     set_threads(args.threads)
     stages = tuple(s for s in args.stages.split(",") if s)
@@ -564,8 +564,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .api import load
-    from .sampling import SamplingParams
+    from .serving.api import load
+    from .speculation.sampling import SamplingParams
 
     set_threads(args.threads)
     # Validate cheap things before spending seconds on loading the model.
@@ -608,8 +608,8 @@ def generate_file(args) -> int:
     """--input: every request of a JSONL file answered together, one JSON line per answer in
     the input's order (text, tokens, stop reason, timings)."""
 
-    from .api import load
-    from .batch import BatchLimits
+    from .serving.api import load
+    from .serving.batch import BatchLimits
 
     path = Path(args.input)
     if not path.is_file():
@@ -683,8 +683,8 @@ COMMANDS = {"generate": cmd_generate, "train": cmd_train, "vocab": cmd_vocab, "r
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .drafter import DrafterMismatch
-    from .loading import ModelLoadError
+    from .speculation.drafter import DrafterMismatch
+    from .engine.loading import ModelLoadError
 
     try:
         return COMMANDS[args.command](args)

@@ -2,6 +2,9 @@
 
 Greedy: follow the tree while a child carries the target's argmax; the bonus token is the
 argmax at the last accepted node. The output is the target's own greedy sequence.
+`verify_greedy` does it as device work on fixed shapes (a node is accepted when its token is
+its parent's argmax and its parent is accepted), the one torch verifier of the eager loop and
+of the captured static steps alike; the native engine has its own one-call verifier.
 
 Sampling: the drafts are deterministic (top-k of the drafter), so at each node the children
 are tried in draft order; child x is accepted with probability p(x) under the processed
@@ -9,8 +12,8 @@ target distribution p; on rejection p(x) is set to 0 and p renormalised before t
 child; when every child is rejected, or the node is a leaf, the next token is drawn from
 what remains of p. Each emitted token is thereby distributed exactly as p.
 
-Either way verification reads the target's logits only at the root and at the nodes it
-accepts, so `TreeLogits` runs the LM head over those rows rather than over the whole tree.
+Sampling reads the target's logits only at the root and at the nodes it accepts, so
+`TreeLogits` runs the LM head over those rows rather than over the whole tree.
 """
 
 from __future__ import annotations
@@ -19,15 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, greedy_token, target_probs
+from .sampling import SamplingParams, target_probs
+from ..engine.model import HEAD_ROWS
 from .tree import DraftTree
 
 
-HEAD_ROWS = 4
-
 
 class TreeLogits:
-    """The target's logits at tree nodes, computed as verification asks for them.
+    """The target's logits at tree nodes, computed as sampling verification asks for them.
 
     Verification reads the root and the nodes it accepts, about tau of the tree's n + 1 rows,
     and the LM head is much of a forward's cost with a large vocabulary (Gemma's 262k rows are
@@ -74,20 +76,43 @@ class Verdict:
     next_token: int      # the target's token after the path (the bonus token)
 
 
-def verify_greedy(tree: DraftTree, logits) -> Verdict:
-    """logits[i]: (vocab,) scores of the token after tree node i (a tensor, or TreeLogits).
+def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, logits: torch.Tensor,
+                  max_depth: int | None = None, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of a flattened tree as device work: (path, [length, bonus]).
 
-    Only the rows on the accepted path are reduced (a few of a tree's rows; each costs a pass
-    over the vocabulary), with the same argmax as vanilla decoding (`greedy_token`)."""
-    tokens = tree.tokens.tolist()
-    node, path = 0, [0]
-    while True:
-        best = greedy_token(logits[node])
-        match = next((c for c in tree.children[node] if tokens[c] == best), None)
-        if match is None:
-            return Verdict(path, best)
-        node = match
-        path.append(node)
+    tokens, parents (the root's -1 or itself), depths: (rows,); logits: (rows, vocab), row i
+    the scores of the token after node i; max_depth: a bound on the tree's depth (default
+    rows - 1); valid: rows that hold a draft (a padded path's padding is rejected). path holds
+    the accepted rows by depth, padded to max_depth + 1; length counts the root and the
+    accepted drafts; bonus is the argmax at the deepest accepted node (torch.argmax: the first
+    index on ties, as plain decoding's `greedy_token`). No read-back, so a CUDA graph holds it."""
+    rows = tokens.numel()
+    depth = rows - 1 if max_depth is None else max_depth
+    best = logits.argmax(-1)
+    up = parents.clamp_min(0)
+    ok = tokens == best[up]
+    if valid is not None:
+        ok = ok & valid
+    ok[0].fill_(True)          # a fill, not `ok[0] = True`: that copies a host tensor in, which no graph holds
+    reach = 1                  # ok[i]: i and its ancestors fewer than `reach` steps up accepted
+    while reach <= depth:      # pointer jumping, as tree.ancestor_mask
+        ok = ok & ok[up]
+        up = up[up]
+        reach *= 2
+    slots = depth + 2                                                  # the last slot collects rejects
+    index = torch.where(ok, depths, torch.full_like(depths, slots - 1))
+    path = torch.zeros(slots, dtype=torch.long, device=logits.device).scatter_(
+        0, index, torch.arange(rows, device=logits.device))
+    length = ok.sum()
+    bonus = best.gather(0, path.gather(0, (length - 1).view(1)))
+    return path[:-1], torch.cat([length.view(1), bonus])
+
+
+def greedy_verdict(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """`verify_greedy` over a host tree and all its rows' logits, as a Verdict (one read-back)."""
+    path, length_bonus = verify_greedy(tree.tokens, tree.parents, tree.depths, logits)
+    length, bonus = length_bonus.tolist()
+    return Verdict(path[:length].tolist(), bonus)
 
 
 def verify_sampling(tree: DraftTree, logits, params: SamplingParams,
@@ -117,6 +142,7 @@ def verify_sampling(tree: DraftTree, logits, params: SamplingParams,
 
 def verify(tree: DraftTree, logits, params: SamplingParams,
            generator: torch.Generator | None) -> Verdict:
+    """Greedy (`logits`: every row's, a tensor) or sampling (`logits`: a tensor or TreeLogits)."""
     if params.greedy:
-        return verify_greedy(tree, logits)
+        return greedy_verdict(tree, logits)
     return verify_sampling(tree, logits, params, generator)

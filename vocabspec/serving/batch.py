@@ -42,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from .generate import Engine, Generation, GenerationConfig, GenerationResult, Verdict
+from ..speculation.generate import Engine, Generation, GenerationConfig, GenerationResult, Verdict
 
 
 class Busy(RuntimeError):
@@ -113,7 +113,7 @@ class Costs:
 
     @classmethod
     def measure(cls, model, most: int) -> Costs:
-        from .autotune import forward_seconds
+        from ..speculation.autotune import forward_seconds
 
         sizes = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n < most} | {most - 1})
         return cls({n + 1: s for n, s in forward_seconds(model, sizes, repeats=3).items()})

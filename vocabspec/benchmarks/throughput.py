@@ -101,7 +101,7 @@ def run_clients_apart(base_url: str, model: str, prompts: list, concurrency: int
 
     job = json.dumps({"base_url": base_url, "model": model, "prompts": prompts, "concurrency": concurrency,
                       "requests": requests, "max_tokens": max_tokens, "sampling": sampling, "chat": chat})
-    done = subprocess.run([sys.executable, "-m", "vocabspec.throughput"], input=job, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "vocabspec.benchmarks.throughput"], input=job, capture_output=True,
                           text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the clients failed:\n{done.stderr[-2000:]}")
@@ -158,7 +158,7 @@ def serve_while(lm, model_name: str, limits, work: Callable[..., dict]) -> dict:
     (batch: the server's BatchEngine): HTTP on a thread, `work` on another, the batch's steps on
     this one (the main thread's, as `serve` runs them: batch.py says why). Returns what `work`
     returns."""
-    from .server import HTTPThread, create_app
+    from ..serving.server import HTTPThread, create_app
 
     app = create_app(lm, model_name, limits, batch_thread=False)
     batch = app.state.server.batch
@@ -187,7 +187,7 @@ def serve_while(lm, model_name: str, limits, work: Callable[..., dict]) -> dict:
 def prompts_for(tokenizer, questions: list[dict]) -> tuple[list, bool]:
     """Each question's first turn as the server takes it: chat messages for a chat model, the
     project's Question/Answer frame as text for a base model (then /v1/completions)."""
-    from .prompts import conversation_text, is_chat
+    from ..engine.prompts import conversation_text, is_chat
 
     if is_chat(tokenizer):
         return [[{"role": "user", "content": q["turns"][0]}] for q in questions], True
@@ -205,10 +205,10 @@ def run_throughput(model: str, methods: list[str], concurrencies: list[int], out
     import json
     from pathlib import Path
 
-    from .api import load
+    from ..serving.api import load
     from .bench import load_questions
-    from .proposers import DraftConfig
-    from .server import ServerLimits
+    from ..speculation.proposers import DraftConfig
+    from ..serving.server import ServerLimits
 
     asked = load_questions(questions, per_category)
     sampling = {"temperature": temperature}

@@ -29,10 +29,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .draft_vocab import FullVocab, HeadTimedDrafting, float_rows, int8_rows
-from .linear import Linear
+from ..engine.linear import Linear
 from .generate import Proposer
 from .static_step import StaticTree
-from .tree import DraftTree, ancestor_mask
+from ..engine.kv_cache import ancestor_mask
+from .tree import DraftTree
 
 # Medusa's published tree for its 7B models (FasterDecoding/Medusa, medusa_choices.py,
 # mc_sim_7b_63): each entry is a path of top-k indices, one per head, best first.
@@ -323,5 +324,5 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
 
 
 def bundled_medusa_dir(model_name: str) -> Path | None:
-    path = Path(__file__).parent / "drafters" / model_name / "medusa"
+    path = Path(__file__).parents[1] / "drafters" / model_name / "medusa"
     return path if (path / "config.json").exists() else None

@@ -36,9 +36,9 @@ import torch
 import torch.nn as nn
 
 from .drafter import DrafterMismatch, attention_mask, randomized
-from .kv_cache import DeviceKVCache, KVCache
-from .linear import Linear
-from .model import Block, ModelArgs, RMSNorm, Transformer, rope_tables
+from ..engine.kv_cache import DeviceKVCache, KVCache
+from ..engine.linear import Linear
+from ..engine.model import Block, ModelArgs, RMSNorm, Transformer, rope_tables
 
 LAYOUTS = ("speculators", "sglang")
 

@@ -31,9 +31,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .draft_vocab import FullVocab, HeadTimedDrafting
-from .kv_cache import DeviceKVCache, KVCache
-from .linear import Linear
-from .model import ARCH_FEATURES, Block, ModelArgs, Transformer
+from ..engine.kv_cache import DeviceKVCache, KVCache
+from ..engine.linear import Linear
+from ..engine.model import ARCH_FEATURES, Block, ModelArgs, Transformer
 from .generate import Proposer
 from .tree import DraftTree, TreeBuilder
 
@@ -176,8 +176,8 @@ class EagleDrafter(nn.Module):
         """Draft on the native CPU engine: fc and the layers as `kind` weights (bf16 holds a
         bfloat16 checkpoint exactly), float32 activations, a native KV cache. What is drafted
         changes by rounding only; verification is untouched."""
-        from .formats import block_biases, block_linears, pack_float, quantize_q8
-        from .model import native_stack
+        from ..engine.formats import block_biases, block_linears, pack_float, quantize_q8
+        from ..engine.model import native_stack
 
         if self.fuse is not None:
             raise ValueError("drafters with taps draft on torch's kernels")
@@ -287,7 +287,7 @@ class EagleDrafter(nn.Module):
         of bfloat16's bytes."""
         from safetensors.torch import save_file
 
-        from .formats import q8_0_groups
+        from ..engine.formats import q8_0_groups
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -394,7 +394,7 @@ class EagleDrafter(nn.Module):
 def unpack_q8_0(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors with Q8_0 groups (`NAME` codes beside `NAME_scale`, see
     EagleDrafter.save) as float32 matrices; other tensors as they are."""
-    from .formats import q8_0_float
+    from ..engine.formats import q8_0_float
 
     out = {}
     for name, tensor in state.items():
@@ -456,7 +456,7 @@ def native_drafting(drafter: EagleDrafter, head):
     and its draft head run on the native engine (a full or fixed-subset head over the target's
     packed rows); None elsewhere."""
     from .draft_vocab import StaticSubset
-    from .native import NativeDrafter
+    from ..engine.native import NativeDrafter
 
     target = drafter.target
     if drafter.native is None or target.native is None or not isinstance(head, (FullVocab, StaticSubset)) \

@@ -30,14 +30,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layers
-from .model import Transformer
+from ..speculation.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layers
+from ..engine.model import Transformer
 
 
 def draft_vocabulary(spec: str, target: Transformer, files: Path | None) -> torch.Tensor:
     """The draft vocabulary's target ids, from a bundled token map (fr:N or trim:N)."""
-    from .draft_vocab import parse_draft_vocab
-    from .token_map import load_token_map
+    from ..speculation.draft_vocab import parse_draft_vocab
+    from ..speculation.token_map import load_token_map
 
     kind, size = parse_draft_vocab(spec)
     if kind not in ("fr", "trim"):
@@ -69,7 +69,7 @@ def new_drafter(target: Transformer, ids: torch.Tensor, seed: int) -> Eagle3Draf
 def drafter_from_checkpoint(path: Path, target: Transformer) -> Eagle3Drafter:
     """The drafter a training checkpoint (OUT/checkpoint-eagle3.pt) holds, as `train` left it
     at that step: for measuring a run part of the way through its data."""
-    from .proposers import bundled_drafter_dir
+    from ..speculation.proposers import bundled_drafter_dir
 
     state = torch.load(path)
     config = state["config"]
@@ -167,7 +167,7 @@ def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> di
 
 
 def train(cfg, target: Transformer, split: dict | None = None, log=print) -> Eagle3Drafter:
-    from .proposers import bundled_drafter_dir
+    from ..speculation.proposers import bundled_drafter_dir
     from .train import (_atomic_save, _lr, parse_taps, parse_token_counts, resumable, training_precision,
                         training_sets)
 

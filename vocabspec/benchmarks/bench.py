@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .generate import Engine, GenerationConfig
-from .prompts import encode_conversation, stop_strings
-from .sampling import SamplingParams
+from ..speculation.generate import Engine, GenerationConfig
+from ..engine.prompts import encode_conversation, stop_strings
+from ..speculation.sampling import SamplingParams
 
 CATEGORY_ORDER = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
                   "humanities", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -64,9 +64,9 @@ class BenchConfig:
 # The project's own prompts, one per Spec-Bench category (two turns where Spec-Bench's MT-Bench
 # categories have two), so the benchmark runs without a download. Spec-Bench's own 480 come
 # from its repository (github.com/hemingkx/Spec-Bench, data/spec_bench/question.jsonl).
-BUILTIN_QUESTIONS = Path(__file__).parent / "data" / "prompts.jsonl"
+BUILTIN_QUESTIONS = Path(__file__).parents[1] / "data" / "prompts.jsonl"
 # Code and chat prompts written for measuring, in no training set and not Spec-Bench's.
-HELDOUT_QUESTIONS = Path(__file__).parent / "data" / "heldout.jsonl"
+HELDOUT_QUESTIONS = Path(__file__).parents[1] / "data" / "heldout.jsonl"
 
 
 def load_questions(path: str | Path, per_category: int | None) -> list[dict]:
@@ -120,10 +120,10 @@ def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
     trees that would otherwise be chosen again (a resumed run keeps its first run's)."""
     from dataclasses import replace
 
-    from .generate import require_exact
-    from .loading import load_model
-    from .proposers import DraftConfig, make_proposer
-    from .tokenizer import load_tokenizer
+    from ..speculation.generate import require_exact
+    from ..engine.loading import load_model
+    from ..speculation.proposers import DraftConfig, make_proposer
+    from ..engine.tokenizer import load_tokenizer
 
     configs = {name: DraftConfig.from_method(name, path=cfg.draft_path, depth=cfg.depth,
                                              top_k=cfg.tree_top_k, total_tokens=cfg.total_tokens)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from .api import LanguageModel
 from .batch import BatchLimits, Busy
-from .generate import GenerationResult, TokenLogprob
+from ..speculation.generate import GenerationResult, TokenLogprob
 
 
 @dataclass

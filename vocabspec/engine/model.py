@@ -25,9 +25,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kv_cache import DeviceKVCache, KVCache
+from .kv_cache import DeviceKVCache, KVCache, ancestor_mask
 from .linear import Linear, linear
-from .tree import ancestor_mask
+
+
+HEAD_ROWS = 4   # rows torch's kernels send through the LM head at a time (verify.TreeLogits)
 
 
 @dataclass(frozen=True)
@@ -485,10 +487,8 @@ class Transformer(nn.Module):
 
     @property
     def verify_head_rows(self) -> int:
-        """Rows greedy verification sends through the LM head at a time (verify.TreeLogits): the
+        """Rows sampling verification sends through the LM head at a time (verify.TreeLogits): the
         native engine's row tile, where they cost about one row's pass over the head's weights."""
-        from .verify import HEAD_ROWS
-
         return self.native.head_rows if self.native is not None else HEAD_ROWS
 
     def new_cache(self, max_len: int | None = None) -> KVCache:

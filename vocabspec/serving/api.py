@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import fields
 
 from .batch import BatchEngine, BatchLimits
-from .generate import Engine, GenerationConfig, GenerationResult, require_exact
-from .loading import load_model
-from .proposers import DraftConfig, make_proposer
-from .sampling import SamplingParams
-from .tokenizer import load_tokenizer
+from ..speculation.generate import Engine, GenerationConfig, GenerationResult, require_exact
+from ..engine.loading import load_model
+from ..speculation.proposers import DraftConfig, make_proposer
+from ..speculation.sampling import SamplingParams
+from ..engine.tokenizer import load_tokenizer
 
 DRAFT_FIELDS = {f.name for f in fields(DraftConfig)} - {"method"}
 

@@ -17,7 +17,7 @@ descendants cannot make the final tree: it changes no kept node) and flattened i
 nodes were drafted, so it is the same set of nodes as `tree.TreeBuilder` keeps, in another
 order. Verification follows the target's argmax from the root: a node is accepted when its
 token is its parent's argmax and its parent is accepted; the next token is the argmax at the
-deepest accepted node. That is `verify.verify_greedy`, as tensors: plain decoding's output,
+deepest accepted node (`verify.verify_greedy`, the eager loop's verifier too): plain decoding's output,
 float32 ties apart on torch's kernels (not row-invariant). Sampling uses the general loop
 (generate.py), as does the native CPU engine, which keeps its own cache.
 """
@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import DeviceKVCache
-from .tree import ancestor_mask
+from ..engine.kv_cache import DeviceKVCache
+from ..engine.kv_cache import ancestor_mask
+from .verify import verify_greedy
 
 log = logging.getLogger(__name__)
 
@@ -128,25 +129,6 @@ def graft(tree: StaticTree, chain_tokens: torch.Tensor, count: torch.Tensor) -> 
                       ranks=torch.cat([ranks, torch.full_like(chain_tokens, -1)]))
 
 
-def verify_greedy(tree: StaticTree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(path, length): rows of the accepted path by depth (padded, max_depth + 1 of them) and how
-    many there are (the root and the accepted drafts), then the bonus token, as device tensors."""
-    best = logits.argmax(-1)
-    ok = tree.tokens == best[tree.parents]
-    if tree.valid is not None:
-        ok = ok & tree.valid
-    ok[0].fill_(True)          # a fill, not `ok[0] = True`: that copies a host tensor in, which no graph holds
-    for _ in range(tree.max_depth):
-        ok = ok & ok[tree.parents]
-    depth_slots = tree.max_depth + 2                                  # the last slot collects rejects
-    index = torch.where(ok, tree.depths, torch.full_like(tree.depths, depth_slots - 1))
-    rows = torch.arange(tree.tokens.numel(), device=logits.device)
-    path = torch.zeros(depth_slots, dtype=torch.long, device=logits.device).scatter_(0, index, rows)
-    length = ok.sum()
-    bonus = best.gather(0, path.gather(0, (length - 1).view(1)))
-    return path[:-1], torch.cat([length.view(1), bonus])
-
-
 class StaticDecoder:
     """Greedy steps over a DeviceKVCache of `max_len` slots for one model and proposer (see the
     module docstring). `start` takes a generation's first token once its prompt is in the cache;
@@ -208,7 +190,7 @@ class StaticDecoder:
         tree = proposer.propose_static(self.root) if draft else root_only(self.root)
         hidden, logits, *tapped = model(tree.tokens, tree.depths + cache.length, cache,
                                         tree_mask=tree.mask, all_logits=True, taps=self.taps)
-        path, length_bonus = verify_greedy(tree, logits)
+        path, length_bonus = verify_greedy(tree.tokens, tree.parents, tree.depths, logits, tree.max_depth, tree.valid)
         count, bonus = length_bonus[0], length_bonus[1:]
         cache.keep(path, count)
         accepted = tree.tokens[path]

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .draft_vocab import load_ranker, save_ranker  # noqa: F401  (training writes what drafting reads)
-from .drafter import EagleDrafter, draft_states, features_of
+from ..speculation.draft_vocab import load_ranker, save_ranker  # noqa: F401  (training writes what drafting reads)
+from ..speculation.drafter import EagleDrafter, draft_states, features_of
 
 
 def svd_init(head_weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

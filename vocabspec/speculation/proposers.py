@@ -22,7 +22,7 @@ from typing import Callable
 FLAGS = {"path": "--draft-path", "vocab": "--draft-vocab", "token_map": "--token-map", "ranker": "--ranker",
          "depth": "--depth", "top_k": "--tree-top-k", "total_tokens": "--total-tokens",
          "dtype": "--draft-dtype", "draft_model": "model:NAME", "draft_weights": "--draft-weights"}
-BUNDLED_DRAFTERS = Path(__file__).parent / "drafters"
+BUNDLED_DRAFTERS = Path(__file__).parents[1] / "drafters"
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class DraftConfig:
                                  f"not {self.method}")
         if family.check is not None:
             family.check(self)
-        from .loading import WEIGHTS
+        from ..engine.loading import WEIGHTS
 
         if self.draft_weights not in WEIGHTS:
             raise ValueError(f"unknown draft weight format {self.draft_weights!r} (choose from "
@@ -474,18 +474,18 @@ _EAGLE = frozenset({"path", "vocab", "token_map", "ranker", "depth", "top_k", "t
 register(Family("none", "plain decoding", frozenset(), _plain, _names("vanilla", "none"), "vanilla"))
 register(Family("eagle", "EAGLE-2's dynamic tree", _EAGLE, make_eagle_proposer, _eagle_names(False),
                 "eagle, eagle2, eagle2+HEAD (HEAD: fr:N, trim:N, spec:K...)", head=True,
-                trainer="vocabspec.train:train_eagle"))
+                trainer="vocabspec.training.train:train_eagle"))
 register(Family("eagle3", "EAGLE-3: three target layers fused, a draft vocabulary of its own (a checkpoint "
                 "in speculators' or SGLang's layout, --draft-path; `eagle` reads one too)",
                 _EAGLE - {"ranker"}, make_eagle_proposer, _eagle3_names, "eagle3, eagle3+HEAD (HEAD: fr:N, trim:N)",
-                head=True, trainer="vocabspec.eagle3_train:train_and_save"))
+                head=True, trainer="vocabspec.training.eagle3_train:train_and_save"))
 register(Family("pld", "prompt lookup", frozenset(), _prompt_lookup, _names("pld"), "pld"))
 register(Family("eagle+pld", "EAGLE-2's tree plus prompt lookup's path", _EAGLE, make_eagle_proposer,
                 _eagle_names(True), "eagle+pld, eagle2+pld, eagle2+HEAD+pld", head=True))
 register(Family("medusa", "Medusa's heads and tree",
                 frozenset({"path", "vocab", "token_map", "ranker", "total_tokens"}), make_medusa_proposer,
                 _medusa_names, "medusa, medusa+HEAD", head=True,
-                trainer="vocabspec.medusa_train:train_and_save"))
+                trainer="vocabspec.training.medusa_train:train_and_save"))
 register(Family("model", "an independent draft model sharing the target's tokenizer: a bundled name, "
                 "a .gguf file or a model directory",
                 frozenset({"vocab", "token_map", "depth", "top_k", "total_tokens", "draft_model", "draft_weights"}),

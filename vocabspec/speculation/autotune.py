@@ -47,7 +47,7 @@ import torch
 from tqdm import tqdm
 
 from .generate import Proposer
-from .linear import packing_enabled
+from ..engine.linear import packing_enabled
 
 CANDIDATE_SIZES = tuple(range(1, 13)) + (16, 20, 24, 32)
 CANDIDATE_DEPTHS = (1, 2, 3, 4, 6)
@@ -176,7 +176,7 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
               forwards: dict[int, float], bar=None) -> dict:
     from .drafter import EagleProposer
     from .generate import Engine, GenerationConfig
-    from .prompts import encode_conversation
+    from ..engine.prompts import encode_conversation
 
     largest = max(CANDIDATE_SIZES)
     prompts = [encode_conversation(tokenizer, [("user", q)], answer_open=True)
@@ -247,7 +247,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
                 log=None) -> tuple[int, int]:
     """(depth, total_tokens) for this machine, depth at most the one given; (0, 0) where no tree
     decodes faster than plain decoding (measured)."""
-    from .files import cache_dir
+    from ..engine.files import cache_dir
 
     path = cache_dir() / "autotune.json"
     known = _load(path)
@@ -316,13 +316,13 @@ def _smallest_close(speedups: dict) -> int:
 
 
 def _calibration_prompts(tokenizer):
-    from .prompts import encode_conversation
+    from ..engine.prompts import encode_conversation
 
     return [encode_conversation(tokenizer, [("user", q)], answer_open=True) for q in CALIBRATION_QUESTIONS]
 
 
 def _cached(key: str, model, compute, log):
-    from .files import cache_dir
+    from ..engine.files import cache_dir
 
     path = cache_dir() / "autotune.json"
     known = _load(path)

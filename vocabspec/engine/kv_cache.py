@@ -184,3 +184,19 @@ class DeviceKVCache(KVCache):
     def settle(self, length: int) -> None:
         """The committed length as read back by the caller: the host bound becomes exact."""
         self.bound = length
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """(n, n) bool for a flattened tree: row i sees j iff j is i or one of its ancestors.
+    parents (n,): each node's parent row, the root's -1 or itself; max_depth: a bound on the
+    tree's depth (default n - 1). Built where parents are, by pointer jumping: about
+    log2(max_depth) gathers and no read-back, so a captured step can build it too."""
+    n = parents.numel()
+    up = parents.clamp_min(0)             # the root is its own parent
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
+    depth = n - 1 if max_depth is None else max_depth
+    reach = 1                             # mask holds every ancestor fewer than `reach` steps up
+    while reach <= depth:
+        mask = mask | mask[up]
+        up = up[up]
+        reach *= 2
+    return mask

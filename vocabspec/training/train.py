@@ -42,10 +42,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .answers import read_answers, target_fingerprint, write_answers
-from .drafter import EagleDrafter, checked_taps, draft_states, features_of
-from .model import Transformer
-from .prompts import encode_conversation
-from .draft_vocab import load_ranker, save_ranker
+from ..speculation.drafter import EagleDrafter, checked_taps, draft_states, features_of
+from ..engine.model import Transformer
+from ..engine.prompts import encode_conversation
+from ..speculation.draft_vocab import load_ranker, save_ranker
 from .ranker import distillation_loss, starting_ranker, teacher
 from .ranker import recall as ranker_recall
 
@@ -220,7 +220,7 @@ def _task_prompt_ids(cfg: TrainConfig, tokenizer, conversations: list, room: int
 def _fast_dtype(name: str) -> torch.dtype:
     """float32 / bfloat16 by name; "auto": bfloat16 where the CPU has fast bfloat16 matmuls
     (without them bfloat16 is emulated and several times slower than float32)."""
-    from .drafter import bf16_supported
+    from ..speculation.drafter import bf16_supported
 
     if name == "auto":
         return torch.bfloat16 if bf16_supported(torch.device("cpu")) else torch.float32
@@ -322,10 +322,10 @@ def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]],
     requests decode together, each exactly as it would alone, so an answer does not depend on
     the batch, and it is the text the drafter will meet. An answer keeps the end-of-sequence
     token that ended it; a base model's ends at its stop string. Returns the generator's name."""
-    from .api import load
-    from .batch import BatchLimits
-    from .generate import GenerationConfig
-    from .prompts import stop_strings
+    from ..serving.api import load
+    from ..serving.batch import BatchLimits
+    from ..speculation.generate import GenerationConfig
+    from ..engine.prompts import stop_strings
 
     lm = load(str(model_path))
     config = GenerationConfig(max_new_tokens=cfg.distill_new_tokens, stop=stop_strings(lm.tokenizer))
@@ -762,8 +762,8 @@ def _start_ranker(cfg: TrainConfig, target: Transformer) -> tuple[torch.Tensor, 
 def measure_tau(drafter: EagleDrafter, target: Transformer, prompts: list[list[int]],
                 max_new_tokens: int = 64) -> float:
     """Mean accepted length (bonus token counted) of greedy EAGLE-2 decoding on a few prompts."""
-    from .drafter import EagleProposer
-    from .generate import Engine, GenerationConfig
+    from ..speculation.drafter import EagleProposer
+    from ..speculation.generate import Engine, GenerationConfig
 
     # The trainer's target runs on torch's kernels, where drafting is refused as inexact; tau only
     # counts accepted tokens, and rounding differences barely move it.
@@ -776,14 +776,14 @@ def measure_tau(drafter: EagleDrafter, target: Transformer, prompts: list[list[i
 
 
 def ship_dir(model_name: str) -> Path:
-    return Path(__file__).parent / "drafters" / model_name
+    return Path(__file__).parents[1] / "drafters" / model_name
 
 
 def trainer_of(name: str):
     """The trainer that the drafting family `name` registers (proposers.Family.trainer)."""
     import importlib
 
-    from .proposers import FAMILIES
+    from ..speculation.proposers import FAMILIES
 
     family = FAMILIES.get(name)
     if family is None or not family.trainable:
@@ -795,8 +795,8 @@ def trainer_of(name: str):
 
 def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = False,
         log=print) -> dict:
-    from .loading import load_model, resolve_model_path
-    from .tokenizer import load_tokenizer
+    from ..engine.loading import load_model, resolve_model_path
+    from ..engine.tokenizer import load_tokenizer
 
     train_family = trainer_of(cfg.drafter)
     out = Path(cfg.out)
@@ -842,7 +842,7 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
 
 def default_eagle3_taps(n_layers: int) -> tuple[int, ...]:
     """The taps (outputs of layers) holding EAGLE-3's default fused hidden states 2, N/2, N - 3."""
-    from .eagle3 import default_aux_layers
+    from ..speculation.eagle3 import default_aux_layers
 
     return tuple(sorted({i - 1 for i in default_aux_layers(n_layers) if i < n_layers}))
 
@@ -870,7 +870,7 @@ def train_eagle(cfg: TrainConfig, target: Transformer, split: dict, report: dict
         save_ranker(*(t.to(torch.bfloat16) for t in drafter.trained_ranker),
                     out / "drafter" / "ranker.safetensors", meta={"joint_training": report["ranker"]})
     if ship:
-        from .proposers import default_vocab
+        from ..speculation.proposers import default_vocab
 
         shipped = EagleDrafter.load(out / "drafter", target).to(torch.bfloat16)
         # The shipped drafter's default draft head is a measured choice: keep it.

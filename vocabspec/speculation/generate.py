@@ -14,12 +14,12 @@ from typing import Iterator
 
 import torch
 
-from .model import Transformer
+from ..engine.model import Transformer
 from .sampling import SamplingParams, greedy_token, make_generator, sample, target_probs
-from .tokenizer import Tokenizer
-from .kv_cache import KVCache
+from ..engine.tokenizer import Tokenizer
+from ..engine.kv_cache import KVCache
 from .tree import DraftTree, chain_tree
-from .verify import TreeLogits, Verdict, verify
+from .verify import TreeLogits, Verdict, greedy_verdict, verify_sampling
 
 PREFILL_CHUNK = 512
 
@@ -424,9 +424,12 @@ class Generation:
         if verdict is None:
             if self.native_greedy:      # the LM head, the argmax walk: one native call
                 verdict = Verdict(*model.native.verify_greedy(hidden, tree.tokens, tree.parents))
+            elif self.config.sampling.greedy:       # every row scored: verify_greedy's tensor form
+                logits = model.lm_head(hidden)
+                verdict = greedy_verdict(tree, logits)
             else:
                 logits = TreeLogits(model.lm_head, hidden, tree, model.verify_head_rows)
-                verdict = verify(tree, logits, self.config.sampling, self.generator)
+                verdict = verify_sampling(tree, logits, self.config.sampling, self.generator)
         cache.commit(verdict.path)
         t2 = time.perf_counter()
         tokens = tree.tokens.tolist()

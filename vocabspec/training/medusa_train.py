@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .medusa import MedusaHeads
-from .model import Transformer
+from ..speculation.medusa import MedusaHeads
+from ..engine.model import Transformer
 from .train import ship_dir, training_sets
 
 HEAD_DECAY = 0.8
@@ -140,7 +140,7 @@ def train_and_save(cfg, target: Transformer, split: dict, report: dict, ship: bo
     extra = {"training": dict(report)}
     heads.save(Path(cfg.out) / "medusa", target.args, extra=extra)
     if ship:
-        from .proposers import default_vocab
+        from ..speculation.proposers import default_vocab
 
         directory = ship_dir(cfg.model) / "medusa"
         # The shipped heads' default draft head is a measured choice: keep it.

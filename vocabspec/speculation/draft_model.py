@@ -25,7 +25,7 @@ import torch
 
 from .draft_vocab import FullVocab, HeadTimedDrafting
 from .generate import PREFILL_CHUNK, Proposer
-from .model import Transformer
+from ..engine.model import Transformer
 from .tree import DraftTree, TreeBuilder
 
 
@@ -51,8 +51,8 @@ def load_draft_model(spec: str, target: Transformer, target_tokenizer=None, weig
                      room: int = 256) -> Transformer:
     """The draft model `spec` (bundled name, GGUF file or HF directory) in `weights` (formats.py;
     auto: the fastest exact format here), positioned as far as the target plus `room` for trees."""
-    from .loading import load_model
-    from .tokenizer import load_tokenizer
+    from ..engine.loading import load_model
+    from ..engine.tokenizer import load_tokenizer
 
     draft, path = load_model(spec, weights=weights, device=target.device,
                              max_seq_len=target.args.max_seq_len + room)

@@ -1,0 +1,1 @@
+"""Serving: continuous batching, the OpenAI-compatible server, and `vocabspec.load`, the API."""
