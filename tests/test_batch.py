@@ -58,14 +58,16 @@ def test_batched_rows_have_the_bits_of_each_sequence_alone(name, weights):
         else:
             tree = chain_tree(int(torch.randint(vocab, (1,), generator=g)), [], None)
             items.append((tree.tokens, tree.positions(length), cache, None))
+    taps = (1, model.args.n_layers // 2)            # a fused-feature drafter's layers, too
     with torch.inference_mode():
-        together = model.forward_batch(items)
+        together, tapped = model.forward_batch(items, taps)
         for _, _, cache, _ in items:
             cache.discard()
-        for (tokens, positions, cache, parents), rows in zip(items, together):
-            alone, _ = model(tokens, positions, cache, parents=parents, logits_rows=[])
+        for (tokens, positions, cache, parents), rows, layers in zip(items, together, tapped):
+            alone, _, alone_layers = model(tokens, positions, cache, parents=parents, logits_rows=[], taps=taps)
             cache.discard()
             assert torch.equal(alone, rows), (name, weights, tokens.numel())
+            assert torch.equal(alone_layers, layers), (name, weights, tokens.numel())
         # And in another order, beside other items: still the same bits.
         again = model.forward_batch(items[::-1])
         for (_, _, cache, _), rows, want in zip(items[::-1], again, together[::-1]):

@@ -89,6 +89,39 @@ def test_engine_feeds_the_drafter_the_tapped_rows_of_accepted_tokens(smollm2):
     assert torch.allclose(engine.proposer.last_state[0], expected, atol=1e-3, rtol=1e-3)
 
 
+def test_batched_requests_feed_their_drafters_the_tapped_rows(smollm2):
+    """A fused-feature drafter in continuous batching: each request gets plain decoding's tokens,
+    and its drafter the tapped rows it gets alone (the same drafts, so the same accepted
+    lengths step by step)."""
+    from vocabspec.serving.batch import BatchEngine, BatchLimits
+
+    model, dim = smollm2.model, smollm2.model.args.dim
+
+    def tapped_proposer():
+        drafter = EagleDrafter.load(bundled_drafter_dir("smollm2"), model)
+        drafter.add_taps((1, 14))
+        with torch.no_grad():
+            drafter.fuse.weight[:, :-dim] = torch.randn(dim, 2 * dim,
+                                                        generator=torch.Generator().manual_seed(0)) * 0.05
+        return EagleProposer(drafter, depth=3, top_k=4, total_tokens=8)
+
+    prompts = [smollm2.prompt_ids(p) for p in ("List three facts about the Moon.", "Why is the sky blue?",
+                                                "Name two rivers in Europe.")]
+    config = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
+    batch = BatchEngine(Engine(model, smollm2.tokenizer), tapped_proposer,
+                        BatchLimits(max_batch=3, window=512, tree_rows=64))
+    try:
+        together = [request.wait(120) for request in [batch.submit(ids, config) for ids in prompts]]
+    finally:
+        batch.close()
+    for ids, result in zip(prompts, together):
+        alone = Engine(model, smollm2.tokenizer, tapped_proposer()).generate(ids, config)
+        plain = Engine(model, smollm2.tokenizer).generate(ids, config)
+        assert result.tokens == alone.tokens == plain.tokens
+        assert [s.accept_length for s in result.steps] == [s.accept_length for s in alone.steps]
+    assert max(s.accept_length for r in together for s in r.steps) > 1
+
+
 def test_training_reads_taps_from_the_shards(tmp_path):
     model = tiny_model("llama", vocab_size=40, n_layers=4)
     sequences = [[(7 * i + j) % 40 for j in range(16)] for i in range(6)]

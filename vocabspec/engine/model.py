@@ -519,29 +519,35 @@ class Transformer(nn.Module):
         """The LM head's weight: the embedding's, or an untied head's."""
         return self.embed.weight if self.output is None else self.output.weight
 
-    def forward_batch(self, items: list[tuple[torch.Tensor, torch.Tensor, KVCache, torch.Tensor | None]]
-                      ) -> list[torch.Tensor]:
+    def forward_batch(self, items: list[tuple[torch.Tensor, torch.Tensor, KVCache, torch.Tensor | None]],
+                      taps: tuple[int, ...] = ()):
         """Rows of several sequences, each item (tokens (n,), positions (n,), its cache, parents
         or None) going after its cache's committed tokens as a tree (see `forward`) or causally,
-        and left pending there. Returns each item's hidden states (n, dim) before the final norm.
-        On the native engine the items share one call and every row gets the bits it gets in a
-        forward of its own item; on torch's kernels they run in turn."""
+        and left pending there. Returns each item's hidden states (n, dim) before the final norm,
+        and with `taps` also each item's tapped layer outputs (n, len(taps) * dim), as `forward`
+        gives them: (hidden states, tapped). On the native engine the items share one call and
+        every row gets the bits it gets in a forward of its own item; on torch's kernels they
+        run in turn."""
         for tokens, _, cache, _ in items:
             if cache.pending:
                 raise ValueError("a batched forward goes after committed tokens: commit first")
             if cache.length + tokens.numel() > self.args.max_seq_len:
                 raise ValueError(f"positions up to {cache.length + tokens.numel() - 1} are beyond "
                                  f"max_seq_len {self.args.max_seq_len}")
+        if any(not 0 <= t < self.args.n_layers for t in taps):
+            raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
         if self.native is None:
-            return [self(tokens, positions, cache, parents=parents, logits_rows=[])[0]
+            outs = [self(tokens, positions, cache, parents=parents, logits_rows=[], taps=taps)
                     for tokens, positions, cache, parents in items]
+            hidden = [out[0] for out in outs]
+            return (hidden, [out[2] for out in outs]) if taps else hidden
         sizes = [tokens.numel() for tokens, *_ in items]
         x = self.embed_tokens(torch.cat([tokens for tokens, *_ in items]))
-        self.native.stack.forward_rows(x, [(cache.keys, cache.values, cache.length, parents, n)
-                                           for (_, _, cache, parents), n in zip(items, sizes)])
+        tapped = self.native.stack.forward_rows(x, [(cache.keys, cache.values, cache.length, parents, n)
+                                                    for (_, _, cache, parents), n in zip(items, sizes)], taps)
         for (_, _, cache, _), n in zip(items, sizes):
             cache.advance(n)
-        return list(x.split(sizes))
+        return (list(x.split(sizes)), list(tapped.split(sizes))) if taps else list(x.split(sizes))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None,

@@ -128,6 +128,17 @@ class Costs:
         return ys[0]
 
 
+def own_taps(tapped, index: int, taps: tuple[int, ...], slot) -> list[torch.Tensor]:
+    """The tapped outputs request `index` reads (its drafter's layers, in its order) from a batch
+    forward over the union `taps`: the list `Generation.finish` takes ([] without taps)."""
+    wanted = slot.generation.taps
+    if not wanted:
+        return []
+    rows, dim = tapped[index], tapped[index].shape[-1] // len(taps)
+    if tuple(wanted) == taps:
+        return [rows]
+    return [torch.cat([rows[:, taps.index(t) * dim:(taps.index(t) + 1) * dim] for t in wanted], dim=-1)]
+
 class BatchEngine:
     """Continuous batching over `engine`'s model: `submit` requests from any thread; the steps
     run on a background thread (`thread=True`) or on whichever thread calls `run`, `run_once`
@@ -143,9 +154,6 @@ class BatchEngine:
                              f"{model.args.max_seq_len}")
         self.slots = [Slot(engine, self.limits.window, make_proposer() if make_proposer else None)
                       for _ in range(self.limits.max_batch)]
-        for slot in self.slots:
-            if slot.proposer is not None and slot.proposer.taps:
-                raise ValueError("a drafter that fuses target layers (taps) drafts one request at a time")
         # The cost curve the draft budget reads: measured once, where anything drafts.
         self.costs = None
         drafting = [slot.proposer for slot in self.slots if slot.proposer is not None]
@@ -296,9 +304,12 @@ class BatchEngine:
         with torch.inference_mode():
             trees = [slot.generation.propose(draft) for slot, draft in zip(running, drafts)]
             t1 = time.perf_counter()
-            hidden = model.forward_batch([(tree.tokens, tree.positions(slot.cache.length), slot.cache,
-                                           tree.parents if tree.size else None)
-                                          for slot, tree in zip(running, trees)])
+            # Layers a fused-feature drafter reads: every running request's, each taking its own.
+            taps = tuple(sorted({t for slot in running for t in slot.generation.taps}))
+            out = model.forward_batch([(tree.tokens, tree.positions(slot.cache.length), slot.cache,
+                                        tree.parents if tree.size else None)
+                                       for slot, tree in zip(running, trees)], taps)
+            hidden, tapped = out if taps else (out, None)
             greedy = [i for i, slot in enumerate(running) if slot.generation.native_greedy]
             verdicts = {}
             if greedy:
@@ -307,7 +318,8 @@ class BatchEngine:
                 verdicts = {i: Verdict(path, following) for i, (path, following) in zip(greedy, found)}
             for index, (slot, tree) in enumerate(zip(running, trees)):
                 try:
-                    delta = slot.generation.finish(tree, hidden[index], [], t1, verdicts.get(index))
+                    delta = slot.generation.finish(tree, hidden[index], own_taps(tapped, index, taps, slot),
+                                                   t1, verdicts.get(index))
                     if tree.size:
                         accepted = slot.generation.result.steps[-1].accept_length - 1
                         slot.gain += GAIN_WEIGHT * (accepted - slot.gain)
