@@ -536,7 +536,7 @@ class Transformer(nn.Module):
                                  f"max_seq_len {self.args.max_seq_len}")
         if any(not 0 <= t < self.args.n_layers for t in taps):
             raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
-        if self.native is None:
+        if self.native is None or len(items) == 1:    # one item: `forward` itself, a little leaner
             outs = [self(tokens, positions, cache, parents=parents, logits_rows=[], taps=taps)
                     for tokens, positions, cache, parents in items]
             hidden = [out[0] for out in outs]

@@ -42,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from ..speculation.generate import Engine, Generation, GenerationConfig, GenerationResult, Verdict
+from ..speculation.generate import Engine, Generation, GenerationConfig, GenerationResult, step_together
 
 
 class Busy(RuntimeError):
@@ -127,17 +127,6 @@ class Costs:
                 return ys[i - 1] + (ys[i] - ys[i - 1]) * (rows - xs[i - 1]) / (xs[i] - xs[i - 1])
         return ys[0]
 
-
-def own_taps(tapped, index: int, taps: tuple[int, ...], slot) -> list[torch.Tensor]:
-    """The tapped outputs request `index` reads (its drafter's layers, in its order) from a batch
-    forward over the union `taps`: the list `Generation.finish` takes ([] without taps)."""
-    wanted = slot.generation.taps
-    if not wanted:
-        return []
-    rows, dim = tapped[index], tapped[index].shape[-1] // len(taps)
-    if tuple(wanted) == taps:
-        return [rows]
-    return [torch.cat([rows[:, taps.index(t) * dim:(taps.index(t) + 1) * dim] for t in wanted], dim=-1)]
 
 class BatchEngine:
     """Continuous batching over `engine`'s model: `submit` requests from any thread; the steps
@@ -302,30 +291,19 @@ class BatchEngine:
         model = self.engine.model
         drafts = self._drafting(running)
         with torch.inference_mode():
-            trees = [slot.generation.propose(draft) for slot, draft in zip(running, drafts)]
-            t1 = time.perf_counter()
-            # Layers a fused-feature drafter reads: every running request's, each taking its own.
-            taps = tuple(sorted({t for slot in running for t in slot.generation.taps}))
-            out = model.forward_batch([(tree.tokens, tree.positions(slot.cache.length), slot.cache,
-                                        tree.parents if tree.size else None)
-                                       for slot, tree in zip(running, trees)], taps)
-            hidden, tapped = out if taps else (out, None)
-            greedy = [i for i, slot in enumerate(running) if slot.generation.native_greedy]
-            verdicts = {}
-            if greedy:
-                found = model.native.verify_greedy_trees(torch.cat([hidden[i] for i in greedy]),
-                                                         [(trees[i].tokens, trees[i].parents) for i in greedy])
-                verdicts = {i: Verdict(path, following) for i, (path, following) in zip(greedy, found)}
-            for index, (slot, tree) in enumerate(zip(running, trees)):
-                try:
-                    delta = slot.generation.finish(tree, hidden[index], own_taps(tapped, index, taps, slot),
-                                                   t1, verdicts.get(index))
-                    if tree.size:
-                        accepted = slot.generation.result.steps[-1].accept_length - 1
-                        slot.gain += GAIN_WEIGHT * (accepted - slot.gain)
-                    self._deliver(slot, delta)
-                except BaseException as exc:
-                    self._end(slot, exc)
+            outcomes = step_together(model, [slot.generation for slot in running], drafts)
+        for slot, (tree, delta) in zip(running, outcomes):
+            if isinstance(delta, BaseException):
+                self._end(slot, delta)
+                continue
+            try:
+                if tree.size:
+                    accepted = slot.generation.result.steps[-1].accept_length - 1
+                    slot.gain += GAIN_WEIGHT * (accepted - slot.gain)
+                self._deliver(slot, delta)
+            except BaseException as exc:
+                self._end(slot, exc)
+        trees = [tree for tree, _ in outcomes]
         self.steps += 1
         self.rows += sum(tree.tokens.numel() for tree in trees)
         self.drafted += sum(1 for tree in trees if tree.size)

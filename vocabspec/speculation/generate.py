@@ -187,6 +187,47 @@ def proposer_rows(hidden: torch.Tensor, tapped: list[torch.Tensor], rows=None) -
     return torch.cat([*tapped, hidden], dim=-1) if tapped else hidden
 
 
+def step_together(model, generations: list["Generation"], drafts: list[bool]) -> list[tuple]:
+    """One step of several generations, the one step every loop takes (a single request is a
+    batch of one): each proposes (its tree, or the root alone where it does not draft), one
+    forward runs every tree (`forward_batch`, with the union of their drafters' taps), the greedy
+    ones on the native engine are verified in one call, and each then verifies the rest,
+    commits and emits. Returns (tree, the text it shows or the exception that ended it) per
+    generation."""
+    trees = [generation.propose(draft) for generation, draft in zip(generations, drafts)]
+    t1 = time.perf_counter()
+    taps = tuple(sorted({t for generation in generations for t in generation.taps}))
+    out = model.forward_batch([(tree.tokens, tree.positions(g.cache.length), g.cache,
+                                tree.parents if tree.size else None)
+                               for g, tree in zip(generations, trees)], taps)
+    hidden, tapped = out if taps else (out, None)
+    greedy = [i for i, generation in enumerate(generations) if generation.native_greedy]
+    verdicts = {}
+    if greedy:
+        found = model.native.verify_greedy_trees(torch.cat([hidden[i] for i in greedy]),
+                                                 [(trees[i].tokens, trees[i].parents) for i in greedy])
+        verdicts = {i: Verdict(path, following) for i, (path, following) in zip(greedy, found)}
+    outcomes = []
+    for index, (generation, tree) in enumerate(zip(generations, trees)):
+        try:
+            rows = _own_taps(tapped, index, taps, generation.taps)
+            outcomes.append((tree, generation.finish(tree, hidden[index], rows, t1, verdicts.get(index))))
+        except BaseException as exc:
+            outcomes.append((tree, exc))
+    return outcomes
+
+
+def _own_taps(tapped, index: int, taps: tuple[int, ...], wanted: tuple[int, ...]) -> list[torch.Tensor]:
+    """The tapped outputs generation `index` reads (its drafter's layers, in its order) from a
+    forward over the union `taps`: the list `Generation.finish` takes ([] without taps)."""
+    if not wanted:
+        return []
+    rows, dim = tapped[index], tapped[index].shape[-1] // len(taps)
+    if tuple(wanted) == taps:
+        return [rows]
+    return [torch.cat([rows[:, taps.index(t) * dim:(taps.index(t) + 1) * dim] for t in wanted], dim=-1)]
+
+
 class TextStream:
     """Incremental detokenisation that never emits half a UTF-8 character."""
 
@@ -376,12 +417,9 @@ class Generation:
                         yield delta
                     if self.done:
                         break
-                    tree = self.propose()
-                    t1 = time.perf_counter()
-                    hidden, _, *tapped = engine.model(tree.tokens, tree.positions(self.cache.length), self.cache,
-                                                      parents=tree.parents if tree.size else None,
-                                                      logits_rows=[], taps=self.taps)
-                    delta = self.finish(tree, hidden, tapped, t1)
+                    _, delta = step_together(engine.model, [self], [True])[0]
+                    if isinstance(delta, BaseException):
+                        raise delta
         finally:
             result.seconds = time.perf_counter() - self.started
 
