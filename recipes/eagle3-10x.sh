@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # EAGLE-3 for a bundled model (bash recipes/eagle3-10x.sh smollm2|gemma3) on ten times the data
-# of SmolLM2's EAGLE-2 drafter's last rounds (about 20M tokens against 1.9M), in one resumable run: the target's own greedy answers to every
-# ShareGPT first turn that fits, to task prompts built from ShareGPT text (summaries,
-# translations, passage questions, then code requests and extractions) and to later turns of
-# the conversations, then one epoch of EAGLE-3's training with features computed as each
-# sequence is drawn (no feature shards: they would take about 90 GB), in bfloat16 autocast where
-# the CPU has fast bfloat16 matmuls, the three draft steps' losses weighted 1, 0.8, 0.64 as in
-# EAGLE-3's own training. The run keeps itself as it stood after 1.9M and 5.7M tokens, the
-# scaling table's smaller points.
+# of SmolLM2's EAGLE-2 drafter's last rounds (about 20M tokens against 1.9M), in one resumable
+# run: the target's own greedy answers to every ShareGPT first turn that fits, to task prompts
+# (summaries, translations, passage questions, code requests and extractions built from ShareGPT
+# text, then 2,000 arithmetic word problems) and to later turns of the conversations; then one
+# epoch of EAGLE-3's training with features computed as each sequence is drawn (no feature
+# shards: they would take about 90 GB), in bfloat16 autocast where the CPU has fast bfloat16
+# matmuls, the three draft steps' losses weighted 1, 0.8, 0.64 as in EAGLE-3's own training.
+# The run keeps itself as it stood after 1.9M and 5.7M tokens, the scaling table's smaller points.
 #
 # The answers are not in the repository (about 40k per model, 80 MB as tokens): they are greedy, so this
 # regenerates them (hours on 2 cores: the batch engine answers about 900 tokens a second), and
@@ -18,9 +18,9 @@ set -euo pipefail
 MODEL=${1:?usage: recipes/eagle3-10x.sh smollm2|gemma3}
 OUT=${OUT:-runs/e3-$MODEL-10x}
 ANSWERS=${ANSWERS:-runs/answers-$MODEL}
-case $MODEL in     # every prompt of each kind that fits the room its answers leave
-  smollm2) DATA="--conversations 64 --self-distill 9900 --task-prompts 18900 --later-turns 11000" ;;
-  gemma3) DATA="--conversations 100 --self-distill 10000 --task-prompts 19000 --later-turns 13000 --distill-new-tokens 128" ;;
+case $MODEL in     # every prompt of each kind that fits the room its answers leave, 2,000 problems
+  smollm2) DATA="--conversations 64 --self-distill 9900 --task-prompts 20954 --later-turns 11000" ;;
+  gemma3) DATA="--conversations 100 --self-distill 10000 --task-prompts 21174 --later-turns 13000 --distill-new-tokens 128" ;;
   *) echo "unknown model $MODEL" >&2; exit 2 ;;
 esac
 mkdir -p "$ANSWERS" && cp -n data/answers/$MODEL/*.safetensors "$ANSWERS"/

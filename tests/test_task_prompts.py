@@ -30,10 +30,14 @@ def test_task_prompts_take_kinds_in_turn_and_fill_when_one_runs_out():
     # Passages are drawn from the other end; "Sure." is too short to be one.
     assert prompts[2] == f"{LONG_ENGLISH}\n\nAnswer from the passage above: Question 4?"
     assert sum(p.startswith("Translate") for p in prompts) == 1     # only one German text
-    # Once those run out: code requests (none here) and extractions, after all of them.
+    # Once those run out: code requests (none here) and extractions, after all of them; then
+    # arithmetic word problems, as many as asked, the same ones each time.
     every = task_prompts(conversations, 100)
-    assert every[:11] == task_prompts(conversations, 11) and len(every) == 16   # 5 + 1 + 5, then 5
+    assert every[:11] == task_prompts(conversations, 11) and len(every) == 100   # 5 + 1 + 5, 5, then 84
     assert every[11] == f"List the key points of this text as bullet points:\n\n{LONG_ENGLISH}"
+    problems = every[16:]
+    assert all(p.endswith("Show your reasoning step by step.") and any(c.isdigit() for c in p) for p in problems)
+    assert len(set(problems)) > 80 and task_prompts(conversations, 100)[16:] == problems
 
 
 def test_code_requests_ask_about_an_answers_code_block():
@@ -41,7 +45,7 @@ def test_code_requests_ask_about_an_answers_code_block():
     conversations = [("c", [("user", "Area of a circle?"), ("assistant", "Here:\n```python\nx = 1\n```\n"
                                                                           f"and\n```python\n{code}\n```")]),
                      ("c2", [("user", "Again?"), ("assistant", f"```\n{code}\n```")])]
-    prompts = task_prompts(conversations, 5)
+    prompts = task_prompts(conversations, 5)[:2]                               # then word problems
     assert prompts == [f"Explain what this code does:\n```\n{code}\n```",      # the 1-line block skipped
                        f"Add comments to this code:\n```\n{code}\n```"]
 

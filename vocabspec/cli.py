@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--task-prompts", type=_non_negative_int, default=defaults.task_prompts,
                        help="and to this many task-style prompts built from ShareGPT text "
                             "(summarize, translate, answer from a passage; then code requests and "
-                            "extractions)")
+                            "extractions; then arithmetic word problems)")
     train.add_argument("--later-turns", type=_non_negative_int, default=defaults.later_turns,
                        help="and to this many later user turns of those conversations, with the "
                             "turns before them (ShareGPT's answers too) as the context")

@@ -100,6 +100,54 @@ def _extractions(conversations, min_words: int, max_words: int):
             n += 1
 
 
+NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo")
+ITEMS = ("pencils", "apples", "notebooks", "tickets", "bottles of water", "cookies")
+
+
+def _math_problem(rng) -> str:
+    """One arithmetic word problem of a few steps (GSM8K's kind), numbers drawn from `rng`."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    kind = rng.randrange(8)
+    if kind == 0:
+        price, count = rng.randint(2, 9), rng.randint(3, 12)
+        bill = next(b for b in (20, 50, 100, 200) if b > price * count)
+        return (f"A shop sells {item} at ${price} each. {name} buys {count} and pays with a ${bill} "
+                f"bill. How much change does {name} get?")
+    if kind == 1:
+        hours, speed, later = rng.randint(2, 6), rng.randint(40, 120), rng.randint(3, 9)
+        return (f"A train travels {hours * speed} km in {hours} hours. At the same speed, how far does "
+                f"it travel in {later} hours?")
+    if kind == 2:
+        have, give, buy = rng.randint(10, 60), rng.randint(1, 9), rng.randint(2, 20)
+        return (f"{name} has {have} {item}, gives {give} to a friend and then buys {buy} more. How many "
+                f"{item} does {name} have now?")
+    if kind == 3:
+        width, length = rng.randint(3, 30), rng.randint(4, 40)
+        return f"A rectangle is {width} cm wide and {length} cm long. What are its area and its perimeter?"
+    if kind == 4:
+        return f"What is {rng.choice((5, 10, 15, 20, 25, 40, 75))}% of {rng.randint(2, 90) * 20}?"
+    if kind == 5:
+        a, x, b = rng.randint(2, 12), rng.randint(-10, 15), rng.randint(-30, 30)
+        return f"Solve for x: {a}x {'+' if b >= 0 else '-'} {abs(b)} = {a * x + b}."
+    if kind == 6:
+        cups, servings, wanted = rng.randint(2, 6), rng.randint(2, 8), rng.randint(3, 24)
+        return (f"A recipe needs {cups} cups of flour for {servings} servings. How much flour is needed "
+                f"for {wanted} servings?")
+    numbers, mean, extra = rng.randint(3, 9), rng.randint(10, 80), rng.randint(0, 100)
+    return (f"The average of {numbers} numbers is {mean}. When the number {extra} is added, what is "
+            f"the new average?")
+
+
+def _math_problems(seed: int = 0):
+    """Arithmetic word problems without end, the same ones for the same seed (ShareGPT holds no
+    clean source of them; the target's worked answers are what the drafter learns from)."""
+    import random
+
+    rng = random.Random(seed)
+    while True:
+        yield f"{_math_problem(rng)} Show your reasoning step by step."
+
+
 def _in_turn(sources, count: int, prompts: list[str]) -> None:
     while sources and len(prompts) < count:
         for source in list(sources):
@@ -112,7 +160,8 @@ def _in_turn(sources, count: int, prompts: list[str]) -> None:
 
 def task_prompts(conversations: list, count: int, *, max_words: int = 450) -> list[str]:
     """`count` user messages: summaries, translations and passage questions in turn, then, once
-    those run out, code requests and extractions in turn.
+    those run out, code requests and extractions in turn, then arithmetic word problems (as many
+    as asked: they never run out).
 
     conversations: (id, [(role, text), ...]) as `sharegpt.iter_conversations` gives them, in
     the order to draw from (passages from the other end, so the kinds rarely share a
@@ -126,4 +175,5 @@ def task_prompts(conversations: list, count: int, *, max_words: int = 450) -> li
               _passage_questions(conversations[::-1], 100, max_words)], count, prompts)
     _in_turn([_code_requests(conversations, 4, max_words), _extractions(conversations, 150, max_words)],
              count, prompts)
+    _in_turn([_math_problems()], count, prompts)
     return prompts
