@@ -22,14 +22,10 @@ from pathlib import Path
 
 from vocabspec.benchmarks.bench import BenchConfig, _machine, run_bench
 from vocabspec.training.eagle3_train import drafter_from_checkpoint
+from vocabspec.training.train import parse_token_counts
 from vocabspec.engine.loading import load_model
 
 TREES = ("1x1", "3x3", "6x60")
-
-
-def tokens(text: str) -> float:
-    scale = {"k": 1e3, "M": 1e6}.get(text[-1], 1)
-    return float(text[:-1] if text[-1] in "kM" else text) * scale
 
 
 def drafter_dir(path: Path, model: str, into: Path) -> Path:
@@ -65,7 +61,7 @@ def main():
         mismatches = sum(len(summary["methods"][f"eagle@{tree}"]["mismatched_questions"]) for tree in TREES)
         if mismatches:
             raise RuntimeError(f"{point}: {mismatches} answers differ from plain decoding")
-        rows.append({"recipe": recipe, "tokens": tokens(amount), "label": amount, "path": path,
+        rows.append({"recipe": recipe, "tokens": parse_token_counts(amount)[amount], "label": amount, "path": path,
                      "first_step_acceptance": round(taus["1x1"] - 1, 3),
                      **{f"tau_{tree}": round(taus[tree], 2) for tree in TREES}})
         print(json.dumps(rows[-1]), flush=True)

@@ -281,7 +281,21 @@ class Visibility:
     window: int = 0
 
 
-class KernelPlan:
+class LayerPlan:
+    """What a forward's layers read, per kind of layer (global or sliding): RoPE rows in `rows`,
+    (mask, first key) in `masks`; a subclass builds them for its attention."""
+
+    rows: dict
+    masks: dict
+
+    def for_layer(self, args: ModelArgs, layer: int):
+        kind = "local" if args.is_sliding(layer) else "global"
+        cos, sin = self.rows[kind if kind in self.rows else "global"]
+        mask, key_start = self.masks[kind]
+        return cos, sin, mask, key_start
+
+
+class KernelPlan(LayerPlan):
     """RoPE rows and visibility for one forward on the row-invariant kernels: the keys each row
     sees as slot lists in position order, so that a tree's row and its path's one-token row
     reduce over the same keys in the same order."""
@@ -299,14 +313,8 @@ class KernelPlan:
         if args.sliding_window is not None:
             self.masks["local"] = (Visibility(prefix, xoff, extra, positions, args.sliding_window), 0)
 
-    def for_layer(self, args: ModelArgs, layer: int):
-        kind = "local" if args.is_sliding(layer) else "global"
-        cos, sin = self.rows[kind if kind in self.rows else "global"]
-        mask, key_start = self.masks[kind]
-        return cos, sin, mask, key_start
 
-
-class AttentionPlan:
+class AttentionPlan(LayerPlan):
     """Masks and RoPE rows for one forward, shared by all layers of the same kind."""
 
     def __init__(self, args: ModelArgs, cache: KVCache, positions: torch.Tensor,
@@ -344,14 +352,8 @@ class AttentionPlan:
                 local_mask = in_window & base
             self.masks["local"] = (local_mask, key_start)
 
-    def for_layer(self, args: ModelArgs, layer: int):
-        kind = "local" if args.is_sliding(layer) else "global"
-        cos, sin = self.rows[kind if kind in self.rows else "global"]
-        mask, key_start = self.masks[kind]
-        return cos, sin, mask, key_start
 
-
-class DevicePlan:
+class DevicePlan(LayerPlan):
     """AttentionPlan over a DeviceKVCache: every layer reads the whole cache under a mask built
     on the device (committed slots, then the tree's), sliding layers also by distance (a
     committed slot's index is its position; a fresh slot's index is at least its position, so a
@@ -368,8 +370,6 @@ class DevicePlan:
                                  f"not fit the sliding window of {args.sliding_window}")
             near = (positions[:, None] - cache.slot_ids[None, :]) < args.sliding_window
             self.masks["local"] = (mask & near, 0)
-
-    for_layer = AttentionPlan.for_layer
 
 
 def norm_tensors(block: Block) -> dict:
@@ -519,6 +519,10 @@ class Transformer(nn.Module):
         """The LM head's weight: the embedding's, or an untied head's."""
         return self.embed.weight if self.output is None else self.output.weight
 
+    def _check_taps(self, taps: tuple[int, ...]) -> None:
+        if any(not 0 <= t < self.args.n_layers for t in taps):
+            raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
+
     def forward_batch(self, items: list[tuple[torch.Tensor, torch.Tensor, KVCache, torch.Tensor | None]],
                       taps: tuple[int, ...] = ()):
         """Rows of several sequences, each item (tokens (n,), positions (n,), its cache, parents
@@ -534,8 +538,7 @@ class Transformer(nn.Module):
             if cache.length + tokens.numel() > self.args.max_seq_len:
                 raise ValueError(f"positions up to {cache.length + tokens.numel() - 1} are beyond "
                                  f"max_seq_len {self.args.max_seq_len}")
-        if any(not 0 <= t < self.args.n_layers for t in taps):
-            raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
+        self._check_taps(taps)
         if self.native is None or len(items) == 1:    # one item: `forward` itself, a little leaner
             outs = [self(tokens, positions, cache, parents=parents, logits_rows=[], taps=taps)
                     for tokens, positions, cache, parents in items]
@@ -572,8 +575,7 @@ class Transformer(nn.Module):
         if cache.used + n > self.args.max_seq_len:
             raise ValueError(f"positions up to {cache.used + n - 1} are beyond "
                              f"max_seq_len {self.args.max_seq_len}")
-        if any(not 0 <= t < self.args.n_layers for t in taps):
-            raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
+        self._check_taps(taps)
         cache.check_room(n)
         x = self.embed_tokens(tokens)
         device_cache = isinstance(cache, DeviceKVCache)

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.kv_cache import DeviceKVCache
-from ..engine.kv_cache import ancestor_mask
+from ..engine.kv_cache import DeviceKVCache, ancestor_mask
 from .verify import verify_greedy
 
 log = logging.getLogger(__name__)
@@ -190,7 +189,8 @@ class StaticDecoder:
         tree = proposer.propose_static(self.root) if draft else root_only(self.root)
         hidden, logits, *tapped = model(tree.tokens, tree.depths + cache.length, cache,
                                         tree_mask=tree.mask, all_logits=True, taps=self.taps)
-        path, length_bonus = verify_greedy(tree.tokens, tree.parents, tree.depths, logits, tree.max_depth, tree.valid)
+        path, length_bonus = verify_greedy(tree.tokens, tree.parents, tree.depths, logits, tree.max_depth,
+                                           tree.valid, tree.mask)
         count, bonus = length_bonus[0], length_bonus[1:]
         cache.keep(path, count)
         accepted = tree.tokens[path]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import SamplingParams, target_probs
+from ..engine.kv_cache import ancestor_mask
 from ..engine.model import HEAD_ROWS
 from .tree import DraftTree
 
@@ -77,28 +78,27 @@ class Verdict:
 
 
 def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, logits: torch.Tensor,
-                  max_depth: int | None = None, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  max_depth: int | None = None, valid: torch.Tensor | None = None,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification of a flattened tree as device work: (path, [length, bonus]).
 
     tokens, parents (the root's -1 or itself), depths: (rows,); logits: (rows, vocab), row i
     the scores of the token after node i; max_depth: a bound on the tree's depth (default
-    rows - 1); valid: rows that hold a draft (a padded path's padding is rejected). path holds
+    rows - 1); valid: rows that hold a draft (a padded path's padding is rejected); mask: the
+    tree's ancestor mask (`ancestor_mask`; built here where not given). path holds
     the accepted rows by depth, padded to max_depth + 1; length counts the root and the
     accepted drafts; bonus is the argmax at the deepest accepted node (torch.argmax: the first
     index on ties, as plain decoding's `greedy_token`). No read-back, so a CUDA graph holds it."""
     rows = tokens.numel()
     depth = rows - 1 if max_depth is None else max_depth
+    if mask is None:
+        mask = ancestor_mask(parents, depth)
     best = logits.argmax(-1)
-    up = parents.clamp_min(0)
-    ok = tokens == best[up]
+    ok = tokens == best[parents.clamp_min(0)]
     if valid is not None:
         ok = ok & valid
     ok[0].fill_(True)          # a fill, not `ok[0] = True`: that copies a host tensor in, which no graph holds
-    reach = 1                  # ok[i]: i and its ancestors fewer than `reach` steps up accepted
-    while reach <= depth:      # pointer jumping, as tree.ancestor_mask
-        ok = ok & ok[up]
-        up = up[up]
-        reach *= 2
+    ok = ~(mask & ~ok).any(-1)          # accepted: the node and every ancestor carry the argmax
     slots = depth + 2                                                  # the last slot collects rejects
     index = torch.where(ok, depths, torch.full_like(depths, slots - 1))
     path = torch.zeros(slots, dtype=torch.long, device=logits.device).scatter_(
@@ -139,10 +139,3 @@ def verify_sampling(tree: DraftTree, logits, params: SamplingParams,
         node = accepted
         path.append(node)
 
-
-def verify(tree: DraftTree, logits, params: SamplingParams,
-           generator: torch.Generator | None) -> Verdict:
-    """Greedy (`logits`: every row's, a tensor) or sampling (`logits`: a tensor or TreeLogits)."""
-    if params.greedy:
-        return greedy_verdict(tree, logits)
-    return verify_sampling(tree, logits, params, generator)

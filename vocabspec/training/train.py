@@ -455,6 +455,9 @@ def extract_features(cfg: TrainConfig, model: Transformer, split: dict) -> list[
     return paths
 
 
+MIN_TOKENS = 3            # a sequence shorter than this trains nothing (shards and online alike)
+
+
 def load_shards(cfg: TrainConfig, part: str) -> list[tuple]:
     """(tokens, hidden, candidates, tapped) per sequence; tapped is None in shards without taps
     and in a run without them."""
@@ -467,7 +470,7 @@ def load_shards(cfg: TrainConfig, part: str) -> list[tuple]:
                              f"{list(taps)}: run the features stage again")
         tapped = (shard.get("tapped") if taps else None) or [None] * len(shard["tokens"])
         sequences += list(zip(shard["tokens"], shard["hidden"], shard["candidates"], tapped))
-    return [s for s in sequences if s[0].numel() >= 3]
+    return [s for s in sequences if s[0].numel() >= MIN_TOKENS]
 
 
 # ---------------------------------------------------------------------------- 3. train
@@ -614,7 +617,7 @@ class OnlineFeatures:
 
     def __init__(self, extractor: Transformer, sequences: list[list[int]], cfg: TrainConfig):
         self.extractor = extractor
-        self.sequences = [s for s in sequences if len(s) >= 3]     # as load_shards keeps them
+        self.sequences = [s for s in sequences if len(s) >= MIN_TOKENS]
         self.top = cfg.top_candidates
         self.taps = checked_taps(parse_taps(cfg.taps), extractor)
         self.cache = extractor.new_cache(max(map(len, self.sequences), default=1))
