@@ -18,8 +18,8 @@ import torch
 from tqdm import tqdm
 
 from vocabspec.serving.api import load
-from vocabspec.speculation.autotune import forward_seconds
-from vocabspec.serving.batch import BatchLimits
+from vocabspec.speculation.cost_curve import forward_seconds
+from vocabspec.speculation.batch import BatchLimits
 from vocabspec.cli import set_threads
 from vocabspec.speculation.generate import GenerationConfig
 from vocabspec.engine.loading import resolve_model_path

@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vocabspec.speculation import autotune  # noqa: E402
 from vocabspec.speculation.drafter import EagleDrafter, EagleProposer  # noqa: E402
 from vocabspec.speculation.draft_vocab import FullVocab, StaticSubset  # noqa: E402
-from vocabspec.speculation.generate import Engine, GenerationConfig  # noqa: E402
+from vocabspec.speculation.generate import GenerationConfig  # noqa: E402
+from vocabspec.speculation.batch import Engine
 from vocabspec.speculation.hybrid import EagleLookupProposer  # noqa: E402
 from vocabspec.engine.kv_cache import DeviceKVCache  # noqa: E402
 from vocabspec.engine.loading import load_model  # noqa: E402

@@ -109,7 +109,8 @@ def test_timing_every_size_leaves_the_proposals_unchanged():
     cache and the real proposals must not notice, and every size gets timed."""
     from vocabspec.speculation.autotune import SizeTimer
     from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-    from vocabspec.speculation.generate import Engine, GenerationConfig
+    from vocabspec.speculation.generate import GenerationConfig
+    from vocabspec.speculation.batch import Engine
 
     from conftest import tiny_model
 
@@ -151,7 +152,8 @@ def test_static_tree_of_m_nodes_accepts_what_the_largest_trees_ranks_say(torch_s
     timing a step in place leaves the decoder, its caches and the drafter as they were."""
     from vocabspec.speculation.autotune import step_seconds
     from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-    from vocabspec.speculation.generate import Engine, GenerationConfig
+    from vocabspec.speculation.generate import GenerationConfig
+    from vocabspec.speculation.batch import Engine
     from vocabspec.speculation.proposers import bundled_drafter_dir
 
     from conftest import spec_bench_prompts

@@ -3,6 +3,7 @@
 - The batched forward: rows of several sequences in one native call, each over its own cache,
   get the bits their sequence gets alone: every format, both models, sequences of different
   lengths, trees and single rows, and Gemma past its 512-token sliding window.
+- A single request is a batch of one: the engine's one-slot batch steps it.
 - Continuous batching: requests joining and leaving a running batch, greedy and seeded
   sampling, drafted and plain, get exactly the tokens `generate` gives each alone; a cancelled
   request frees its slot; a full engine refuses with Busy; the speculation budget keeps
@@ -16,8 +17,8 @@ import pytest
 import torch
 
 import vocabspec
-from vocabspec.serving.batch import BatchEngine, BatchLimits, Busy
-from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.speculation.batch import BatchEngine, BatchLimits, Busy, Engine
+from vocabspec.speculation.generate import GenerationConfig
 from vocabspec.engine.loading import load_model
 from vocabspec.speculation.sampling import SamplingParams
 from vocabspec.speculation.tree import chain_tree
@@ -123,6 +124,25 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(lms, method):
         batch.close()
 
 
+def test_a_single_request_is_a_batch_of_one(lms):
+    """`generate` and `stream` step the engine's one-slot batch (the one loop), with the tree
+    the user chose at every step; a stream abandoned part way frees the slot; a second stream
+    while one runs is refused."""
+    lm = lms["eagle"]
+    ids = lm.encode_prompt(PROMPTS[0], chat=True)
+    config = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
+    before = lm.engine.solo.steps
+    result = lm.engine.generate(ids, config)
+    assert lm.engine.solo.steps - before == len(result.steps)
+    assert all(step.tree_size > 0 for step in result.steps)
+    pieces = iter(lm.engine.stream(ids, config))
+    assert next(pieces)
+    with pytest.raises(RuntimeError, match="another generation"):
+        next(iter(lm.engine.stream(ids, GenerationConfig(max_new_tokens=3))))
+    pieces.close()
+    assert lm.engine.generate(ids, config).tokens == result.tokens
+
+
 def test_a_cancelled_request_frees_its_slot_and_a_full_engine_refuses(lms):
     lm = lms["pld"]
     batch = BatchEngine(lm.engine, None, BatchLimits(max_batch=1, max_waiting=1, window=512))
@@ -196,7 +216,7 @@ def test_the_serving_benchmark_measures_batches_with_the_openai_client(tmp_path)
 def test_the_draft_budget_follows_the_cost_curve(lms):
     """Rows nearly free (a GPU's curve): every greedy request drafts. Each row a whole forward's
     cost: none does, a drafted tree never paying for its rows. Tokens as alone either way."""
-    from vocabspec.serving.batch import Costs
+    from vocabspec.speculation.batch import Costs
 
     lm = lms["eagle"]
     batch = BatchEngine(lm.engine, lambda: vocabspec.speculation.proposers.make_proposer(

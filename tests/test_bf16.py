@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-from vocabspec.speculation.generate import Engine, GenerationConfig, prefill
+from vocabspec.speculation.generate import GenerationConfig, prefill
+from vocabspec.speculation.batch import Engine
 from vocabspec.engine.loading import load_model
 from vocabspec.speculation.pld import PromptLookupProposer
 

@@ -87,7 +87,7 @@ def test_generate_json(smollm2):
 
 def test_chat_on_base_model_is_refused(gemma3):
     from vocabspec.serving.api import LanguageModel
-    from vocabspec.speculation.generate import Engine
+    from vocabspec.speculation.batch import Engine
 
     lm = LanguageModel(Engine(gemma3.model, gemma3.tokenizer), "gemma3")
     with pytest.raises(ValueError, match="no chat template"):
@@ -95,7 +95,8 @@ def test_chat_on_base_model_is_refused(gemma3):
 
 
 def test_over_long_prompt_is_refused_and_engine_still_works(smollm2):
-    from vocabspec.speculation.generate import Engine, GenerationConfig
+    from vocabspec.speculation.generate import GenerationConfig
+    from vocabspec.speculation.batch import Engine
 
     engine = Engine(smollm2.model, smollm2.tokenizer)
     with pytest.raises(ValueError, match="context window"):

@@ -7,7 +7,8 @@ import pytest
 
 from vocabspec.speculation.draft_model import DraftModelMismatch, DraftModelProposer, check_same_tokenizer
 from vocabspec.speculation.draft_vocab import make_draft_vocab
-from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.speculation.generate import GenerationConfig
+from vocabspec.speculation.batch import Engine
 from vocabspec.speculation.proposers import DraftConfig, bundled_drafter_dir, make_proposer
 
 from conftest import loaded, spec_bench_prompts, tiny_model

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from vocabspec.cli import main
 from vocabspec.speculation.drafter import EagleDrafter
 from vocabspec.engine.formats import PackedWeight
-from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.speculation.generate import GenerationConfig
+from vocabspec.speculation.batch import Engine
 from vocabspec.speculation.token_map import load_token_map, save_token_map
 
 EAGLE_KEYS = {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",

@@ -12,7 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from vocabspec.speculation.generate import Engine, GenerationConfig  # noqa: E402
+from vocabspec.speculation.generate import GenerationConfig  # noqa: E402
+from vocabspec.speculation.batch import Engine
 from vocabspec.engine.loading import ModelLoadError, load_model  # noqa: E402
 
 SHAPE = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,

@@ -78,7 +78,8 @@ def test_a_model_on_the_kernels_is_exact():
 
     from conftest import tiny_native
     from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-    from vocabspec.speculation.generate import Engine, GenerationConfig
+    from vocabspec.speculation.generate import GenerationConfig
+    from vocabspec.speculation.batch import Engine
 
     reference, _ = tiny_native("gemma3", seed=2, n_layers=2)   # a sliding layer and a global one
     model = reference.to(DEVICE)

@@ -1,6 +1,6 @@
 """The package's layers, one folder each: the engine (model, formats, cache, native engine)
 imports no other part; speculation (trees, verification, the loop, proposers) only the engine;
-serving (batching, the server, the API) the two below it; training and benchmarking, which the
+serving (the server, the API) the two below it; training and benchmarking, which the
 core never imports, any of those three but not each other. No two modules import each other in
 a cycle (function-level imports included), and loading a model with a drafter and generating
 loads no training module."""

@@ -13,7 +13,8 @@ import torch
 from vocabspec.speculation.proposers import bundled_drafter_dir
 from vocabspec.speculation.draft_vocab import make_draft_vocab
 from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.speculation.generate import GenerationConfig
+from vocabspec.speculation.batch import Engine
 from vocabspec.speculation.hybrid import EagleLookupProposer
 from vocabspec.speculation.pld import PromptLookupProposer
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from vocabspec.speculation.draft_vocab import make_draft_vocab
-from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.speculation.generate import GenerationConfig
+from vocabspec.speculation.batch import Engine
 from vocabspec.speculation.medusa import (MEDUSA_63, MedusaHeads, MedusaMismatch, MedusaProposer, TreeLayout,
                               bundled_medusa_dir, check_choices)
 from vocabspec.speculation.proposers import DraftConfig, bundled_drafter_dir, make_proposer

@@ -47,7 +47,8 @@ PROMPTS = ["Explain why the sky is blue.", "Write a haiku about autumn leaves.",
 
 @pytest.mark.parametrize("text", PROMPTS)
 def test_greedy_64_tokens_match_transformers(real_model, ours, reference, text):
-    from vocabspec.speculation.generate import Engine, GenerationConfig
+    from vocabspec.speculation.generate import GenerationConfig
+    from vocabspec.speculation.batch import Engine
 
     ids = real_model.prompt_ids(text)
     engine = Engine(ours, real_model.tokenizer)

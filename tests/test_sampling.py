@@ -22,7 +22,8 @@ from scipy.stats import chisquare
 from vocabspec.speculation.draft_vocab import FullVocab, SpecVocab, StaticSubset
 from vocabspec.speculation.draft_model import DraftModelProposer
 from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-from vocabspec.speculation.generate import Engine, GenerationConfig, Proposer
+from vocabspec.speculation.generate import GenerationConfig, Proposer
+from vocabspec.speculation.batch import Engine
 from vocabspec.speculation.hybrid import EagleLookupProposer
 from vocabspec.speculation.medusa import MedusaHeads, MedusaProposer
 from vocabspec.speculation.sampling import SamplingParams, target_probs

@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vocabspec.speculation.draft_vocab import make_draft_vocab
 from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-from vocabspec.speculation.generate import Engine, GenerationConfig
+from vocabspec.speculation.generate import GenerationConfig
+from vocabspec.speculation.batch import Engine
 from vocabspec.speculation.hybrid import EagleLookupProposer
 from vocabspec.speculation.medusa import MedusaHeads, MedusaProposer, bundled_medusa_dir
 from vocabspec.speculation.pld import PromptLookupProposer

@@ -609,7 +609,7 @@ def generate_file(args) -> int:
     the input's order (text, tokens, stop reason, timings)."""
 
     from .serving.api import load
-    from .serving.batch import BatchLimits
+    from .speculation.batch import BatchLimits
 
     path = Path(args.input)
     if not path.is_file():

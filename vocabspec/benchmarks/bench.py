@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..speculation.generate import Engine, GenerationConfig
+from ..speculation.generate import GenerationConfig
+from ..speculation.batch import Engine
 from ..engine.prompts import encode_conversation, stop_strings
 from ..speculation.sampling import SamplingParams
 

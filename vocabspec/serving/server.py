@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .api import LanguageModel
-from .batch import BatchLimits, Busy
+from ..speculation.batch import BatchLimits, Busy
 from ..speculation.generate import GenerationResult, TokenLogprob
 
 

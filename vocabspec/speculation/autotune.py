@@ -46,6 +46,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from .cost_curve import forward_seconds
 from .generate import Proposer
 from ..engine.linear import packing_enabled
 
@@ -79,38 +80,6 @@ def accept_length_at(path_ranks: tuple[int, ...], size: int) -> int:
             break
         kept += 1
     return kept + 1
-
-
-def forward_seconds(model, sizes, context: int = 256, repeats: int = FORWARD_REPEATS,
-                    bar=None) -> dict[int, float]:
-    """Median seconds of the verification forward at each size, sizes taken in turn within
-    each round: a burst of load from elsewhere then slows one round of every size, which the
-    median drops, instead of every repeat of a few neighbouring sizes."""
-    cache = model.new_cache(context + max(sizes) + 1)
-    device = model.device
-    runs: dict[int, list[float]] = {n: [] for n in sizes}
-    with torch.inference_mode():
-        ids = torch.randint(model.args.vocab_size, (context,), device=device)
-        model(ids, torch.arange(context, device=device), cache)
-        cache.commit()
-        trees = {}
-        for n in sizes:
-            trees[n] = (torch.randint(model.args.vocab_size, (n + 1,), device=device),
-                        torch.arange(context, context + n + 1, device=device),
-                        torch.ones(n + 1, n + 1, dtype=torch.bool, device=device).tril())
-        for round_ in range(repeats + 1):          # the first round warms up
-            for n, (tokens, positions, mask) in trees.items():
-                start = time.perf_counter()
-                hidden, _ = model(tokens, positions, cache, tree_mask=mask, logits_rows=[])
-                model.lm_head(hidden[:model.verify_head_rows])   # what verification scores at first
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                if round_:
-                    runs[n].append(time.perf_counter() - start)
-                cache.discard()
-                if bar is not None:
-                    bar.update()
-    return {n: statistics.median(times) for n, times in runs.items()}
 
 
 def pick(table: dict[str, dict], tolerance: float = TOLERANCE) -> dict:
@@ -175,7 +144,8 @@ def calibration_depths(depth: int) -> list[int]:
 def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
               forwards: dict[int, float], bar=None) -> dict:
     from .drafter import EagleProposer
-    from .generate import Engine, GenerationConfig
+    from .generate import GenerationConfig
+    from .batch import Engine
     from ..engine.prompts import encode_conversation
 
     largest = max(CANDIDATE_SIZES)
@@ -289,7 +259,8 @@ def measured_speedups(model, tokenizer, proposers: dict, prompts, static: bool |
     calibration prompts taken in turn (plain, then each proposer, prompt by prompt), so that
     drift on a shared machine hits all alike: the median over prompts of each prompt's ratio,
     so that one stall of the machine during one generation does not decide."""
-    from .generate import Engine, GenerationConfig
+    from .generate import GenerationConfig
+    from .batch import Engine
 
     # The tuner only measures: whether inexact drafting may run is the caller's Engine's to say.
     engines = {"plain": Engine(model, tokenizer, static=static)}
@@ -345,7 +316,8 @@ def choose_medusa_tree(model, heads, head, tokenizer, key: str, log=None):
 
     def compute():
         prompts = _calibration_prompts(tokenizer)
-        from .generate import Engine, GenerationConfig
+        from .generate import GenerationConfig
+        from .batch import Engine
 
         engine = Engine(model, tokenizer, MedusaProposer(model, heads, head, MEDUSA_63), allow_inexact=True)
         hits = [0] * len(MEDUSA_63)
@@ -409,7 +381,8 @@ def calibrate_static(model, drafter, head, prompts, depth: int, top_k: int, size
     last decoder times the step at every size and plain decoding's step. `loop_s`: the
     generation loop's own time per step (text, bookkeeping), added to every step alike."""
     from .drafter import EagleProposer
-    from .generate import Engine, GenerationConfig
+    from .generate import GenerationConfig
+    from .batch import Engine
 
     sizes = sizes or STATIC_SIZES
     config = GenerationConfig(max_new_tokens=new_tokens or CALIBRATION_NEW_TOKENS)

@@ -1,9 +1,12 @@
-"""The generation loop: prompt -> prefill -> (draft -> verify -> commit)* -> text.
+"""One request's generation: prompt -> prefill -> (draft -> verify -> commit)* -> text.
 
-Vanilla decoding is the same loop with no proposer (an empty tree each step), so every method
-shares prefill, stopping rules, streaming and statistics. A proposer (EAGLE drafter, prompt
-lookup) only has to turn the committed context into a `DraftTree` and to hear back which
-tokens were accepted.
+A `Generation` holds a request's state and its parts of a step: `start` (prefill, the first
+token), `propose` (the tree to verify), `finish` (verify, commit, tell the proposer, emit).
+`step_together` is the step: every running request's tree through the target in one forward.
+The loop that takes those steps, for one request or many, is batch.py's. Vanilla decoding is
+the same step with no proposer (the root alone), so every method shares prefill, stopping
+rules, streaming and statistics. A proposer (EAGLE drafter, prompt lookup) only has to turn
+the committed context into a `DraftTree` and to hear back which tokens were accepted.
 """
 
 from __future__ import annotations
@@ -265,89 +268,8 @@ def require_exact(model: Transformer, allow_inexact: bool = False) -> None:
 def static_by_default(model: Transformer) -> bool:
     """Whether an Engine runs greedy steps as static, capturable steps unless told: on CUDA,
     where CUDA graphs pay (not yet on the row-invariant kernels, which need the host's view of
-    each row's keys); on the CPU the general loop scores fewer rows."""
+    each row's keys); on the CPU the eager steps score fewer rows."""
     return model.device.type == "cuda" and not model.kernels
-
-
-class Engine:
-    """A target model (and optionally a proposer) ready to generate."""
-
-    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
-                 proposer: Proposer | None = None, allow_inexact: bool = False,
-                 static: bool | None = None):
-        if proposer is not None:
-            require_exact(model, allow_inexact)
-        self.model = model
-        self.tokenizer = tokenizer
-        self.proposer = proposer
-        # Greedy steps with static shapes and one read-back each, captured as CUDA graphs on
-        # a GPU (static_step.py). None: `static_by_default`, for proposers that can (prompt
-        # lookup, Medusa, EAGLE without SpecVocab).
-        if static is None:
-            static = static_by_default(model)
-        if static and model.native is not None:
-            raise ValueError("static steps run on torch's kernels (a GPU's path); the native "
-                             "engine keeps its own cache: load with backend='torch'")
-        if static and proposer is not None and not proposer.static:
-            static = False
-        self.static = static
-        self.decoders: dict[int, object] = {}    # static_step.StaticDecoder by cache size
-        self.max_len = model.args.max_seq_len
-        self._cache: KVCache | None = None
-        eos = set(model.args.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_ids = eos
-
-    @property
-    def cache(self) -> KVCache:
-        """The general loop's cache, made when first needed: static steps keep their own per
-        size (`decoders`), and a cache of the whole context window is the largest allocation a
-        request makes (1 GB for an 8B model at 8k tokens in bfloat16)."""
-        if self._cache is None:
-            self._cache = self.model.new_cache(self.max_len)
-        return self._cache
-
-    def check_prompt(self, prompt_ids: list[int], config: GenerationConfig, limit: int | None = None) -> None:
-        """ValueError unless the prompt can run: not empty, ids in the vocabulary, prompt and
-        answer within `limit` tokens of cache (default: this engine's)."""
-        limit = self.max_len if limit is None else limit
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model.args.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
-        room = limit - len(prompt_ids)
-        if room < 1:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context "
-                             f"window here is {limit} tokens")
-        if config.max_new_tokens > room - 1:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
-                             f"({config.max_new_tokens}) exceed the context window of {limit} "
-                             f"tokens; at most {room - 1} new tokens fit")
-
-    def static_decoder(self, tokens: int):
-        """The static steps' decoder with room for `tokens`, its cache's slots rounded up to a
-        power of two (from 256) so that a few sizes, and their CUDA graphs, serve every request."""
-        from .static_step import StaticDecoder
-
-        size = 256
-        while size < tokens:
-            size *= 2
-        size = min(size, self.max_len)
-        if size not in self.decoders:
-            self.decoders[size] = StaticDecoder(self.model, self.proposer, size)
-        return self.decoders[size]
-
-    def stream(self, prompt_ids: list[int], config: GenerationConfig) -> "Generation":
-        self.check_prompt(prompt_ids, config)
-        return Generation(self, list(prompt_ids), config)
-
-    def generate(self, prompt_ids: list[int], config: GenerationConfig) -> GenerationResult:
-        generation = self.stream(prompt_ids, config)
-        for _ in generation:
-            pass
-        return generation.result
 
 
 class Generation:
@@ -378,7 +300,10 @@ class Generation:
         self.tree_room = (self.proposer.max_tree_tokens if self.proposer is not None else 0) + 1
         self.token = -1          # the last sampled token: the next tree's root
         self.started = 0.0
-        self.decoder = None      # the static steps' decoder, where they ran (static_step.py)
+        # Greedy steps of fixed shapes, one read-back each (static_step.py), for the engine's
+        # own request where the engine runs them (`Engine.static`): the loop's device form.
+        self.static = (engine.static and cache is None and params.greedy and config.logprobs is None)
+        self.decoder = None      # the static steps' decoder, where they run
 
     @property
     def cache(self) -> KVCache:
@@ -389,48 +314,33 @@ class Generation:
         self._cache = cache
 
     def __iter__(self) -> Iterator[str]:
-        # Each step holds the model's lock; between steps (while the caller reads a delta) a
-        # batch's thread or another generation may run theirs.
-        steps = self._steps()
-        while True:
-            with self.engine.model.lock:
-                try:
-                    delta = next(steps)
-                except StopIteration:
-                    return
-            yield delta
-
-    def _steps(self) -> Iterator[str]:
-        engine, config, result = self.engine, self.config, self.result
-        static = engine.static and config.sampling.greedy and config.logprobs is None
-        self.started = time.perf_counter()
-        if self.proposer is not None and self.proposer.static:
-            self.proposer.set_static(None)
-        try:
-            if static:
-                yield from self._loop_static(self.started, self.generator)
-                return
-            with torch.inference_mode():
-                delta = self.start()
-                while True:
-                    if delta:
-                        yield delta
-                    if self.done:
-                        break
-                    _, delta = step_together(engine.model, [self], [True])[0]
-                    if isinstance(delta, BaseException):
-                        raise delta
-        finally:
-            result.seconds = time.perf_counter() - self.started
+        # The engine's one-slot batch steps it on this thread (batch.py: the one loop). Each
+        # step holds the model's lock; between steps (while the caller reads a delta) a batch's
+        # thread or another engine may run theirs.
+        return self.engine.solo.run_alone(self)
 
     # ---------------------------------------------------------------- steps
 
     def start(self) -> str:
-        """Prefill, the first token, the proposer's start; the text that token shows."""
+        """Prefill, the first token, the proposer's start; the text that token shows. Static
+        steps prefill their decoder's own cache (`static`)."""
         if not self.started:
             self.started = time.perf_counter()
+        proposer, taps = self.proposer, self.taps
+        if proposer is not None and proposer.static:
+            proposer.set_static(None)
+        if self.static:
+            room = len(self.prompt_ids) + self.config.max_new_tokens + self.tree_room
+            self.decoder = self.engine.static_decoder(room)
+            self.cache = self.decoder.cache
+            if proposer is not None:
+                proposer.set_static(self.decoder.max_len)
+                self.tree_room = proposer.static_rows
+            taps = self.decoder.taps
         self.cache.reset()
-        logits, self.token = self._prefill(self.started, self.generator, self.taps)
+        logits, self.token = self._prefill(self.started, self.generator, taps)
+        if self.static:
+            self.decoder.start(self.token)
         return self._emit([self.token], [logits[0]])
 
     @property
@@ -485,33 +395,15 @@ class Generation:
         rows = None if logits is None else [logits[node] for node in verdict.path]
         return self._emit(accepted[1:] + [self.token], rows)
 
-    def _loop_static(self, start: float, generator) -> Iterator[str]:
-        """Greedy steps that are device work only, one read-back each (static_step.py)."""
-        engine, config, result, proposer = self.engine, self.config, self.result, self.proposer
-        room = len(self.prompt_ids) + config.max_new_tokens + self.tree_room
-        decoder = self.decoder = engine.static_decoder(room)
-        self.cache = decoder.cache
-        self.cache.reset()
-        if proposer is not None:
-            proposer.set_static(decoder.max_len)
-            self.tree_room = proposer.static_rows
-        with torch.inference_mode():
-            _, token = self._prefill(start, generator, decoder.taps)
-            decoder.start(token)
-            emitted = [token]
-            while True:
-                delta = self._emit(emitted)
-                if delta:
-                    yield delta
-                if self._stopped():
-                    break
-                t0 = time.perf_counter()
-                accepted, token, ranks, size = decoder.step(self.can_draft)
-                if proposer is not None:
-                    proposer.after_static(accepted, token, decoder.length)
-                # A step is one launch (a CUDA graph): all of it counts as verification.
-                result.steps.append(StepRecord(len(accepted), size, 0.0, time.perf_counter() - t0, ranks))
-                emitted = accepted[1:] + [token]
+    def step_static(self) -> str:
+        """One static step (static_step.py): device work only, one read-back; the text it shows."""
+        t0 = time.perf_counter()
+        accepted, self.token, ranks, size = self.decoder.step(self.can_draft)
+        if self.proposer is not None:
+            self.proposer.after_static(accepted, self.token, self.decoder.length)
+        # A step is one launch (a CUDA graph): all of it counts as verification.
+        self.result.steps.append(StepRecord(len(accepted), size, 0.0, time.perf_counter() - t0, ranks))
+        return self._emit(accepted[1:] + [self.token])
 
     def _prefill(self, start: float, generator, taps) -> tuple[torch.Tensor, int]:
         """Run the prompt, pick the first token and start the proposer on the prompt's states;

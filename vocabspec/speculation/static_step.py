@@ -17,8 +17,8 @@ descendants cannot make the final tree: it changes no kept node) and flattened i
 nodes were drafted, so it is the same set of nodes as `tree.TreeBuilder` keeps, in another
 order. Verification follows the target's argmax from the root: a node is accepted when its
 token is its parent's argmax and its parent is accepted; the next token is the argmax at the
-deepest accepted node (`verify.verify_greedy`, the eager loop's verifier too): plain decoding's output,
-float32 ties apart on torch's kernels (not row-invariant). Sampling uses the general loop
+deepest accepted node (`verify.verify_greedy`, the eager steps' verifier too): plain decoding's output,
+float32 ties apart on torch's kernels (not row-invariant). Sampling takes the eager steps
 (generate.py), as does the native CPU engine, which keeps its own cache.
 """
 

@@ -323,7 +323,7 @@ def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]],
     the batch, and it is the text the drafter will meet. An answer keeps the end-of-sequence
     token that ended it; a base model's ends at its stop string. Returns the generator's name."""
     from ..serving.api import load
-    from ..serving.batch import BatchLimits
+    from ..speculation.batch import BatchLimits
     from ..speculation.generate import GenerationConfig
     from ..engine.prompts import stop_strings
 
@@ -766,7 +766,8 @@ def measure_tau(drafter: EagleDrafter, target: Transformer, prompts: list[list[i
                 max_new_tokens: int = 64) -> float:
     """Mean accepted length (bonus token counted) of greedy EAGLE-2 decoding on a few prompts."""
     from ..speculation.drafter import EagleProposer
-    from ..speculation.generate import Engine, GenerationConfig
+    from ..speculation.generate import GenerationConfig
+    from ..speculation.batch import Engine
 
     # The trainer's target runs on torch's kernels, where drafting is refused as inexact; tau only
     # counts accepted tokens, and rounding differences barely move it.

@@ -1,4 +1,9 @@
-"""Serving many requests at once: continuous batching, each answer bit-identical to serving it alone.
+"""The decoding loop: continuous batching, each answer bit-identical to serving it alone.
+
+Every request is stepped here. A single request (`Engine.stream`, `Engine.generate`) is a
+batch of one: the engine's one-slot `BatchEngine` (`Engine.solo`), stepped on the caller's
+thread, which drafts at every step its proposer can. On CUDA that request's greedy steps take
+the loop's device form, static steps captured as CUDA graphs (static_step.py).
 
 Requests join and leave a running batch between steps. A step asks each running request for its
 tree (drafted by its own proposer, or the root alone for plain decoding), runs every tree's rows
@@ -22,8 +27,9 @@ step.
 
 The draft budget follows the batch and the cost curve. A step of B requests over R rows yields
 B tokens plus the drafts accepted, in the time of a forward of R rows, c(R), measured on this
-machine when the engine starts (autotune.forward_seconds). A greedy request's tree of d rows
-(prompt lookup's actual proposal; another proposer's largest) joins the step only if it raises the step's tokens per second: (B + G + g) / c(R + d) >
+machine when the engine starts (cost_curve.py). A greedy request's tree of d rows
+(prompt lookup's actual proposal; another proposer's largest) joins the step only if it
+raises the step's tokens per second: (B + G + g) / c(R + d) >
 (B + G) / c(R), with g the drafts its slot has been accepting per drafted step (a running mean,
 from a prior of 0.5) and G those of the trees already in. On a CPU, where each row costs a share
 of a forward, a lone request drafts and a full batch decodes plainly; on a GPU, where rows are
@@ -38,11 +44,111 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
-from ..speculation.generate import Engine, Generation, GenerationConfig, GenerationResult, step_together
+from ..engine.kv_cache import KVCache
+from ..engine.model import Transformer
+from ..engine.tokenizer import Tokenizer
+from .cost_curve import Costs
+from .generate import (Generation, GenerationConfig, GenerationResult, Proposer, require_exact,
+                       static_by_default, step_together)
+
+
+class Engine:
+    """A target model (and optionally a proposer) ready to generate."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
+                 proposer: Proposer | None = None, allow_inexact: bool = False,
+                 static: bool | None = None):
+        if proposer is not None:
+            require_exact(model, allow_inexact)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        # Greedy steps with static shapes and one read-back each, captured as CUDA graphs on
+        # a GPU (static_step.py). None: `static_by_default`, for proposers that can (prompt
+        # lookup, Medusa, EAGLE without SpecVocab).
+        if static is None:
+            static = static_by_default(model)
+        if static and model.native is not None:
+            raise ValueError("static steps run on torch's kernels (a GPU's path); the native "
+                             "engine keeps its own cache: load with backend='torch'")
+        if static and proposer is not None and not proposer.static:
+            static = False
+        self.static = static
+        self.decoders: dict[int, object] = {}    # static_step.StaticDecoder by cache size
+        self.max_len = model.args.max_seq_len
+        self._solo: BatchEngine | None = None
+        eos = set(model.args.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_ids = eos
+
+    @property
+    def cache(self) -> KVCache:
+        """The cache of the engine's own request (its one slot's), made when first needed:
+        static steps keep their own per size (`decoders`), and a cache of the whole context
+        window is the largest allocation a request makes (1 GB for an 8B model at 8k tokens in
+        bfloat16)."""
+        return self.solo.slots[0].cache
+
+    @property
+    def solo(self) -> "BatchEngine":
+        """The one-slot batch that steps this engine's own request (`stream`, `generate`) on
+        the calling thread: a single request is a batch of one. It drafts at every step its
+        proposer can, the tree the user chose (the batch's cost rule weighs trees against other
+        requests' rows, and there are none)."""
+        if self._solo is None:
+            # Rows capped at the window (no tree outgrows it: `Generation.can_draft`), not by cost.
+            limits = BatchLimits(max_batch=1, max_waiting=1, window=self.max_len, tree_rows=self.max_len)
+            self._solo = BatchEngine(self, lambda: self.proposer, limits, thread=False, allocate=False)
+        return self._solo
+
+    def check_prompt(self, prompt_ids: list[int], config: GenerationConfig, limit: int | None = None) -> None:
+        """ValueError unless the prompt can run: not empty, ids in the vocabulary, prompt and
+        answer within `limit` tokens of cache (default: this engine's)."""
+        limit = self.max_len if limit is None else limit
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
+        room = limit - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context "
+                             f"window here is {limit} tokens")
+        if config.max_new_tokens > room - 1:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                             f"({config.max_new_tokens}) exceed the context window of {limit} "
+                             f"tokens; at most {room - 1} new tokens fit")
+
+    def static_decoder(self, tokens: int):
+        """The static steps' decoder with room for `tokens`, its cache's slots rounded up to a
+        power of two (from 256) so that a few sizes, and their CUDA graphs, serve every request."""
+        from .static_step import StaticDecoder
+
+        size = 256
+        while size < tokens:
+            size *= 2
+        size = min(size, self.max_len)
+        if size not in self.decoders:
+            self.decoders[size] = StaticDecoder(self.model, self.proposer, size)
+        return self.decoders[size]
+
+    def stream(self, prompt_ids: list[int], config: GenerationConfig) -> Generation:
+        """The request's `Generation`: iterating it steps it (`solo`) and yields its text."""
+        self.check_prompt(prompt_ids, config)
+        return Generation(self, list(prompt_ids), config)
+
+    def generate(self, prompt_ids: list[int], config: GenerationConfig) -> GenerationResult:
+        self.check_prompt(prompt_ids, config)
+        # Nobody reads the text before the end: it is decoded once then.
+        generation = Generation(self, list(prompt_ids), config, stream=False)
+        for _ in generation:
+            pass
+        return generation.result
 
 
 class Busy(RuntimeError):
@@ -81,6 +187,7 @@ class Request:
     result: GenerationResult | None = None
     error: BaseException | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    generation: Generation | None = None    # made by the caller for the slot (`run_alone`)
 
     def wait(self, timeout: float | None = None) -> GenerationResult:
         if not self.done.wait(timeout):
@@ -96,36 +203,20 @@ GAIN_WEIGHT = 0.1         # the running mean's weight of the latest drafted step
 
 class Slot:
     def __init__(self, engine: Engine, window: int, proposer):
-        self.cache = engine.model.new_cache(window)
+        self.model, self.window = engine.model, window
+        self._cache = None
         self.proposer = proposer
         self.generation: Generation | None = None
         self.request: Request | None = None
         self.gain = PRIOR_GAIN
 
-
-class Costs:
-    """c(rows): the seconds of a target forward over `rows` rows, from measured sizes, linear
-    between them and beyond the largest."""
-
-    def __init__(self, seconds: dict[int, float]):
-        self.rows = sorted(seconds)
-        self.seconds = [seconds[n] for n in self.rows]
-
-    @classmethod
-    def measure(cls, model, most: int) -> Costs:
-        from ..speculation.autotune import forward_seconds
-
-        sizes = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n < most} | {most - 1})
-        return cls({n + 1: s for n, s in forward_seconds(model, sizes, repeats=3).items()})
-
-    def __call__(self, rows: int) -> float:
-        xs, ys = self.rows, self.seconds
-        if rows <= xs[0]:
-            return ys[0]
-        for i in range(1, len(xs)):
-            if rows <= xs[i] or i == len(xs) - 1:
-                return ys[i - 1] + (ys[i] - ys[i - 1]) * (rows - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[0]
+    @property
+    def cache(self) -> KVCache:
+        """The slot's KV cache of `window` tokens, made when first used (a request on static
+        steps uses its decoder's instead)."""
+        if self._cache is None:
+            self._cache = self.model.new_cache(self.window)
+        return self._cache
 
 
 class BatchEngine:
@@ -135,7 +226,7 @@ class BatchEngine:
     per slot); a request with draft=False decodes plainly in its slot."""
 
     def __init__(self, engine: Engine, make_proposer: Callable[[], object] | None = None,
-                 limits: BatchLimits | None = None, thread: bool = True):
+                 limits: BatchLimits | None = None, thread: bool = True, allocate: bool = True):
         self.engine, self.limits = engine, limits or BatchLimits()
         model = engine.model
         if self.limits.window > model.args.max_seq_len:
@@ -143,6 +234,11 @@ class BatchEngine:
                              f"{model.args.max_seq_len}")
         self.slots = [Slot(engine, self.limits.window, make_proposer() if make_proposer else None)
                       for _ in range(self.limits.max_batch)]
+        # A server meets its memory need when it starts, not under its first load. allocate=False
+        # (the engine's own batch of one): each cache when first used, since static steps use
+        # their decoder's.
+        for slot in self.slots if allocate else ():
+            slot.cache
         # The cost curve the draft budget reads: measured once, where anything drafts.
         self.costs = None
         drafting = [slot.proposer for slot in self.slots if slot.proposer is not None]
@@ -204,6 +300,34 @@ class BatchEngine:
                 for request in requests:
                     request.done.wait()
         return [request.wait() for request in requests]
+
+    def run_alone(self, generation: Generation) -> Iterator[str]:
+        """Run `generation`, made for this engine's slot (`Engine.stream`: the engine's own
+        request), stepping on this thread; yields its text as it comes, raises what ended it."""
+        pieces: list[str] = []
+        with self.stepping:
+            if any(slot.generation is not None for slot in self.slots) or not self.waiting.empty():
+                raise RuntimeError("this engine is running another generation: finish it first, "
+                                   "or serve several at once with a BatchEngine")
+            request = Request(generation.prompt_ids, generation.config,
+                              on_piece=lambda text, _: pieces.append(text), generation=generation)
+            self.waiting.put_nowait(request)
+            self._run_once()           # admitted (prefilled) before anything can abandon it
+        try:
+            while True:
+                while pieces:
+                    yield pieces.pop(0)
+                if request.done.is_set():
+                    break
+                self.run_once()
+        finally:
+            if not request.done.is_set():       # abandoned by the caller: free the slot
+                with self.stepping:
+                    for slot in self.slots:
+                        if slot.request is request:
+                            self._end(slot, None)
+        if request.error is not None:
+            raise request.error
 
     def close(self) -> None:
         self.stopping = True
@@ -274,9 +398,9 @@ class BatchEngine:
                 request = self.waiting.get_nowait()
             except queue.Empty:
                 return
-            generation = Generation(self.engine, request.prompt_ids, request.config, cache=slot.cache,
-                                    proposer=slot.proposer if request.draft else None,
-                                    stream=request.on_piece is not None)
+            generation = request.generation or Generation(
+                self.engine, request.prompt_ids, request.config, cache=slot.cache,
+                proposer=slot.proposer if request.draft else None, stream=request.on_piece is not None)
             slot.generation, slot.request = generation, request
             try:
                 started = time.perf_counter()
@@ -289,6 +413,12 @@ class BatchEngine:
 
     def _step(self, running: list[Slot]) -> None:
         model = self.engine.model
+        if running[0].generation.static:        # the engine's own request on static steps
+            with torch.inference_mode():
+                delta = running[0].generation.step_static()
+            self.steps += 1
+            self._deliver(running[0], delta)
+            return
         drafts = self._drafting(running)
         with torch.inference_mode():
             outcomes = step_together(model, [slot.generation for slot in running], drafts)
@@ -312,13 +442,13 @@ class BatchEngine:
         """Which running requests draft this step (the module docstring's rule)."""
         sampled = [not slot.generation.config.sampling.greedy for slot in running]
         drafts = [s and slot.generation.can_draft for s, slot in zip(sampled, running)]
-        rows = len(running) + sum(slot.proposer.max_tree_tokens for slot, d in zip(running, drafts) if d)
+        rows = len(running) + sum(slot.generation.proposer.max_tree_tokens for slot, d in zip(running, drafts) if d)
         tokens = len(running) + sum(slot.gain for slot, d in zip(running, drafts) if d)
         # Greedy requests, likeliest to gain first.
         for index in sorted((i for i, slot in enumerate(running) if not sampled[i] and slot.generation.can_draft),
                             key=lambda i: -running[i].gain):
             slot = running[index]
-            extra = slot.proposer.next_tree_tokens()
+            extra = slot.generation.proposer.next_tree_tokens()
             if extra == 0:
                 continue
             if self.costs is None:
@@ -350,6 +480,5 @@ class BatchEngine:
             return
         generation.result.seconds = time.perf_counter() - generation.started
         request.result, request.error = generation.result, error
-        slot.generation = slot.request = None
-        slot.cache.reset()
+        slot.generation = slot.request = None      # its cache is reset when the next one starts
         request.done.set()
