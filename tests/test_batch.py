@@ -216,7 +216,7 @@ def test_the_serving_benchmark_measures_batches_with_the_openai_client(tmp_path)
 def test_the_draft_budget_follows_the_cost_curve(lms):
     """Rows nearly free (a GPU's curve): every greedy request drafts. Each row a whole forward's
     cost: none does, a drafted tree never paying for its rows. Tokens as alone either way."""
-    from vocabspec.speculation.batch import Costs
+    from vocabspec.speculation.cost_curve import Costs
 
     lm = lms["eagle"]
     batch = BatchEngine(lm.engine, lambda: vocabspec.speculation.proposers.make_proposer(

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from ..speculation.batch import BatchEngine, BatchLimits
+from ..speculation.batch import BatchEngine, BatchLimits, Engine
 from ..speculation.generate import GenerationConfig, GenerationResult, require_exact
-from ..speculation.batch import Engine
 from ..engine.loading import load_model
 from ..speculation.proposers import DraftConfig, make_proposer
 from ..speculation.sampling import SamplingParams

@@ -202,9 +202,9 @@ GAIN_WEIGHT = 0.1         # the running mean's weight of the latest drafted step
 
 
 class Slot:
-    def __init__(self, engine: Engine, window: int, proposer):
+    def __init__(self, engine: Engine, window: int, proposer, allocate: bool = True):
         self.model, self.window = engine.model, window
-        self._cache = None
+        self._cache = self.model.new_cache(window) if allocate else None
         self.proposer = proposer
         self.generation: Generation | None = None
         self.request: Request | None = None
@@ -212,8 +212,8 @@ class Slot:
 
     @property
     def cache(self) -> KVCache:
-        """The slot's KV cache of `window` tokens, made when first used (a request on static
-        steps uses its decoder's instead)."""
+        """The slot's KV cache of `window` tokens (made when first used where the slot was not
+        allocated: a request on static steps uses its decoder's instead)."""
         if self._cache is None:
             self._cache = self.model.new_cache(self.window)
         return self._cache
@@ -232,13 +232,11 @@ class BatchEngine:
         if self.limits.window > model.args.max_seq_len:
             raise ValueError(f"a slot's window of {self.limits.window} tokens exceeds the model's "
                              f"{model.args.max_seq_len}")
-        self.slots = [Slot(engine, self.limits.window, make_proposer() if make_proposer else None)
-                      for _ in range(self.limits.max_batch)]
         # A server meets its memory need when it starts, not under its first load. allocate=False
         # (the engine's own batch of one): each cache when first used, since static steps use
         # their decoder's.
-        for slot in self.slots if allocate else ():
-            slot.cache
+        self.slots = [Slot(engine, self.limits.window, make_proposer() if make_proposer else None, allocate)
+                      for _ in range(self.limits.max_batch)]
         # The cost curve the draft budget reads: measured once, where anything drafts.
         self.costs = None
         drafting = [slot.proposer for slot in self.slots if slot.proposer is not None]
