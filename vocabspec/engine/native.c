@@ -1105,20 +1105,90 @@ void vs_head(const float *norm, float eps, const vs_weight *w, const float *hidd
 /* Where dimension d of the key in slot t lies in one kv head's keys (T/16 blocks of D x 16). */
 #define KEY_AT(t, d, D) ((((int64_t)(t) >> 4) * (D) + (d)) * 16 + ((t) & 15))
 
+/* The query heads of one kv group that a work item serves together (at most HEADS_MAX): each key
+   and value vector is loaded once for all of them, and their independent fused multiply-add
+   chains keep the FMA units busy where one head's chains would wait on each other's latency.
+   The keys and values of a long context are read from memory once per group rather than once
+   per head. Each head's arithmetic (its chains, their order) is what it is alone. KEY_BLOCKS:
+   blocks of 16 keys a pass of the score loop holds in registers. */
+#if VS_AVX512
+#define HEADS_MAX 4
+#define KEY_BLOCKS 4
+#else
+#define HEADS_MAX 2 /* AVX2: 16 registers, two to a vector */
+#define KEY_BLOCKS 2
+#endif
+
+/* Scores of `hb` heads for KEY_BLOCKS blocks of 16 keys at kb: o[h][j] = scale * (q_h . key j). */
+ALWAYS void scores_pass(const int hb, const float *const *qv, const float *kb, const int64_t D,
+                        float *const *o, const vf scale) {
+    vf a[HEADS_MAX][KEY_BLOCKS];
+    for (int h = 0; h < hb; h++)
+        for (int b = 0; b < KEY_BLOCKS; b++) a[h][b] = vf_zero();
+    for (int64_t d = 0; d < D; d++) {
+        vf k[KEY_BLOCKS];
+        for (int b = 0; b < KEY_BLOCKS; b++) k[b] = vf_load(kb + (b * D + d) * 16);
+        for (int h = 0; h < hb; h++) {
+            const vf qd = vf_set1(qv[h][d]);
+            for (int b = 0; b < KEY_BLOCKS; b++) a[h][b] = vf_fma(qd, k[b], a[h][b]);
+        }
+    }
+    for (int h = 0; h < hb; h++)
+        for (int b = 0; b < KEY_BLOCKS; b++) vf_store(o[h] + 16 * b, vf_mul(a[h][b], scale));
+}
+
+/* out[h] = (sum over the row's keys j of p_h[j] * value j) / sums[h] for `hb` heads, one chain
+   per output lane and head over the keys in position order; `chunks` = D / 16. */
+ALWAYS void values_pass(const int hb, const int64_t chunks, const float *vv, const int64_t D,
+                        float *const *sc, const float *sums, int64_t count, int64_t first, int64_t pre,
+                        const int32_t *xs, float *const *out) {
+    vf acc[HEADS_MAX][16];
+    for (int h = 0; h < hb; h++)
+        for (int64_t c = 0; c < chunks; c++) acc[h][c] = vf_zero();
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t li = first + j;
+        const int64_t slot = li < pre ? li : xs[li - pre];
+        const float *v = vv + slot * D;
+        vf p[HEADS_MAX];
+        for (int h = 0; h < hb; h++) p[h] = vf_set1(sc[h][j]);
+        for (int64_t c = 0; c < chunks; c++) {
+            const vf x = vf_load(v + 16 * c);
+            for (int h = 0; h < hb; h++) acc[h][c] = vf_fma(p[h], x, acc[h][c]);
+        }
+    }
+    for (int h = 0; h < hb; h++) {
+        const vf sum = vf_set1(sums[h]);
+        for (int64_t c = 0; c < chunks; c++) vf_store(out[h] + 16 * c, vf_div(acc[h][c], sum));
+    }
+}
+
+/* Heads per work item for n rows: the largest count up to HEADS_MAX that divides a group's heads
+   and still leaves two items a thread (a lone row on few threads keeps one head an item). */
+static int64_t heads_per_item(const vs_stack *s, int64_t n, int threads) {
+    const int64_t hpg = s->n_heads / s->n_kv;
+    for (int64_t hb = HEADS_MAX < hpg ? HEADS_MAX : hpg; hb > 1; hb--)
+        if (hpg % hb == 0 && n * s->n_heads / hb >= (int64_t)threads) return hb;
+    return 1;
+}
+
 /* Visibility of row r: cache slots [0, prefix[r]) hold positions 0 .. prefix[r] - 1, then the
    slots extra[xoff[r] .. xoff[r+1]) hold the next positions, the row's own last. Logical index
    i is position i; a sliding window drops indices below pos - window + 1. Keys are stored in
-   blocks of 16 slots (KEY_AT), so 64 keys' scores read four contiguous runs of memory. */
+   blocks of 16 slots (KEY_AT), so a pass's scores read KEY_BLOCKS contiguous runs of memory.
+   A work item is one row's `hb` consecutive heads of one kv group (heads_per_item). */
 static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, float *const *values,
                       int64_t layer, const float *q, int64_t n,
                       const int32_t *pos, const int32_t *prefix, const int32_t *xoff,
-                      const int32_t *extra, float *out, float *scratch) {
+                      const int32_t *extra, float *out, float *scratch, int64_t hb) {
     const int64_t H = s->n_heads, D = s->head_dim, hpg = s->n_heads / s->n_kv, T = s->max_len, G = s->n_kv;
     const vf scale = vf_set1(s->attn_scale);
+    const int64_t chunks = D / 16, per_row = H / hb;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n * H; item++) {
-        const int64_t r = item / H, h = item % H, g = h / hpg;
-        const float *qv = q + item * D;
+    for (int64_t item = 0; item < n * per_row; item++) {
+        const int64_t r = item % n, h0 = (item / n) * hb, g = h0 / hpg;
+        const float *qv[HEADS_MAX];
+        float *sc[HEADS_MAX], *from[HEADS_MAX], *o[HEADS_MAX];
+        float sums[HEADS_MAX];
         const float *kt = keys[r] + (layer * G + g) * D * T;     /* row r's own cache */
         const float *vv = values[r] + (layer * G + g) * T * D;
         const int64_t pre = prefix[r], nx = xoff[r + 1] - xoff[r];
@@ -1126,68 +1196,79 @@ static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, 
         int64_t first = 0;
         if (L->window > 0 && pos[r] - L->window + 1 > 0) first = pos[r] - L->window + 1;
         const int64_t count = pre + nx - first;
-        /* Scores from the block holding `first` (those before it computed and dropped): sc[j]
-           is index first + j's. */
+        /* Scores from the block holding `first` (those before it computed and dropped): sc[h][j]
+           is index first + j's for head h0 + h. */
         const int64_t start = first & ~(int64_t)15;
-        float *const from = scratch + (int64_t)omp_get_thread_num() * (T + 64);
-        float *const sc = from + (first - start);
+        for (int64_t h = 0; h < hb; h++) {
+            qv[h] = q + (r * H + h0 + h) * D;
+            from[h] = scratch + ((int64_t)omp_get_thread_num() * HEADS_MAX + h) * (T + 64);
+            sc[h] = from[h] + (first - start);
+        }
         /* Scores over the prefix: 16 keys a vector, each key one fma chain over d. */
         int64_t i = start;
-        for (; i + 64 <= pre; i += 64) {
-            vf a0 = vf_zero(), a1 = a0, a2 = a0, a3 = a0;
-            const float *kb = kt + i * D;          /* four blocks of 16 keys, one after another */
-            for (int64_t d = 0; d < D; d++) {
-                const vf qd = vf_set1(qv[d]);
-                a0 = vf_fma(qd, vf_load(kb + d * 16), a0);
-                a1 = vf_fma(qd, vf_load(kb + (D + d) * 16), a1);
-                a2 = vf_fma(qd, vf_load(kb + (2 * D + d) * 16), a2);
-                a3 = vf_fma(qd, vf_load(kb + (3 * D + d) * 16), a3);
+        for (; i + 16 * KEY_BLOCKS <= pre; i += 16 * KEY_BLOCKS) {
+            float *at[HEADS_MAX];
+            for (int64_t h = 0; h < hb; h++) at[h] = from[h] + (i - start);
+            switch (hb) {   /* constant head counts: the accumulators stay in registers */
+            case 1: scores_pass(1, qv, kt + i * D, D, at, scale); break;
+#if HEADS_MAX >= 4
+            case 3: scores_pass(3, qv, kt + i * D, D, at, scale); break;
+            case 4: scores_pass(4, qv, kt + i * D, D, at, scale); break;
+#endif
+            default: scores_pass(2, qv, kt + i * D, D, at, scale); break;
             }
-            float *o = from + (i - start);
-            vf_store(o, vf_mul(a0, scale));
-            vf_store(o + 16, vf_mul(a1, scale));
-            vf_store(o + 32, vf_mul(a2, scale));
-            vf_store(o + 48, vf_mul(a3, scale));
         }
         for (; i < pre; i += 16) {
-            vf a0 = vf_zero();
+            vf a[HEADS_MAX];
+            for (int64_t h = 0; h < hb; h++) a[h] = vf_zero();
             const float *kb = kt + i * D;
-            for (int64_t d = 0; d < D; d++)
-                a0 = vf_fma(vf_set1(qv[d]), vf_load_part(kb + d * 16, pre - i, 0.0f), a0);
-            vf_store_part(from + (i - start), vf_mul(a0, scale), pre - i);
+            for (int64_t d = 0; d < D; d++) {
+                const vf k = vf_load_part(kb + d * 16, pre - i, 0.0f);
+                for (int64_t h = 0; h < hb; h++) a[h] = vf_fma(vf_set1(qv[h][d]), k, a[h]);
+            }
+            for (int64_t h = 0; h < hb; h++) vf_store_part(from[h] + (i - start), vf_mul(a[h], scale), pre - i);
         }
         /* The extra slots: the same chain, one key at a time. */
         for (int64_t e = first > pre ? first - pre : 0; e < nx; e++) {
             const float *kd = kt + KEY_AT(xs[e], 0, D);
-            float a = 0.0f;
-            for (int64_t d = 0; d < D; d++) a = fmaf(qv[d], kd[d * 16], a);
-            sc[pre + e - first] = a * s->attn_scale;
+            for (int64_t h = 0; h < hb; h++) {
+                float a = 0.0f;
+                for (int64_t d = 0; d < D; d++) a = fmaf(qv[h][d], kd[d * 16], a);
+                sc[h][pre + e - first] = a * s->attn_scale;
+            }
         }
-        /* Softmax in position order. */
-        vf mx = vf_set1(-INFINITY);
-        for (int64_t j = 0; j < count; j += 16)
-            mx = vf_max(mx, vf_load_part(sc + j, count - j, -INFINITY));
-        const vf top = vf_set1(vf_hmax(mx));
-        vf total = vf_zero();
-        for (int64_t j = 0; j < count; j += 16) {
-            const vf e = vf_keep_part(vexp(vf_sub(vf_load_part(sc + j, count - j, 0.0f), top)), count - j);
-            vf_store_part(sc + j, e, count - j);
-            total = vf_add(total, e);
+        /* Softmax in position order, each head's own. */
+        for (int64_t h = 0; h < hb; h++) {
+            vf mx = vf_set1(-INFINITY);
+            for (int64_t j = 0; j < count; j += 16)
+                mx = vf_max(mx, vf_load_part(sc[h] + j, count - j, -INFINITY));
+            const vf top = vf_set1(vf_hmax(mx));
+            vf total = vf_zero();
+            for (int64_t j = 0; j < count; j += 16) {
+                const vf e = vf_keep_part(vexp(vf_sub(vf_load_part(sc[h] + j, count - j, 0.0f), top)), count - j);
+                vf_store_part(sc[h] + j, e, count - j);
+                total = vf_add(total, e);
+            }
+            sums[h] = vf_sum(total);
+            o[h] = out + (r * H + h0 + h) * D;
         }
-        const vf sum = vf_set1(vf_sum(total));
-        /* Weighted values: one chain per output lane, keys in position order. */
-        vf acc[16];
-        const int64_t chunks = D / 16;
-        for (int64_t c = 0; c < chunks; c++) acc[c] = vf_zero();
-        for (int64_t j = 0; j < count; j++) {
-            const int64_t li = first + j;
-            const int64_t slot = li < pre ? li : xs[li - pre];
-            const vf p = vf_set1(sc[j]);
-            const float *v = vv + slot * D;
-            for (int64_t c = 0; c < chunks; c++) acc[c] = vf_fma(p, vf_load(v + 16 * c), acc[c]);
+        /* Weighted values: one chain per output lane and head, keys in position order; heads
+           share a value vector's load where their accumulators fit the registers. */
+        if (hb * chunks <= 16) {
+            switch (hb * 16 + chunks) {
+            case 1 * 16 + 4: values_pass(1, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
+            case 2 * 16 + 4: values_pass(2, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
+            case 2 * 16 + 8: values_pass(2, 8, vv, D, sc, sums, count, first, pre, xs, o); break;
+#if HEADS_MAX >= 4
+            case 3 * 16 + 4: values_pass(3, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
+            case 4 * 16 + 4: values_pass(4, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
+#endif
+            default: values_pass(hb, chunks, vv, D, sc, sums, count, first, pre, xs, o); break;
+            }
+        } else {
+            for (int64_t h = 0; h < hb; h++)
+                values_pass(1, chunks, vv, D, sc + h, sums + h, count, first, pre, xs, o + h);
         }
-        float *o = out + item * D;
-        for (int64_t c = 0; c < chunks; c++) vf_store(o + 16 * c, vf_div(acc[c], sum));
     }
 }
 
@@ -1214,7 +1295,7 @@ int64_t vs_stack_work(const vs_stack *s, int64_t n) {
 }
 
 int64_t vs_attention_scratch(const vs_stack *s) {
-    return (int64_t)omp_get_max_threads() * (s->max_len + 64);
+    return (int64_t)omp_get_max_threads() * HEADS_MAX * (s->max_len + 64);
 }
 
 ALWAYS void add_rows(float *x, const float *y, int64_t dim) {
@@ -1244,6 +1325,7 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, int64_t n, const int32_t
     float *act = up + n * I;      /* n x I */
     float *o = act + n * I;       /* n x dim: a sub-block's output */
     const int threads = forward_team();
+    const int64_t hb = heads_per_item(s, n, threads);
     const double started = wall_now();
     double cpu = 0.0;
 #pragma omp parallel num_threads(threads) reduction(+ : cpu)
@@ -1278,7 +1360,7 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, int64_t n, const int32_t
             }
             memcpy(att + r * qs, qr, qs * sizeof(float));
         }
-        attention(s, L, keys, values, l, att, n, pos, prefix, xoff, extra, q, scratch);
+        attention(s, L, keys, values, l, att, n, pos, prefix, xoff, extra, q, scratch, hb);
         linear_rows(&L->wo, q, n, qs, o, dim);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; r++) {
