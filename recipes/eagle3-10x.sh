@@ -18,6 +18,7 @@ set -euo pipefail
 MODEL=${1:?usage: recipes/eagle3-10x.sh smollm2|gemma3}
 OUT=${OUT:-runs/e3-$MODEL-10x}
 ANSWERS=${ANSWERS:-runs/answers-$MODEL}
+DEVICE=${DEVICE:-cpu}      # cuda: features and training on a GPU (answers too, requests in turn)
 case $MODEL in     # every prompt of each kind that fits the room its answers leave, 2,000 problems
   smollm2) DATA="--conversations 64 --self-distill 9900 --task-prompts 20954 --later-turns 11000" ;;
   gemma3) DATA="--conversations 100 --self-distill 10000 --task-prompts 21174 --later-turns 13000 --distill-new-tokens 128" ;;
@@ -25,7 +26,7 @@ case $MODEL in     # every prompt of each kind that fits the room its answers le
 esac
 mkdir -p "$ANSWERS" && cp -n data/answers/$MODEL/*.safetensors "$ANSWERS"/
 vocabspec train --model $MODEL --drafter eagle3 --out "$OUT" --distill-start 0 $DATA \
-    --answers "$ANSWERS" --generate-answers --online-features --train-dtype auto --ttt-decay 0.8 \
+    --answers "$ANSWERS" --generate-answers --online-features --train-dtype auto --ttt-decay 0.8 --device "$DEVICE" \
     --epochs 1 --snapshot-tokens 1.9M,5.7M
 python scripts/drafter_scaling.py --model $MODEL --out docs/bench/scaling-$MODEL --append \
     --point "EAGLE-3,1.9M,$OUT/checkpoint-eagle3-at-1.9M.pt" \

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import venv
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,52 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
     assert len(untapped) == 8 and all(tp is None for *_, tp in untapped)
     with pytest.raises(ValueError, match="holds taps"):
         load_shards(TrainConfig(out=str(tmp_path), taps="1,2,4"), "train")
+
+
+def test_a_training_device_is_checked_before_any_work_and_a_run_resumes_on_another():
+    from vocabspec.training.train import TrainConfig, _run_identity, check_device
+
+    for bad in ("tpu", "gpu0"):
+        with pytest.raises(ValueError, match="cpu, cuda or cuda:N"):
+            check_device(TrainConfig(drafter="eagle3", device=bad), ("data", "train"))
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA device"):
+            check_device(TrainConfig(drafter="eagle3", device="cuda:99"), ("train",))
+        with pytest.raises(ValueError, match="trains --drafter eagle3"):
+            check_device(TrainConfig(drafter="eagle", device="cuda"), ("data", "train"))
+        check_device(TrainConfig(drafter="eagle", device="cuda"), ("data", "features"))
+    else:
+        with pytest.raises(ValueError, match="no CUDA device"):
+            check_device(TrainConfig(drafter="eagle3", device="cuda"), ("train",))
+    check_device(TrainConfig(drafter="eagle", device="cpu"), ("train",))
+    # A checkpoint written on one device resumes on another: the device is not the run's identity.
+    assert _run_identity(asdict(TrainConfig(device="cpu"))) == _run_identity(asdict(TrainConfig(device="cuda")))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_training_time_test_loss_on_a_gpu_is_the_cpus():
+    """The EAGLE-3 loss and its held-out agreement on a GPU, rows handed over on the CPU as
+    features come, match the CPU's (float32: within rounding)."""
+    from vocabspec.training.eagle3_train import evaluate, sequence_loss
+
+    target = tiny_target()
+    drafter = Eagle3Drafter.random(target, random_config(target, 150), seed=5, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(3):
+        ids = torch.randint(200, (16,), generator=generator)
+        with torch.inference_mode():
+            hidden, _, tapped = target(ids, torch.arange(16), target.new_cache(16), logits_rows=[], taps=(1, 3, 5))
+            candidates = torch.topk(target.lm_head(hidden), 4, dim=-1).indices
+        rows.append((ids.int(), hidden.clone(), candidates.int(), tapped.clone()))
+    with torch.no_grad():
+        on_cpu = [float(sequence_loss(drafter, *row, 3)[0]) for row in rows]
+        held_cpu = evaluate(drafter, rows, 3)
+        target.to("cuda"), drafter.to("cuda")
+        on_gpu = [float(sequence_loss(drafter, *(t.cuda() for t in row), 3)[0]) for row in rows]
+        held_gpu = evaluate(drafter, rows, 3)
+    assert on_gpu == pytest.approx(on_cpu, rel=1e-4)
+    assert held_gpu == held_cpu
 
 
 def test_export_writes_an_eagle3_drafter_in_either_layout(smollm2_eagle3, tmp_path):

@@ -268,11 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "EAGLE-3 (comma-separated indices, e.g. 1,14; default: none)")
     train.add_argument("--feature-dtype", default=defaults.feature_dtype,
                        choices=["auto", "float32", "bfloat16"],
-                       help="target dtype for feature extraction (auto: bfloat16 where the CPU "
+                       help="target dtype for feature extraction (auto: bfloat16 where the device "
                             "has fast bfloat16 matmuls, else float32)")
     train.add_argument("--train-dtype", default=defaults.train_dtype, choices=["float32", "bfloat16", "auto"],
                        help="the drafter's matmuls in training: bfloat16 runs them under autocast "
-                            "(weights and optimizer stay float32); auto: bfloat16 where the CPU "
+                            "(weights and optimizer stay float32); auto: bfloat16 where the device "
                             "has fast bfloat16 matmuls")
     train.add_argument("--snapshot-tokens", default=defaults.snapshot_tokens, metavar="N,N",
                        help="--drafter eagle3: keep the run as it stood after these many training "
@@ -283,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "of storing feature shards (no disk; the same forwards for one epoch)")
     train.add_argument("--full-vocab-loss", action="store_true",
                        help="exact cross-entropy over the whole vocabulary (slow on a CPU)")
+    train.add_argument("--device", default=defaults.device,
+                       help="where answers are generated, features computed and --drafter eagle3 "
+                            "trained: cpu, cuda or cuda:N (the same recipe; the other families "
+                            f"train on the CPU; default {defaults.device})")
     train.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all, fewer while other processes hold cores)")
 
     vocab = sub.add_parser("vocab", help="rank tokens by frequency and write a draft token map")

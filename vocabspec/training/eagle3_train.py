@@ -61,7 +61,7 @@ def new_drafter(target: Transformer, ids: torch.Tensor, seed: int) -> Eagle3Draf
     drafter = Eagle3Drafter.random(target, config, seed=seed, dtype=torch.float32)
     with torch.no_grad():
         drafter.draft_ids.copy_(ids)
-        drafter.lm_head.weight.copy_(target.head_weight[ids].float())
+        drafter.lm_head.weight.copy_(target.head_weight[ids.to(target.head_weight.device)].float())
         drafter.norm.weight.copy_(target.norm.weight.float())
     return drafter
 
@@ -71,7 +71,7 @@ def drafter_from_checkpoint(path: Path, target: Transformer) -> Eagle3Drafter:
     at that step: for measuring a run part of the way through its data."""
     from ..speculation.proposers import bundled_drafter_dir
 
-    state = torch.load(path)
+    state = torch.load(path, map_location="cpu")
     config = state["config"]
     drafter = new_drafter(target, draft_vocabulary(config["draft_vocab"], target,
                                                    bundled_drafter_dir(config["model"])), config["seed"])
@@ -101,10 +101,16 @@ class StepKeys:
         self.pending += n
 
 
-def step_mask(n: int, step: int) -> torch.Tensor:
+def step_mask(n: int, step: int, device: torch.device | None = None) -> torch.Tensor:
     """(n, (step + 1) n): row i sees step 0's rows up to i, then row i of each later step."""
-    eye = torch.eye(n, dtype=torch.bool)
-    return torch.cat([torch.ones(n, n, dtype=torch.bool).tril()] + [eye] * step, dim=1)
+    eye = torch.eye(n, dtype=torch.bool, device=device)
+    return torch.cat([torch.ones(n, n, dtype=torch.bool, device=device).tril()] + [eye] * step, dim=1)
+
+
+def on_device(row, device: torch.device) -> tuple:
+    """A training row (tokens, hidden, candidates, tapped), as features come (on the CPU), on
+    the drafter's device."""
+    return tuple(t.to(device, non_blocking=True) if t is not None else None for t in row)
 
 
 def sequence_loss(drafter: Eagle3Drafter, tokens, hidden, candidates, tapped, steps: int,
@@ -116,22 +122,24 @@ def sequence_loss(drafter: Eagle3Drafter, tokens, hidden, candidates, tapped, st
     0.8**k: the first draft step, which every tree has, counts most)."""
     target = drafter.target
     tokens = tokens.long()
+    device = tokens.device
     n = tokens.shape[0] - 1 - steps
     if n < 1:
         return None, {}
     features = drafter.input_rows(torch.cat([tapped.float(), hidden.float()], dim=-1))[:n]
     ids = drafter.draft_ids
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):     # the teacher in float32
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):     # the teacher in float32
         target_logits = F.linear(target.norm(hidden.float()), target.head_weight[ids].float())   # (L, V_draft)
-        in_draft = torch.zeros(target.args.vocab_size, dtype=torch.bool)
+        in_draft = torch.zeros(target.args.vocab_size, dtype=torch.bool, device=device)
         in_draft[ids] = True
         chosen = candidates[:, 0].long()
     cache = StepKeys()
     loss, info = 0.0, {}
     weights = [decay ** k for k in range(steps)]
     for k in range(steps):
-        positions = torch.arange(n) + k
-        states = drafter(tokens[1 + k:1 + k + n], features, positions, cache, tree_mask=step_mask(n, k))
+        positions = torch.arange(n, device=device) + k
+        states = drafter(tokens[1 + k:1 + k + n], features, positions, cache,
+                         tree_mask=step_mask(n, k, device))
         logits = drafter.lm_head(drafter.head_input(states)).float()
         labels = target_logits[1 + k:1 + k + n]
         wanted = labels.argmax(-1)
@@ -149,7 +157,9 @@ def sequence_loss(drafter: Eagle3Drafter, tokens, hidden, candidates, tapped, st
 def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> dict:
     """Top-1 agreement with the target's next token (full vocabulary) at each step, held out."""
     target, hits, counts = drafter.target, [0] * steps, [0] * steps
-    for tokens, hidden, candidates, tapped in heldout[:limit]:
+    device = drafter.draft_ids.device
+    for row in heldout[:limit]:
+        tokens, hidden, candidates, tapped = on_device(row, device)
         tokens = tokens.long()
         n = tokens.shape[0] - 1 - steps
         if n < 1:
@@ -157,8 +167,8 @@ def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> di
         features = drafter.input_rows(torch.cat([tapped.float(), hidden.float()], dim=-1))[:n]
         cache = StepKeys()
         for k in range(steps):
-            states = drafter(tokens[1 + k:1 + k + n], features, torch.arange(n) + k, cache,
-                             tree_mask=step_mask(n, k))
+            states = drafter(tokens[1 + k:1 + k + n], features, torch.arange(n, device=device) + k, cache,
+                             tree_mask=step_mask(n, k, device))
             guess = drafter.draft_ids[drafter.lm_head(drafter.head_input(states)).argmax(-1)]
             hits[k] += int((guess == candidates[1 + k:1 + k + n, 0].long()).sum())
             counts[k] += n
@@ -213,7 +223,7 @@ def train(cfg, target: Transformer, split: dict | None = None, log=print) -> Eag
         stats = []
         batch = order[index * cfg.accumulate:(index + 1) * cfg.accumulate]
         for i in batch:
-            tokens, hidden, candidates, tapped = train_set[i]
+            tokens, hidden, candidates, tapped = on_device(train_set[i], drafter.draft_ids.device)
             with training_precision(cfg):
                 loss, info = sequence_loss(drafter, tokens, hidden, candidates, tapped, cfg.ttt_steps,
                                            cfg.ttt_decay)
@@ -245,7 +255,7 @@ def train(cfg, target: Transformer, split: dict | None = None, log=print) -> Eag
             _atomic_save(state_now(), checkpoint)
     bar.close()
     drafter.eval().requires_grad_(False)
-    drafter.train_seconds = torch.load(checkpoint)["seconds"] if checkpoint.exists() else None
+    drafter.train_seconds = torch.load(checkpoint, map_location="cpu")["seconds"] if checkpoint.exists() else None
     return drafter
 
 

@@ -114,6 +114,8 @@ class TrainConfig:
                                     # tokens (e.g. "1.9M,5.7M"): checkpoint-eagle3-at-1.9M.pt, ...
     online_features: bool = False   # compute each sequence's features as training draws it
                                     # (OnlineFeatures) instead of storing feature shards
+    device: str = "cpu"             # where answers are generated, features computed and an
+                                    # EAGLE-3 drafter trained (cpu, cuda, cuda:N): the same recipe
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -217,26 +219,26 @@ def _task_prompt_ids(cfg: TrainConfig, tokenizer, conversations: list, room: int
     return prompts
 
 
-def _fast_dtype(name: str) -> torch.dtype:
-    """float32 / bfloat16 by name; "auto": bfloat16 where the CPU has fast bfloat16 matmuls
-    (without them bfloat16 is emulated and several times slower than float32)."""
+def _fast_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """float32 / bfloat16 by name; "auto": bfloat16 where the device has fast bfloat16 matmuls
+    (without them a CPU emulates bfloat16, several times slower than float32)."""
     from ..speculation.drafter import bf16_supported
 
     if name == "auto":
-        return torch.bfloat16 if bf16_supported(torch.device("cpu")) else torch.float32
+        return torch.bfloat16 if bf16_supported(torch.device(device)) else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def training_precision(cfg: TrainConfig):
-    """The context a training step's forward runs in: autocast to bfloat16 for
+    """The context a training step's forward runs in on `cfg.device`: autocast to bfloat16 for
     `cfg.train_dtype` bfloat16 (the weights, gradients and optimizer stay float32; on a CPU with
     AVX-512 bf16 the step takes about half the time), else nothing."""
     import contextlib
 
     if cfg.train_dtype not in ("float32", "bfloat16", "auto"):
         raise ValueError(f"train_dtype is float32, bfloat16 or auto, not {cfg.train_dtype!r}")
-    if _fast_dtype(cfg.train_dtype) == torch.bfloat16:
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+    if _fast_dtype(cfg.train_dtype, cfg.device) == torch.bfloat16:
+        return torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -327,7 +329,7 @@ def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]],
     from ..speculation.generate import GenerationConfig
     from ..engine.prompts import stop_strings
 
-    lm = load(str(model_path))
+    lm = load(str(model_path), device=cfg.device)
     config = GenerationConfig(max_new_tokens=cfg.distill_new_tokens, stop=stop_strings(lm.tokenizer))
     window = min(max(map(len, todo)) + cfg.distill_new_tokens + 1, lm.engine.model.args.max_seq_len)
     batch = lm.batch(BatchLimits(max_batch=cfg.distill_batch, max_waiting=2 * cfg.distill_batch, window=window))
@@ -581,7 +583,7 @@ def _run_identity(config: dict) -> dict:
     """The settings that make two training runs the same run (resumable from each other)."""
     return {k: v for k, v in config.items()
             if k not in ("max_steps", "checkpoint_every", "out", "answers", "generate_answers",
-                         "online_features", "snapshot_tokens")}
+                         "online_features", "snapshot_tokens", "device")}
 
 
 def resumable(checkpoint: Path, cfg: TrainConfig, log=print) -> dict | None:
@@ -589,7 +591,7 @@ def resumable(checkpoint: Path, cfg: TrainConfig, log=print) -> dict | None:
     checkpoint of another run (say, the one --init starts from) is moved aside, kept."""
     if not checkpoint.exists():
         return None
-    state = torch.load(checkpoint)
+    state = torch.load(checkpoint, map_location="cpu")
     if _run_identity(state["config"]) == _run_identity(asdict(cfg)):
         return state
     kept = checkpoint.with_name(f"{checkpoint.stem}-{time.strftime('%Y%m%d-%H%M%S')}.pt")
@@ -803,6 +805,7 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
     from ..engine.tokenizer import load_tokenizer
 
     train_family = trainer_of(cfg.drafter)
+    check_device(cfg, stages)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -823,8 +826,9 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
         report["archive_sequences"] = cfg.archive_sequences
     if "features" in stages or "train" in stages:
         # torch's kernels: feature extraction is long prefills, where its batched matmuls win.
-        fast = {torch.float32: "f32", torch.bfloat16: "bf16"}[_fast_dtype(cfg.feature_dtype)]
-        extractor, _ = load_model(cfg.model, weights=fast, backend="torch", max_seq_len=cfg.max_len + 8)
+        fast = {torch.float32: "f32", torch.bfloat16: "bf16"}[_fast_dtype(cfg.feature_dtype, cfg.device)]
+        extractor, _ = load_model(cfg.model, weights=fast, backend="torch", max_seq_len=cfg.max_len + 8,
+                                  device=cfg.device)
         if cfg.drafter == "eagle3" and not cfg.taps:     # EAGLE-3's fused layers, unless named
             cfg.taps = ",".join(map(str, default_eagle3_taps(extractor.args.n_layers)))
             (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -837,11 +841,30 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
             report["features_seconds"] = round(time.perf_counter() - t1, 1)
         del extractor
     if "train" in stages:
-        target, _ = load_model(cfg.model, max_seq_len=4096, backend="torch")
+        target, _ = load_model(cfg.model, max_seq_len=4096, backend="torch", device=cfg.device)
         train_family(cfg, target, split, report, ship, log)
         report["total_seconds"] = round(time.perf_counter() - t0, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def check_device(cfg: TrainConfig, stages) -> None:
+    """ValueError, before any work, for a device that is not here or a family that trains only
+    on the CPU (EAGLE-3, the large-data recipe, trains anywhere; every stage's data does)."""
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError:
+        raise ValueError(f"--device is cpu, cuda or cuda:N, not {cfg.device!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {cfg.device}: this torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {cfg.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise ValueError(f"--device is cpu, cuda or cuda:N, not {cfg.device!r}")
+    if device.type != "cpu" and "train" in stages and cfg.drafter != "eagle3":
+        raise ValueError(f"--device {cfg.device} trains --drafter eagle3; {cfg.drafter} trains on the "
+                         "CPU (its data and features stages run on any device)")
 
 
 def default_eagle3_taps(n_layers: int) -> tuple[int, ...]:
