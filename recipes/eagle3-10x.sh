@@ -5,8 +5,10 @@
 # (summaries, translations, passage questions, code requests and extractions built from ShareGPT
 # text, then 2,000 arithmetic word problems) and to later turns of the conversations; then one
 # epoch of EAGLE-3's training with features computed as each sequence is drawn (no feature
-# shards: they would take about 90 GB), in bfloat16 autocast where the CPU has fast bfloat16
-# matmuls, the three draft steps' losses weighted 1, 0.8, 0.64 as in EAGLE-3's own training.
+# shards: they would take about 90 GB) by the engine a user decodes with (the states drafting
+# reads; on these CPUs the native engine, 1.7x torch's bfloat16 prefill), in bfloat16 autocast
+# where the CPU has fast bfloat16 matmuls, the three draft steps' losses weighted 1, 0.8, 0.64
+# as in EAGLE-3's own training.
 # The run keeps itself as it stood after 1.9M and 5.7M tokens, the scaling table's smaller points.
 #
 # The answers are not in the repository (about 40k per model, 80 MB as tokens): they are greedy, so this
@@ -26,8 +28,8 @@ case $MODEL in     # every prompt of each kind that fits the room its answers le
 esac
 mkdir -p "$ANSWERS" && cp -n data/answers/$MODEL/*.safetensors "$ANSWERS"/
 vocabspec train --model $MODEL --drafter eagle3 --out "$OUT" --distill-start 0 $DATA \
-    --answers "$ANSWERS" --generate-answers --online-features --train-dtype auto --ttt-decay 0.8 --device "$DEVICE" \
-    --epochs 1 --snapshot-tokens 1.9M,5.7M
+    --answers "$ANSWERS" --generate-answers --online-features --feature-dtype runtime \
+    --train-dtype auto --ttt-decay 0.8 --device "$DEVICE" --epochs 1 --snapshot-tokens 1.9M,5.7M
 python scripts/drafter_scaling.py --model $MODEL --out docs/bench/scaling-$MODEL --append \
     --point "EAGLE-3,1.9M,$OUT/checkpoint-eagle3-at-1.9M.pt" \
     --point "EAGLE-3,5.7M,$OUT/checkpoint-eagle3-at-5.7M.pt" \

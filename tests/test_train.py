@@ -295,6 +295,27 @@ def test_committed_answer_archive_belongs_to_the_bundled_smollm2(tmp_path):
         assert tuple(sequence[:len(prompt)]) == prompt and len(sequence) - len(prompt) <= cap
 
 
+def test_runtime_features_are_the_states_one_token_decoding_gives():
+    """--feature-dtype runtime extracts with the engine a user decodes with: on the native
+    engine a sequence's prefill states (and taps) are the ones each token's own decoding step
+    gives, the states the drafter reads at inference, kept in bfloat16."""
+    from conftest import tiny_native
+    from vocabspec.training.train import _features
+
+    _, native = tiny_native("llama", seed=3, n_layers=4)
+    ids = torch.randint(200, (23,), generator=torch.Generator().manual_seed(2)).tolist()
+    hidden, candidates, tapped = _features(native, native.new_cache(32), ids, 4, taps=(1, 2))
+    cache, rows, taps_rows = native.new_cache(32), [], []
+    with torch.inference_mode():
+        for i, token in enumerate(ids):
+            h, _, t = native(torch.tensor([token]), torch.tensor([i]), cache, logits_rows=[], taps=(1, 2))
+            cache.commit()
+            rows.append(h), taps_rows.append(t)
+    assert torch.equal(hidden, torch.cat(rows).to(torch.bfloat16))
+    assert torch.equal(tapped, torch.cat(taps_rows).to(torch.bfloat16))
+    assert candidates.shape == (23, 4)
+
+
 def test_feature_shards_of_a_grown_sequence_list_are_rebuilt(tmp_path):
     from vocabspec.training.train import extract_features, load_shards
 

@@ -267,9 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="target layers whose outputs join the drafter's input feature, as in "
                             "EAGLE-3 (comma-separated indices, e.g. 1,14; default: none)")
     train.add_argument("--feature-dtype", default=defaults.feature_dtype,
-                       choices=["auto", "float32", "bfloat16"],
-                       help="target dtype for feature extraction (auto: bfloat16 where the device "
-                            "has fast bfloat16 matmuls, else float32)")
+                       choices=["auto", "float32", "bfloat16", "runtime"],
+                       help="target dtype for feature extraction on torch's kernels (auto: bfloat16 "
+                            "where the device has fast bfloat16 matmuls, else float32); runtime: the "
+                            "engine and format a user decodes with (on these CPUs the native engine, "
+                            "faster, and the very states the drafter reads at inference; default "
+                            f"{defaults.feature_dtype})")
     train.add_argument("--train-dtype", default=defaults.train_dtype, choices=["float32", "bfloat16", "auto"],
                        help="the drafter's matmuls in training: bfloat16 runs them under autocast "
                             "(weights and optimizer stay float32); auto: bfloat16 where the device "

@@ -57,8 +57,10 @@ class TrainConfig:
     conversations: int = 1200       # training conversations (after the held-out ones)
     heldout: int = 48
     max_len: int = 1024             # tokens per sequence (longer conversations are cut)
-    feature_dtype: str = "auto"     # target dtype for feature extraction; auto: bfloat16 where
-                                    # the CPU has fast bfloat16 matmuls (AVX-512 bf16), else float32
+    feature_dtype: str = "auto"     # target dtype for feature extraction on torch's kernels; auto:
+                                    # bfloat16 where the device has fast bfloat16 matmuls (AVX-512
+                                    # bf16), else float32; runtime: the engine and format a user
+                                    # decodes with, whose states the drafter reads at inference
     shard_tokens: int = 65536
     top_candidates: int = 32        # target top ids stored per position
     negatives: int = 1024           # random negatives added to each sequence's candidate set
@@ -825,10 +827,12 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
         split["distill"] = split.get("distill", []) + archive_sequences(cfg, model_path)
         report["archive_sequences"] = cfg.archive_sequences
     if "features" in stages or "train" in stages:
-        # torch's kernels: feature extraction is long prefills, where its batched matmuls win.
-        fast = {torch.float32: "f32", torch.bfloat16: "bf16"}[_fast_dtype(cfg.feature_dtype, cfg.device)]
-        extractor, _ = load_model(cfg.model, weights=fast, backend="torch", max_seq_len=cfg.max_len + 8,
-                                  device=cfg.device)
+        if cfg.feature_dtype == "runtime":   # the states drafting reads (kept in bfloat16)
+            extractor, _ = load_model(cfg.model, max_seq_len=cfg.max_len + 8, device=cfg.device)
+        else:
+            fast = {torch.float32: "f32", torch.bfloat16: "bf16"}[_fast_dtype(cfg.feature_dtype, cfg.device)]
+            extractor, _ = load_model(cfg.model, weights=fast, backend="torch", max_seq_len=cfg.max_len + 8,
+                                      device=cfg.device)
         if cfg.drafter == "eagle3" and not cfg.taps:     # EAGLE-3's fused layers, unless named
             cfg.taps = ",".join(map(str, default_eagle3_taps(extractor.args.n_layers)))
             (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
