@@ -135,6 +135,8 @@ def test_a_single_request_is_a_batch_of_one(lms):
     result = lm.engine.generate(ids, config)
     assert lm.engine.solo.steps - before == len(result.steps)
     assert all(step.tree_size > 0 for step in result.steps)
+    # Each step's verification time holds its target forward's, timed on its own.
+    assert all(0 < step.forward_seconds < step.verify_seconds for step in result.steps)
     pieces = iter(lm.engine.stream(ids, config))
     assert next(pieces)
     with pytest.raises(RuntimeError, match="another generation"):

@@ -231,6 +231,7 @@ def _answer(cfg: BenchConfig, run: MethodRun, q: dict, tokenizer, config, bar) -
         stats["accepted"] += sum(lengths)
         stats["draft_seconds"] += sum(s.draft_seconds for s in result.steps)
         stats["verify_seconds"] += sum(s.verify_seconds for s in result.steps)
+        stats["forward_seconds"] += sum(s.forward_seconds for s in result.steps)
         stats["prefill_seconds"] += result.prefill_seconds
         copy.append((copy_fraction(ids, result.tokens), result.new_tokens))
         bar.update(1)
@@ -325,6 +326,7 @@ def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
                             "tokens": int(tokens), "seconds": seconds, "steps": int(steps),
                             "draft_seconds": sum(r["draft_seconds"] for r in rows),
                             "verify_seconds": sum(r["verify_seconds"] for r in rows),
+                            "forward_seconds": sum(r.get("forward_seconds", 0.0) for r in rows),
                             "prefill_seconds": sum(r.get("prefill_seconds", 0.0) for r in rows)}
         entry = {"categories": per_cat}
         proposer = run.engine.proposer
@@ -373,11 +375,12 @@ def _add_step_costs(methods: dict) -> None:
         if not row["steps"]:
             continue
         verify = row["verify_seconds"] / row["steps"] / forward
+        target = row.get("forward_seconds", 0.0) / row["steps"] / forward
         draft = row["draft_seconds"] / row["steps"] / forward
         whole = row["seconds"] / row["steps"] / forward
         prefill = row.get("prefill_seconds", 0.0) / row["steps"] / forward
-        entry["step_cost"] = {"verify": verify, "draft": draft, "rest": whole - verify - draft,
-                              "prefill": prefill, "other": whole - verify - draft - prefill,
+        entry["step_cost"] = {"verify": verify, "verify_forward": target, "draft": draft,
+                              "rest": whole - verify - draft, "prefill": prefill, "other": whole - verify - draft - prefill,
                               "whole": whole, "tokens_per_step": row["tokens"] / row["steps"]}
 
 
@@ -426,15 +429,17 @@ def report_markdown(summary: dict) -> str:
     costs = {n: m["step_cost"] for n, m in methods.items() if "step_cost" in m}
     if costs:
         lines += ["", "## Cost of a step, in vanilla forwards", "",
-                  "1 = the target's forward in one vanilla decoding step. Rest: the prompt's prefill "
+                  "1 = the target's forward in one vanilla decoding step (with its verification and "
+                  "commit); of verification, the target's forward over the tree alone. Rest: the prompt's prefill "
                   "(the same for every method, so more per step with fewer steps), then the other: "
                   "the drafter's pass over the prompt and bookkeeping, spread over the steps. "
                   "speedup = (tokens per step / whole step) / the same for vanilla.", "",
-                  "| method | verification | drafting | rest: prefill | rest: other | whole step | "
-                  "tokens per step | speedup |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| method | verification | of which forward | drafting | rest: prefill | rest: other | "
+                  "whole step | tokens per step | speedup |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, cost in costs.items():
-            lines.append(f"| {name} | {cost['verify']:.2f} | {cost['draft']:.2f} | "
+            lines.append(f"| {name} | {cost['verify']:.2f} | {cost.get('verify_forward', 0.0):.2f} | "
+                         f"{cost['draft']:.2f} | "
                          f"{cost.get('prefill', 0.0):.2f} | {cost.get('other', cost['rest']):.2f} | "
                          f"{cost['whole']:.2f} | {cost['tokens_per_step']:.2f} | "
                          f"{methods[name]['categories']['overall']['speedup']:.2f}x |")

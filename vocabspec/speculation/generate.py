@@ -125,8 +125,10 @@ class StepRecord:
     accept_length: int       # tokens added by this step (accepted drafts + the bonus token)
     tree_size: int           # drafted tokens verified
     draft_seconds: float
-    verify_seconds: float
+    verify_seconds: float    # the target's forward over the tree, verification and the commit
     path_ranks: tuple[int, ...] = ()   # value ranks of the accepted drafts (see DraftTree.ranks)
+    forward_seconds: float = 0.0       # of verify_seconds, the target's forward alone (a batch's
+                                       # shared forward, whole; 0 for a static step's one launch)
 
 
 @dataclass
@@ -164,6 +166,7 @@ class GenerationResult:
             "stop_reason": self.stop_reason, "engine": self.engine,
             "draft_seconds": round(sum(s.draft_seconds for s in self.steps), 4),
             "verify_seconds": round(sum(s.verify_seconds for s in self.steps), 4),
+            "forward_seconds": round(sum(s.forward_seconds for s in self.steps), 4),
         }
 
 
@@ -204,6 +207,7 @@ def step_together(model, generations: list["Generation"], drafts: list[bool]) ->
                                 tree.parents if tree.size else None)
                                for g, tree in zip(generations, trees)], taps)
     hidden, tapped = out if taps else (out, None)
+    forwarded = time.perf_counter()
     greedy = [i for i, generation in enumerate(generations) if generation.native_greedy]
     verdicts = {}
     if greedy:
@@ -214,7 +218,8 @@ def step_together(model, generations: list["Generation"], drafts: list[bool]) ->
     for index, (generation, tree) in enumerate(zip(generations, trees)):
         try:
             rows = _own_taps(tapped, index, taps, generation.taps)
-            outcomes.append((tree, generation.finish(tree, hidden[index], rows, t1, verdicts.get(index))))
+            outcomes.append((tree, generation.finish(tree, hidden[index], rows, t1, verdicts.get(index),
+                                                     forwarded)))
         except BaseException as exc:
             outcomes.append((tree, exc))
     return outcomes
@@ -363,10 +368,10 @@ class Generation:
         return chain_tree(self.token, [], self.engine.model.device)
 
     def finish(self, tree: DraftTree, hidden: torch.Tensor, tapped: list[torch.Tensor], t1: float,
-               verdict: Verdict | None = None) -> str:
+               verdict: Verdict | None = None, forwarded: float | None = None) -> str:
         """Verify the step's tree from its rows' hidden states (or take `verdict`, greedy
         verification already done for a batch), commit the accepted path, tell the proposer,
-        emit; the text the step shows."""
+        emit; the text the step shows. t1: when the forward began; forwarded: when it ended."""
         model, cache, proposer = self.engine.model, self.cache, self.proposer
         logits = None
         if verdict is None:
@@ -388,7 +393,8 @@ class Generation:
         t3 = time.perf_counter()
         ranks = tuple(tree.ranks[i] for i in verdict.path[1:]) if tree.ranks else ()
         self.result.steps.append(StepRecord(len(verdict.path), tree.size,
-                                            (t1 - self._t0) + (t3 - t2), t2 - t1, ranks))
+                                            (t1 - self._t0) + (t3 - t2), t2 - t1, ranks,
+                                            forward_seconds=(forwarded or t1) - t1))
         self.token = verdict.next_token
         # Each emitted token's distribution is the target's row at its parent node (verification
         # has read every one of these rows already).
