@@ -380,7 +380,8 @@ def _add_step_costs(methods: dict) -> None:
         whole = row["seconds"] / row["steps"] / forward
         prefill = row.get("prefill_seconds", 0.0) / row["steps"] / forward
         entry["step_cost"] = {"verify": verify, "verify_forward": target, "draft": draft,
-                              "rest": whole - verify - draft, "prefill": prefill, "other": whole - verify - draft - prefill,
+                              "rest": whole - verify - draft, "prefill": prefill,
+                              "other": whole - verify - draft - prefill,
                               "whole": whole, "tokens_per_step": row["tokens"] / row["steps"]}
 
 

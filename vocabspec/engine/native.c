@@ -1163,7 +1163,8 @@ ALWAYS void values_pass(const int hb, const int64_t chunks, const float *vv, con
 }
 
 /* Heads per work item for n rows: the largest count up to HEADS_MAX that divides a group's heads
-   and still leaves two items a thread (a lone row on few threads keeps one head an item). */
+   and still leaves an item for every thread (reading a group's keys once outweighs the odd item
+   a thread waits for; a lone row on many threads keeps one head an item). */
 static int64_t heads_per_item(const vs_stack *s, int64_t n, int threads) {
     const int64_t hpg = s->n_heads / s->n_kv;
     for (int64_t hb = HEADS_MAX < hpg ? HEADS_MAX : hpg; hb > 1; hb--)
