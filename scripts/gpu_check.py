@@ -284,17 +284,16 @@ def drafting_cost(layers: int, steps: int = 20) -> dict:
 
     for name, head in heads.items():
         proposer = EagleProposer(drafter, head=head, depth=5, top_k=8, total_tokens=48)
-        proposer.set_static(512)
+        form = proposer.static_form(512)
         with torch.inference_mode():
             cache = DeviceKVCache(args.n_layers, args.n_kv_heads, args.head_dim, 512, model.dtype, model.device)
             hidden, _ = model(torch.arange(100, device=DEVICE), torch.arange(100, device=DEVICE), cache)
             cache.commit()
             proposer.reset(list(range(100)), hidden, 7)
             root = torch.tensor([7], device=DEVICE)
-            result[f"{name} eager"] = timed(lambda: proposer.propose_static(root))
+            result[f"{name} eager"] = timed(lambda: form.propose(root))
             if DEVICE == "cuda":
-                graph, _ = capture_graph(lambda: proposer.propose_static(root).tokens,
-                                         proposer.static_buffers(), [proposer.cache])
+                graph, _ = capture_graph(lambda: form.propose(root).tokens, form.buffers(), [form.cache])
                 result[f"{name} graph"] = timed(graph.replay)
     kind = "graph" if DEVICE == "cuda" else "eager"
     result["fr_over_full"] = round(result[f"fr:32k {kind}"] / result[f"full {kind}"], 2)

@@ -21,7 +21,7 @@ from vocabspec.speculation.batch import BatchEngine, BatchLimits, Busy, Engine
 from vocabspec.speculation.generate import GenerationConfig
 from vocabspec.engine.loading import load_model
 from vocabspec.speculation.sampling import SamplingParams
-from vocabspec.speculation.tree import chain_tree
+from vocabspec.speculation.tree import chain
 
 from conftest import loaded
 from test_native import random_tree
@@ -57,7 +57,7 @@ def test_batched_rows_have_the_bits_of_each_sequence_alone(name, weights):
             tree = random_tree(vocab, 6 + 3 * index, seed=index)
             items.append((tree.tokens, tree.positions(length), cache, tree.parents))
         else:
-            tree = chain_tree(int(torch.randint(vocab, (1,), generator=g)), [], None)
+            tree = chain(int(torch.randint(vocab, (1,), generator=g)), [])
             items.append((tree.tokens, tree.positions(length), cache, None))
     taps = (1, model.args.n_layers // 2)            # a fused-feature drafter's layers, too
     with torch.inference_mode():

@@ -245,13 +245,13 @@ def test_native_draft_trees_are_the_reference_trees(arch):
                 fast, reference = proposer._grow(7), proposer._grow_reference(7)
                 assert torch.equal(fast.tokens, reference.tokens), (head.name, step, depth, top_k, total)
                 assert torch.equal(fast.parents, reference.parents)
-                assert fast.children == reference.children and fast.ranks == reference.ranks
+                assert fast.children == reference.children and torch.equal(fast.ranks, reference.ranks)
             accepted = torch.randint(0, 200, (1 + step,), generator=g).tolist()
             proposer.observe(accepted, torch.randn(1 + step, 64, generator=g), step)
 
 
 def test_one_call_greedy_verification_accepts_what_the_torch_verifier_accepts():
-    from vocabspec.speculation.tree import chain_tree, graft_chain
+    from vocabspec.speculation.tree import chain, graft
     from vocabspec.engine.model import HEAD_ROWS
     from vocabspec.speculation.verify import greedy_verdict
 
@@ -276,9 +276,10 @@ def test_one_call_greedy_verification_accepts_what_the_torch_verifier_accepts():
             # The right path for a random number of steps, then a wrong token; random branches.
             right = greedy[1:1 + trial % 6]
             tree = random_tree(200, 1 + trial, seed=trial)
-            tree = chain_tree(greedy[0], [], None) if trial % 4 == 0 else tree
+            tree = chain(greedy[0], []) if trial % 4 == 0 else tree
             tree.tokens[0] = greedy[0]
-            tree, _ = graft_chain(tree, right + [int(torch.randint(0, 200, (1,), generator=g))])
+            path = right + [int(torch.randint(0, 200, (1,), generator=g))]
+            tree = graft(tree, torch.tensor(path), torch.tensor(len(path))).compact()
             hidden, _ = model(tree.tokens, tree.positions(12), cache, parents=tree.parents, logits_rows=[])
             cache.discard()
             for rows in (1, 2, HEAD_ROWS):

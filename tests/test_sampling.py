@@ -27,7 +27,7 @@ from vocabspec.speculation.batch import Engine
 from vocabspec.speculation.hybrid import EagleLookupProposer
 from vocabspec.speculation.medusa import MedusaHeads, MedusaProposer
 from vocabspec.speculation.sampling import SamplingParams, target_probs
-from vocabspec.speculation.tree import chain_tree
+from vocabspec.speculation.tree import chain
 from vocabspec.speculation.token_map import successor_lists
 from vocabspec.speculation.verify import verify_sampling
 
@@ -164,8 +164,7 @@ def test_verify_sampling_single_node_is_exact():
     logits = torch.tensor([[2.0, 0.0, 1.0, -1.0]]).repeat(4, 1)
     params = SamplingParams(temperature=1.0)
     p = target_probs(logits[:1], params)[0].double()
-    tree = chain_tree(9, [2])
-    tree.children[0] = [1]
+    tree = chain(9, [2])
     generator = torch.Generator().manual_seed(0)
     counts = torch.zeros(4)
     runs = 20000

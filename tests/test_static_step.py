@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vocabspec.speculation.draft_vocab import make_draft_vocab
-from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
+from vocabspec.speculation.drafter import EagleDrafter, EagleProposer, EagleStaticDrafting
 from vocabspec.speculation.generate import GenerationConfig
 from vocabspec.speculation.batch import Engine
 from vocabspec.speculation.hybrid import EagleLookupProposer
@@ -182,27 +182,42 @@ def test_static_tree_keeps_the_dynamic_trees_nodes(smollm2):
         Engine(model, smollm2.tokenizer, proposer).generate(ids, GenerationConfig(max_new_tokens=9))
         root = 42
         dynamic = proposer.propose(root)
-        static = proposer.propose_static(torch.tensor(root))
+        static = EagleStaticDrafting(proposer, proposer.cache).propose(torch.tensor(root))   # over its cache
         assert static.tokens.numel() == dynamic.tokens.numel() == total + 1
         # The same nodes with the same value ranks (what the autotuner reads from a step).
         assert paths(static.tokens.tolist(), static.parents.tolist(), static.ranks.tolist()) == \
-            paths(dynamic.tokens.tolist(), dynamic.parents.tolist(), dynamic.ranks)
+            paths(dynamic.tokens.tolist(), dynamic.parents.tolist(), dynamic.ranks.tolist())
         assert torch.equal(static.mask, static.mask & torch.ones_like(static.mask).tril())
 
 
-def test_grafted_path_holds_the_nodes_the_host_graft_adds():
-    """static_step.graft (eagle+pld's static steps) against tree.graft_chain on the host: the
+def reference_graft(tokens, parents, ranks, chain):
+    """The path `chain` grafted onto a tree on the host, the plain way: follow the children that
+    carry its tokens, append the rest (ranked -1) in order. Lists (tokens, parents, ranks)."""
+    tokens, parents, ranks = list(tokens), list(parents), list(ranks)
+    node = 0
+    for token in chain:
+        match = next((c for c in range(1, len(tokens)) if parents[c] == node and tokens[c] == token), None)
+        if match is None:
+            match = len(tokens)
+            tokens.append(token)
+            parents.append(node)
+            ranks.append(-1)
+        node = match
+    return tokens, parents, ranks
+
+
+def test_grafted_path_holds_the_nodes_a_host_graft_adds():
+    """tree.graft (eagle+pld's path on a tree, fixed shapes) against a plain host graft: the
     valid rows spell the same token paths with the same ranks, on random trees and paths that
-    follow them for a while, and each row sees exactly its ancestors."""
+    follow them for a while; `compact` (the eager loop's form) gives exactly the host's rows;
+    each row sees exactly its ancestors."""
     import random
 
-    from vocabspec.speculation.static_step import StaticTree, graft
-    from vocabspec.engine.kv_cache import ancestor_mask
-    from vocabspec.speculation.tree import DraftTree, graft_chain
+    from vocabspec.speculation.tree import Tree, graft
 
     rng = random.Random(0)
     for case in range(200):
-        parents, tokens, depths = [0], [rng.randrange(5)], [0]
+        parents, tokens, depths = [-1], [rng.randrange(5)], [0]
         for _ in range(rng.randrange(1, 13)):
             parent = rng.randrange(len(tokens))
             taken = {tokens[c] for c in range(1, len(tokens)) if parents[c] == parent}
@@ -214,6 +229,7 @@ def test_grafted_path_holds_the_nodes_the_host_graft_adds():
             depths.append(depths[parent] + 1)
         ranks = list(range(len(tokens) - 1))
         rng.shuffle(ranks)
+        ranks = [-1] + ranks
         k = rng.randrange(1, 6)
         # A path along the tree for a while, then anywhere; `count` of its k tokens drafted.
         chain, at = [], 0
@@ -226,19 +242,18 @@ def test_grafted_path_holds_the_nodes_the_host_graft_adds():
                 at = -1
                 chain.append(rng.randrange(5))
         count = rng.randrange(0, k + 1)
-        max_depth = max(depths)
-        static = StaticTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths),
-                            ancestor_mask(torch.tensor(parents), max_depth), max_depth,
-                            ranks=torch.tensor([-1] + ranks))
-        grafted = graft(static, torch.tensor(chain), torch.tensor(count))
-        host, _ = graft_chain(DraftTree.from_parents(torch.tensor(tokens), torch.tensor([-1] + parents[1:]), ranks),
-                              chain[:count])
+        tree = Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), max(depths),
+                    ranks=torch.tensor(ranks))
+        grafted = graft(tree, torch.tensor(chain), torch.tensor(count))
+        host = reference_graft(tokens, parents, ranks, chain[:count])
         valid = grafted.valid.tolist()
         g_tokens, g_parents, g_ranks = grafted.tokens.tolist(), grafted.parents.tolist(), grafted.ranks.tolist()
-        assert all(valid[p] for i, p in enumerate(g_parents) if valid[i]), case
+        assert all(valid[p] for i, p in enumerate(g_parents) if valid[i] and p >= 0), case
         kept = paths([t if v else None for t, v in zip(g_tokens, valid)], g_parents, g_ranks)
         kept = {p: r for p, r in kept.items() if None not in p}
-        assert kept == paths(host.tokens.tolist(), host.parents.tolist(), host.ranks), case
+        assert kept == paths(*host), case
+        compact = grafted.compact()
+        assert (compact.tokens.tolist(), compact.parents.tolist(), compact.ranks.tolist()) == host, case
         assert grafted.depths.tolist() == [len(path_of(g_parents, i)) - 1 for i in range(len(g_tokens))]
         for i in range(len(g_tokens)):
             assert grafted.mask[i].nonzero().flatten().tolist() == sorted(path_of(g_parents, i)), case

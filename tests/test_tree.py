@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from vocabspec.speculation.tree import TreeBuilder, chain_tree, graft_chain
+from vocabspec.speculation.tree import TreeBuilder, chain, graft
 
 WORDS = ["It", "is", "has", "a", "the", "to", "good", "nice", "be", "do"]
 ID = {w: i for i, w in enumerate(WORDS)}
@@ -99,9 +99,15 @@ def test_random_trees_are_connected():
         assert tree.depths.tolist() == sorted(tree.depths.tolist())
 
 
+def graft_chain(tree, path):
+    """The eager loop's graft: (tree with `path` grafted, rows added)."""
+    grafted = graft(tree, torch.tensor(path), torch.tensor(len(path))).compact()
+    return grafted, grafted.size - tree.size
+
+
 def test_chain_tree():
-    tree = chain_tree(5, [6, 7])
-    assert tree.parents.tolist() == [-1, 0, 1]
+    tree = chain(5, [6, 7])
+    assert tree.parents.tolist() == [-1, 0, 1] and tree.ranks.tolist() == [-1, 0, 1]
     assert torch.equal(tree.attention_mask(), torch.ones(3, 3, dtype=torch.bool).tril())
 
 
@@ -117,7 +123,7 @@ def test_graft_chain_shares_the_existing_prefix_and_appends_the_rest():
     assert WORDS[tokens[parents[be]]] == "a" and WORDS[tokens[parents[parents[be]]]] == "is"
     assert parents[do] == be and grafted.children[be] == [do]
     assert grafted.depths[be] == 3 and grafted.depths[do] == 4
-    assert grafted.ranks[be:] == [-1, -1]
+    assert grafted.ranks[be:].tolist() == [-1, -1]
     # The mask lets the new nodes see exactly their ancestors.
     mask = grafted.attention_mask()
     assert mask[do].nonzero().flatten().tolist() == sorted(grafted.path_to(do))
@@ -125,7 +131,7 @@ def test_graft_chain_shares_the_existing_prefix_and_appends_the_rest():
     for kids in grafted.children:
         assert len({tokens[k] for k in kids}) == len(kids)
     same, added = graft_chain(tree, [ID["is"], ID["a"]])
-    assert added == 0 and same is tree
+    assert added == 0 and torch.equal(same.tokens, tree.tokens) and torch.equal(same.parents, tree.parents)
     fresh, added = graft_chain(tree, [ID["do"]])  # a new child of the root, tried last
     assert added == 1 and fresh.children[0][-1] == len(words)
 

@@ -380,7 +380,7 @@ def calibrate_static(model, drafter, head, prompts, depth: int, top_k: int, size
     prompt with the largest tree gives tau at every size (the accepted nodes' ranks), and its
     last decoder times the step at every size and plain decoding's step. `loop_s`: the
     generation loop's own time per step (text, bookkeeping), added to every step alike."""
-    from .drafter import EagleProposer
+    from .drafter import EagleProposer, static_tree_rows
     from .generate import GenerationConfig
     from .batch import Engine
 
@@ -389,7 +389,7 @@ def calibrate_static(model, drafter, head, prompts, depth: int, top_k: int, size
     table, plain, loop = {}, [], []
     for d in calibration_depths(depth):
         proposer = EagleProposer(drafter, head=head, depth=d, top_k=top_k, total_tokens=max(sizes))
-        largest = proposer.static_rows - 1          # a level drafts top_k rows at most
+        largest = static_tree_rows(d, top_k, max(sizes)) - 1       # a level drafts top_k rows at most
         engine = Engine(model, None, proposer, allow_inexact=True, static=True)
         steps, decoder = [], None
         for ids in prompts:

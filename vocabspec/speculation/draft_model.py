@@ -26,7 +26,7 @@ import torch
 from .draft_vocab import FullVocab, HeadTimedDrafting
 from .generate import PREFILL_CHUNK, Proposer
 from ..engine.model import Transformer
-from .tree import DraftTree, TreeBuilder
+from .tree import Tree, TreeBuilder
 
 
 class DraftModelMismatch(ValueError):
@@ -82,7 +82,7 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
         self.cache = draft.new_cache()
         self.todo: list[int] = []          # committed text the draft has not run yet
         self.slot_of: dict[int, int] = {}  # tree node -> its pending slot (nodes the draft ran)
-        self.tree: DraftTree | None = None
+        self.tree: Tree | None = None
         self.root_state = None            # the draft's state at this step's root, once run
         self.device = draft.device
         self.reset_timings()
@@ -156,7 +156,7 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
         self.timings["model"] += time.perf_counter() - start
         return states
 
-    def propose(self, root_token: int) -> DraftTree:
+    def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
         device = self.draft.device
         self.cache.discard()              # a proposal asked for again (autotune) starts over

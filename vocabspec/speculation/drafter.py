@@ -34,8 +34,8 @@ from .draft_vocab import FullVocab, HeadTimedDrafting
 from ..engine.kv_cache import DeviceKVCache, KVCache
 from ..engine.linear import Linear
 from ..engine.model import ARCH_FEATURES, Block, ModelArgs, Transformer
-from .generate import Proposer
-from .tree import DraftTree, TreeBuilder
+from .generate import Proposer, StaticDrafting
+from .tree import Tree, TreeBuilder, flatten
 
 _HF_NAMES = {  # our Block's parameter names -> EAGLE / Hugging Face names (q, k, v fused here)
     "attn_norm.weight": "input_layernorm.weight",
@@ -487,7 +487,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self.max_tree_tokens = total_tokens
         self.cache = drafter.new_cache(self.target.args.max_seq_len + depth * top_k + 1)
         self._host_cache = self.cache
-        self._device_caches: dict[int, DeviceKVCache] = {}    # static steps' caches, by size
+        self._static_forms: dict[int, EagleStaticDrafting] = {}    # by target cache size
         self._state_buffer = None        # static steps: last_state, updated in place
         self.taps = drafter.taps        # the engine then passes these layers' outputs too
         self.last_state = None
@@ -563,7 +563,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         rows' tree level (0: the root)."""
         return self.head.top_k(self.drafter.head_input(states), self.top_k, tokens, level)
 
-    def propose(self, root_token: int) -> DraftTree:
+    def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
         tree = self._grow(root_token)
         self.timings["total"] += time.perf_counter() - start
@@ -571,98 +571,33 @@ class EagleProposer(HeadTimedDrafting, Proposer):
 
     @property
     def static(self) -> bool:
-        """Whether `propose_static` can draft without reading the device back."""
+        """Whether its static form can draft without reading the device back."""
         return drafts_statically(self.head)
 
-    # Static steps (static_step.StaticDecoder): the drafter's cache on the device, its reads
-    # and its tree as device work of fixed shapes.
-
-    @property
-    def static_rows(self) -> int:
-        return min(self.total_tokens, self.top_k + self.depth * self.top_k * self.top_k) + 1
-
-    def set_static(self, max_len: int | None) -> None:
-        """Draft for static steps over a target cache of `max_len` slots, or (None) for the
-        general loop."""
+    def static_form(self, max_len: int | None) -> "EagleStaticDrafting | None":
         if max_len is None:
             self.cache = self._host_cache
-            return
+            return None
         if self.native is not None or self.drafter.native is not None:
             raise ValueError("static steps run on torch's kernels: this drafter drafts natively")
-        if max_len not in self._device_caches:
-            self._device_caches[max_len] = self.drafter.new_cache(
-                max_len + self.depth * self.top_k + 1, on_device=True)
-        self.cache = self._device_caches[max_len]
+        if max_len not in self._static_forms:
+            cache = self.drafter.new_cache(max_len + self.depth * self.top_k + 1, on_device=True)
+            self._static_forms[max_len] = EagleStaticDrafting(self, cache)
+        form = self._static_forms[max_len]
+        self.cache = form.cache
+        return form
 
-    def static_buffers(self) -> list[torch.Tensor]:
-        return [self.cache.length, self.last_state]
-
-    def observe_static(self, reads: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -> None:
-        """The drafter reads the step's accepted tokens: `reads` (m,) each accepted token's
-        successor, `rows` (m, width) the target's rows of the accepted nodes, of which the
-        first `count` (0-dim) count; all m run, the rest are left past the committed slots."""
-        cache = self.cache
-        positions = torch.arange(reads.numel(), device=reads.device) + cache.length
-        states = self.drafter(reads, self._features(rows), positions, cache)
-        cache.keep(torch.arange(reads.numel(), device=reads.device), count)
-        self.last_state.copy_(states.index_select(0, (count - 1).view(1)))
-
-    def after_static(self, accepted: list[int], next_token: int, length: int) -> None:
-        """Host bookkeeping after a static step's read-back (the committed `length`)."""
-        self.head.see_tokens(accepted + [next_token])
-        self.cache.settle(length)
-
-    def propose_static(self, root: torch.Tensor):
-        """EAGLE-2's tree with static shapes and no read-back (static_step.py): `top_k` rows a
-        level, no frontier pruning, the same kept nodes as `propose`."""
-        from .static_step import flatten
-
-        start = time.perf_counter()
-        k, device = self.top_k, self.target.device
-        ids, log_probs = self._top_k(self.last_state, None, 0)
-        tokens, values = [ids[0]], [log_probs[0]]
-        parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
-        depths = [torch.ones(k, dtype=torch.long, device=device)]
-        front = torch.argsort(-log_probs[0], stable=True)          # node indices, best first
-        front_values = log_probs[0][front]
-        features = self.last_state.expand(k, -1)
-        visible = torch.zeros(k, 0, dtype=torch.bool, device=device)   # earlier levels' slots
-        eye = torch.eye(k, dtype=torch.bool, device=device)
-        drafted = k
-        for level in range(1, self.depth + 1):
-            read = torch.cat(tokens)[front]
-            positions = torch.full((k,), level - 1, dtype=torch.long, device=device) + self.cache.length
-            states = self._layer(read, features, positions, self.cache,
-                                 tree_mask=torch.cat([visible, eye], dim=1))
-            ids, log_probs = self._top_k(states, None, level)            # (k, k)
-            layer_values = (front_values[:, None] + log_probs).flatten()
-            tokens.append(ids.flatten())
-            values.append(layer_values)
-            parents.append(front[:, None].expand(-1, k).flatten())     # each frontier node k times
-            depths.append(torch.full((k * k,), level + 1, dtype=torch.long, device=device))
-            # The next frontier: the level's k most valuable nodes (ties: drafted earlier).
-            order = torch.argsort(-layer_values, stable=True)[:k]
-            rows = order // k
-            front, front_values = drafted + order, layer_values[order]
-            features, visible = states[rows], torch.cat([visible[rows], eye[rows]], dim=1)
-            drafted += k * k
-        self.cache.discard()
-        tree = flatten(root, torch.cat(tokens), torch.cat(values), torch.cat(parents),
-                       torch.cat(depths), self.static_rows - 1, self.depth + 1)
-        self.timings["total"] += time.perf_counter() - start
-        return tree
-
-    def _grow(self, root_token: int) -> DraftTree:
+    def _grow(self, root_token: int) -> Tree:
         if self.native is not None:
             start = time.perf_counter()
             cache = self.cache
             tokens, parents, ranks = self.native.tree(cache.keys, cache.values, cache.length, root_token,
                                                       self.top_k, self.depth, self.total_tokens)
             self.timings["native"] += time.perf_counter() - start
-            return DraftTree.from_parents(tokens, parents, ranks)
+            return Tree.from_parents(tokens, parents, ranks)
         return self._grow_reference(root_token)
 
-    def _grow_reference(self, root_token: int) -> DraftTree:
+    def _grow_reference(self, root_token: int) -> Tree:
         """EAGLE-2's tree grown level by level from Python (any backend; the native drafter's
         `vs_eagle_tree` follows it node for node)."""
         builder = TreeBuilder(root_token, self.top_k, self.total_tokens)
@@ -686,3 +621,76 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         builder.grow(self.depth, expand, lambda: self.cache.pending, device)
         self.cache.discard()
         return builder.build(device)
+
+
+def static_tree_rows(depth: int, top_k: int, total_tokens: int) -> int:
+    """Rows of EAGLE-2's static tree, the root included: the kept nodes, at most what `top_k`
+    rows a level draft."""
+    return min(total_tokens, top_k + depth * top_k * top_k) + 1
+
+
+class EagleStaticDrafting(StaticDrafting):
+    """EAGLE-2 in static steps (static_step.py): the drafter's cache on the device, its reads
+    and its tree as device work of fixed shapes; the proposer's head, drafter and state."""
+
+    def __init__(self, proposer: EagleProposer, cache: DeviceKVCache):
+        self.proposer, self.cache = proposer, cache
+
+    @property
+    def rows(self) -> int:
+        p = self.proposer
+        return static_tree_rows(p.depth, p.top_k, p.total_tokens)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.cache.length, self.proposer.last_state]
+
+    def observe(self, reads: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -> None:
+        """The drafter reads the step's accepted tokens; all m rows run, those past `count`
+        are left past the committed slots."""
+        cache, p = self.cache, self.proposer
+        positions = torch.arange(reads.numel(), device=reads.device) + cache.length
+        states = p.drafter(reads, p._features(rows), positions, cache)
+        cache.keep(torch.arange(reads.numel(), device=reads.device), count)
+        p.last_state.copy_(states.index_select(0, (count - 1).view(1)))
+
+    def after(self, accepted: list[int], next_token: int, length: int) -> None:
+        self.proposer.head.see_tokens(accepted + [next_token])
+        self.cache.settle(length)
+
+    def propose(self, root: torch.Tensor) -> Tree:
+        """EAGLE-2's tree with static shapes and no read-back: `top_k` rows a level, no frontier
+        pruning, the same kept nodes as the proposer's `propose`."""
+        p, cache = self.proposer, self.cache
+        start = time.perf_counter()
+        k, device = p.top_k, p.target.device
+        ids, log_probs = p._top_k(p.last_state, None, 0)
+        tokens, values = [ids[0]], [log_probs[0]]
+        parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
+        depths = [torch.ones(k, dtype=torch.long, device=device)]
+        front = torch.argsort(-log_probs[0], stable=True)          # node indices, best first
+        front_values = log_probs[0][front]
+        features = p.last_state.expand(k, -1)
+        visible = torch.zeros(k, 0, dtype=torch.bool, device=device)   # earlier levels' slots
+        eye = torch.eye(k, dtype=torch.bool, device=device)
+        drafted = k
+        for level in range(1, p.depth + 1):
+            read = torch.cat(tokens)[front]
+            positions = torch.full((k,), level - 1, dtype=torch.long, device=device) + cache.length
+            states = p._layer(read, features, positions, cache, tree_mask=torch.cat([visible, eye], dim=1))
+            ids, log_probs = p._top_k(states, None, level)            # (k, k)
+            layer_values = (front_values[:, None] + log_probs).flatten()
+            tokens.append(ids.flatten())
+            values.append(layer_values)
+            parents.append(front[:, None].expand(-1, k).flatten())     # each frontier node k times
+            depths.append(torch.full((k * k,), level + 1, dtype=torch.long, device=device))
+            # The next frontier: the level's k most valuable nodes (ties: drafted earlier).
+            order = torch.argsort(-layer_values, stable=True)[:k]
+            rows = order // k
+            front, front_values = drafted + order, layer_values[order]
+            features, visible = states[rows], torch.cat([visible[rows], eye[rows]], dim=1)
+            drafted += k * k
+        cache.discard()
+        tree = flatten(root, torch.cat(tokens), torch.cat(values), torch.cat(parents),
+                       torch.cat(depths), self.rows - 1, p.depth + 1)
+        p.timings["total"] += time.perf_counter() - start
+        return tree

@@ -6,7 +6,7 @@ token), `propose` (the tree to verify), `finish` (verify, commit, tell the propo
 The loop that takes those steps, for one request or many, is batch.py's. Vanilla decoding is
 the same step with no proposer (the root alone), so every method shares prefill, stopping
 rules, streaming and statistics. A proposer (EAGLE drafter, prompt lookup) only has to turn
-the committed context into a `DraftTree` and to hear back which tokens were accepted.
+the committed context into a `Tree` and to hear back which tokens were accepted.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..engine.model import Transformer
 from .sampling import SamplingParams, greedy_token, make_generator, sample, target_probs
 from ..engine.tokenizer import Tokenizer
 from ..engine.kv_cache import KVCache
-from .tree import DraftTree, chain_tree
+from .tree import Tree, chain
 from .verify import TreeLogits, Verdict, greedy_verdict, verify_sampling
 
 PREFILL_CHUNK = 512
@@ -40,9 +40,7 @@ class Proposer:
     max_tree_tokens: int
     taps: tuple[int, ...] = ()
     timing_sync: bool = False   # time each phase after waiting for the device (a breakdown's cost)
-    # Drafts greedy steps of fixed shapes (static_step.py): then it also has set_static,
-    # static_rows, propose_static, observe_static, after_static and static_buffers.
-    static: bool = False
+    static: bool = False        # drafts greedy steps of fixed shapes: `static_form` returns its drafting
     head = None                 # its draft head (draft_vocab.py), if it drafts through one
     cache = None                # its own KV cache, if it keeps one
     draft_forwards: int | None = None   # drafting passes a step, where not its tree's depth + 1
@@ -51,11 +49,20 @@ class Proposer:
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
         raise NotImplementedError
 
-    def propose(self, root_token: int) -> DraftTree:
+    def propose(self, root_token: int) -> Tree:
         raise NotImplementedError
 
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
         raise NotImplementedError
+
+    def static_form(self, max_len: int | None) -> "StaticDrafting | None":
+        """Draft for static steps (static_step.py) over a target cache of `max_len` slots: the
+        proposer keeps its state where those steps read it and returns its drafting in their
+        form; None: back to the general loop (returns None). The form for a size is made once:
+        a captured step holds its tensors."""
+        if max_len is not None:
+            raise ValueError(f"{type(self).__name__} does not draft in static steps")
+        return None
 
     def next_tree_tokens(self) -> int:
         """The drafted tokens of the next proposal, where it can say so cheaply (the batch's
@@ -72,6 +79,33 @@ class Proposer:
     def draft_parameters(self) -> int:
         """Parameters one draft step reads (0 without a model): VocabTrim's memory-bound speedup."""
         return 0
+
+
+class StaticDrafting:
+    """A proposer's drafting as static steps run it (static_step.py), returned by
+    `Proposer.static_form`: device work of fixed shapes, with no read-back inside a step."""
+
+    cache = None                # the drafter's own DeviceKVCache, if it keeps one
+
+    @property
+    def rows(self) -> int:
+        """The next step's tree rows, the root included (host: the tree's shape fixes them)."""
+        raise NotImplementedError
+
+    def propose(self, root: torch.Tensor) -> Tree:
+        """The tree after `root` (a device tensor): `rows` rows, padding marked invalid."""
+        raise NotImplementedError
+
+    def observe(self, reads: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -> None:
+        """Inside the step: `reads` (m,), each accepted token's successor, and `rows` (m, width),
+        the target's rows of the accepted nodes, of which the first `count` (0-dim) count."""
+
+    def after(self, accepted: list[int], next_token: int, length: int) -> None:
+        """After the step's read-back: what it accepted, and the committed `length`."""
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Device tensors a step updates in place (restored after warm-up and capture)."""
+        return []
 
 
 @dataclass
@@ -126,7 +160,7 @@ class StepRecord:
     tree_size: int           # drafted tokens verified
     draft_seconds: float
     verify_seconds: float    # the target's forward over the tree, verification and the commit
-    path_ranks: tuple[int, ...] = ()   # value ranks of the accepted drafts (see DraftTree.ranks)
+    path_ranks: tuple[int, ...] = ()   # value ranks of the accepted drafts (see Tree.ranks)
     forward_seconds: float = 0.0       # of verify_seconds, the target's forward alone (a batch's
                                        # shared forward, whole; 0 for a static step's one launch)
 
@@ -333,14 +367,14 @@ class Generation:
             self.started = time.perf_counter()
         proposer, taps = self.proposer, self.taps
         if proposer is not None and proposer.static:
-            proposer.set_static(None)
+            proposer.static_form(None)
         if self.static:
             room = len(self.prompt_ids) + self.config.max_new_tokens + self.tree_room
             self.decoder = self.engine.static_decoder(room)
             self.cache = self.decoder.cache
+            rows = self.decoder.enter()
             if proposer is not None:
-                proposer.set_static(self.decoder.max_len)
-                self.tree_room = proposer.static_rows
+                self.tree_room = rows
             taps = self.decoder.taps
         self.cache.reset()
         logits, self.token = self._prefill(self.started, self.generator, taps)
@@ -359,15 +393,15 @@ class Generation:
         (near the end of the window a tree would not fit)."""
         return self.proposer is not None and self.cache.used + self.tree_room <= self.cache.max_len
 
-    def propose(self, draft: bool = True) -> DraftTree:
+    def propose(self, draft: bool = True) -> Tree:
         """The tree the next step verifies: the proposer's, or the root alone (plain decoding,
         `draft=False`, or no room for a tree)."""
         self._t0 = time.perf_counter()
         if draft and self.can_draft:
             return self.proposer.propose(self.token)
-        return chain_tree(self.token, [], self.engine.model.device)
+        return chain(self.token, [], device=self.engine.model.device)
 
-    def finish(self, tree: DraftTree, hidden: torch.Tensor, tapped: list[torch.Tensor], t1: float,
+    def finish(self, tree: Tree, hidden: torch.Tensor, tapped: list[torch.Tensor], t1: float,
                verdict: Verdict | None = None, forwarded: float | None = None) -> str:
         """Verify the step's tree from its rows' hidden states (or take `verdict`, greedy
         verification already done for a batch), commit the accepted path, tell the proposer,
@@ -391,7 +425,7 @@ class Generation:
             path = torch.tensor(verdict.path, dtype=torch.long, device=model.device)
             proposer.observe(accepted, proposer_rows(hidden, tapped, path), verdict.next_token)
         t3 = time.perf_counter()
-        ranks = tuple(tree.ranks[i] for i in verdict.path[1:]) if tree.ranks else ()
+        ranks = tuple(tree.ranks[verdict.path[1:]].tolist()) if tree.ranks is not None else ()
         self.result.steps.append(StepRecord(len(verdict.path), tree.size,
                                             (t1 - self._t0) + (t3 - t2), t2 - t1, ranks,
                                             forward_seconds=(forwarded or t1) - t1))
@@ -405,8 +439,8 @@ class Generation:
         """One static step (static_step.py): device work only, one read-back; the text it shows."""
         t0 = time.perf_counter()
         accepted, self.token, ranks, size = self.decoder.step(self.can_draft)
-        if self.proposer is not None:
-            self.proposer.after_static(accepted, self.token, self.decoder.length)
+        if self.decoder.drafting is not None:
+            self.decoder.drafting.after(accepted, self.token, self.decoder.length)
         # A step is one launch (a CUDA graph): all of it counts as verification.
         self.result.steps.append(StepRecord(len(accepted), size, 0.0, time.perf_counter() - t0, ranks))
         return self._emit(accepted[1:] + [self.token])

@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from .drafter import EagleProposer
+from .generate import StaticDrafting
 from .pld import PromptLookupProposer
-from .tree import DraftTree, chain_tree, graft_chain
+from .tree import Tree, chain, graft
 
 
 class EagleLookupProposer(EagleProposer):
@@ -60,63 +63,82 @@ class EagleLookupProposer(EagleProposer):
             followed += 1
         self._copying = followed >= self.copy_after
 
-    def propose(self, root_token: int) -> DraftTree:
+    def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
         self._chain = self.lookup.draft()
         if self._copying and self._chain:
             self.copy_steps += 1
             self.grafted += len(self._chain)
-            tree = chain_tree(root_token, self._chain, self.target.device)
+            tree = chain(root_token, self._chain, device=self.target.device)
             self._count_lookup(time.perf_counter() - start)
             return tree
         looked_up = time.perf_counter() - start
         tree = super().propose(root_token)          # counts its own time
         start = time.perf_counter()
-        tree, added = graft_chain(tree, self._chain)
-        self.grafted += added
+        if self._chain:
+            size = tree.size
+            tree = graft(tree, torch.tensor(self._chain, device=tree.tokens.device),
+                         torch.tensor(len(self._chain), device=tree.tokens.device)).compact()
+            self.grafted += tree.size - size
         self._count_lookup(looked_up + time.perf_counter() - start)
         return tree
-
-    # Static steps (static_step.StaticDecoder).
-
-    @property
-    def static_rows(self) -> int:
-        """The next step's rows: the path alone while copying, else the tree and the path."""
-        path = self.lookup.num_draft
-        return path + 1 if self._copying and self._chain else super().static_rows + path
-
-    def set_static(self, max_len: int | None) -> None:
-        super().set_static(max_len)
-        self.lookup.set_static(max_len)
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         super().reset(prompt_ids, prompt_hidden, first_token)
         self.lookup.reset(prompt_ids, prompt_hidden, first_token)
-        self._chain = list(self.lookup._drafted)       # staged by a static lookup, else []
+        self._chain = list(self.lookup.drafted)       # staged by a static lookup, else []
         self._copying = False
 
-    def after_static(self, accepted: list[int], next_token: int, length: int) -> None:
-        super().after_static(accepted, next_token, length)
-        self._follow(accepted)
-        self.lookup.after_static(accepted, next_token, length)      # stages the next path
-        self._chain = list(self.lookup._drafted)
-        if self._copying and self._chain:            # the next step is the path alone
-            self.copy_steps += 1
-
-    def propose_static(self, root):
-        """The path alone while copying, else grafted onto the drafter's tree. Device work (a
-        captured graph replays the branch it was captured in: the two have different row
-        counts, so different graphs); `grafted` counts the general loop's added nodes only."""
-        from .static_step import graft
-
-        if self._copying and self._chain:
-            return self.lookup.propose_static(root)
-        tree = super().propose_static(root)          # counts its own time
-        start = time.perf_counter()
-        tree = graft(tree, self.lookup._buffer, self.lookup._count)
-        self._count_lookup(time.perf_counter() - start)
-        return tree
+    def static_form(self, max_len: int | None) -> "HybridStaticDrafting | None":
+        tree_form = super().static_form(max_len)
+        path_form = self.lookup.static_form(max_len)
+        return HybridStaticDrafting(self, tree_form, path_form) if max_len is not None else None
 
     def _count_lookup(self, seconds: float) -> None:
         self.timings["lookup"] = self.timings.get("lookup", 0.0) + seconds
         self.timings["total"] += seconds
+
+
+class HybridStaticDrafting(StaticDrafting):
+    """eagle+pld in static steps: the path alone while copying, else grafted onto the
+    drafter's tree, as device work (a captured graph replays the branch it was captured in: the
+    two have different row counts, so different graphs). `grafted` counts the general loop's
+    added nodes only."""
+
+    def __init__(self, proposer: EagleLookupProposer, tree_form: StaticDrafting, path_form: StaticDrafting):
+        self.proposer, self.tree_form, self.path_form = proposer, tree_form, path_form
+        self.cache = tree_form.cache
+
+    def _path_alone(self) -> bool:
+        return self.proposer._copying and bool(self.proposer._chain)
+
+    @property
+    def rows(self) -> int:
+        """The next step's rows: the path alone while copying, else the tree and the path."""
+        path = self.proposer.lookup.num_draft
+        return path + 1 if self._path_alone() else self.tree_form.rows + path
+
+    def propose(self, root: torch.Tensor) -> Tree:
+        if self._path_alone():
+            return self.path_form.propose(root)
+        tree = self.tree_form.propose(root)          # counts its own time
+        start = time.perf_counter()
+        lookup = self.proposer.lookup
+        tree = graft(tree, lookup.staged, lookup.staged_count)
+        self.proposer._count_lookup(time.perf_counter() - start)
+        return tree
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self.tree_form.buffers() + self.path_form.buffers()
+
+    def observe(self, reads, rows, count) -> None:
+        self.tree_form.observe(reads, rows, count)
+
+    def after(self, accepted: list[int], next_token: int, length: int) -> None:
+        p = self.proposer
+        self.tree_form.after(accepted, next_token, length)
+        p._follow(accepted)
+        self.path_form.after(accepted, next_token, length)      # stages the next path
+        p._chain = list(p.lookup.drafted)
+        if self._path_alone():            # the next step is the path alone
+            p.copy_steps += 1

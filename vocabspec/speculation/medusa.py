@@ -30,10 +30,9 @@ import torch.nn.functional as F
 
 from .draft_vocab import FullVocab, HeadTimedDrafting, float_rows, int8_rows
 from ..engine.linear import Linear
-from .generate import Proposer
-from .static_step import StaticTree
+from .generate import Proposer, StaticDrafting
 from ..engine.kv_cache import ancestor_mask
-from .tree import DraftTree
+from .tree import Tree
 
 # Medusa's published tree for its 7B models (FasterDecoding/Medusa, medusa_choices.py,
 # mc_sim_7b_63): each entry is a path of top-k indices, one per head, best first.
@@ -192,27 +191,18 @@ class TreeLayout:
             heads.append(len(choice) - 1)
             picks.append(choice[-1])
             ranks.append(i)
-        self.children = [[] for _ in parents]
-        for node in range(1, len(parents)):
-            self.children[parents[node]].append(node)
-        self.ranks = ranks
         self.max_depth = max(depths)
         self.parents = torch.tensor(parents, dtype=torch.long, device=device)
         self.depths = torch.tensor(depths, dtype=torch.long, device=device)
         self.heads = torch.tensor(heads, dtype=torch.long, device=device)
         self.picks = torch.tensor(picks, dtype=torch.long, device=device)
-        self.rank_tensor = torch.tensor(ranks, dtype=torch.long, device=device)
-        self.static_parents = self.parents.clamp_min(0)      # the root its own parent
-        self.static_mask = ancestor_mask(self.static_parents, self.max_depth)
+        self.ranks = torch.tensor(ranks, dtype=torch.long, device=device)
+        self.mask = ancestor_mask(self.parents, self.max_depth)
 
-    def tree(self, root: torch.Tensor, ids: torch.Tensor) -> DraftTree:
+    def tree(self, root: torch.Tensor, ids: torch.Tensor) -> Tree:
+        """The tree for a root (0-dim) and each head's candidates `ids`, as device work."""
         tokens = torch.cat([root.view(1), ids[self.heads, self.picks]])
-        return DraftTree(tokens, self.parents, self.depths, self.children, list(self.ranks))
-
-    def static_tree(self, root: torch.Tensor, ids: torch.Tensor) -> StaticTree:
-        tokens = torch.cat([root.view(1), ids[self.heads, self.picks]])
-        return StaticTree(tokens, self.static_parents, self.depths, self.static_mask, self.max_depth,
-                          ranks=self.rank_tensor)
+        return Tree(tokens, self.parents, self.depths, self.max_depth, mask=self.mask, ranks=self.ranks)
 
 
 class MedusaProposer(HeadTimedDrafting, Proposer):
@@ -236,6 +226,7 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
         self.max_tree_tokens = len(choices)
         self.feature = None
         self._static = False              # drafting for static steps (static_step.py)
+        self._static_form = None
         self._feature_buffer = None
         self._layouts: dict[int, TreeLayout] = {}
         self.device = target.device
@@ -283,7 +274,7 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
         ids, _ = self.head.top_k(states, TOP_K, root_tokens, 0)
         return ids
 
-    def propose(self, root_token: int) -> DraftTree:
+    def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
         device = self.target.device
         ids = self._candidates([root_token] * self.heads.n_heads)
@@ -293,34 +284,47 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
 
     @property
     def static(self) -> bool:
-        """Whether `propose_static` drafts without reading the device back (SpecVocab's
+        """Whether its static form drafts without reading the device back (SpecVocab's
         candidate sets need drafted tokens on the host)."""
         return not hasattr(self.head, "candidate_ids")
 
-    def propose_static(self, root: torch.Tensor):
-        start = time.perf_counter()
-        tree = self.layout().static_tree(root, self._candidates(None))
-        self.timings["total"] += time.perf_counter() - start
-        return tree
+    def static_form(self, max_len: int | None) -> "MedusaStaticDrafting | None":
+        self._static = max_len is not None
+        if not self._static:
+            return None
+        self.layout()            # built before the first step, which must be like every other
+        self.heads._fused()
+        if self._static_form is None:
+            self._static_form = MedusaStaticDrafting(self)
+        return self._static_form
+
+
+class MedusaStaticDrafting(StaticDrafting):
+    """Medusa in static steps (static_step.py): the heads read the feature buffer the step
+    updates, and the tree is the layout's, as device work."""
+
+    def __init__(self, proposer: MedusaProposer):
+        self.proposer = proposer
 
     @property
-    def static_rows(self) -> int:
-        return self.total_tokens + 1
+    def rows(self) -> int:
+        return self.proposer.total_tokens + 1
 
-    def set_static(self, max_len: int | None) -> None:
-        self._static = max_len is not None
-        if self._static:         # built before the first step, which must be like every other
-            self.layout()
-            self.heads._fused()
+    def propose(self, root: torch.Tensor) -> Tree:
+        p = self.proposer
+        start = time.perf_counter()
+        tree = p.layout().tree(root, p._candidates(None))
+        p.timings["total"] += time.perf_counter() - start
+        return tree
 
-    def static_buffers(self) -> list[torch.Tensor]:
-        return [self.feature]
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.proposer.feature]
 
-    def observe_static(self, reads, rows, count) -> None:
-        self.feature.copy_(rows.index_select(0, (count - 1).view(1)))
+    def observe(self, reads, rows, count) -> None:
+        self.proposer.feature.copy_(rows.index_select(0, (count - 1).view(1)))
 
-    def after_static(self, accepted, next_token, length) -> None:
-        self.head.see_tokens(list(accepted) + [next_token])
+    def after(self, accepted, next_token, length) -> None:
+        self.proposer.head.see_tokens(list(accepted) + [next_token])
 
 
 def bundled_medusa_dir(model_name: str) -> Path | None:

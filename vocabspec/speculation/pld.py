@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from .generate import Proposer
-from .tree import DraftTree, chain_tree
+from .generate import Proposer, StaticDrafting
+from .tree import Tree, chain
 
 
 class PromptLookupProposer(Proposer):
@@ -30,49 +30,49 @@ class PromptLookupProposer(Proposer):
         self.device = torch.device(device)
         self.context: list[int] = []
         self.length = num_draft        # the next draft's length (see the module docstring)
-        self._drafted: list[int] = []
+        self.drafted: list[int] = []     # the last draft (a hybrid grafts it)
         # Each n-gram's latest start among those that end before the context's last token (so
         # a match has a continuation); n-grams ending at or before _indexed are in it.
         self._latest: dict[tuple[int, ...], int] = {}
         self._indexed = 0
         self._static = False
-        self._buffer = self._count = None     # static steps' staged path
+        self.staged = self.staged_count = None     # static steps' staged path (k,), its drafts (0-dim)
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         self.context = list(prompt_ids) + [first_token]
         self.length = self.num_draft
-        self._drafted = []
+        self.drafted = []
         self._latest, self._indexed = {}, 0
         if self._static:
             self._stage()
 
     def observe(self, accepted, hidden, next_token) -> None:
         self.context.extend(accepted[1:] + [next_token])
-        if self._drafted:
+        if self.drafted:
             # The drafted tokens the step accepted (in a hybrid tree the accepted path may
             # leave the lookup's).
             taken = 0
-            while taken < min(len(self._drafted), len(accepted) - 1) and \
-                    self._drafted[taken] == accepted[1 + taken]:
+            while taken < min(len(self.drafted), len(accepted) - 1) and \
+                    self.drafted[taken] == accepted[1 + taken]:
                 taken += 1
-            self.length = min(self.num_draft, 2 * self.length) if taken == len(self._drafted) \
+            self.length = min(self.num_draft, 2 * self.length) if taken == len(self.drafted) \
                 else taken + 1
-        self._drafted = []
+        self.drafted = []
 
     def draft(self) -> list[int]:
         """The next draft: the lookup's continuation at the adaptive length (see the module
         docstring), remembered for `observe`."""
-        self._drafted = self.lookup()[:self.length]
-        return self._drafted
+        self.drafted = self.lookup()[:self.length]
+        return self.drafted
 
     def next_tree_tokens(self) -> int:
         """The tokens the next proposal will hold (the lookup is cheap: a batch asks before
         choosing who drafts)."""
         return len(self.lookup()[:self.length])
 
-    def propose(self, root_token: int) -> DraftTree:
+    def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
-        tree = chain_tree(root_token, self.draft(), self.device)
+        tree = chain(root_token, self.draft(), device=self.device)
         self.seconds += time.perf_counter() - start
         return tree
 
@@ -80,38 +80,19 @@ class PromptLookupProposer(Proposer):
     # its path goes to a device buffer of num_draft tokens, padded; the step reads the buffer.
     static = True
 
-    @property
-    def static_rows(self) -> int:
-        return self.num_draft + 1
-
-    def set_static(self, max_len: int | None) -> None:
-        if max_len is not None and self._buffer is None:
-            self._buffer = torch.zeros(self.num_draft, dtype=torch.long, device=self.device)
-            self._count = torch.zeros((), dtype=torch.long, device=self.device)
+    def static_form(self, max_len: int | None) -> "LookupStaticDrafting | None":
+        if max_len is not None and self.staged is None:
+            self.staged = torch.zeros(self.num_draft, dtype=torch.long, device=self.device)
+            self.staged_count = torch.zeros((), dtype=torch.long, device=self.device)
         self._static = max_len is not None
-
-    def static_buffers(self) -> list[torch.Tensor]:
-        return []
+        return LookupStaticDrafting(self) if self._static else None
 
     def _stage(self) -> None:
         start = time.perf_counter()
         drafted = self.draft()
-        self._buffer.copy_(torch.tensor(drafted + [0] * (self.num_draft - len(drafted))))
-        self._count.fill_(len(drafted))
+        self.staged.copy_(torch.tensor(drafted + [0] * (self.num_draft - len(drafted))))
+        self.staged_count.fill_(len(drafted))
         self.seconds += time.perf_counter() - start
-
-    def propose_static(self, root: torch.Tensor):
-        """The staged lookup path as a static_step.StaticTree (device tensors only)."""
-        from .static_step import chain
-
-        return chain(root, self._buffer, self._count)
-
-    def observe_static(self, reads, rows, count) -> None:
-        pass
-
-    def after_static(self, accepted, next_token, length) -> None:
-        self.observe(accepted, None, next_token)
-        self._stage()
 
     def time_breakdown(self) -> dict[str, float]:
         return {"lookup": self.seconds}
@@ -136,3 +117,22 @@ class PromptLookupProposer(Proposer):
             if start is not None:
                 return context[start + n:start + n + self.num_draft]
         return []
+
+
+class LookupStaticDrafting(StaticDrafting):
+    """Prompt lookup in static steps: the path staged on the device between steps (padded to
+    num_draft tokens) as a chain; the next path is staged after each step's read-back."""
+
+    def __init__(self, proposer: PromptLookupProposer):
+        self.proposer = proposer
+
+    @property
+    def rows(self) -> int:
+        return self.proposer.num_draft + 1
+
+    def propose(self, root: torch.Tensor) -> Tree:
+        return chain(root, self.proposer.staged, self.proposer.staged_count)
+
+    def after(self, accepted, next_token, length) -> None:
+        self.proposer.observe(accepted, None, next_token)
+        self.proposer._stage()

@@ -2,9 +2,9 @@
 
 On a GPU every `.item()`, `.tolist()` or `bool(tensor)` waits for the device, and a forward
 that slices its KV cache by host-side lengths cannot be captured. Here a whole greedy step is
-one function of fixed-shape device tensors (`StaticDecoder`): the draft tree (EAGLE-2's,
-Medusa's, prompt lookup's path padded to its longest, EAGLE-2's with that path grafted on, or
-the root alone), the target's
+one function of fixed-shape device tensors (`StaticDecoder`): the draft tree (tree.Tree, the
+one tree type, from the proposer's `StaticDrafting`: EAGLE-2's, Medusa's, prompt lookup's path
+padded to its longest, EAGLE-2's with that path grafted on, or the root alone), the target's
 forward over a `DeviceKVCache` (slots written at device positions, attention over every slot
 under a mask built on the device), verification, keeping the accepted path in both caches,
 and the drafter's read of the accepted tokens. Its shapes depend only on the tree's size, so
@@ -27,105 +27,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
-from ..engine.kv_cache import DeviceKVCache, ancestor_mask
+from ..engine.kv_cache import DeviceKVCache
+from .tree import chain
 from .verify import verify_greedy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StaticTree:
-    tokens: torch.Tensor     # (rows,) root first, nodes in drafting order
-    parents: torch.Tensor    # (rows,) parent row; the root's is itself (0)
-    depths: torch.Tensor     # (rows,)
-    mask: torch.Tensor       # (rows, rows) bool: row i sees row j iff j is i or an ancestor
-    max_depth: int           # deepest node's depth (host: the tree's shape fixes it)
-    valid: torch.Tensor | None = None   # (rows,) bool: rows that hold a draft (a padded path)
-    ranks: torch.Tensor | None = None   # (rows,) each node's value rank (-1: the root; DraftTree.ranks)
-
-    @property
-    def size(self) -> int:
-        return self.tokens.numel() - 1
-
-
-def chain(root: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> StaticTree:
-    """A single path (prompt lookup) of fixed length: `tokens` (k,) on the device, of which the
-    first `count` (0-dim) are drafts and the rest padding that verification rejects."""
-    device = root.device
-    n = tokens.numel() + 1
-    parents = torch.arange(-1, n - 1, device=device).clamp_min(0)
-    depths = torch.arange(n, device=device)
-    ids = torch.cat([root.view(1), tokens])
-    return StaticTree(ids, parents, depths, torch.ones(n, n, dtype=torch.bool, device=device).tril(),
-                      n - 1, valid=depths <= count, ranks=depths - 1)
-
-
-def root_only(root: torch.Tensor) -> StaticTree:
-    """The root alone: plain decoding's step."""
-    zero = torch.zeros(1, dtype=torch.long, device=root.device)
-    return StaticTree(root.view(1), zero, zero, torch.ones(1, 1, dtype=torch.bool, device=root.device), 0)
-
-
-def flatten(root: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor, parents: torch.Tensor,
-            depths: torch.Tensor, keep: int, max_depth: int) -> StaticTree:
-    """The `keep` most valuable of the drafted nodes (ties: shallower, then drafted earlier) as a
-    tree in drafting order. parents: each node's parent node, -1 for the root's children;
-    max_depth: the deepest depth drafted (host)."""
-    order = torch.argsort(depths, stable=True)                        # ties of value: shallower,
-    order = order[torch.argsort(-values[order], stable=True)]        # then drafted earlier
-    kept = torch.sort(order[:keep]).values                           # parents come before children
-    rank_of = torch.empty_like(values, dtype=torch.long)
-    rank_of[order] = torch.arange(order.numel(), device=tokens.device)
-    row_of = torch.zeros(tokens.numel() + 1, dtype=torch.long, device=tokens.device)
-    row_of[kept + 1] = torch.arange(1, keep + 1, device=tokens.device)   # node j at row_of[j + 1]
-    parent_rows = row_of[parents[kept] + 1]                          # -1 (the root) -> row 0
-    zero = torch.zeros(1, dtype=torch.long, device=tokens.device)
-    tree_parents = torch.cat([zero, parent_rows])
-    tree_depths = torch.cat([zero, depths[kept]])
-    minus_one = torch.full((1,), -1, dtype=torch.long, device=tokens.device)
-    return StaticTree(torch.cat([root.view(1), tokens[kept]]), tree_parents, tree_depths,
-                      ancestor_mask(tree_parents, max_depth), max_depth,
-                      ranks=torch.cat([minus_one, rank_of[kept]]))
-
-
-def graft(tree: StaticTree, chain_tokens: torch.Tensor, count: torch.Tensor) -> StaticTree:
-    """`tree` with a path from the root grafted on (prompt lookup's, hybrid.py): `chain_tokens`
-    (k,) of which the first `count` (0-dim) are drafts. As `tree.graft_chain` does on the host,
-    the path follows the tree's nodes while they carry its tokens and leaves it as new rows; here
-    all k rows are always appended (shapes stay fixed) and those the tree already holds, or past
-    `count`, are invalid. A tree's siblings carry distinct tokens (a row's top k), so at most one
-    node per depth lies on the path."""
-    device = tree.tokens.device
-    rows, k = tree.tokens.numel(), chain_tokens.numel()
-    index = torch.arange(rows, device=device)
-    # Nodes whose whole path from the root spells the path's first tokens.
-    want = chain_tokens[(tree.depths - 1).clamp(0, k - 1)]
-    on_path = ((tree.tokens == want) & (tree.depths >= 1)) | (index == 0)
-    if tree.valid is not None:
-        on_path = on_path & tree.valid
-    for _ in range(tree.max_depth):
-        on_path = on_path & on_path[tree.parents]
-    # at_depth[d]: the tree's node at depth d on the path, -1 where it left the tree.
-    slot = torch.where(on_path & (tree.depths <= k), tree.depths, torch.full_like(tree.depths, k + 1))
-    at_depth = torch.full((k + 2,), -1, dtype=torch.long, device=device).scatter_(0, slot, index)
-    held = at_depth[1:k + 1] >= 0                                  # path token i is a tree node
-    steps = torch.arange(k, device=device)
-    # A new row hangs from the tree's node one level up while the path was still on the tree,
-    # else from the path's previous row.
-    parents = torch.where(at_depth[:k] >= 0, at_depth[:k], rows + steps - 1)
-    valid = ~held & (steps < count)
-    tree_valid = tree.valid if tree.valid is not None else torch.ones(rows, dtype=torch.bool, device=device)
-    tree_parents = torch.cat([tree.parents, parents])
-    max_depth = max(tree.max_depth, k)
-    ranks = tree.ranks if tree.ranks is not None else torch.full_like(tree.tokens, -1)
-    return StaticTree(torch.cat([tree.tokens, chain_tokens]), tree_parents,
-                      torch.cat([tree.depths, steps + 1]), ancestor_mask(tree_parents, max_depth),
-                      max_depth, valid=torch.cat([tree_valid, valid]),
-                      ranks=torch.cat([ranks, torch.full_like(chain_tokens, -1)]))
 
 
 class StaticDecoder:
@@ -143,6 +52,7 @@ class StaticDecoder:
         self.cache = DeviceKVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_len,
                                    model.dtype, model.device)
         self.taps = proposer.taps if proposer is not None else ()
+        self.drafting = None     # the proposer's StaticDrafting, once `enter` has run
         self.root = torch.zeros(1, dtype=torch.long, device=model.device)
         self.capture = model.device.type == "cuda" and os.environ.get("VOCABSPEC_CUDA_GRAPHS", "1") != "0"
         self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -158,9 +68,16 @@ class StaticDecoder:
         """After the prompt has run through `self.cache` (generate.prefill): its first token."""
         self.root.fill_(token)
 
+    def enter(self) -> int:
+        """A request's start: the proposer drafts in its static form for this decoder's cache
+        (the general loop may have had it since). Returns the largest step's rows."""
+        if self.proposer is not None:
+            self.drafting = self.proposer.static_form(self.max_len)
+        return self.rows(True)
+
     def rows(self, draft: bool) -> int:
         """The step's tree rows (host: the proposer's shape fixes them)."""
-        return self.proposer.static_rows if draft else 1
+        return self.drafting.rows if draft and self.drafting is not None else 1
 
     def step(self, draft: bool) -> tuple[list[int], int, tuple[int, ...], int]:
         """One greedy step: (accepted tokens, root first; the next token; the accepted drafts'
@@ -185,33 +102,34 @@ class StaticDecoder:
     def _step(self, draft: bool) -> torch.Tensor:
         """The step as device work only: [accept length, next token, accepted tokens padded to
         the tree's depth + 1, their value ranks (padded the same)]."""
-        model, cache, proposer = self.model, self.cache, self.proposer
-        tree = proposer.propose_static(self.root) if draft else root_only(self.root)
+        model, cache, drafting = self.model, self.cache, self.drafting
+        tree = drafting.propose(self.root) if draft else chain(self.root, self.root[:0])
+        mask = tree.attention_mask()
         hidden, logits, *tapped = model(tree.tokens, tree.depths + cache.length, cache,
-                                        tree_mask=tree.mask, all_logits=True, taps=self.taps)
+                                        tree_mask=mask, all_logits=True, taps=self.taps)
         path, length_bonus = verify_greedy(tree.tokens, tree.parents, tree.depths, logits, tree.max_depth,
-                                           tree.valid, tree.mask)
+                                           tree.valid, mask)
         count, bonus = length_bonus[0], length_bonus[1:]
         cache.keep(path, count)
         accepted = tree.tokens[path]
-        if proposer is not None:
+        if drafting is not None:
             # What the drafter reads: each accepted token's successor, the next token last.
             at_end = torch.arange(path.numel(), device=path.device) == count - 1
             reads = torch.where(at_end, bonus, accepted.roll(-1))
             rows = torch.cat([*[t[path] for t in tapped], hidden[path]], dim=-1) if tapped else hidden[path]
-            proposer.observe_static(reads, rows, count)
+            drafting.observe(reads, rows, count)
         self.root.copy_(bonus)
         ranks = tree.ranks[path] if tree.ranks is not None else torch.full_like(path, -1)
         return torch.cat([length_bonus, accepted, ranks])
 
     def _state(self) -> list[torch.Tensor]:
         """Device tensors a step updates in place (restored after warm-up and capture)."""
-        extra = self.proposer.static_buffers() if self.proposer is not None else []
+        extra = self.drafting.buffers() if self.drafting is not None else []
         return [self.cache.length, self.root, *extra]
 
     def _caches(self) -> list[DeviceKVCache]:
         """The device caches a step writes: the target's, and the drafter's if it keeps one."""
-        drafter_cache = self.proposer.cache if self.proposer is not None else None
+        drafter_cache = self.drafting.cache if self.drafting is not None else None
         return [self.cache] + ([drafter_cache] if isinstance(drafter_cache, DeviceKVCache) else [])
 
     def rewound(self):

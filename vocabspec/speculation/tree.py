@@ -1,123 +1,182 @@
-"""Draft trees: EAGLE-2's context-aware dynamic tree, and the masks the target needs.
+"""Draft trees: the one tree type every proposer, loop and backend uses, and EAGLE-2's dynamic
+tree.
 
-Node values are log-probabilities summed along the path (log of EAGLE-2's value, the product
-of draft confidences). Building follows EAGLE-2: the root's top-k children form depth 1; at
-each expansion step the top-k nodes of the newest layer (by value) are expanded into their
+A `Tree` is a handful of tensors on the model's device: tokens, parents and depths, flattened
+with the root (the last sampled token, not yet in the target's cache) at row 0, -1 as its
+parent and every other node's parent at a smaller row. Static steps (static_step.py) build,
+graft and verify it as device work of fixed shapes that a CUDA graph holds; what only the host
+needs, each node's children in row order (sampling verification tries them so) and a node's
+path, is derived from the tensors when asked. A fixed-shape tree may carry rows that hold no
+draft (a lookup path's padding, or the part of it the tree already has): `valid` marks the
+others, and the eager loop drops them (`Tree.compact`), where padding would only cost rows.
+
+EAGLE-2's tree (`TreeBuilder`): node values are log-probabilities summed along the path (log
+of EAGLE-2's value, the product of draft confidences). The root's top-k children form depth 1;
+at each expansion step the top-k nodes of the newest layer (by value) are expanded into their
 top-k children each; finally all drafted nodes are reranked by value and the best
 `total_tokens` kept, ties going to shallower nodes so that the kept set stays a connected tree.
-
-A `DraftTree` is flattened depth by depth with the root (the last sampled token, not yet in
-the target's cache) at index 0; node i's parent index is smaller than i. `graft_chain` adds a
-path from another source (prompt lookup) after those nodes, sharing the prefix already there.
+`flatten` keeps the same nodes from a tree drafted as device work.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from ..engine.kv_cache import ancestor_mask
 
 
-@dataclass
-class DraftTree:
-    tokens: torch.Tensor    # (n + 1,) root first
-    parents: torch.Tensor   # (n + 1,) parent index, -1 for the root
-    depths: torch.Tensor    # (n + 1,) 0 for the root
-    # Each node's children in draft order (most confident first): verification tries them so.
-    children: list[list[int]]
-    # Each node's place in the value ranking (0 = most valuable draft; -1 for the root): the
-    # tree of the best m nodes is exactly the nodes ranked below m (autotune uses this).
-    ranks: list[int] | None = None
+@dataclass(eq=False)
+class Tree:
+    tokens: torch.Tensor    # (rows,) root first
+    parents: torch.Tensor   # (rows,) parent row, -1 for the root
+    depths: torch.Tensor    # (rows,) 0 for the root
+    max_depth: int          # a bound on the depths, known to the host (the tree's shape fixes it)
+    mask: torch.Tensor | None = None    # (rows, rows) ancestor mask; built when first asked for
+    valid: torch.Tensor | None = None   # (rows,) bool: rows that hold a draft (None: every row)
+    # Each node's place in the value ranking (0 = most valuable draft; -1 for the root and for
+    # grafted rows): the tree of the best m nodes is exactly the nodes ranked below m (autotune).
+    ranks: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
-        """Drafted tokens, the root excluded."""
+        """Drafted rows, the root excluded."""
         return self.tokens.numel() - 1
 
     @classmethod
-    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, ranks: list[int] | None = None) -> "DraftTree":
-        """A flattened tree from its tokens and parents (-1 for the root; each node's parent
-        before it), children in index order."""
+    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, ranks: list[int] | None = None) -> "Tree":
+        """A tree built on the host (the native drafter's): tokens and parents (-1 for the root,
+        each node's parent before it), the drafts' value ranks."""
         parent_list = parents.tolist()
-        depths, children = [0] * len(parent_list), [[] for _ in parent_list]
+        depths = [0] * len(parent_list)
         for node in range(1, len(parent_list)):
             depths[node] = depths[parent_list[node]] + 1
-            children[parent_list[node]].append(node)
-        return cls(tokens=tokens, parents=parents,
-                   depths=torch.tensor(depths, dtype=torch.long, device=tokens.device),
-                   children=children, ranks=[-1] + list(ranks) if ranks is not None else None)
+        device = tokens.device
+        return cls(tokens, parents.to(device), torch.tensor(depths, dtype=torch.long, device=device),
+                   max(depths), ranks=torch.tensor([-1] + list(ranks), dtype=torch.long, device=device)
+                   if ranks is not None else None)
 
     def attention_mask(self) -> torch.Tensor:
-        """(n + 1, n + 1) bool: node i sees node j iff j is i or one of its ancestors."""
-        return ancestor_mask(self.parents)
+        """(rows, rows) bool: row i sees row j iff j is i or one of its ancestors."""
+        if self.mask is None:
+            self.mask = ancestor_mask(self.parents, self.max_depth)
+        return self.mask
 
     def positions(self, start: int) -> torch.Tensor:
         return self.depths + start
 
-    def path_to(self, node: int) -> list[int]:
-        path = []
+    @cached_property
+    def children(self) -> list[list[int]]:
+        """Each row's children, in row order (the drafter's most confident first), on the host."""
         parents = self.parents.tolist()
+        children: list[list[int]] = [[] for _ in parents]
+        for node in range(1, len(parents)):
+            children[parents[node]].append(node)
+        return children
+
+    def path_to(self, node: int) -> list[int]:
+        """The rows from the root to `node`."""
+        path, parents = [], self.parents.tolist()
         while node != -1:
             path.append(node)
             node = parents[node]
         return path[::-1]
 
     def leaf_paths(self) -> torch.Tensor:
-        """Root-to-leaf retrieval paths, (leaves, max_depth + 1), padded with -1."""
-        leaves = [i for i, kids in enumerate(self.children) if not kids]
-        paths = [self.path_to(leaf) for leaf in leaves]
-        width = max(len(p) for p in paths)
+        """Root-to-leaf paths, (leaves, max depth + 1), padded with -1."""
+        paths = [self.path_to(leaf) for leaf, kids in enumerate(self.children) if not kids]
+        width = max(map(len, paths))
         return torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.long)
 
+    def compact(self) -> "Tree":
+        """The tree without the rows that hold no draft (one read-back): what the eager loop
+        verifies. A valid row's parent is valid, so the rows kept form a tree."""
+        if self.valid is None:
+            return self
+        rows = self.valid.nonzero().squeeze(1)
+        row_of = torch.full_like(self.parents, -1)
+        row_of[rows] = torch.arange(rows.numel(), device=rows.device)
+        parents = self.parents[rows]
+        parents = torch.where(parents >= 0, row_of[parents.clamp_min(0)], parents)
+        return Tree(self.tokens[rows], parents, self.depths[rows], self.max_depth,
+                    ranks=self.ranks[rows] if self.ranks is not None else None)
 
 
+def chain(root: int | torch.Tensor, tokens: list[int] | torch.Tensor, count: torch.Tensor | None = None,
+          device: torch.device | None = None) -> Tree:
+    """A single path after the root (prompt lookup's; no tokens: the root alone, plain
+    decoding's step). For static steps `tokens` is a device tensor (k,) of which the first
+    `count` (0-dim) are drafts and the rest padding that verification rejects."""
+    root = torch.as_tensor(root, dtype=torch.long, device=device).view(1)
+    device = root.device
+    tokens = torch.as_tensor(tokens, dtype=torch.long, device=device)
+    n = tokens.numel() + 1
+    depths = torch.arange(n, device=device)
+    return Tree(torch.cat([root, tokens]), depths - 1, depths, n - 1,
+                valid=depths <= count if count is not None else None, ranks=depths - 1)
 
-def chain_tree(root: int, tokens: list[int], device: torch.device | None = None) -> DraftTree:
-    """A single path (prompt lookup, or no draft at all)."""
-    n = len(tokens) + 1
-    return DraftTree(
-        tokens=torch.tensor([root] + list(tokens), dtype=torch.long, device=device),
-        parents=torch.arange(-1, n - 1, dtype=torch.long, device=device),
-        depths=torch.arange(n, dtype=torch.long, device=device),
-        children=[[i + 1] for i in range(n - 1)] + [[]],
-        ranks=list(range(-1, n - 1)),
-    )
+
+def flatten(root: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor, parents: torch.Tensor,
+            depths: torch.Tensor, keep: int, max_depth: int) -> Tree:
+    """The `keep` most valuable of the drafted nodes (ties: shallower, then drafted earlier) as a
+    tree in drafting order, as device work. parents: each node's parent node, -1 for the root's
+    children; max_depth: the deepest depth drafted (host)."""
+    order = torch.argsort(depths, stable=True)                        # ties of value: shallower,
+    order = order[torch.argsort(-values[order], stable=True)]        # then drafted earlier
+    kept = torch.sort(order[:keep]).values                           # parents come before children
+    rank_of = torch.empty_like(values, dtype=torch.long)
+    rank_of[order] = torch.arange(order.numel(), device=tokens.device)
+    row_of = torch.zeros(tokens.numel() + 1, dtype=torch.long, device=tokens.device)
+    row_of[kept + 1] = torch.arange(1, keep + 1, device=tokens.device)   # node j at row_of[j + 1]
+    minus_one = torch.full((1,), -1, dtype=torch.long, device=tokens.device)
+    tree_parents = torch.cat([minus_one, row_of[parents[kept] + 1]])   # the root's children: row 0
+    tree = Tree(torch.cat([root.view(1), tokens[kept]]), tree_parents,
+                torch.cat([torch.zeros_like(minus_one), depths[kept]]), max_depth,
+                ranks=torch.cat([minus_one, rank_of[kept]]))
+    tree.attention_mask()
+    return tree
 
 
-def graft_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, int]:
-    """The tree with `chain` as a path from the root: existing nodes are followed while they
-    carry the chain's tokens, the rest is appended (ranked -1: outside the value ranking).
-    Returns the tree and how many nodes were added. Children stay distinct per node, which
-    exact sampling verification needs."""
-    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
-    children = [list(kids) for kids in tree.children]
-    ranks = list(tree.ranks) if tree.ranks is not None else [-1] * len(tokens)
-    node, added = 0, 0
-    for token in chain:
-        match = next((c for c in children[node] if tokens[c] == token), None)
-        if match is None:
-            match = len(tokens)
-            tokens.append(token)
-            parents.append(node)
-            depths.append(depths[node] + 1)
-            children.append([])
-            ranks.append(-1)
-            children[node].append(match)
-            added += 1
-        node = match
-    if not added:
-        return tree, 0
+def graft(tree: Tree, chain_tokens: torch.Tensor, count: torch.Tensor) -> Tree:
+    """`tree` with a path from the root grafted on (prompt lookup's, hybrid.py): `chain_tokens`
+    (k,) of which the first `count` (0-dim) are drafts, as device work of fixed shapes. The path
+    follows the tree's nodes while they carry its tokens and leaves it as new rows; all k rows
+    are appended, and those the tree already holds, or past `count`, are invalid (`compact`
+    drops them). A tree's siblings carry distinct tokens (a row's top k), so at most one node
+    per depth lies on the path."""
     device = tree.tokens.device
-    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-                     parents=torch.tensor(parents, dtype=torch.long, device=device),
-                     depths=torch.tensor(depths, dtype=torch.long, device=device),
-                     children=children, ranks=ranks), added
+    rows, k = tree.tokens.numel(), chain_tokens.numel()
+    index = torch.arange(rows, device=device)
+    up = tree.parents.clamp_min(0)                                  # the root its own parent
+    # Nodes whose whole path from the root spells the path's first tokens.
+    want = chain_tokens[(tree.depths - 1).clamp(0, k - 1)]
+    on_path = ((tree.tokens == want) & (tree.depths >= 1)) | (index == 0)
+    if tree.valid is not None:
+        on_path = on_path & tree.valid
+    for _ in range(tree.max_depth):
+        on_path = on_path & on_path[up]
+    # at_depth[d]: the tree's node at depth d on the path, -1 where it left the tree.
+    slot = torch.where(on_path & (tree.depths <= k), tree.depths, torch.full_like(tree.depths, k + 1))
+    at_depth = torch.full((k + 2,), -1, dtype=torch.long, device=device).scatter_(0, slot, index)
+    held = at_depth[1:k + 1] >= 0                                  # path token i is a tree node
+    steps = torch.arange(k, device=device)
+    # A new row hangs from the tree's node one level up while the path was still on the tree,
+    # else from the path's previous row.
+    parents = torch.where(at_depth[:k] >= 0, at_depth[:k], rows + steps - 1)
+    valid = ~held & (steps < count)
+    tree_valid = tree.valid if tree.valid is not None else torch.ones(rows, dtype=torch.bool, device=device)
+    ranks = tree.ranks if tree.ranks is not None else torch.full_like(tree.tokens, -1)
+    grafted = Tree(torch.cat([tree.tokens, chain_tokens]), torch.cat([tree.parents, parents]),
+                   torch.cat([tree.depths, steps + 1]), max(tree.max_depth, k),
+                   valid=torch.cat([tree_valid, valid]), ranks=torch.cat([ranks, torch.full_like(chain_tokens, -1)]))
+    grafted.attention_mask()
+    return grafted
 
 
 class TreeBuilder:
-    """Collects drafted nodes level by level, then reranks them into a DraftTree.
+    """Collects drafted nodes level by level, then reranks them into a Tree.
 
     Node ids are indices into the builder's flat lists; id 0 is the root.
     """
@@ -196,7 +255,7 @@ class TreeBuilder:
                 ancestor = self.parent[ancestor]
         return mask.to(device)
 
-    def build(self, device: torch.device | None = None) -> DraftTree:
+    def build(self, device: torch.device | None = None) -> Tree:
         """Rerank all drafted nodes, keep the best total_tokens, flatten depth by depth."""
         candidates = list(range(1, len(self.token)))
         # Higher value first; on equal value the shallower node, then the earlier drafted. A
@@ -216,13 +275,8 @@ class TreeBuilder:
                 order.append(node)
         self.flat_index = flat_index      # builder node -> its index in the tree (kept nodes)
         parents = [-1] + [flat_index[self.parent[i]] for i in order[1:]]
-        children: list[list[int]] = [[] for _ in order]
-        for idx in range(1, len(order)):
-            children[parents[idx]].append(idx)
-        return DraftTree(
-            tokens=torch.tensor([self.token[i] for i in order], dtype=torch.long, device=device),
-            parents=torch.tensor(parents, dtype=torch.long, device=device),
-            depths=torch.tensor([self.depth[i] for i in order], dtype=torch.long, device=device),
-            children=children,
-            ranks=[-1] + [rank_of[i] for i in order[1:]],
-        )
+        depths = [self.depth[i] for i in order]
+        return Tree(tokens=torch.tensor([self.token[i] for i in order], dtype=torch.long, device=device),
+                    parents=torch.tensor(parents, dtype=torch.long, device=device),
+                    depths=torch.tensor(depths, dtype=torch.long, device=device), max_depth=max(depths),
+                    ranks=torch.tensor([-1] + [rank_of[i] for i in order[1:]], dtype=torch.long, device=device))

@@ -25,7 +25,7 @@ import torch
 from .sampling import SamplingParams, target_probs
 from ..engine.kv_cache import ancestor_mask
 from ..engine.model import HEAD_ROWS
-from .tree import DraftTree
+from .tree import Tree
 
 
 
@@ -44,7 +44,7 @@ class TreeLogits:
     decoded alone.
     """
 
-    def __init__(self, lm_head, hidden: torch.Tensor, tree: DraftTree, head_rows: int = HEAD_ROWS):
+    def __init__(self, lm_head, hidden: torch.Tensor, tree: Tree, head_rows: int = HEAD_ROWS):
         self.lm_head = lm_head
         self.hidden = hidden
         self.children = tree.children
@@ -108,14 +108,15 @@ def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Ten
     return path[:-1], torch.cat([length.view(1), bonus])
 
 
-def greedy_verdict(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+def greedy_verdict(tree: Tree, logits: torch.Tensor) -> Verdict:
     """`verify_greedy` over a host tree and all its rows' logits, as a Verdict (one read-back)."""
-    path, length_bonus = verify_greedy(tree.tokens, tree.parents, tree.depths, logits)
+    path, length_bonus = verify_greedy(tree.tokens, tree.parents, tree.depths, logits, tree.max_depth,
+                                       tree.valid, tree.mask)
     length, bonus = length_bonus.tolist()
     return Verdict(path[:length].tolist(), bonus)
 
 
-def verify_sampling(tree: DraftTree, logits, params: SamplingParams,
+def verify_sampling(tree: Tree, logits, params: SamplingParams,
                     generator: torch.Generator) -> Verdict:
     tokens = tree.tokens.tolist()
     node, path = 0, [0]
