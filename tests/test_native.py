@@ -226,7 +226,7 @@ def test_native_draft_trees_are_the_reference_trees(arch):
     """vs_eagle_tree against TreeBuilder grown from Python over the same native drafter and head:
     the same tokens, parents, children and value ranks, through several reads of new tokens."""
     from vocabspec.speculation.draft_vocab import FullVocab, StaticSubset
-    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
+    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer, NativeEagleDrafting, TorchEagleDrafting
 
     _, target = tiny_native(arch, seed=4)
     drafter = EagleDrafter.random(target, seed=1)
@@ -236,13 +236,14 @@ def test_native_draft_trees_are_the_reference_trees(arch):
     heads = [FullVocab(packed), StaticSubset(packed, torch.randperm(200, generator=g)[:80], name="fr:80")]
     for head in heads:
         proposer = EagleProposer(drafter, head=head, depth=4, top_k=5, total_tokens=12)
-        assert proposer.native is not None
+        assert isinstance(proposer.backend, NativeEagleDrafting)
+        reference_backend = TorchEagleDrafting(proposer)     # the same proposer's state, grown from Python
         context = torch.randint(0, 200, (30,), generator=g).tolist()
         proposer.reset(context, torch.randn(30, 64, generator=g), context[-1])
         for step in range(4):
             for depth, top_k, total in [(4, 5, 12), (1, 1, 1), (3, 3, 9), (5, 8, 40), (2, 4, 100)]:
                 proposer.depth, proposer.top_k, proposer.total_tokens = depth, top_k, total
-                fast, reference = proposer._grow(7), proposer._grow_reference(7)
+                fast, reference = proposer.backend.grow(7), reference_backend.grow(7)
                 assert torch.equal(fast.tokens, reference.tokens), (head.name, step, depth, top_k, total)
                 assert torch.equal(fast.parents, reference.parents)
                 assert fast.children == reference.children and torch.equal(fast.ranks, reference.ranks)

@@ -469,8 +469,10 @@ def native_drafting(drafter: EagleDrafter, head):
 
 
 class EagleProposer(HeadTimedDrafting, Proposer):
-    """Grows an EAGLE-2 dynamic draft tree from the drafter's view of the accepted context.
-    Timings (`time_breakdown`): the decoder layer with fc ("layer"), the head's matmuls, softmax
+    """Grows an EAGLE-2 dynamic draft tree from the drafter's view of the accepted context,
+    through its backend: the native engine's one-call reads and trees where the drafter and its
+    head run there (`NativeEagleDrafting`), else torch's (`TorchEagleDrafting`); static steps
+    draft through `static_form`'s `EagleStaticDrafting`. Timings (`time_breakdown`): the decoder layer with fc ("layer"), the head's matmuls, softmax
     and top-k, ranker (SpecVocab), and tree bookkeeping (the rest)."""
 
     phases = ("layer", "native")
@@ -492,7 +494,8 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self.taps = drafter.taps        # the engine then passes these layers' outputs too
         self.last_state = None
         self.device = self.target.device
-        self.native = native_drafting(drafter, self.head) if top_k <= 64 else None
+        native = native_drafting(drafter, self.head) if top_k <= 64 else None
+        self.backend = NativeEagleDrafting(self, native) if native is not None else TorchEagleDrafting(self)
         self.reset_timings()
 
     @property
@@ -526,11 +529,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self.head.see_tokens(prompt_ids + [first_token], reset=True)
         # Not timed: the pass over the prompt belongs with the prefill, outside the drafting
         # time ("total") that the breakdown's parts must add up to.
-        if self.native is not None:
-            self._read(prompt_ids[1:] + [first_token], prompt_hidden)
-            return
-        self.last_state = self._run(prompt_ids[1:] + [first_token], self._features(prompt_hidden),
-                                    timed=False)[-1:]
+        self.backend.read(prompt_ids[1:] + [first_token], prompt_hidden, timed=False)
         if self.cache is not self._host_cache:     # a captured step reads this very tensor
             if self._state_buffer is None:
                 self._state_buffer = torch.empty_like(self.last_state)
@@ -539,20 +538,8 @@ class EagleProposer(HeadTimedDrafting, Proposer):
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
         start = time.perf_counter()
         self.head.see_tokens(accepted + [next_token])
-        if self.native is not None:
-            self._read(accepted[1:] + [next_token], hidden)
-            self.timings["native"] += time.perf_counter() - start
-        else:
-            self.last_state = self._run(accepted[1:] + [next_token], self._features(hidden))[-1:]
+        self.backend.read(accepted[1:] + [next_token], hidden)
         self.timings["total"] += time.perf_counter() - start
-
-    def _read(self, tokens: list[int], hidden: torch.Tensor) -> None:
-        """The native drafter reads committed tokens (one call); its cache keeps them."""
-        cache = self.cache
-        self.native.read(cache.keys, cache.values, cache.length, tokens, hidden)
-        cache.length += len(tokens)
-        cache.pending = 0
-        self.last_state = self.native.state[None]
 
     def _features(self, rows: torch.Tensor) -> torch.Tensor:
         """The drafter's input features from the target's rows (see generate.Proposer)."""
@@ -565,7 +552,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
 
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
-        tree = self._grow(root_token)
+        tree = self.backend.grow(root_token)
         self.timings["total"] += time.perf_counter() - start
         return tree
 
@@ -578,7 +565,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         if max_len is None:
             self.cache = self._host_cache
             return None
-        if self.native is not None or self.drafter.native is not None:
+        if isinstance(self.backend, NativeEagleDrafting) or self.drafter.native is not None:
             raise ValueError("static steps run on torch's kernels: this drafter drafts natively")
         if max_len not in self._static_forms:
             cache = self.drafter.new_cache(max_len + self.depth * self.top_k + 1, on_device=True)
@@ -587,40 +574,68 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self.cache = form.cache
         return form
 
-    def _grow(self, root_token: int) -> Tree:
-        if self.native is not None:
-            start = time.perf_counter()
-            cache = self.cache
-            tokens, parents, ranks = self.native.tree(cache.keys, cache.values, cache.length, root_token,
-                                                      self.top_k, self.depth, self.total_tokens)
-            self.timings["native"] += time.perf_counter() - start
-            return Tree.from_parents(tokens, parents, ranks)
-        return self._grow_reference(root_token)
 
-    def _grow_reference(self, root_token: int) -> Tree:
-        """EAGLE-2's tree grown level by level from Python (any backend; the native drafter's
-        `vs_eagle_tree` follows it node for node)."""
-        builder = TreeBuilder(root_token, self.top_k, self.total_tokens)
-        tokens, log_probs = self._top_k(self.last_state, [root_token], 0)
+class TorchEagleDrafting:
+    """EAGLE-2 on torch's kernels, any device: the drafter reads the committed tokens in one
+    forward, and grows the tree level by level from Python (`TreeBuilder`)."""
+
+    def __init__(self, proposer: EagleProposer):
+        self.proposer = proposer
+
+    def read(self, tokens: list[int], hidden: torch.Tensor, timed: bool = True) -> None:
+        p = self.proposer
+        p.last_state = p._run(tokens, p._features(hidden), timed)[-1:]
+
+    def grow(self, root_token: int) -> Tree:
+        """EAGLE-2's tree (the native drafter's `vs_eagle_tree` follows it node for node)."""
+        p = self.proposer
+        builder = TreeBuilder(root_token, p.top_k, p.total_tokens)
+        tokens, log_probs = p._top_k(p.last_state, [root_token], 0)
         builder.add_children([0], tokens, log_probs)
         # Each expanded node's drafter state feeds its children; its pending KV slot lets
         # descendants attend to it.
-        state_of = {0: self.last_state[0]}
-        base = self.cache.length
-        device = self.target.device
+        state_of = {0: p.last_state[0]}
+        base = p.cache.length
+        device = p.target.device
 
         def expand(level, frontier, mask):
             read = [builder.token[n] for n in frontier]
             ids = torch.tensor(read, dtype=torch.long, device=device)
             features = torch.stack([state_of[builder.parent[n]] for n in frontier])
             positions = torch.tensor([base - 1 + builder.depth[n] for n in frontier], device=device)
-            states = self._layer(ids, features, positions, self.cache, tree_mask=mask)
+            states = p._layer(ids, features, positions, p.cache, tree_mask=mask)
             state_of.update(zip(frontier, states))
-            return self._top_k(states, read, level)
+            return p._top_k(states, read, level)
 
-        builder.grow(self.depth, expand, lambda: self.cache.pending, device)
-        self.cache.discard()
+        builder.grow(p.depth, expand, lambda: p.cache.pending, device)
+        p.cache.discard()
         return builder.build(device)
+
+
+class NativeEagleDrafting:
+    """EAGLE-2 on the native engine: a read of committed tokens and a whole tree are one native
+    call each (native.NativeDrafter), over the proposer's cache."""
+
+    def __init__(self, proposer: EagleProposer, native):
+        self.proposer, self.native = proposer, native
+
+    def read(self, tokens: list[int], hidden: torch.Tensor, timed: bool = True) -> None:
+        p, start = self.proposer, time.perf_counter()
+        cache = p.cache
+        self.native.read(cache.keys, cache.values, cache.length, tokens, hidden)
+        cache.length += len(tokens)
+        cache.pending = 0
+        p.last_state = self.native.state[None]
+        if timed:
+            p.timings["native"] += time.perf_counter() - start
+
+    def grow(self, root_token: int) -> Tree:
+        p, start = self.proposer, time.perf_counter()
+        cache = p.cache
+        tokens, parents, ranks = self.native.tree(cache.keys, cache.values, cache.length, root_token,
+                                                  p.top_k, p.depth, p.total_tokens)
+        p.timings["native"] += time.perf_counter() - start
+        return Tree.from_parents(tokens, parents, ranks)
 
 
 def static_tree_rows(depth: int, top_k: int, total_tokens: int) -> int:
