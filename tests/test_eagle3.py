@@ -185,7 +185,7 @@ def test_eagle3_checkpoints_that_do_not_fit_are_refused(tmp_path):
 def test_training_time_test_drafts_what_a_tree_drafts():
     """Step k of training-time test gives row i the state a tree's level-k node gets when it
     drafts the same chain at inference: the same attention, positions and features."""
-    from vocabspec.training.eagle3_train import StepKeys, step_mask
+    from vocabspec.training.eagle3_train import StepAttention, StepKeys
 
     target = tiny_target()
     drafter = Eagle3Drafter.random(target, random_config(target, 150), seed=5)
@@ -195,7 +195,7 @@ def test_training_time_test_drafts_what_a_tree_drafts():
         cache, chain = StepKeys(), [features[:n]]
         for k in range(steps):
             chain.append(drafter(tokens[1 + k:1 + k + n], chain[-1], torch.arange(n) + k, cache,
-                                 tree_mask=step_mask(n, k)))
+                                 tree_mask=StepAttention(k)))
         for i in (0, 3, n - 1):
             live = drafter.new_cache(32)
             state = drafter(tokens[1:2 + i], features[:i + 1], torch.arange(i + 1), live)[-1:]

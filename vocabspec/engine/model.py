@@ -223,6 +223,8 @@ class Attention(nn.Module):
             out = attention(q[0].transpose(0, 1), keys[0], values[0], mask.prefix, mask.xoff, mask.extra,
                             self.scale, mask.positions, mask.window)
             return self.wo(out.reshape(n, self.q_size))
+        if isinstance(mask, CustomAttention):
+            return self.wo(mask.attend(q, keys, values, self.scale).squeeze(0).transpose(0, 1).reshape(n, self.q_size))
         if key_start:
             keys, values = keys[:, :, key_start:], values[:, :, key_start:]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
@@ -268,6 +270,16 @@ class Block(nn.Module):
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         return x + h
+
+
+class CustomAttention:
+    """Attention a caller computes its own way, given where a mask would go: from a layer's
+    queries (1, heads, n, dim) and its cache's keys and values (1, kv heads, slots, dim), the
+    output (1, heads, n, dim). (EAGLE-3's training-time test, whose rows see a causal prefix
+    and a few keys of their own, which no dense mask computes cheaply.)"""
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        raise NotImplementedError
 
 
 @dataclass

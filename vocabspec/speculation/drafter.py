@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .draft_vocab import FullVocab, HeadTimedDrafting
 from ..engine.kv_cache import DeviceKVCache, KVCache
 from ..engine.linear import Linear
-from ..engine.model import ARCH_FEATURES, Block, ModelArgs, Transformer
+from ..engine.model import ARCH_FEATURES, CustomAttention, Block, ModelArgs, Transformer
 from .generate import Proposer, StaticDrafting
 from .tree import Tree, TreeBuilder, flatten
 
@@ -123,9 +123,12 @@ def draft_dtype(target: "Transformer", requested: str = "auto") -> torch.dtype:
 
 def attention_mask(cache, n: int, tree_mask, device):
     """What n new drafter rows attend to over `cache`: a tree's rows (tree_mask (n, pending +
-    n)) the committed slots and their ancestors; accepted rows the context causally."""
+    n)) the committed slots and their ancestors; accepted rows the context causally; an
+    CustomAttention given as `tree_mask` computes its own."""
     if isinstance(cache, DeviceKVCache):
         return cache.begin(n, tree_mask)
+    if isinstance(tree_mask, CustomAttention):
+        return tree_mask
     if tree_mask is not None:
         return torch.cat([torch.ones(n, cache.length, dtype=torch.bool, device=device), tree_mask], dim=1)
     if n > 1:
