@@ -226,7 +226,8 @@ def test_native_draft_trees_are_the_reference_trees(arch):
     """vs_eagle_tree against TreeBuilder grown from Python over the same native drafter and head:
     the same tokens, parents, children and value ranks, through several reads of new tokens."""
     from vocabspec.speculation.draft_vocab import FullVocab, StaticSubset
-    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer, NativeEagleDrafting, TorchEagleDrafting
+    from vocabspec.speculation.drafter import (EagleDrafter, EagleProposer, NativeEagleDrafting,
+                                               TorchEagleDrafting)
 
     _, target = tiny_native(arch, seed=4)
     drafter = EagleDrafter.random(target, seed=1)

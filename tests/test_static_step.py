@@ -187,7 +187,8 @@ def test_static_tree_keeps_the_dynamic_trees_nodes(smollm2):
         # The same nodes with the same value ranks (what the autotuner reads from a step).
         assert paths(static.tokens.tolist(), static.parents.tolist(), static.ranks.tolist()) == \
             paths(dynamic.tokens.tolist(), dynamic.parents.tolist(), dynamic.ranks.tolist())
-        assert torch.equal(static.mask, static.mask & torch.ones_like(static.mask).tril())
+        mask = static.attention_mask()
+        assert torch.equal(mask, mask & torch.ones_like(mask).tril())
 
 
 def reference_graft(tokens, parents, ranks, chain):
@@ -256,7 +257,7 @@ def test_grafted_path_holds_the_nodes_a_host_graft_adds():
         assert (compact.tokens.tolist(), compact.parents.tolist(), compact.ranks.tolist()) == host, case
         assert grafted.depths.tolist() == [len(path_of(g_parents, i)) - 1 for i in range(len(g_tokens))]
         for i in range(len(g_tokens)):
-            assert grafted.mask[i].nonzero().flatten().tolist() == sorted(path_of(g_parents, i)), case
+            assert grafted.attention_mask()[i].nonzero().flatten().tolist() == sorted(path_of(g_parents, i)), case
 
 
 def path_of(parents, node) -> list[int]:

@@ -224,7 +224,8 @@ class Attention(nn.Module):
                             self.scale, mask.positions, mask.window)
             return self.wo(out.reshape(n, self.q_size))
         if isinstance(mask, CustomAttention):
-            return self.wo(mask.attend(q, keys, values, self.scale).squeeze(0).transpose(0, 1).reshape(n, self.q_size))
+            out = mask.attend(q, keys, values, self.scale)
+            return self.wo(out.squeeze(0).transpose(0, 1).reshape(n, self.q_size))
         if key_start:
             keys, values = keys[:, :, key_start:], values[:, :, key_start:]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,

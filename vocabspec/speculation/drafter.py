@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .draft_vocab import FullVocab, HeadTimedDrafting
 from ..engine.kv_cache import DeviceKVCache, KVCache
 from ..engine.linear import Linear
-from ..engine.model import ARCH_FEATURES, CustomAttention, Block, ModelArgs, Transformer
+from ..engine.model import ARCH_FEATURES, Block, CustomAttention, ModelArgs, Transformer
 from .generate import Proposer, StaticDrafting
 from .tree import Tree, TreeBuilder, flatten
 
@@ -123,7 +123,7 @@ def draft_dtype(target: "Transformer", requested: str = "auto") -> torch.dtype:
 
 def attention_mask(cache, n: int, tree_mask, device):
     """What n new drafter rows attend to over `cache`: a tree's rows (tree_mask (n, pending +
-    n)) the committed slots and their ancestors; accepted rows the context causally; an
+    n)) the committed slots and their ancestors; accepted rows the context causally; a
     CustomAttention given as `tree_mask` computes its own."""
     if isinstance(cache, DeviceKVCache):
         return cache.begin(n, tree_mask)
@@ -475,8 +475,9 @@ class EagleProposer(HeadTimedDrafting, Proposer):
     """Grows an EAGLE-2 dynamic draft tree from the drafter's view of the accepted context,
     through its backend: the native engine's one-call reads and trees where the drafter and its
     head run there (`NativeEagleDrafting`), else torch's (`TorchEagleDrafting`); static steps
-    draft through `static_form`'s `EagleStaticDrafting`. Timings (`time_breakdown`): the decoder layer with fc ("layer"), the head's matmuls, softmax
-    and top-k, ranker (SpecVocab), and tree bookkeeping (the rest)."""
+    draft through `static_form`'s `EagleStaticDrafting`. Timings (`time_breakdown`): the decoder
+    layer with fc ("layer"), the head's matmuls, softmax and top-k, ranker (SpecVocab), and tree
+    bookkeeping (the rest)."""
 
     phases = ("layer", "native")
 

@@ -58,8 +58,8 @@ class Proposer:
     def static_form(self, max_len: int | None) -> "StaticDrafting | None":
         """Draft for static steps (static_step.py) over a target cache of `max_len` slots: the
         proposer keeps its state where those steps read it and returns its drafting in their
-        form; None: back to the general loop (returns None). The form for a size is made once:
-        a captured step holds its tensors."""
+        form; None: back to the general loop (returns None). The tensors a form's steps read
+        are made once for a size: a captured step holds them."""
         if max_len is not None:
             raise ValueError(f"{type(self).__name__} does not draft in static steps")
         return None

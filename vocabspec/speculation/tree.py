@@ -46,7 +46,8 @@ class Tree:
         return self.tokens.numel() - 1
 
     @classmethod
-    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, ranks: list[int] | None = None) -> "Tree":
+    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor,
+                     ranks: list[int] | None = None) -> "Tree":
         """A tree built on the host (the native drafter's): tokens and parents (-1 for the root,
         each node's parent before it), the drafts' value ranks."""
         parent_list = parents.tolist()
@@ -132,11 +133,9 @@ def flatten(root: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor, pare
     row_of[kept + 1] = torch.arange(1, keep + 1, device=tokens.device)   # node j at row_of[j + 1]
     minus_one = torch.full((1,), -1, dtype=torch.long, device=tokens.device)
     tree_parents = torch.cat([minus_one, row_of[parents[kept] + 1]])   # the root's children: row 0
-    tree = Tree(torch.cat([root.view(1), tokens[kept]]), tree_parents,
+    return Tree(torch.cat([root.view(1), tokens[kept]]), tree_parents,
                 torch.cat([torch.zeros_like(minus_one), depths[kept]]), max_depth,
                 ranks=torch.cat([minus_one, rank_of[kept]]))
-    tree.attention_mask()
-    return tree
 
 
 def graft(tree: Tree, chain_tokens: torch.Tensor, count: torch.Tensor) -> Tree:
@@ -168,11 +167,9 @@ def graft(tree: Tree, chain_tokens: torch.Tensor, count: torch.Tensor) -> Tree:
     valid = ~held & (steps < count)
     tree_valid = tree.valid if tree.valid is not None else torch.ones(rows, dtype=torch.bool, device=device)
     ranks = tree.ranks if tree.ranks is not None else torch.full_like(tree.tokens, -1)
-    grafted = Tree(torch.cat([tree.tokens, chain_tokens]), torch.cat([tree.parents, parents]),
-                   torch.cat([tree.depths, steps + 1]), max(tree.max_depth, k),
-                   valid=torch.cat([tree_valid, valid]), ranks=torch.cat([ranks, torch.full_like(chain_tokens, -1)]))
-    grafted.attention_mask()
-    return grafted
+    return Tree(torch.cat([tree.tokens, chain_tokens]), torch.cat([tree.parents, parents]),
+                torch.cat([tree.depths, steps + 1]), max(tree.max_depth, k), valid=torch.cat([tree_valid, valid]),
+                ranks=torch.cat([ranks, torch.full_like(chain_tokens, -1)]))
 
 
 class TreeBuilder:
@@ -276,7 +273,8 @@ class TreeBuilder:
         self.flat_index = flat_index      # builder node -> its index in the tree (kept nodes)
         parents = [-1] + [flat_index[self.parent[i]] for i in order[1:]]
         depths = [self.depth[i] for i in order]
+        ranks = [-1] + [rank_of[i] for i in order[1:]]
         return Tree(tokens=torch.tensor([self.token[i] for i in order], dtype=torch.long, device=device),
                     parents=torch.tensor(parents, dtype=torch.long, device=device),
                     depths=torch.tensor(depths, dtype=torch.long, device=device), max_depth=max(depths),
-                    ranks=torch.tensor([-1] + [rank_of[i] for i in order[1:]], dtype=torch.long, device=device))
+                    ranks=torch.tensor(ranks, dtype=torch.long, device=device))

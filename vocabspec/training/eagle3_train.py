@@ -120,7 +120,8 @@ class StepAttention(CustomAttention):
         own_keys = keys[:, :, n:].unflatten(2, (self.step, n))          # (1, heads, step, n, dim)
         own_values = values[:, :, n:].unflatten(2, (self.step, n))
         causal = (q @ first_keys.transpose(-1, -2)) * scale
-        causal = causal.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        seen = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        causal = causal.masked_fill(~seen, float("-inf"))
         own = (q.unsqueeze(2) * own_keys).sum(-1).transpose(2, 3) * scale   # (1, heads, n, step)
         weights = torch.softmax(torch.cat([causal, own], dim=-1), dim=-1).to(first_values.dtype)
         return weights[..., :n] @ first_values + \
