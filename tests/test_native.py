@@ -221,26 +221,50 @@ def test_bad_visibility_is_refused():
 
 # ---------------------------------------------------------------- speculative steps in one call
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_native_draft_trees_are_the_reference_trees(arch):
+@pytest.mark.parametrize("arch,family", [("llama", "eagle"), ("gemma3", "eagle"), ("llama", "eagle3"),
+                                         ("gemma3", "eagle3")])
+def test_native_draft_trees_are_the_reference_trees(arch, family):
     """vs_eagle_tree against TreeBuilder grown from Python over the same native drafter and head:
-    the same tokens, parents, children and value ranks, through several reads of new tokens."""
+    the same tokens, parents, children and value ranks, through several reads of new tokens.
+    EAGLE-3: a drafter fusing three target layers, whose head is its own (all of it, and a
+    subset), normed before the head or at the output, its residual normed or not."""
+    from dataclasses import replace
+
     from vocabspec.speculation.draft_vocab import FullVocab, StaticSubset
     from vocabspec.speculation.drafter import (EagleDrafter, EagleProposer, NativeEagleDrafting,
                                                TorchEagleDrafting)
+    from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter
 
     _, target = tiny_native(arch, seed=4)
-    drafter = EagleDrafter.random(target, seed=1)
-    drafter.use_native("f32")
-    packed = target.native.head_weight
+    a = target.args
     g = torch.Generator().manual_seed(0)
-    heads = [FullVocab(packed), StaticSubset(packed, torch.randperm(200, generator=g)[:80], name="fr:80")]
-    for head in heads:
+    if family == "eagle":
+        drafter = EagleDrafter.random(target, seed=1)
+        drafter.use_native("f32")
+        packed = target.native.head_weight
+        setups = [(drafter, FullVocab(packed)),
+                  (drafter, StaticSubset(packed, torch.randperm(200, generator=g)[:80], name="fr:80"))]
+    else:
+        config = Eagle3Config(dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                              intermediate_size=a.intermediate_size, n_layers=1, norm_eps=1e-6,
+                              rope_base=10000.0, draft_vocab_size=150, aux_layers=(1, 2, a.n_layers - 1),
+                              target_dim=a.dim)
+        setups = []
+        for variant in (config, replace(config, norm_before_residual=True, norm_output=True, n_layers=2)):
+            drafter = Eagle3Drafter.random(target, variant, seed=1, dtype=torch.float32)
+            drafter.draft_ids.copy_(torch.randperm(200, generator=g)[:150])
+            drafter.use_native("f32")
+            setups += [(drafter, drafter.draft_head("full"))]
+        keep = torch.randperm(150, generator=g)[:60]     # a subset of its rows, as fr:N and trim:N are
+        setups += [(drafter, StaticSubset.of_rows(drafter.native_pack(drafter.lm_head.weight[keep]),
+                                                  drafter.draft_ids[keep], "fr:60"))]
+    for drafter, head in setups:
+        width = (len(drafter.taps) + 1) * a.dim      # the target's rows the drafter reads
         proposer = EagleProposer(drafter, head=head, depth=4, top_k=5, total_tokens=12)
         assert isinstance(proposer.backend, NativeEagleDrafting)
         reference_backend = TorchEagleDrafting(proposer)     # the same proposer's state, grown from Python
         context = torch.randint(0, 200, (30,), generator=g).tolist()
-        proposer.reset(context, torch.randn(30, 64, generator=g), context[-1])
+        proposer.reset(context, torch.randn(30, width, generator=g), context[-1])
         for step in range(4):
             for depth, top_k, total in [(4, 5, 12), (1, 1, 1), (3, 3, 9), (5, 8, 40), (2, 4, 100)]:
                 proposer.depth, proposer.top_k, proposer.total_tokens = depth, top_k, total
@@ -249,7 +273,7 @@ def test_native_draft_trees_are_the_reference_trees(arch):
                 assert torch.equal(fast.parents, reference.parents)
                 assert fast.children == reference.children and torch.equal(fast.ranks, reference.ranks)
             accepted = torch.randint(0, 200, (1 + step,), generator=g).tolist()
-            proposer.observe(accepted, torch.randn(1 + step, 64, generator=g), step)
+            proposer.observe(accepted, torch.randn(1 + step, width, generator=g), step)
 
 
 def test_one_call_greedy_verification_accepts_what_the_torch_verifier_accepts():

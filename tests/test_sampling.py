@@ -260,6 +260,8 @@ def deep_proposer(kind: str, model):
                               intermediate_size=a.intermediate_size, n_layers=1, norm_eps=1e-6,
                               rope_base=10000.0, draft_vocab_size=3, aux_layers=(1, 2, 3), target_dim=a.dim)
         drafter = Eagle3Drafter.random(model, config, seed=4, dtype=torch.float32)
+        if model.native is not None:     # as the product drafts with a native target: natively
+            drafter.use_native("f32")
         return EagleProposer(drafter, head=drafter.draft_head("full"), depth=1, top_k=2, total_tokens=4)
     # depth=1: one expansion below the root's children, so trees reach depth 2.
     return EagleProposer(eagle_drafter(model, seed=2), head=full_head(model), depth=1, top_k=2, total_tokens=4)

@@ -394,8 +394,9 @@ def norm_tensors(block: Block) -> dict:
             "q_norm": weight(block.attn.q_norm), "k_norm": weight(block.attn.k_norm)}
 
 
-def native_stack(args: ModelArgs, blocks, packed: dict, rope: dict):
-    """Decoder blocks as a native.NativeStack over `packed` projections (`layers.{i}.{name}`)."""
+def native_stack(args: ModelArgs, blocks, packed: dict, rope: dict, first: dict | None = None):
+    """Decoder blocks as a native.NativeStack over `packed` projections (`layers.{i}.{name}`);
+    `first`: what the first layer's description takes instead (EAGLE-3's norms)."""
     from .native import NativeStack
 
     layers = []
@@ -406,7 +407,7 @@ def native_stack(args: ModelArgs, blocks, packed: dict, rope: dict):
                 for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
         spec.update(norm_tensors(block), cos=cos, sin=sin,
                     window=args.sliding_window if args.is_sliding(i) else 0)
-        layers.append(spec)
+        layers.append(spec | (first or {}) if i == 0 else spec)
     return NativeStack(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size,
                        args.norm_eps, blocks[0].attn.scale, args.features.gelu, layers)
 

@@ -299,8 +299,12 @@ typedef struct {
 typedef struct {
     vs_weight wq, wk, wv, wo, w_gate, w_up, w_down;
     const float *attn_norm, *mlp_norm, *post_attn_norm, *post_mlp_norm, *q_norm, *k_norm;
+    /* EAGLE-3's first layer: q, k and v read the row's embedding through attn_norm beside the
+       row itself through hidden_norm (2 dim inputs); NULL elsewhere. */
+    const float *hidden_norm;
     const float *cos, *sin;  /* RoPE tables, max_len x head_dim */
-    int32_t window, pad;     /* sliding window in positions, 0: global attention */
+    int32_t window;          /* sliding window in positions, 0: global attention */
+    int32_t norm_residual;   /* with hidden_norm: the residual is the normed row */
 } vs_layer;
 
 typedef struct {
@@ -1292,7 +1296,7 @@ ALWAYS void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
 /* Workspace floats one forward of n rows needs (besides the attention scratch). */
 int64_t vs_stack_work(const vs_stack *s, int64_t n) {
     const int64_t qs = (int64_t)s->n_heads * s->head_dim, kvs = (int64_t)s->n_kv * s->head_dim;
-    return n * (2 * (int64_t)s->dim + 2 * qs + 2 * kvs + 3 * (int64_t)s->hidden);
+    return n * (3 * (int64_t)s->dim + 2 * qs + 2 * kvs + 3 * (int64_t)s->hidden);
 }
 
 int64_t vs_attention_scratch(const vs_stack *s) {
@@ -1309,15 +1313,17 @@ ALWAYS void add_rows(float *x, const float *y, int64_t dim) {
    per layer, keys (n_kv x max_len/16 x head_dim x 16: blocks of 16 keys with each dimension's 16
    values together, so scores read 16 keys a vector, and a block's vectors follow each other) and values (n_kv x max_len x head_dim); keys[r], values[r] are row r's, whose
    new key and value go to slot slot[r]. taps: layer indices whose outputs are copied to tapped
-   (n x ntaps*dim, side by side). */
-void vs_stack_forward_rows(const vs_stack *s, float *x, int64_t n, const int32_t *pos, const int32_t *prefix,
+   (n x ntaps*dim, side by side). embeds: n x dim, the rows' token embeddings, read by a layer
+   with hidden_norm (NULL when none has one). */
+void vs_stack_forward_rows(const vs_stack *s, float *x, const float *embeds, int64_t n, const int32_t *pos,
+                           const int32_t *prefix,
                            const int32_t *xoff, const int32_t *extra, float *const *keys, float *const *values,
                            const int32_t *slot, float *work, float *scratch, const int32_t *taps, int64_t ntaps,
                            float *tapped) {
     const int64_t dim = s->dim, H = s->n_heads, G = s->n_kv, D = s->head_dim, I = s->hidden;
     const int64_t qs = H * D, kvs = G * D, T = s->max_len;
-    float *h = work;              /* n x dim: normed input of a sub-block */
-    float *q = h + n * dim;       /* n x qs: queries, then the attention output */
+    float *h = work;              /* n x dim (2 dim with hidden_norm): normed input of a sub-block */
+    float *q = h + 2 * n * dim;   /* n x qs: queries, then the attention output */
     float *k = q + n * qs;        /* n x kvs */
     float *v = k + n * kvs;       /* n x kvs */
     float *att = v + n * kvs;     /* n x qs: rotated queries */
@@ -1334,15 +1340,24 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, int64_t n, const int32_t
     const double cpu_started = thread_cpu_now();
     for (int64_t l = 0; l < s->n_layers; l++) {
         const vs_layer *L = s->layers + l;
+        const int64_t width = L->hidden_norm ? 2 * dim : dim;   /* q, k and v's inputs */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; r++) {
-            if (L->attn_norm) rmsnorm_row(x + r * dim, L->attn_norm, h + r * dim, dim, s->eps);
-            else memcpy(h + r * dim, x + r * dim, dim * sizeof(float));
+            float *hr = h + r * width, *xr = x + r * dim;
+            if (L->hidden_norm) {
+                rmsnorm_row(embeds + r * dim, L->attn_norm, hr, dim, s->eps);
+                rmsnorm_row(xr, L->hidden_norm, hr + dim, dim, s->eps);
+                if (L->norm_residual) memcpy(xr, hr + dim, dim * sizeof(float));
+            } else if (L->attn_norm) {
+                rmsnorm_row(xr, L->attn_norm, hr, dim, s->eps);
+            } else {
+                memcpy(hr, xr, dim * sizeof(float));
+            }
         }
         {
             const vs_weight *ws[3] = {&L->wq, &L->wk, &L->wv};
             float *ys[3] = {q, k, v};
-            linear_rows_multi(ws, ys, 3, h, n, dim);
+            linear_rows_multi(ws, ys, 3, h, n, width);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; r++) {
@@ -1401,15 +1416,15 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, int64_t n, const int32_t
 }
 
 /* vs_stack_forward_rows for rows of one sequence: one cache, new slots start .. start + n - 1. */
-void vs_stack_forward(const vs_stack *s, float *x, int64_t n, const int32_t *pos, const int32_t *prefix,
-                      const int32_t *xoff, const int32_t *extra, float *keys, float *values,
-                      int64_t start, float *work, float *scratch, const int32_t *taps, int64_t ntaps,
-                      float *tapped) {
+void vs_stack_forward(const vs_stack *s, float *x, const float *embeds, int64_t n, const int32_t *pos,
+                      const int32_t *prefix, const int32_t *xoff, const int32_t *extra, float *keys,
+                      float *values, int64_t start, float *work, float *scratch, const int32_t *taps,
+                      int64_t ntaps, float *tapped) {
     float **rows = malloc(2 * (size_t)n * sizeof(float *));
     int32_t *slot = malloc((size_t)n * sizeof(int32_t));
     for (int64_t r = 0; r < n; r++) rows[r] = keys, rows[n + r] = values, slot[r] = (int32_t)(start + r);
-    vs_stack_forward_rows(s, x, n, pos, prefix, xoff, extra, rows, rows + n, slot, work, scratch, taps, ntaps,
-                          tapped);
+    vs_stack_forward_rows(s, x, embeds, n, pos, prefix, xoff, extra, rows, rows + n, slot, work, scratch, taps,
+                          ntaps, tapped);
     free(rows);
     free(slot);
 }
@@ -1625,26 +1640,41 @@ void vs_verify_greedy(const float *norm, float eps, const vs_weight *w, const fl
     free(found);
 }
 
-/* An EAGLE drafter: fc over (token embedding, feature), its decoder layers (a vs_stack over
-   its own cache), and a draft head over the target's embedding rows (head_ids: the target id
-   of each head row, NULL for all). Features are the target's last hidden states through its
-   final norm. */
+/* An EAGLE drafter: its decoder layers (a vs_stack over its own cache), fc, and a draft head
+   (head_ids: the target id of each head row, NULL for all).
+   - EAGLE-2 (fused 0): fc over (token embedding, feature); features are the target's last
+     hidden states through its final norm (norm, eps), or the drafter's own outputs; the head
+     (the target's rows) scores the outputs as they are.
+   - EAGLE-3 (fused 1): at a position the target has run, fc fuses the target's tapped rows
+     (fc.cols wide) into the feature; deeper, the feature is the drafter's output. The first
+     layer reads the token's embedding beside it (vs_layer's hidden_norm); the head (the
+     drafter's own) scores the outputs through head_norm, or the outputs are normed by
+     out_norm before anything reads them (norm_output checkpoints). */
 typedef struct {
     vs_weight fc, head, embed;
     const int64_t *head_ids;
-    const float *norm;
+    const float *norm, *head_norm, *out_norm;
     float eps, embed_scale;
+    int32_t fused, pad;
 } vs_drafter;
 
-/* x (n x dim) = fc(embedding(tokens), features) for n rows; features: n x dim (normed if
-   `normed`, else the target's hidden states, normed here). pair: n x 2 dim scratch. */
+/* Rows of the embedding (scaled by embed_scale unless 0) of n tokens, `stride` floats apart. */
+static void drafter_embed(const vs_drafter *d, const int64_t *tokens, int64_t n, float *out, int64_t stride) {
+    const int64_t dim = d->fc.rows;
+    for (int64_t i = 0; i < n; i++) {
+        vs_dequant_rows(&d->embed, tokens[i], tokens[i] + 1, out + i * stride);
+        if (d->embed_scale != 0.0f)
+            for (int64_t j = 0; j < dim; j++) out[i * stride + j] *= d->embed_scale;
+    }
+}
+
+/* EAGLE-2: x (n x dim) = fc(embedding(tokens), features) for n rows; features: n x dim (normed
+   if `normed`, else the target's hidden states, normed here). pair: n x 2 dim scratch. */
 static void drafter_input(const vs_drafter *d, const int64_t *tokens, const float *features, int normed,
                           int64_t n, float *pair, float *x) {
     const int64_t dim = d->fc.rows;
+    drafter_embed(d, tokens, n, pair, 2 * dim);
     for (int64_t i = 0; i < n; i++) {
-        vs_dequant_rows(&d->embed, tokens[i], tokens[i] + 1, pair + i * 2 * dim);
-        if (d->embed_scale != 0.0f)
-            for (int64_t j = 0; j < dim; j++) pair[i * 2 * dim + j] *= d->embed_scale;
         if (normed) memcpy(pair + i * 2 * dim + dim, features + i * dim, dim * sizeof(float));
         else rmsnorm_row(features + i * dim, d->norm, pair + i * 2 * dim + dim, dim, d->eps);
     }
@@ -1652,20 +1682,35 @@ static void drafter_input(const vs_drafter *d, const int64_t *tokens, const floa
     linear_rows(&d->fc, pair, n, 2 * dim, x, dim);
 }
 
-/* The drafter reads n committed rows (tokens and the target's hidden states at the tokens
-   before them) into its cache after `length` slots, causally; state: the last row's output
-   (dim floats), the predicted feature the next draft starts from. scratch: see below. */
+/* The drafter's outputs (n x dim, in place) as states: through out_norm where it has one. */
+static void drafter_states(const vs_drafter *d, const vs_stack *s, float *x, int64_t n) {
+    if (d->out_norm)
+        for (int64_t i = 0; i < n; i++) rmsnorm_row(x + i * s->dim, d->out_norm, x + i * s->dim, s->dim, s->eps);
+}
+
+/* The drafter reads n committed rows (tokens and the target's rows at the tokens before them:
+   EAGLE-2 its hidden states, n x dim; EAGLE-3 its tapped rows, n x fc.cols) into its cache
+   after `length` slots, causally; state: the last row's state (dim floats), the predicted
+   feature the next draft starts from. scratch: see below. */
 void vs_drafter_read(const vs_drafter *d, const vs_stack *s, float *keys, float *values, int64_t length,
                      const int64_t *tokens, const float *hidden, int64_t n, float *state, float *scratch,
                      float *work, float *att) {
     const int64_t dim = d->fc.rows;
     float *pair = scratch, *x = pair + n * 2 * dim;
     int32_t *pos = (int32_t *)(x + n * dim), *prefix = pos + n, *xoff = prefix + n, *extra = xoff + n + 1;
-    drafter_input(d, tokens, hidden, 0, n, pair, x);
+    if (d->fused) {
+        drafter_embed(d, tokens, n, pair, dim);
+#pragma omp parallel num_threads(team())
+        linear_rows(&d->fc, hidden, n, d->fc.cols, x, dim);
+    } else {
+        drafter_input(d, tokens, hidden, 0, n, pair, x);
+    }
     for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)(length + i), prefix[i] = (int32_t)(length + i + 1), xoff[i] = 0;
     xoff[n] = 0;
     extra[0] = 0;
-    vs_stack_forward(s, x, n, pos, prefix, xoff, extra, keys, values, length, work, att, NULL, 0, NULL);
+    vs_stack_forward(s, x, d->fused ? pair : NULL, n, pos, prefix, xoff, extra, keys, values, length, work, att,
+                     NULL, 0, NULL);
+    drafter_states(d, s, x + (n - 1) * dim, 1);
     memcpy(state, x + (n - 1) * dim, dim * sizeof(float));
 }
 
@@ -1734,6 +1779,7 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, float *keys, float
     double *val = malloc(cap * sizeof(double)), *sorted = malloc(cap * sizeof(double));
     float *lp = malloc(top_k * top_k * sizeof(float));
     float *states = malloc(2 * top_k * dim * sizeof(float)), *pair = malloc(top_k * 2 * dim * sizeof(float));
+    float *normed = d->head_norm ? malloc(top_k * dim * sizeof(float)) : NULL;
     int64_t *front_tok = malloc(top_k * sizeof(int64_t));
     int32_t *pos = malloc(top_k * sizeof(int32_t)), *prefix = malloc(top_k * sizeof(int32_t));
     int32_t *xoff = malloc((top_k + 1) * sizeof(int32_t)), *extra = malloc(top_k * (depth + 1) * sizeof(int32_t));
@@ -1752,9 +1798,15 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, float *keys, float
     for (int64_t level = 0; level <= depth; level++) {
         /* The frontier's rows (states in cur) through the head: top_k children each. */
         const int64_t k = top_k < d->head.rows ? top_k : d->head.rows;
+        const float *head_in = cur;
+        if (d->head_norm) {
+            for (int64_t r = 0; r < n_front; r++)
+                rmsnorm_row(cur + r * dim, d->head_norm, normed + r * dim, dim, s->eps);
+            head_in = normed;
+        }
 #pragma omp parallel num_threads(team())
         {
-            linear_rows(&d->head, cur, n_front, dim, head_logits, d->head.rows);
+            linear_rows(&d->head, head_in, n_front, dim, head_logits, d->head.rows);
             topk_rows(head_logits, n_front, d->head.rows, k, ids, lp);
         }
         newest_lo = (int32_t)count;
@@ -1795,7 +1847,8 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, float *keys, float
             front_tok[r] = tok[node];
             memcpy(next_states + r * dim, cur + row_of[par[node]] * dim, dim * sizeof(float));
         }
-        drafter_input(d, front_tok, next_states, 1, m, pair, next_states);
+        if (d->fused) drafter_embed(d, front_tok, m, pair, dim);    /* the parents' states as they are */
+        else drafter_input(d, front_tok, next_states, 1, m, pair, next_states);
         xoff[0] = 0;
         for (int64_t r = 0; r < m; r++) {
             const int32_t node = front[r];
@@ -1806,8 +1859,9 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, float *keys, float
             for (int32_t a = par[node]; a > 0; a = par[a]) extra[--at] = (int32_t)(length + slot[a]);
             xoff[r + 1] = xoff[r] + dep[node];
         }
-        vs_stack_forward(s, next_states, m, pos, prefix, xoff, extra, keys, values, length + pending, work, att,
-                         NULL, 0, NULL);
+        vs_stack_forward(s, next_states, d->fused ? pair : NULL, m, pos, prefix, xoff, extra, keys, values,
+                         length + pending, work, att, NULL, 0, NULL);
+        drafter_states(d, s, next_states, m);
         for (int64_t r = 0; r < m; r++) slot[front[r]] = (int32_t)(pending + r), row_of[front[r]] = (int32_t)r;
         pending += m;
         n_front = m;
@@ -1848,6 +1902,6 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, float *keys, float
     }
     free(tok), free(ids), free(par), free(dep), free(slot), free(row_of), free(order), free(flat);
     free(val), free(sorted), free(lp), free(states), free(pair), free(front_tok), free(pos), free(prefix);
-    free(xoff), free(extra);
+    free(xoff), free(extra), free(normed);
     return kept + 1;
 }

@@ -49,9 +49,9 @@ class Layer(ctypes.Structure):
                 ("w_gate", Weight), ("w_up", Weight), ("w_down", Weight),
                 ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
                 ("post_attn_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("hidden_norm", ctypes.c_void_p),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("window", ctypes.c_int32), ("pad", ctypes.c_int32)]
+                ("window", ctypes.c_int32), ("norm_residual", ctypes.c_int32)]
 
 
 class Stack(ctypes.Structure):
@@ -63,7 +63,9 @@ class Stack(ctypes.Structure):
 
 class Drafter(ctypes.Structure):
     _fields_ = [("fc", Weight), ("head", Weight), ("embed", Weight), ("head_ids", ctypes.c_void_p),
-                ("norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("embed_scale", ctypes.c_float)]
+                ("norm", ctypes.c_void_p), ("head_norm", ctypes.c_void_p), ("out_norm", ctypes.c_void_p),
+                ("eps", ctypes.c_float), ("embed_scale", ctypes.c_float), ("fused", ctypes.c_int32),
+                ("pad", ctypes.c_int32)]
 
 
 def _cpu_key() -> str:
@@ -161,10 +163,10 @@ def _declare(lib):
     lib.vs_stack_work.restype = i64
     lib.vs_attention_scratch.argtypes = [ctypes.POINTER(Stack)]
     lib.vs_attention_scratch.restype = i64
-    lib.vs_stack_forward.argtypes = [ctypes.POINTER(Stack), p, i64, p, p, p, p, p, p, i64, p, p, p, i64, p]
+    lib.vs_stack_forward.argtypes = [ctypes.POINTER(Stack), p, p, i64, p, p, p, p, p, p, i64, p, p, p, i64, p]
     lib.vs_tree_visibility.argtypes = [p, i64, i64, i64, p, p, p, p]
     lib.vs_cache_keep.argtypes = [p, p, i64, i64, i64, i64, i64, p, i64]
-    lib.vs_stack_forward_rows.argtypes = [ctypes.POINTER(Stack), p, i64, p, p, p, p, p, p, p, p, p, p, i64, p]
+    lib.vs_stack_forward_rows.argtypes = [ctypes.POINTER(Stack), p, p, i64, p, p, p, p, p, p, p, p, p, p, i64, p]
     lib.vs_verify_greedy.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p, p, i64, p, p, p, p]
     lib.vs_drafter_read.argtypes = [ctypes.POINTER(Drafter), ctypes.POINTER(Stack), p, p, i64, p, p, i64, p,
                                     p, p, p]
@@ -290,7 +292,9 @@ class NativeStack:
     """Decoder layers on the native engine: their description is built once; a forward is one
     call. `layers`: one dict per layer with PackedWeights wq, wk, wv, wo, w_gate, w_up, w_down
     and float32 tensors (or None) attn_norm, mlp_norm, post_attn_norm, post_mlp_norm, q_norm,
-    k_norm, plus its RoPE tables cos, sin and its sliding window (0: none)."""
+    k_norm, plus its RoPE tables cos, sin and its sliding window (0: none). EAGLE-3's first
+    layer adds hidden_norm (its q, k and v then read the rows' embeddings through attn_norm
+    beside the rows through hidden_norm) and norm_residual (the residual is the normed row)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv: int, head_dim: int, hidden: int,
                  eps: float, attn_scale: float, gelu: bool, layers: list[dict]):
@@ -302,18 +306,22 @@ class NativeStack:
             for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
                 setattr(entry, name, spec[name].struct())
             for name in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
-                         "k_norm", "cos", "sin"):
+                         "k_norm", "hidden_norm", "cos", "sin"):
                 tensor = spec.get(name)
                 if tensor is not None and (tensor.dtype != torch.float32 or not tensor.is_contiguous()):
                     raise ValueError(f"layer {i}: {name} must be a contiguous float32 tensor")
                 setattr(entry, name, ptr(tensor))
             entry.window = spec.get("window", 0)
+            entry.norm_residual = int(spec.get("norm_residual", False))
+            if spec.get("hidden_norm") is not None and spec.get("attn_norm") is None:
+                raise ValueError(f"layer {i}: hidden_norm needs attn_norm (the embeddings' norm)")
         self.stack = Stack(dim=dim, n_heads=n_heads, n_kv=n_kv, head_dim=head_dim, hidden=hidden,
                            max_len=0, n_layers=len(layers), act=int(gelu), eps=eps,
                            attn_scale=attn_scale, layers=self.layers)
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.work = torch.empty(0, dtype=torch.float32)
         self.dim, self.n_layers, self.n_kv, self.head_dim = dim, len(layers), n_kv, head_dim
+        self.reads_embeds = any(spec.get("hidden_norm") is not None for spec in layers)
 
     def check_cache(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """The slots of a cache in this stack's native layout (ValueError if it is not)."""
@@ -337,16 +345,22 @@ class NativeStack:
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
                 length: int, pending: int, tree_mask: torch.Tensor | None = None,
-                taps: tuple[int, ...] = (), parents: torch.Tensor | None = None) -> torch.Tensor | None:
+                taps: tuple[int, ...] = (), parents: torch.Tensor | None = None,
+                embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run x (n, dim), float32, in place through the layers; the new keys and values go to
         the slots after the `length` committed and `pending` uncommitted ones. What each row
         sees: `tree_mask` (see `visibility`), or a tree's `parents` (n,) (-1 for its root, whose
         position is length + pending; positions are then its rows' depths after it), or
-        causally. Returns the `taps` layers' outputs side by side (n, len(taps) * dim), or None."""
+        causally. `embeds` (n, dim): the rows' token embeddings, for a stack whose first layer
+        reads them (EAGLE-3's). Returns the `taps` layers' outputs side by side (n,
+        len(taps) * dim), or None."""
         lib = library()
         n = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dim:
             raise ValueError("native forward needs contiguous float32 rows of the model width")
+        if self.reads_embeds and (embeds is None or embeds.dtype != torch.float32 or not embeds.is_contiguous()
+                                  or embeds.shape != x.shape):
+            raise ValueError("this stack's first layer reads the rows' embeddings: contiguous float32, x's shape")
         slots = self.check_cache(keys, values)
         if length + pending + n > slots:
             raise ValueError(f"sequence would reach {length + pending + n} tokens, beyond the cache's {slots}")
@@ -358,7 +372,8 @@ class NativeStack:
         self.reserve(n, slots)
         tapped = torch.empty(n, len(taps) * self.dim) if taps else None
         tap_ids = torch.tensor(taps, dtype=torch.int32) if taps else None
-        lib.vs_stack_forward(ctypes.byref(self.stack), x.data_ptr(), n, pos32.data_ptr(),
+        lib.vs_stack_forward(ctypes.byref(self.stack), x.data_ptr(), ptr(embeds if self.reads_embeds else None),
+                             n, pos32.data_ptr(),
                              prefix.data_ptr(), xoff.data_ptr(), extra.data_ptr(), keys.data_ptr(),
                              values.data_ptr(), length + pending, self.work.data_ptr(),
                              self.scratch.data_ptr(), ptr(tap_ids), len(taps), ptr(tapped))
@@ -374,6 +389,8 @@ class NativeStack:
         n = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dim:
             raise ValueError("native forward needs contiguous float32 rows of the model width")
+        if self.reads_embeds:
+            raise ValueError("a stack that reads embeddings (EAGLE-3's) runs one sequence a call (forward)")
         if sum(part[4] for part in parts) != n:
             raise ValueError("the parts' rows do not add up to x's")
         slots = {self.check_cache(keys, values) for keys, values, *_ in parts}
@@ -405,7 +422,7 @@ class NativeStack:
         self.reserve(n, slots)
         tapped = torch.empty(n, len(taps) * self.dim) if taps else None
         tap_ids = torch.tensor(taps, dtype=torch.int32) if taps else None
-        lib.vs_stack_forward_rows(ctypes.byref(self.stack), x.data_ptr(), n, pos32.data_ptr(), prefix.data_ptr(),
+        lib.vs_stack_forward_rows(ctypes.byref(self.stack), x.data_ptr(), None, n, pos32.data_ptr(), prefix.data_ptr(),
                                   xoff.data_ptr(), extra.data_ptr(), keys_at.data_ptr(), values_at.data_ptr(),
                                   slot.data_ptr(), self.work.data_ptr(), self.scratch.data_ptr(), ptr(tap_ids),
                                   len(taps), ptr(tapped))
@@ -495,18 +512,31 @@ class NativeDrafter:
     """An EAGLE drafter on the native engine, a read of committed tokens and a whole draft tree
     in one call each (native.c's `vs_drafter_read`, `vs_eagle_tree`; tree.TreeBuilder is the
     reference the tree follows). fc and the stack are the drafter's; head: its draft head as a
-    PackedWeight over the target's rows `head_ids` (None: all of them); embed, embed_scale,
-    norm, eps: the target's embedding and final norm (features are the target's hidden states
-    through it)."""
+    PackedWeight over the target's rows `head_ids` (None: all of them); embed, embed_scale:
+    the embedding the drafter reads.
+    - EAGLE-2: norm, eps: the target's final norm (features are the target's hidden states
+      through it); fc reads (embedding, feature).
+    - EAGLE-3 (`fused`): fc fuses the target's tapped rows (fc.cols wide, the engine's order);
+      the stack's first layer reads the embeddings; head_norm: the final norm the head reads
+      the states through, or out_norm: the one that makes the outputs states."""
 
     def __init__(self, fc, stack: NativeStack, head, head_ids: torch.Tensor | None, embed,
-                 embed_scale: float | None, norm: torch.Tensor, eps: float):
+                 embed_scale: float | None, norm: torch.Tensor | None, eps: float, fused: bool = False,
+                 head_norm: torch.Tensor | None = None, out_norm: torch.Tensor | None = None):
+        if fused != stack.reads_embeds:
+            raise ValueError("an EAGLE-3 drafter (fused) needs a stack whose first layer reads the embeddings, "
+                             "and only it")
+        if not fused and norm is None:
+            raise ValueError("an EAGLE-2 drafter reads features through the target's final norm")
         self.head_ids = None if head_ids is None else head_ids.to(torch.int64).contiguous()
-        self.norm = norm.detach().float().contiguous()
-        self.stack, self.keep = stack, (fc, head, embed)
+        floats = [None if t is None else t.detach().float().contiguous() for t in (norm, head_norm, out_norm)]
+        self.norm = floats[0]
+        self.stack, self.keep = stack, (fc, head, embed, floats)
         self.struct = Drafter(fc=fc.struct(), head=head.struct(), embed=embed.struct(),
-                              head_ids=ptr(self.head_ids), norm=self.norm.data_ptr(), eps=eps,
-                              embed_scale=embed_scale or 0.0)
+                              head_ids=ptr(self.head_ids), norm=ptr(floats[0]), head_norm=ptr(floats[1]),
+                              out_norm=ptr(floats[2]), eps=eps, embed_scale=embed_scale or 0.0, fused=int(fused))
+        self.fused = fused
+        self.input_width = fc.cols if fused else fc.rows     # floats of the target's rows read
         self.dim = fc.rows
         self.head_rows = head.rows
         self.state = torch.zeros(self.dim)
@@ -523,6 +553,9 @@ class NativeDrafter:
         if length + n > slots:
             raise ValueError(f"the drafter's cache holds {slots} slots, {length + n} needed")
         hidden = hidden.to(torch.float32).contiguous()
+        if hidden.shape != (n, self.input_width):
+            raise ValueError(f"the drafter reads {n} rows of {self.input_width} floats of the target's, "
+                             f"not {tuple(hidden.shape)}")
         ids = torch.tensor(tokens, dtype=torch.int64)
         need = lib.vs_drafter_read_scratch(ctypes.byref(self.struct), n)
         if self._scratch.numel() < need:

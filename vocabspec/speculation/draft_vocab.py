@@ -141,13 +141,14 @@ class StaticSubset(_Timed):
             self.weight = head_weight.take_rows(token_ids)
 
     @classmethod
-    def of_rows(cls, rows: torch.Tensor, token_ids: torch.Tensor, name: str) -> "StaticSubset":
+    def of_rows(cls, rows, token_ids: torch.Tensor, name: str) -> "StaticSubset":
         """A head that is already the subset's rows (an EAGLE-3 drafter's own LM head):
         row i scores target token token_ids[i]."""
         head = cls.__new__(cls)
         _Timed.__init__(head)
         head.name, head.size = name, rows.shape[0]
-        head.weight, head.draft_to_target = rows, token_ids.to(rows.device)
+        head.weight = rows          # a tensor, or a PackedWeight (native drafting)
+        head.draft_to_target = token_ids.to(rows.device) if isinstance(rows, torch.Tensor) else token_ids.cpu()
         return head
 
     def top_k(self, states: torch.Tensor, k: int, tokens: list[int] | None = None,

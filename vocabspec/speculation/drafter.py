@@ -192,6 +192,20 @@ class EagleDrafter(nn.Module):
         self.__dict__["native"] = (pack(self.fc.weight, bias=self.fc.bias),
                                    native_stack(self.args, self.layers, packed, self.target.rope))
 
+    def native_drafter(self, head):
+        """Its reads and trees as native calls (native.NativeDrafter), where it and its draft
+        head run on the native engine (a full or fixed-subset head over the target's packed
+        rows); None elsewhere."""
+        from ..engine.native import NativeDrafter
+
+        ids = packed_head_ids(head)
+        if self.native is None or self.target.native is None or ids is False:
+            return None
+        fc, stack = self.native
+        t = self.target
+        return NativeDrafter(fc, stack, head.weight, ids, t.native.embed_weight, t.native.embed_scale,
+                             t.native.norm, t.args.norm_eps)
+
     @classmethod
     def random(cls, target: Transformer, seed: int = 0, input_norm: bool = False,
                dtype: torch.dtype | None = None, taps: tuple[int, ...] = (),
@@ -448,27 +462,21 @@ def features_of(target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
 
 
 
+def packed_head_ids(head):
+    """The target id of each row of a draft head packed for the native engine (None: the rows
+    are the target's whole vocabulary in order); False for a head that is not packed or not of
+    fixed rows (SpecVocab's)."""
+    from .draft_vocab import StaticSubset
+
+    if not isinstance(head, (FullVocab, StaticSubset)) or isinstance(head.weight, torch.Tensor):
+        return False
+    return head.draft_to_target if isinstance(head, StaticSubset) else None
+
+
 def drafts_statically(head) -> bool:
     """Whether EAGLE-2 with this draft head can run as static steps (static_step.py): not with
     SpecVocab, whose candidates need the drafted tokens on the host."""
     return not hasattr(head, "candidate_ids")
-
-
-def native_drafting(drafter: EagleDrafter, head):
-    """The drafter's reads and trees as native calls (native.NativeDrafter), where the drafter
-    and its draft head run on the native engine (a full or fixed-subset head over the target's
-    packed rows); None elsewhere."""
-    from .draft_vocab import StaticSubset
-    from ..engine.native import NativeDrafter
-
-    target = drafter.target
-    if drafter.native is None or target.native is None or not isinstance(head, (FullVocab, StaticSubset)) \
-            or isinstance(head.weight, torch.Tensor):
-        return None
-    fc, stack = drafter.native
-    ids = head.draft_to_target if isinstance(head, StaticSubset) else None
-    return NativeDrafter(fc, stack, head.weight, ids, target.native.embed_weight, target.native.embed_scale,
-                         target.native.norm, target.args.norm_eps)
 
 
 class EagleProposer(HeadTimedDrafting, Proposer):
@@ -498,7 +506,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self.taps = drafter.taps        # the engine then passes these layers' outputs too
         self.last_state = None
         self.device = self.target.device
-        native = native_drafting(drafter, self.head) if top_k <= 64 else None
+        native = drafter.native_drafter(self.head) if top_k <= 64 else None
         self.backend = NativeEagleDrafting(self, native) if native is not None else TorchEagleDrafting(self)
         self.reset_timings()
 

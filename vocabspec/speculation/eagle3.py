@@ -22,8 +22,10 @@ Two layouts are read and written:
 Target layers are named as both do, by Hugging Face's hidden-state index: 0 is the embedding
 output and i the output of layer i - 1 (the input of layer i); by default [2, N/2, N - 3].
 The embedding is the checkpoint's where it has one, else the target's table (unscaled, as
-both read it). Drafting runs on torch's kernels, on any device; it only chooses what is
-drafted, so the target's verification keeps the output exactly the target's own.
+both read it). Drafting runs on torch's kernels, on any device, or where the target runs on
+the native CPU engine, on it: a read and a whole tree one native call each, as EAGLE-2's
+(`use_native`). It only chooses what is drafted, so the target's verification keeps the
+output exactly the target's own.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .drafter import DrafterMismatch, attention_mask, randomized
+from .drafter import DrafterMismatch, attention_mask, packed_head_ids, randomized
 from ..engine.kv_cache import DeviceKVCache, KVCache
 from ..engine.linear import Linear
 from ..engine.model import Block, ModelArgs, RMSNorm, Transformer, rope_tables
@@ -127,9 +129,8 @@ def is_eagle3(directory: str | Path) -> bool:
 
 class Eagle3Drafter(nn.Module):
     """An EAGLE-3 drafter for `target`; the interface of drafter.EagleDrafter that
-    drafter.EagleProposer drafts with (forward, input_rows, head_input, new_cache, taps)."""
-
-    native = None     # drafts on torch's kernels
+    drafter.EagleProposer drafts with (forward, input_rows, head_input, new_cache, taps,
+    native_drafter)."""
 
     def __init__(self, target: Transformer, config: Eagle3Config):
         super().__init__()
@@ -171,6 +172,67 @@ class Eagle3Drafter(nn.Module):
         cos, sin = rope_tables(a.head_dim, a.rope_base, a.max_seq_len + 256, a.rope_scaling)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        # On the native engine (`use_native`): (fc, stack), the packing of its weights, and
+        # its own embedding packed (None: the target's).
+        self.__dict__["native"] = None
+        self.__dict__["native_pack"] = None
+        self.__dict__["native_embed"] = None
+
+    # ------------------------------------------------------------ the native engine
+
+    def use_native(self, kind: str = "bf16") -> None:
+        """Draft on the native CPU engine (as drafter.EagleDrafter.use_native): fc, the layers
+        and the draft head as `kind` weights (q8i: GGUF's Q8_0 groups beside 8-bit
+        activations), float32 activations, a native KV cache. What is drafted changes by
+        rounding only; verification is untouched."""
+        from ..engine.formats import block_biases, block_linears, pack_float, quantize_q8
+        from ..engine.model import native_stack
+
+        c, a = self.config, self.args
+        if self.fc_norms is not None or self.input_norm is not None:
+            raise ValueError("EAGLE-3 drafters that norm fc's inputs (fc_norm, norm_before_fc) draft on "
+                             "torch's kernels")
+        pack = (lambda w, bias=None: quantize_q8(w.float(), bias)) if kind == "q8i" else \
+            (lambda w, bias=None: pack_float(w, kind, bias))
+        biases = block_biases(a, self.layers)
+        packed = {name: pack(w, bias=biases.get(name)) for name, w in block_linears(a, self.layers).items()}
+        rope = {"global": tuple(t.float().contiguous() for t in
+                                rope_tables(a.head_dim, a.rope_base, a.max_seq_len + 256, a.rope_scaling))}
+        weight = lambda norm: norm.weight.detach().float().contiguous()     # noqa: E731
+        first = {"attn_norm": weight(self.embed_norm), "hidden_norm": weight(self.hidden_norm),
+                 "norm_residual": c.norm_before_residual}
+        fc_bias = None if self.fc.bias is None else self.fc.bias.detach().float()
+        self.__dict__["native"] = (pack(self._fc_over_rows(), bias=fc_bias),
+                                   native_stack(a, self.layers, packed, rope, first))
+        self.__dict__["native_pack"] = pack
+        self.__dict__["native_embed"] = None if self.embed is None else pack_float(self.embed.weight, "bf16")
+
+    def _fc_over_rows(self) -> torch.Tensor:
+        """fc's weight with its inputs in the order the engine passes the target's rows (the
+        taps ascending, then the last layer's state), so that the native fc reads them as they
+        come; a block that no fused layer reads is zero."""
+        dim, order = self.target.args.dim, [t + 1 for t in self.taps] + [self.target.args.n_layers]
+        weight = self.fc.weight.detach().float()
+        out = torch.zeros(weight.shape[0], len(order) * dim, device=weight.device)
+        for k, layer in enumerate(self.config.aux_layers):
+            j = order.index(layer)
+            out[:, j * dim:(j + 1) * dim] += weight[:, k * dim:(k + 1) * dim]
+        return out
+
+    def native_drafter(self, head):
+        """Its reads and trees as native calls (native.NativeDrafter) where it drafts on the
+        native engine and `head` is packed; None elsewhere."""
+        from ..engine.native import NativeDrafter
+
+        ids = packed_head_ids(head)
+        embed = self.native_embed or (self.target.native.embed_weight if self.target.native else None)
+        if self.native is None or ids is False or embed is None:
+            return None
+        fc, stack = self.native
+        norm = self.norm.weight
+        return NativeDrafter(fc, stack, head.weight, ids, embed, None, None, self.args.norm_eps, fused=True,
+                             head_norm=None if self.config.norm_output else norm,
+                             out_norm=norm if self.config.norm_output else None)
 
     # ------------------------------------------------------------ running
 
@@ -181,6 +243,8 @@ class Eagle3Drafter(nn.Module):
     def input_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Fused features from the target's rows at positions it has run: its tapped layer
         outputs side by side (`taps` order), then its last layer's hidden state."""
+        if self.native is not None:
+            return self.native[0].matmul(rows)
         dim, n = self.target.args.dim, self.target.args.n_layers
         parts = {t + 1: rows[:, k * dim:(k + 1) * dim] for k, t in enumerate(self.taps)}
         parts[n] = rows[:, -dim:]
@@ -200,6 +264,13 @@ class Eagle3Drafter(nn.Module):
     def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
         """The layers' outputs (n, dim) for (token, feature) pairs: what the head scores (after
         `head_input`) and what a draft step below reads as its feature."""
+        if self.native is not None:
+            x = features.float().contiguous().clone()
+            embeds = self.embedding(tokens).float().contiguous()
+            self.native[1].forward(x, positions, cache.keys, cache.values, cache.length, cache.pending,
+                                   tree_mask, embeds=embeds)
+            cache.advance(tokens.shape[0])
+            return self.norm(x) if self.config.norm_output else x
         dtype = self.fc.weight.dtype
         embeds, features = self.embedding(tokens).to(dtype), features.to(dtype)
         mask = attention_mask(cache, tokens.shape[0], tree_mask, tokens.device)
@@ -218,6 +289,8 @@ class Eagle3Drafter(nn.Module):
         a, w = self.args, self.fc.weight
         if on_device:
             return DeviceKVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
+        if self.native is not None:
+            return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, torch.float32, w.device, layout="native")
         return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
 
     def draft_head(self, spec: str, files: Path | None = None, token_map: str | Path | None = None):
@@ -228,8 +301,9 @@ class Eagle3Drafter(nn.Module):
 
         kind, size = parse_draft_vocab(spec)
         rows, ids = self.lm_head.weight, self.draft_ids
+        pack = self.native_pack or (lambda w: w)       # natively: the rows packed as the layers
         if kind == "full":
-            return StaticSubset.of_rows(rows, ids, name=f"eagle3:{ids.numel()}")
+            return StaticSubset.of_rows(pack(rows), ids, name=f"eagle3:{ids.numel()}")
         if kind == "spec":
             raise ValueError(f"--draft-vocab {spec}: SpecVocab's ranker scores the target's vocabulary, "
                              "and an EAGLE-3 drafter's head has a draft vocabulary of its own; use full "
@@ -244,7 +318,7 @@ class Eagle3Drafter(nn.Module):
         keep = keep[keep >= 0][:size]
         if keep.numel() == 0:
             raise ValueError(f"token map {path} shares no token with the drafter's vocabulary")
-        return StaticSubset.of_rows(rows[keep], ids[keep], name=f"{kind}:{size}")
+        return StaticSubset.of_rows(pack(rows[keep]), ids[keep], name=f"{kind}:{size}")
 
     # ------------------------------------------------------------ checkpoints
 

@@ -284,6 +284,9 @@ def make_eagle_proposer(model, config: DraftConfig, model_name: str, tokenizer=N
         drafter = Eagle3Drafter.load(path, model, dtype=dtype)
         if config.ranker is not None:
             raise ValueError("--ranker applies to SpecVocab heads, which EAGLE-3 drafters do not take")
+        if model.native is not None and not (drafter.config.fc_norm or drafter.config.norm_before_fc):
+            _native_draft_dtype(config)
+            drafter.use_native("q8i" if model.weights == "gguf-a8" else "bf16")
         head = drafter.draft_head("full" if config.vocab == "auto" else config.vocab, files, config.token_map)
         return _eagle_tree(model, config, model_name, tokenizer, log, drafter, head, path, dtype)
     drafter = EagleDrafter.random(model, dtype=dtype) if path == "random" else \
@@ -295,10 +298,7 @@ def make_eagle_proposer(model, config: DraftConfig, model_name: str, tokenizer=N
     # heads score with the target's own head in its run-time format.
     packed_head = None
     if model.native is not None and not drafter.taps:
-        if config.dtype != "auto":
-            raise ValueError("--draft-dtype chooses what the drafter computes in on torch's kernels; on "
-                             "the native engine it drafts with float32 activations over weights in the "
-                             "target's format (leave --draft-dtype at auto)")
+        _native_draft_dtype(config)
         # With 8-bit activations the drafter's weights go to Q8_0 groups too (lossy, for the
         # drafter only: it changes what is drafted, never what is accepted).
         drafter.use_native("q8i" if model.weights == "gguf-a8" else "bf16")
@@ -306,6 +306,13 @@ def make_eagle_proposer(model, config: DraftConfig, model_name: str, tokenizer=N
     head = make_draft_vocab(vocab, model.head_weight, files, config.token_map, config.ranker,
                             dtype=dtype, packed_head=packed_head)
     return _eagle_tree(model, config, model_name, tokenizer, log, drafter, head, path, dtype)
+
+
+def _native_draft_dtype(config: DraftConfig) -> None:
+    if config.dtype != "auto":
+        raise ValueError("--draft-dtype chooses what the drafter computes in on torch's kernels; on "
+                         "the native engine it drafts with float32 activations over weights in the "
+                         "target's format (leave --draft-dtype at auto)")
 
 
 def _eagle_tree(model, config: DraftConfig, model_name: str, tokenizer, log, drafter, head, path, dtype):
