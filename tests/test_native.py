@@ -168,6 +168,8 @@ def test_tree_rows_are_bit_identical_to_one_token_decoding(model_name, weights):
         pytest.skip("gguf-a8 needs 8-bit dot products")
     model, _ = load_model(model_name, weights=weights)
     assert model.exact and model.weights == weights
+    # GGUF formats cache keys and values as halves, f32 and bf16 as floats: both exact.
+    assert model.new_cache(16).keys.dtype == (torch.float16 if weights.startswith("gguf") else torch.float32)
     context = list(range(1000, 1000 + 90))
     assert_trees_match_one_token_forwards(model, context, TREE_SIZES, model.args.vocab_size)
 
@@ -316,12 +318,13 @@ def test_one_call_greedy_verification_accepts_what_the_torch_verifier_accepts():
                 assert accepted[1:] == greedy[1:len(accepted)] and following == greedy[len(accepted)]
 
 
-def test_the_cache_keeps_exactly_the_accepted_slots():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])    # floats, or halves (GGUF formats)
+def test_the_cache_keeps_exactly_the_accepted_slots(dtype):
     from vocabspec.engine.kv_cache import KVCache
 
     g = torch.Generator().manual_seed(3)
     for keep in ([0], [0, 1, 2], [0, 2, 5], [1, 3], [4], []):
-        cache = KVCache(3, 2, 32, 40, torch.float32, torch.device("cpu"), layout="native")
+        cache = KVCache(3, 2, 32, 40, dtype, torch.device("cpu"), layout="native")
         cache.keys.copy_(torch.randn(cache.keys.shape, generator=g))
         cache.values.copy_(torch.randn(cache.values.shape, generator=g))
         keys, values = cache.key_slots(), cache.values.clone()

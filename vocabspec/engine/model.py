@@ -394,9 +394,11 @@ def norm_tensors(block: Block) -> dict:
             "q_norm": weight(block.attn.q_norm), "k_norm": weight(block.attn.k_norm)}
 
 
-def native_stack(args: ModelArgs, blocks, packed: dict, rope: dict, first: dict | None = None):
+def native_stack(args: ModelArgs, blocks, packed: dict, rope: dict, first: dict | None = None,
+                 kv_half: bool = False):
     """Decoder blocks as a native.NativeStack over `packed` projections (`layers.{i}.{name}`);
-    `first`: what the first layer's description takes instead (EAGLE-3's norms)."""
+    `first`: what the first layer's description takes instead (EAGLE-3's norms); kv_half: its
+    caches hold halves."""
     from .native import NativeStack
 
     layers = []
@@ -409,7 +411,7 @@ def native_stack(args: ModelArgs, blocks, packed: dict, rope: dict, first: dict 
                     window=args.sliding_window if args.is_sliding(i) else 0)
         layers.append(spec | (first or {}) if i == 0 else spec)
     return NativeStack(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size,
-                       args.norm_eps, blocks[0].attn.scale, args.features.gelu, layers)
+                       args.norm_eps, blocks[0].attn.scale, args.features.gelu, layers, kv_half)
 
 
 class Transformer(nn.Module):
@@ -491,7 +493,10 @@ class Transformer(nn.Module):
 
         if self.device.type != "cpu" or self.dtype != torch.float32:
             raise ValueError("the native engine runs float32 activations on the CPU")
-        stack = native_stack(self.args, self.layers, packed, self.rope)
+        # A GGUF's formats keep keys and values as halves, as llama.cpp does by default: a
+        # batched or long-context step reads its caches more than its weights. f32 and bf16
+        # keep floats.
+        stack = native_stack(self.args, self.layers, packed, self.rope, kv_half=weights.startswith("gguf"))
         self.native = NativeModel(stack, packed["embed"], packed["head"], self.norm.weight,
                                   self.args.norm_eps, self.embed_scale, weights)
         # The packed copies are what runs: the float projections would only hold memory.
@@ -507,8 +512,11 @@ class Transformer(nn.Module):
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         args = self.args
+        if self.native is not None:
+            return KVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_len or args.max_seq_len,
+                           self.native.stack.kv_dtype, self.device, layout="native")
         return KVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_len or args.max_seq_len,
-                       self.dtype, self.device, layout="native" if self.native is not None else "torch")
+                       self.dtype, self.device)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.native is not None:

@@ -310,6 +310,7 @@ typedef struct {
 typedef struct {
     int32_t dim, n_heads, n_kv, head_dim, hidden, max_len, n_layers, act; /* act 0 SiLU, 1 GELU-tanh */
     float eps, attn_scale;
+    int32_t kv_half, pad;  /* its caches hold keys and values as IEEE halves (else floats) */
     vs_layer *layers;
 } vs_stack;
 
@@ -1109,6 +1110,27 @@ void vs_head(const float *norm, float eps, const vs_weight *w, const float *hidd
 /* Where dimension d of the key in slot t lies in one kv head's keys (T/16 blocks of D x 16). */
 #define KEY_AT(t, d, D) ((((int64_t)(t) >> 4) * (D) + (d)) * 16 + ((t) & 15))
 
+/* A cache holds floats, or IEEE halves (vs_stack's kv_half): a key or value is rounded to its
+   half once, when it is stored, and read back exactly, so what a row reads never depends on the
+   call. Offsets are in elements; `half` is a constant wherever it matters for speed. */
+ALWAYS const void *kv_ptr(const void *base, const int half, int64_t i) {
+    return (const char *)base + i * (half ? 2 : 4);
+}
+ALWAYS vf kv_load(const void *base, const int half, int64_t i) {   /* 16 consecutive */
+    return half ? vf_half((const uint16_t *)base + i) : vf_load((const float *)base + i);
+}
+/* The first `left` of 16 (for halves the block's other lanes are read too: they are in it). */
+ALWAYS vf kv_load_part(const void *base, const int half, int64_t i, int64_t left) {
+    return half ? vf_half((const uint16_t *)base + i) : vf_load_part((const float *)base + i, left, 0.0f);
+}
+ALWAYS float kv_at(const void *base, const int half, int64_t i) {
+    return half ? _cvtsh_ss(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+ALWAYS void kv_put(void *base, const int half, int64_t i, float x) {
+    if (half) ((uint16_t *)base)[i] = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+    else ((float *)base)[i] = x;
+}
+
 /* The query heads of one kv group that a work item serves together (at most HEADS_MAX): each key
    and value vector is loaded once for all of them, and their independent fused multiply-add
    chains keep the FMA units busy where one head's chains would wait on each other's latency.
@@ -1124,14 +1146,14 @@ void vs_head(const float *norm, float eps, const vs_weight *w, const float *hidd
 #endif
 
 /* Scores of `hb` heads for KEY_BLOCKS blocks of 16 keys at kb: o[h][j] = scale * (q_h . key j). */
-ALWAYS void scores_pass(const int hb, const float *const *qv, const float *kb, const int64_t D,
+ALWAYS void scores_pass(const int hb, const int half, const float *const *qv, const void *kb, const int64_t D,
                         float *const *o, const vf scale) {
     vf a[HEADS_MAX][KEY_BLOCKS];
     for (int h = 0; h < hb; h++)
         for (int b = 0; b < KEY_BLOCKS; b++) a[h][b] = vf_zero();
     for (int64_t d = 0; d < D; d++) {
         vf k[KEY_BLOCKS];
-        for (int b = 0; b < KEY_BLOCKS; b++) k[b] = vf_load(kb + (b * D + d) * 16);
+        for (int b = 0; b < KEY_BLOCKS; b++) k[b] = kv_load(kb, half, (b * D + d) * 16);
         for (int h = 0; h < hb; h++) {
             const vf qd = vf_set1(qv[h][d]);
             for (int b = 0; b < KEY_BLOCKS; b++) a[h][b] = vf_fma(qd, k[b], a[h][b]);
@@ -1143,7 +1165,7 @@ ALWAYS void scores_pass(const int hb, const float *const *qv, const float *kb, c
 
 /* out[h] = (sum over the row's keys j of p_h[j] * value j) / sums[h] for `hb` heads, one chain
    per output lane and head over the keys in position order; `chunks` = D / 16. */
-ALWAYS void values_pass(const int hb, const int64_t chunks, const float *vv, const int64_t D,
+ALWAYS void values_pass(const int hb, const int half, const int64_t chunks, const void *vv, const int64_t D,
                         float *const *sc, const float *sums, int64_t count, int64_t first, int64_t pre,
                         const int32_t *xs, float *const *out) {
     vf acc[HEADS_MAX][16];
@@ -1152,11 +1174,10 @@ ALWAYS void values_pass(const int hb, const int64_t chunks, const float *vv, con
     for (int64_t j = 0; j < count; j++) {
         const int64_t li = first + j;
         const int64_t slot = li < pre ? li : xs[li - pre];
-        const float *v = vv + slot * D;
         vf p[HEADS_MAX];
         for (int h = 0; h < hb; h++) p[h] = vf_set1(sc[h][j]);
         for (int64_t c = 0; c < chunks; c++) {
-            const vf x = vf_load(v + 16 * c);
+            const vf x = kv_load(vv, half, slot * D + 16 * c);
             for (int h = 0; h < hb; h++) acc[h][c] = vf_fma(p[h], x, acc[h][c]);
         }
     }
@@ -1181,10 +1202,10 @@ static int64_t heads_per_item(const vs_stack *s, int64_t n, int threads) {
    i is position i; a sliding window drops indices below pos - window + 1. Keys are stored in
    blocks of 16 slots (KEY_AT), so a pass's scores read KEY_BLOCKS contiguous runs of memory.
    A work item is one row's `hb` consecutive heads of one kv group (heads_per_item). */
-static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, float *const *values,
-                      int64_t layer, const float *q, int64_t n,
-                      const int32_t *pos, const int32_t *prefix, const int32_t *xoff,
-                      const int32_t *extra, float *out, float *scratch, int64_t hb) {
+ALWAYS void attention_in(const int half, const vs_stack *s, const vs_layer *L, void *const *keys,
+                         void *const *values, int64_t layer, const float *q, int64_t n,
+                         const int32_t *pos, const int32_t *prefix, const int32_t *xoff,
+                         const int32_t *extra, float *out, float *scratch, int64_t hb) {
     const int64_t H = s->n_heads, D = s->head_dim, hpg = s->n_heads / s->n_kv, T = s->max_len, G = s->n_kv;
     const vf scale = vf_set1(s->attn_scale);
     const int64_t chunks = D / 16, per_row = H / hb;
@@ -1194,8 +1215,8 @@ static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, 
         const float *qv[HEADS_MAX];
         float *sc[HEADS_MAX], *from[HEADS_MAX], *o[HEADS_MAX];
         float sums[HEADS_MAX];
-        const float *kt = keys[r] + (layer * G + g) * D * T;     /* row r's own cache */
-        const float *vv = values[r] + (layer * G + g) * T * D;
+        const void *kt = kv_ptr(keys[r], half, (layer * G + g) * D * T);     /* row r's own cache */
+        const void *vv = kv_ptr(values[r], half, (layer * G + g) * T * D);
         const int64_t pre = prefix[r], nx = xoff[r + 1] - xoff[r];
         const int32_t *xs = extra + xoff[r];
         int64_t first = 0;
@@ -1215,30 +1236,29 @@ static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, 
             float *at[HEADS_MAX];
             for (int64_t h = 0; h < hb; h++) at[h] = from[h] + (i - start);
             switch (hb) {   /* constant head counts: the accumulators stay in registers */
-            case 1: scores_pass(1, qv, kt + i * D, D, at, scale); break;
+            case 1: scores_pass(1, half, qv, kv_ptr(kt, half, i * D), D, at, scale); break;
 #if HEADS_MAX >= 4
-            case 3: scores_pass(3, qv, kt + i * D, D, at, scale); break;
-            case 4: scores_pass(4, qv, kt + i * D, D, at, scale); break;
+            case 3: scores_pass(3, half, qv, kv_ptr(kt, half, i * D), D, at, scale); break;
+            case 4: scores_pass(4, half, qv, kv_ptr(kt, half, i * D), D, at, scale); break;
 #endif
-            default: scores_pass(2, qv, kt + i * D, D, at, scale); break;
+            default: scores_pass(2, half, qv, kv_ptr(kt, half, i * D), D, at, scale); break;
             }
         }
         for (; i < pre; i += 16) {
             vf a[HEADS_MAX];
             for (int64_t h = 0; h < hb; h++) a[h] = vf_zero();
-            const float *kb = kt + i * D;
             for (int64_t d = 0; d < D; d++) {
-                const vf k = vf_load_part(kb + d * 16, pre - i, 0.0f);
+                const vf k = kv_load_part(kt, half, i * D + d * 16, pre - i);
                 for (int64_t h = 0; h < hb; h++) a[h] = vf_fma(vf_set1(qv[h][d]), k, a[h]);
             }
             for (int64_t h = 0; h < hb; h++) vf_store_part(from[h] + (i - start), vf_mul(a[h], scale), pre - i);
         }
         /* The extra slots: the same chain, one key at a time. */
         for (int64_t e = first > pre ? first - pre : 0; e < nx; e++) {
-            const float *kd = kt + KEY_AT(xs[e], 0, D);
+            const int64_t kd = KEY_AT(xs[e], 0, D);
             for (int64_t h = 0; h < hb; h++) {
                 float a = 0.0f;
-                for (int64_t d = 0; d < D; d++) a = fmaf(qv[h][d], kd[d * 16], a);
+                for (int64_t d = 0; d < D; d++) a = fmaf(qv[h][d], kv_at(kt, half, kd + d * 16), a);
                 sc[h][pre + e - first] = a * s->attn_scale;
             }
         }
@@ -1261,20 +1281,28 @@ static void attention(const vs_stack *s, const vs_layer *L, float *const *keys, 
            share a value vector's load where their accumulators fit the registers. */
         if (hb * chunks <= 16) {
             switch (hb * 16 + chunks) {
-            case 1 * 16 + 4: values_pass(1, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
-            case 2 * 16 + 4: values_pass(2, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
-            case 2 * 16 + 8: values_pass(2, 8, vv, D, sc, sums, count, first, pre, xs, o); break;
+            case 1 * 16 + 4: values_pass(1, half, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
+            case 2 * 16 + 4: values_pass(2, half, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
+            case 2 * 16 + 8: values_pass(2, half, 8, vv, D, sc, sums, count, first, pre, xs, o); break;
 #if HEADS_MAX >= 4
-            case 3 * 16 + 4: values_pass(3, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
-            case 4 * 16 + 4: values_pass(4, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
+            case 3 * 16 + 4: values_pass(3, half, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
+            case 4 * 16 + 4: values_pass(4, half, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
 #endif
-            default: values_pass(hb, chunks, vv, D, sc, sums, count, first, pre, xs, o); break;
+            default: values_pass(hb, half, chunks, vv, D, sc, sums, count, first, pre, xs, o); break;
             }
         } else {
             for (int64_t h = 0; h < hb; h++)
-                values_pass(1, chunks, vv, D, sc + h, sums + h, count, first, pre, xs, o + h);
+                values_pass(1, half, chunks, vv, D, sc + h, sums + h, count, first, pre, xs, o + h);
         }
     }
+}
+
+/* attention_in specialized for the cache's element type. */
+static void attention(const vs_stack *s, const vs_layer *L, void *const *keys, void *const *values,
+                      int64_t layer, const float *q, int64_t n, const int32_t *pos, const int32_t *prefix,
+                      const int32_t *xoff, const int32_t *extra, float *out, float *scratch, int64_t hb) {
+    if (s->kv_half) attention_in(1, s, L, keys, values, layer, q, n, pos, prefix, xoff, extra, out, scratch, hb);
+    else attention_in(0, s, L, keys, values, layer, q, n, pos, prefix, xoff, extra, out, scratch, hb);
 }
 
 /* ------------------------------------------------------------------ decoder layers */
@@ -1311,13 +1339,14 @@ ALWAYS void add_rows(float *x, const float *y, int64_t dim) {
 /* x (n x dim) through every layer, in place, each row over a cache of its own (rows of several
    sequences share a call; each row's arithmetic is the same whatever shares it). A cache holds,
    per layer, keys (n_kv x max_len/16 x head_dim x 16: blocks of 16 keys with each dimension's 16
-   values together, so scores read 16 keys a vector, and a block's vectors follow each other) and values (n_kv x max_len x head_dim); keys[r], values[r] are row r's, whose
+   values together, so scores read 16 keys a vector, and a block's vectors follow each other) and
+   values (n_kv x max_len x head_dim), floats or halves (kv_half); keys[r], values[r] are row r's, whose
    new key and value go to slot slot[r]. taps: layer indices whose outputs are copied to tapped
    (n x ntaps*dim, side by side). embeds: n x dim, the rows' token embeddings, read by a layer
    with hidden_norm (NULL when none has one). */
 void vs_stack_forward_rows(const vs_stack *s, float *x, const float *embeds, int64_t n, const int32_t *pos,
                            const int32_t *prefix,
-                           const int32_t *xoff, const int32_t *extra, float *const *keys, float *const *values,
+                           const int32_t *xoff, const int32_t *extra, void *const *keys, void *const *values,
                            const int32_t *slot, float *work, float *scratch, const int32_t *taps, int64_t ntaps,
                            float *tapped) {
     const int64_t dim = s->dim, H = s->n_heads, G = s->n_kv, D = s->head_dim, I = s->hidden;
@@ -1370,9 +1399,12 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, const float *embeds, int
             for (int64_t g = 0; g < G; g++) {
                 if (L->k_norm) rmsnorm_row(kr + g * D, L->k_norm, kr + g * D, D, s->eps);
                 rope_head(kr + g * D, cos, sin, D);
-                float *kt = keys[r] + (l * G + g) * D * T + KEY_AT(slot[r], 0, D);
-                for (int64_t d = 0; d < D; d++) kt[d * 16] = kr[g * D + d];
-                memcpy(values[r] + ((l * G + g) * T + slot[r]) * D, vr + g * D, D * sizeof(float));
+                const int64_t kt = (l * G + g) * D * T + KEY_AT(slot[r], 0, D);
+                const int64_t vt = ((l * G + g) * T + slot[r]) * D;
+                for (int64_t d = 0; d < D; d++) {
+                    kv_put(keys[r], s->kv_half, kt + d * 16, kr[g * D + d]);
+                    kv_put(values[r], s->kv_half, vt + d, vr[g * D + d]);
+                }
             }
             memcpy(att + r * qs, qr, qs * sizeof(float));
         }
@@ -1417,10 +1449,10 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, const float *embeds, int
 
 /* vs_stack_forward_rows for rows of one sequence: one cache, new slots start .. start + n - 1. */
 void vs_stack_forward(const vs_stack *s, float *x, const float *embeds, int64_t n, const int32_t *pos,
-                      const int32_t *prefix, const int32_t *xoff, const int32_t *extra, float *keys,
-                      float *values, int64_t start, float *work, float *scratch, const int32_t *taps,
+                      const int32_t *prefix, const int32_t *xoff, const int32_t *extra, void *keys,
+                      void *values, int64_t start, float *work, float *scratch, const int32_t *taps,
                       int64_t ntaps, float *tapped) {
-    float **rows = malloc(2 * (size_t)n * sizeof(float *));
+    void **rows = malloc(2 * (size_t)n * sizeof(void *));
     int32_t *slot = malloc((size_t)n * sizeof(int32_t));
     for (int64_t r = 0; r < n; r++) rows[r] = keys, rows[n + r] = values, slot[r] = (int32_t)(start + r);
     vs_stack_forward_rows(s, x, embeds, n, pos, prefix, xoff, extra, rows, rows + n, slot, work, scratch, taps,
@@ -1510,16 +1542,17 @@ void vs_tree_visibility(const int64_t *parents, int64_t n, int64_t start, int64_
 /* Keep the pending slots keep[0..nkeep) (increasing, relative to `length`) of every layer's
    keys (layers x n_kv x T/16 x head_dim x 16) and values (layers x n_kv x T x head_dim), packed right
    after the committed `length`. */
-void vs_cache_keep(float *keys, float *values, int64_t layers, int64_t n_kv, int64_t head_dim, int64_t T,
-                   int64_t length, const int64_t *keep, int64_t nkeep) {
+void vs_cache_keep(void *keys, void *values, int64_t layers, int64_t n_kv, int64_t head_dim, int64_t T,
+                   int64_t length, const int64_t *keep, int64_t nkeep, int64_t half) {
+    const int64_t size = half ? 2 : 4;    /* bytes an element */
     for (int64_t g = 0; g < layers * n_kv; g++) {
-        float *k = keys + g * head_dim * T, *v = values + g * T * head_dim;
+        char *k = (char *)keys + g * head_dim * T * size, *v = (char *)values + g * T * head_dim * size;
         for (int64_t j = 0; j < nkeep; j++) {
             const int64_t src = length + keep[j], dst = length + j;
             if (src == dst) continue;
             for (int64_t d = 0; d < head_dim; d++)
-                k[KEY_AT(dst, d, head_dim)] = k[KEY_AT(src, d, head_dim)];
-            memcpy(v + dst * head_dim, v + src * head_dim, head_dim * sizeof(float));
+                memcpy(k + KEY_AT(dst, d, head_dim) * size, k + KEY_AT(src, d, head_dim) * size, size);
+            memcpy(v + dst * head_dim * size, v + src * head_dim * size, head_dim * size);
         }
     }
 }
@@ -1692,7 +1725,7 @@ static void drafter_states(const vs_drafter *d, const vs_stack *s, float *x, int
    EAGLE-2 its hidden states, n x dim; EAGLE-3 its tapped rows, n x fc.cols) into its cache
    after `length` slots, causally; state: the last row's state (dim floats), the predicted
    feature the next draft starts from. scratch: see below. */
-void vs_drafter_read(const vs_drafter *d, const vs_stack *s, float *keys, float *values, int64_t length,
+void vs_drafter_read(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
                      const int64_t *tokens, const float *hidden, int64_t n, float *state, float *scratch,
                      float *work, float *att) {
     const int64_t dim = d->fc.rows;
@@ -1767,7 +1800,7 @@ int64_t vs_tree_capacity(int64_t top_k, int64_t depth) { return 1 + top_k + dept
    overwrites them). Writes the kept tree, flattened, to tokens/parents (parents[0] = -1) and
    each node's value rank to ranks (-1 for the root); returns its rows. head_logits: top_k x
    head rows floats; work/att: as vs_stack_forward for top_k rows. */
-int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, float *keys, float *values, int64_t length,
+int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
                       const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
                       int64_t *tokens, int64_t *parents, int64_t *ranks, float *head_logits, float *work,
                       float *att) {

@@ -58,7 +58,8 @@ class Stack(ctypes.Structure):
     _fields_ = [("dim", ctypes.c_int32), ("n_heads", ctypes.c_int32), ("n_kv", ctypes.c_int32),
                 ("head_dim", ctypes.c_int32), ("hidden", ctypes.c_int32), ("max_len", ctypes.c_int32),
                 ("n_layers", ctypes.c_int32), ("act", ctypes.c_int32), ("eps", ctypes.c_float),
-                ("attn_scale", ctypes.c_float), ("layers", ctypes.POINTER(Layer))]
+                ("attn_scale", ctypes.c_float), ("kv_half", ctypes.c_int32), ("pad", ctypes.c_int32),
+                ("layers", ctypes.POINTER(Layer))]
 
 
 class Drafter(ctypes.Structure):
@@ -165,7 +166,7 @@ def _declare(lib):
     lib.vs_attention_scratch.restype = i64
     lib.vs_stack_forward.argtypes = [ctypes.POINTER(Stack), p, p, i64, p, p, p, p, p, p, i64, p, p, p, i64, p]
     lib.vs_tree_visibility.argtypes = [p, i64, i64, i64, p, p, p, p]
-    lib.vs_cache_keep.argtypes = [p, p, i64, i64, i64, i64, i64, p, i64]
+    lib.vs_cache_keep.argtypes = [p, p, i64, i64, i64, i64, i64, p, i64, i64]
     lib.vs_stack_forward_rows.argtypes = [ctypes.POINTER(Stack), p, p, i64, p, p, p, p, p, p, p, p, p, p, i64, p]
     lib.vs_verify_greedy.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p, p, i64, p, p, p, p]
     lib.vs_drafter_read.argtypes = [ctypes.POINTER(Drafter), ctypes.POINTER(Stack), p, p, i64, p, p, i64, p,
@@ -297,7 +298,7 @@ class NativeStack:
     beside the rows through hidden_norm) and norm_residual (the residual is the normed row)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv: int, head_dim: int, hidden: int,
-                 eps: float, attn_scale: float, gelu: bool, layers: list[dict]):
+                 eps: float, attn_scale: float, gelu: bool, layers: list[dict], kv_half: bool = False):
         library()
         self.keep = layers            # the tensors the structs point into
         self.layers = (Layer * len(layers))()
@@ -317,7 +318,10 @@ class NativeStack:
                 raise ValueError(f"layer {i}: hidden_norm needs attn_norm (the embeddings' norm)")
         self.stack = Stack(dim=dim, n_heads=n_heads, n_kv=n_kv, head_dim=head_dim, hidden=hidden,
                            max_len=0, n_layers=len(layers), act=int(gelu), eps=eps,
-                           attn_scale=attn_scale, layers=self.layers)
+                           attn_scale=attn_scale, kv_half=int(kv_half), layers=self.layers)
+        # What its caches hold: keys and values rounded to halves once when stored (as
+        # llama.cpp's default cache), which halves the memory a step reads; or floats.
+        self.kv_dtype = torch.float16 if kv_half else torch.float32
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.work = torch.empty(0, dtype=torch.float32)
         self.dim, self.n_layers, self.n_kv, self.head_dim = dim, len(layers), n_kv, head_dim
@@ -328,7 +332,7 @@ class NativeStack:
         slots = values.shape[-2]
         if slots % 16 or keys.shape != (self.n_layers, self.n_kv, slots // 16, self.head_dim, 16) or \
                 values.shape != (self.n_layers, self.n_kv, slots, self.head_dim) or \
-                keys.dtype != torch.float32 or values.dtype != torch.float32:
+                keys.dtype != self.kv_dtype or values.dtype != self.kv_dtype:
             raise ValueError("the cache does not have the native layout of this stack")
         return slots
 
@@ -504,8 +508,10 @@ def cache_keep(keys: torch.Tensor, values: torch.Tensor, length: int, keep: list
     packed after the committed ones, in one call."""
     layers, n_kv, slots, head_dim = values.shape
     kept = torch.tensor(keep, dtype=torch.int64)
+    if keys.dtype != values.dtype or keys.dtype not in (torch.float16, torch.float32):
+        raise ValueError("a native cache holds float32 or float16 keys and values")
     library().vs_cache_keep(keys.data_ptr(), values.data_ptr(), layers, n_kv, head_dim, slots, length,
-                            kept.data_ptr(), len(keep))
+                            kept.data_ptr(), len(keep), int(keys.dtype == torch.float16))
 
 
 class NativeDrafter:
