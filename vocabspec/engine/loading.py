@@ -151,7 +151,7 @@ def _state_dict_from_gguf(reader, args: ModelArgs, path: Path) -> dict[str, torc
         sd["output.weight"] = raw["output.weight"]
     if "rope_freqs.weight" in raw:      # Llama 3.1+: llama.cpp's per-frequency scaling factors
         args.rope_scaling = {"type": "freqs", "factors": raw["rope_freqs.weight"].double().tolist()}
-    args.qkv_bias = f"blk.0.attn_q.bias" in raw
+    args.qkv_bias = "blk.0.attn_q.bias" in raw
     for i in range(args.n_layers):
         p = f"blk.{i}."
         q, k = take(p + "attn_q.weight"), take(p + "attn_k.weight")
