@@ -348,7 +348,16 @@ def test_export_writes_an_eagle3_drafter_in_either_layout(smollm2_eagle3, tmp_pa
         assert ("speculators_model_type" in config) == (layout == "speculators")
         again = Eagle3Drafter.load(tmp_path / layout, target, dtype=torch.bfloat16)
         assert all(torch.equal(a, b) for a, b in zip(original.state_dict().values(), again.state_dict().values()))
-    with pytest.raises(ValueError, match="carries its draft vocabulary"):
-        export("smollm2", tmp_path / "x", draft_path=str(smollm2_eagle3), draft_vocab="fr:4k")
     with pytest.raises(ValueError, match="EAGLE-1/2"):
         export("smollm2", tmp_path / "y", layout="sglang")
+    # Narrowed to the bundled VocabTrim map's first 2k tokens that its vocabulary holds, as Q8_0
+    # groups (the bundle's form): the narrowed drafter's own head is that subset, its drafts those
+    # of the subset head over the full drafter, its weights within Q8_0's rounding.
+    export("smollm2", tmp_path / "narrow", draft_path=str(smollm2_eagle3), draft_vocab="trim:2k", q8_0=True)
+    narrow = Eagle3Drafter.load(tmp_path / "narrow", target, dtype=torch.float32)
+    subset = original.draft_head("trim:2k", Path(vocabspec.__file__).parent / "drafters" / "smollm2")
+    assert narrow.config.draft_vocab_size == subset.size == 2048
+    assert torch.equal(narrow.draft_ids, subset.draft_to_target)
+    torch.testing.assert_close(narrow.lm_head.weight, subset.weight.float(), atol=0.02, rtol=0.02)
+    torch.testing.assert_close(narrow.fc.weight, original.fc.weight.float(), atol=0.02, rtol=0.02)
+    assert "fc.weight_scale" in load_file(str(tmp_path / "narrow" / "model.safetensors"))

@@ -371,11 +371,15 @@ def build_parser() -> argparse.ArgumentParser:
                                            "vocabulary (SGLang token map, EAGLE-3 d2t/t2d)")
     export.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
     export.add_argument("--draft-path", default=None, help="drafter directory (default: bundled)")
-    export.add_argument("--draft-vocab", default=None, help="fr:N or trim:N to export as a token map")
+    export.add_argument("--draft-vocab", default=None, help="fr:N or trim:N to export as a token map (an "
+                        "EAGLE-3 drafter: its own vocabulary narrowed to it)")
     export.add_argument("--token-map", default=None, help="token map file to cut fr:N/trim:N from")
     export.add_argument("--layout", default=None, choices=("speculators", "sglang"),
                         help="an EAGLE-3 drafter's layout: speculators (vLLM) or sglang "
                              "(LlamaForCausalLMEagle3) (default: speculators)")
+    export.add_argument("--q8-0", action="store_true",
+                        help="an EAGLE-3 drafter's matrices as Q8_0 groups: the package's bundle form "
+                             "(about half of bfloat16's bytes; vocabspec reads it, other engines do not)")
     export.add_argument("--out", required=True, help="output directory")
     return parser
 
@@ -400,7 +404,7 @@ def cmd_export(args) -> int:
     from .export import export
 
     written = export(args.model, args.out, draft_path=args.draft_path, draft_vocab=args.draft_vocab,
-                     token_map=args.token_map, layout=args.layout)
+                     token_map=args.token_map, layout=args.layout, q8_0=args.q8_0)
     for path in written:
         print(path)
     return 0

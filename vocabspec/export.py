@@ -11,7 +11,9 @@ Writes, in one directory:
 
 An EAGLE-3 drafter (eagle3.py: `vocabspec train --drafter eagle3`, or any checkpoint in either
 layout) is written instead in `layout`: speculators' (what vLLM reads) or SGLang's
-(LlamaForCausalLMEagle3); its draft vocabulary travels inside it as d2t / t2d.
+(LlamaForCausalLMEagle3); its draft vocabulary travels inside it as d2t / t2d, narrowed to
+`draft_vocab` (fr:N or trim:N of it) where asked. q8_0: its matrices as Q8_0 groups, the form
+the package bundles (vocabspec reads it; other readers take the floats).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 
 def export(model: str, out: str | Path, draft_path: str | None = None, draft_vocab: str | None = None,
-           token_map: str | None = None, layout: str | None = None) -> list[Path]:
+           token_map: str | None = None, layout: str | None = None, q8_0: bool = False) -> list[Path]:
     from .speculation.proposers import bundled_drafter_dir
     from .speculation.draft_vocab import parse_draft_vocab
     from .speculation.drafter import EagleDrafter
@@ -36,12 +38,16 @@ def export(model: str, out: str | Path, draft_path: str | None = None, draft_voc
     if source is None:
         raise ValueError(f"no drafter bundled for {model!r}: pass --draft-path")
     if is_eagle3(source):
-        if draft_vocab or token_map:
-            raise ValueError("an EAGLE-3 drafter carries its draft vocabulary (d2t/t2d): --draft-vocab "
-                             "and --token-map do not apply")
         drafter = Eagle3Drafter.load(source, target, dtype=torch.bfloat16)
-        drafter.save(out, layout=layout or "speculators")
+        if draft_vocab:       # a subset of its own vocabulary, from the bundled token maps or --token-map
+            drafter = drafter.narrowed(draft_vocab, bundled_drafter_dir(model), token_map)
+        elif token_map:
+            raise ValueError("--token-map cuts --draft-vocab fr:N or trim:N; give both")
+        drafter.save(out, layout=layout or "speculators", q8_0=q8_0)
         return [Path(out) / "config.json", Path(out) / "model.safetensors"]
+    if q8_0:
+        raise ValueError("--q8-0 writes an EAGLE-3 drafter's matrices as Q8_0 groups; an EAGLE-1/2 drafter "
+                         "is exported in the floats its readers take")
     if layout is not None:
         raise ValueError(f"--layout chooses an EAGLE-3 drafter's layout; {source} is an EAGLE-1/2 drafter")
     drafter = EagleDrafter.load(source, target)

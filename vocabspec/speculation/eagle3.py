@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .drafter import DrafterMismatch, attention_mask, packed_head_ids, randomized
+from .drafter import DrafterMismatch, attention_mask, packed_head_ids, randomized, unpack_q8_0
 from ..engine.kv_cache import DeviceKVCache, KVCache
 from ..engine.linear import Linear
 from ..engine.model import Block, ModelArgs, RMSNorm, Transformer, rope_tables
@@ -293,6 +293,22 @@ class Eagle3Drafter(nn.Module):
             return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, torch.float32, w.device, layout="native")
         return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
 
+    def narrowed(self, spec: str, files: Path | None = None,
+                 token_map: str | Path | None = None) -> "Eagle3Drafter":
+        """The drafter with the draft vocabulary `spec` (fr:N or trim:N, see `draft_head`) as
+        its own: the same drafts from a smaller head, to ship or export."""
+        from dataclasses import replace
+
+        if self.native is not None:
+            raise ValueError("narrow a drafter before it drafts natively")
+        head = self.draft_head(spec, files, token_map)
+        narrow = Eagle3Drafter(self.target, replace(self.config, draft_vocab_size=head.size))
+        state = self.state_dict() | {"lm_head.weight": head.weight, "draft_ids": head.draft_to_target}
+        narrow.load_state_dict(state)
+        if self.embed is not None:
+            narrow.embed = self.embed
+        return narrow.to(self.fc.weight).eval().requires_grad_(False)
+
     def draft_head(self, spec: str, files: Path | None = None, token_map: str | Path | None = None):
         """The draft head over the drafter's own vocabulary: `full` (all of it), or `fr:N` /
         `trim:N`: the token map's first N tokens that the drafter's vocabulary holds."""
@@ -398,12 +414,23 @@ class Eagle3Drafter(nn.Module):
             config["vocabspec"] = extra
         return config
 
-    def save(self, directory: str | Path, layout: str = "speculators", extra: dict | None = None) -> None:
+    def save(self, directory: str | Path, layout: str = "speculators", extra: dict | None = None,
+             q8_0: bool = False) -> None:
+        """config.json and model.safetensors in `layout`. q8_0: its matrices as GGUF's Q8_0
+        groups (`NAME` codes beside `NAME_scale`, as drafter.EagleDrafter.save writes them):
+        about half of bfloat16's bytes, for the package's own bundle; vocabspec reads them,
+        and `vocabspec export` writes floats for other readers."""
         from safetensors.torch import save_file
+
+        from ..engine.formats import q8_0_groups
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_in(layout).items()}
+        if q8_0:
+            for name in [k for k, v in state.items() if v.dim() == 2 and v.shape[1] % 32 == 0
+                         and k != "embed_tokens.weight"]:
+                state[name], state[name + "_scale"] = q8_0_groups(state[name].float())
         save_file(state, str(directory / "model.safetensors"))
         (directory / "config.json").write_text(json.dumps(self.config_in(layout, extra), indent=2))
 
@@ -422,6 +449,7 @@ class Eagle3Drafter(nn.Module):
             state = {}
             for path in files:
                 state.update(load_file(str(path)))
+            state = unpack_q8_0(state)          # a bundle's Q8_0 groups (`save(q8_0=True)`)
         except Exception as exc:
             raise DrafterMismatch(f"EAGLE-3 drafter {directory}: unreadable checkpoint ({exc})") from exc
         state = {k.removeprefix("model."): v for k, v in state.items()}
