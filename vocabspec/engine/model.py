@@ -385,13 +385,16 @@ class DevicePlan(LayerPlan):
             self.masks["local"] = (mask & near, 0)
 
 
+def norm_weight(module) -> torch.Tensor | None:
+    """A norm's weight as the native engine reads it (None where the module is no norm)."""
+    return module.weight.detach().float().contiguous() if isinstance(module, RMSNorm) else None
+
+
 def norm_tensors(block: Block) -> dict:
     """A block's norm weights as the native engine reads them (None where the block has none)."""
-    def weight(module):
-        return module.weight.detach().float().contiguous() if isinstance(module, RMSNorm) else None
-    return {"attn_norm": weight(block.attn_norm), "mlp_norm": weight(block.mlp_norm),
-            "post_attn_norm": weight(block.post_attn_norm), "post_mlp_norm": weight(block.post_mlp_norm),
-            "q_norm": weight(block.attn.q_norm), "k_norm": weight(block.attn.k_norm)}
+    return {"attn_norm": norm_weight(block.attn_norm), "mlp_norm": norm_weight(block.mlp_norm),
+            "post_attn_norm": norm_weight(block.post_attn_norm), "post_mlp_norm": norm_weight(block.post_mlp_norm),
+            "q_norm": norm_weight(block.attn.q_norm), "k_norm": norm_weight(block.attn.k_norm)}
 
 
 def native_stack(args: ModelArgs, blocks, packed: dict, rope: dict, first: dict | None = None,

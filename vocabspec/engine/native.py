@@ -541,7 +541,6 @@ class NativeDrafter:
         self.struct = Drafter(fc=fc.struct(), head=head.struct(), embed=embed.struct(),
                               head_ids=ptr(self.head_ids), norm=ptr(floats[0]), head_norm=ptr(floats[1]),
                               out_norm=ptr(floats[2]), eps=eps, embed_scale=embed_scale or 0.0, fused=int(fused))
-        self.fused = fused
         self.input_width = fc.cols if fused else fc.rows     # floats of the target's rows read
         self.dim = fc.rows
         self.head_rows = head.rows

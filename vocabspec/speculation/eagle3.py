@@ -186,10 +186,10 @@ class Eagle3Drafter(nn.Module):
         activations), float32 activations, a native KV cache. What is drafted changes by
         rounding only; verification is untouched."""
         from ..engine.formats import block_biases, block_linears, pack_float, quantize_q8
-        from ..engine.model import native_stack
+        from ..engine.model import native_stack, norm_weight
 
         c, a = self.config, self.args
-        if self.fc_norms is not None or self.input_norm is not None:
+        if not self.native_fits:
             raise ValueError("EAGLE-3 drafters that norm fc's inputs (fc_norm, norm_before_fc) draft on "
                              "torch's kernels")
         pack = (lambda w, bias=None: quantize_q8(w.float(), bias)) if kind == "q8i" else \
@@ -198,14 +198,19 @@ class Eagle3Drafter(nn.Module):
         packed = {name: pack(w, bias=biases.get(name)) for name, w in block_linears(a, self.layers).items()}
         rope = {"global": tuple(t.float().contiguous() for t in
                                 rope_tables(a.head_dim, a.rope_base, a.max_seq_len + 256, a.rope_scaling))}
-        weight = lambda norm: norm.weight.detach().float().contiguous()     # noqa: E731
-        first = {"attn_norm": weight(self.embed_norm), "hidden_norm": weight(self.hidden_norm),
+        first = {"attn_norm": norm_weight(self.embed_norm), "hidden_norm": norm_weight(self.hidden_norm),
                  "norm_residual": c.norm_before_residual}
         fc_bias = None if self.fc.bias is None else self.fc.bias.detach().float()
         self.__dict__["native"] = (pack(self._fc_over_rows(), bias=fc_bias),
                                    native_stack(a, self.layers, packed, rope, first))
         self.__dict__["native_pack"] = pack
         self.__dict__["native_embed"] = None if self.embed is None else pack_float(self.embed.weight, "bf16")
+
+    @property
+    def native_fits(self) -> bool:
+        """Whether the native engine can draft with it: not where fc's inputs are normed first
+        (speculators' fc_norm, norm_before_fc)."""
+        return not (self.config.fc_norm or self.config.norm_before_fc)
 
     def _fc_over_rows(self) -> torch.Tensor:
         """fc's weight with its inputs in the order the engine passes the target's rows (the

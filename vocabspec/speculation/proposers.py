@@ -284,7 +284,7 @@ def make_eagle_proposer(model, config: DraftConfig, model_name: str, tokenizer=N
         drafter = Eagle3Drafter.load(path, model, dtype=dtype)
         if config.ranker is not None:
             raise ValueError("--ranker applies to SpecVocab heads, which EAGLE-3 drafters do not take")
-        if model.native is not None and not (drafter.config.fc_norm or drafter.config.norm_before_fc):
+        if model.native is not None and drafter.native_fits:
             _native_draft_dtype(config)
             drafter.use_native("q8i" if model.weights == "gguf-a8" else "bf16")
         head = drafter.draft_head("full" if config.vocab == "auto" else config.vocab, files, config.token_map)
