@@ -14,15 +14,19 @@ would get in a forward of its own.
   exactly the accepted slots.
 """
 
+import json
+from dataclasses import asdict
+
 import numpy as np
 import pytest
 import torch
 
 from vocabspec.engine import formats, native
 from vocabspec.engine.loading import bundled_gguf, load_model
+from vocabspec.engine.model import ModelArgs
 from vocabspec.speculation.tree import TreeBuilder
 
-from conftest import tiny_native
+from conftest import tiny_args, tiny_native
 
 pytestmark = pytest.mark.skipif(not native.available()[0], reason=native.available()[1])
 
@@ -39,6 +43,22 @@ def formats_here():
 
 
 # ---------------------------------------------------------------- weights and matmuls
+
+def test_dequantized_cache_reads_back_the_same_args(tmp_path, monkeypatch):
+    """A GGUF's second load comes from the dequantized cache: its arguments (the architecture's
+    features among them, stored as JSON) must equal the first load's, and build the model."""
+    from vocabspec.engine.loading import load_gguf
+    from vocabspec.engine.model import Transformer
+
+    monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))
+    first, _ = load_gguf(bundled_gguf("smollm2"))
+    second, state = load_gguf(bundled_gguf("smollm2"))
+    assert list(tmp_path.glob("*-v2.json")) and second == first
+    Transformer(second)
+    for arch in ("gemma3", "qwen2"):            # features with flags set survive JSON too
+        args = tiny_args(arch)
+        assert ModelArgs(**json.loads(json.dumps(asdict(args)))) == args
+
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_gguf_blocks_dequantize_to_gguf_values(name):

@@ -95,6 +95,8 @@ class ModelArgs:
             raise ValueError(f"unsupported architecture {self.arch!r} (supported: {', '.join(ARCH_FEATURES)})")
         if self.features is None:
             self.features = ARCH_FEATURES[self.arch]
+        elif isinstance(self.features, dict):        # read back from JSON (the GGUF cache's meta)
+            self.features = ArchFeatures(**self.features)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.rope_scaling is not None and self.rope_scaling.get("type") not in ROPE_SCALINGS:
