@@ -54,6 +54,7 @@ CANDIDATE_SIZES = tuple(range(1, 13)) + (16, 20, 24, 32)
 CANDIDATE_DEPTHS = (1, 2, 3, 4, 6)
 TOLERANCE = 0.03
 CALIBRATION_NEW_TOKENS = 32
+CONFIRM_ROUNDS = 3             # rounds of the calibration prompts confirming a tree
 FORWARD_REPEATS = 5
 SIZE_TIMING_EVERY = 6          # steps between timings of the proposer at every size
 BUDGET_SECONDS = 10.0          # calibration stops adding depths past this (shallow ones first);
@@ -183,11 +184,12 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
             "measured_speedup": round(ratio, 3), "table": table}
 
 
-def confirm(model, tokenizer, proposer, prompts, rounds: int = 1, static: bool | None = None) -> float:
+def confirm(model, tokenizer, proposer, prompts, rounds: int = CONFIRM_ROUNDS, static: bool | None = None) -> float:
     """The chosen tree's speed over plain decoding's, from real generations side by side. The
     prediction leaves out what a step costs besides the forward and the drafting (the head's
     later rows, bookkeeping): on a CPU where plain decoding is fast, a tree predicted 1.13x
-    faster decoded at 0.81x (SmolLM2, 8-bit activations, 2026-11-26)."""
+    faster decoded at 0.81x (SmolLM2, 8-bit activations, 2026-11-26). Several rounds: where
+    drafting gains 5-10%, one round's median landed either side of 1 on a shared machine."""
     return measured_speedups(model, tokenizer, {"tree": proposer}, prompts * rounds, static)["tree"]
 
 
@@ -221,7 +223,7 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
 
     path = cache_dir() / "autotune.json"
     known = _load(path)
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v15")
+    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v16")
     if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
@@ -258,7 +260,11 @@ def measured_speedups(model, tokenizer, proposers: dict, prompts, static: bool |
     """Each proposer's decoding speed over plain decoding's, from real generations of the
     calibration prompts taken in turn (plain, then each proposer, prompt by prompt), so that
     drift on a shared machine hits all alike: the median over prompts of each prompt's ratio,
-    so that one stall of the machine during one generation does not decide."""
+    so that one stall of the machine during one generation does not decide. Speed is the
+    decoding phase's, the tokens after the first over the time after the prompt's forward:
+    that forward is the same either way, and in generations as short as these it would be a
+    fifth of the time, shrinking every ratio toward 1. (A proposer's own start on the prompt,
+    a drafter's read of it, is after the first token, so it counts.)"""
     from .generate import GenerationConfig
     from .batch import Engine
 
@@ -272,10 +278,12 @@ def measured_speedups(model, tokenizer, proposers: dict, prompts, static: bool |
         speed = {}
         for key, engine in engines.items():
             result = engine.generate(ids, config)
-            speed[key] = result.new_tokens / result.seconds
+            speed[key] = (result.new_tokens - 1) / max(result.seconds - result.prefill_seconds, 1e-9)
+        if speed["plain"] <= 0:      # an answer that ended at its first token measures nothing
+            continue
         for key in proposers:
             ratios[key].append(speed[key] / speed["plain"])
-    return {key: statistics.median(values) for key, values in ratios.items()}
+    return {key: statistics.median(values) if values else 0.0 for key, values in ratios.items()}
 
 
 def _smallest_close(speedups: dict) -> int:
@@ -346,7 +354,7 @@ def choose_size(model, tokenizer, key: str, sizes, make, log=None) -> int:
         return {"size": _smallest_close(speedups),
                 "measured_speedup": {str(n): round(r, 3) for n, r in speedups.items()}}
 
-    chosen = _cached(f"{key}|size|v1", model, compute, log)
+    chosen = _cached(f"{key}|size|v2", model, compute, log)
     if log and not chosen["size"]:
         log(f"no draft size beats plain decoding on this machine (the best measured "
             f"{max(chosen['measured_speedup'].values()):.2f}x)")
@@ -435,7 +443,7 @@ def static_tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, 
         return {"depth": chosen[0], "total_tokens": chosen[1], "measured_speedup": round(ratio, 3),
                 **calibration}
 
-    chosen = _cached(f"{key}|{depth}|{top_k}|static-v1", model, compute, log)
+    chosen = _cached(f"{key}|{depth}|{top_k}|static-v2", model, compute, log)
     if log and not chosen["total_tokens"]:
         log(f"no draft tree beats plain decoding on this device (the best measured "
             f"{chosen['measured_speedup']:.2f}x)")
