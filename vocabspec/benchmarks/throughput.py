@@ -114,7 +114,7 @@ def sweep(base_url: str, model: str, prompts: list, concurrencies: list[int], re
           stats: Callable[[], dict] | None = None) -> dict:
     """Every concurrency in turn; answers compared with the first concurrency's (alone, at 1).
     `stats()`: the server's step counters (BatchEngine.stats), read around each point for the
-    rows per step and the share of requests' steps that drafted."""
+    rows per step, the share of requests' steps that drafted and the stepping thread's time."""
     points, reference = [], None
     for c in concurrencies:
         before = stats() if stats else None
@@ -130,6 +130,11 @@ def sweep(base_url: str, model: str, prompts: list, concurrencies: list[int], re
             steps = after["steps"] - before["steps"]
             row["rows_per_step"] = round((after["rows"] - before["rows"]) / max(steps, 1), 2)
             row["drafted_per_step"] = round((after["drafted"] - before["drafted"]) / max(steps, 1), 2)
+            # The stepping thread's time in steps and in joining requests' prefill, over the
+            # point's wall time: what is left is waiting on requests (or on the machine).
+            for part in ("steps", "prefill"):
+                spent = after[f"{part}_seconds"] - before[f"{part}_seconds"]
+                row[f"{part}_share"] = round(spent / point.seconds, 3) if point.seconds else 0.0
         points.append(row)
         if log:
             log(f"{c} clients: {row['tokens_per_s']} tok/s, p50 {row['latency_p50_s']} s, "

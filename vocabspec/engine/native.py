@@ -401,27 +401,28 @@ class NativeStack:
         if len(slots) != 1:
             raise ValueError("the caches of one call must have the same size")
         slots = slots.pop()
-        pos, prefix, xoff, extra, keys_at, values_at, slot = [], [], [torch.zeros(1, dtype=torch.int32)], [], [], [], []
-        seen = 0                      # extra slots listed so far
+        # Built as lists, one tensor each at the end: a batch of plain steps is a part per row.
+        pos, prefix, xoff, extra, keys_at, values_at, slot = [], [], [0], [], [], [], []
         for keys, values, length, parents, rows in parts:
             if length + rows > slots:
                 raise ValueError(f"sequence would reach {length + rows} tokens, beyond the cache's {slots}")
+            seen = len(extra)         # extra slots listed so far
             if parents is not None:
                 p, f, o, e = tree_visibility(parents, length, length)
-                e = e[:int(o[-1])]
-            else:
-                p = torch.arange(length, length + rows, dtype=torch.int32)
-                f, o, e = p + 1, torch.zeros(rows + 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
-            pos.append(p)
-            prefix.append(f)
-            xoff.append(o[1:] + seen)
-            seen += int(o[-1])
-            extra.append(e)
+                o = o.tolist()
+                pos += p.tolist()
+                prefix += f.tolist()
+                xoff += [seen + end for end in o[1:]]
+                extra += e[:o[-1]].tolist()
+            else:                     # causal: each row sees the slots up to its own
+                pos += range(length, length + rows)
+                prefix += range(length + 1, length + rows + 1)
+                xoff += [seen] * rows
             keys_at += [keys.data_ptr()] * rows
             values_at += [values.data_ptr()] * rows
-            slot.append(torch.arange(length, length + rows, dtype=torch.int32))
-        pos32, prefix, xoff, extra, slot = (torch.cat(t).contiguous() for t in (pos, prefix, xoff, extra, slot))
-        extra = extra if extra.numel() else torch.zeros(1, dtype=torch.int32)
+            slot += range(length, length + rows)
+        pos32, prefix, xoff, extra, slot = (torch.tensor(t, dtype=torch.int32)
+                                            for t in (pos, prefix, xoff, extra or [0], slot))
         keys_at, values_at = torch.tensor(keys_at, dtype=torch.int64), torch.tensor(values_at, dtype=torch.int64)
         self.reserve(n, slots)
         tapped = torch.empty(n, len(taps) * self.dim) if taps else None

@@ -425,7 +425,7 @@ class Generation:
             path = torch.tensor(verdict.path, dtype=torch.long, device=model.device)
             proposer.observe(accepted, proposer_rows(hidden, tapped, path), verdict.next_token)
         t3 = time.perf_counter()
-        ranks = tuple(tree.ranks[verdict.path[1:]].tolist()) if tree.ranks is not None else ()
+        ranks = tuple(tree.ranks[verdict.path[1:]].tolist()) if tree.ranks is not None and len(verdict.path) > 1 else ()
         self.result.steps.append(StepRecord(len(verdict.path), tree.size,
                                             (t1 - self._t0) + (t3 - t2), t2 - t1, ranks,
                                             forward_seconds=(forwarded or t1) - t1))

@@ -105,11 +105,26 @@ class Tree:
                     ranks=self.ranks[rows] if self.ranks is not None else None)
 
 
+# A path's parents and depths by its rows and device, shared by every chain of that length (a
+# batch of plain decoding steps makes one a row a step): nothing writes into a tree's tensors.
+_PATH_SHAPES: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def chain(root: int | torch.Tensor, tokens: list[int] | torch.Tensor, count: torch.Tensor | None = None,
           device: torch.device | None = None) -> Tree:
     """A single path after the root (prompt lookup's; no tokens: the root alone, plain
     decoding's step). For static steps `tokens` is a device tensor (k,) of which the first
     `count` (0-dim) are drafts and the rest padding that verification rejects."""
+    if count is None and isinstance(root, int) and isinstance(tokens, list):     # from the host
+        device = torch.device("cpu") if device is None else torch.device(device)
+        n = len(tokens) + 1
+        shape = _PATH_SHAPES.get((n, device))
+        if shape is None:
+            depths = torch.arange(n, device=device)
+            shape = _PATH_SHAPES[(n, device)] = (depths - 1, depths)
+        parents, depths = shape
+        return Tree(torch.tensor([root, *tokens], dtype=torch.long, device=device), parents, depths, n - 1,
+                    ranks=parents)
     root = torch.as_tensor(root, dtype=torch.long, device=device).view(1)
     device = root.device
     tokens = torch.as_tensor(tokens, dtype=torch.long, device=device)
