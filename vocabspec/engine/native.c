@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -933,13 +934,41 @@ void vs_set_threads(int n) {
 
 int vs_threads(void) { return team(); }
 
-/* The team for the next forward: the governor's, or one more thread as a probe when a quick
-   barrier test finds a core for it (a probe beside busy cores costs a stalled forward). */
+/* Cores the whole machine left idle since the last call (the kernel's idle and iowait time
+   over all CPUs' time, /proc/stat's first line, times the CPU count); -1 where unknown (no
+   /proc, the first call, or too short a window for its 10 ms ticks). */
+static double idle_cores(void) {
+    static unsigned long long last_idle, last_total;
+    unsigned long long v[8] = {0};
+    FILE *f = fopen("/proc/stat", "r");
+    if (f == NULL) return -1.0;
+    const int got = fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
+                           &v[4], &v[5], &v[6], &v[7]);
+    fclose(f);
+    if (got < 5) return -1.0;
+    unsigned long long total = 0;
+    for (int i = 0; i < 8; i++) total += v[i];
+    const unsigned long long idle = v[3] + v[4];
+    const int known = last_total != 0 && total - last_total >= 4 && idle >= last_idle;
+    const double cores = known ? (double)(idle - last_idle) / (double)(total - last_total) * omp_get_num_procs() : -1.0;
+    last_idle = idle, last_total = total;
+    return cores;
+}
+
+/* The team for the next forward: the governor's, or one more thread as a probe when the
+   machine has left a core idle and a quick barrier test finds it free. A probe beside busy
+   cores costs a time slice (its barrier test waits for a thread the OS has not scheduled) or
+   a stalled forward, so a machine with no idle core is not probed, and each failed test
+   doubles the wait for the next. */
 static int forward_team(void) {
     team_init();
     if (team_fixed) return team_fixed;
     if (team_now < team_max && --probe_wait <= 0) {
+        const double idle = idle_cores();
+        probe_wait = probe_gap;
+        if (idle >= 0.0 && idle < 0.5) return team_now;      /* every core busy: no probe */
         if (team_runs_freely(team_now + 1)) return team_now + 1;
+        probe_gap = probe_gap < 1024 ? 2 * probe_gap : 1024;
         probe_wait = probe_gap;
     }
     return team_now;
