@@ -227,6 +227,8 @@ def run_throughput(model: str, methods: list[str], concurrencies: list[int], out
         gc.collect()            # the last method's model and caches, before the next loads
         lm = load(model, draft=DraftConfig.from_method(method), weights=weights, log=log)
         prompts, chat = prompts_for(lm.tokenizer, asked)
+        if "curve_ms" not in result:     # the target's forward at as many rows as clients, this run
+            result["curve_ms"] = curve_ms(lm.engine.model, concurrencies)
         limits = ServerLimits(max_tokens_cap=max(max_tokens, 256), max_seconds=600, max_queue=4 * slots,
                               max_batch=slots, window=min(4096, lm.engine.model.args.max_seq_len))
         log(f"{method}: {slots} slots")
@@ -241,9 +243,22 @@ def run_throughput(model: str, methods: list[str], concurrencies: list[int], out
     return result
 
 
+def curve_ms(model, concurrencies: list[int]) -> dict[str, float]:
+    """The cost curve at each concurrency's rows (one sequence, a 256-token context), ms: what
+    c clients could get at most is c x forward(1) / forward(c) of one client's tokens per
+    second, steps at the curve with nothing else (no prefill, no second sequence's cache)."""
+    from ..speculation.cost_curve import forward_seconds
+
+    seconds = forward_seconds(model, sorted({c - 1 for c in concurrencies} | {0}), repeats=5)
+    return {str(n + 1): round(s * 1e3, 3) for n, s in seconds.items()}
+
+
 def report(result: dict) -> str:
+    curve = result.get("curve_ms")
+    allows = "" if not curve else "; the curve allows c clients " + ", ".join(
+        f"{c}: {int(c) * curve['1'] / ms:.2f}x" for c, ms in curve.items() if c != "1") + " one client's tok/s"
     lines = [f"# Serving: {result['model']} ({result['prompts']} prompts, {result['max_tokens']} tokens, "
-             f"temperature {result['temperature']}), {result['date']}", "",
+             f"temperature {result['temperature']}), {result['date']}{allows}", "",
              "| method | clients | tok/s | x one client | p50 s | p95 s | p50 x one client | answers differing "
              "from alone | rows per step | drafted trees per step | server RSS MB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

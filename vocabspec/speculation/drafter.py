@@ -485,9 +485,15 @@ class EagleProposer(HeadTimedDrafting, Proposer):
     head run there (`NativeEagleDrafting`), else torch's (`TorchEagleDrafting`); static steps
     draft through `static_form`'s `EagleStaticDrafting`. Timings (`time_breakdown`): the decoder
     layer with fc ("layer"), the head's matmuls, softmax and top-k, ranker (SpecVocab), and tree
-    bookkeeping (the rest)."""
+    bookkeeping (the rest).
+
+    The drafter reads accepted tokens when it next drafts, all since its last tree in one read
+    (or every READ_AFTER tokens): in a full batch most steps draft nothing, and a read a step
+    per request cost as much as a tenth of the step. On the native engine a row's state does
+    not depend on how many rows a read holds, so the trees are the same either way."""
 
     phases = ("layer", "native")
+    READ_AFTER = 64
 
     def __init__(self, drafter: EagleDrafter, head=None, depth: int = 6, top_k: int = 10,
                  total_tokens: int = 60):
@@ -504,7 +510,9 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self._static_forms: dict[int, EagleStaticDrafting] = {}    # by target cache size
         self._state_buffer = None        # static steps: last_state, updated in place
         self.taps = drafter.taps        # the engine then passes these layers' outputs too
-        self.last_state = None
+        self._last_state = None
+        self._unread: list[tuple[list[int], torch.Tensor]] = []   # accepted, not yet read
+        self._unread_tokens = 0
         self.device = self.target.device
         native = drafter.native_drafter(self.head) if top_k <= 64 else None
         self.backend = NativeEagleDrafting(self, native) if native is not None else TorchEagleDrafting(self)
@@ -536,7 +544,25 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self.cache.commit()
         return out
 
+    @property
+    def last_state(self) -> torch.Tensor:
+        """The drafter's state after the last accepted token (read now if it was waiting)."""
+        self._read_unread()
+        return self._last_state
+
+    @last_state.setter
+    def last_state(self, state: torch.Tensor) -> None:
+        self._last_state = state
+
+    def _read_unread(self) -> None:
+        if self._unread:
+            tokens = [t for read, _ in self._unread for t in read]
+            rows = torch.cat([rows for _, rows in self._unread]) if len(self._unread) > 1 else self._unread[0][1]
+            self._unread, self._unread_tokens = [], 0
+            self.backend.read(tokens, rows)
+
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
+        self._unread, self._unread_tokens = [], 0
         self.cache.reset()
         self.head.see_tokens(prompt_ids + [first_token], reset=True)
         # Not timed: the pass over the prompt belongs with the prefill, outside the drafting
@@ -550,7 +576,10 @@ class EagleProposer(HeadTimedDrafting, Proposer):
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
         start = time.perf_counter()
         self.head.see_tokens(accepted + [next_token])
-        self.backend.read(accepted[1:] + [next_token], hidden)
+        self._unread.append((accepted[1:] + [next_token], hidden))
+        self._unread_tokens += len(accepted)
+        if self._unread_tokens >= self.READ_AFTER:
+            self._read_unread()
         self.timings["total"] += time.perf_counter() - start
 
     def _features(self, rows: torch.Tensor) -> torch.Tensor:
@@ -574,6 +603,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         return drafts_statically(self.head)
 
     def static_form(self, max_len: int | None) -> "EagleStaticDrafting | None":
+        self._read_unread()             # into the cache it was meant for
         if max_len is None:
             self.cache = self._host_cache
             return None
@@ -601,6 +631,7 @@ class TorchEagleDrafting:
     def grow(self, root_token: int) -> Tree:
         """EAGLE-2's tree (the native drafter's `vs_eagle_tree` follows it node for node)."""
         p = self.proposer
+        p._read_unread()                 # the accepted tokens since the last tree, first
         builder = TreeBuilder(root_token, p.top_k, p.total_tokens)
         tokens, log_probs = p._top_k(p.last_state, [root_token], 0)
         builder.add_children([0], tokens, log_probs)
@@ -642,6 +673,7 @@ class NativeEagleDrafting:
             p.timings["native"] += time.perf_counter() - start
 
     def grow(self, root_token: int) -> Tree:
+        self.proposer._read_unread()     # the accepted tokens since the last tree, first
         p, start = self.proposer, time.perf_counter()
         cache = p.cache
         tokens, parents, ranks = self.native.tree(cache.keys, cache.values, cache.length, root_token,

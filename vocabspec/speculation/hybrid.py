@@ -13,8 +13,8 @@ pld.py), to what the lookup path got accepted.
 Copy mode: while the answer is copying (the last step accepted at least `copy_after` tokens
 of the lookup path), the next step proposes the lookup path alone and skips the drafter's
 tree, whose layer and head calls are then wasted time; the first step whose lookup path
-falls short goes back to both. The drafter still reads every accepted token, so its state
-is current when its tree is needed again.
+falls short goes back to both. The drafter still reads every accepted token (in one read
+when its tree is next needed), so its state is current then.
 
 As static steps (static_step.py, a GPU's path) the lookup runs on the host between steps, as
 prompt lookup's own static steps do, and its path is grafted onto the drafter's static tree
@@ -62,6 +62,13 @@ class EagleLookupProposer(EagleProposer):
                 break
             followed += 1
         self._copying = followed >= self.copy_after
+
+    def next_tree_tokens(self) -> int:
+        """The next proposal's drafts at most: the lookup path (a cheap lookup) plus, outside
+        copy mode, the drafter's tree. A batch's draft budget weighs this, not the largest
+        graft: with that, no tree ever paid for a lone request's rows."""
+        path = self.lookup.next_tree_tokens()
+        return path if self._copying and path else self.total_tokens + path
 
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
