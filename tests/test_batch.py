@@ -217,7 +217,9 @@ def test_the_serving_benchmark_measures_batches_with_the_openai_client(tmp_path)
 
 def test_the_draft_budget_follows_the_cost_curve(lms):
     """Rows nearly free (a GPU's curve): every greedy request drafts. Each row a whole forward's
-    cost: none does, a drafted tree never paying for its rows. Tokens as alone either way."""
+    cost: none does, a drafted tree never paying for its rows. Rows free but each head row a
+    forward's cost (a huge vocabulary's head): none does either, a tree's head rows counted
+    beside the plain requests' one each. Tokens as alone either way."""
     from vocabspec.speculation.cost_curve import Costs
 
     lm = lms["eagle"]
@@ -229,7 +231,11 @@ def test_the_draft_budget_follows_the_cost_curve(lms):
     config = GenerationConfig(max_new_tokens=16)
     alone = [lm.engine.generate(i, config).tokens for i in ids]
     try:
-        for curve, drafts in ((Costs({1: 1.0, 64: 1.0}), True), (Costs({1: 1.0, 2: 2.0}), False)):
+        free_rows_costly_head = Costs({1: 1.0, 64: 1.0}, head={1: 1.0, 64: 64.0}, head_rows=4)
+        # c(rows, head rows): the forward's curve less the head rows it scored, plus the batch's.
+        assert free_rows_costly_head(9, 8) == 1.0 - 4.0 + 8.0 and free_rows_costly_head(9) == 1.0
+        for curve, drafts in ((Costs({1: 1.0, 64: 1.0}), True), (Costs({1: 1.0, 2: 2.0}), False),
+                              (free_rows_costly_head, False)):
             batch.costs = curve
             before = batch.stats()
             assert [r.tokens for r in batch.generate(ids, config)] == alone

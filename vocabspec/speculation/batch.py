@@ -27,11 +27,12 @@ step.
 
 The draft budget follows the batch and the cost curve. A step of B requests over R rows yields
 B tokens plus the drafts accepted, in the time of a forward of R rows, c(R), measured on this
-machine when the engine starts (cost_curve.py). A greedy request's tree of d rows
-(prompt lookup's actual proposal; another proposer's largest) joins the step only if it
-raises the step's tokens per second: (B + G + g) / c(R + d) >
-(B + G) / c(R), with g the drafts its slot has been accepting per drafted step (a running mean,
-from a prior of 0.5) and G those of the trees already in. On a CPU, where each row costs a share
+machine when the engine starts (cost_curve.py), with the LM head's own cost per row scored
+(a plain request scores one, a tree up to the head's first pass). A greedy request's tree of d
+rows (its proposer's next proposal, where it can say cheaply; else its largest) joins the step
+only if it raises the step's tokens per second: (B + G + g) / c(R + d) > (B + G) / c(R), with
+g the drafts its slot has been accepting per drafted step (a running mean, from a prior of
+0.5) and G those of the trees already in. On a CPU, where each row costs a share
 of a forward, a lone request drafts and a full batch decodes plainly; on a GPU, where rows are
 nearly free, every request drafts. A greedy request's tokens are the same either way; a sampled
 one always drafts as it would alone, so that its random draws, and its tokens, are those of
@@ -241,7 +242,8 @@ class BatchEngine:
         self.costs = None
         drafting = [slot.proposer for slot in self.slots if slot.proposer is not None]
         if drafting and self.limits.tree_rows is None:
-            self.costs = Costs.measure(model, self.limits.max_batch * (drafting[0].max_tree_tokens + 1))
+            self.costs = Costs.measure(model, self.limits.max_batch * (drafting[0].max_tree_tokens + 1),
+                                       heads=self.limits.max_batch * model.verify_head_rows)
         self.rows = self.drafted = 0          # rows verified, trees drafted (over all steps)
         self.seconds = {"prefill": 0.0, "steps": 0.0}     # time in joining requests' prefill, in steps
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=self.limits.max_waiting)
@@ -440,7 +442,10 @@ class BatchEngine:
         """Which running requests draft this step (the module docstring's rule)."""
         sampled = [not slot.generation.config.sampling.greedy for slot in running]
         drafts = [s and slot.generation.can_draft for s, slot in zip(sampled, running)]
-        rows = len(running) + sum(slot.generation.proposer.max_tree_tokens for slot, d in zip(running, drafts) if d)
+        first = self.engine.model.verify_head_rows       # head rows a tree is scored by first
+        trees = [slot.generation.proposer.max_tree_tokens for slot, d in zip(running, drafts) if d]
+        rows = len(running) + sum(trees)
+        heads = len(running) + sum(min(extra + 1, first) - 1 for extra in trees)
         tokens = len(running) + sum(slot.gain for slot, d in zip(running, drafts) if d)
         # Greedy requests, likeliest to gain first.
         for index in sorted((i for i, slot in enumerate(running) if not sampled[i] and slot.generation.can_draft),
@@ -449,13 +454,15 @@ class BatchEngine:
             extra = slot.generation.proposer.next_tree_tokens()
             if extra == 0:
                 continue
+            more = min(extra + 1, first) - 1
             if self.costs is None:
                 ok = rows + extra <= self.limits.tree_rows
             else:
-                ok = (tokens + slot.gain) / self.costs(rows + extra) > tokens / self.costs(rows)
+                ok = (tokens + slot.gain) / self.costs(rows + extra, heads + more) > tokens / self.costs(rows, heads)
             if ok:
                 drafts[index] = True
                 rows += extra
+                heads += more
                 tokens += slot.gain
         return drafts
 

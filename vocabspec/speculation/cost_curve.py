@@ -46,24 +46,70 @@ def forward_seconds(model, sizes, context: int = 256, repeats: int = 5,
     return {n: statistics.median(times) for n, times in runs.items()}
 
 
+def head_seconds(model, sizes, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of greedy verification's LM head over n rows, each its own one-row tree
+    (what a batch of n plain steps scores; on torch's kernels the logits and their argmax)."""
+    device = model.device
+    runs: dict[int, list[float]] = {n: [] for n in sizes}
+    with torch.inference_mode():
+        hidden = torch.randn(max(sizes), model.args.dim, device=device)
+        root = (torch.zeros(1, dtype=torch.long), torch.full((1,), -1, dtype=torch.long))
+        for round_ in range(repeats + 1):          # the first round warms up
+            for n in sizes:
+                start = time.perf_counter()
+                if model.native is not None:
+                    model.native.verify_greedy_trees(hidden[:n], [root] * n)
+                else:
+                    model.lm_head(hidden[:n]).argmax(-1)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                if round_:
+                    runs[n].append(time.perf_counter() - start)
+    return {n: statistics.median(times) for n, times in runs.items()}
+
+
+def _between(xs: list[int], ys: list[float], at: int) -> float:
+    """ys at `at`, linear between the measured xs and beyond the largest."""
+    if at <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if at <= xs[i] or i == len(xs) - 1:
+            return ys[i - 1] + (ys[i] - ys[i - 1]) * (at - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ys[0]
+
+
 class Costs:
     """c(rows): the seconds of a target forward over `rows` rows, from measured sizes, linear
-    between them and beyond the largest."""
+    between them and beyond the largest. With the head's own curve, c(rows, head_rows) is a
+    batch step's: the forward over all rows plus the head over the rows verification scores
+    first (a plain request one, a tree up to the head's pass), which the one-sequence curve
+    holds only once. Where the head is most of a step (Gemma's 262k rows), each tree's head
+    rows decide whether it pays in a batch."""
 
-    def __init__(self, seconds: dict[int, float]):
+    def __init__(self, seconds: dict[int, float], head: dict[int, float] | None = None,
+                 head_rows: int = 1):
         self.rows = sorted(seconds)
         self.seconds = [seconds[n] for n in self.rows]
+        self.head_rows = head_rows
+        self.head = None
+        if head:
+            self.head = (sorted(head), [head[n] for n in sorted(head)])
 
     @classmethod
-    def measure(cls, model, most: int) -> Costs:
+    def measure(cls, model, most: int, heads: int = 0) -> Costs:
+        """The curve up to `most` rows, and the head's up to `heads` rows (0: none)."""
         sizes = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n < most} | {most - 1})
-        return cls({n + 1: s for n, s in forward_seconds(model, sizes, repeats=3).items()})
+        head = None
+        if heads:
+            head = head_seconds(model, sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n < heads} | {heads}),
+                                repeats=3)
+        return cls({n + 1: s for n, s in forward_seconds(model, sizes, repeats=3).items()}, head,
+                   model.verify_head_rows)
 
-    def __call__(self, rows: int) -> float:
-        xs, ys = self.rows, self.seconds
-        if rows <= xs[0]:
-            return ys[0]
-        for i in range(1, len(xs)):
-            if rows <= xs[i] or i == len(xs) - 1:
-                return ys[i - 1] + (ys[i] - ys[i - 1]) * (rows - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[0]
+    def __call__(self, rows: int, head_rows: int | None = None) -> float:
+        seconds = _between(self.rows, self.seconds, rows)
+        if head_rows is None or self.head is None:
+            return seconds
+        # The curve's forward scored min(rows, head_rows) rows once; a batch scores head_rows.
+        xs, ys = self.head
+        return seconds - _between(xs, ys, min(rows, self.head_rows)) + _between(xs, ys, head_rows)
