@@ -234,6 +234,7 @@ def test_the_draft_budget_follows_the_cost_curve(lms):
         free_rows_costly_head = Costs({1: 1.0, 64: 1.0}, head={1: 1.0, 64: 64.0}, head_rows=4)
         # c(rows, head rows): the forward's curve less the head rows it scored, plus the batch's.
         assert free_rows_costly_head(9, 8) == 1.0 - 4.0 + 8.0 and free_rows_costly_head(9) == 1.0
+        assert free_rows_costly_head.head_pass() == 4.0 and Costs({1: 1.0}).head_pass() == 0.0
         for curve, drafts in ((Costs({1: 1.0, 64: 1.0}), True), (Costs({1: 1.0, 2: 2.0}), False),
                               (free_rows_costly_head, False)):
             batch.costs = curve

@@ -28,11 +28,12 @@ step.
 The draft budget follows the batch and the cost curve. A step of B requests over R rows yields
 B tokens plus the drafts accepted, in the time of a forward of R rows, c(R), measured on this
 machine when the engine starts (cost_curve.py), with the LM head's own cost per row scored
-(a plain request scores one, a tree up to the head's first pass). A greedy request's tree of d
-rows (its proposer's next proposal, where it can say cheaply; else its largest) joins the step
-only if it raises the step's tokens per second: (B + G + g) / c(R + d) > (B + G) / c(R), with
-g the drafts its slot has been accepting per drafted step (a running mean, from a prior of
-0.5) and G those of the trees already in. On a CPU, where each row costs a share
+(a plain request scores one, a tree up to the head's first pass, and a second pass at the rate
+its slot's paths have left the first). A greedy request's tree of d rows (its proposer's next
+proposal, where it can say cheaply; else its largest) joins the step only if it raises the
+step's tokens per second: (B + G + g) / c(R + d) > (B + G) / c(R), with g the drafts its slot
+has been accepting per drafted step (a running mean, from a prior of 0.5) and G those of the
+trees already in. On a CPU, where each row costs a share
 of a forward, a lone request drafts and a full batch decodes plainly; on a GPU, where rows are
 nearly free, every request drafts. A greedy request's tokens are the same either way; a sampled
 one always drafts as it would alone, so that its random draws, and its tokens, are those of
@@ -199,7 +200,8 @@ class Request:
 
 
 PRIOR_GAIN = 0.5          # drafts accepted per drafted step before a slot has any
-GAIN_WEIGHT = 0.1         # the running mean's weight of the latest drafted step
+PRIOR_PASSES = 0.25       # second head passes per drafted step before a slot has any
+GAIN_WEIGHT = 0.1         # the running means' weight of the latest drafted step
 
 
 class Slot:
@@ -210,6 +212,7 @@ class Slot:
         self.generation: Generation | None = None
         self.request: Request | None = None
         self.gain = PRIOR_GAIN
+        self.passes = PRIOR_PASSES
 
     @property
     def cache(self) -> KVCache:
@@ -428,8 +431,10 @@ class BatchEngine:
                 continue
             try:
                 if tree.size:
-                    accepted = slot.generation.result.steps[-1].accept_length - 1
-                    slot.gain += GAIN_WEIGHT * (accepted - slot.gain)
+                    step = slot.generation.result.steps[-1]
+                    slot.gain += GAIN_WEIGHT * (step.accept_length - 1 - slot.gain)
+                    second = step.deepest_row >= model.verify_head_rows
+                    slot.passes += GAIN_WEIGHT * (second - slot.passes)
                 self._deliver(slot, delta)
             except BaseException as exc:
                 self._end(slot, exc)
@@ -447,6 +452,10 @@ class BatchEngine:
         rows = len(running) + sum(trees)
         heads = len(running) + sum(min(extra + 1, first) - 1 for extra in trees)
         tokens = len(running) + sum(slot.gain for slot, d in zip(running, drafts) if d)
+        # A path that leaves a tree's first head rows costs a pass of its own (a slot's running
+        # rate of them): on Gemma's head that is more than a quarter of a step.
+        passes = sum(slot.passes for slot, d in zip(running, drafts) if d)
+        one_pass = self.costs.head_pass() if self.costs is not None else 0.0
         # Greedy requests, likeliest to gain first.
         for index in sorted((i for i, slot in enumerate(running) if not sampled[i] and slot.generation.can_draft),
                             key=lambda i: -running[i].gain):
@@ -455,14 +464,17 @@ class BatchEngine:
             if extra == 0:
                 continue
             more = min(extra + 1, first) - 1
+            second = slot.passes if extra + 1 > first else 0.0
             if self.costs is None:
                 ok = rows + extra <= self.limits.tree_rows
             else:
-                ok = (tokens + slot.gain) / self.costs(rows + extra, heads + more) > tokens / self.costs(rows, heads)
+                ok = (tokens + slot.gain) / (self.costs(rows + extra, heads + more) + (passes + second) * one_pass) \
+                    > tokens / (self.costs(rows, heads) + passes * one_pass)
             if ok:
                 drafts[index] = True
                 rows += extra
                 heads += more
+                passes += second
                 tokens += slot.gain
         return drafts
 

@@ -106,6 +106,11 @@ class Costs:
         return cls({n + 1: s for n, s in forward_seconds(model, sizes, repeats=3).items()}, head,
                    model.verify_head_rows)
 
+    def head_pass(self) -> float:
+        """Seconds of one more pass of the head over a tree's next rows (a path that leaves
+        the first pass's rows); 0 without the head's curve."""
+        return _between(*self.head, self.head_rows) if self.head is not None else 0.0
+
     def __call__(self, rows: int, head_rows: int | None = None) -> float:
         seconds = _between(self.rows, self.seconds, rows)
         if head_rows is None or self.head is None:

@@ -163,6 +163,8 @@ class StepRecord:
     path_ranks: tuple[int, ...] = ()   # value ranks of the accepted drafts (see Tree.ranks)
     forward_seconds: float = 0.0       # of verify_seconds, the target's forward alone (a batch's
                                        # shared forward, whole; 0 for a static step's one launch)
+    deepest_row: int = 0               # the accepted path's last tree row (past the LM head's
+                                       # first pass: verification scored more rows in a second)
 
 
 @dataclass
@@ -428,7 +430,8 @@ class Generation:
         ranks = tuple(tree.ranks[verdict.path[1:]].tolist()) if tree.ranks is not None and len(verdict.path) > 1 else ()
         self.result.steps.append(StepRecord(len(verdict.path), tree.size,
                                             (t1 - self._t0) + (t3 - t2), t2 - t1, ranks,
-                                            forward_seconds=(forwarded or t1) - t1))
+                                            forward_seconds=(forwarded or t1) - t1,
+                                            deepest_row=verdict.path[-1]))
         self.token = verdict.next_token
         # Each emitted token's distribution is the target's row at its parent node (verification
         # has read every one of these rows already).
