@@ -512,7 +512,6 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self.taps = drafter.taps        # the engine then passes these layers' outputs too
         self._last_state = None
         self._unread: list[tuple[list[int], torch.Tensor]] = []   # accepted, not yet read
-        self._unread_tokens = 0
         self.device = self.target.device
         native = drafter.native_drafter(self.head) if top_k <= 64 else None
         self.backend = NativeEagleDrafting(self, native) if native is not None else TorchEagleDrafting(self)
@@ -558,11 +557,11 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         if self._unread:
             tokens = [t for read, _ in self._unread for t in read]
             rows = torch.cat([rows for _, rows in self._unread]) if len(self._unread) > 1 else self._unread[0][1]
-            self._unread, self._unread_tokens = [], 0
+            self._unread = []
             self.backend.read(tokens, rows)
 
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
-        self._unread, self._unread_tokens = [], 0
+        self._unread = []
         self.cache.reset()
         self.head.see_tokens(prompt_ids + [first_token], reset=True)
         # Not timed: the pass over the prompt belongs with the prefill, outside the drafting
@@ -577,8 +576,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         start = time.perf_counter()
         self.head.see_tokens(accepted + [next_token])
         self._unread.append((accepted[1:] + [next_token], hidden))
-        self._unread_tokens += len(accepted)
-        if self._unread_tokens >= self.READ_AFTER:
+        if sum(len(read) for read, _ in self._unread) >= self.READ_AFTER:
             self._read_unread()
         self.timings["total"] += time.perf_counter() - start
 
