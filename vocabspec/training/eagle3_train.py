@@ -102,30 +102,44 @@ class StepKeys:
 
 
 class StepAttention(CustomAttention):
-    """Training-time test's attention at step `step` over StepKeys' keys (each step's n rows
+    """Training-time test's attention at step `step` over StepKeys' keys (each step's rows
     after the last): row i sees step 0's rows up to i, then row i of each later step. Computed
     as a causal product over step 0 and one dot product per later step, not as a dense mask
-    over all (step + 1) n keys (three times the work at step 2, and no block skipped)."""
+    over all (step + 1) n keys (three times the work at step 2, and no block skipped).
 
-    def __init__(self, step: int):
+    With `sequences` > 1 a step's rows are that many sequences of equal length side by side
+    (a padded batch, eagle3_batched.py): each attends within its own, as if alone."""
+
+    def __init__(self, step: int, sequences: int = 1):
         self.step = step
+        self.sequences = sequences
 
     def attend(self, q, keys, values, scale):
-        n, group = q.shape[2], q.shape[1] // keys.shape[1]
+        b = self.sequences
+        rows = q.shape[2]
+        n, group = rows // b, q.shape[1] // keys.shape[1]
         if group > 1:
             keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        first_keys, first_values = keys[:, :, :n], values[:, :, :n]
+
+        def apart(t):       # (1, heads, b n, dim) -> (b, heads, n, dim)
+            return t[0].unflatten(1, (b, n)).transpose(0, 1)
+
+        def own(t):         # later steps' rows -> (b, heads, step, n, dim)
+            return t[0, :, rows:].unflatten(1, (self.step, b, n)).permute(2, 0, 1, 3, 4)
+
+        q, first_keys, first_values = apart(q), apart(keys[:, :, :rows]), apart(values[:, :, :rows])
         if self.step == 0:
-            return F.scaled_dot_product_attention(q, first_keys, first_values, is_causal=True, scale=scale)
-        own_keys = keys[:, :, n:].unflatten(2, (self.step, n))          # (1, heads, step, n, dim)
-        own_values = values[:, :, n:].unflatten(2, (self.step, n))
-        causal = (q @ first_keys.transpose(-1, -2)) * scale
-        seen = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        causal = causal.masked_fill(~seen, float("-inf"))
-        own = (q.unsqueeze(2) * own_keys).sum(-1).transpose(2, 3) * scale   # (1, heads, n, step)
-        weights = torch.softmax(torch.cat([causal, own], dim=-1), dim=-1).to(first_values.dtype)
-        return weights[..., :n] @ first_values + \
-            (weights[..., n:].transpose(2, 3).unsqueeze(-1) * own_values).sum(2)
+            out = F.scaled_dot_product_attention(q, first_keys, first_values, is_causal=True, scale=scale)
+        else:
+            own_keys, own_values = own(keys), own(values)
+            causal = (q @ first_keys.transpose(-1, -2)) * scale
+            seen = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            causal = causal.masked_fill(~seen, float("-inf"))
+            mine = (q.unsqueeze(2) * own_keys).sum(-1).transpose(2, 3) * scale   # (b, heads, n, step)
+            weights = torch.softmax(torch.cat([causal, mine], dim=-1), dim=-1).to(first_values.dtype)
+            out = weights[..., :n] @ first_values + \
+                (weights[..., n:].transpose(2, 3).unsqueeze(-1) * own_values).sum(2)
+        return out.transpose(0, 1).flatten(1, 2).unsqueeze(0)
 
 
 def on_device(row, device: torch.device) -> tuple:

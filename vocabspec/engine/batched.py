@@ -1,0 +1,272 @@
+"""Many sequences in one forward on torch's kernels: per-slot caches in one device tensor,
+batched prefill and decode steps, and greedy answers to thousands of prompts at once.
+
+`Model.forward` runs one sequence (a tree of rows over one cache); this runs rows of many
+sequences through each weight once, which is what a GPU needs to be busy: a SmolLM2 step of
+one row and of a thousand rows cost about the same time there.
+
+Layout: each layer's keys and values are one tensor (slots, kv heads, window, head dim);
+slot s holds one sequence, its position p at index p. Chosen over pages because every
+sequence here has a window fixed up front (a training answer's prompt plus its new tokens),
+so a slot wastes at most its unused tail, a step's attention reads each slot's keys as one
+strided batched product with no page table, and a finished sequence's slot is refilled by
+moving the live ones down (`compact`), never by a gather at every step. The number of slots
+is sized from the device's free memory (`SlotCache.fitting`).
+
+Rows of different sequences never mix: every product is row-wise and attention reads only
+the row's own slot, masked to its own positions. torch's kernels do not promise that a row
+gets the same bits whatever the other rows are, so answers from here are the target's greedy
+answers up to that rounding (training data, batch jobs with --allow-inexact), not the exact
+ones the native engine and the row-invariant kernels give.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+from .model import Transformer, apply_rope
+
+
+class SlotCache:
+    """Keys and values of `slots` sequences of up to `window` positions, per layer."""
+
+    def __init__(self, model: Transformer, slots: int, window: int):
+        a = model.args
+        shape = (slots, a.n_kv_heads, window, a.head_dim)
+        kw = {"dtype": model.dtype, "device": model.device}
+        self.keys = [torch.zeros(shape, **kw) for _ in range(a.n_layers)]
+        self.values = [torch.zeros(shape, **kw) for _ in range(a.n_layers)]
+        self.slots, self.window = slots, window
+
+    @staticmethod
+    def bytes_per_slot(model: Transformer, window: int) -> int:
+        a = model.args
+        return 2 * a.n_layers * a.n_kv_heads * window * a.head_dim * model.dtype.itemsize
+
+    @classmethod
+    def fitting(cls, model: Transformer, window: int, most: int, memory_share: float = 0.5) -> "SlotCache":
+        """As many slots as `memory_share` of the device's free memory holds (at most `most`):
+        the rest is for activations. ValueError where not even one fits."""
+        per_slot = cls.bytes_per_slot(model, window)
+        if model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            slots = min(most, int(free * memory_share) // per_slot)
+        else:
+            slots = most
+        if slots < 1:
+            raise ValueError(f"a slot of {window} positions needs {per_slot / 2**20:.0f} MiB of cache; "
+                             f"the device has too little free memory")
+        return cls(model, slots, window)
+
+    def compact(self, keep: torch.Tensor, upto: int) -> None:
+        """Move the slots `keep` (ascending) to the front, their first `upto` positions."""
+        for table in (*self.keys, *self.values):
+            table[:keep.numel(), :, :upto] = table[keep, :, :upto]
+
+
+def _attend_new(q, k, v, scale, window):
+    """Prefill attention: each sequence's rows over its own rows, causally (and within the
+    sliding window where the layer has one). q (B, H, n, D); k, v (B, KV, n, D)."""
+    n = q.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if not window or n <= window:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    i = torch.arange(n, device=q.device)
+    mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _attend_cached(q, keys, values, positions, scale, window):
+    """Decode attention: one row per sequence over its slot's keys up to its position. The
+    query heads that share a key head are one matrix against it, so every key is read once.
+    q (B, H, 1, D); keys, values (B, KV, T, D) (views of the slot tables); positions (B,)."""
+    b, heads, _, dim = q.shape
+    kv = keys.shape[1]
+    grouped = q.view(b, kv, heads // kv, dim)
+    scores = (grouped @ keys.transpose(-1, -2)).float() * scale           # (B, KV, group, T)
+    slot = torch.arange(keys.shape[2], device=q.device)
+    seen = slot[None, :] <= positions[:, None]
+    if window:
+        seen &= positions[:, None] - slot[None, :] < window
+    scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+    out = torch.softmax(scores, dim=-1).to(values.dtype) @ values           # (B, KV, group, D)
+    return out.view(b, heads, 1, dim)
+
+
+def forward_rows(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor,
+                 cache: SlotCache | None = None, first_slot: int = 0, context: int = 0,
+                 taps: tuple[int, ...] = ()):
+    """Hidden states before the final norm (B, n, dim) of B sequences' rows.
+
+    Two kinds of call:
+    - prefill (n >= 1, positions 0..n-1 in every row, right-padded): each sequence's rows see
+      its own causally; with `cache`, their keys and values fill slots first_slot..+B;
+    - decode (n == 1, `cache`): row b at positions[b, 0], after its slot's cached positions,
+      in slot b; `context` bounds every row's position + 1 (known on the host, so the device
+      is never asked).
+    With `taps`, also those layers' outputs side by side (B, n, len(taps) * dim)."""
+    args = model.args
+    b, n = tokens.shape
+    decode = cache is not None and n == 1 and context > 0
+    x = model.embed_tokens(tokens)
+    rope = {kind: tuple(t[positions].unsqueeze(1) for t in tables)          # (B, 1, n, D)
+            for kind, tables in model.rope.items()}
+    tapped = []
+    for i, block in enumerate(model.layers):
+        cos, sin = rope["local" if args.is_sliding(i) and "local" in rope else "global"]
+        window = args.sliding_window if args.is_sliding(i) else 0
+        attn = block.attn
+        qkv = attn.wqkv(block.attn_norm(x))
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = q.view(b, n, args.n_heads, args.head_dim)
+        k = k.view(b, n, args.n_kv_heads, args.head_dim)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.view(b, n, args.n_kv_heads, args.head_dim).transpose(1, 2)
+        if decode:
+            rows = torch.arange(b, device=x.device)
+            where = positions[:, 0]
+            cache.keys[i][rows, :, where] = k[:, :, 0]
+            cache.values[i][rows, :, where] = v[:, :, 0]
+            out = _attend_cached(q, cache.keys[i][:b, :, :context], cache.values[i][:b, :, :context],
+                                 where, attn.scale, window)
+        else:
+            if cache is not None:
+                cache.keys[i][first_slot:first_slot + b, :, :n] = k
+                cache.values[i][first_slot:first_slot + b, :, :n] = v
+            out = _attend_new(q, k, v, attn.scale, window)
+        h = attn.wo(out.transpose(1, 2).reshape(b, n, attn.q_size))
+        if block.post_attn_norm is not None:
+            h = block.post_attn_norm(h)
+        x = x + h
+        h = block.mlp(block.mlp_norm(x))
+        if block.post_mlp_norm is not None:
+            h = block.post_mlp_norm(h)
+        x = x + h
+        if i in taps:
+            tapped.append(x)
+    if taps:
+        return x, torch.cat(tapped, dim=-1)
+    return x
+
+
+def pad_rows(sequences: list[list[int]], device, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as one right-padded (B, max length) tensor, and their lengths (B,)."""
+    width = max(map(len, sequences))
+    rows = torch.full((len(sequences), width), pad, dtype=torch.long)
+    for r, seq in enumerate(sequences):
+        rows[r, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in sequences])
+    return rows.to(device), lengths.to(device)
+
+
+@torch.inference_mode()
+def greedy_answers(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
+                   eos_ids: list[int], slots: int = 1024, prefill_tokens: int = 65536,
+                   check_every: int = 16, refill_below: float = 0.75, deadline: float | None = None,
+                   progress=None) -> list:
+    """The target's greedy answer (new tokens, the end-of-sequence token that ended one kept)
+    to each prompt, decoded many at a time: live sequences step together, one row each, and
+    finished ones leave their slots every `check_every` steps (the one read-back of those
+    steps), and queued prompts fill them once fewer than `refill_below` of the slots are live.
+    Prompts are admitted shortest first, so a prefill pads little.
+    `deadline` (time.perf_counter()): admit no prompt after it; prompts not answered are None.
+    progress(answers done, new tokens so far) is called after each read-back."""
+    if not prompts:
+        return []
+    if any(not p for p in prompts):
+        raise ValueError("an empty prompt has no next token")
+    device = model.device
+    window = max(map(len, prompts)) + max_new_tokens
+    if window > model.args.max_seq_len:
+        raise ValueError(f"a prompt of {max(map(len, prompts))} tokens and {max_new_tokens} new ones "
+                         f"pass the model's window of {model.args.max_seq_len}")
+    cache = SlotCache.fitting(model, window, min(slots, len(prompts)))
+    queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))
+    answers: list = [None] * len(prompts)
+    eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=device)
+    live: list[int] = []                                   # prompt index per slot, in slot order
+    host_position = []                                     # each slot's next position (host copy)
+    position = torch.zeros(0, dtype=torch.long, device=device)
+    last = torch.zeros(0, dtype=torch.long, device=device)
+    produced = torch.zeros(0, dtype=torch.long, device=device)
+    finished = torch.zeros(0, dtype=torch.bool, device=device)
+    out = torch.zeros(0, max_new_tokens, dtype=torch.long, device=device)
+    done_answers, new_tokens = 0, 0
+
+    def admit():
+        nonlocal position, last, produced, finished, out
+        while queue and len(live) < cache.slots and (deadline is None or time.perf_counter() < deadline):
+            room = cache.slots - len(live)
+            longest = len(prompts[queue[0]])
+            take = []
+            while queue and len(take) < room:
+                longest = max(longest, len(prompts[queue[0]]))
+                if take and longest * (len(take) + 1) > prefill_tokens:
+                    break
+                take.append(queue.popleft())
+            rows, lengths = pad_rows([prompts[i] for i in take], device)
+            steps = torch.arange(rows.shape[1], device=device).expand_as(rows)
+            hidden = forward_rows(model, rows, steps, cache, first_slot=len(live))
+            first = model.lm_head(hidden[torch.arange(len(take), device=device), lengths - 1]).argmax(-1)
+            live.extend(take)
+            host_position.extend(len(prompts[i]) for i in take)
+            position = torch.cat([position, lengths])
+            last = torch.cat([last, first])
+            fresh = torch.zeros(len(take), max_new_tokens, dtype=torch.long, device=device)
+            fresh[:, 0] = first
+            out = torch.cat([out, fresh])
+            produced = torch.cat([produced, torch.ones_like(lengths)])
+            finished = torch.cat([finished, torch.isin(first, eos) | (max_new_tokens <= 1)])
+
+    def harvest():
+        """Record finished answers and move live slots to the front; returns tokens made."""
+        nonlocal position, last, produced, finished, out, live, host_position
+        done_rows = finished.nonzero().flatten().tolist()
+        if not done_rows:
+            return 0
+        counts = produced[done_rows].tolist()
+        tokens = out[done_rows].tolist()
+        for row, count, toks in zip(done_rows, counts, tokens):
+            answers[live[row]] = toks[:count]
+        keep = (~finished).nonzero().flatten()
+        kept = keep.tolist()
+        if kept:
+            cache.compact(keep, max(host_position[r] for r in kept) + 1)
+        live = [live[r] for r in kept]
+        host_position = [host_position[r] for r in kept]
+        position, last, produced, finished, out = (t[keep] for t in (position, last, produced, finished, out))
+        return sum(counts)
+
+    admit()
+    step = 0
+    while live:
+        context = min(max(host_position) + 1, window)
+        rows = torch.arange(len(live), device=device)
+        hidden = forward_rows(model, last[:, None], position[:, None], cache, context=context)
+        token = model.lm_head(hidden[:, 0]).argmax(-1)
+        col = produced.clamp(max=max_new_tokens - 1)
+        out[rows, col] = torch.where(finished, out[rows, col], token)
+        produced = produced + (~finished).long()
+        finished = finished | torch.isin(token, eos) | (produced >= max_new_tokens)
+        last = token
+        position = (position + 1).clamp(max=window - 1)
+        host_position = [min(p + 1, window - 1) for p in host_position]
+        step += 1
+        if step % check_every == 0 or len(live) == 1:
+            before = len(live)
+            made = harvest()
+            if made:
+                done_answers += before - len(live)
+                new_tokens += made
+                if progress is not None:
+                    progress(done_answers, new_tokens)
+            if len(live) < refill_below * cache.slots:
+                admit()
+    return answers

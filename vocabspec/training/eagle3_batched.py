@@ -1,0 +1,215 @@
+"""EAGLE-3's training with many sequences a step: the recipe of eagle3_train.py where a
+device is wide (a GPU), features computed as each batch is drawn.
+
+eagle3_train.py trains one sequence at a time, its features from `Model.forward`: right on a
+2-core CPU, where one sequence keeps both cores busy, and far too slow on a GPU, where a few
+hundred rows leave it idle. Here a step takes sequences of similar length, right-padded to
+(B, L):
+- the target's features for all of them come from one batched forward (batched.forward_rows,
+  causal within each sequence), with its full-vocabulary choice at every position;
+- training-time test runs the drafter over the B x n rows at once, attending within each
+  sequence (StepAttention over B blocks); padded rows carry no loss.
+The loss is eagle3_train's: soft labels (the target's distribution over the draft vocabulary)
+or hard ones (the cross-entropy to the target's choice). Several drafters can train side by
+side on the same features (`train`'s `drafters`), which is how the recipe compares two losses
+at one token count for the price of one target pass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.batched import forward_rows, pad_rows
+from ..engine.model import Transformer
+from ..speculation.eagle3 import Eagle3Drafter
+from .eagle3_train import StepAttention, StepKeys
+
+LABELS = ("soft", "hard")
+
+
+def length_batches(sequences: list[list[int]], tokens: int, seed: int) -> list[list[int]]:
+    """Indices of `sequences` in batches of similar length, each at most `tokens` padded
+    tokens (one sequence at least), in a seeded random order."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    batches, current = [], []
+    for i in order:
+        if current and len(sequences[i]) * (len(current) + 1) > tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
+@torch.no_grad()
+def target_features(target: Transformer, sequences: list[list[int]], taps: tuple[int, ...],
+                    head_rows: int = 8192) -> dict:
+    """One batch's features: tokens (B, L) right-padded and their lengths (B,), the last
+    layer's states (B, L, dim) before the final norm, the tapped layers' (B, L, taps x dim),
+    and the target's choice over its whole vocabulary (B, L)."""
+    tokens, lengths = pad_rows(sequences, target.device)
+    positions = torch.arange(tokens.shape[1], device=target.device).expand_as(tokens)
+    hidden, tapped = forward_rows(target, tokens, positions, taps=taps)
+    flat = hidden.flatten(0, 1)
+    chosen = torch.cat([target.lm_head(rows).argmax(-1) for rows in flat.split(head_rows)])
+    return {"tokens": tokens, "lengths": lengths, "hidden": hidden, "tapped": tapped,
+            "chosen": chosen.view(tokens.shape)}
+
+
+def batch_loss(drafter: Eagle3Drafter, features: dict, steps: int, decay: float = 0.8,
+               labels: str = "soft"):
+    """Training-time test over a batch: (loss, per-step accuracy), as eagle3_train.sequence_loss
+    computes it for one sequence. Row i of step k reads token i + 1 + k and predicts token
+    i + 2 + k, where that is inside its sequence and the target's choice is in the draft
+    vocabulary; step k weighs decay**k (normalized)."""
+    if labels not in LABELS:
+        raise ValueError(f"labels are {' or '.join(LABELS)}, not {labels!r}")
+    target = drafter.target
+    tokens, lengths = features["tokens"], features["lengths"]
+    b, width = tokens.shape
+    n = width - 1 - steps
+    if n < 1:
+        return None, {}
+    device = tokens.device
+    ids = drafter.draft_ids
+    rows_in = torch.arange(n, device=device)[None, :] < (lengths[:, None] - 1 - steps)       # (B, n)
+    inputs = torch.cat([features["tapped"], features["hidden"]], dim=-1)[:, :n].flatten(0, 1)
+    x = drafter.input_rows(inputs)
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):     # the teacher in float32
+        teacher = F.linear(target.norm(features["hidden"].float()), target.head_weight[ids].float())
+        in_draft = torch.zeros(target.args.vocab_size, dtype=torch.bool, device=device)
+        in_draft[ids] = True
+    cache = StepKeys()
+    weights = [decay ** k for k in range(steps)]
+    loss, info = 0.0, {}
+    for k in range(steps):
+        positions = (torch.arange(n, device=device) + k).repeat(b)
+        states = drafter(tokens[:, 1 + k:1 + k + n].flatten(), x, positions, cache,
+                         tree_mask=StepAttention(k, sequences=b))
+        logits = drafter.lm_head(drafter.head_input(states)).float()
+        target_logits = teacher[:, 1 + k:1 + k + n].flatten(0, 1)
+        wanted = target_logits.argmax(-1)
+        keep = (in_draft[features["chosen"][:, 1 + k:1 + k + n]] & rows_in).flatten()
+        if labels == "soft":
+            per_row = -(F.softmax(target_logits, -1) * F.log_softmax(logits, -1)).sum(-1)
+        else:
+            per_row = F.cross_entropy(logits, wanted, reduction="none")
+        loss = loss + (per_row * keep).sum() / keep.sum().clamp_min(1) * (weights[k] / sum(weights))
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == wanted) & keep
+            info[f"acc{k + 1}"] = float(hit.sum() / keep.sum().clamp_min(1))
+        x = states
+    return loss, info
+
+
+@torch.no_grad()
+def agreement(drafter: Eagle3Drafter, batches: list[dict], steps: int) -> dict:
+    """Top-1 agreement with the target's next token over its whole vocabulary, at each
+    training-time-test step, over held-out feature batches (the first draft step's is the
+    acceptance a 1/1 tree would see on these sequences)."""
+    hits, counts = [0] * steps, [0] * steps
+    for features in batches:
+        tokens, lengths = features["tokens"], features["lengths"]
+        b, width = tokens.shape
+        n = width - 1 - steps
+        if n < 1:
+            continue
+        device = tokens.device
+        rows_in = (torch.arange(n, device=device)[None, :] < (lengths[:, None] - 1 - steps)).flatten()
+        x = drafter.input_rows(torch.cat([features["tapped"], features["hidden"]], dim=-1)[:, :n].flatten(0, 1))
+        cache = StepKeys()
+        for k in range(steps):
+            positions = (torch.arange(n, device=device) + k).repeat(b)
+            states = drafter(tokens[:, 1 + k:1 + k + n].flatten(), x, positions, cache,
+                             tree_mask=StepAttention(k, sequences=b))
+            guess = drafter.draft_ids[drafter.lm_head(drafter.head_input(states)).argmax(-1)]
+            right = guess == features["chosen"][:, 1 + k:1 + k + n].flatten()
+            hits[k] += int((right & rows_in).sum())
+            counts[k] += int(rows_in.sum())
+            x = states
+    return {f"top1_step{k + 1}": round(hits[k] / max(counts[k], 1), 4) for k in range(steps)}
+
+
+def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then a cosine down to a tenth of the peak at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(target: Transformer, drafters: dict[str, tuple[Eagle3Drafter, str]],
+          sequences: list[list[int]], heldout: list[list[int]], *, tokens_per_batch: int = 16384,
+          steps: int = 3, decay: float = 0.8, lr: float = 1e-3, warmup: int = 40, grad_clip: float = 0.5,
+          seed: int = 0, deadline: float | None = None, snapshot_tokens: tuple[int, ...] = (),
+          log=print) -> list[dict]:
+    """One epoch over `sequences` for each drafter ({name: (drafter, labels)}), all on the
+    same batches and features. With a `deadline` (time.perf_counter()) the epoch is cut to the
+    steps that fit, measured over its first steps, and the learning rate decays over those.
+    Returns the scaling points: each drafter's held-out agreement after `snapshot_tokens`
+    training tokens and at the end."""
+    taps = tuple(sorted({t for d, _ in drafters.values() for t in d.taps}))
+    for name, (drafter, labels) in drafters.items():
+        if drafter.taps != taps:
+            raise ValueError(f"drafter {name} fuses taps {drafter.taps}, the others {taps}")
+        if labels not in LABELS:
+            raise ValueError(f"drafter {name}: labels are {' or '.join(LABELS)}, not {labels!r}")
+        drafter.train().requires_grad_(True)
+    optimizers = {name: torch.optim.AdamW(d.parameters(), lr=lr, betas=(0.9, 0.95))
+                  for name, (d, _) in drafters.items()}
+    batches = length_batches(sequences, tokens_per_batch, seed)
+    held = [target_features(target, [heldout[i] for i in batch], taps)
+            for batch in length_batches(heldout, tokens_per_batch, seed)]
+    device = target.device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    total, trained, points, started = len(batches), 0, [], time.perf_counter()
+    pending = sorted(snapshot_tokens)
+
+    def point(label: str) -> None:
+        for name, (drafter, _) in drafters.items():
+            drafter.eval()
+            with autocast:
+                measured = agreement(drafter, held, steps)
+            drafter.train()
+            points.append({"drafter": name, "tokens": trained, "at": label,
+                           "seconds": round(time.perf_counter() - started, 1), **measured})
+            log(json.dumps(points[-1]))
+
+    for step, batch in enumerate(batches):
+        if step == total:
+            break
+        features = target_features(target, [sequences[i] for i in batch], taps)
+        for name, (drafter, labels) in drafters.items():
+            optimizer = optimizers[name]
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, total, lr, warmup)
+            optimizer.zero_grad(set_to_none=True)
+            with autocast:
+                loss, info = batch_loss(drafter, features, steps, decay, labels)
+            if loss is None:
+                continue
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
+            optimizer.step()
+        trained += int(features["lengths"].sum())
+        if deadline is not None and step == 9:     # the steps that fit, from the first ten's pace
+            pace = (time.perf_counter() - started) / 10
+            total = min(total, max(20, int((deadline - time.perf_counter()) / (1.15 * pace)) + 10))
+            log(f"{pace * 1000:.0f} ms a step: {total} of {len(batches)} steps fit")
+        while pending and trained >= pending[0]:
+            point(f"{pending.pop(0)}")
+        if step % 50 == 0:
+            log(f"step {step}/{total} tokens {trained} loss {float(loss.detach()):.3f} "
+                + " ".join(f"{k} {v:.3f}" for k, v in info.items()))
+    point("end")
+    for drafter, _ in drafters.values():
+        drafter.eval().requires_grad_(False)
+    return points
