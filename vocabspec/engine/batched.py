@@ -23,6 +23,7 @@ ones the native engine and the row-invariant kernels give.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 
 import torch
@@ -166,16 +167,69 @@ def pad_rows(sequences: list[list[int]], device, pad: int = 0) -> tuple[torch.Te
     return rows.to(device), lengths.to(device)
 
 
+class DecodeStep:
+    """The next greedy token of the first `rows` slots, one row each: on a GPU every slot steps,
+    captured as a CUDA graph per context length (rounded up to `bucket`, so a few graphs serve
+    a whole run), since a small model's eager step is bound by launching its few hundred
+    kernels, not by the device; elsewhere eagerly, the live slots only."""
+
+    def __init__(self, model: Transformer, cache: SlotCache, bucket: int = 128):
+        self.model, self.cache, self.bucket = model, cache, bucket
+        self.graphed = model.device.type == "cuda"
+        if self.graphed:
+            n = cache.slots
+            self.tokens = torch.zeros(n, 1, dtype=torch.long, device=model.device)
+            self.positions = torch.zeros(n, 1, dtype=torch.long, device=model.device)
+            self.graphs, self.pool = {}, torch.cuda.graph_pool_handle()
+
+    def _step(self, tokens, positions, context):
+        hidden = forward_rows(self.model, tokens, positions, self.cache, context=context)
+        return self.model.lm_head(hidden[:, 0]).argmax(-1)
+
+    def _capture(self, context: int):
+        # The warm-up run writes the keys and values the step will write: harmless.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._step(self.tokens, self.positions, context)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._step(self.tokens, self.positions, context)
+        return graph, out
+
+    def rows(self, live: int) -> int:
+        return self.cache.slots if self.graphed else live
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, context: int) -> torch.Tensor:
+        """tokens, positions: (rows,), the slots' last tokens and their positions."""
+        if not self.graphed:
+            return self._step(tokens[:, None], positions[:, None], context)
+        context = min(self.cache.window, -(-context // self.bucket) * self.bucket)
+        self.tokens[:, 0].copy_(tokens)
+        self.positions[:, 0].copy_(positions)
+        if context not in self.graphs:
+            try:
+                self.graphs[context] = self._capture(context)
+            except RuntimeError as exc:     # a build that cannot capture this step: run eagerly
+                warnings.warn(f"decode steps run eagerly: capturing one failed ({exc})")
+                self.graphed = False
+                return self._step(self.tokens, self.positions, context)
+        graph, out = self.graphs[context]
+        graph.replay()
+        return out.clone()
+
+
 @torch.inference_mode()
 def greedy_answers(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
                    eos_ids: list[int], slots: int = 1024, prefill_tokens: int = 65536,
                    check_every: int = 16, refill_below: float = 0.75, deadline: float | None = None,
                    progress=None) -> list:
     """The target's greedy answer (new tokens, the end-of-sequence token that ended one kept)
-    to each prompt, decoded many at a time: live sequences step together, one row each, and
-    finished ones leave their slots every `check_every` steps (the one read-back of those
-    steps), and queued prompts fill them once fewer than `refill_below` of the slots are live.
-    Prompts are admitted shortest first, so a prefill pads little.
+    to each prompt, decoded many at a time: live sequences step together, one row each
+    (DecodeStep), and finished ones leave their slots every `check_every` steps (the one
+    read-back of those steps), and queued prompts fill them once fewer than `refill_below` of
+    the slots are live. Prompts are admitted shortest first, so a prefill pads little.
     `deadline` (time.perf_counter()): admit no prompt after it; prompts not answered are None.
     progress(answers done, new tokens so far) is called after each read-back."""
     if not prompts:
@@ -188,78 +242,81 @@ def greedy_answers(model: Transformer, prompts: list[list[int]], max_new_tokens:
         raise ValueError(f"a prompt of {max(map(len, prompts))} tokens and {max_new_tokens} new ones "
                          f"pass the model's window of {model.args.max_seq_len}")
     cache = SlotCache.fitting(model, window, min(slots, len(prompts)))
+    step = DecodeStep(model, cache)
     queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))
     answers: list = [None] * len(prompts)
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=device)
-    live: list[int] = []                                   # prompt index per slot, in slot order
-    host_position = []                                     # each slot's next position (host copy)
-    position = torch.zeros(0, dtype=torch.long, device=device)
-    last = torch.zeros(0, dtype=torch.long, device=device)
-    produced = torch.zeros(0, dtype=torch.long, device=device)
-    finished = torch.zeros(0, dtype=torch.bool, device=device)
-    out = torch.zeros(0, max_new_tokens, dtype=torch.long, device=device)
+    # Per slot, live ones first: position of its last token's successor, that token, tokens
+    # produced, whether finished (free slots count as finished), and its answer so far.
+    n = cache.slots
+    live: list[int] = []                                   # prompt index per live slot
+    host_position: list[int] = []                          # live slots' positions (host copy)
+    position = torch.zeros(n, dtype=torch.long, device=device)
+    last = torch.zeros(n, dtype=torch.long, device=device)
+    produced = torch.zeros(n, dtype=torch.long, device=device)
+    finished = torch.ones(n, dtype=torch.bool, device=device)
+    out = torch.zeros(n, max_new_tokens, dtype=torch.long, device=device)
     done_answers, new_tokens = 0, 0
 
     def admit():
-        nonlocal position, last, produced, finished, out
-        while queue and len(live) < cache.slots and (deadline is None or time.perf_counter() < deadline):
-            room = cache.slots - len(live)
+        while queue and len(live) < n and (deadline is None or time.perf_counter() < deadline):
             longest = len(prompts[queue[0]])
             take = []
-            while queue and len(take) < room:
+            while queue and len(live) + len(take) < n:
                 longest = max(longest, len(prompts[queue[0]]))
                 if take and longest * (len(take) + 1) > prefill_tokens:
                     break
                 take.append(queue.popleft())
             rows, lengths = pad_rows([prompts[i] for i in take], device)
             steps = torch.arange(rows.shape[1], device=device).expand_as(rows)
-            hidden = forward_rows(model, rows, steps, cache, first_slot=len(live))
-            first = model.lm_head(hidden[torch.arange(len(take), device=device), lengths - 1]).argmax(-1)
+            first_slot, k = len(live), len(take)
+            hidden = forward_rows(model, rows, steps, cache, first_slot=first_slot)
+            first = model.lm_head(hidden[torch.arange(k, device=device), lengths - 1]).argmax(-1)
+            new = slice(first_slot, first_slot + k)
+            position[new], last[new], produced[new] = lengths, first, 1
+            out[new] = 0
+            out[new, 0] = first
+            finished[new] = torch.isin(first, eos) | (max_new_tokens <= 1)
             live.extend(take)
             host_position.extend(len(prompts[i]) for i in take)
-            position = torch.cat([position, lengths])
-            last = torch.cat([last, first])
-            fresh = torch.zeros(len(take), max_new_tokens, dtype=torch.long, device=device)
-            fresh[:, 0] = first
-            out = torch.cat([out, fresh])
-            produced = torch.cat([produced, torch.ones_like(lengths)])
-            finished = torch.cat([finished, torch.isin(first, eos) | (max_new_tokens <= 1)])
 
     def harvest():
         """Record finished answers and move live slots to the front; returns tokens made."""
-        nonlocal position, last, produced, finished, out, live, host_position
-        done_rows = finished.nonzero().flatten().tolist()
+        nonlocal live, host_position
+        count = len(live)
+        done_rows = finished[:count].nonzero().flatten().tolist()
         if not done_rows:
             return 0
         counts = produced[done_rows].tolist()
-        tokens = out[done_rows].tolist()
-        for row, count, toks in zip(done_rows, counts, tokens):
-            answers[live[row]] = toks[:count]
-        keep = (~finished).nonzero().flatten()
+        for row, made, toks in zip(done_rows, counts, out[done_rows].tolist()):
+            answers[live[row]] = toks[:made]
+        keep = (~finished[:count]).nonzero().flatten()
         kept = keep.tolist()
         if kept:
             cache.compact(keep, max(host_position[r] for r in kept) + 1)
+        for state in (position, last, produced, finished, out):
+            state[:len(kept)] = state[keep]
+        finished[len(kept):] = True
         live = [live[r] for r in kept]
         host_position = [host_position[r] for r in kept]
-        position, last, produced, finished, out = (t[keep] for t in (position, last, produced, finished, out))
         return sum(counts)
 
     admit()
-    step = 0
+    steps_taken = 0
     while live:
         context = min(max(host_position) + 1, window)
-        rows = torch.arange(len(live), device=device)
-        hidden = forward_rows(model, last[:, None], position[:, None], cache, context=context)
-        token = model.lm_head(hidden[:, 0]).argmax(-1)
-        col = produced.clamp(max=max_new_tokens - 1)
-        out[rows, col] = torch.where(finished, out[rows, col], token)
-        produced = produced + (~finished).long()
-        finished = finished | torch.isin(token, eos) | (produced >= max_new_tokens)
-        last = token
-        position = (position + 1).clamp(max=window - 1)
+        b = step.rows(len(live))
+        token = step(last[:b], position[:b], context)
+        rows = torch.arange(b, device=device)
+        col = produced[:b].clamp(max=max_new_tokens - 1)
+        out[rows, col] = torch.where(finished[:b], out[rows, col], token)
+        produced[:b] += (~finished[:b]).long()
+        finished[:b] |= torch.isin(token, eos) | (produced[:b] >= max_new_tokens)
+        last[:b] = token
+        position[:b] = (position[:b] + 1).clamp(max=window - 1)
         host_position = [min(p + 1, window - 1) for p in host_position]
-        step += 1
-        if step % check_every == 0 or len(live) == 1:
+        steps_taken += 1
+        if steps_taken % check_every == 0 or len(live) == 1:
             before = len(live)
             made = harvest()
             if made:
@@ -267,6 +324,6 @@ def greedy_answers(model: Transformer, prompts: list[list[int]], max_new_tokens:
                 new_tokens += made
                 if progress is not None:
                     progress(done_answers, new_tokens)
-            if len(live) < refill_below * cache.slots:
+            if len(live) < refill_below * n:
                 admit()
     return answers

@@ -66,7 +66,7 @@ def target_features(target: Transformer, sequences: list[list[int]], taps: tuple
 
 def batch_loss(drafter: Eagle3Drafter, features: dict, steps: int, decay: float = 0.8,
                labels: str = "soft"):
-    """Training-time test over a batch: (loss, per-step accuracy), as eagle3_train.sequence_loss
+    """Training-time test over a batch: (loss, per-step accuracy as 0-dim tensors), as eagle3_train.sequence_loss
     computes it for one sequence. Row i of step k reads token i + 1 + k and predicts token
     i + 2 + k, where that is inside its sequence and the target's choice is in the draft
     vocabulary; step k weighs decay**k (normalized)."""
@@ -103,9 +103,9 @@ def batch_loss(drafter: Eagle3Drafter, features: dict, steps: int, decay: float 
         else:
             per_row = F.cross_entropy(logits, wanted, reduction="none")
         loss = loss + (per_row * keep).sum() / keep.sum().clamp_min(1) * (weights[k] / sum(weights))
-        with torch.no_grad():
+        with torch.no_grad():     # left on the device: reading it back would wait for the step
             hit = (logits.argmax(-1) == wanted) & keep
-            info[f"acc{k + 1}"] = float(hit.sum() / keep.sum().clamp_min(1))
+            info[f"acc{k + 1}"] = hit.sum() / keep.sum().clamp_min(1)
         x = states
     return loss, info
 
@@ -147,7 +147,7 @@ def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 def train(target: Transformer, drafters: dict[str, tuple[Eagle3Drafter, str]],
-          sequences: list[list[int]], heldout: list[list[int]], *, tokens_per_batch: int = 16384,
+          sequences: list[list[int]], heldout: list[list[int]], *, tokens_per_batch: int = 32768,
           steps: int = 3, decay: float = 0.8, lr: float = 1e-3, warmup: int = 40, grad_clip: float = 0.5,
           seed: int = 0, deadline: float | None = None, snapshot_tokens: tuple[int, ...] = (),
           log=print) -> list[dict]:
@@ -183,10 +183,20 @@ def train(target: Transformer, drafters: dict[str, tuple[Eagle3Drafter, str]],
                            "seconds": round(time.perf_counter() - started, 1), **measured})
             log(json.dumps(points[-1]))
 
+    timed = device.type == "cuda"      # one step's split between the target and each drafter
+
+    def clock():
+        if timed:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     for step, batch in enumerate(batches):
         if step == total:
             break
+        split = [clock()] if step == 5 else None
         features = target_features(target, [sequences[i] for i in batch], taps)
+        if split:
+            split.append(clock())
         for name, (drafter, labels) in drafters.items():
             optimizer = optimizers[name]
             for group in optimizer.param_groups:
@@ -199,6 +209,11 @@ def train(target: Transformer, drafters: dict[str, tuple[Eagle3Drafter, str]],
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
             optimizer.step()
+            if split:
+                split.append(clock())
+        if split:
+            log(f"step {step} of {int(features['lengths'].sum())} tokens: target {split[1] - split[0]:.3f} s, "
+                + ", ".join(f"{name} {b - a:.3f} s" for name, a, b in zip(drafters, split[1:], split[2:])))
         trained += int(features["lengths"].sum())
         if deadline is not None and step == 9:     # the steps that fit, from the first ten's pace
             pace = (time.perf_counter() - started) / 10
@@ -208,7 +223,7 @@ def train(target: Transformer, drafters: dict[str, tuple[Eagle3Drafter, str]],
             point(f"{pending.pop(0)}")
         if step % 50 == 0:
             log(f"step {step}/{total} tokens {trained} loss {float(loss.detach()):.3f} "
-                + " ".join(f"{k} {v:.3f}" for k, v in info.items()))
+                + " ".join(f"{k} {float(v):.3f}" for k, v in info.items()))
     point("end")
     for drafter, _ in drafters.values():
         drafter.eval().requires_grad_(False)

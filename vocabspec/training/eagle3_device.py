@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     go.add_argument("--max-new-tokens", type=int, default=256)
     go.add_argument("--max-len", type=int, default=1024)
     go.add_argument("--slots", type=int, default=1024, help="sequences answered at once, at most")
-    go.add_argument("--tokens-per-batch", type=int, default=16384)
+    go.add_argument("--tokens-per-batch", type=int, default=32768)
     go.add_argument("--lr", type=float, default=2e-3)
     go.add_argument("--seed", type=int, default=0)
     go.add_argument("--snapshot-m", default="2,5,10,20", help="scaling points, millions of tokens")
