@@ -179,12 +179,17 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+BAR = 24       # characters of the terminal's bar
+
+
 class Progress:
     """Requests done, tokens (those of requests still decoding too), tokens a second and the
     time left, on `out`: redrawn in place on a terminal, else a line every `every` seconds.
 
-    The time left is the tokens still to come at this run's rate, each unfinished request
-    expected to fill its max_new_tokens as the finished ones filled theirs."""
+    The time left is the tokens still to come at this run's rate: a request decoding may run
+    to its max_new_tokens (the ones still running are the long ones: with a batch as large as
+    the job, the short ones are gone first), one waiting is expected to fill its max_new_tokens
+    as the finished ones filled theirs."""
 
     def __init__(self, out: TextIO, total: int, done: int, every: float = 10.0):
         self.out, self.total, self.done = out, total, done
@@ -194,34 +199,34 @@ class Progress:
         self.shown = self.started
         self.finished_tokens = 0          # this run's answers
         self.finished_budget = 0          # their max_new_tokens
-        self.live: dict[int, int] = {}    # tokens so far of requests decoding
-        self.budget_left = 0              # max_new_tokens of requests not finished
+        self.budgets: dict[int, int] = {}     # max_new_tokens of the requests not finished
+        self.live: dict[int, int] = {}        # tokens so far of those decoding
 
-    def expect(self, budget: int) -> None:
-        self.budget_left += budget
+    def expect(self, index: int, budget: int) -> None:
+        self.budgets[index] = budget
 
     def piece(self, index: int, tokens: int) -> None:
         self.live[index] = tokens
 
-    def finish(self, index: int, tokens: int, budget: int) -> None:
+    def finish(self, index: int, tokens: int) -> None:
         self.live.pop(index, None)
         self.done += 1
         self.finished_tokens += tokens
-        self.finished_budget += budget
-        self.budget_left -= budget
+        self.finished_budget += self.budgets.pop(index, 0)
 
-    def fail(self, index: int, budget: int) -> None:
+    def fail(self, index: int) -> None:
         self.live.pop(index, None)
+        self.budgets.pop(index, None)
         self.done += 1
-        self.budget_left -= budget
 
     def line(self) -> str:
         elapsed = time.perf_counter() - self.started
         tokens = self.finished_tokens + sum(self.live.values())
         rate = tokens / elapsed if elapsed > 0 else 0.0
         fill = self.finished_tokens / self.finished_budget if self.finished_budget else 1.0
-        to_come = max(fill * self.budget_left - sum(self.live.values()), 0.0)
-        left = _clock(to_come / rate) if rate > 0 else "?"
+        to_come = sum(budget - self.live[index] if index in self.live else fill * budget
+                      for index, budget in self.budgets.items())
+        left = _clock(max(to_come, 0) / rate) if rate > 0 else "?"
         return (f"{self.done}/{self.total} requests, {tokens} tokens, {rate:.1f} tok/s, "
                 f"{left} left")
 
@@ -231,7 +236,8 @@ class Progress:
             return
         self.shown = now
         if self.terminal:
-            self.out.write("\r\033[K" + self.line())
+            filled = int(BAR * self.done / self.total) if self.total else BAR
+            self.out.write(f"\r\033[K|{'#' * filled}{'-' * (BAR - filled)}| " + self.line())
         else:
             self.out.write(f"[{self.line()}]\n")
         self.out.flush()
@@ -282,9 +288,9 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
         while order and order[0] in held:
             answers.write(held.pop(order.popleft()))
 
-    def fail(index: int, exc: BaseException, budget: int) -> None:
+    def fail(index: int, exc: BaseException) -> None:
         result.failed += 1
-        progress.fail(index, budget)
+        progress.fail(index)
         record({"index": index, "error": error_message(exc)})
 
     # Each request's prompt and settings, checked against the model's context window: one
@@ -294,13 +300,13 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
         item = requests[index]
         settings = {**defaults, **{k: v for k, v in item.items() if k not in ("prompt", "messages")}}
         budget = settings["max_new_tokens"] if isinstance(settings["max_new_tokens"], int) else 0
-        progress.expect(budget)
+        progress.expect(index, budget)
         try:
             ids = lm.encode_prompt(item.get("prompt", item.get("messages")), chat=chat or "messages" in item)
             config = lm._config(**settings)
             lm.engine.check_prompt(ids, config)
         except Exception as exc:                  # noqa: BLE001 - recorded on its line
-            fail(index, exc, budget)
+            fail(index, exc)
             continue
         prepared.append((index, ids, config))
     if prepared:
@@ -318,24 +324,24 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
                 except Busy:                     # the engine's queue is full: step, then submit
                     break
                 except Exception as exc:         # noqa: BLE001 - recorded on its line
-                    fail(index, exc, config.max_new_tokens)
+                    fail(index, exc)
                 else:
-                    running[index] = (request, config.max_new_tokens)
+                    running[index] = request
                 waiting.popleft()
             batch.run_once()
-            for index, (request, budget) in list(running.items()):
+            for index, request in list(running.items()):
                 if not request.done.is_set():
                     continue
                 del running[index]
                 if request.error is not None:
-                    fail(index, request.error, budget)
+                    fail(index, request.error)
                     continue
                 answer = request.result
                 result.answers += 1
                 result.tokens += answer.new_tokens
                 result.steps += len(answer.steps)
                 result.accepted += sum(step.accept_length for step in answer.steps)
-                progress.finish(index, answer.new_tokens, budget)
+                progress.finish(index, answer.new_tokens)
                 record({"index": index, **answer.as_dict(), "tokens": answer.tokens})
             progress.show()
     result.seconds = time.perf_counter() - started
