@@ -353,7 +353,8 @@ def summary(result: JobResult, answers, total: int, drafting: bool, output: str 
     """The job's last line: this run's answers, failures, tokens, wall time, tokens a second
     (and tokens per verification step where drafting); where it resumed, what the file holds."""
     rate = result.tokens / result.seconds if result.seconds > 0 else 0.0
-    text = (f"[{result.answers} answer{'' if result.answers == 1 else 's'}, {result.failed} failed, {result.tokens} tokens in "
+    answers_word = "answer" if result.answers == 1 else "answers"
+    text = (f"[{result.answers} {answers_word}, {result.failed} failed, {result.tokens} tokens in "
             f"{result.seconds:.1f} s, {rate:.1f} tok/s")
     if drafting:
         text += f", mean accepted length {result.mean_accept_len:.2f}"
