@@ -179,17 +179,18 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-BAR = 24       # characters of the terminal's bar
+BAR = 24            # characters of the terminal's bar
+RATE_WINDOW = 30.0  # seconds the progress's tokens a second are measured over
 
 
 class Progress:
     """Requests done, tokens (those of requests still decoding too), tokens a second and the
     time left, on `out`: redrawn in place on a terminal, else a line every `every` seconds.
 
-    The time left is the tokens still to come at this run's rate: a request decoding may run
-    to its max_new_tokens (the ones still running are the long ones: with a batch as large as
-    the job, the short ones are gone first), one waiting is expected to fill its max_new_tokens
-    as the finished ones filled theirs."""
+    The time left is the tokens still to come at the recent rate (`rate`): a request decoding
+    may run to its max_new_tokens (the ones still running are the long ones: with a batch as
+    large as the job, the short ones are gone first), one waiting is expected to fill its
+    max_new_tokens as the finished ones filled theirs."""
 
     def __init__(self, out: TextIO, total: int, done: int, every: float = 10.0):
         self.out, self.total, self.done = out, total, done
@@ -201,6 +202,9 @@ class Progress:
         self.finished_budget = 0          # their max_new_tokens
         self.budgets: dict[int, int] = {}     # max_new_tokens of the requests not finished
         self.live: dict[int, int] = {}        # tokens so far of those decoding
+        # (time, tokens), for `rate`: from the first step on, not the job's start, where the
+        # first batch's prompts are prefilled (10 s for 64 prompts on 2 cores) and few tokens flow.
+        self.samples: deque[tuple[float, int]] = deque()
 
     def expect(self, index: int, budget: int) -> None:
         self.budgets[index] = budget
@@ -219,20 +223,35 @@ class Progress:
         self.budgets.pop(index, None)
         self.done += 1
 
+    def tokens(self) -> int:
+        return self.finished_tokens + sum(self.live.values())
+
+    def rate(self) -> float | None:
+        """Tokens a second over the last RATE_WINDOW seconds (None before two samples): the
+        job's start (the first batch's prompts prefilled) is slower than its run, and a rate
+        since the start would overstate the time left for minutes."""
+        now, tokens = time.perf_counter(), self.tokens()
+        if not self.samples or now - self.samples[-1][0] >= 0.5:
+            self.samples.append((now, tokens))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= RATE_WINDOW:
+            self.samples.popleft()
+        then, before = self.samples[0]
+        return (tokens - before) / (now - then) if now > then else None
+
     def line(self) -> str:
-        elapsed = time.perf_counter() - self.started
-        tokens = self.finished_tokens + sum(self.live.values())
-        rate = tokens / elapsed if elapsed > 0 else 0.0
+        rate = self.rate()
         fill = self.finished_tokens / self.finished_budget if self.finished_budget else 1.0
         to_come = sum(budget - self.live[index] if index in self.live else fill * budget
                       for index, budget in self.budgets.items())
-        left = _clock(max(to_come, 0) / rate) if rate > 0 else "?"
-        return (f"{self.done}/{self.total} requests, {tokens} tokens, {rate:.1f} tok/s, "
+        left = _clock(max(to_come, 0) / rate) if rate else "?"
+        speed = "?" if rate is None else f"{rate:.1f}"
+        return (f"{self.done}/{self.total} requests, {self.tokens()} tokens, {speed} tok/s, "
                 f"{left} left")
 
     def show(self, force: bool = False) -> None:
         now = time.perf_counter()
         if not force and now - self.shown < self.every:
+            self.rate()               # keeps its samples of the last RATE_WINDOW seconds
             return
         self.shown = now
         if self.terminal:
