@@ -1,8 +1,9 @@
 """`vocabspec generate --input` as a batch job (serving/batch_job.py): each answer the request's
 own alone, in whatever order the file lists them; a job killed mid-run and rerun ends with
-exactly an uninterrupted run's answers; a half-written last line is cut; a changed input or
-option is refused."""
+exactly an uninterrupted run's answers; an interrupt stops it with nothing recorded as failed;
+a half-written last line is cut; a changed input or option is refused."""
 
+import itertools
 import json
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 import vocabspec
 from vocabspec.cli import main
+from vocabspec.serving import batch_job
 
 TOPICS = ["rain", "copper", "the moon", "bridges", "owls", "tea", "glass", "rivers"]
 
@@ -118,12 +120,29 @@ def test_a_killed_job_reruns_to_exactly_the_uninterrupted_answers(lms, tmp_path,
             (want["tokens"], want["text"], want["stop_reason"]), line["index"]
 
 
-def test_a_half_written_last_line_is_cut_and_a_changed_job_is_refused(lms, tmp_path, capsys):
+def test_an_interrupt_a_half_written_last_line_and_a_changed_job(lms, tmp_path, capsys, monkeypatch):
     items = make_requests(3)
     source, out = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
     write_jsonl(source, items)
+    # Ctrl-C inside a step, where a real one lands: the batch engine hands it to the step's
+    # requests as their error; the job stops (exit 130) and records none of them as failed.
+    pieces = itertools.count()
+    piece = batch_job.Progress.piece
+
+    def interrupted(self, index, tokens):
+        if next(pieces) == 12:            # the first answer (8 tokens) done, the second decoding
+            raise KeyboardInterrupt
+        piece(self, index, tokens)
+
+    monkeypatch.setattr(batch_job.Progress, "piece", interrupted)
+    assert main(job(source, "--output", str(out), "--max-batch", "1")) == 130
+    monkeypatch.undo()
+    assert "rerun the same command" in capsys.readouterr().err
+    assert [line["index"] for line in read_lines(out)] == [0]
     assert main(job(source, "--output", str(out))) == 0
     complete = out.read_bytes()
+    assert {line["index"]: line["tokens"] for line in read_lines(out)} == \
+        {index: alone(lms["none"], item).tokens for index, item in enumerate(items)}
     lines = complete.splitlines(keepends=True)
     out.write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])    # a crash mid-write
     capsys.readouterr()

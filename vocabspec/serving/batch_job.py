@@ -352,6 +352,10 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
                 if not request.done.is_set():
                     continue
                 del running[index]
+                if isinstance(request.error, (KeyboardInterrupt, SystemExit)):
+                    # The batch engine hands an interrupt during a step to the step's requests
+                    # as their error: it stops the job, and they stay unrecorded, to run again.
+                    raise request.error
                 if request.error is not None:
                     fail(index, request.error)
                     continue
