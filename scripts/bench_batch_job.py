@@ -29,8 +29,9 @@ def make_requests(count: int, max_new_tokens: int) -> list[dict]:
     turns = [turn for name in ("prompts.jsonl", "heldout.jsonl")
              for line in (DATA / name).read_text().splitlines() if line.strip()
              for turn in json.loads(line)["turns"]]
-    return [{"messages": [{"role": "user", "content": LEAD_INS[i // len(turns) % len(LEAD_INS)] + turns[i % len(turns)]}],
-             "max_new_tokens": max_new_tokens} for i in range(count)]
+    texts = [LEAD_INS[i // len(turns) % len(LEAD_INS)] + turns[i % len(turns)] for i in range(count)]
+    return [{"messages": [{"role": "user", "content": text}], "max_new_tokens": max_new_tokens}
+            for text in texts]
 
 
 def cpu_model() -> str:
@@ -69,7 +70,8 @@ def run(command: list[str], output: Path, kill_after: float | None = None) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64, help="requests in the job (default 64)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most (default 128)")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="tokens per answer at most (default 128)")
     parser.add_argument("--max-batch", type=int, default=64, help="requests decoding at once (default 64)")
     parser.add_argument("--draft", default="none", help="proposer (default none)")
     parser.add_argument("--out", default="runs/batch-job", help="work directory (default runs/batch-job)")
@@ -77,7 +79,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     source = out / "requests.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in make_requests(args.requests, args.max_new_tokens)))
+    requests = make_requests(args.requests, args.max_new_tokens)
+    source.write_text("".join(json.dumps(request) + "\n" for request in requests))
     for name in ("whole.jsonl", "resumed.jsonl"):
         for path in (out / name, out / (name + ".job.json")):
             path.unlink(missing_ok=True)

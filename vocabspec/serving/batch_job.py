@@ -91,6 +91,8 @@ class AnswerFile:
         record_path = cls.record_path(path)
         record = {"format": JOB_FORMAT, "input": str(input_path), "requests": len(requests),
                   "requests_sha256": requests_hash(requests), "options": options}
+        if path.is_dir():
+            raise ValueError(f"--output {path} is a directory, not a file")
         if not path.exists() or path.stat().st_size == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = record_path.with_name(record_path.name + ".tmp")
