@@ -185,7 +185,8 @@ def test_generate_batch_and_the_jsonl_command(lms, tmp_path):
     out = tmp_path / "out.jsonl"
     assert main(["generate", "--input", str(source), "--output", str(out), "--max-batch", "2",
                  "--max-seq-len", "1024"]) == 0
-    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    # Lines come in finish order, each with its request's index.
+    answers = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda a: a["index"])
     assert [a["index"] for a in answers] == [0, 1] and answers[0]["new_tokens"] == 6
     assert answers[0]["tokens"] == lm.generate(PROMPTS[0], chat=True, max_new_tokens=6).tokens
     assert answers[1]["tokens"] == lm.generate("Once upon a time", max_new_tokens=5, temperature=0.7,

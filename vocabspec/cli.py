@@ -204,8 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--input", default=None,
                      help="a JSONL file of requests, one object a line: prompt (text) or messages "
                           "(chat), and optionally max_new_tokens, temperature, top_p, top_k, seed, "
-                          "stop; answered together (continuous batching), each exactly as alone")
-    gen.add_argument("--output", default=None, help="with --input: where the JSONL answers go (default stdout)")
+                          "stop; answered together (continuous batching), each exactly as alone; a request "
+                          "that fails gets an error line and the exit code 1, the rest go on")
+    gen.add_argument("--output", default=None,
+                     help="with --input: the JSONL answers' file, a line written as each request "
+                          "finishes ('index': its place among the requests, from 0; 'error' where "
+                          "it failed); rerun the same command to answer only the requests it lacks "
+                          "(default stdout)")
+    gen.add_argument("--ordered", action="store_true",
+                     help="with --input: hold answers back to write them in input order")
+    gen.add_argument("--progress-every", type=_float, default=10.0, metavar="SECONDS",
+                     help="with --input: seconds between progress lines where standard error is "
+                          "not a terminal (a terminal's bar is redrawn in place)")
     gen.add_argument("--max-batch", type=_positive_int, default=8, help="with --input: requests decoding at once")
     add_model_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -585,8 +595,8 @@ def cmd_generate(args) -> int:
         raise ValueError("give a prompt or --input FILE.jsonl (not both)")
     if args.input is not None:
         return generate_file(args)
-    if args.output is not None:
-        raise ValueError("--output applies to --input")
+    if args.output is not None or args.ordered:
+        raise ValueError(f"{'--output' if args.output is not None else '--ordered'} applies to --input")
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
     lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
@@ -612,66 +622,56 @@ def cmd_generate(args) -> int:
     return 0
 
 
-FILE_FIELDS = {"prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
-
-
 def generate_file(args) -> int:
-    """--input: every request of a JSONL file answered together, one JSON line per answer in
-    the input's order (text, tokens, stop reason, timings)."""
-
+    """--input: a batch job (serving/batch_job.py): every request of a JSONL file answered
+    together, each answer's line written as it finishes; an --output file resumes."""
     from .serving.api import load
-    from .speculation.batch import BatchLimits
+    from .serving.batch_job import AnswerFile, Progress, StreamAnswers, read_requests, run_job, summary
 
+    if args.progress_every < 0:
+        raise ValueError(f"--progress-every takes seconds >= 0, not {args.progress_every}")
     path = Path(args.input)
-    if not path.is_file():
-        raise FileNotFoundError(f"--input {path} does not exist")
-    requests = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except ValueError as exc:
-            raise ValueError(f"{path}:{number}: not JSON ({exc})") from exc
-        if not isinstance(item, dict):
-            raise ValueError(f"{path}:{number}: a request is a JSON object")
-        unknown = set(item) - FILE_FIELDS
-        if unknown:
-            raise ValueError(f"{path}:{number}: unknown field(s) {', '.join(sorted(unknown))} "
-                             f"(known: {', '.join(sorted(FILE_FIELDS))})")
-        if ("prompt" in item) == ("messages" in item):
-            raise ValueError(f"{path}:{number}: give prompt or messages")
-        requests.append(item)
-    if not requests:
-        raise ValueError(f"{path} holds no requests")
+    requests = read_requests(path)
+    # What shapes the answers: a rerun into the same --output must keep them.
+    options = {"--model": args.model, "--weights": args.weights, "--draft": args.draft,
+               "--chat": args.chat, "--max-new-tokens": args.max_new_tokens,
+               "--temperature": args.temperature, "--top-p": args.top_p, "--top-k": args.top_k,
+               "--seed": args.seed, "--stop": list(args.stop)}
+    if args.output is not None:
+        answers = AnswerFile.open(Path(args.output), path, requests, options)
+        if answers.discarded:
+            print(f"[{args.output}: discarded a half-written last line ({answers.discarded} bytes)]",
+                  file=sys.stderr)
+        if answers.recorded and len(answers.recorded) < len(requests):
+            print(f"[{args.output} holds {len(answers.recorded)} of {len(requests)} requests: "
+                  f"answering the rest]", file=sys.stderr)
+    else:
+        answers = StreamAnswers(sys.stdout)
+    pending = [index for index in range(len(requests)) if index not in answers.recorded]
+    failed_before = sum(answers.recorded.values())
+    if not pending:
+        print(f"[{args.output} already holds all {len(requests)} requests, {failed_before} failed]",
+              file=sys.stderr)
+        return 1 if failed_before else 0
     lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
               max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
               log=lambda message: print(message, file=sys.stderr))
     print(describe(lm, args.draft), file=sys.stderr)
     defaults = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
-    prompts, configs = [], []
-    for number, item in enumerate(requests, 1):
-        try:
-            prompts.append(lm.encode_prompt(item.get("prompt", item.get("messages")),
-                                            chat=args.chat or "messages" in item))
-            configs.append(lm._config(**{**defaults, **{k: v for k, v in item.items()
-                                                        if k not in ("prompt", "messages")}}))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{args.input}: request {number}: {exc}") from exc
-    window = max(len(ids) + config.max_new_tokens + 1 for ids, config in zip(prompts, configs))
-    batch = lm.batch(BatchLimits(max_batch=args.max_batch, window=min(max(window, 256),
-                                                                        lm.engine.model.args.max_seq_len)))
-    results = batch.generate(prompts, configs)
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    progress = Progress(sys.stderr, len(requests), len(answers.recorded), every=args.progress_every)
     try:
-        for index, result in enumerate(results):
-            out.write(json.dumps({"index": index, **result.as_dict(), "tokens": result.tokens}) + "\n")
+        result = run_job(lm, requests, pending, defaults, args.chat, answers, args.max_batch,
+                         args.ordered, progress)
+    except KeyboardInterrupt:
+        if args.output is not None:
+            print(f"\n[interrupted: {args.output} holds {len(answers.recorded)} of {len(requests)} "
+                  f"requests; rerun the same command to answer the rest]", file=sys.stderr)
+        raise
     finally:
-        if args.output:
-            out.close()
-    print(f"[{len(results)} answers, {sum(r.new_tokens for r in results)} tokens]", file=sys.stderr)
-    return 0
+        answers.close()
+    print(summary(result, answers, len(requests), args.draft != "none", args.output), file=sys.stderr)
+    return 1 if sum(answers.recorded.values()) else 0
 
 
 def describe(lm, draft: str) -> str:
