@@ -592,4 +592,7 @@ class NativeDrafter:
                               values.data_ptr(), length, self.state.data_ptr(), root, top_k, depth, total_tokens,
                               tokens.data_ptr(), parents.data_ptr(), ranks.data_ptr(), logits.data_ptr(),
                               self.stack.work.data_ptr(), self.stack.scratch.data_ptr())
+        if n < 1:
+            raise RuntimeError(f"the native drafter built a tree with a node whose parent it did not keep "
+                               f"(top_k {top_k}, depth {depth}, total_tokens {total_tokens})")
         return tokens[:n].clone(), parents[:n].clone(), ranks[1:n].tolist()
