@@ -13,6 +13,12 @@ imported first, so the dynamic loader hands the library torch's libgomp. It need
 BW) or AVX2 with FMA and F16C; the same per-lane arithmetic runs on both. A fresh build must
 pass a self-test (every row of a matmul alone has the bits it has among others) before it is
 kept. Where it cannot be built or fails the test, `available()` says why.
+
+VOCABSPEC_SANITIZE=1 builds it instead with AddressSanitizer and UndefinedBehaviorSanitizer
+(a library of its own, never the default one): a memory error or undefined behaviour aborts
+the process with a report. Python is not built with ASan, so the ASan runtime must come first:
+LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 (tests/sanitize.py
+runs tests so).
 """
 
 from __future__ import annotations
@@ -83,6 +89,21 @@ def _cpu_key() -> str:
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math",
          "-fno-unsafe-math-optimizations", "-fno-associative-math", "-fno-reciprocal-math",
          "-fno-finite-math-only", "-fsigned-zeros", "-ftrapping-math", "-fPIC", "-shared"]
+# VOCABSPEC_SANITIZE=1: every report ends the process (no recovery), so that a test under it
+# fails rather than logging and going on; frame pointers and line tables give readable stacks.
+# -O1, not -O3: instrumented, -O3 takes gcc minutes on a small machine, -O1 under one.
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
+
+
+def sanitized() -> bool:
+    """Whether this process builds and loads the sanitizer build (VOCABSPEC_SANITIZE=1)."""
+    return os.environ.get("VOCABSPEC_SANITIZE", "") not in ("", "0")
+
+
+def _flags() -> list[str]:
+    if not sanitized():
+        return FLAGS
+    return ["-O1" if flag == "-O3" else flag for flag in FLAGS] + SANITIZE_FLAGS
 
 
 def isa() -> str:
@@ -97,16 +118,24 @@ def isa() -> str:
     raise RuntimeError("the native engine needs AVX-512 (F, BW) or AVX2 with FMA and F16C, which this CPU lacks")
 
 
+def _check_sanitizer_runtime() -> None:
+    """The sanitizer build loads only after the ASan runtime (RuntimeError saying how, else)."""
+    if "libasan" not in os.environ.get("LD_PRELOAD", ""):
+        raise RuntimeError("VOCABSPEC_SANITIZE=1 needs the AddressSanitizer runtime loaded first: run with "
+                           "LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0")
+
+
 def _build(compiler: str) -> Path:
+    flags = _flags()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_key().encode()
-                         + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"native-{key}.so"
+                         + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_dir() / f"native-{'sanitized-' if sanitized() else ''}{key}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"]
+        cmd = [compiler, *flags, "-o", str(out), str(SOURCE), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
@@ -196,6 +225,8 @@ def library():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
             raise RuntimeError("the native engine is compiled on first use and needs a C compiler (cc)")
+        if sanitized():
+            _check_sanitizer_runtime()
         lib = _declare(ctypes.CDLL(str(_build(compiler))))
     except (RuntimeError, OSError) as exc:
         _error = f"native CPU engine unavailable: {exc}"
