@@ -337,8 +337,10 @@ class Eagle3Drafter(nn.Module):
             raise ValueError("narrow a drafter before it drafts natively")
         head = self.draft_head(spec, files, token_map)
         narrow = Eagle3Drafter(self.target, replace(self.config, draft_vocab_size=head.size))
-        state = self.state_dict() | {"lm_head.weight": head.weight, "draft_ids": head.draft_to_target}
-        narrow.load_state_dict(state)
+        # The checkpoint's own embedding (an nn.Embedding set at load, not a parameter the
+        # narrow drafter is built with) goes across as the module, not through the state dict.
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("embed.")}
+        narrow.load_state_dict(state | {"lm_head.weight": head.weight, "draft_ids": head.draft_to_target})
         if self.embed is not None:
             narrow.embed = self.embed
         return narrow.to(self.fc.weight).eval().requires_grad_(False)
