@@ -14,6 +14,7 @@
 import json
 import os
 import subprocess
+import sys
 import venv
 from dataclasses import asdict
 from pathlib import Path
@@ -39,9 +40,17 @@ def speculators_python() -> str:
     torch among them) with the package added, made on first use in the cache directory."""
     env = cache_dir() / "speculators-env"
     python = env / "bin" / "python"
-    check = [str(python), "-c", "import speculators.models.eagle3"]
+    check = [str(python), "-c", "import torch, speculators.models.eagle3"]
     if not python.exists() or subprocess.run(check, capture_output=True).returncode != 0:
-        venv.create(env, system_site_packages=True, with_pip=True, clear=True)
+        # Not system_site_packages: from inside a virtual environment that reaches the base
+        # interpreter's packages, not this one's torch. A .pth file in the new environment
+        # names this interpreter's own package directories instead, after the environment's.
+        venv.create(env, with_pip=True, clear=True)
+        site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        # addsitedir, not bare paths: their own .pth files (editable installs) count too.
+        ours = [p for p in sys.path if p and Path(p).is_dir() and Path(p).name in ("site-packages", "dist-packages")]
+        Path(site, "_running_interpreter.pth").write_text(f"import site; list(map(site.addsitedir, {ours!r}))\n")
         pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         for args in (["--no-deps", *SPECULATORS], SPECULATORS_NEEDS):
             done = subprocess.run(pip + args, capture_output=True, text=True)

@@ -21,13 +21,13 @@ def set_threads(threads: int | None) -> None:
         if native.available()[0]:
             native.set_threads(threads)
 
-def _int_at_least(minimum: int, what: str):
+def _int_at_least(minimum: int, what: str, maximum: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        if value < minimum:
+        if value < minimum or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
     return parse
@@ -38,7 +38,22 @@ _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
 def _total_tokens(text: str):
-    return "auto" if text == "auto" else _int_at_least(1, "a positive integer or 'auto'")(text)
+    from .speculation.tree import MAX_TOTAL_TOKENS
+
+    return "auto" if text == "auto" else \
+        _int_at_least(1, f"an integer from 1 to {MAX_TOTAL_TOKENS} or 'auto'", MAX_TOTAL_TOKENS)(text)
+
+
+def _tree_depth(text: str) -> int:
+    from .speculation.tree import MAX_DEPTH
+
+    return _int_at_least(0, f"an integer from 0 to {MAX_DEPTH}", MAX_DEPTH)(text)
+
+
+def _tree_top_k(text: str) -> int:
+    from .speculation.tree import MAX_TOP_K
+
+    return _int_at_least(1, f"an integer from 1 to {MAX_TOP_K}", MAX_TOP_K)(text)
 
 
 def _float(text: str) -> float:
@@ -122,9 +137,9 @@ def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None
     parser.add_argument("--draft-path", default=None,
                         help="EAGLE drafter or Medusa heads directory (default: the bundled one; "
                              "'random' for an untrained one)")
-    parser.add_argument("--depth", type=_non_negative_int, default=6,
+    parser.add_argument("--depth", type=_tree_depth, default=6,
                         help="tree expansion steps (with --total-tokens auto: the deepest tried)")
-    parser.add_argument("--tree-top-k", type=_positive_int, default=10, help="children per expanded node")
+    parser.add_argument("--tree-top-k", type=_tree_top_k, default=10, help="children per expanded node")
     parser.add_argument("--total-tokens", type=_total_tokens, default="auto",
                         help="drafted tokens verified per step, or 'auto': tree size and depth chosen by "
                              "timing this machine (cached)")

@@ -20,3 +20,15 @@ def file_key(path: Path) -> str:
     stat = path.stat()
     ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def load_torch_file(path: Path, **options):
+    """torch.load of a file vocabspec wrote (feature shards, checkpoints); a truncated or foreign
+    file raises ValueError naming it instead of torch's RuntimeError from deep in its reader."""
+    import torch
+
+    try:
+        return torch.load(path, **options)
+    except (RuntimeError, OSError, EOFError, ValueError, KeyError, AttributeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path}: unreadable ({first})") from exc

@@ -1821,13 +1821,22 @@ static int by_double_desc(const void *a, const void *b) {
     return x > y ? -1 : x < y;
 }
 
+/* A drafted child's log-probability as its value adds it (tree.tree_log_prob is the reference):
+   NaN (a head with NaN weights, as a checkpoint saved before its head was filled) counts as
+   -inf and a rounding above 0 as 0. Every value is then a number no greater than its parent's,
+   which the sorts' orders and the kept tree's closure (every kept node's parent kept) rest on. */
+static double tree_log_prob(float lp) {
+    return lp <= 0.0f ? (double)lp : lp > 0.0f ? 0.0 : -INFINITY;
+}
+
 /* Most nodes a tree of these settings drafts (the root included). */
 int64_t vs_tree_capacity(int64_t top_k, int64_t depth) { return 1 + top_k + depth * top_k * top_k; }
 
 /* Grow the tree from `state` (the drafter's output at the root) over the drafter's cache of
    `length` committed slots; its expansions are left pending (forgotten: the next read
    overwrites them). Writes the kept tree, flattened, to tokens/parents (parents[0] = -1) and
-   each node's value rank to ranks (-1 for the root); returns its rows. head_logits: top_k x
+   each node's value rank to ranks (-1 for the root); returns its rows (-1: a tree that is not
+   one, which the caller raises on). head_logits: top_k x
    head rows floats; work/att: as vs_stack_forward for top_k rows. */
 int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
                       const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
@@ -1878,7 +1887,7 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *
                 tok[count] = d->head_ids ? d->head_ids[ids[r * k + c]] : ids[r * k + c];
                 par[count] = p;
                 dep[count] = dep[p] + 1;
-                val[count] = val[p] + (double)lp[r * k + c];
+                val[count] = val[p] + tree_log_prob(lp[r * k + c]);
                 slot[count] = -1;
                 count++;
             }
@@ -1956,14 +1965,18 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *
         lo = hi;
     }
     tokens[0] = root, parents[0] = -1, ranks[0] = -1;
+    int64_t rows = kept + 1;
     for (int64_t i = 0; i < kept; i++) {
         const int32_t node = place[i];
         tokens[i + 1] = tok[node];
         parents[i + 1] = flat[par[node]];
         ranks[i + 1] = row_of[node];
+        /* Kept without its parent, or placed after none: a broken tree must not reach
+           verification, which indexes by parent. */
+        if (node < 1 || parents[i + 1] < 0 || parents[i + 1] > i) rows = -1;
     }
     free(tok), free(ids), free(par), free(dep), free(slot), free(row_of), free(order), free(flat);
     free(val), free(sorted), free(lp), free(states), free(pair), free(front_tok), free(pos), free(prefix);
     free(xoff), free(extra), free(normed);
-    return kept + 1;
+    return rows;
 }

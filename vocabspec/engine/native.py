@@ -13,6 +13,12 @@ imported first, so the dynamic loader hands the library torch's libgomp. It need
 BW) or AVX2 with FMA and F16C; the same per-lane arithmetic runs on both. A fresh build must
 pass a self-test (every row of a matmul alone has the bits it has among others) before it is
 kept. Where it cannot be built or fails the test, `available()` says why.
+
+VOCABSPEC_SANITIZE=1 builds it instead with AddressSanitizer and UndefinedBehaviorSanitizer
+(a library of its own, never the default one): a memory error or undefined behaviour aborts
+the process with a report. Python is not built with ASan, so the ASan runtime must come first:
+LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 (tests/sanitize.py
+runs tests so).
 """
 
 from __future__ import annotations
@@ -83,6 +89,21 @@ def _cpu_key() -> str:
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math",
          "-fno-unsafe-math-optimizations", "-fno-associative-math", "-fno-reciprocal-math",
          "-fno-finite-math-only", "-fsigned-zeros", "-ftrapping-math", "-fPIC", "-shared"]
+# VOCABSPEC_SANITIZE=1: every report ends the process (no recovery), so that a test under it
+# fails rather than logging and going on; frame pointers and line tables give readable stacks.
+# -O1, not -O3: instrumented, -O3 takes gcc minutes on a small machine, -O1 under one.
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
+
+
+def sanitized() -> bool:
+    """Whether this process builds and loads the sanitizer build (VOCABSPEC_SANITIZE=1)."""
+    return os.environ.get("VOCABSPEC_SANITIZE", "") not in ("", "0")
+
+
+def _flags() -> list[str]:
+    if not sanitized():
+        return FLAGS
+    return ["-O1" if flag == "-O3" else flag for flag in FLAGS] + SANITIZE_FLAGS
 
 
 def isa() -> str:
@@ -97,16 +118,24 @@ def isa() -> str:
     raise RuntimeError("the native engine needs AVX-512 (F, BW) or AVX2 with FMA and F16C, which this CPU lacks")
 
 
+def _check_sanitizer_runtime() -> None:
+    """The sanitizer build loads only after the ASan runtime (RuntimeError saying how, else)."""
+    if "libasan" not in os.environ.get("LD_PRELOAD", ""):
+        raise RuntimeError("VOCABSPEC_SANITIZE=1 needs the AddressSanitizer runtime loaded first: run with "
+                           "LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0")
+
+
 def _build(compiler: str) -> Path:
+    flags = _flags()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_key().encode()
-                         + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"native-{key}.so"
+                         + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_dir() / f"native-{'sanitized-' if sanitized() else ''}{key}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"]
+        cmd = [compiler, *flags, "-o", str(out), str(SOURCE), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
@@ -196,6 +225,8 @@ def library():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
             raise RuntimeError("the native engine is compiled on first use and needs a C compiler (cc)")
+        if sanitized():
+            _check_sanitizer_runtime()
         lib = _declare(ctypes.CDLL(str(_build(compiler))))
     except (RuntimeError, OSError) as exc:
         _error = f"native CPU engine unavailable: {exc}"
@@ -234,6 +265,41 @@ def available() -> tuple[bool, str]:
 
 def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+# ---- the boundary: every index and size a call hands to native.c is checked here, once per
+# call, so that a wrong one raises ValueError naming it instead of reading or writing outside
+# a buffer in C.
+
+def check_range(what: str, values: torch.Tensor, low: int, high: int) -> None:
+    """ValueError naming the first of `values` outside [low, high)."""
+    if values.numel() == 0:
+        return
+    bad = (values < low) | (values >= high)
+    if bool(bad.any()):
+        value = int(values.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]])
+        raise ValueError(f"{what} {value} is outside [{low}, {high})")
+
+
+def check_parents(what: str, parents: torch.Tensor) -> None:
+    """A tree's parents (-1 for the root at row 0, every other row's parent an earlier row):
+    ValueError naming the first row that breaks it."""
+    n = parents.numel()
+    if n == 0:
+        raise ValueError(f"{what}: a tree has at least its root")
+    if int(parents[0]) != -1:
+        raise ValueError(f"{what}: row 0 is the root (parent -1), not a child of {int(parents[0])}")
+    rows = torch.arange(n, dtype=parents.dtype)
+    bad = (parents[1:] < 0) | (parents[1:] >= rows[1:])
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0]) + 1
+        raise ValueError(f"{what}: row {row}'s parent {int(parents[row])} is not an earlier row")
+
+
+def check_count(what: str, value: int, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise ValueError(f"{what} must be an integer {bound}, not {value!r}")
 
 
 def visibility(length: int, pending: int, positions: torch.Tensor, tree_mask: torch.Tensor | None):
@@ -279,6 +345,8 @@ def tree_visibility(parents: torch.Tensor, start: int, base: int):
     root) written after `start` cache slots with the root at position `base`: each row sees
     the slots before, its ancestors' and its own (see `visibility`)."""
     parents = parents.to(torch.int64).contiguous()
+    check_parents("tree", parents)
+    check_count("the tree's first slot", start, 0)
     n = parents.numel()
     pos, prefix, xoff = (torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32),
                          torch.empty(n + 1, dtype=torch.int32))
@@ -326,6 +394,9 @@ class NativeStack:
         self.work = torch.empty(0, dtype=torch.float32)
         self.dim, self.n_layers, self.n_kv, self.head_dim = dim, len(layers), n_kv, head_dim
         self.reads_embeds = any(spec.get("hidden_norm") is not None for spec in layers)
+        # Positions the RoPE tables hold rows for (cos: positions x half the head).
+        self.positions = min((spec["cos"].shape[0] for spec in layers if spec.get("cos") is not None),
+                             default=2 ** 31 - 1)
 
     def check_cache(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """The slots of a cache in this stack's native layout (ValueError if it is not)."""
@@ -366,13 +437,20 @@ class NativeStack:
                                   or embeds.shape != x.shape):
             raise ValueError("this stack's first layer reads the rows' embeddings: contiguous float32, x's shape")
         slots = self.check_cache(keys, values)
+        check_count("the cache's committed length", length, 0)
+        check_count("the cache's pending slots", pending, 0)
         if length + pending + n > slots:
             raise ValueError(f"sequence would reach {length + pending + n} tokens, beyond the cache's {slots}")
         if parents is not None:
+            if parents.numel() != n:
+                raise ValueError(f"{parents.numel()} parents for {n} rows")
             pos32, prefix, xoff, extra = tree_visibility(parents, length + pending, length + pending)
         else:
+            if positions is None or positions.numel() != n:
+                raise ValueError(f"{n} rows need {n} positions")
             prefix, xoff, extra = visibility(length, pending, positions, tree_mask)
             pos32 = positions.to(torch.int32).contiguous()
+        check_range("position", pos32, 0, self.positions)
         self.reserve(n, slots)
         tapped = torch.empty(n, len(taps) * self.dim) if taps else None
         tap_ids = torch.tensor(taps, dtype=torch.int32) if taps else None
@@ -404,6 +482,10 @@ class NativeStack:
         # Built as lists, one tensor each at the end: a batch of plain steps is a part per row.
         pos, prefix, xoff, extra, keys_at, values_at, slot = [], [], [0], [], [], [], []
         for keys, values, length, parents, rows in parts:
+            check_count("a part's committed length", length, 0)
+            check_count("a part's rows", rows, 1)
+            if parents is not None and parents.numel() != rows:
+                raise ValueError(f"{parents.numel()} parents for a part of {rows} rows")
             if length + rows > slots:
                 raise ValueError(f"sequence would reach {length + rows} tokens, beyond the cache's {slots}")
             seen = len(extra)         # extra slots listed so far
@@ -423,6 +505,7 @@ class NativeStack:
             slot += range(length, length + rows)
         pos32, prefix, xoff, extra, slot = (torch.tensor(t, dtype=torch.int32)
                                             for t in (pos, prefix, xoff, extra or [0], slot))
+        check_range("position", pos32, 0, self.positions)
         keys_at, values_at = torch.tensor(keys_at, dtype=torch.int64), torch.tensor(values_at, dtype=torch.int64)
         self.reserve(n, slots)
         tapped = torch.empty(n, len(taps) * self.dim) if taps else None
@@ -449,6 +532,7 @@ class NativeModel:
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         ids = tokens.to(torch.int32).contiguous()
+        check_range("token id", tokens, 0, self.embed_weight.rows)
         out = torch.empty(ids.numel(), self.embed_weight.cols, dtype=torch.float32)
         library().vs_embed(ctypes.byref(self._embed_struct), ids.data_ptr(), ids.numel(),
                            self.embed_scale, out.data_ptr())
@@ -458,6 +542,8 @@ class NativeModel:
         """Logits (rows, vocab), float32, of final-norm(hidden)."""
         hidden = hidden.to(torch.float32).contiguous()
         rows = hidden.shape[0]
+        if hidden.dim() != 2 or hidden.shape[1] != self.head_weight.cols:
+            raise ValueError(f"the head reads rows of {self.head_weight.cols} floats, not {tuple(hidden.shape)}")
         if self._work.numel() < hidden.numel():
             self._work = torch.empty(hidden.numel(), dtype=torch.float32)
         logits = torch.empty(rows, self.head_weight.rows, dtype=torch.float32)
@@ -488,6 +574,13 @@ class NativeModel:
         hidden = hidden.to(torch.float32).contiguous()
         sizes = [t.numel() for t, _ in trees]
         offsets = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
+        for i, (t, p) in enumerate(trees):
+            if p.numel() != t.numel():
+                raise ValueError(f"tree {i}: {t.numel()} tokens, {p.numel()} parents")
+            check_parents(f"tree {i}", p.to(torch.int64))
+        if hidden.dim() != 2 or hidden.shape != (int(offsets[-1]), self.head_weight.cols):
+            raise ValueError(f"verification reads {int(offsets[-1])} rows of {self.head_weight.cols} floats, "
+                             f"not {tuple(hidden.shape)}")
         tokens = torch.cat([t for t, _ in trees]).to(torch.int64).contiguous()
         parents = torch.cat([p for _, p in trees]).to(torch.int64).contiguous()
         rows = head_rows * len(trees)
@@ -511,6 +604,12 @@ def cache_keep(keys: torch.Tensor, values: torch.Tensor, length: int, keep: list
     kept = torch.tensor(keep, dtype=torch.int64)
     if keys.dtype != values.dtype or keys.dtype not in (torch.float16, torch.float32):
         raise ValueError("a native cache holds float32 or float16 keys and values")
+    if slots % 16 or keys.shape != (layers, n_kv, slots // 16, head_dim, 16):
+        raise ValueError("the cache does not have the native layout")
+    check_count("the cache's committed length", length, 0, slots)
+    check_range("kept pending slot", kept, 0, slots - length)
+    if kept.numel() > 1 and not bool((kept[1:] > kept[:-1]).all()):
+        raise ValueError(f"kept pending slots must increase: {keep}")
     library().vs_cache_keep(keys.data_ptr(), values.data_ptr(), layers, n_kv, head_dim, slots, length,
                             kept.data_ptr(), len(keep), int(keys.dtype == torch.float16))
 
@@ -536,6 +635,15 @@ class NativeDrafter:
         if not fused and norm is None:
             raise ValueError("an EAGLE-2 drafter reads features through the target's final norm")
         self.head_ids = None if head_ids is None else head_ids.to(torch.int64).contiguous()
+        if self.head_ids is not None and self.head_ids.numel() != head.rows:
+            raise ValueError(f"the draft head has {head.rows} rows and {self.head_ids.numel()} target ids")
+        if head.cols != fc.rows:
+            raise ValueError(f"the draft head reads states of {head.cols} floats, the drafter's are {fc.rows}")
+        if embed.cols != fc.rows:
+            raise ValueError(f"the drafter's embedding has rows of {embed.cols} floats, its states {fc.rows}")
+        # Every token a tree drafts is embedded for the next level: its ids index the embedding.
+        check_range("draft head's target id", self.head_ids if self.head_ids is not None
+                    else torch.tensor([head.rows - 1]), 0, embed.rows)
         floats = [None if t is None else t.detach().float().contiguous() for t in (norm, head_norm, out_norm)]
         self.norm = floats[0]
         self.stack, self.keep = stack, (fc, head, embed, floats)
@@ -543,6 +651,7 @@ class NativeDrafter:
                               head_ids=ptr(self.head_ids), norm=ptr(floats[0]), head_norm=ptr(floats[1]),
                               out_norm=ptr(floats[2]), eps=eps, embed_scale=embed_scale or 0.0, fused=int(fused))
         self.input_width = fc.cols if fused else fc.rows     # floats of the target's rows read
+        self.vocab = embed.rows
         self.dim = fc.rows
         self.head_rows = head.rows
         self.state = torch.zeros(self.dim)
@@ -555,7 +664,10 @@ class NativeDrafter:
         `length` committed slots; `state` becomes the last row's output."""
         lib = library()
         n = len(tokens)
+        if n < 1:
+            raise ValueError("the drafter reads at least one token")
         slots = self.stack.check_cache(keys, values)
+        check_count("the drafter's committed length", length, 0)
         if length + n > slots:
             raise ValueError(f"the drafter's cache holds {slots} slots, {length + n} needed")
         hidden = hidden.to(torch.float32).contiguous()
@@ -563,6 +675,8 @@ class NativeDrafter:
             raise ValueError(f"the drafter reads {n} rows of {self.input_width} floats of the target's, "
                              f"not {tuple(hidden.shape)}")
         ids = torch.tensor(tokens, dtype=torch.int64)
+        check_range("token id", ids, 0, self.vocab)
+        check_range("position", torch.tensor([length + n - 1]), 0, self.stack.positions)
         need = lib.vs_drafter_read_scratch(ctypes.byref(self.struct), n)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
@@ -578,6 +692,11 @@ class NativeDrafter:
         lib = library()
         if not 1 <= top_k <= 64:
             raise ValueError(f"the native drafter expands 1 to 64 children a node, not {top_k}")
+        check_count("tree depth", depth, 0)
+        check_count("total_tokens", total_tokens, 1)
+        check_count("the drafter's committed length", length, 0)
+        check_range("root token id", torch.tensor([root]), 0, self.vocab)
+        check_range("position", torch.tensor([length - 1 + depth]), 0, self.stack.positions)
         slots = self.stack.check_cache(keys, values)
         if length + depth * top_k > slots:
             raise ValueError(f"the drafter's cache holds {slots} slots, {length + depth * top_k} needed")
@@ -592,4 +711,7 @@ class NativeDrafter:
                               values.data_ptr(), length, self.state.data_ptr(), root, top_k, depth, total_tokens,
                               tokens.data_ptr(), parents.data_ptr(), ranks.data_ptr(), logits.data_ptr(),
                               self.stack.work.data_ptr(), self.stack.scratch.data_ptr())
+        if n < 1:
+            raise RuntimeError(f"the native drafter built a tree with a node whose parent it did not keep "
+                               f"(top_k {top_k}, depth {depth}, total_tokens {total_tokens})")
         return tokens[:n].clone(), parents[:n].clone(), ranks[1:n].tolist()

@@ -373,7 +373,10 @@ class EagleDrafter(nn.Module):
         arch = config.get("vocabspec", {}).get("arch", "llama")
         if arch != ta.arch:
             raise DrafterMismatch(f"drafter {directory} is for a {arch} target, not {ta.arch}")
-        taps = tuple(config.get("vocabspec", {}).get("taps", []))
+        taps = config.get("vocabspec", {}).get("taps", [])
+        if not isinstance(taps, list):
+            raise DrafterMismatch(f"drafter {directory}: vocabspec.taps={taps!r}, a list of layer indices")
+        taps = tuple(taps)
         try:
             drafter = cls(target, input_norm="layers.0.input_layernorm.weight" in state, taps=taps,
                           n_layers=n_layers)
@@ -424,6 +427,8 @@ def unpack_q8_0(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def checked_taps(taps, target: Transformer) -> tuple[int, ...]:
     """`taps` in order, if a drafter for `target` can fuse them."""
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in taps):
+        raise DrafterMismatch(f"taps {list(taps)}: layer indices are integers")
     taps = tuple(sorted(taps))
     if any(not 0 <= t < target.args.n_layers - 1 for t in taps):
         raise DrafterMismatch(f"taps {list(taps)}: a drafter can fuse layers 0 to "

@@ -112,8 +112,30 @@ def read_config(config: dict, target: Transformer) -> tuple[str, Eagle3Config]:
         layout = "sglang"
     try:
         return layout, Eagle3Config(**_layer_fields(layer), **fields, aux_layers=tuple(int(i) for i in aux))
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DrafterMismatch(f"not an EAGLE-3 config: {exc!r} missing or malformed") from exc
+
+
+def check_t2d(t2d: torch.Tensor, ids: torch.Tensor, vocab: int, directory) -> None:
+    """A checkpoint's t2d (one flag per target id: in the draft vocabulary): the target's length,
+    flags 0 or 1, and where any is set, exactly the ids d2t maps to. All zeros is accepted: vLLM's
+    speculators saves an untrained drafter so, and d2t alone says what the draft ids are."""
+    if t2d.dim() != 1 or t2d.numel() != vocab:
+        raise DrafterMismatch(f"EAGLE-3 drafter {directory}: t2d of shape {tuple(t2d.shape)}, the target "
+                              f"has {vocab} ids")
+    if t2d.dtype != torch.bool:
+        bad = (t2d != 0) & (t2d != 1)
+        if bool(bad.any()):
+            at = int(bad.nonzero()[0, 0])
+            raise DrafterMismatch(f"EAGLE-3 drafter {directory}: t2d[{at}] is {t2d[at].item()}, not 0 or 1")
+    flags = t2d != 0
+    if bool(flags.any()):
+        want = torch.zeros(vocab, dtype=torch.bool)
+        want[ids] = True
+        if not torch.equal(flags, want):
+            at = int((flags != want).nonzero()[0, 0])
+            raise DrafterMismatch(f"EAGLE-3 drafter {directory}: t2d[{at}] is {bool(flags[at])}, but d2t "
+                                  f"{'does not map' if flags[at] else 'maps'} a draft id to target id {at}")
 
 
 def is_eagle3(directory: str | Path) -> bool:
@@ -143,6 +165,13 @@ class Eagle3Drafter(nn.Module):
         if not 1 <= config.draft_vocab_size <= ta.vocab_size:
             raise DrafterMismatch(f"draft vocabulary of {config.draft_vocab_size} tokens; the target has "
                                   f"{ta.vocab_size}")
+        for name in ("dim", "n_heads", "n_kv_heads", "head_dim", "intermediate_size", "n_layers"):
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DrafterMismatch(f"{name}={value!r}: a positive integer is needed")
+        if config.n_heads % config.n_kv_heads:
+            raise DrafterMismatch(f"{config.n_heads} attention heads do not share {config.n_kv_heads} "
+                                  "key-value heads evenly")
         self.config = config
         self.args = ModelArgs(arch=config.layer_type, vocab_size=config.draft_vocab_size, dim=config.dim,
                               n_layers=config.n_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
@@ -308,8 +337,10 @@ class Eagle3Drafter(nn.Module):
             raise ValueError("narrow a drafter before it drafts natively")
         head = self.draft_head(spec, files, token_map)
         narrow = Eagle3Drafter(self.target, replace(self.config, draft_vocab_size=head.size))
-        state = self.state_dict() | {"lm_head.weight": head.weight, "draft_ids": head.draft_to_target}
-        narrow.load_state_dict(state)
+        # The checkpoint's own embedding (an nn.Embedding set at load, not a parameter the
+        # narrow drafter is built with) goes across as the module, not through the state dict.
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("embed.")}
+        narrow.load_state_dict(state | {"lm_head.weight": head.weight, "draft_ids": head.draft_to_target})
         if self.embed is not None:
             narrow.embed = self.embed
         return narrow.to(self.fc.weight).eval().requires_grad_(False)
@@ -472,12 +503,21 @@ class Eagle3Drafter(nn.Module):
         if unknown:
             raise DrafterMismatch(f"EAGLE-3 drafter {directory} ({layout} layout): tensors this reader "
                                   f"does not know: {', '.join(unknown[:8])}")
-        d2t = state["d2t"].long()
+        d2t = state["d2t"]
+        if d2t.dim() != 1 or d2t.is_floating_point() or d2t.is_complex():
+            raise DrafterMismatch(f"EAGLE-3 drafter {directory}: d2t must be one row of integer offsets, "
+                                  f"not {d2t.dtype} of shape {tuple(d2t.shape)}")
+        d2t = d2t.long()
         ids = torch.arange(d2t.numel()) + d2t
         if d2t.numel() != parsed.draft_vocab_size or int(ids.min()) < 0 or \
                 int(ids.max()) >= target.args.vocab_size or torch.unique(ids).numel() != ids.numel():
             raise DrafterMismatch(f"EAGLE-3 drafter {directory}: d2t does not map its {parsed.draft_vocab_size} "
                                   f"draft ids to distinct ids of the target's {target.args.vocab_size}")
+        if "t2d" in state:
+            check_t2d(state["t2d"], ids, target.args.vocab_size, directory)
+        if "embed_tokens.weight" not in state and parsed.dim != target.args.dim:
+            raise DrafterMismatch(f"EAGLE-3 drafter {directory}: hidden_size {parsed.dim} reads the target's "
+                                  f"embedding, whose width is {target.args.dim}, and it has none of its own")
         if "embed_tokens.weight" in state:
             table = state["embed_tokens.weight"]
             if tuple(table.shape) != (target.args.vocab_size, parsed.dim):

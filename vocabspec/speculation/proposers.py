@@ -139,13 +139,17 @@ class DraftConfig:
         if self.draft_weights not in WEIGHTS:
             raise ValueError(f"unknown draft weight format {self.draft_weights!r} (choose from "
                              f"{', '.join(WEIGHTS)})")
-        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 0:
-            raise ValueError(f"depth must be an integer >= 0, got {self.depth!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
+        from .tree import MAX_DEPTH, MAX_TOP_K, MAX_TOTAL_TOKENS
+
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or not 0 <= self.depth <= MAX_DEPTH:
+            raise ValueError(f"depth must be an integer from 0 to {MAX_DEPTH}, got {self.depth!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an integer from 1 to {MAX_TOP_K}, got {self.top_k!r}")
         if self.total_tokens != "auto" and (isinstance(self.total_tokens, bool)
-                                            or not isinstance(self.total_tokens, int) or self.total_tokens < 1):
-            raise ValueError(f"total_tokens must be a positive integer or 'auto', got {self.total_tokens!r}")
+                                            or not isinstance(self.total_tokens, int)
+                                            or not 1 <= self.total_tokens <= MAX_TOTAL_TOKENS):
+            raise ValueError(f"total_tokens must be an integer from 1 to {MAX_TOTAL_TOKENS} or 'auto', "
+                             f"got {self.total_tokens!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"unknown draft dtype {self.dtype!r} (choose from auto, float32, bfloat16)")
         defaults = {f.name: f.default for f in fields(self)}

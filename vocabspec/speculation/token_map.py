@@ -28,6 +28,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ..engine.files import load_torch_file
+
 
 def rank(counts: Counter, vocab: int, fallback: Iterable[int] = ()) -> list[int]:
     """Token ids by descending count (ties: lower id first), then `fallback` order, then the
@@ -65,7 +67,7 @@ def count_target_predictions(feature_dir: Path) -> Counter:
         raise FileNotFoundError(f"no feature shards under {feature_dir}: run "
                                 "`vocabspec train --stages data,features` first")
     for path in shards:
-        shard = torch.load(path)
+        shard = load_torch_file(path)
         for candidates in shard["candidates"]:
             counts.update(candidates[:, 0].tolist())
     return counts

@@ -187,6 +187,22 @@ def graft(tree: Tree, chain_tokens: torch.Tensor, count: torch.Tensor) -> Tree:
                 ranks=torch.cat([ranks, torch.full_like(chain_tokens, -1)]))
 
 
+# The largest trees drafting accepts (the CLI's and DraftConfig's bounds, the trees the fuzz
+# tests cover): deeper or wider trees cost more to draft than any acceptance repays on a CPU,
+# and the native drafter ranks at most 64 children a node (native.c's topk_rows).
+MAX_DEPTH = 8
+MAX_TOP_K = 64
+MAX_TOTAL_TOKENS = 64
+
+
+def tree_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
+    """Drafted children's log-probabilities as a tree's values add them (native.c's
+    tree_log_prob does the same): NaN (a head with NaN weights, as a checkpoint saved before
+    its head was filled) counts as -inf and a rounding above 0 as 0, so that no value is NaN
+    and none exceeds its parent's: the ranking's order and the kept tree's closure rest on it."""
+    return torch.nan_to_num(log_probs, nan=float("-inf")).clamp(max=0.0)
+
+
 class TreeBuilder:
     """Collects drafted nodes level by level, then reranks them into a Tree.
 
@@ -206,7 +222,7 @@ class TreeBuilder:
 
     def add_children(self, parents: list[int], tokens: torch.Tensor, log_probs: torch.Tensor) -> list[int]:
         """Attach children: row r of tokens/log_probs (k each) hangs under parents[r]."""
-        tokens_l, log_probs_l = tokens.tolist(), log_probs.tolist()
+        tokens_l, log_probs_l = tokens.tolist(), tree_log_probs(log_probs).tolist()
         new = []
         for parent, row_tokens, row_lp in zip(parents, tokens_l, log_probs_l):
             base = self.value[parent]

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..engine.files import load_torch_file
 from .answers import read_answers, target_fingerprint, write_answers
 from ..speculation.drafter import EagleDrafter, checked_taps, draft_states, features_of
 from ..engine.model import Transformer
@@ -422,7 +423,7 @@ def _shard_matches(path: Path, sequences: list[list[int]], taps: tuple[int, ...]
     serve a run without them: it reads the last layer's states only)."""
     if not path.exists():
         return False
-    shard = torch.load(path, mmap=True)
+    shard = load_torch_file(path, mmap=True)
     if taps and tuple(shard.get("taps", ())) != taps:
         return False
     tokens = shard["tokens"]
@@ -468,7 +469,7 @@ def load_shards(cfg: TrainConfig, part: str) -> list[tuple]:
     sequences = []
     taps = parse_taps(cfg.taps)
     for path in sorted((Path(cfg.out) / "features").glob(f"{part}-*.pt")):
-        shard = torch.load(path)
+        shard = load_torch_file(path)
         if taps and tuple(shard.get("taps", ())) != taps:
             raise ValueError(f"{path} holds taps {shard.get('taps', [])}, the run asks for "
                              f"{list(taps)}: run the features stage again")

@@ -1,0 +1,156 @@
+"""The boundary into native.c: every index and size a call hands to C is checked once per call
+in native.py, and a wrong one raises ValueError naming it (the call never reaches C, which
+would read or write outside a buffer). Bad drafter checkpoints are refused when they load,
+naming the field."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import tiny_native
+from vocabspec.engine import native
+from vocabspec.speculation.drafter import DrafterMismatch, EagleDrafter, EagleProposer
+from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_native("llama", seed=4, n_layers=6)[1]
+
+
+def native_drafter(target):
+    drafter = EagleDrafter.random(target, seed=1)
+    drafter.use_native("f32")
+    from vocabspec.speculation.draft_vocab import FullVocab
+
+    proposer = EagleProposer(drafter, head=FullVocab(target.native.head_weight), depth=3, top_k=4, total_tokens=8)
+    return proposer.backend.native, drafter.new_cache(64)
+
+
+def test_target_calls_refuse_out_of_range_values(target):
+    nm = target.native
+    with pytest.raises(ValueError, match="token id 200 is outside"):
+        nm.embed(torch.tensor([3, 200]))
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        nm.embed(torch.tensor([-1]))
+    hidden = torch.randn(3, target.args.dim)
+    tokens = torch.tensor([5, 6, 7])
+    with pytest.raises(ValueError, match="row 2's parent 2 is not an earlier row"):
+        nm.verify_greedy(hidden, tokens, torch.tensor([-1, 0, 2]))
+    with pytest.raises(ValueError, match="row 1's parent -1"):
+        nm.verify_greedy(hidden, tokens, torch.tensor([-1, -1, 0]))
+    with pytest.raises(ValueError, match="root"):
+        nm.verify_greedy(hidden, tokens, torch.tensor([0, 0, 1]))
+    with pytest.raises(ValueError, match="3 tokens, 2 parents"):
+        nm.verify_greedy(hidden, tokens, torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match=r"rows of 64 floats, not \(3, 32\)"):
+        nm.verify_greedy(hidden[:, :32], tokens, torch.tensor([-1, 0, 1]))
+    assert nm.verify_greedy(hidden, tokens, torch.tensor([-1, 0, 1]))[0][0] == 0   # the well-formed call runs
+    cache = target.new_cache(512)          # more slots than the RoPE tables' 256 positions
+    x = torch.randn(2, target.args.dim)
+    with pytest.raises(ValueError, match=r"position 300 is outside \[0, 256\)"):
+        target.native.stack.forward(x.clone(), torch.tensor([300, 301]), cache.keys, cache.values, 300, 0)
+    with pytest.raises(ValueError, match="committed length must be an integer >= 0, not -3"):
+        target.native.stack.forward(x.clone(), torch.tensor([0, 1]), cache.keys, cache.values, -3, 0)
+    with pytest.raises(ValueError, match="kept pending slot"):
+        native.cache_keep(cache.keys, cache.values, 10, [0, cache.values.shape[-2]])
+    with pytest.raises(ValueError, match="must increase"):
+        native.cache_keep(cache.keys, cache.values, 10, [3, 1])
+
+
+def test_drafter_calls_refuse_out_of_range_values(target):
+    drafter, cache = native_drafter(target)
+    rows = torch.randn(2, drafter.input_width)
+    with pytest.raises(ValueError, match="token id 999 is outside"):
+        drafter.read(cache.keys, cache.values, 0, [1, 999], rows)
+    with pytest.raises(ValueError, match="committed length must be an integer >= 0, not -1"):
+        drafter.read(cache.keys, cache.values, -1, [1, 2], rows)
+    drafter.read(cache.keys, cache.values, 0, [1, 2], rows)
+    with pytest.raises(ValueError, match="root token id 200 is outside"):
+        drafter.tree(cache.keys, cache.values, 2, 200, 4, 3, 8)
+    with pytest.raises(ValueError, match="tree depth must be an integer >= 0, not -2"):
+        drafter.tree(cache.keys, cache.values, 2, 5, 4, -2, 8)
+    with pytest.raises(ValueError, match="total_tokens must be an integer >= 1, not 0"):
+        drafter.tree(cache.keys, cache.values, 2, 5, 4, 3, 0)
+    with pytest.raises(ValueError, match="1 to 64 children"):
+        drafter.tree(cache.keys, cache.values, 2, 5, 65, 3, 8)
+    tokens, parents, _ = drafter.tree(cache.keys, cache.values, 2, 5, 4, 3, 8)
+    assert tokens.numel() == 9 and int(parents[0]) == -1
+
+
+def test_a_native_drafter_whose_head_ids_leave_the_embedding_is_refused(target):
+    drafter = EagleDrafter.random(target, seed=1)
+    drafter.use_native("f32")
+    fc, stack = drafter.native
+    head = target.native.head_weight
+    bad = torch.arange(head.rows)
+    bad[7] = 5000
+    with pytest.raises(ValueError, match="target id 5000 is outside"):
+        native.NativeDrafter(fc, stack, head, bad, target.native.embed_weight, None,
+                             target.norm.weight, 1e-6)
+
+
+def eagle3_variants(tmp_path, target):
+    a = target.args
+    config = Eagle3Config(dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                          intermediate_size=a.intermediate_size, n_layers=1, norm_eps=1e-6, rope_base=10000.0,
+                          draft_vocab_size=150, aux_layers=(1, 3, 5), target_dim=a.dim)
+    drafter = Eagle3Drafter.random(target, config, seed=1)
+    good = tmp_path / "good"
+    drafter.save(good, layout="speculators")
+    state = load_file(str(good / "model.safetensors"))
+    cfg = json.loads((good / "config.json").read_text())
+    layer = cfg["transformer_layer_config"]
+
+    def variant(name, tensors=None, config=None):
+        directory = tmp_path / name
+        directory.mkdir()
+        save_file(tensors if tensors is not None else state, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text(json.dumps(config if config is not None else cfg))
+        return directory
+
+    t2d_int = state["t2d"].to(torch.int64)
+    t2d_int[3] = 7
+    t2d_moved = state["t2d"].clone()
+    t2d_moved[int(state["t2d"].nonzero()[0, 0])] = False
+    t2d_moved[199] = not bool(t2d_moved[199])
+    d2t_far = state["d2t"].clone()
+    d2t_far[10] = -100
+    return good, {
+        "d2t below 0": (variant("d2t-low", {**state, "d2t": d2t_far}), "d2t does not map"),
+        "d2t 2-D": (variant("d2t-2d", {**state, "d2t": state["d2t"][None]}), "d2t must be one row"),
+        "d2t floats": (variant("d2t-float", {**state, "d2t": state["d2t"].float()}), "d2t must be one row"),
+        "t2d entry": (variant("t2d-int", {**state, "t2d": t2d_int}), r"t2d\[3\] is 7"),
+        "t2d length": (variant("t2d-short", {**state, "t2d": state["t2d"][:100]}), "t2d of shape"),
+        "t2d disagrees": (variant("t2d-moved", {**state, "t2d": t2d_moved}), "t2d"),
+        "hidden size": (variant("hidden", config={**cfg, "target_hidden_size": 96}), "width 96"),
+        "tap past depth": (variant("tap", config={**cfg, "eagle_aux_hidden_state_layer_ids": [1, 3, 7]}),
+                           r"layers \[1, 3, 7\]"),
+        "tap not a number": (variant("tap-text", config={**cfg, "eagle_aux_hidden_state_layer_ids": [1, "x", 5]}),
+                             "malformed"),
+        "heads": (variant("heads", config={**cfg, "transformer_layer_config": {**layer, "num_key_value_heads": 3}}),
+                  "key-value heads"),
+        "layer width": (variant("width", config={**cfg, "transformer_layer_config": {**layer, "hidden_size": 96}}),
+                        "hidden_size 96"),
+    }
+
+
+def test_bad_eagle3_checkpoints_are_refused_naming_the_field(tmp_path, target):
+    good, cases = eagle3_variants(tmp_path, target)
+    Eagle3Drafter.load(good, target)
+    for name, (directory, message) in cases.items():
+        with pytest.raises(DrafterMismatch, match=message):
+            Eagle3Drafter.load(directory, target)
+
+
+def test_eagle2_checkpoint_taps_past_the_depth_are_refused(tmp_path, target):
+    drafter = EagleDrafter.random(target, seed=1)
+    drafter.save(tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    for taps, message in (([1, 9], "taps"), ("1,2", "list of layer indices"), ([1, "a"], "integers")):
+        config.setdefault("vocabspec", {})["taps"] = taps
+        (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+        with pytest.raises(DrafterMismatch, match=message):
+            EagleDrafter.load(tmp_path / "d", target)
