@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The shipped Gemma 3 270M drafter (vocabspec/drafters/gemma3), round by round: ShareGPT
 # conversations in the Question/Answer frame, then the base model's own answers
-# (self-distillation, answers cut at 128 tokens) read from the repository's answer archive
-# (data/answers/gemma3), and the SpecVocab ranker. Every round fine-tunes the one before.
+# (self-distillation, answers cut at 128 tokens) kept in an answer archive
+# (runs/answers-gemma3), and the SpecVocab ranker. Every round fine-tunes the one before.
 # Takes about 12 hours on a 2-core CPU; run from the repository root.
-# Rounds 2-4 generate the target's answers: the archive (data/answers/gemma3) began with
-# rounds 5-6, which read all theirs from it, so those rounds pass --generate-answers.
+# Every round that lacks answers generates them (--generate-answers; greedy, so the same ones;
+# the archive these rounds read is in git history: git show a0623c9:data/answers/gemma3).
 set -euo pipefail
-A="--answers data/answers/gemma3 --distill-new-tokens 128"
+A="--answers runs/answers-gemma3 --generate-answers --distill-new-tokens 128"
 vocabspec train --model gemma3 --conversations 600 --epochs 2 --ship
 vocabspec train --model gemma3 --conversations 600 --self-distill 320 --unroll 2 \
     --init vocabspec/drafters/gemma3 --epochs 1 --lr 5e-4 $A --generate-answers --ship

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The shipped SmolLM2-135M-Instruct drafter (vocabspec/drafters/smollm2), round by round:
-# ShareGPT conversations, then the target's own answers (self-distillation) read from the
-# repository's answer archive (data/answers/smollm2: generated once, reused by every round
-# after), and the SpecVocab ranker after the drafter. Every round fine-tunes the one before.
+# SmolLM2-135M-Instruct's EAGLE-2 drafter (vocabspec/drafters/smollm2), round by round:
+# ShareGPT conversations, then the target's own answers (self-distillation) kept in an answer
+# archive (runs/answers-smollm2: generated once, reused by every round after; the archive these
+# rounds read is in git history: git show a0623c9:data/answers/smollm2), and the SpecVocab ranker
+# after the drafter. Every round fine-tunes the one before.
 # Takes about a day on a 2-core CPU; run from the repository root. Each `--ship` copies the
 # drafter (bfloat16) into the package, so later rounds start from it.
-# Rounds 2-6 generate the target's answers: the archive (data/answers/smollm2) began with
-# rounds 7-12, which read all theirs from it, so those rounds pass --generate-answers (hours).
+# Every round that lacks answers generates them (--generate-answers; greedy, so the same ones).
 set -euo pipefail
-A="--answers data/answers/smollm2"
+A="--answers runs/answers-smollm2 --generate-answers"
 # Round 1: ShareGPT only. Rounds 2-3: plus the target's answers, a 2-step unrolled loss.
 vocabspec train --model smollm2 --conversations 800 --epochs 3 $A --ship
 vocabspec train --model smollm2 --conversations 800 --self-distill 384 --unroll 2 \

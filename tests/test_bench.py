@@ -15,12 +15,14 @@ from conftest import SPEC_BENCH
 def test_method_names_parse_into_draft_configs():
     parse = DraftConfig.from_method
     assert parse("vanilla") == DraftConfig(method="none", vocab="full")
-    assert parse("eagle2+fr:32k") == DraftConfig(method="eagle", vocab="fr:32k")
-    assert parse("eagle2+pld") == DraftConfig(method="eagle+pld", vocab="full")
+    # eagle2 names read the bundled EAGLE-2 drafter (path "eagle2"); eagle the model's default.
+    assert parse("eagle") == DraftConfig(method="eagle", vocab="auto")
+    assert parse("eagle2+fr:32k") == DraftConfig(method="eagle", vocab="fr:32k", path="eagle2")
+    assert parse("eagle2+pld") == DraftConfig(method="eagle+pld", vocab="full", path="eagle2")
     assert parse("eagle2+spec:2048,context=0+pld@1x8") == \
-        DraftConfig(method="eagle+pld", vocab="spec:2048,context=0", depth=1, total_tokens=8)
+        DraftConfig(method="eagle+pld", vocab="spec:2048,context=0", depth=1, total_tokens=8, path="eagle2")
     assert parse("eagle2+fr:32k/float32@1x6") == parse("eagle2+fr:32k@1x6/float32") == \
-        DraftConfig(method="eagle", vocab="fr:32k", dtype="float32", depth=1, total_tokens=6)
+        DraftConfig(method="eagle", vocab="fr:32k", dtype="float32", depth=1, total_tokens=6, path="eagle2")
     assert parse("eagle2@6x60", path="x", top_k=4) == \
         DraftConfig(method="eagle", vocab="full", path="x", top_k=4, depth=6, total_tokens=60)
     assert parse("eagle3+trim:8k@3x8") == DraftConfig(method="eagle3", vocab="trim:8k", depth=3, total_tokens=8)

@@ -370,3 +370,26 @@ def test_export_writes_an_eagle3_drafter_in_either_layout(smollm2_eagle3, tmp_pa
     torch.testing.assert_close(narrow.lm_head.weight, subset.weight.float(), atol=0.02, rtol=0.02)
     torch.testing.assert_close(narrow.fc.weight, original.fc.weight.float(), atol=0.02, rtol=0.02)
     assert "fc.weight_scale" in load_file(str(tmp_path / "narrow" / "model.safetensors"))
+
+
+def test_the_shipped_eagle3_drafter_is_smollm2s_default_and_gives_plain_decodings_tokens():
+    """`eagle`, `eagle+pld` and `eagle3` draft with the shipped EAGLE-3 drafter; the eagle2 names
+    and SpecVocab heads (trained on EAGLE-2's states) with the bundled EAGLE-2 drafter."""
+    from vocabspec.speculation.proposers import (DraftConfig, bundled_drafter_dir, bundled_eagle3_dir,
+                                                 default_eagle_path)
+
+    shipped = bundled_eagle3_dir("smollm2")
+    assert shipped is not None and shipped.parent == bundled_drafter_dir("smollm2")
+    assert default_eagle_path(DraftConfig(method="eagle"), "smollm2") == shipped
+    assert default_eagle_path(DraftConfig(method="eagle3", vocab="trim:4k"), "smollm2") == shipped
+    assert default_eagle_path(DraftConfig(method="eagle", vocab="spec:2048"), "smollm2") == bundled_drafter_dir("smollm2")
+    assert default_eagle_path(DraftConfig(method="eagle"), "gemma3") == bundled_drafter_dir("gemma3")
+    plain = vocabspec.load("smollm2")
+    default = vocabspec.load("smollm2", draft="eagle", depth=4, top_k=8, total_tokens=16)
+    eagle2 = vocabspec.load("smollm2", draft=DraftConfig.from_method("eagle2@4x16"))
+    assert isinstance(default.engine.proposer.drafter, Eagle3Drafter)
+    assert not isinstance(eagle2.engine.proposer.drafter, Eagle3Drafter)
+    for prompt in ["Write a Python function that reverses a string.", "Why do leaves change color?"]:
+        want = plain.generate(prompt, chat=True, max_new_tokens=48)
+        got = default.generate(prompt, chat=True, max_new_tokens=48)
+        assert got.tokens == want.tokens, prompt

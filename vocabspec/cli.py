@@ -278,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "turns before them (ShareGPT's answers too) as the context")
     train.add_argument("--answers", default=defaults.answers, metavar="DIR",
                        help="answer archive: self-distilled answers found there are not generated "
-                            "again, and the ones this run generates are added to it (the "
-                            "repository keeps one per bundled model under data/answers/)")
+                            "again, and the ones this run generates are added to it (e.g. "
+                            "runs/answers-MODEL)")
     train.add_argument("--generate-answers", action="store_true",
                        help="with --answers: generate the answers the archive lacks (hours on a CPU; "
                             "without this flag such a run stops and says how many are missing)")

@@ -102,7 +102,8 @@ class DraftConfig:
     the drafter computes in on torch's kernels (auto: bfloat16 for a float32 target where the
     CPU has fast bfloat16); on the native engine it drafts with float32 activations."""
     method: str = "none"
-    path: str | None = None          # drafter directory; None: the bundled one; "random"
+    path: str | None = None          # drafter directory; None: the model's default (its EAGLE-3
+                                     # where one is shipped); "random"; "eagle2": the bundled EAGLE-2
     vocab: str = "auto"
     token_map: str | None = None     # for fr:N / trim:N (default: the drafter's own)
     ranker: str | None = None        # for spec:K (default: the drafter's own)
@@ -217,6 +218,26 @@ def bundled_drafter_dir(model: str) -> Path | None:
     return path if (path / "config.json").exists() else None
 
 
+def bundled_eagle3_dir(model: str) -> Path | None:
+    """The model's shipped EAGLE-3 drafter (drafters/MODEL/eagle3), where it has one."""
+    path = BUNDLED_DRAFTERS / model / "eagle3"
+    return path if (path / "config.json").exists() else None
+
+
+EAGLE2 = "eagle2"       # DraftConfig.path of the eagle2 benchmark names: the bundled EAGLE-2 drafter
+
+
+def default_eagle_path(config: "DraftConfig", model_name: str) -> Path | None:
+    """The drafter `eagle`, `eagle+pld` and `eagle3` read without --draft-path: the model's
+    shipped EAGLE-3 where it has one (it accepts more), except for heads only EAGLE-2's states
+    take (SpecVocab's ranker); the bundled EAGLE-2 drafter otherwise, and for the eagle2 names."""
+    eagle3 = bundled_eagle3_dir(model_name)
+    eagle2_head = config.vocab.startswith("spec") or config.ranker is not None
+    if config.path is None and eagle3 is not None and (config.method == "eagle3" or not eagle2_head):
+        return eagle3
+    return bundled_drafter_dir(model_name)
+
+
 def default_vocab(files: Path | None) -> str:
     """The draft head a shipped drafter's config names as fastest for its model ("full" if
     none is named)."""
@@ -275,7 +296,9 @@ def make_eagle_proposer(model, config: DraftConfig, model_name: str, tokenizer=N
     from .eagle3 import Eagle3Drafter, is_eagle3
 
     dtype = draft_dtype(model, config.dtype)
-    path = config.path or bundled_drafter_dir(model_name)
+    path = config.path if config.path not in (None, EAGLE2) else default_eagle_path(config, model_name)
+    if config.path == EAGLE2:
+        path = bundled_drafter_dir(model_name)
     if path is None:
         raise ValueError(f"no drafter is bundled for {model_name!r}: pass --draft-path DIR "
                          "(an EAGLE checkpoint directory)")
@@ -357,7 +380,7 @@ def _head_files(config: DraftConfig, model_name: str) -> Path | None:
     """Where token maps and the ranker are found (they belong to the target): the bundled
     drafter directory, else --draft-path's."""
     files = bundled_drafter_dir(model_name)
-    if files is None and config.path not in (None, "random"):
+    if files is None and config.path not in (None, "random", EAGLE2):
         files = Path(config.path)
     return files
 
@@ -440,7 +463,8 @@ def _names(*names: str, vocab: str = "full"):
 
 
 def _eagle_names(with_lookup: bool):
-    """eagle (+pld): the drafter's default head, as --draft names it; eagle2[+HEAD][+pld]."""
+    """eagle (+pld): the model's default drafter and head, as --draft names them;
+    eagle2[+HEAD][+pld]: the bundled EAGLE-2 drafter."""
     def parse(base: str) -> dict | None:
         if base == ("eagle+pld" if with_lookup else "eagle"):
             return {"vocab": "auto"}
@@ -451,8 +475,8 @@ def _eagle_names(with_lookup: bool):
             return None
         rest = rest[:-len("+pld")] if with_lookup else rest
         if rest == "":
-            return {"vocab": "full"}
-        return {"vocab": rest[1:]} if rest.startswith("+") else None
+            return {"vocab": "full", "path": EAGLE2}
+        return {"vocab": rest[1:], "path": EAGLE2} if rest.startswith("+") else None
     return parse
 
 

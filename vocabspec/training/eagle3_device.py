@@ -173,15 +173,23 @@ def run(args) -> dict:
                    log=log)
     report["points"] = points
     report["seconds"] = round(time.perf_counter() - started, 1)
+    earlier = lineage(Path(args.init)) if args.init else []
     for labels, (drafter, _) in drafters.items():
         final = [p for p in points if p["drafter"] == labels][-1]
+        this = {"labels": labels, "tokens": final["tokens"], "lr": args.lr, "device": report["device"],
+                **{k: v for k, v in final.items() if k.startswith("top1")}}
         drafter.save(out / f"drafter-{labels}", layout="speculators", q8_0=True,
-                     extra={"training": {"labels": labels, "tokens": final["tokens"],
-                                         "init": args.init or None, **{k: v for k, v in final.items()
-                                                                       if k.startswith("top1")}}})
+                     extra={"training": {"tokens_total": sum(r["tokens"] for r in earlier + [this]),
+                                         "runs": earlier + [this]}})
     (out / "report.json").write_text(json.dumps(report, indent=2))
     log(f"done in {report['seconds']} s")
     return report
+
+
+def lineage(drafter_dir: Path) -> list[dict]:
+    """The runs that trained a drafter this recipe wrote, oldest first (its config's record)."""
+    config = json.loads((drafter_dir / "config.json").read_text())
+    return config.get("vocabspec", {}).get("training", {}).get("runs", [])
 
 
 RECIPES = {     # train.py's settings for each bundled model's prompts (recipes/eagle3-10x.sh)
@@ -213,7 +221,8 @@ def main(argv=None) -> int:
     go.add_argument("--init", default="", help="a drafter directory to continue from")
     go.add_argument("--labels", default="soft,hard", help="comma-separated: soft, hard")
     go.add_argument("--draft-vocab", default="trim:8k")
-    go.add_argument("--max-new-tokens", type=int, default=256)
+    go.add_argument("--max-new-tokens", type=int, default=None,
+                    help="tokens per answer at most (default: the recipe model's, 256 or 128)")
     go.add_argument("--max-len", type=int, default=1024)
     go.add_argument("--slots", type=int, default=1024, help="sequences answered at once, at most")
     go.add_argument("--tokens-per-batch", type=int, default=32768)
@@ -222,6 +231,8 @@ def main(argv=None) -> int:
     go.add_argument("--snapshot-m", default="2,5,10,20", help="scaling points, millions of tokens")
     go.add_argument("--limit", type=int, default=0, help="at most this many prompts of each kind (checks)")
     args = parser.parse_args(argv)
+    if args.command == "run" and args.max_new_tokens is None:
+        args.max_new_tokens = RECIPES[args.recipe_model].get("distill_new_tokens", 256)
     if args.command == "export":
         counts = export_prompts(args.model, Path(args.out), RECIPES[args.model])
         print(json.dumps(counts))
