@@ -17,6 +17,7 @@ def test_method_names_parse_into_draft_configs():
     assert parse("vanilla") == DraftConfig(method="none", vocab="full")
     # eagle2 names read the bundled EAGLE-2 drafter (path "eagle2"); eagle the model's default.
     assert parse("eagle") == DraftConfig(method="eagle", vocab="auto")
+    assert parse("eagle2", path=None) == DraftConfig(method="eagle", vocab="full", path="eagle2")
     assert parse("eagle2+fr:32k") == DraftConfig(method="eagle", vocab="fr:32k", path="eagle2")
     assert parse("eagle2+pld") == DraftConfig(method="eagle+pld", vocab="full", path="eagle2")
     assert parse("eagle2+spec:2048,context=0+pld@1x8") == \

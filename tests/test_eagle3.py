@@ -388,6 +388,7 @@ def test_the_shipped_eagle3_drafter_is_smollm2s_default_and_gives_plain_decoding
     default = vocabspec.load("smollm2", draft="eagle", depth=4, top_k=8, total_tokens=16)
     eagle2 = vocabspec.load("smollm2", draft=DraftConfig.from_method("eagle2@4x16"))
     assert isinstance(default.engine.proposer.drafter, Eagle3Drafter)
+    assert default.engine.proposer.head.name.startswith("trim:")     # the shipped config's head
     assert not isinstance(eagle2.engine.proposer.drafter, Eagle3Drafter)
     for prompt in ["Write a Python function that reverses a string.", "Why do leaves change color?"]:
         want = plain.generate(prompt, chat=True, max_new_tokens=48)

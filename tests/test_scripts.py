@@ -76,3 +76,17 @@ def test_drafter_scaling_script_tabulates_and_plots_acceptance(tmp_path):
     assert row["tokens"] == 1.5e6 and 0.0 <= row["first_step_acceptance"] <= 1.0
     assert 1.0 <= row["tau_1x1"] <= 2.0 and 1.0 <= row["tau_3x3"] <= 4.0 and row["tau_6x60"] >= 1.0
     assert (tmp_path / "scaling.png").exists() and "| EAGLE-2 | 1.5M |" in (tmp_path / "scaling.md").read_text()
+
+
+def test_device_runs_plot_chains_continued_runs(tmp_path):
+    """The committed reports of the GPU runs behind SmolLM2's EAGLE-3 drafter: a continued
+    run's points count the tokens of the runs before it."""
+    reports = sorted((SCRIPTS.parent / "docs" / "bench" / "eagle3-gpu-smollm2").glob("run*-report.json"))
+    done = subprocess.run([sys.executable, str(SCRIPTS / "plot_device_runs.py"), "--out", str(tmp_path),
+                           *map(str, reports)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "points.json").read_text())
+    hard = [r for r in rows if r["labels"] == "hard"]
+    assert [r["run"] for r in hard] == sorted(r["run"] for r in hard) and hard[-1]["run"] == len(reports)
+    assert all(b["tokens"] > a["tokens"] for a, b in zip(hard, hard[1:]))
+    assert (tmp_path / "points.png").stat().st_size > 0

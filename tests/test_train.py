@@ -269,32 +269,6 @@ def test_a_repeated_prompt_is_archived_once(tmp_path):
     assert path.name.startswith("answers-2-")
 
 
-def _one_file_archives(archive, tmp_path):
-    for path in sorted(archive.glob("*.safetensors")):
-        (tmp_path / path.stem).mkdir()
-        (tmp_path / path.stem / path.name).symlink_to(path)
-        yield tmp_path / path.stem
-
-
-def test_committed_answer_archive_belongs_to_the_bundled_smollm2(tmp_path):
-    """The archive in the repository is read by the next round's training: it must open for
-    the bundled target at the default answer cap, hold each prompt in one file, and every sequence
-    must be its prompt followed by an answer no longer than the cap."""
-    from pathlib import Path
-
-    from vocabspec.training.answers import read_answers, target_fingerprint
-    from vocabspec.engine.loading import resolve_model_path
-
-    archive = Path(__file__).resolve().parents[1] / "data" / "answers" / "smollm2"
-    cap = TrainConfig().distill_new_tokens
-    fingerprint = target_fingerprint(resolve_model_path("smollm2"))
-    answers = read_answers(archive, fingerprint, cap)
-    per_file = [read_answers(one, fingerprint, cap) for one in _one_file_archives(archive, tmp_path)]
-    assert sum(map(len, per_file)) == len(answers) > 0, "a prompt is archived in two files"
-    for prompt, sequence in answers.items():
-        assert tuple(sequence[:len(prompt)]) == prompt and len(sequence) - len(prompt) <= cap
-
-
 def test_runtime_features_are_the_states_one_token_decoding_gives():
     """--feature-dtype runtime extracts with the engine a user decodes with: on the native
     engine a sequence's prefill states (and taps) are the ones each token's own decoding step

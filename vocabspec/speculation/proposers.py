@@ -204,7 +204,9 @@ class DraftConfig:
             named = family.bench(base)
             if named is not None:
                 # Options given for every method of a benchmark apply where they apply.
-                named.update({k: v for k, v in defaults.items() if k in family.options})
+                # (A path of None is no path: it leaves the eagle2 names their EAGLE-2 drafter.)
+                named.update({k: v for k, v in defaults.items()
+                              if k in family.options and not (k == "path" and v is None)})
                 return cls(method=family.name, **named)
         raise ValueError(f"unknown method {name!r} ({'; '.join(f.grammar for f in FAMILIES.values())})")
 
@@ -314,7 +316,8 @@ def make_eagle_proposer(model, config: DraftConfig, model_name: str, tokenizer=N
         if model.native is not None and drafter.native_fits:
             _native_draft_dtype(config)
             drafter.use_native("q8i" if model.weights == "gguf-a8" else "bf16")
-        head = drafter.draft_head("full" if config.vocab == "auto" else config.vocab, files, config.token_map)
+        vocab = default_vocab(Path(path)) if config.vocab == "auto" else config.vocab
+        head = drafter.draft_head(vocab, files, config.token_map)
         return _eagle_tree(model, config, model_name, tokenizer, log, drafter, head, path, dtype)
     drafter = EagleDrafter.random(model, dtype=dtype) if path == "random" else \
         EagleDrafter.load(path, model, dtype=dtype)
