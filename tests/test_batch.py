@@ -7,7 +7,7 @@
 - Continuous batching: requests joining and leaving a running batch, greedy and seeded
   sampling, drafted and plain, get exactly the tokens `generate` gives each alone; a cancelled
   request frees its slot; a full engine refuses with Busy; the speculation budget keeps
-  greedy answers and never touches sampled ones.
+  greedy answers and never touches sampled ones; a request whose drafting fails ends alone.
 """
 
 import threading
@@ -247,3 +247,63 @@ def test_the_draft_budget_follows_the_cost_curve(lms):
                 assert after["rows"] - before["rows"] > after["steps"] - before["steps"]
     finally:
         batch.close()
+
+
+def test_a_request_whose_drafting_fails_ends_alone():
+    """A proposer that raises or drafts a tree that cannot be verified (a token outside the
+    vocabulary, another root, a parent after its child, more rows than the cache holds) ends
+    its own request with DraftingFailed naming the fault; the requests beside it in the same
+    steps get plain decoding's tokens. Tiny native target, EAGLE-2 drafters."""
+    from dataclasses import replace as swap
+
+    from conftest import tiny_native
+    from vocabspec.speculation.draft_vocab import FullVocab
+    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
+    from vocabspec.speculation.generate import DraftingFailed
+
+    _, model = tiny_native("llama", seed=3)
+    drafter = EagleDrafter.random(model, seed=2)
+    drafter.use_native("f32")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 30, 4)]
+    config = GenerationConfig(max_new_tokens=20)
+    plain = [Engine(model).generate(p, config).tokens for p in prompts]
+
+    def boom(tree):
+        raise RuntimeError("the drafter broke")
+
+    faults = {"raises": (boom, "the drafter broke"),
+              "token": (lambda t: swap(t, tokens=torch.cat([t.tokens[:-1], torch.tensor([999])])),
+                        "drafted token id 999"),
+              "root": (lambda t: swap(t, tokens=torch.cat([(t.tokens[:1] + 1) % 200, t.tokens[1:]])), "root"),
+              "parent": (lambda t: swap(t, parents=torch.cat([t.parents[:-1], torch.tensor([t.parents.numel()])])),
+                         "is not an earlier row"),
+              "rows": (lambda t: chain(int(t.tokens[0]), [1] * 300), "room")}
+    for name, (fault, message) in faults.items():
+        bad = prompts[1]
+
+        def make():
+            proposer = EagleProposer(drafter, FullVocab(model.native.head_weight), depth=3, top_k=4, total_tokens=8)
+            propose, reset = proposer.propose, proposer.reset
+            state = {"bad": False, "trees": 0}
+
+            def reset_watching(prompt_ids, hidden, first_token):
+                state.update(bad=prompt_ids == bad, trees=0)
+                reset(prompt_ids, hidden, first_token)
+
+            def propose_or_break(root):
+                tree = propose(root)
+                state["trees"] += state["bad"]
+                return fault(tree) if state["trees"] == 3 else tree
+
+            proposer.reset, proposer.propose = reset_watching, propose_or_break
+            return proposer
+
+        batch = BatchEngine(Engine(model), make, BatchLimits(max_batch=3, window=256, tree_rows=27), thread=False)
+        requests = [batch.submit(p, config) for p in prompts]
+        batch.run(until=lambda: all(r.done.is_set() for r in requests))
+        batch.close()
+        with pytest.raises(DraftingFailed, match=message):
+            requests[1].wait(0)
+        assert len(requests[1].result.tokens) < 20, name          # it ended early, in its third step
+        assert [requests[0].wait(0).tokens, requests[2].wait(0).tokens] == [plain[0], plain[2]], name

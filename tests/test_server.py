@@ -1,7 +1,8 @@
 """The OpenAI-compatible server, for real on loopback: streaming, bad input (a 4xx each, and the
 server keeps serving), a disconnecting client cancels its generation, and a load test (8
 concurrent clients, 200 requests) with no failure, bounded memory and greedy results identical
-to single-client runs; a stopped server lets its model be freed."""
+to single-client runs; a stopped server lets its model be freed; a request whose drafter breaks
+mid-answer gets a 500 while the requests beside it and after it are served."""
 
 import json
 import time
@@ -244,3 +245,75 @@ def test_a_stopped_server_lets_its_model_go():
     model = serve_once()
     gc.collect()
     assert model() is None, "a stopped server's model is still referenced"
+
+
+def test_a_request_whose_drafting_fails_ends_alone(monkeypatch):
+    """One request's drafter raising mid-answer ends that request with a 500 naming the failure;
+    the requests decoding beside it get the tokens they get alone, and later requests (in every
+    slot, the broken request's among them) are served."""
+    lm = vocabspec.load("smollm2", draft="eagle", depth=3, total_tokens=8, max_seq_len=1024)
+    # tree_rows: every request drafts at every step (the cost rule may decode a full batch plainly).
+    app = create_app(lm, "smollm2", ServerLimits(max_batch=4, window=512, max_queue=8, max_tokens_cap=64,
+                                                 tree_rows=4 * 9))
+    server = app.state.server
+    bad_prompt, good_prompts = "Name a colour.", ["Say hi.", "Name a fruit.", "What is 2 + 2?"]
+    bad_ids = lm.tokenizer.encode_chat([{"role": "user", "content": bad_prompt}])
+    running_when_broken = []        # requests decoding when the drafter raised
+
+    def breaking(proposer):
+        """The slot's proposer, raising at the third tree it drafts for the bad prompt; its
+        state: whether its request is the bad one, trees drafted, requests started."""
+        state = {"bad": False, "trees": 0, "requests": 0}
+        reset, propose = proposer.reset, proposer.propose
+
+        def reset_watching(prompt_ids, hidden, first_token):
+            state.update(bad=list(prompt_ids) == bad_ids, trees=0, requests=state["requests"] + 1)
+            reset(prompt_ids, hidden, first_token)
+
+        def propose_or_break(root_token):
+            if state["bad"]:
+                state["trees"] += 1
+                if state["trees"] == 3:
+                    running_when_broken.append(sum(s.generation is not None for s in server.batch.slots))
+                    raise RuntimeError("the drafter broke")
+            return propose(root_token)
+
+        monkeypatch.setattr(proposer, "reset", reset_watching)
+        monkeypatch.setattr(proposer, "propose", propose_or_break)
+        return state
+
+    states = [breaking(slot.proposer) for slot in server.batch.slots]
+    http = HTTPThread(app)
+    try:
+        base = http.wait_ready()
+        with ThreadPoolExecutor(4) as pool:
+            good = [pool.submit(chat, base, p, max_tokens=24) for p in good_prompts]
+            time.sleep(0.5)             # the good requests decode first; the bad one joins them
+            bad = chat(base, bad_prompt, max_tokens=24)
+            good = [future.result() for future in good]
+        assert bad.status_code == 500, bad.text
+        message = bad.json()["error"]["message"]
+        assert bad.json()["error"]["type"] == "server_error"
+        assert "drafting failed" in message and "the drafter broke" in message, message
+        assert running_when_broken and running_when_broken[0] > 1, running_when_broken
+        for prompt, response in zip(good_prompts, good):
+            assert response.status_code == 200, response.text
+            alone = lm.generate(prompt, chat=True, max_new_tokens=24)
+            data = response.json()
+            assert (data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"]) == \
+                (alone.text, alone.new_tokens), prompt
+        # Later requests fill every slot, the broken request's too: each is served.
+        broken = next(i for i, state in enumerate(states) if state["bad"])
+        started = states[broken]["requests"]
+        later = good_prompts + ["Write one word."]
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: chat(base, p, max_tokens=16), later))
+        assert states[broken]["requests"] > started, "no later request ran in the broken request's slot"
+        for prompt, response in zip(later, answers):
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["message"]["content"] == \
+                lm.generate(prompt, chat=True, max_new_tokens=16).text
+        assert server.counts["failed"] == 1 and httpx.get(base + "/health").status_code == 200
+    finally:
+        http.stop(10)
+        server.batch.close()

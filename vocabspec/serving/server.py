@@ -6,7 +6,8 @@ cache of `window` tokens, joining and leaving between steps; each answer is exac
 gets served alone. More requests wait in a bounded queue (503 when it is full). A streaming
 client that disconnects cancels its generation at the next step, freeing its slot. Requests are bounded in size, in max_tokens and in
 generation time. Every bad request gets a 400 with an OpenAI-style error body, and the server
-goes on serving.
+goes on serving. A request whose drafter fails (raises, or drafts a tree that cannot be
+verified) ends with a 500 naming the failure; the requests decoding beside it go on.
 
 Every OpenAI field is either honoured or refused with a 400 naming it, never ignored:
 logprobs / top_logprobs come from the target's own distribution of each emitted token (the
@@ -38,6 +39,7 @@ class ServerLimits:
     max_queue: int = 64                 # requests waiting or running
     max_batch: int = 8                  # requests decoding at once
     window: int = 4096                  # KV cache tokens per decoding request (prompt + answer)
+    tree_rows: int | None = None        # rows a step verifies over all requests (None: the cost rule, batch.py)
 
 
 class BadRequest(Exception):
@@ -162,7 +164,7 @@ class Server:
         self.limits = limits or ServerLimits()
         window = min(self.limits.window, lm.engine.model.args.max_seq_len)
         self.batch = lm.batch(BatchLimits(max_batch=self.limits.max_batch, max_waiting=self.limits.max_queue,
-                                          window=window), thread=batch_thread)
+                                          window=window, tree_rows=self.limits.tree_rows), thread=batch_thread)
         # A thread per admitted request waits for its answer (they only wait: the batch decodes).
         self.worker = ThreadPoolExecutor(max_workers=self.limits.max_queue, thread_name_prefix="vocabspec-req")
         self.waiting = 0
@@ -332,7 +334,7 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
     # the model alive there after the app is gone.
 
     def error(exc: BadRequest) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status < 500 else "server_busy"
+        kind = "invalid_request_error" if exc.status < 500 else "server_busy" if exc.status == 503 else "server_error"
         return JSONResponse({"error": {"message": exc.message, "type": kind, "param": exc.param,
                                        "code": None}}, status_code=exc.status)
 

@@ -23,7 +23,9 @@ batch on the main thread, and `generate` steps it on the calling thread.
 The engine has `max_batch` slots, each a KV cache of `window` tokens and a proposer built once;
 a request takes a free slot (prefilled when it joins), or waits in a queue of at most
 `max_waiting`; past that, `submit` refuses (`Busy`). A cancelled request leaves at the next
-step.
+step. A request whose proposer fails (raises, or drafts a tree that cannot be
+verified) ends with that error (generate.DraftingFailed) before the step's forward; the others
+step on.
 
 The draft budget follows the batch and the cost curve. A step of B requests over R rows yields
 B tokens plus the drafts accepted, in the time of a forward of R rows, c(R), measured on this
@@ -438,7 +440,7 @@ class BatchEngine:
                 self._deliver(slot, delta)
             except BaseException as exc:
                 self._end(slot, exc)
-        trees = [tree for tree, _ in outcomes]
+        trees = [tree for tree, _ in outcomes if tree is not None]     # None: its drafting failed
         self.steps += 1
         self.rows += sum(tree.tokens.numel() for tree in trees)
         self.drafted += sum(1 for tree in trees if tree.size)

@@ -81,6 +81,11 @@ class Proposer:
         return 0
 
 
+class DraftingFailed(RuntimeError):
+    """A request's proposer raised, or drafted a tree that cannot be verified: that request
+    ends with it, and the requests beside it step on."""
+
+
 class StaticDrafting:
     """A proposer's drafting as static steps run it (static_step.py), returned by
     `Proposer.static_form`: device work of fixed shapes, with no read-back inside a step."""
@@ -235,8 +240,29 @@ def step_together(model, generations: list["Generation"], drafts: list[bool]) ->
     forward runs every tree (`forward_batch`, with the union of their drafters' taps), the greedy
     ones on the native engine are verified in one call, and each then verifies the rest,
     commits and emits. Returns (tree, the text it shows or the exception that ended it) per
-    generation."""
-    trees = [generation.propose(draft) for generation, draft in zip(generations, drafts)]
+    generation; one whose proposal failed gets (None, its error) and joins no forward.
+
+    A proposer that fails (raises, or drafts a malformed tree) ends its own request before the
+    shared forward, and the others step on: a broken drafter must not end every request beside
+    it. An interrupt is not such a failure: it ends the whole step."""
+    outcomes: list[tuple | None] = [None] * len(generations)
+    live, trees = [], []
+    for index, (generation, draft) in enumerate(zip(generations, drafts)):
+        try:
+            trees.append(generation.propose(draft))
+            live.append(index)
+        except Exception as exc:
+            outcomes[index] = (None, exc)
+    if live:
+        stepped = _step_trees(model, [generations[i] for i in live], trees)
+        for index, outcome in zip(live, stepped):
+            outcomes[index] = outcome
+    return outcomes
+
+
+def _step_trees(model, generations: list["Generation"], trees: list[Tree]) -> list[tuple]:
+    """`step_together` past the proposals: each generation's tree through one forward, then
+    verified, committed and emitted."""
     t1 = time.perf_counter()
     taps = tuple(sorted({t for generation in generations for t in generation.taps}))
     out = model.forward_batch([(tree.tokens, tree.positions(g.cache.length), g.cache,
@@ -400,8 +426,37 @@ class Generation:
         `draft=False`, or no room for a tree)."""
         self._t0 = time.perf_counter()
         if draft and self.can_draft:
-            return self.proposer.propose(self.token)
+            try:
+                tree = self.proposer.propose(self.token)
+                self._check_tree(tree)
+            except Exception as exc:
+                raise DraftingFailed(f"drafting failed ({type(self.proposer).__name__}): {exc}") from exc
+            return tree
         return chain(self.token, [], device=self.engine.model.device)
+
+    def _check_tree(self, tree: Tree) -> None:
+        """ValueError unless a proposed tree on the host can be verified: rooted at the token
+        the step continues from, its drafts in the vocabulary, each parent an earlier row,
+        within the cache's room. Checked here, the tree belonging to this request,
+        it fails only this request; inside the shared forward it would fail every one. (A
+        device's tree is left unread: checking it would wait for the device.)"""
+        if tree.tokens.device.type != "cpu":
+            return
+        from ..engine.native import check_parents, check_range
+
+        rows, room = tree.tokens.numel(), self.cache.max_len - self.cache.used
+        if not 1 <= rows <= room or tree.parents.numel() != rows:
+            raise ValueError(f"a tree of {rows} rows and {tree.parents.numel()} parents; the cache "
+                             f"has room for {room} rows, and each needs a parent")
+        # On lists (a fifth of the tensor checks' cost, about 10 us a step); the tensor checks
+        # name what is wrong.
+        tokens, parents, vocab = tree.tokens.tolist(), tree.parents.tolist(), self.engine.model.args.vocab_size
+        if tokens[0] != self.token:
+            raise ValueError(f"the tree's root is {tokens[0]}, not the step's token {self.token}")
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            check_range("drafted token id", tree.tokens, 0, vocab)
+        if parents[0] != -1 or not all(0 <= parent < row for row, parent in enumerate(parents[1:], 1)):
+            check_parents("the drafted tree", tree.parents)
 
     def finish(self, tree: Tree, hidden: torch.Tensor, tapped: list[torch.Tensor], t1: float,
                verdict: Verdict | None = None, forwarded: float | None = None) -> str:
