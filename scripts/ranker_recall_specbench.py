@@ -76,7 +76,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128, help="answer tokens per question")
     parser.add_argument("--k", default="512,1024,2048,4096", help="candidate counts to score")
     parser.add_argument("--ranker", help="ranker file (default: the bundled one)")
-    parser.add_argument("--draft-path", help="drafter directory (default: the bundled one)")
+    parser.add_argument("--draft-path", help="drafter directory (default: the bundled EAGLE-2 drafter, "
+                                             "whose states the bundled ranker was trained on)")
     parser.add_argument("--context", type=int, default=None,
                         help="the text's tokens among the candidates (spec:K,context=C; default K/2)")
     parser.add_argument("--successors", type=int, default=None,
@@ -88,7 +89,7 @@ def main():
     ks = [int(k) for k in args.k.split(",")]
     # torch's kernels: the ranker is read as training reads it (train.draft_states).
     # (It measures recall, not speculative output: torch's inexact verification is allowed.)
-    lm = vocabspec.load(args.model, draft="eagle", path=args.draft_path, vocab="full", total_tokens=8,
+    lm = vocabspec.load(args.model, draft="eagle", path=args.draft_path or "eagle2", vocab="full", total_tokens=8,
                         backend="torch", allow_inexact=True)
     target, drafter = lm.engine.model, lm.engine.proposer.drafter
     full_head = lm.engine.proposer.head.weight      # in the drafter's dtype, as it drafts
