@@ -5,7 +5,7 @@ with `--total-tokens auto`: the output is plain decoding's and the process does 
 Its NaN head once made the native tree keep a node without its parent (NaN values broke the
 ranking's order), and greedy verification then wrote before its buffer (`free(): invalid
 pointer`, exit 134). The runs are subprocesses, so that such an abort fails the test instead
-of ending the test session.
+of ending the pytest run.
 """
 
 import json

@@ -142,14 +142,7 @@ def forward_rows(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
                 cache.keys[i][first_slot:first_slot + b, :, :n] = k
                 cache.values[i][first_slot:first_slot + b, :, :n] = v
             out = _attend_new(q, k, v, attn.scale, window)
-        h = attn.wo(out.transpose(1, 2).reshape(b, n, attn.q_size))
-        if block.post_attn_norm is not None:
-            h = block.post_attn_norm(h)
-        x = x + h
-        h = block.mlp(block.mlp_norm(x))
-        if block.post_mlp_norm is not None:
-            h = block.post_mlp_norm(h)
-        x = x + h
+        x = block.after_attention(x, attn.wo(out.transpose(1, 2).reshape(b, n, attn.q_size)))
         if i in taps:
             tapped.append(x)
     if taps:

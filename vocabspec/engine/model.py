@@ -265,7 +265,11 @@ class Block(nn.Module):
             self.post_attn_norm = self.post_mlp_norm = None
 
     def forward(self, x, cos, sin, cache, mask, key_start):
-        h = self.attn(self.attn_norm(x), cos, sin, cache, mask, key_start)
+        return self.after_attention(x, self.attn(self.attn_norm(x), cos, sin, cache, mask, key_start))
+
+    def after_attention(self, x, h):
+        """The rest of the layer once attention's output `h` is known: its residual and the MLP's
+        (batched.forward_rows computes attention its own way and shares this)."""
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
