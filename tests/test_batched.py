@@ -108,6 +108,13 @@ def test_a_batch_loss_is_the_sequences_own_loss():
     assert {k: float(v) for k, v in info.items()} == pytest.approx(ref_info)
     twice, _ = batch_loss(drafter, target_features(target, [long_seq, long_seq], taps), 3, 0.8, "soft")
     torch.testing.assert_close(twice, loss, rtol=1e-5, atol=1e-5)
+    # Every token in the draft vocabulary, so every row counts: 20 rows of the long sequence and
+    # 11 of the short one at each step, and the padded batch's loss is their row-weighted mean.
+    whole = tiny_eagle3(target, vocab=97)
+    alone = [float(batch_loss(whole, target_features(target, [seq], taps), 3, 0.8, "soft")[0])
+             for seq in (long_seq, short_seq)]
+    padded, _ = batch_loss(whole, target_features(target, [long_seq, short_seq], taps), 3, 0.8, "soft")
+    assert float(padded) == pytest.approx((20 * alone[0] + 11 * alone[1]) / 31, rel=1e-5)
     # With hard labels the same rows count; the loss is the cross-entropy to the target's choice.
     hard, _ = batch_loss(drafter, one, 3, 0.8, "hard")
     assert torch.isfinite(hard) and float(hard) != pytest.approx(float(loss))

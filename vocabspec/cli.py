@@ -165,6 +165,13 @@ def draft_config(args):
                                   dtype=args.draft_dtype, draft_weights=args.draft_weights)
 
 
+def _labels(text: str) -> str:
+    from .training.eagle3_train import LABELS
+    if text not in LABELS:
+        raise argparse.ArgumentTypeError(f"labels are {' or '.join(LABELS)}, not {text!r}")
+    return text
+
+
 TRAIN_OPTIONS = (
     ("conversations", _positive_int, "training conversations (after the held-out ones)"),
     ("heldout", _positive_int, "held-out conversations for evaluation"),
@@ -189,6 +196,8 @@ TRAIN_OPTIONS = (
     ("layers", _positive_int, "drafter layers (EAGLE: 1; added layers start as the identity)"),
     ("ttt_steps", _positive_int, "--drafter eagle3: draft steps trained per position (training-time test)"),
     ("ttt_decay", _float, "--drafter eagle3: step k's loss weighs this to the k (normalized; EAGLE-3's code uses 0.8)"),
+    ("labels", _labels, "--drafter eagle3: soft (the target's distribution over the draft vocabulary) or hard "
+                        "(the target's choice)"),
     ("draft_vocab", _token_list, "--drafter eagle3: its draft vocabulary, fr:N or trim:N (a bundled token map's first N)"),
     ("medusa_heads", _positive_int, "Medusa heads (--drafter medusa)"),
     ("medusa_positions", _positive_int, "positions sampled per sequence and step (Medusa)"),

@@ -28,10 +28,7 @@ import torch.nn.functional as F
 from ..engine.batched import forward_rows, pad_rows
 from ..engine.model import Transformer
 from ..speculation.eagle3 import Eagle3Drafter
-from .eagle3_train import StepAttention, StepKeys
-
-LABELS = ("soft", "hard")
-
+from .eagle3_train import LABELS, agreement, batch_loss
 
 def length_batches(sequences: list[list[int]], tokens: int, seed: int) -> list[list[int]]:
     """Indices of `sequences` in batches of similar length, each at most `tokens` padded
@@ -62,80 +59,6 @@ def target_features(target: Transformer, sequences: list[list[int]], taps: tuple
     chosen = torch.cat([target.lm_head(rows).argmax(-1) for rows in flat.split(head_rows)])
     return {"tokens": tokens, "lengths": lengths, "hidden": hidden, "tapped": tapped,
             "chosen": chosen.view(tokens.shape)}
-
-
-def batch_loss(drafter: Eagle3Drafter, features: dict, steps: int, decay: float = 0.8,
-               labels: str = "soft"):
-    """Training-time test over a batch: (loss, per-step accuracy as 0-dim tensors), as eagle3_train.sequence_loss
-    computes it for one sequence. Row i of step k reads token i + 1 + k and predicts token
-    i + 2 + k, where that is inside its sequence and the target's choice is in the draft
-    vocabulary; step k weighs decay**k (normalized)."""
-    if labels not in LABELS:
-        raise ValueError(f"labels are {' or '.join(LABELS)}, not {labels!r}")
-    target = drafter.target
-    tokens, lengths = features["tokens"], features["lengths"]
-    b, width = tokens.shape
-    n = width - 1 - steps
-    if n < 1:
-        return None, {}
-    device = tokens.device
-    ids = drafter.draft_ids
-    rows_in = torch.arange(n, device=device)[None, :] < (lengths[:, None] - 1 - steps)       # (B, n)
-    inputs = torch.cat([features["tapped"], features["hidden"]], dim=-1)[:, :n].flatten(0, 1)
-    x = drafter.input_rows(inputs)
-    with torch.no_grad(), torch.autocast(device.type, enabled=False):     # the teacher in float32
-        teacher = F.linear(target.norm(features["hidden"].float()), target.head_weight[ids].float())
-        in_draft = torch.zeros(target.args.vocab_size, dtype=torch.bool, device=device)
-        in_draft[ids] = True
-    cache = StepKeys()
-    weights = [decay ** k for k in range(steps)]
-    loss, info = 0.0, {}
-    for k in range(steps):
-        positions = (torch.arange(n, device=device) + k).repeat(b)
-        states = drafter(tokens[:, 1 + k:1 + k + n].flatten(), x, positions, cache,
-                         tree_mask=StepAttention(k, sequences=b))
-        logits = drafter.lm_head(drafter.head_input(states)).float()
-        target_logits = teacher[:, 1 + k:1 + k + n].flatten(0, 1)
-        wanted = target_logits.argmax(-1)
-        keep = (in_draft[features["chosen"][:, 1 + k:1 + k + n]] & rows_in).flatten()
-        if labels == "soft":
-            per_row = -(F.softmax(target_logits, -1) * F.log_softmax(logits, -1)).sum(-1)
-        else:
-            per_row = F.cross_entropy(logits, wanted, reduction="none")
-        loss = loss + (per_row * keep).sum() / keep.sum().clamp_min(1) * (weights[k] / sum(weights))
-        with torch.no_grad():     # left on the device: reading it back would wait for the step
-            hit = (logits.argmax(-1) == wanted) & keep
-            info[f"acc{k + 1}"] = hit.sum() / keep.sum().clamp_min(1)
-        x = states
-    return loss, info
-
-
-@torch.no_grad()
-def agreement(drafter: Eagle3Drafter, batches: list[dict], steps: int) -> dict:
-    """Top-1 agreement with the target's next token over its whole vocabulary, at each
-    training-time-test step, over held-out feature batches (the first draft step's is the
-    acceptance a 1/1 tree would see on these sequences)."""
-    hits, counts = [0] * steps, [0] * steps
-    for features in batches:
-        tokens, lengths = features["tokens"], features["lengths"]
-        b, width = tokens.shape
-        n = width - 1 - steps
-        if n < 1:
-            continue
-        device = tokens.device
-        rows_in = (torch.arange(n, device=device)[None, :] < (lengths[:, None] - 1 - steps)).flatten()
-        x = drafter.input_rows(torch.cat([features["tapped"], features["hidden"]], dim=-1)[:, :n].flatten(0, 1))
-        cache = StepKeys()
-        for k in range(steps):
-            positions = (torch.arange(n, device=device) + k).repeat(b)
-            states = drafter(tokens[:, 1 + k:1 + k + n].flatten(), x, positions, cache,
-                             tree_mask=StepAttention(k, sequences=b))
-            guess = drafter.draft_ids[drafter.lm_head(drafter.head_input(states)).argmax(-1)]
-            right = guess == features["chosen"][:, 1 + k:1 + k + n].flatten()
-            hits[k] += int((right & rows_in).sum())
-            counts[k] += int(rows_in.sum())
-            x = states
-    return {f"top1_step{k + 1}": round(hits[k] / max(counts[k], 1), 4) for k in range(steps)}
 
 
 def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:

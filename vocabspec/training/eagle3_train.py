@@ -33,6 +33,8 @@ from tqdm import tqdm
 from ..speculation.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layers
 from ..engine.model import CustomAttention, Transformer
 
+LABELS = ("soft", "hard")
+
 
 def draft_vocabulary(spec: str, target: Transformer, files: Path | None) -> torch.Tensor:
     """The draft vocabulary's target ids, from a bundled token map (fr:N or trim:N)."""
@@ -148,67 +150,99 @@ def on_device(row, device: torch.device) -> tuple:
     return tuple(t.to(device, non_blocking=True) if t is not None else None for t in row)
 
 
-def sequence_loss(drafter: Eagle3Drafter, tokens, hidden, candidates, tapped, steps: int,
-                  decay: float = 1.0):
-    """Training-time test over one sequence: (loss, per-step accuracy). Row i of step k reads
-    token i + 1 + k and predicts token i + 2 + k; its label is the target's distribution there,
-    over the draft vocabulary, where the target's own choice (candidates[:, 0]) is in it. Step
-    k's loss weighs decay**k, the weights normalized to sum to 1 (EAGLE-3's own training uses
-    0.8**k: the first draft step, which every tree has, counts most)."""
+def batch_loss(drafter: Eagle3Drafter, features: dict, steps: int, decay: float = 0.8,
+               labels: str = "soft"):
+    """Training-time test over a batch: (loss, per-step accuracy as 0-dim tensors), as one
+    sequence's rows would each give it alone. Row i of step k reads token i + 1 + k and predicts token
+    i + 2 + k, where that is inside its sequence and the target's choice is in the draft
+    vocabulary; step k weighs decay**k (normalized)."""
+    if labels not in LABELS:
+        raise ValueError(f"labels are {' or '.join(LABELS)}, not {labels!r}")
     target = drafter.target
-    tokens = tokens.long()
-    device = tokens.device
-    n = tokens.shape[0] - 1 - steps
+    tokens, lengths = features["tokens"], features["lengths"]
+    b, width = tokens.shape
+    n = width - 1 - steps
     if n < 1:
         return None, {}
-    features = drafter.input_rows(torch.cat([tapped.float(), hidden.float()], dim=-1))[:n]
+    device = tokens.device
     ids = drafter.draft_ids
+    rows_in = torch.arange(n, device=device)[None, :] < (lengths[:, None] - 1 - steps)       # (B, n)
+    inputs = torch.cat([features["tapped"], features["hidden"]], dim=-1)[:, :n].flatten(0, 1)
+    x = drafter.input_rows(inputs)
     with torch.no_grad(), torch.autocast(device.type, enabled=False):     # the teacher in float32
-        target_logits = F.linear(target.norm(hidden.float()), target.head_weight[ids].float())   # (L, V_draft)
+        teacher = F.linear(target.norm(features["hidden"].float()), target.head_weight[ids].float())
         in_draft = torch.zeros(target.args.vocab_size, dtype=torch.bool, device=device)
         in_draft[ids] = True
-        chosen = candidates[:, 0].long()
     cache = StepKeys()
-    loss, info = 0.0, {}
     weights = [decay ** k for k in range(steps)]
+    loss, info = 0.0, {}
     for k in range(steps):
-        positions = torch.arange(n, device=device) + k
-        states = drafter(tokens[1 + k:1 + k + n], features, positions, cache,
-                         tree_mask=StepAttention(k))
+        positions = (torch.arange(n, device=device) + k).repeat(b)
+        states = drafter(tokens[:, 1 + k:1 + k + n].flatten(), x, positions, cache,
+                         tree_mask=StepAttention(k, sequences=b))
         logits = drafter.lm_head(drafter.head_input(states)).float()
-        labels = target_logits[1 + k:1 + k + n]
-        wanted = labels.argmax(-1)
-        keep = in_draft[chosen[1 + k:1 + k + n]]
-        per_row = -(F.softmax(labels, -1) * F.log_softmax(logits, -1)).sum(-1)
+        target_logits = teacher[:, 1 + k:1 + k + n].flatten(0, 1)
+        wanted = target_logits.argmax(-1)
+        keep = (in_draft[features["chosen"][:, 1 + k:1 + k + n]] & rows_in).flatten()
+        if labels == "soft":
+            per_row = -(F.softmax(target_logits, -1) * F.log_softmax(logits, -1)).sum(-1)
+        else:
+            per_row = F.cross_entropy(logits, wanted, reduction="none")
         loss = loss + (per_row * keep).sum() / keep.sum().clamp_min(1) * (weights[k] / sum(weights))
-        with torch.no_grad():
+        with torch.no_grad():     # left on the device: reading it back would wait for the step
             hit = (logits.argmax(-1) == wanted) & keep
-            info[f"acc{k + 1}"] = float(hit.sum() / keep.sum().clamp_min(1))
-        features = states
+            info[f"acc{k + 1}"] = hit.sum() / keep.sum().clamp_min(1)
+        x = states
     return loss, info
 
 
 @torch.no_grad()
-def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> dict:
-    """Top-1 agreement with the target's next token (full vocabulary) at each step, held out."""
-    target, hits, counts = drafter.target, [0] * steps, [0] * steps
-    device = drafter.draft_ids.device
-    for row in heldout[:limit]:
-        tokens, hidden, candidates, tapped = on_device(row, device)
-        tokens = tokens.long()
-        n = tokens.shape[0] - 1 - steps
+def agreement(drafter: Eagle3Drafter, batches: list[dict], steps: int) -> dict:
+    """Top-1 agreement with the target's next token over its whole vocabulary, at each
+    training-time-test step, over held-out feature batches (the first draft step's is the
+    acceptance a 1/1 tree would see on these sequences)."""
+    hits, counts = [0] * steps, [0] * steps
+    for features in batches:
+        tokens, lengths = features["tokens"], features["lengths"]
+        b, width = tokens.shape
+        n = width - 1 - steps
         if n < 1:
             continue
-        features = drafter.input_rows(torch.cat([tapped.float(), hidden.float()], dim=-1))[:n]
+        device = tokens.device
+        rows_in = (torch.arange(n, device=device)[None, :] < (lengths[:, None] - 1 - steps)).flatten()
+        x = drafter.input_rows(torch.cat([features["tapped"], features["hidden"]], dim=-1)[:, :n].flatten(0, 1))
         cache = StepKeys()
         for k in range(steps):
-            states = drafter(tokens[1 + k:1 + k + n], features, torch.arange(n, device=device) + k, cache,
-                             tree_mask=StepAttention(k))
+            positions = (torch.arange(n, device=device) + k).repeat(b)
+            states = drafter(tokens[:, 1 + k:1 + k + n].flatten(), x, positions, cache,
+                             tree_mask=StepAttention(k, sequences=b))
             guess = drafter.draft_ids[drafter.lm_head(drafter.head_input(states)).argmax(-1)]
-            hits[k] += int((guess == candidates[1 + k:1 + k + n, 0].long()).sum())
-            counts[k] += n
-            features = states
+            right = guess == features["chosen"][:, 1 + k:1 + k + n].flatten()
+            hits[k] += int((right & rows_in).sum())
+            counts[k] += int(rows_in.sum())
+            x = states
     return {f"top1_step{k + 1}": round(hits[k] / max(counts[k], 1), 4) for k in range(steps)}
+
+
+def one_sequence(row) -> dict:
+    """A training row (tokens, hidden, candidates, tapped) as a batch of one for batch_loss."""
+    tokens, hidden, candidates, tapped = row
+    return {"tokens": tokens.long()[None], "lengths": torch.tensor([tokens.shape[0]], device=tokens.device),
+            "hidden": hidden.float()[None], "tapped": tapped.float()[None], "chosen": candidates[None, :, 0].long()}
+
+
+def sequence_loss(drafter: Eagle3Drafter, tokens, hidden, candidates, tapped, steps: int,
+                  decay: float = 1.0, labels: str = "soft"):
+    """batch_loss over one sequence, its accuracies as floats."""
+    loss, info = batch_loss(drafter, one_sequence((tokens, hidden, candidates, tapped)), steps, decay, labels)
+    return loss, {k: float(v) for k, v in info.items()}
+
+
+@torch.no_grad()
+def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> dict:
+    """agreement over held-out rows, one sequence at a time."""
+    device = drafter.draft_ids.device
+    return agreement(drafter, [one_sequence(on_device(row, device)) for row in heldout[:limit]], steps)
 
 
 def train(cfg, target: Transformer, split: dict | None = None, log=print) -> Eagle3Drafter:
@@ -261,7 +295,7 @@ def train(cfg, target: Transformer, split: dict | None = None, log=print) -> Eag
             tokens, hidden, candidates, tapped = on_device(train_set[i], drafter.draft_ids.device)
             with training_precision(cfg):
                 loss, info = sequence_loss(drafter, tokens, hidden, candidates, tapped, cfg.ttt_steps,
-                                           cfg.ttt_decay)
+                                           cfg.ttt_decay, cfg.labels)
             if loss is None:
                 continue
             (loss / len(batch)).backward()

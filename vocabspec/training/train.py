@@ -105,6 +105,8 @@ class TrainConfig:
     drafter: str = "eagle"          # what to train: a trainable drafting family (eagle, eagle3, medusa)
     ttt_steps: int = 3              # eagle3: draft steps trained per position (training-time test)
     ttt_decay: float = 1.0          # eagle3: step k's loss weighs ttt_decay**k (normalized; EAGLE-3's code: 0.8)
+    labels: str = "soft"            # eagle3: soft (the target's distribution over the draft
+                                    # vocabulary) or hard (the target's choice)
     draft_vocab: str = "trim:8k"    # eagle3: the draft vocabulary (a bundled token map's first N)
     medusa_heads: int = 4           # Medusa heads (tokens t+2 .. t+K+1)
     medusa_positions: int = 256     # positions sampled per sequence and step (Medusa)
