@@ -120,6 +120,10 @@ def eagle3_variants(tmp_path, target):
     d2t_far[10] = -100
     return good, {
         "d2t below 0": (variant("d2t-low", {**state, "d2t": d2t_far}), "d2t does not map"),
+        "d2t past the vocabulary": (variant("d2t-high", {**state, "d2t": state["d2t"] + 500}), "d2t does not map"),
+        "missing tensor": (variant("missing", {k: v for k, v in state.items() if k != "norm.weight"}), "norm.weight"),
+        "unknown tensor": (variant("unknown", {**state, "extra.weight": torch.zeros(2)}), "extra.weight"),
+        "tensor shape": (variant("shape", {**state, "fc.weight": torch.zeros(64, 64)}), "fc.weight"),
         "d2t 2-D": (variant("d2t-2d", {**state, "d2t": state["d2t"][None]}), "d2t must be one row"),
         "d2t floats": (variant("d2t-float", {**state, "d2t": state["d2t"].float()}), "d2t must be one row"),
         "t2d entry": (variant("t2d-int", {**state, "t2d": t2d_int}), r"t2d\[3\] is 7"),
@@ -143,6 +147,12 @@ def test_bad_eagle3_checkpoints_are_refused_naming_the_field(tmp_path, target):
     for name, (directory, message) in cases.items():
         with pytest.raises(DrafterMismatch, match=message):
             Eagle3Drafter.load(directory, target)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text((good / "config.json").read_text())
+    with pytest.raises(DrafterMismatch, match="unreadable"):
+        Eagle3Drafter.load(tmp_path / "empty", target)
+    with pytest.raises(ValueError, match="SpecVocab"):
+        Eagle3Drafter.load(good, target).draft_head("spec:64")
 
 
 def test_eagle2_checkpoint_taps_past_the_depth_are_refused(tmp_path, target):
