@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from datetime import date
 from pathlib import Path
 

@@ -10,7 +10,6 @@
   greedy answers and never touches sampled ones; a request whose drafting fails ends alone.
 """
 
-import threading
 import time
 
 import pytest
@@ -23,7 +22,6 @@ from vocabspec.engine.loading import load_model
 from vocabspec.speculation.sampling import SamplingParams
 from vocabspec.speculation.tree import chain
 
-from conftest import loaded
 from test_native import random_tree
 
 FORMATS = ["gguf", "gguf-a8", "bf16", "f32"]

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import vocabspec
-from vocabspec.speculation.drafter import DrafterMismatch
 from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter, is_eagle3
 from vocabspec.engine.files import cache_dir
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field

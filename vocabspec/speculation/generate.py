@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -23,6 +23,9 @@ from ..engine.tokenizer import Tokenizer
 from ..engine.kv_cache import KVCache
 from .tree import Tree, chain
 from .verify import TreeLogits, Verdict, greedy_verdict, verify_sampling
+
+if TYPE_CHECKING:                 # batch.py imports this module
+    from .batch import Engine
 
 PREFILL_CHUNK = 512
 

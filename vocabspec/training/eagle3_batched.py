@@ -23,7 +23,6 @@ import random
 import time
 
 import torch
-import torch.nn.functional as F
 
 from ..engine.batched import forward_rows, pad_rows
 from ..engine.model import Transformer

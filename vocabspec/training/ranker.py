@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
