@@ -11,7 +11,6 @@ not agree, which is why the path needs --allow-inexact.
 """
 
 import json
-import math
 
 import pytest
 import torch

@@ -29,7 +29,7 @@ import os
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -315,11 +315,12 @@ ALONE_SAMPLE = 8      # answers `check_alone` serves alone again
 
 def check_alone(lm, answered: list[tuple[list[int], object, list[int]]], most: int = ALONE_SAMPLE) -> tuple[int, int]:
     """Serve up to `most` of the (prompt ids, config, tokens) answers alone again, spread evenly
-    over them, those whose answer is fixed (greedy, or sampled with a seed); (how many were
-    served, how many of those got other tokens)."""
+    over them, those whose answer is fixed (greedy, or sampled with a seed) and ran to its end
+    (not cut by time or cancelled); (how many were served, how many of those got other tokens)."""
     fixed = [item for item in answered if item[1].sampling.greedy or item[1].sampling.seed is not None]
     sample = fixed[::max(1, -(-len(fixed) // most))][:most]
-    differ = sum(lm.engine.generate(ids, config).tokens != tokens for ids, config, tokens in sample)
+    differ = sum(lm.engine.generate(ids, replace(config, deadline=None, cancel=None)).tokens != tokens
+                 for ids, config, tokens in sample)
     return len(sample), differ
 
 
@@ -378,8 +379,9 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
             while waiting:
                 index, ids, config = waiting[0]
                 try:
+                    # Progress counts tokens: no text is decoded before an answer ends.
                     request = batch.submit(ids, config, on_piece=lambda _, so_far, index=index:
-                                           progress.piece(index, len(so_far.tokens)))
+                                           progress.piece(index, len(so_far.tokens)), stream_text=False)
                 except Busy:                     # the engine's queue is full: step, then submit
                     break
                 except Exception as exc:         # noqa: BLE001 - recorded on its line
@@ -406,7 +408,8 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
                 result.accepted += sum(step.accept_length for step in answer.steps)
                 progress.finish(index, answer.new_tokens)
                 record({"index": index, **answer.as_dict(), "tokens": answer.tokens})
-                answered.append((*asked[index], answer.tokens))
+                if answer.stop_reason not in ("time", "cancelled"):
+                    answered.append((*asked[index], answer.tokens))
             progress.show()
     result.seconds = time.perf_counter() - started
     progress.end()

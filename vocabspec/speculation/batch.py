@@ -197,7 +197,9 @@ class BatchLimits:
 @dataclass
 class Request:
     """A submitted request: `result` once `done` is set; `on_piece(text, result)` hears its
-    stream with the result so far (called on the engine's thread)."""
+    stream with the result so far (called on the engine's thread). stream_text=False: it hears
+    every step with no text, the text decoded once at the end (a listener that counts tokens:
+    decoding a growing answer at every step costs more than a batched step's share of it)."""
     prompt_ids: list[int]
     config: GenerationConfig
     draft: bool = True
@@ -207,6 +209,7 @@ class Request:
     error: BaseException | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     generation: Generation | None = None    # made by the caller for the slot (`run_alone`)
+    stream_text: bool = True
 
     def wait(self, timeout: float | None = None) -> GenerationResult:
         if not self.done.wait(timeout):
@@ -291,14 +294,16 @@ class BatchEngine:
     # ---------------------------------------------------------------- requests
 
     def submit(self, prompt_ids: list[int], config: GenerationConfig, draft: bool = True,
-               on_piece: Callable[[str, GenerationResult], None] | None = None) -> Request:
+               on_piece: Callable[[str, GenerationResult], None] | None = None,
+               stream_text: bool = True) -> Request:
         """Queue a request (ValueError if it cannot run: empty, too long for a slot's window;
-        Busy if every slot and the queue are full)."""
+        Busy if every slot and the queue are full). on_piece, stream_text: see `Request`."""
         if self.stopping:
             raise RuntimeError("the batch engine has stopped")
         self.check(prompt_ids, config)
         cancel = config.cancel if config.cancel is not None else threading.Event()
-        request = Request(list(prompt_ids), replace(config, cancel=cancel), draft, on_piece, cancel=cancel)
+        request = Request(list(prompt_ids), replace(config, cancel=cancel), draft, on_piece, cancel=cancel,
+                          stream_text=stream_text)
         try:
             self.waiting.put_nowait(request)
         except queue.Full:
@@ -431,7 +436,7 @@ class BatchEngine:
                 request = self.waiting.get_nowait()
             except queue.Empty:
                 break
-            stream = request.on_piece is not None
+            stream = request.on_piece is not None and request.stream_text
             if request.generation is None and self.batched is not None and \
                     not (request.draft and slot.proposer is not None):
                 slot.generation = Generation(self.engine, request.prompt_ids, request.config,
@@ -555,7 +560,7 @@ class BatchEngine:
 
     def _deliver(self, slot: Slot, delta: str) -> None:
         request, generation = slot.request, slot.generation
-        if delta and request.on_piece is not None:
+        if request.on_piece is not None and (delta or not request.stream_text):
             request.on_piece(delta, generation.result)
         if generation.done:
             self._end(slot, None)
