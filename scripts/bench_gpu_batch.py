@@ -19,9 +19,9 @@ Each section starts only while the budget lasts (a peer's batch size, a client c
 with time left for it) and one that fails is reported while the next runs. Writes run.json and
 report.md to --out.
 
-    python scripts/bench_gpu_batch.py --out OUT                  # a GPU: the check, ~10 minutes
+    python scripts/bench_gpu_batch.py --out OUT                  # a GPU: the check, within 8 minutes
     python scripts/bench_gpu_batch.py --out OUT --device cpu --weights f32 --prompts 4 \\
-        --new-tokens 4 --peer-batches 2,4 --clients 1,2 --budget-s 300      # a dry run on a CPU
+        --new-tokens 4 --peer-batches 2,4 --clients 1,2 --server-prompts 2 --budget-s 300   # a CPU dry run
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ class BenchOptions:
     peer_batches: tuple[int, ...] = (64, 256, 512, 1024)
     clients: tuple[int, ...] = (1, 64)
     requests_per_client: int = 2
-    budget_s: float = 900.0
+    server_prompts: int = 0          # of the package's prompts, those the clients ask (0: all)
+    budget_s: float = 480.0
 
 
 def questions() -> list[dict]:
@@ -117,7 +118,7 @@ def server(lm, options: BenchOptions, deadline: float) -> dict:
     from vocabspec.benchmarks.throughput import prompts_for, serve_while, sweep
     from vocabspec.serving.server import ServerLimits
 
-    prompts, chat = prompts_for(lm.tokenizer, questions())
+    prompts, chat = prompts_for(lm.tokenizer, questions()[:options.server_prompts or None])
     most = max(options.clients)
     window = min(lm.engine.model.args.max_seq_len, 1024)
     limits = ServerLimits(max_batch=most, max_queue=2 * most, window=window,
@@ -190,14 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--peer-batches", default="64,256,512,1024", help="transformers' batch sizes")
     parser.add_argument("--clients", default="1,64", help="server client counts, the first the reference")
-    parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--budget-s", type=float, default=900.0, help="seconds for every section together")
+    parser.add_argument("--requests-per-client", type=int, default=2,
+                        help="answers per client at each count (at least one per prompt asked)")
+    parser.add_argument("--server-prompts", type=int, default=0,
+                        help="of the package's prompts, those the server's clients ask (0: all)")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for every section together")
     args = parser.parse_args(argv)
     options = BenchOptions(out=Path(args.out), model=args.model, device=args.device, weights=args.weights,
                            prompts=args.prompts, new_tokens=args.new_tokens,
                            peer_batches=tuple(int(b) for b in args.peer_batches.split(",")),
                            clients=tuple(int(c) for c in args.clients.split(",")),
-                           requests_per_client=args.requests_per_client, budget_s=args.budget_s)
+                           requests_per_client=args.requests_per_client, server_prompts=args.server_prompts,
+                           budget_s=args.budget_s)
     started = time.perf_counter()
     deadline = started + options.budget_s
     import vocabspec

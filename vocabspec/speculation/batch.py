@@ -260,7 +260,8 @@ class BatchEngine:
         # (the engine's own batch of one): each cache when first used, since static steps use
         # their decoder's. With `batched` rows, plain requests keep their keys there, in as many
         # slots as the device's memory holds, and a drafted request's own cache is made when
-        # one first drafts in its slot.
+        # one first drafts in its slot: where requests may draft, the slots take a quarter of
+        # the free memory, not half, so that a cache for each fits in the next quarter.
         self.batched = None
         batched = self.limits.batched
         if batched is None:
@@ -269,7 +270,8 @@ class BatchEngine:
         if batched:
             from .batched_decoding import BatchedDecoding
 
-            self.batched = BatchedDecoding(model, self.limits.window, self.limits.max_batch)
+            share = 0.25 if make_proposer is not None else 0.5
+            self.batched = BatchedDecoding(model, self.limits.window, self.limits.max_batch, memory_share=share)
             slots, allocate = self.batched.slots, False
         self.slots = [Slot(engine, self.limits.window, make_proposer() if make_proposer else None, allocate)
                       for _ in range(slots)]

@@ -24,7 +24,8 @@ of its precision), which is why this path needs inexact answers allowed.
 
 Memory is fixed when the engine starts: the slots are sized from the device's free memory and
 the window asked for (`SlotCache.fitting`: at most `max_batch` slots in half the free memory,
-the rest for activations), and a prefill holds at most `prefill_tokens` padded tokens. Requests
+the rest for activations; a quarter where requests may draft, whose own caches take the next
+quarter), and a prefill holds at most `prefill_tokens` padded tokens. Requests
 beyond the slots wait in the engine's queue; one longer than a slot's window is refused when
 submitted; where not even one slot fits, the engine refuses to start, naming the sizes.
 
