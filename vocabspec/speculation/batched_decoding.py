@@ -107,7 +107,8 @@ class BatchedDecoding:
         for slot, generation in running:
             self.positions[slot] += 1
             try:
-                outcomes.append(generation.take(chosen[slot], logits[slot], seconds))
+                row = logits[slot] if generation.reads_logits else None
+                outcomes.append(generation.take(chosen[slot], row, seconds))
             except Exception as exc:             # noqa: BLE001 - ends that request alone
                 outcomes.append(exc)
         self.steps += 1

@@ -520,12 +520,19 @@ class Generation:
         self.result.prefill_seconds = time.perf_counter() - self.started
         return self._emit([self.token], [logits])
 
-    def take(self, token: int, logits: torch.Tensor, seconds: float) -> str:
+    @property
+    def reads_logits(self) -> bool:
+        """Whether `take` reads its row's logits (to sample, or for logprobs); else the
+        caller's argmax is all it needs."""
+        return not self.config.sampling.greedy or self.config.logprobs is not None
+
+    def take(self, token: int, logits: torch.Tensor | None, seconds: float) -> str:
         """A plain-decoding step whose forward the caller ran over many requests' rows
         (batched_decoding.py): the next token is `token` for a greedy request (the caller's
-        argmax of `logits`, the first on ties as `greedy_token`), else drawn from `logits`
-        (vocab,) with this request's settings and generator, the draw serving it alone makes.
-        Recorded as a step of `seconds`, all of it the shared forward's; the text it shows."""
+        argmax of the row's `logits`, the first on ties as `greedy_token`), else drawn from
+        `logits` (vocab,) with this request's settings and generator, the draw serving it alone
+        makes (`logits` may be None where not `reads_logits`). Recorded as a step of `seconds`,
+        all of it the shared forward's; the text it shows."""
         self.token = self._choose(token, logits)
         self.result.steps.append(StepRecord(1, 0, 0.0, seconds, forward_seconds=seconds))
         return self._emit([self.token], [logits])
