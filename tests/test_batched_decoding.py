@@ -129,3 +129,41 @@ def test_generate_input_on_torch_runs_rows_together_and_records_the_alone_check(
     record = json.loads((tmp_path / "answers.jsonl.job.json").read_text())
     assert record["alone_check"] == {"answers": 2, "differ": 0, "of": 2}
     assert "0 of 2 answers served alone again differ" in capsys.readouterr().err
+
+
+def test_the_server_on_torch_steps_concurrent_requests_as_rows_together():
+    """`serve` on torch's kernels with inexact answers allowed: concurrent chat requests step
+    as batched rows, each answer the one the request gets alone (a tiny random model with
+    SmolLM2's tokenizer: the serving path, not the answers' sense, is under test)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from vocabspec.engine.loading import resolve_model_path
+    from vocabspec.engine.tokenizer import load_tokenizer
+    from vocabspec.serving.api import LanguageModel
+    from vocabspec.serving.server import HTTPThread, ServerLimits, create_app
+
+    tokenizer = load_tokenizer(resolve_model_path("smollm2"))
+    model = tiny_model("llama", seed=3, vocab_size=tokenizer.vocab_size, max_seq_len=256)
+    lm = LanguageModel(Engine(model, tokenizer, allow_inexact=True), "tiny")
+    app = create_app(lm, "tiny", ServerLimits(max_batch=4, window=128, max_queue=8, max_tokens_cap=16))
+    http = HTTPThread(app)
+    base = http.wait_ready()
+    texts = ["Say hi.", "Name a colour.", "What is 2 + 2?", "Name a fruit."]
+
+    def ask(text):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 10,
+                "temperature": 0}
+        return httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(ask, texts))
+    finally:
+        http.stop(10)
+        app.state.server.batch.close()
+    assert [reply.status_code for reply in replies] == [200] * 4
+    assert app.state.server.batch.batched.steps > 0
+    assert [reply.json()["choices"][0]["message"]["content"] for reply in replies] == \
+        [lm.generate(text, chat=True, max_new_tokens=10).text for text in texts]
