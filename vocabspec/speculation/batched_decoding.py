@@ -25,9 +25,9 @@ of its precision), which is why this path needs inexact answers allowed.
 Memory is fixed when the engine starts: the slots are sized from the device's free memory and
 the window asked for (`SlotCache.fitting`: at most `max_batch` slots in half the free memory,
 the rest for activations; a quarter where requests may draft, whose own caches take the next
-quarter), and a prefill holds at most `prefill_tokens` padded tokens. Requests
-beyond the slots wait in the engine's queue; one longer than a slot's window is refused when
-submitted; where not even one slot fits, the engine refuses to start, naming the sizes.
+quarter), and a prefill holds at most `prefill_tokens` padded tokens. Requests beyond the
+slots wait in the engine's queue; one longer than a slot's window is refused when submitted;
+where not even one slot fits, the engine refuses to start, naming the sizes.
 
 A request keeps its slot (its `BatchEngine` slot's index) until it ends, and joining requests
 take the lowest free ones. A free slot below a running one steps too, its row writing only into
