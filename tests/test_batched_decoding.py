@@ -51,6 +51,24 @@ def test_greedy_and_seeded_answers_are_each_requests_alone(arch):
     assert together[5].tokens == greedy.tokens
 
 
+def test_greedy_rows_a_step_ahead_end_and_refill_as_alone():
+    """All greedy: steps run a step ahead of the host's reading. Answers ending at
+    end-of-sequence tokens and at their lengths (one of a single token), slots refilled, rows
+    wasted on ended requests: each answer the request's alone, and so when a sampled request
+    joins the greedy ones mid-run (the step ahead read first, steps then one at a time)."""
+    model = tiny_model("llama", seed=2, eos_token_ids=[5, 9, 11, 20, 33])
+    engine = Engine(model, allow_inexact=True)
+    prompts = prompts_of([3, 17, 9, 30, 5, 12, 8, 4], seed=1)
+    configs = [GenerationConfig(max_new_tokens=n) for n in (12, 3, 20, 7, 1, 9, 15, 2)]
+    batch = BatchEngine(engine, None, BatchLimits(max_batch=4, window=64), thread=False)
+    for configs in (configs, configs[:5] + [GenerationConfig(max_new_tokens=9, sampling=SamplingParams(
+            temperature=1.0, seed=3))] + configs[6:]):
+        together = batch.generate(prompts, configs)
+        alone = [engine.generate(p, c) for p, c in zip(prompts, configs)]
+        assert [(r.tokens, r.stop_reason) for r in together] == [(r.tokens, r.stop_reason) for r in alone]
+        assert {r.stop_reason for r in together} == {"eos", "length"}
+
+
 def test_sampled_first_tokens_follow_the_targets_distribution():
     """Four hundred requests of one prompt, each seeded differently, prefilled and sampled
     together: their first tokens' frequencies match the target's probabilities (total variation

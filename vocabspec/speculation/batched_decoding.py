@@ -6,7 +6,8 @@ forward each, which leaves a GPU idle: there a step of one row costs about what 
 thousand rows costs. `BatchedDecoding` gives each plain-decoding request a slot of one
 `SlotCache` (engine/batched.py) and steps them all as one `DecodeStep`, one row each: a CUDA
 graph per context bucket on a GPU, eagerly elsewhere. Joining requests' prompts are prefilled
-together, padded, into their slots.
+together, padded, into their slots. Greedy steps run one ahead of the host, which reads a step
+and emits its tokens while the device computes the next (`step`).
 
 Where it runs: inside `BatchEngine` (batch.py), which picks it when its model runs on torch's
 kernels and inexact answers are allowed (`BatchLimits.batched`), rather than as an engine of
@@ -59,6 +60,7 @@ class BatchedDecoding:
         # Per slot, on the host: the position its next row goes to (the tokens its slot holds).
         self.positions = [0] * self.cache.slots
         self.steps = 0
+        self.ahead: Launched | None = None       # a greedy step launched and not yet read (`step`)
 
     @property
     def slots(self) -> int:
@@ -89,27 +91,87 @@ class BatchedDecoding:
         return outcomes
 
     def step(self, running: list[tuple[int, Generation]]) -> list[str | BaseException]:
-        """One token for each (slot, generation), every row in one forward; per generation, the
-        text its token shows or the exception that ended it."""
+        """A step of every running (slot, generation)'s row, all in one forward; per generation,
+        the text its new token shows ("" where its token is still on its way), or the exception
+        that ended it.
+
+        Greedy rows run a step ahead: a step is launched from the device's own argmax of the
+        step before, with no read-back between them, and the host reads that earlier step and
+        emits its tokens while the device computes the new one (the host's share of a step of
+        a thousand rows is about the device's). A request that ended in the earlier step has a
+        row wasted in the new one, written into its own slot only. A row that reads its logits
+        (sampling, logprobs) needs its step read before the next is launched: while one runs,
+        a step ahead is read first, and steps then run one at a time."""
         started = time.perf_counter()
+        ahead, self.ahead = self.ahead, None
+        if any(generation.reads_logits for _, generation in running):
+            if ahead is None:
+                ahead = self._launch(running, None)
+            return self._read(ahead, running, started)
+        if ahead is None:
+            ahead = self._launch(running, None)
+        self.ahead = self._launch(running, ahead)
+        return self._read(ahead, running, started)
+
+    def _launch(self, running: list[tuple[int, Generation]], ahead: "Launched | None") -> "Launched":
+        """Start a step of the running rows, each fed its last token: the device's argmax in
+        `ahead` where its request was in that step, else its request's own (the host's)."""
         device = self.model.device
         rows = self.decode.rows(max(slot for slot, _ in running) + 1)
-        last = [0] * rows                        # a free slot's row feeds token 0
-        for slot, generation in running:
-            last[slot] = generation.token
+        tokens = torch.zeros(rows, dtype=torch.long, device=device)   # a free slot's row feeds 0
+        if ahead is not None:
+            carried = min(rows, ahead.next_tokens.numel())
+            tokens[:carried] = ahead.next_tokens[:carried]
+        fed = [(slot, generation.token) for slot, generation in running
+               if ahead is None or ahead.members.get(slot) is not generation]
+        if fed:
+            slots, last = zip(*fed)
+            tokens[torch.tensor(slots, device=device)] = torch.tensor(last, device=device)
         context = max(self.positions[slot] for slot, _ in running) + 1
         positions = [min(p, self.cache.window - 1) for p in self.positions[:rows]]
-        greedy, logits = self.decode.with_logits(torch.tensor(last, device=device),
-                                                 torch.tensor(positions, device=device), context)
-        chosen = greedy.tolist()                 # the step's one read-back
+        greedy, logits = self.decode.with_logits(tokens, torch.tensor(positions, device=device), context)
+        for slot, _ in running:
+            self.positions[slot] += 1
+        return Launched(dict(running), greedy, logits)
+
+    def _read(self, launched: "Launched", running: list[tuple[int, Generation]],
+              started: float) -> list[str | BaseException]:
+        """The launched step's tokens to the running requests that were in it (the step's one
+        wait for the device)."""
+        chosen = launched.read()
         seconds = time.perf_counter() - started
         outcomes: list[str | BaseException] = []
         for slot, generation in running:
-            self.positions[slot] += 1
+            if launched.members.get(slot) is not generation:        # joined since: its turn is next
+                outcomes.append("")
+                continue
             try:
-                row = logits[slot] if generation.reads_logits else None
+                row = launched.logits[slot] if generation.reads_logits else None
                 outcomes.append(generation.take(chosen[slot], row, seconds))
             except Exception as exc:             # noqa: BLE001 - ends that request alone
                 outcomes.append(exc)
         self.steps += 1
         return outcomes
+
+
+class Launched:
+    """A decode step on its way: the requests in it by slot, its argmax kept on the device (the
+    next step's input: a captured step's own outputs are rewritten by its next replay) and on
+    its way to the host, and its logits (read only before another step is launched)."""
+
+    def __init__(self, members: dict[int, Generation], greedy: torch.Tensor, logits: torch.Tensor):
+        self.members, self.logits = members, logits
+        self.next_tokens = greedy.clone()
+        self.done = None
+        if greedy.device.type == "cuda":
+            self.host = torch.empty(greedy.shape, dtype=greedy.dtype, pin_memory=True)
+            self.host.copy_(greedy, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = self.next_tokens
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
