@@ -40,23 +40,30 @@ def engine_speed(lm, prompts: list[list[int]], rows: int, new_tokens: int) -> di
             "seconds": round(seconds, 2), "answer_tok_s": round(tokens / seconds, 1), "steps": batch.stats()}
 
 
-def transformers_speed(path, prompts: list[list[int]], dtype: torch.dtype, rows: int, new_tokens: int,
-                       eos: int) -> dict:
-    """Answer tokens (up to each row's end-of-sequence) per second of transformers' generate,
-    left-padded batches of `rows` prompts sorted by length."""
+def load_transformers(path, dtype: torch.dtype, device: str = "cpu"):
+    """transformers' model of `path` (a GGUF file, read by transformers' gguf support, or a
+    model directory), in `dtype` on `device`."""
     from transformers import AutoModelForCausalLM
 
     if path.suffix == ".gguf":
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     else:
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return hf.to(device).eval()
+
+
+def transformers_speed(hf, prompts: list[list[int]], rows: int, new_tokens: int, eos: int,
+                       progress: bool = True) -> dict:
+    """Answer tokens (up to each row's end-of-sequence) per second of transformers' generate
+    (`hf`, from `load_transformers`), left-padded batches of `rows` prompts sorted by length."""
     ordered = sorted(prompts, key=len)
     tokens, start = 0, time.perf_counter()
-    for first in tqdm(range(0, len(ordered), rows), desc=f"transformers {dtype}", unit="batch"):
+    for first in tqdm(range(0, len(ordered), rows), desc=f"transformers {hf.dtype}", unit="batch",
+                      disable=not progress):
         group = ordered[first:first + rows]
         width = max(map(len, group))
-        ids = torch.tensor([[eos] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        ids = torch.tensor([[eos] * (width - len(p)) + p for p in group], device=hf.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=hf.device)
         with torch.inference_mode():
             out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                               max_new_tokens=new_tokens, pad_token_id=eos)
@@ -99,8 +106,8 @@ def main() -> None:
                           "prefill_share": round(run["steps"]["prefill_seconds"] / run["seconds"], 3)}), flush=True)
     if args.hf_prompts:
         eos = lm.tokenizer.eos_token_id or 0
-        hf = transformers_speed(resolve_model_path(args.model), prompts[:args.hf_prompts],
-                                getattr(torch, args.hf_dtype), args.hf_batch, args.new_tokens, eos)
+        model = load_transformers(resolve_model_path(args.model), getattr(torch, args.hf_dtype))
+        hf = transformers_speed(model, prompts[:args.hf_prompts], args.hf_batch, args.new_tokens, eos)
         print(json.dumps({"generator": f"transformers {args.hf_dtype}", "rows": args.hf_batch, **hf}), flush=True)
 
 

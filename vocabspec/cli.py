@@ -95,7 +95,9 @@ def add_weight_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--allow-inexact", action="store_true",
                         help="draft even where verification is not bit-exact (on torch's "
-                             "kernels): the output may then differ from plain decoding")
+                             "kernels): the output may then differ from plain decoding; and "
+                             "(serve, generate --input) step plain requests' rows together in one "
+                             "forward there, each answer its own up to rounding")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -395,7 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-seconds", type=_float, default=300.0, help="generation time per request")
     serve.add_argument("--max-queue", type=_positive_int, default=64, help="requests waiting or running")
     serve.add_argument("--max-batch", type=_positive_int, default=8,
-                       help="requests decoding at once (continuous batching; each answer exactly as alone)")
+                       help="requests decoding at once (continuous batching; each answer exactly as alone, "
+                            "or up to rounding with --allow-inexact on torch's kernels, where the slots the "
+                            "device's free memory holds cap it)")
     serve.add_argument("--kv-tokens", type=_positive_int, default=None,
                        help="KV cache budget in tokens over the decoding requests (default: max-batch x "
                             "the model window, capped at 4096 each); a request's prompt and answer fit "

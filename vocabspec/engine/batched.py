@@ -11,7 +11,9 @@ sequence here has a window fixed up front (a training answer's prompt plus its n
 so a slot wastes at most its unused tail, a step's attention reads each slot's keys as one
 strided batched product with no page table, and a finished sequence's slot is refilled by
 moving the live ones down (`compact`), never by a gather at every step. The number of slots
-is sized from the device's free memory (`SlotCache.fitting`).
+is sized from the device's free memory (`SlotCache.fitting`). The batch engine's plain-decoding
+requests on torch's kernels step here too (speculation/batched_decoding.py), each request in a
+slot of its own.
 
 Rows of different sequences never mix: every product is row-wise and attention reads only
 the row's own slot, masked to its own positions. torch's kernels do not promise that a row
@@ -22,6 +24,8 @@ ones the native engine and the row-invariant kernels give.
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 import warnings
 from collections import deque
@@ -53,20 +57,33 @@ class SlotCache:
         """As many slots as `memory_share` of the device's free memory holds (at most `most`):
         the rest is for activations. ValueError where not even one fits."""
         per_slot = cls.bytes_per_slot(model, window)
-        if model.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(model.device)
-            slots = min(most, int(free * memory_share) // per_slot)
-        else:
-            slots = most
+        free = free_memory(model.device)
+        slots = min(most, int(free * memory_share) // per_slot)
         if slots < 1:
             raise ValueError(f"a slot of {window} positions needs {per_slot / 2**20:.0f} MiB of cache; "
-                             f"the device has too little free memory")
+                             f"{memory_share:.0%} of the {free / 2**20:.0f} MiB free on {model.device} "
+                             f"holds none: ask for a shorter context")
         return cls(model, slots, window)
 
     def compact(self, keep: torch.Tensor, upto: int) -> None:
         """Move the slots `keep` (ascending) to the front, their first `upto` positions."""
         for table in (*self.keys, *self.values):
             table[:keep.numel(), :, :upto] = table[keep, :, :upto]
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on `device`: the CUDA allocator's view there, the kernel's
+    available memory (MemAvailable) on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _attend_new(q, k, v, scale, window):
@@ -100,12 +117,13 @@ def _attend_cached(q, keys, values, positions, scale, window):
 
 def forward_rows(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor,
                  cache: SlotCache | None = None, first_slot: int = 0, context: int = 0,
-                 taps: tuple[int, ...] = ()):
+                 taps: tuple[int, ...] = (), slots: torch.Tensor | None = None):
     """Hidden states before the final norm (B, n, dim) of B sequences' rows.
 
     Two kinds of call:
     - prefill (n >= 1, positions 0..n-1 in every row, right-padded): each sequence's rows see
-      its own causally; with `cache`, their keys and values fill slots first_slot..+B;
+      its own causally; with `cache`, their keys and values fill slots first_slot..+B (or the
+      slots listed in `slots` (B,), wherever they lie);
     - decode (n == 1, `cache`): row b at positions[b, 0], after its slot's cached positions,
       in slot b; `context` bounds every row's position + 1 (known on the host, so the device
       is never asked).
@@ -139,8 +157,9 @@ def forward_rows(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
                                  where, attn.scale, window)
         else:
             if cache is not None:
-                cache.keys[i][first_slot:first_slot + b, :, :n] = k
-                cache.values[i][first_slot:first_slot + b, :, :n] = v
+                where = slice(first_slot, first_slot + b) if slots is None else slots
+                cache.keys[i][where, :, :n] = k
+                cache.values[i][where, :, :n] = v
             out = _attend_new(q, k, v, attn.scale, window)
         x = block.after_attention(x, attn.wo(out.transpose(1, 2).reshape(b, n, attn.q_size)))
         if i in taps:
@@ -160,6 +179,33 @@ def pad_rows(sequences: list[list[int]], device, pad: int = 0) -> tuple[torch.Te
     return rows.to(device), lengths.to(device)
 
 
+def prefill_slots(model: Transformer, cache: SlotCache, prompts: list[list[int]],
+                  slots: torch.Tensor | None = None, first_slot: int = 0) -> torch.Tensor:
+    """Run the prompts into their slots (`slots`, or first_slot onwards) in one padded forward;
+    the logits (B, vocab) of each prompt's last row, whose successor is its first new token."""
+    device = model.device
+    rows, lengths = pad_rows(prompts, device)
+    steps = torch.arange(rows.shape[1], device=device).expand_as(rows)
+    hidden = forward_rows(model, rows, steps, cache, first_slot=first_slot, slots=slots)
+    return model.lm_head(hidden[torch.arange(len(prompts), device=device), lengths - 1])
+
+
+def prefill_groups(lengths: list[int], most_tokens: int) -> list[int]:
+    """How many of the prompts, taken in order, each padded prefill holds: as many as keep
+    the longest one so far times their count within `most_tokens` (at least one), which bounds
+    a prefill's activations."""
+    sizes, start = [], 0
+    while start < len(lengths):
+        longest, count = lengths[start], 1
+        while start + count < len(lengths) and \
+                max(longest, lengths[start + count]) * (count + 1) <= most_tokens:
+            longest = max(longest, lengths[start + count])
+            count += 1
+        sizes.append(count)
+        start += count
+    return sizes
+
+
 class DecodeStep:
     """The next greedy token of the first `rows` slots, one row each: on a GPU every slot steps,
     captured as a CUDA graph per context length (rounded up to `bucket`, so a few graphs serve
@@ -177,7 +223,8 @@ class DecodeStep:
 
     def _step(self, tokens, positions, context):
         hidden = forward_rows(self.model, tokens, positions, self.cache, context=context)
-        return self.model.lm_head(hidden[:, 0]).argmax(-1)
+        logits = self.model.lm_head(hidden[:, 0])
+        return logits.argmax(-1), logits
 
     def _capture(self, context: int):
         # The warm-up run writes the keys and values the step will write: harmless.
@@ -196,6 +243,13 @@ class DecodeStep:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, context: int) -> torch.Tensor:
         """tokens, positions: (rows,), the slots' last tokens and their positions."""
+        return self.with_logits(tokens, positions, context)[0].clone()
+
+    def with_logits(self, tokens: torch.Tensor, positions: torch.Tensor,
+                    context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next greedy tokens (rows,) and the logits (rows, vocab) they are the argmax of,
+        for a caller that samples some rows: on a GPU both are the graph's own outputs, valid
+        until the next step (the logits are made on the way to the argmax either way)."""
         if not self.graphed:
             return self._step(tokens[:, None], positions[:, None], context)
         context = min(self.cache.window, -(-context // self.bucket) * self.bucket)
@@ -210,7 +264,7 @@ class DecodeStep:
                 return self._step(self.tokens, self.positions, context)
         graph, out = self.graphs[context]
         graph.replay()
-        return out.clone()
+        return out
 
 
 @torch.inference_mode()
@@ -253,19 +307,12 @@ def greedy_answers(model: Transformer, prompts: list[list[int]], max_new_tokens:
 
     def admit():
         while queue and len(live) < n and (deadline is None or time.perf_counter() < deadline):
-            longest = len(prompts[queue[0]])
-            take = []
-            while queue and len(live) + len(take) < n:
-                longest = max(longest, len(prompts[queue[0]]))
-                if take and longest * (len(take) + 1) > prefill_tokens:
-                    break
-                take.append(queue.popleft())
-            rows, lengths = pad_rows([prompts[i] for i in take], device)
-            steps = torch.arange(rows.shape[1], device=device).expand_as(rows)
+            room = [len(prompts[i]) for i in itertools.islice(queue, n - len(live))]
+            take = [queue.popleft() for _ in range(prefill_groups(room, prefill_tokens)[0])]
             first_slot, k = len(live), len(take)
-            hidden = forward_rows(model, rows, steps, cache, first_slot=first_slot)
-            first = model.lm_head(hidden[torch.arange(k, device=device), lengths - 1]).argmax(-1)
+            first = prefill_slots(model, cache, [prompts[i] for i in take], first_slot=first_slot).argmax(-1)
             new = slice(first_slot, first_slot + k)
+            lengths = torch.tensor([len(prompts[i]) for i in take], device=device)
             position[new], last[new], produced[new] = lengths, first, 1
             out[new] = 0
             out[new, 0] = first

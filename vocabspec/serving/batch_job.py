@@ -3,7 +3,10 @@ answer written as it finishes, so a job of thousands of prompts can be watched, 
 resumed.
 
 The requests run on the batch engine (speculation/batch.py), each answer exactly what the
-request gets alone. Its JSON line (`index`: the request's place among the file's requests,
+request gets alone; on torch's kernels with inexact answers allowed, the plain-decoding ones
+step as rows of one forward (batched_decoding.py), each answer the request's up to rounding,
+and the job then serves a sample of its answers alone again and counts those that differ
+(`check_alone`: in the summary and the record). Its JSON line (`index`: the request's place among the file's requests,
 counting from 0) is written and flushed the moment the request ends, in finish order, or held
 back to keep input order (`ordered`). A request that fails gets a line of its own, its index and
 `error`; the rest go on.
@@ -25,7 +28,7 @@ import json
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -146,6 +149,16 @@ class AnswerFile:
             tokens += item.get("new_tokens", 0)
         return cls(path, recorded, tokens, discarded)
 
+    def note(self, key: str, value) -> None:
+        """Add `key` to the job's record (replaced whole, never half-written): what a run
+        found, beside what identifies the job (which a resume reads)."""
+        record_path = self.record_path(self.path)
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        record[key] = value
+        temporary = record_path.with_name(record_path.name + ".tmp")
+        temporary.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        os.replace(temporary, record_path)
+
     def write(self, line: dict) -> None:
         if self._out is None:
             self._out = open(self.path, "a", encoding="utf-8")
@@ -165,6 +178,9 @@ class StreamAnswers:
 
     def __init__(self, out: TextIO):
         self.out, self.recorded, self.recorded_tokens, self.discarded = out, {}, 0, 0
+
+    def note(self, key: str, value) -> None:
+        pass
 
     def write(self, line: dict) -> None:
         self.out.write(json.dumps(line) + "\n")
@@ -278,6 +294,10 @@ class JobResult:
     accepted: int = 0                 # tokens those steps committed
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)
+    # Where answers may differ from serving alone (batched_decoding.py): how many of a sample
+    # were served alone again, and how many of those differ; None where they cannot differ.
+    alone_checked: int | None = None
+    alone_differ: int = 0
 
     @property
     def mean_accept_len(self) -> float:
@@ -289,10 +309,26 @@ def error_message(exc: BaseException) -> str:
     return text if isinstance(exc, ValueError) and text else f"{type(exc).__name__}: {text}"
 
 
+ALONE_SAMPLE = 8      # answers `check_alone` serves alone again
+
+
+def check_alone(lm, answered: list[tuple[list[int], object, list[int]]], most: int = ALONE_SAMPLE) -> tuple[int, int]:
+    """Serve up to `most` of the (prompt ids, config, tokens) answers alone again, spread evenly
+    over them, those whose answer is fixed (greedy, or sampled with a seed) and ran to its end
+    (not cut by time or cancelled); (how many were served, how many of those got other tokens)."""
+    fixed = [item for item in answered if item[1].sampling.greedy or item[1].sampling.seed is not None]
+    sample = fixed[::max(1, -(-len(fixed) // most))][:most]
+    differ = sum(lm.engine.generate(ids, replace(config, deadline=None, cancel=None)).tokens != tokens
+                 for ids, config, tokens in sample)
+    return len(sample), differ
+
+
 def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: bool,
             answers, max_batch: int, ordered: bool, progress: Progress) -> JobResult:
     """Answer `requests[i]` for each i in `pending` (in that order), writing each line to
-    `answers` as it finishes (`ordered`: in `pending`'s order)."""
+    `answers` as it finishes (`ordered`: in `pending`'s order). Where the answers may differ
+    from serving each alone (inexact batched rows), a sample is served alone (`check_alone`)
+    and the count recorded."""
     from ..speculation.batch import BatchLimits, Busy
 
     result = JobResult()
@@ -331,16 +367,20 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
         prepared.append((index, ids, config))
     if prepared:
         window = max(len(ids) + config.max_new_tokens + 1 for _, ids, config in prepared)
-        batch = lm.batch(BatchLimits(max_batch=max_batch, window=min(max(window, 256),
-                                                                     lm.engine.model.args.max_seq_len)))
+        # A queue as long as the batch: a whole batch joins (one prefill) between two steps.
+        batch = lm.batch(BatchLimits(max_batch=max_batch, max_waiting=max(max_batch, BatchLimits.max_waiting),
+                                     window=min(max(window, 256), lm.engine.model.args.max_seq_len)))
+        asked = {index: (ids, config) for index, ids, config in prepared}
+        answered = []
         waiting = deque(prepared)
         running = {}
         while waiting or running:
             while waiting:
                 index, ids, config = waiting[0]
                 try:
+                    # Progress counts tokens: no text is decoded before an answer ends.
                     request = batch.submit(ids, config, on_piece=lambda _, so_far, index=index:
-                                           progress.piece(index, len(so_far.tokens)))
+                                           progress.piece(index, len(so_far.tokens)), stream_text=False)
                 except Busy:                     # the engine's queue is full: step, then submit
                     break
                 except Exception as exc:         # noqa: BLE001 - recorded on its line
@@ -367,9 +407,15 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
                 result.accepted += sum(step.accept_length for step in answer.steps)
                 progress.finish(index, answer.new_tokens)
                 record({"index": index, **answer.as_dict(), "tokens": answer.tokens})
+                if answer.stop_reason not in ("time", "cancelled"):
+                    answered.append((*asked[index], answer.tokens))
             progress.show()
     result.seconds = time.perf_counter() - started
     progress.end()
+    if prepared and batch.batched is not None and answered:
+        result.alone_checked, result.alone_differ = check_alone(lm, answered)
+        answers.note("alone_check", {"answers": result.alone_checked, "differ": result.alone_differ,
+                                     "of": len(answered)})
     return result
 
 
@@ -382,6 +428,9 @@ def summary(result: JobResult, answers, total: int, drafting: bool, output: str 
             f"{result.seconds:.1f} s, {rate:.1f} tok/s")
     if drafting:
         text += f", mean accepted length {result.mean_accept_len:.2f}"
+    if result.alone_checked is not None:
+        text += (f"; {result.alone_differ} of {result.alone_checked} answers served alone again "
+                 f"differ (rows batched on torch's kernels)")
     if output is not None:
         failed = sum(answers.recorded.values())
         text += f"; {output} holds {len(answers.recorded)} of {total} requests, {failed} failed"

@@ -13,6 +13,14 @@ a row's bits never depend on the rows beside it, and a request's cache, proposer
 generator are its own: its tokens are exactly those it gets served alone, whatever else runs.
 The batch changes when tokens arrive, never which.
 
+On torch's kernels (a GPU's path, and `--backend torch` on a CPU) `forward_batch` runs the
+requests in turn, a forward each. There, with inexact answers allowed (`--allow-inexact`), the
+plain-decoding requests step instead as rows of one forward over per-slot caches
+(batched_decoding.py; `BatchLimits.batched`): one captured step for them all on a GPU, each
+answer the request's own up to the rounding of rows batched together. A drafted request keeps
+its own cache and the per-request step beside them; without --allow-inexact every request
+keeps it, and every answer is exactly what it gets alone.
+
 The steps run on one thread: the engine's own (`thread=True`), or the caller's, through `run`
 (`thread=False`). The second is the fast one on a CPU: OpenMP (libgomp) throttles a parallel
 team started outside the process's first thread once its threads outnumber the cores, and every
@@ -69,6 +77,7 @@ class Engine:
         if proposer is not None:
             require_exact(model, allow_inexact)
         self.model = model
+        self.allow_inexact = allow_inexact
         self.tokenizer = tokenizer
         self.proposer = proposer
         # Greedy steps with static shapes and one read-back each, captured as CUDA graphs on
@@ -106,7 +115,8 @@ class Engine:
         requests' rows, and there are none)."""
         if self._solo is None:
             # Rows capped at the window (no tree outgrows it: `Generation.can_draft`), not by cost.
-            limits = BatchLimits(max_batch=1, max_waiting=1, window=self.max_len, tree_rows=self.max_len)
+            limits = BatchLimits(max_batch=1, max_waiting=1, window=self.max_len, tree_rows=self.max_len,
+                                 batched=False)
             self._solo = BatchEngine(self, lambda: self.proposer, limits, thread=False, allocate=False)
         return self._solo
 
@@ -167,6 +177,11 @@ class BatchLimits:
     # The rows one step verifies over all requests: each greedy request drafts while the
     # batch's rows stay within this. None: the cost rule (module docstring).
     tree_rows: int | None = None
+    # Plain-decoding requests as rows of one forward over per-slot caches (batched_decoding.py),
+    # not a forward each. None: where that is the faster way and allowed, a model on torch's
+    # kernels (not the native engine's, nor the row-invariant ones) with inexact answers
+    # allowed (Engine.allow_inexact).
+    batched: bool | None = None
 
     def __post_init__(self):
         for name in ("max_batch", "window"):
@@ -182,7 +197,9 @@ class BatchLimits:
 @dataclass
 class Request:
     """A submitted request: `result` once `done` is set; `on_piece(text, result)` hears its
-    stream with the result so far (called on the engine's thread)."""
+    stream with the result so far (called on the engine's thread). stream_text=False: it hears
+    every step with no text, the text decoded once at the end (a listener that counts tokens:
+    decoding a growing answer at every step costs more than a batched step's share of it)."""
     prompt_ids: list[int]
     config: GenerationConfig
     draft: bool = True
@@ -192,6 +209,7 @@ class Request:
     error: BaseException | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     generation: Generation | None = None    # made by the caller for the slot (`run_alone`)
+    stream_text: bool = True
 
     def wait(self, timeout: float | None = None) -> GenerationResult:
         if not self.done.wait(timeout):
@@ -211,7 +229,7 @@ class Slot:
         self.model, self.window = engine.model, window
         self._cache = self.model.new_cache(window) if allocate else None
         self.proposer = proposer
-        self.generation: Generation | None = None
+        self.generation: Generation | None = None   # outside: in the engine's `batched` rows
         self.request: Request | None = None
         self.gain = PRIOR_GAIN
         self.passes = PRIOR_PASSES
@@ -240,9 +258,23 @@ class BatchEngine:
                              f"{model.args.max_seq_len}")
         # A server meets its memory need when it starts, not under its first load. allocate=False
         # (the engine's own batch of one): each cache when first used, since static steps use
-        # their decoder's.
+        # their decoder's. With `batched` rows, plain requests keep their keys there, in as many
+        # slots as the device's memory holds, and a drafted request's own cache is made when
+        # one first drafts in its slot: where requests may draft, the slots take a quarter of
+        # the free memory, not half, so that a cache for each fits in the next quarter.
+        self.batched = None
+        batched = self.limits.batched
+        if batched is None:
+            batched = model.native is None and not model.kernels and engine.allow_inexact
+        slots = self.limits.max_batch
+        if batched:
+            from .batched_decoding import BatchedDecoding
+
+            share = 0.25 if make_proposer is not None else 0.5
+            self.batched = BatchedDecoding(model, self.limits.window, self.limits.max_batch, memory_share=share)
+            slots, allocate = self.batched.slots, False
         self.slots = [Slot(engine, self.limits.window, make_proposer() if make_proposer else None, allocate)
-                      for _ in range(self.limits.max_batch)]
+                      for _ in range(slots)]
         # The cost curve the draft budget reads: measured once, where anything drafts.
         self.costs = None
         drafting = [slot.proposer for slot in self.slots if slot.proposer is not None]
@@ -264,14 +296,16 @@ class BatchEngine:
     # ---------------------------------------------------------------- requests
 
     def submit(self, prompt_ids: list[int], config: GenerationConfig, draft: bool = True,
-               on_piece: Callable[[str, GenerationResult], None] | None = None) -> Request:
+               on_piece: Callable[[str, GenerationResult], None] | None = None,
+               stream_text: bool = True) -> Request:
         """Queue a request (ValueError if it cannot run: empty, too long for a slot's window;
-        Busy if every slot and the queue are full)."""
+        Busy if every slot and the queue are full). on_piece, stream_text: see `Request`."""
         if self.stopping:
             raise RuntimeError("the batch engine has stopped")
         self.check(prompt_ids, config)
         cancel = config.cancel if config.cancel is not None else threading.Event()
-        request = Request(list(prompt_ids), replace(config, cancel=cancel), draft, on_piece, cancel=cancel)
+        request = Request(list(prompt_ids), replace(config, cancel=cancel), draft, on_piece, cancel=cancel,
+                          stream_text=stream_text)
         try:
             self.waiting.put_nowait(request)
         except queue.Full:
@@ -396,16 +430,25 @@ class BatchEngine:
             request.done.set()
 
     def _admit(self) -> None:
-        for slot in self.slots:
+        joining = []           # (slot index, slot) of requests whose rows join `batched`
+        for index, slot in enumerate(self.slots):
             if slot.generation is not None:
                 continue
             try:
                 request = self.waiting.get_nowait()
             except queue.Empty:
-                return
+                break
+            stream = request.on_piece is not None and request.stream_text
+            if request.generation is None and self.batched is not None and \
+                    not (request.draft and slot.proposer is not None):
+                slot.generation = Generation(self.engine, request.prompt_ids, request.config,
+                                             stream=stream, outside=True)
+                slot.request = request
+                joining.append((index, slot))
+                continue
             generation = request.generation or Generation(
                 self.engine, request.prompt_ids, request.config, cache=slot.cache,
-                proposer=slot.proposer if request.draft else None, stream=request.on_piece is not None)
+                proposer=slot.proposer if request.draft else None, stream=stream)
             slot.generation, slot.request = generation, request
             try:
                 started = time.perf_counter()
@@ -413,6 +456,26 @@ class BatchEngine:
                     delta = generation.start()
                 self.seconds["prefill"] += time.perf_counter() - started
                 self._deliver(slot, delta)
+            except BaseException as exc:
+                self._end(slot, exc)
+        if joining:
+            try:
+                started = time.perf_counter()
+                with torch.inference_mode(), self.engine.model.lock:
+                    outcomes = self.batched.start([(index, slot.generation) for index, slot in joining])
+                self.seconds["prefill"] += time.perf_counter() - started
+            except BaseException as exc:
+                outcomes = [exc] * len(joining)
+            self._settle([slot for _, slot in joining], outcomes)
+
+    def _settle(self, slots: list[Slot], outcomes: list) -> None:
+        """Deliver each slot's text, or end its request with the exception in its place."""
+        for slot, outcome in zip(slots, outcomes):
+            if isinstance(outcome, BaseException):
+                self._end(slot, outcome)
+                continue
+            try:
+                self._deliver(slot, outcome)
             except BaseException as exc:
                 self._end(slot, exc)
 
@@ -424,6 +487,17 @@ class BatchEngine:
             self.steps += 1
             self._deliver(running[0], delta)
             return
+        rows = [(index, slot) for index, slot in enumerate(self.slots)
+                if slot.generation is not None and slot.generation.outside]
+        if rows:
+            running = [slot for slot in running if not slot.generation.outside]
+            with torch.inference_mode():
+                outcomes = self.batched.step([(index, slot.generation) for index, slot in rows])
+            self.rows += len(rows)
+            self._settle([slot for _, slot in rows], outcomes)
+            if not running:
+                self.steps += 1
+                return
         drafts = self._drafting(running)
         with torch.inference_mode():
             outcomes = step_together(model, [slot.generation for slot in running], drafts)
@@ -488,7 +562,7 @@ class BatchEngine:
 
     def _deliver(self, slot: Slot, delta: str) -> None:
         request, generation = slot.request, slot.generation
-        if delta and request.on_piece is not None:
+        if request.on_piece is not None and (delta or not request.stream_text):
             request.on_piece(delta, generation.result)
         if generation.done:
             self._end(slot, None)

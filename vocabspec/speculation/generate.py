@@ -6,7 +6,9 @@ token), `propose` (the tree to verify), `finish` (verify, commit, tell the propo
 The loop that takes those steps, for one request or many, is batch.py's. Vanilla decoding is
 the same step with no proposer (the root alone), so every method shares prefill, stopping
 rules, streaming and statistics. A proposer (EAGLE drafter, prompt lookup) only has to turn
-the committed context into a `Tree` and to hear back which tokens were accepted.
+the committed context into a `Tree` and to hear back which tokens were accepted. A request
+whose forwards run outside, one row among many requests' (batched_decoding.py), keeps the rest
+of this: `start_outside` and `take` choose, record and emit its tokens.
 """
 
 from __future__ import annotations
@@ -350,12 +352,16 @@ class Generation:
     batch gives the request its own."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig,
-                 cache: KVCache | None = None, proposer: Proposer | None = None, stream: bool = True):
+                 cache: KVCache | None = None, proposer: Proposer | None = None, stream: bool = True,
+                 outside: bool = False):
         self.engine = engine
         self.prompt_ids = prompt_ids
         self.config = config
         self._cache = cache      # None: the engine's, made when first used (static steps bring their own)
-        self.proposer = engine.proposer if cache is None else proposer
+        # outside: the caller runs its forwards, one row a step (`start_outside`, `take`), and
+        # keeps its keys and values; it drafts nothing.
+        self.outside = outside
+        self.proposer = None if outside else engine.proposer if cache is None else proposer
         self.result = GenerationResult(prompt_tokens=len(prompt_ids), engine=engine.model.engine)
         self.text = TextStream(engine.tokenizer)
         self.streamed = ""      # text already yielded; never retracted
@@ -372,7 +378,8 @@ class Generation:
         self.started = 0.0
         # Greedy steps of fixed shapes, one read-back each (static_step.py), for the engine's
         # own request where the engine runs them (`Engine.static`): the loop's device form.
-        self.static = (engine.static and cache is None and params.greedy and config.logprobs is None)
+        self.static = (engine.static and cache is None and not outside and params.greedy
+                       and config.logprobs is None)
         self.decoder = None      # the static steps' decoder, where they run
 
     @property
@@ -505,6 +512,37 @@ class Generation:
         # A step is one launch (a CUDA graph): all of it counts as verification.
         self.result.steps.append(StepRecord(len(accepted), size, 0.0, time.perf_counter() - t0, ranks))
         return self._emit(accepted[1:] + [self.token])
+
+    def start_outside(self, token: int, logits: torch.Tensor) -> str:
+        """`start` for a request whose prompt the caller ran beside others' (a batch's slot
+        cache: batched_decoding.py): its first token from the prompt's last `logits` (vocab,)
+        (`take`'s rule); the text it shows."""
+        if not self.started:
+            self.started = time.perf_counter()
+        self.token = self._choose(token, logits)
+        self.result.prefill_seconds = time.perf_counter() - self.started
+        return self._emit([self.token], [logits])
+
+    @property
+    def reads_logits(self) -> bool:
+        """Whether `take` reads its row's logits (to sample, or for logprobs); else the
+        caller's argmax is all it needs."""
+        return not self.config.sampling.greedy or self.config.logprobs is not None
+
+    def take(self, token: int, logits: torch.Tensor | None, seconds: float) -> str:
+        """A plain-decoding step whose forward the caller ran over many requests' rows
+        (batched_decoding.py): the next token is `token` for a greedy request (the caller's
+        argmax of the row's `logits`, the first on ties as `greedy_token`), else drawn from
+        `logits` (vocab,) with this request's settings and generator, the draw serving it alone
+        makes (`logits` may be None where not `reads_logits`). Recorded as a step of `seconds`,
+        all of it the shared forward's; the text it shows."""
+        self.token = self._choose(token, logits)
+        self.result.steps.append(StepRecord(1, 0, 0.0, seconds, forward_seconds=seconds))
+        return self._emit([self.token], [logits])
+
+    def _choose(self, token: int, logits: torch.Tensor) -> int:
+        params = self.config.sampling
+        return token if params.greedy else self._pick(logits, params, self.generator)
 
     def _prefill(self, start: float, generator, taps) -> tuple[torch.Tensor, int]:
         """Run the prompt, pick the first token and start the proposer on the prompt's states;

@@ -1,0 +1,187 @@
+"""The batch engine's plain-decoding requests on torch's kernels as rows of one forward
+(speculation/batched_decoding.py), in float32 on the CPU: every greedy answer is the one plain
+decoding of the request alone gives; every seeded sampled answer the one serving it alone
+draws, and the draws follow the target's distribution; slots are sized from free memory, a
+request that cannot fit is refused, and `generate --input --backend torch --allow-inexact`
+runs here and records how many answers served alone again differ.
+
+In float32 on these models the rows batched together round like rows alone closely enough that
+every token agrees, so the tests ask for equal tokens; in bfloat16 (a GPU's run) they need
+not agree, which is why the path needs --allow-inexact.
+"""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from vocabspec.engine import batched
+from vocabspec.speculation.batch import BatchEngine, BatchLimits, Engine
+from vocabspec.speculation.generate import GenerationConfig
+from vocabspec.speculation.pld import PromptLookupProposer
+from vocabspec.speculation.sampling import SamplingParams, target_probs
+
+
+def prompts_of(lengths, seed=0, vocab=97):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(6, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_and_seeded_answers_are_each_requests_alone(arch):
+    """Six requests through three slots (refilled as answers end, free slots between running
+    ones), greedy and seeded sampling with their own settings, an end-of-sequence token, and
+    Gemma's sliding window of 6 passed: each answer is the one the request gets served alone."""
+    model = tiny_model(arch, seed=4, eos_token_ids=[5])
+    engine = Engine(model, allow_inexact=True)
+    prompts = prompts_of([3, 17, 9, 12, 5, 8])
+    configs = [GenerationConfig(max_new_tokens=n) for n in (8, 3, 10)] + [
+        GenerationConfig(max_new_tokens=8, sampling=SamplingParams(temperature=t, top_k=k, top_p=p, seed=s))
+        for t, k, p, s in ((1.3, 20, 1.0, 2), (1.0, 0, 0.9, 3), (0.7, 1, 1.0, 4))]
+    batch = BatchEngine(engine, None, BatchLimits(max_batch=3, window=64), thread=False)
+    assert batch.batched is not None and len(batch.slots) == 3
+    together = batch.generate(prompts, configs)
+    alone = [engine.generate(p, c) for p, c in zip(prompts, configs)]
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert [r.stop_reason for r in together] == [r.stop_reason for r in alone]
+    assert batch.batched.steps == batch.steps and batch.rows > 2 * batch.steps   # rows shared steps
+    # top_k=1 sampling is greedy decoding, whatever its seed.
+    greedy = engine.generate(prompts[5], GenerationConfig(max_new_tokens=8))
+    assert together[5].tokens == greedy.tokens
+
+
+def test_greedy_rows_a_step_ahead_end_and_refill_as_alone():
+    """All greedy: steps run a step ahead of the host's reading. Answers ending at
+    end-of-sequence tokens and at their lengths (one of a single token), slots refilled, rows
+    wasted on ended requests: each answer the request's alone, and so when a sampled request
+    joins the greedy ones mid-run (the step ahead read first, steps then one at a time)."""
+    model = tiny_model("llama", seed=2, eos_token_ids=[5, 9, 11, 20, 33])
+    engine = Engine(model, allow_inexact=True)
+    prompts = prompts_of([3, 17, 9, 30, 5, 12, 8, 4], seed=1)
+    configs = [GenerationConfig(max_new_tokens=n) for n in (12, 3, 20, 7, 1, 9, 15, 2)]
+    batch = BatchEngine(engine, None, BatchLimits(max_batch=4, window=64), thread=False)
+    for configs in (configs, configs[:5] + [GenerationConfig(max_new_tokens=9, sampling=SamplingParams(
+            temperature=1.0, seed=3))] + configs[6:]):
+        together = batch.generate(prompts, configs)
+        alone = [engine.generate(p, c) for p, c in zip(prompts, configs)]
+        assert [(r.tokens, r.stop_reason) for r in together] == [(r.tokens, r.stop_reason) for r in alone]
+        assert {r.stop_reason for r in together} == {"eos", "length"}
+
+
+def test_sampled_first_tokens_follow_the_targets_distribution():
+    """Four hundred requests of one prompt, each seeded differently, prefilled and sampled
+    together: their first tokens' frequencies match the target's probabilities (total variation
+    within what 400 draws allow)."""
+    model = tiny_model("llama", seed=7)
+    engine = Engine(model, allow_inexact=True)
+    prompt = prompts_of([6], seed=3)[0]
+    params = SamplingParams(temperature=2.0, seed=0)
+    configs = [GenerationConfig(max_new_tokens=1, sampling=SamplingParams(temperature=2.0, seed=s))
+               for s in range(400)]
+    batch = BatchEngine(engine, None, BatchLimits(max_batch=400, window=16), thread=False)
+    firsts = [r.tokens[0] for r in batch.generate([prompt] * 400, configs)]
+    _, logits = model(torch.tensor(prompt), torch.arange(len(prompt)), model.new_cache(16))
+    probs = target_probs(logits, params)[0]
+    counts = torch.bincount(torch.tensor(firsts), minlength=probs.numel()).float() / 400
+    assert 0.5 * float((counts - probs).abs().sum()) < 0.2
+    assert len(set(firsts)) > 5
+
+
+def test_slots_fit_free_memory_and_a_request_that_cannot_fit_is_refused(monkeypatch):
+    """Memory for two slots: the engine runs two, and five requests wait their turn; memory for
+    none: the engine refuses to start, naming the sizes; a prompt and answer longer than a
+    slot's window is refused when submitted. Without --allow-inexact, every request keeps the
+    per-request step (answers exactly as alone), and a drafted request keeps it beside rows."""
+    model = tiny_model("llama", seed=2)
+    engine = Engine(model, allow_inexact=True)
+    per_slot = batched.SlotCache.bytes_per_slot(model, 32)
+    monkeypatch.setattr(batched, "free_memory", lambda device: 4 * per_slot + 1)
+    batch = BatchEngine(engine, None, BatchLimits(max_batch=8, window=32), thread=False)
+    assert len(batch.slots) == 2
+    prompts, config = prompts_of([4, 7, 5, 9, 3], seed=1), GenerationConfig(max_new_tokens=6)
+    assert [r.tokens for r in batch.generate(prompts, config)] == \
+        [engine.generate(p, config).tokens for p in prompts]
+    with pytest.raises(ValueError, match="exceed the context window of 32 tokens"):
+        batch.submit(list(range(6, 26)), GenerationConfig(max_new_tokens=20))
+    monkeypatch.setattr(batched, "free_memory", lambda device: per_slot)
+    with pytest.raises(ValueError, match=r"a slot of 32 positions needs .* MiB free on cpu holds none"):
+        BatchEngine(engine, None, BatchLimits(max_batch=8, window=32), thread=False)
+    monkeypatch.undo()
+    assert BatchEngine(Engine(model), None, BatchLimits(max_batch=2, window=32), thread=False).batched is None
+
+    drafting = Engine(model, proposer=PromptLookupProposer(), allow_inexact=True)
+    mixed = BatchEngine(drafting, PromptLookupProposer, BatchLimits(max_batch=4, window=64, tree_rows=16),
+                        thread=False)
+    looped = [p * 3 for p in prompts_of([4, 5], seed=6)]           # something to look up
+    requests = [mixed.submit(p, GenerationConfig(max_new_tokens=10), draft=d)
+                for p, d in zip(looped + looped, (True, True, False, False))]
+    while not all(r.done.is_set() for r in requests):
+        mixed.run_once()
+    assert mixed.drafted > 0 and mixed.batched.steps > 0
+    assert [r.wait().tokens for r in requests[2:]] == \
+        [engine.generate(p, GenerationConfig(max_new_tokens=10)).tokens for p in looped]
+
+
+def test_generate_input_on_torch_runs_rows_together_and_records_the_alone_check(tmp_path, capsys, monkeypatch):
+    """`vocabspec generate --input --backend torch --allow-inexact`: the plain requests step
+    through batched rows, and the job's record and summary say how many answers served alone
+    again differ (none, in float32)."""
+    from vocabspec.cli import main
+    from vocabspec.speculation import batched_decoding
+
+    rows = []
+    step = batched_decoding.BatchedDecoding.step
+    monkeypatch.setattr(batched_decoding.BatchedDecoding, "step",
+                        lambda self, running: rows.append(len(running)) or step(self, running))
+    source, out = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
+    items = [{"prompt": "Say hi."}, {"prompt": "Count to three.", "temperature": 0.8, "seed": 5}]
+    source.write_text("".join(json.dumps(item) + "\n" for item in items))
+    assert main(["generate", "--input", str(source), "--output", str(out), "--backend", "torch",
+                 "--weights", "f32", "--allow-inexact", "--max-seq-len", "128", "--max-new-tokens", "4",
+                 "--max-batch", "2", "--progress-every", "0"]) == 0
+    assert rows and max(rows) == 2
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(line["index"] for line in lines) == [0, 1]
+    assert all("error" not in line and line["engine"].startswith("torch") for line in lines)
+    record = json.loads((tmp_path / "answers.jsonl.job.json").read_text())
+    assert record["alone_check"] == {"answers": 2, "differ": 0, "of": 2}
+    assert "0 of 2 answers served alone again differ" in capsys.readouterr().err
+
+
+def test_the_server_on_torch_steps_concurrent_requests_as_rows_together():
+    """`serve` on torch's kernels with inexact answers allowed: concurrent chat requests step
+    as batched rows, each answer the one the request gets alone (a tiny random model with
+    SmolLM2's tokenizer: the serving path, not the answers' sense, is under test)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from vocabspec.engine.loading import resolve_model_path
+    from vocabspec.engine.tokenizer import load_tokenizer
+    from vocabspec.serving.api import LanguageModel
+    from vocabspec.serving.server import HTTPThread, ServerLimits, create_app
+
+    tokenizer = load_tokenizer(resolve_model_path("smollm2"))
+    model = tiny_model("llama", seed=3, vocab_size=tokenizer.vocab_size, max_seq_len=256)
+    lm = LanguageModel(Engine(model, tokenizer, allow_inexact=True), "tiny")
+    app = create_app(lm, "tiny", ServerLimits(max_batch=4, window=128, max_queue=8, max_tokens_cap=16))
+    http = HTTPThread(app)
+    base = http.wait_ready()
+    texts = ["Say hi.", "Name a colour.", "What is 2 + 2?", "Name a fruit."]
+
+    def ask(text):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 10,
+                "temperature": 0}
+        return httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(ask, texts))
+    finally:
+        http.stop(10)
+        app.state.server.batch.close()
+    assert [reply.status_code for reply in replies] == [200] * 4
+    assert app.state.server.batch.batched.steps > 0
+    assert [reply.json()["choices"][0]["message"]["content"] for reply in replies] == \
+        [lm.generate(text, chat=True, max_new_tokens=10).text for text in texts]

@@ -1,0 +1,177 @@
+"""A batch's plain-decoding requests on torch's kernels, stepped as rows of one forward.
+
+On the native engine a batch step runs every request's rows in one native call
+(`Transformer.forward_batch`); on torch's kernels that call runs the requests in turn, a
+forward each, which leaves a GPU idle: there a step of one row costs about what a step of a
+thousand rows costs. `BatchedDecoding` gives each plain-decoding request a slot of one
+`SlotCache` (engine/batched.py) and steps them all as one `DecodeStep`, one row each: a CUDA
+graph per context bucket on a GPU, eagerly elsewhere. Joining requests' prompts are prefilled
+together, padded, into their slots. Greedy steps run one ahead of the host, which reads a step
+and emits its tokens while the device computes the next (`step`).
+
+Where it runs: inside `BatchEngine` (batch.py), which picks it when its model runs on torch's
+kernels and inexact answers are allowed (`BatchLimits.batched`), rather than as an engine of
+its own: admission, the queue, cancellation, deadlines, streaming, stop strings, logprobs and
+results stay the batch engine's and each request's `Generation`'s, one path for the server,
+the batch job and the Python API; and a drafted request, which keeps its own KV cache and the
+per-request step, runs beside plain ones in the same engine. Only the forward and the choice
+of each token move here.
+
+A request's tokens are its own: a greedy row takes the step's argmax, a sampled row is drawn
+from its row's logits with the request's settings and generator (`Generation.take`), the draw
+serving it alone makes from the same logits. The logits are not the same bits: torch's kernels
+round a row differently with other rows beside it (float32 in the last bits, bfloat16 by units
+of its precision), which is why this path needs inexact answers allowed.
+
+Memory is fixed when the engine starts: the slots are sized from the device's free memory and
+the window asked for (`SlotCache.fitting`: at most `max_batch` slots in half the free memory,
+the rest for activations; a quarter where requests may draft, whose own caches take the next
+quarter), and a prefill holds at most `prefill_tokens` padded tokens. Requests beyond the
+slots wait in the engine's queue; one longer than a slot's window is refused when submitted;
+where not even one slot fits, the engine refuses to start, naming the sizes.
+
+A request keeps its slot (its `BatchEngine` slot's index) until it ends, and joining requests
+take the lowest free ones. A free slot below a running one steps too, its row writing only into
+its own slot (which a prefill overwrites), so running requests never move.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..engine.batched import DecodeStep, SlotCache, prefill_groups, prefill_slots
+from ..engine.model import Transformer
+from .generate import Generation
+
+PREFILL_TOKENS = 16384      # padded prompt tokens a prefill runs at once: bounds its activations
+
+
+class BatchedDecoding:
+    """Plain decoding of up to `slots` requests in one forward a step (module docstring)."""
+
+    def __init__(self, model: Transformer, window: int, most_slots: int,
+                 prefill_tokens: int = PREFILL_TOKENS, memory_share: float = 0.5):
+        self.model = model
+        self.cache = SlotCache.fitting(model, window, most_slots, memory_share)
+        self.decode = DecodeStep(model, self.cache)
+        self.prefill_tokens = prefill_tokens
+        # Per slot, on the host: the position its next row goes to (the tokens its slot holds).
+        self.positions = [0] * self.cache.slots
+        self.steps = 0
+        self.ahead: Launched | None = None       # a greedy step launched and not yet read (`step`)
+
+    @property
+    def slots(self) -> int:
+        return self.cache.slots
+
+    def start(self, joining: list[tuple[int, Generation]]) -> list[str | BaseException]:
+        """Prefill each (slot, generation)'s prompt into its slot, shortest first in groups of
+        at most `prefill_tokens`, and give it its first token; per generation, the text that
+        token shows or the exception that ended it."""
+        outcomes: list[str | BaseException] = [""] * len(joining)
+        order = sorted(range(len(joining)), key=lambda i: len(joining[i][1].prompt_ids))
+        sizes = prefill_groups([len(joining[i][1].prompt_ids) for i in order], self.prefill_tokens)
+        done = 0
+        for size in sizes:
+            group, done = order[done:done + size], done + size
+            for i in group:
+                joining[i][1].started = joining[i][1].started or time.perf_counter()
+            slots = torch.tensor([joining[i][0] for i in group], device=self.model.device)
+            logits = prefill_slots(self.model, self.cache, [joining[i][1].prompt_ids for i in group], slots=slots)
+            greedy = logits.argmax(-1).tolist()
+            for row, i in enumerate(group):
+                slot, generation = joining[i]
+                self.positions[slot] = len(generation.prompt_ids)
+                try:
+                    outcomes[i] = generation.start_outside(greedy[row], logits[row])
+                except Exception as exc:          # noqa: BLE001 - ends that request alone
+                    outcomes[i] = exc
+        return outcomes
+
+    def step(self, running: list[tuple[int, Generation]]) -> list[str | BaseException]:
+        """A step of every running (slot, generation)'s row, all in one forward; per generation,
+        the text its new token shows ("" where its token is still on its way), or the exception
+        that ended it.
+
+        Greedy rows run a step ahead: a step is launched from the device's own argmax of the
+        step before, with no read-back between them, and the host reads that earlier step and
+        emits its tokens while the device computes the new one (the host's share of a step of
+        a thousand rows is about the device's). A request that ended in the earlier step has a
+        row wasted in the new one, written into its own slot only. A row that reads its logits
+        (sampling, logprobs) needs its step read before the next is launched: while one runs,
+        a step ahead is read first, and steps then run one at a time."""
+        started = time.perf_counter()
+        ahead, self.ahead = self.ahead, None
+        if any(generation.reads_logits for _, generation in running):
+            if ahead is None:
+                ahead = self._launch(running, None)
+            return self._read(ahead, running, started)
+        if ahead is None:
+            ahead = self._launch(running, None)
+        self.ahead = self._launch(running, ahead)
+        return self._read(ahead, running, started)
+
+    def _launch(self, running: list[tuple[int, Generation]], ahead: "Launched | None") -> "Launched":
+        """Start a step of the running rows, each fed its last token: the device's argmax in
+        `ahead` where its request was in that step, else its request's own (the host's)."""
+        device = self.model.device
+        rows = self.decode.rows(max(slot for slot, _ in running) + 1)
+        tokens = torch.zeros(rows, dtype=torch.long, device=device)   # a free slot's row feeds 0
+        if ahead is not None:
+            carried = min(rows, ahead.next_tokens.numel())
+            tokens[:carried] = ahead.next_tokens[:carried]
+        fed = [(slot, generation.token) for slot, generation in running
+               if ahead is None or ahead.members.get(slot) is not generation]
+        if fed:
+            slots, last = zip(*fed)
+            tokens[torch.tensor(slots, device=device)] = torch.tensor(last, device=device)
+        context = max(self.positions[slot] for slot, _ in running) + 1
+        positions = [min(p, self.cache.window - 1) for p in self.positions[:rows]]
+        greedy, logits = self.decode.with_logits(tokens, torch.tensor(positions, device=device), context)
+        for slot, _ in running:
+            self.positions[slot] += 1
+        return Launched(dict(running), greedy, logits)
+
+    def _read(self, launched: "Launched", running: list[tuple[int, Generation]],
+              started: float) -> list[str | BaseException]:
+        """The launched step's tokens to the running requests that were in it (the step's one
+        wait for the device)."""
+        chosen = launched.read()
+        seconds = time.perf_counter() - started
+        outcomes: list[str | BaseException] = []
+        for slot, generation in running:
+            if launched.members.get(slot) is not generation:        # joined since: its turn is next
+                outcomes.append("")
+                continue
+            try:
+                row = launched.logits[slot] if generation.reads_logits else None
+                outcomes.append(generation.take(chosen[slot], row, seconds))
+            except Exception as exc:             # noqa: BLE001 - ends that request alone
+                outcomes.append(exc)
+        self.steps += 1
+        return outcomes
+
+
+class Launched:
+    """A decode step on its way: the requests in it by slot, its argmax kept on the device (the
+    next step's input: a captured step's own outputs are rewritten by its next replay) and on
+    its way to the host, and its logits (read only before another step is launched)."""
+
+    def __init__(self, members: dict[int, Generation], greedy: torch.Tensor, logits: torch.Tensor):
+        self.members, self.logits = members, logits
+        self.next_tokens = greedy.clone()
+        self.done = None
+        if greedy.device.type == "cuda":
+            self.host = torch.empty(greedy.shape, dtype=greedy.dtype, pin_memory=True)
+            self.host.copy_(greedy, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = self.next_tokens
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
