@@ -88,7 +88,8 @@ if triton is not None:
 
     @triton.jit
     def _tile(x, w, rows, cols, M, N, K, scale, nw, NORM: tl.constexpr, USE_DOT: tl.constexpr,
-              UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr):
         """(BM, BN) of x @ w^T in float32, K reduced BK at a time in ascending order, never split;
         with NORM each x row is first RMS-normed (`scale`, then weight `nw`) and rounded to x's
         dtype, as rms_norm would have stored it."""
@@ -106,8 +107,7 @@ if triton is not None:
             if USE_DOT:
                 if UPCAST:        # the interpreter multiplies bfloat16 operands of tl.dot wrongly
                     xt, wt = xt.to(tl.float32), wt.to(tl.float32)
-                # Tensor cores; float32 inputs in full precision (TF32 would round them).
-                acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+                acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)
             else:
                 products = xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]    # (BM, BN, BK)
                 acc += tl.sum(products, axis=2)
@@ -115,15 +115,15 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _linear(x, w, b, r, nw, y, M, N, K, eps, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                NORM: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr):
+                NORM: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         if NORM:
             scale = _row_scales(x, rows, M, K, eps, BM, BK)
         else:
             scale = tl.full((BM,), 1.0, tl.float32)
-        acc = _tile(x, w, rows, cols, M, N, K, scale, nw, NORM, USE_DOT, UPCAST, BM, BN, BK)
+        acc = _tile(x, w, rows, cols, M, N, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
         if HAS_BIAS:
             acc += tl.load(b + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         out = acc.to(y.dtype.element_ty)
@@ -137,8 +137,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _gated_linear(x, w, nw, y, M, H, K, eps, NORM: tl.constexpr, ACTIVATION: tl.constexpr,
-                      USE_DOT: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr):
+                      USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         if NORM:
@@ -147,8 +147,8 @@ if triton is not None:
             scale = tl.full((BM,), 1.0, tl.float32)
         # The gate's rows of w are [0, H), the up projection's [H, 2H); each rounded to the dtype
         # as the unfused projection stores it, the activation and the product rounded likewise.
-        gate = _tile(x, w, rows, cols, M, H, K, scale, nw, NORM, USE_DOT, UPCAST, BM, BN, BK)
-        up = _tile(x, w + H * K, rows, cols, M, H, K, scale, nw, NORM, USE_DOT, UPCAST, BM, BN, BK)
+        gate = _tile(x, w, rows, cols, M, H, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
+        up = _tile(x, w + H * K, rows, cols, M, H, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
         g = gate.to(y.dtype.element_ty).to(tl.float32)
         u = up.to(y.dtype.element_ty).to(tl.float32)
         # exp of minus a magnitude only: it never overflows.
@@ -244,11 +244,12 @@ def _use_dot(x: torch.Tensor) -> bool:
 
 
 def _tiling(x: torch.Tensor, use_dot: bool) -> dict:
-    """The kernel's fixed tiling, and whether tl.dot's operands go up to float32 (the
-    interpreter's tl.dot mishandles bfloat16; a GPU's never needs it)."""
+    """The kernel's fixed tiling; whether tl.dot's operands go up to float32 (the interpreter's
+    tl.dot mishandles bfloat16; a GPU's never needs it); tl.dot's precision: float32 operands
+    in full ("ieee": TF32 would round them), a 16-bit type's being exact in any."""
     upcast = use_dot and interpreted() and x.dtype == torch.bfloat16
     tiles = dict(BM=DOT_M, BN=DOT_N, BK=DOT_K) if use_dot else dict(BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
-    return dict(UPCAST=upcast, **tiles)
+    return dict(UPCAST=upcast, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiles)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
