@@ -49,19 +49,30 @@ def _kernels_uncounted(ops: _TorchOps):
         kernels._launch = launch
 
 
+class _FirstLayerDone(Exception):
+    """Raised once the first layer has run: nothing after it is counted, so nothing runs."""
+
+
 @torch.inference_mode()
 def layer_launches(model, tokens: torch.Tensor, positions: torch.Tensor, cache, **forward) -> dict:
     """{"triton": row-invariant kernel launches, "torch": torch's operations} in the first
-    layer of `model(tokens, positions, cache, **forward)`; the forward's new tokens are left
-    pending in the cache (discard them to run it again)."""
+    layer of `model(tokens, positions, cache, **forward)`. The forward stops after that layer:
+    the cache counts no new token (its first layer's slots past the committed ones are
+    written)."""
     ops = _TorchOps()
     marks = {}
+
+    def done(*_):
+        marks["end"] = (kernels.launches(), ops.count)
+        raise _FirstLayerDone
     layer = model.layers[0]
     before = layer.register_forward_pre_hook(lambda *_: marks.update(start=(kernels.launches(), ops.count)))
-    after = layer.register_forward_hook(lambda *_: marks.update(end=(kernels.launches(), ops.count)))
+    after = layer.register_forward_hook(done)
     try:
         with _kernels_uncounted(ops), ops:
             model(tokens, positions, cache, **forward)
+    except _FirstLayerDone:
+        pass
     finally:
         before.remove()
         after.remove()

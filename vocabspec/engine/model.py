@@ -17,6 +17,7 @@ number of rows in the forward, over weights in any of the formats of formats.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from dataclasses import dataclass, field
@@ -376,8 +377,7 @@ class DeviceKernelPlan(LayerPlan):
         seen = Visibility(prefix, xoff, fresh.reshape(-1), positions, xend=xoff + count)
         self.masks = {"global": (seen, 0)}
         if args.sliding_window is not None:
-            self.masks["local"] = (Visibility(prefix, xoff, fresh.reshape(-1), positions, args.sliding_window,
-                                              xoff + count), 0)
+            self.masks["local"] = (dataclasses.replace(seen, window=args.sliding_window), 0)
 
 
 class AttentionPlan(LayerPlan):
