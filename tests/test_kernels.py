@@ -195,3 +195,22 @@ def test_static_steps_on_the_kernels_are_plain_decoding():
     static = engine.generate(context, config).tokens
     assert engine.static and engine.decoders
     assert static == loop == plain
+
+
+def test_static_steps_on_the_kernels_keep_accepted_drafts():
+    """Prompt lookup's static steps on the kernels where its drafts are accepted (a one-layer
+    Gemma with a sliding window of 6 whose answer repeats a token): the accepted path is moved
+    in the device cache and the answer is still plain decoding's, in fewer steps."""
+    from conftest import tiny_model
+    from vocabspec.speculation.batch import Engine
+    from vocabspec.speculation.generate import GenerationConfig
+    from vocabspec.speculation.pld import PromptLookupProposer
+
+    model = tiny_model("gemma3", seed=2, n_layers=1).to(DEVICE)
+    model.use_kernels()
+    context = torch.randint(0, 90, (10,), generator=torch.Generator().manual_seed(0)).tolist()
+    config = GenerationConfig(max_new_tokens=7)
+    plain = Engine(model, static=False).generate(context, config)
+    static = Engine(model, proposer=PromptLookupProposer(num_draft=3), static=True).generate(context, config)
+    assert static.tokens == plain.tokens
+    assert len(static.steps) < len(plain.steps)
