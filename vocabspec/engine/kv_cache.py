@@ -155,9 +155,12 @@ class DeviceKVCache(KVCache):
             seen = places[None, :] <= (self.slot_ids[:n, None] + self.pending)
         else:
             seen = tree_mask.to(torch.bool)
-        # The seen places first, in order, then the rest: sorting keys that are all distinct.
-        order = torch.argsort(torch.where(seen, places, places + width), dim=1)
-        return order + self.length, seen.sum(1)
+        # The seen places first, in order, then the rest: each place's rank among its kind,
+        # scattered there (no sort, no read-back).
+        count = seen.sum(1)
+        rank = torch.where(seen, seen.cumsum(1) - 1, (~seen).cumsum(1) - 1 + count[:, None])
+        order = torch.empty_like(rank).scatter_(1, rank, places.expand(n, -1))
+        return order + self.length, count
 
     def begin(self, n: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
         """Start a forward of `n` new tokens after the pending ones; returns which slots each
