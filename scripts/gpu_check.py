@@ -16,10 +16,23 @@
    table (step milliseconds and tau by depth and size) is reported, per dtype.
 6. Profile: one float32 step of plain decoding and of EAGLE-2 FR 32k under torch.profiler,
    captured and eager; the kernels that take the device's time, and a trace of each.
+7. Exact and fast (exact_bf16): bfloat16 plain decoding as torch's captured static step against
+   the row-invariant kernels' captured static step (--backend triton), and EAGLE-2 FR 32k on the
+   kernels at the tree the static-step tuner picks for them: tok/s, and mismatches against plain
+   decoding on the kernels (0 for an exact method) and, for torch's step, how far torch's
+   kernels drift from them.
+8. The linear kernels (linear): microseconds of cuBLAS (F.linear), the row-invariant multiply-add
+   kernel and the tensor-core (tl.dot) kernel at a few decoding shapes (triton.testing.do_bench),
+   whether the tensor-core kernel proved row-invariant in each dtype (the decision the kernels
+   take), and SmolLM2's launches a layer on the kernels, unfused and fused.
 
-Writes report.md and run.json to the folder given.
+Every static-step engine is warmed, graphs captured and kernels compiled, on the prompts'
+cache sizes before it is timed. Writes report.md and run.json to the folder given.
 
     python scripts/gpu_check.py --gguf /tmp/smollm2.gguf --prompts prompts.json --out OUT
+
+--device cpu tries the script on a CPU (sections linear and drafting on cut-down shapes, Triton
+under its interpreter: TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -94,6 +107,28 @@ def tune(model, tokenizer) -> dict:
                                        key=f"gpu_check {RUN}|fr:32k|{model.weights}")
 
 
+def warm(engines: dict, ids: list[list[int]], config: GenerationConfig) -> None:
+    """Each engine run on the shortest, a middle and the longest prompt with `config`: the static
+    decoders (one per cache size) those prompts need are made, their graphs captured and their
+    kernels compiled before anything is timed."""
+    by_length = sorted(ids, key=len)
+    for prompt in {id(p): p for p in (by_length[0], by_length[len(by_length) // 2], by_length[-1])}.values():
+        for engine in engines.values():
+            engine.generate(prompt, config)
+
+
+def graph_rows(engines: dict, rows: dict) -> None:
+    """Each timed row's captured graphs, capture failures and replay times, from its engine."""
+    for name, row in rows.items():
+        decoders = engines[name].decoders.values()
+        row["graphs"] = sum(len(d.graphs) for d in decoders)
+        row["graph_failures"] = [why for d in decoders for why in d.graph_failures.values()]
+        try:                                   # a timing aid: never the section's undoing
+            row["replay_ms"] = replay_ms(engines[name])
+        except Exception as exc:  # noqa: BLE001
+            row["replay_ms"] = {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def make_engines(model, tokenizer, graphs: bool, warmup_ids: list[int], only=None, tuned=None) -> dict:
     """Static-step engines per method (with the tuner's tree too where `tuned` names one), their
     decoders made (and graphs captured) on `warmup_ids` while CUDA graphs are on or off as asked."""
@@ -118,14 +153,7 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int, b
     eager = make_engines(model, tokenizer, graphs=False, warmup_ids=ids[0], only=("plain", "eagle2+fr:32k 5x48"))
     engines.update({f"{name} (eager)": engine for name, engine in eager.items()})
     rows = timed_rows(engines, ids, config, budget_s)
-    for name, row in rows.items():
-        decoders = engines[name].decoders.values()
-        row["graphs"] = sum(len(d.graphs) for d in decoders)
-        row["graph_failures"] = [why for d in decoders for why in d.graph_failures.values()]
-        try:                                   # a timing aid: never the section's undoing
-            row["replay_ms"] = replay_ms(engines[name])
-        except Exception as exc:  # noqa: BLE001
-            row["replay_ms"] = {"error": f"{type(exc).__name__}: {exc}"}
+    graph_rows(engines, rows)
     rows["tuner"] = {"chosen": f"{record['depth']}x{record['total_tokens']}",
                      "measured_speedup": record["measured_speedup"],
                      "plain_step_ms": round(record["plain_step_s"] * 1e3, 3),
@@ -138,7 +166,8 @@ def check_model(path: Path, prompts: list[str], weights: str, new_tokens: int, b
 def timed_rows(engines: dict, ids: list[list[int]], config: GenerationConfig, budget_s: float) -> dict:
     """Every engine on each prompt in turn until the prompts or `budget_s` run out: tokens,
     seconds, steps and mismatches against the first engine's tokens (plain decoding's), per
-    engine, with tok/s, speedup over the first and tau."""
+    engine, with tok/s, speedup over the first and tau. (The first engine runs first on each
+    prompt.)"""
     rows = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "mismatches": 0, "prompts": 0} for name in engines}
     started = time.perf_counter()
     for prompt in ids:
@@ -184,6 +213,86 @@ def check_kernels(path: Path, prompts: list[str], weights: str, new_tokens: int,
     for engine in engines.values():                                  # warm-up: compiles the kernels
         engine.generate(ids[0], GenerationConfig(max_new_tokens=4))
     return timed_rows(engines, ids, GenerationConfig(max_new_tokens=new_tokens), budget_s)
+
+
+def check_exact(path: Path, prompts: list[str], new_tokens: int, budget_s: float) -> dict:
+    """bfloat16 static steps, captured: plain decoding and EAGLE-2 FR 32k at the tuner's tree on
+    the row-invariant kernels (mismatches against the first: exact means 0), and plain decoding
+    on torch's kernels (its mismatches: where torch's rounding leads elsewhere)."""
+    exact, _ = load_model(str(path), weights="bf16", device=DEVICE, backend="triton")
+    fast, _ = load_model(str(path), weights="bf16", device=DEVICE, backend="torch")
+    tokenizer = load_tokenizer(path)
+    ids = [encode_conversation(tokenizer, [("user", p)], answer_open=True) for p in prompts]
+    drafter, _, fr = drafter_and_heads(exact)
+    record = tune(exact, tokenizer)
+    # The tuner's tree; where no tree beat plain decoding there, the best it measured.
+    chosen = record if record["total_tokens"] else autotune.pick(record["table"])
+    depth, total = chosen["depth"], chosen["total_tokens"]
+    tuned = EagleProposer(drafter, head=fr, depth=depth, top_k=8, total_tokens=total)
+    label = "tuned" if record["total_tokens"] else "the tuner's best, slower than plain there"
+    engines = {"exact plain": Engine(exact, tokenizer, None, static=True),
+               f"exact eagle2+fr:32k {depth}x{total} ({label})": Engine(exact, tokenizer, tuned, static=True),
+               "torch plain": Engine(fast, tokenizer, None, static=True, allow_inexact=True)}
+    config = GenerationConfig(max_new_tokens=new_tokens)
+    warm(engines, ids, config)
+    rows = timed_rows(engines, ids, config, budget_s)
+    graph_rows(engines, rows)
+    rows["tuner"] = {"chosen": f"{record['depth']}x{record['total_tokens']}",
+                     "measured_speedup": record["measured_speedup"]}
+    return rows
+
+
+# (rows, K, N) of the products timed: SmolLM2's MLP up projection for one token, Gemma 3 270M's
+# for a 64-row tree, and a Llama-3-8B-sized one for one and 64 rows.
+LINEAR_SHAPES = ((1, 576, 1536), (64, 640, 2048), (1, 4096, 14336), (64, 4096, 14336))
+
+
+def bench_ms(fn) -> float:
+    """Milliseconds a call of `fn` takes: triton.testing.do_bench on a GPU, one timed call
+    after one warm-up elsewhere (the CPU's try of the script)."""
+    if DEVICE == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn)
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def linear_kernels(path: Path | None) -> dict:
+    """The tensor-core kernel's row-invariance decision per dtype (and how long it took), each
+    linear kernel's microseconds at LINEAR_SHAPES in bfloat16, and (with SmolLM2's GGUF) its
+    launches a layer on the kernels, unfused and fused. On a CPU the shapes are cut 64-fold."""
+    import torch.nn.functional as F
+
+    from vocabspec.engine import kernels
+    from vocabspec.engine.launches import layer_launches
+
+    result = {"decision": {}, "us": {}}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        start = time.perf_counter()
+        result["decision"][str(dtype).removeprefix("torch.")] = {
+            "tensor_cores_row_invariant": kernels.dot_is_row_invariant(DEVICE, dtype),
+            "check_s": round(time.perf_counter() - start, 2)}
+    cut = 1 if DEVICE == "cuda" else 64
+    generator = torch.Generator().manual_seed(0)
+    for rows, k, n in LINEAR_SHAPES:
+        k, n = max(k // cut, 16), max(n // cut, 16)
+        x = torch.randn(rows, k, generator=generator).to(DEVICE, torch.bfloat16)
+        weight = (torch.randn(n, k, generator=generator) / k ** 0.5).to(DEVICE, torch.bfloat16)
+        result["us"][f"{rows}x{k}x{n}"] = {
+            "cublas": round(bench_ms(lambda: F.linear(x, weight)) * 1e3, 1),
+            "multiply_add": round(bench_ms(lambda: kernels.linear(x, weight, use_dot=False)) * 1e3, 1),
+            "tensor_cores": round(bench_ms(lambda: kernels.linear(x, weight, use_dot=True)) * 1e3, 1)}
+    if path is not None:
+        model, _ = load_model(str(path), weights="bf16", device=DEVICE, backend="triton")
+        token, position = torch.tensor([1], device=DEVICE), torch.tensor([0], device=DEVICE)
+        for fused in (False, True):
+            model.use_kernels(fused=fused)
+            result[f"launches a layer, {'fused' if fused else 'unfused'}"] = layer_launches(
+                model, token, position, model.new_cache(8))
+    return result
 
 
 @torch.inference_mode()                      # the step's buffers are inference tensors
@@ -300,7 +409,7 @@ def drafting_cost(layers: int, steps: int = 20) -> dict:
     return result
 
 
-SECTIONS = ("read_backs", "f32", "drafting", "bf16", "profile", "triton_f32", "triton_bf16")
+SECTIONS = ("read_backs", "f32", "drafting", "bf16", "profile", "triton_f32", "triton_bf16", "exact_bf16", "linear")
 
 
 def report(run: dict, prompts: int, new_tokens: int) -> str:
@@ -329,6 +438,21 @@ def report(run: dict, prompts: int, new_tokens: int) -> str:
                       "| method | prompts | tok/s | speedup | tau | mismatches |", "| --- | --- | --- | --- | --- | --- |"]
             lines += [f"| {name} | {row['prompts']} | {row['tokens_per_s']} | {row['speedup']}x | {row['tau']} | "
                       f"{row['mismatches'] if name != 'plain' else '-'} |" for name, row in run[section].items()]
+    if "exact_bf16" in run:
+        lines += ["", "Exact and fast, bfloat16, static steps captured as CUDA graphs: the row-invariant kernels "
+                  "(exact: mismatches against their plain decoding must be 0) and torch's kernels (their "
+                  f"mismatches: where torch's rounding leads elsewhere); tuner: {json.dumps(run['exact_bf16'].get('tuner'))}", "",
+                  "| method | prompts | tok/s | speedup | tau | mismatches | graphs | capture failures |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {name} | {row['prompts']} | {row['tokens_per_s']} | {row['speedup']}x | {row['tau']} | "
+                  f"{row['mismatches'] if name != 'exact plain' else '-'} | {row['graphs']} | "
+                  f"{'; '.join(row['graph_failures']) or '-'} |"
+                  for name, row in run["exact_bf16"].items() if name != "tuner"]
+    if "linear" in run:
+        lines += ["", "Linear kernels, bfloat16, microseconds (rows x K x N): "
+                  + json.dumps(run["linear"]["us"]), "",
+                  "Tensor cores row-invariant (the kernels' decision): " + json.dumps(run["linear"]["decision"])]
+        lines += [f"{key}: {json.dumps(value)}" for key, value in run["linear"].items() if key.startswith("launches")]
     for weights in ("f32", "bf16"):
         if "tuner" in run.get(weights, {}):
             lines += ["", *tuner_lines(weights, run[weights]["tuner"])]
@@ -364,13 +488,25 @@ def tuner_lines(weights: str, tuner: dict) -> list[str]:
     return lines
 
 
+def project_prompts() -> list[str]:
+    """The first prompt of each category in the project's own prompts (Spec-Bench's format)."""
+    first = {}
+    for line in (Path(__file__).resolve().parents[1] / "vocabspec" / "data" / "prompts.jsonl").read_text().splitlines():
+        question = json.loads(line)
+        first.setdefault(question["category"], question["turns"][0])
+    return [first[c] for c in sorted(first)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", help="SmolLM2's GGUF file (every section but drafting)")
-    parser.add_argument("--prompts", help="JSON list of prompts (one per category)")
+    parser.add_argument("--gguf", help="SmolLM2's GGUF file (every section but drafting and linear, "
+                                       "which with it also counts SmolLM2's launches a layer)")
+    parser.add_argument("--prompts", help="JSON list of prompts (default: the first of each category of "
+                                          "the project's own prompts, vocabspec/data/prompts.jsonl)")
     parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per answer")
     parser.add_argument("--budget-s", type=float, default=120,
-                        help="seconds per dtype after which no further prompt is started")
+                        help="seconds per timed section (a dtype's, exact_bf16's) after which no "
+                             "further prompt is started")
     parser.add_argument("--out", required=True, help="folder for report.md and run.json")
     parser.add_argument("--device", default="cuda", help="cuda (the check), or cpu to try the script")
     parser.add_argument("--sections", default=",".join(SECTIONS),
@@ -381,13 +517,13 @@ def main():
     sections = args.sections.split(",")
     if unknown := set(sections) - set(SECTIONS):
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    if set(sections) - {"drafting"} and not (args.gguf and args.prompts):
-        parser.error("every section but drafting needs --gguf and --prompts")
+    if set(sections) - {"drafting", "linear"} and not args.gguf:
+        parser.error("every section but drafting and linear needs --gguf")
     global DEVICE
     DEVICE = args.device
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else []
+    prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else project_prompts()
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     run = {"device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "errors": {}}
     started = time.perf_counter()
@@ -397,7 +533,9 @@ def main():
             "drafting": lambda: drafting_cost(args.target_layers),
             "profile": lambda: profile_steps(Path(args.gguf), prompts[0], out),
             "triton_f32": lambda: check_kernels(Path(args.gguf), prompts, "f32", args.new_tokens, args.budget_s),
-            "triton_bf16": lambda: check_kernels(Path(args.gguf), prompts, "bf16", args.new_tokens, args.budget_s)}
+            "triton_bf16": lambda: check_kernels(Path(args.gguf), prompts, "bf16", args.new_tokens, args.budget_s),
+            "exact_bf16": lambda: check_exact(Path(args.gguf), prompts, args.new_tokens, args.budget_s),
+            "linear": lambda: linear_kernels(Path(args.gguf) if args.gguf else None)}
     for section in SECTIONS:
         if section not in sections:
             continue

@@ -91,3 +91,126 @@ def test_a_model_on_the_kernels_is_exact():
     drafted = Engine(model, proposer=EagleProposer(EagleDrafter.random(model, seed=1), depth=2, top_k=2,
                                                    total_tokens=4)).generate(context, GenerationConfig(max_new_tokens=5))
     assert drafted.tokens == plain.tokens
+
+
+# ---------------------------------------------------------------- tensor cores, fusion, launches
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_core_linear_agrees_with_float64(dtype):
+    """The tl.dot kernel (run by the interpreter as a numpy product: its bits are not checked
+    here, only on a GPU by dot_is_row_invariant) against a float64 product, K and N not whole
+    tiles; with a bias, a norm before it and a residual after it too."""
+    x, weight, bias = rand(19, 70, dtype=dtype), rand(45, 70, dtype=dtype, seed=1), rand(45, dtype=dtype, seed=2)
+    want = x.double() @ weight.double().T + bias.double()
+    tol = dict(rtol=1e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.linear(x, weight, bias, use_dot=True).double(), want, **tol)
+    residual, gain = rand(19, 45, dtype=dtype, seed=3), rand(70, seed=4)
+    fused = kernels.linear(x, weight, norm=gain, eps=1e-6, residual=residual, use_dot=True)
+    normed = kernels.rms_norm(x, gain, 1e-6).double()
+    torch.testing.assert_close(fused.double(), normed @ weight.double().T + residual.double(), **tol)
+
+
+def test_the_tensor_core_kernel_serves_only_where_its_rows_keep_their_bits(monkeypatch):
+    """Off a GPU and under the interpreter the decision is the multiply-add kernel's; the check
+    itself passes a row-invariant product and fails one whose rows change with the row count."""
+    assert not kernels.dot_is_row_invariant("cpu", torch.float32)
+    assert not kernels._use_dot(rand(2, 8))
+    if kernels.interpreted():
+        assert not kernels.dot_is_row_invariant("cuda", torch.bfloat16)
+    assert kernels.rows_keep_their_bits(DEVICE, torch.float32, 20, 24, rows=4, use_dot=False)
+    drifting = lambda x, w, use_dot: (x @ w.T) * (1 + 1e-6 * (x.shape[0] > 2))     # noqa: E731
+    monkeypatch.setattr(kernels, "linear", drifting)
+    assert not kernels.rows_keep_their_bits(DEVICE, torch.float32, 20, 24, rows=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernels_against_the_unfused(dtype):
+    """A residual in the linear's epilogue: the bits of the product then torch's add (in
+    bfloat16 within a unit: the interpreter's casts to it truncate, a GPU's round to nearest as
+    torch's do). A norm inside the linear sums each row's squares BK at a time, not in
+    rms_norm's one block, and the gated up projection's exp is Triton's, not torch's: within a
+    unit of the dtype's rounding. Each fused row as it is alone."""
+    x, weight = rand(9, 40, dtype=dtype), rand(2 * 24, 40, dtype=dtype, seed=1)
+    residual, gain = rand(9, 48, dtype=dtype, seed=2), rand(40, seed=3)
+    tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    summed = kernels.linear(x, weight, residual=residual)
+    if dtype == torch.float32:
+        assert torch.equal(summed, kernels.linear(x, weight) + residual)
+    torch.testing.assert_close(summed, kernels.linear(x, weight) + residual, **tol)
+    torch.testing.assert_close(kernels.linear(x, weight, norm=gain, eps=1e-6),
+                               kernels.linear(kernels.rms_norm(x, gain, 1e-6), weight), **tol)
+    gate, up = kernels.linear(kernels.rms_norm(x, gain, 1e-6), weight).split(24, dim=-1)
+    for activation, act in ((kernels.SILU, torch.nn.functional.silu),
+                            (kernels.GELU, lambda t: torch.nn.functional.gelu(t, approximate="tanh"))):
+        fused = kernels.gated_linear(x, weight, activation, norm=gain, eps=1e-6)
+        torch.testing.assert_close(fused, act(gate) * up, **tol)
+        assert torch.equal(kernels.gated_linear(x[4:5], weight, activation, norm=gain, eps=1e-6)[0], fused[4])
+
+
+def test_fusion_launches_fewer_kernels_a_layer():
+    """Launches in a one-token forward's layer, unfused and fused (printed: pytest -s shows them):
+    Llama's layer drops its two norms, the activation, the product and both residual adds."""
+    from conftest import tiny_model
+    from vocabspec.engine.launches import layer_launches
+
+    counts = {}
+    for arch in ("llama", "gemma3"):
+        model = tiny_model(arch, seed=2, n_layers=1).to(DEVICE)
+        for fused in (False, True):
+            model.use_kernels(fused=fused)
+            counts[arch, fused] = layer_launches(model, torch.tensor([3], device=DEVICE),
+                                                 torch.tensor([0], device=DEVICE), model.new_cache(8))
+            print(f"{arch} layer, {'fused' if fused else 'unfused'}: {counts[arch, fused]}")
+    assert counts["llama", False] == {"triton": 7, "torch": counts["llama", True]["torch"] + 4}
+    assert counts["llama", True]["triton"] == 5
+    # Gemma's norms after attention and the MLP keep its residual adds out of the epilogues.
+    assert sum(counts["gemma3", True].values()) == sum(counts["gemma3", False].values()) - 4
+
+
+def test_static_steps_on_the_kernels_are_plain_decoding():
+    """Static steps (static_step.py, a device cache: CUDA graphs on a GPU, eager here) on the
+    kernels: a tree forward over the device cache gives each row the bits of its path's one-token
+    forwards, and greedy EAGLE-2's static steps emit the tokens of the general loop and of plain
+    decoding, with no --allow-inexact."""
+    from test_native import assert_trees_match_one_token_forwards
+
+    from conftest import tiny_model
+    from vocabspec.engine.kv_cache import DeviceKVCache
+    from vocabspec.speculation.batch import Engine
+    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
+    from vocabspec.speculation.generate import GenerationConfig
+
+    model = tiny_model("llama", seed=2, n_layers=1).to(DEVICE)
+    model.use_kernels()
+    args = model.args
+    cache = DeviceKVCache(args.n_layers, args.n_kv_heads, args.head_dim, 64, model.dtype, model.device)
+    context = torch.randint(0, args.vocab_size, (10,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert_trees_match_one_token_forwards(model, context, [5], args.vocab_size, cache=cache)
+    config = GenerationConfig(max_new_tokens=6)
+    plain = Engine(model, static=False).generate(context, config).tokens
+    assert len(set(plain)) > 2                   # the answer is no repeated token
+    proposer = EagleProposer(EagleDrafter.random(model, seed=1), depth=2, top_k=2, total_tokens=4)
+    loop = Engine(model, proposer=proposer, static=False).generate(context, config).tokens
+    engine = Engine(model, proposer=proposer, static=True)
+    static = engine.generate(context, config).tokens
+    assert engine.static and engine.decoders
+    assert static == loop == plain
+
+
+def test_static_steps_on_the_kernels_keep_accepted_drafts():
+    """Prompt lookup's static steps on the kernels where its drafts are accepted (a one-layer
+    Gemma with a sliding window of 6 whose answer repeats a token): the accepted path is moved
+    in the device cache and the answer is still plain decoding's, in fewer steps."""
+    from conftest import tiny_model
+    from vocabspec.speculation.batch import Engine
+    from vocabspec.speculation.generate import GenerationConfig
+    from vocabspec.speculation.pld import PromptLookupProposer
+
+    model = tiny_model("gemma3", seed=2, n_layers=1).to(DEVICE)
+    model.use_kernels()
+    context = torch.randint(0, 90, (10,), generator=torch.Generator().manual_seed(0)).tolist()
+    config = GenerationConfig(max_new_tokens=7)
+    plain = Engine(model, static=False).generate(context, config)
+    static = Engine(model, proposer=PromptLookupProposer(num_draft=3), static=True).generate(context, config)
+    assert static.tokens == plain.tokens
+    assert len(static.steps) < len(plain.steps)

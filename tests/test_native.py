@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from vocabspec.engine import formats, native
+from vocabspec.engine.kv_cache import DeviceKVCache
 from vocabspec.engine.loading import bundled_gguf, load_model
 from vocabspec.engine.model import ModelArgs
 from vocabspec.speculation.tree import TreeBuilder
@@ -144,14 +145,16 @@ def random_tree(vocab: int, size: int, seed: int, top_k: int = 4, depth: int = 6
     return builder.build()
 
 
-def assert_trees_match_one_token_forwards(model, context: list[int], sizes, vocab: int, seed: int = 0):
+def assert_trees_match_one_token_forwards(model, context: list[int], sizes, vocab: int, seed: int = 0,
+                                          cache=None):
     """Every node of each tree: its hidden state and logits from the tree forward are the bits of
-    decoding its path one token at a time after `context`."""
-    cache = model.new_cache(len(context) + 80)
+    decoding its path one token at a time after `context`, in `cache` (default: a new one of the
+    model's)."""
+    cache = model.new_cache(len(context) + 80) if cache is None else cache
     with torch.inference_mode():
         model(torch.tensor(context), torch.arange(len(context)), cache)
         cache.commit()
-        base = cache.length
+        base = cache.used
         for size in sizes:
             tree = random_tree(vocab, size, seed + size)
             hidden, logits = model(tree.tokens, tree.positions(base), cache,
@@ -173,8 +176,17 @@ def assert_trees_match_one_token_forwards(model, context: list[int], sizes, voca
                         assert torch.equal(h[0], hidden[node]), f"tree of {size}: hidden of node {node}"
                         assert torch.equal(lg[0], logits[node]), f"tree of {size}: logits of node {node}"
                         checked.add(node)
-                cache.length = base      # back to the shared context for the next path
+                rewind(cache, base)      # back to the shared context for the next path
             assert checked == set(range(tree.tokens.numel()))
+
+
+def rewind(cache, length: int) -> None:
+    """The cache's committed tokens cut back to `length` (a device cache's count too)."""
+    if isinstance(cache, DeviceKVCache):
+        cache.length.fill_(length)
+        cache.settle(length)
+    else:
+        cache.length = length
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])

@@ -5,23 +5,35 @@ Speculative decoding is exact only if a tree's row gets the bits one-token decod
 cuBLAS and torch's attention choose kernels, tiles and split-K by shape, so a row's rounding
 changes with the number of rows beside it. Here every shape choice is fixed:
 
-- `linear`: output tiles of BLOCK_M x BLOCK_N, the inputs reduced in BLOCK_K steps in ascending
-  order with float32 accumulation, never split. Within a step each output sums its BLOCK_K
-  products with the same reduction whatever its place in the tile: not a matrix-multiply
-  instruction, whose summation may differ by a row's place in the tile (a BLAS kernel's does:
-  a tree's row r and the same row alone, as row 0, came out one unit apart), so a row gets the
-  same bits at any place in any call;
+- `linear`: output tiles of fixed size, the inputs reduced in fixed K steps in ascending order
+  with float32 accumulation, never split. Two kernels share that loop. The multiply-add one
+  (BLOCK_M x BLOCK_N x BLOCK_K) sums each step's products with the same reduction whatever a
+  row's place in the tile: row-invariant by construction, on any device. The tensor-core one
+  (tl.dot, DOT_M x DOT_N x DOT_K) is a matrix-multiply instruction, whose summation may in
+  principle differ by a row's place in the tile (a BLAS kernel's did: a tree's row r and the
+  same row alone, as row 0, came out one unit apart); it serves only where
+  `dot_is_row_invariant` has run it and found every row's bits the same at every place and
+  row count, once per device and dtype;
 - `attention`: one program per (row, head); the keys a row sees are taken in position order
   (slots [0, prefix) then its own list of further slots), BLOCK_T at a time, with an online
   softmax over them: a tree's row and the one-token forward of its path see the same keys in
   the same chunks, never the masked ones;
 - `rms_norm`, `argmax`: one program per row, the reduction over the whole row in one block.
 
-They run on a GPU, and on a CPU under Triton's interpreter (TRITON_INTERPRET=1, set before
-triton is imported), where the tests check them on tiny shapes.
+Fewer kernels a layer (a small model's step is bound by launches): `linear` can RMS-norm its
+input rows first (each row's scale computed in the same program, from that row alone) and add
+a residual to its output, and `gated_linear` is an MLP's gated up projection with its SiLU or
+GELU in one kernel. launches.py counts what a layer launches.
+
+No kernel is compiled per row count (M is never specialized on), so a CUDA graph per tree size
+replays kernels compiled once (static_step.py). They run on a GPU, and on a CPU under Triton's
+interpreter (TRITON_INTERPRET=1, set before triton is imported), where the tests check them on
+tiny shapes.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -31,8 +43,11 @@ try:
 except ImportError:            # the `cuda` extra installs it; without it nothing here runs
     triton = tl = None
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 16     # one tiling for every call: no per-shape choice
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 16     # the multiply-add linear's tiling, for every call
+DOT_M, DOT_N, DOT_K = 16, 32, 64           # the tensor-core linear's, for every call (N of 32:
+                                           # twice the programs of 64 for a one-row product)
 BLOCK_T = 32                               # keys per attention step
+SILU, GELU = 0, 1                          # gated_linear's activations
 
 
 def available() -> tuple[bool, str]:
@@ -42,26 +57,111 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+def interpreted() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_launched = [0]
+
+
+def launches() -> int:
+    """Kernels launched by this module since the process started (what a step costs in
+    launches: take the difference around it)."""
+    return _launched[0]
+
+
 if triton is not None:
+    # M, the rows of a call, is never specialized on: one compiled kernel serves every tree
+    # size, so no request compiles one (and a CUDA graph captures what was warmed).
     @triton.jit
-    def _linear(x, w, b, y, M, N, K, HAS_BIAS: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    def _row_scales(x, rows, M, K, eps, BM: tl.constexpr, BK: tl.constexpr):
+        """Each row's RMS norm scale, 1 / sqrt(mean(x^2) + eps), its squares summed BK at a time."""
+        inner = tl.arange(0, BK)
+        total = tl.zeros((BM,), dtype=tl.float32)
+        for k in range(0, K, BK):
+            ks = k + inner
+            v = tl.load(x + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                        other=0.0).to(tl.float32)
+            total += tl.sum(v * v, axis=1)
+        return 1.0 / tl.sqrt(total / K + eps)
+
+    @triton.jit
+    def _tile(x, w, rows, cols, M, N, K, scale, nw, NORM: tl.constexpr, USE_DOT: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr):
+        """(BM, BN) of x @ w^T in float32, K reduced BK at a time in ascending order, never split;
+        with NORM each x row is first RMS-normed (`scale`, then weight `nw`) and rounded to x's
+        dtype, as rms_norm would have stored it."""
         inner = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(0, K, BK):
             ks = k + inner
             xt = tl.load(x + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
                          other=0.0)
+            if NORM:
+                g = tl.load(nw + ks, mask=ks < K, other=0.0).to(tl.float32)
+                xt = (xt.to(tl.float32) * scale[:, None] * g[None, :]).to(xt.dtype)
             wt = tl.load(w + cols[:, None] * K + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
                          other=0.0)
-            products = xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]    # (BM, BN, BK)
-            acc += tl.sum(products, axis=2)
+            if USE_DOT:
+                if UPCAST:        # the interpreter multiplies bfloat16 operands of tl.dot wrongly
+                    xt, wt = xt.to(tl.float32), wt.to(tl.float32)
+                acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)
+            else:
+                products = xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]    # (BM, BN, BK)
+                acc += tl.sum(products, axis=2)
+        return acc
+
+    @triton.jit(do_not_specialize=["M"])
+    def _linear(x, w, b, r, nw, y, M, N, K, eps, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                NORM: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        if NORM:
+            scale = _row_scales(x, rows, M, K, eps, BM, BK)
+        else:
+            scale = tl.full((BM,), 1.0, tl.float32)
+        acc = _tile(x, w, rows, cols, M, N, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
         if HAS_BIAS:
             acc += tl.load(b + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y + rows[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+        out = acc.to(y.dtype.element_ty)
+        inside = (rows[:, None] < M) & (cols[None, :] < N)
+        if HAS_RESIDUAL:
+            # The projection rounded as it would be stored, then added as torch adds two tensors
+            # of the dtype (in float32, rounded once): the unfused result's bits.
+            res = tl.load(r + rows[:, None] * N + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+            out = (out.to(tl.float32) + res).to(y.dtype.element_ty)
+        tl.store(y + rows[:, None] * N + cols[None, :], out, mask=inside)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _gated_linear(x, w, nw, y, M, H, K, eps, NORM: tl.constexpr, ACTIVATION: tl.constexpr,
+                      USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        if NORM:
+            scale = _row_scales(x, rows, M, K, eps, BM, BK)
+        else:
+            scale = tl.full((BM,), 1.0, tl.float32)
+        # The gate's rows of w are [0, H), the up projection's [H, 2H); each rounded to the dtype
+        # as the unfused projection stores it, the activation and the product rounded likewise.
+        gate = _tile(x, w, rows, cols, M, H, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
+        up = _tile(x, w + H * K, rows, cols, M, H, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
+        g = gate.to(y.dtype.element_ty).to(tl.float32)
+        u = up.to(y.dtype.element_ty).to(tl.float32)
+        # exp of minus a magnitude only: it never overflows.
+        if ACTIVATION == 1:      # GELU, tanh form: tanh(z) = sign(z) (1 - e) / (1 + e), e = exp(-2|z|)
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            e = tl.exp(-2.0 * tl.abs(z))
+            t = (1.0 - e) / (1.0 + e)
+            a = 0.5 * g * (1.0 + tl.where(z < 0, -t, t))
+        else:                    # SiLU: g sigmoid(g), sigmoid(g) = 1 / (1 + e) or e / (1 + e), e = exp(-|g|)
+            e = tl.exp(-tl.abs(g))
+            a = g * tl.where(g < 0, e, 1.0) / (1.0 + e)
+        out = (a.to(y.dtype.element_ty).to(tl.float32) * u).to(y.dtype.element_ty)
+        tl.store(y + rows[:, None] * H + cols[None, :], out, mask=(rows[:, None] < M) & (cols[None, :] < H))
 
     @triton.jit
     def _rms_norm(x, w, y, D, eps, BD: tl.constexpr):
@@ -88,8 +188,8 @@ if triton is not None:
             best = tl.where(take, top, best)
         tl.store(out + row, at)
 
-    @triton.jit
-    def _attention(q, k, v, prefix, xoff, extra, pos, out, H, G, T, D, scale, window,
+    @triton.jit(do_not_specialize=["T"])     # one kernel for every cache size
+    def _attention(q, k, v, prefix, xoff, xend, extra, pos, out, H, G, T, D, scale, window,
                    BT: tl.constexpr, BD: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -98,7 +198,7 @@ if triton is not None:
         qv = tl.load(q + (row * H + head) * D + dims, mask=dims < D, other=0.0).to(tl.float32)
         pre = tl.load(prefix + row)
         x0 = tl.load(xoff + row)
-        count = pre + tl.load(xoff + row + 1) - x0
+        count = pre + tl.load(xend + row) - x0
         first = 0
         if window > 0:      # a sliding layer sees positions pos - window + 1 .. pos
             first = tl.maximum(tl.load(pos + row) - window + 1, 0)
@@ -131,17 +231,110 @@ def _need():
         raise RuntimeError(why)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) @ weight (N, K)^T (+ bias), float32 accumulation, in x's dtype."""
+def _launch(kernel, grid, *args, **meta):
+    _launched[0] += 1
+    kernel[grid](*args, **meta)
+
+
+def _use_dot(x: torch.Tensor) -> bool:
+    """Whether x's products take the tensor-core kernel: on a GPU where it proved row-invariant
+    (`dot_is_row_invariant`). Never under the interpreter, which runs tl.dot as a numpy matrix
+    product: numpy (its BLAS) sums in an order of its choosing, which may change with the rows."""
+    return x.is_cuda and not interpreted() and dot_is_row_invariant(x.device, x.dtype)
+
+
+def _tiling(x: torch.Tensor, use_dot: bool) -> dict:
+    """The kernel's fixed tiling; whether tl.dot's operands go up to float32 (the interpreter's
+    tl.dot mishandles bfloat16; a GPU's never needs it); tl.dot's precision: float32 operands
+    in full ("ieee": TF32 would round them), a 16-bit type's being exact in any."""
+    upcast = use_dot and interpreted() and x.dtype == torch.bfloat16
+    tiles = dict(BM=DOT_M, BN=DOT_N, BK=DOT_K) if use_dot else dict(BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+    return dict(UPCAST=upcast, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiles)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+           use_dot: bool | None = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T (+ bias), float32 accumulation, in x's dtype. With `norm` (K,),
+    each row of x is RMS-normed first (weight `norm`, `eps`) in the same program; with `residual`
+    (M, N), it is added to the result. use_dot: the tensor-core kernel or not (None: where it
+    proved row-invariant)."""
     _need()
     x, weight = x.contiguous(), weight.contiguous()
     M, K = x.shape
     N = weight.shape[0]
+    use_dot = _use_dot(x) if use_dot is None else use_dot
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    _linear[grid](x, weight, bias if bias is not None else weight, y, M, N, K, bias is not None,
-                  BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+    tiles = _tiling(x, use_dot)
+    grid = (triton.cdiv(M, tiles["BM"]), triton.cdiv(N, tiles["BN"]))
+    _launch(_linear, grid, x, weight, bias if bias is not None else weight,
+            residual.contiguous() if residual is not None else y, norm if norm is not None else weight, y,
+            M, N, K, eps, bias is not None, residual is not None, norm is not None, use_dot, **tiles)
     return y
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, activation: int, *, norm: torch.Tensor | None = None,
+                 eps: float = 0.0, use_dot: bool | None = None) -> torch.Tensor:
+    """act(x @ gate^T) * (x @ up^T) for weight = [gate; up] (2H, K), an MLP's gated up
+    projection in one kernel: activation SILU or GELU (tanh form); `norm`: as in `linear`.
+    Returns (M, H) in x's dtype."""
+    _need()
+    x, weight = x.contiguous(), weight.contiguous()
+    M, K = x.shape
+    H = weight.shape[0] // 2
+    use_dot = _use_dot(x) if use_dot is None else use_dot
+    y = torch.empty(M, H, dtype=x.dtype, device=x.device)
+    tiles = _tiling(x, use_dot)
+    grid = (triton.cdiv(M, tiles["BM"]), triton.cdiv(H, tiles["BN"]))
+    _launch(_gated_linear, grid, x, weight, norm if norm is not None else weight, y, M, H, K, eps,
+            norm is not None, activation, use_dot, **tiles)
+    return y
+
+
+# Where the tensor-core kernel was checked, per (device, dtype): whether every row kept its bits.
+_dot_checked: dict[tuple[str, torch.dtype], bool] = {}
+# (N, K) of the products the check runs: SmolLM2's and Gemma 3 270M's MLP up projections.
+DOT_CHECK_SHAPES = ((1536, 576), (2048, 640))
+DOT_CHECK_ROWS = 64
+
+
+def dot_is_row_invariant(device, dtype: torch.dtype) -> bool:
+    """Whether the tensor-core kernel gives every row the same bits at every place in a call of
+    any row count from 1 to DOT_CHECK_ROWS, on `device` in `dtype`: checked by running it (on
+    DOT_CHECK_SHAPES) the first time a (device, dtype) is asked, the answer kept for the process.
+    False off a GPU and under the interpreter (see `_use_dot`): the multiply-add kernel then
+    serves. Ask before capturing a CUDA graph (Transformer.use_kernels does): a check cannot
+    run inside one."""
+    device = torch.device(device)
+    if triton is None or interpreted() or device.type != "cuda":
+        return False
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (str(device), dtype)
+    if key not in _dot_checked:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the tensor-core kernel's check for {key} cannot run inside a CUDA "
+                               "graph capture: call kernels.dot_is_row_invariant before capturing")
+        _dot_checked[key] = all(rows_keep_their_bits(device, dtype, n, k, DOT_CHECK_ROWS)
+                                for n, k in DOT_CHECK_SHAPES)
+    return _dot_checked[key]
+
+
+def rows_keep_their_bits(device, dtype: torch.dtype, n: int, k: int, rows: int, use_dot: bool = True) -> bool:
+    """Whether `linear` (the tensor-core kernel or not) gives each of `rows` random rows, at every
+    place in a call of every row count from 1 to `rows`, the bits it gets alone. One read-back."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=generator).to(device, dtype)
+    weight = (torch.randn(n, k, generator=generator) / k ** 0.5).to(device, dtype)
+    bits = {2: torch.int16, 4: torch.int32}[x.element_size()]
+    alone = torch.cat([linear(x[i:i + 1], weight, use_dot=use_dot) for i in range(rows)]).view(bits)
+    same = torch.ones((), dtype=torch.bool, device=device)
+    places = torch.arange(rows, device=device)
+    for count in range(1, rows + 1):
+        for shift in range(rows):          # row (p + shift) % rows at place p: each row at each place
+            picked = (places[:count] + shift) % rows
+            same &= (linear(x[picked], weight, use_dot=use_dot).view(bits) == alone[picked]).all()
+    return bool(same)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -149,7 +342,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _need()
     x = x.contiguous()
     y = torch.empty_like(x)
-    _rms_norm[(x.shape[0],)](x, weight.contiguous(), y, x.shape[1], eps, BD=triton.next_power_of_2(x.shape[1]))
+    _launch(_rms_norm, (x.shape[0],), x, weight.contiguous(), y, x.shape[1], eps,
+            BD=triton.next_power_of_2(x.shape[1]))
     return y
 
 
@@ -158,23 +352,25 @@ def argmax(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     _need()
     logits = logits.contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    _argmax[(logits.shape[0],)](logits, out, logits.shape[1], BV=block)
+    _launch(_argmax, (logits.shape[0],), logits, out, logits.shape[1], BV=block)
     return out
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor,
               xoff: torch.Tensor, extra: torch.Tensor, scale: float, positions: torch.Tensor | None = None,
-              window: int = 0) -> torch.Tensor:
+              window: int = 0, xend: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q (n, heads, D) over keys and values (groups, T, D): row r sees slots
-    [0, prefix[r]) and then extra[xoff[r]:xoff[r + 1]], in position order (its own last), as
-    native.visibility describes a tree's rows; with a `window`, only its last `window`
-    positions (`positions`: each row's). Returns (n, heads, D) in q's dtype."""
+    [0, prefix[r]) and then extra[xoff[r]:xend[r]] (xend: xoff[1:] unless given), in position
+    order (its own last), as native.visibility describes a tree's rows; with a `window`, only
+    its last `window` positions (`positions`: each row's). Returns (n, heads, D) in q's dtype."""
     _need()
     n, H, D = q.shape
     G, T, _ = keys.shape
     out = torch.empty_like(q)
+    xoff = xoff.to(torch.int32).contiguous()
+    xend = xoff[1:] if xend is None else xend.to(torch.int32).contiguous()
     pos = (positions if positions is not None else prefix).to(torch.int32).contiguous()
-    _attention[(n, H)](q.contiguous(), keys.contiguous(), values.contiguous(), prefix.to(torch.int32).contiguous(),
-                       xoff.to(torch.int32).contiguous(), extra.to(torch.int32).contiguous(), pos, out, H, G, T,
-                       D, scale, window, BT=BLOCK_T, BD=triton.next_power_of_2(D))
+    _launch(_attention, (n, H), q.contiguous(), keys.contiguous(), values.contiguous(),
+            prefix.to(torch.int32).contiguous(), xoff, xend, extra.to(torch.int32).contiguous(), pos, out,
+            H, G, T, D, scale, window, BT=BLOCK_T, BD=triton.next_power_of_2(D))
     return out

@@ -137,14 +137,37 @@ class DeviceKVCache(KVCache):
     def used(self) -> int:
         return self.bound + self.pending
 
+    def start_forward(self, n: int) -> None:
+        """Where a forward of `n` new tokens after the pending ones writes (`slots`)."""
+        self.check_room(n)
+        self.slots = self.slot_ids[:n] + self.length + self.pending
+
+    def fresh_visibility(self, n: int, tree_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start a forward of `n` new tokens after the pending ones, for attention that reads
+        each row's keys as a list (kernels.attention): (fresh, count), where fresh (n, pending +
+        n) holds the slots of the pending and new tokens row r sees, in slot order, in its first
+        count[r] places (`tree_mask` (n, pending + n), or causal when None). Built on the
+        device with fixed shapes: a captured step can run it."""
+        self.start_forward(n)
+        width = self.pending + n
+        places = self.slot_ids[:width]
+        if tree_mask is None:
+            seen = places[None, :] <= (self.slot_ids[:n, None] + self.pending)
+        else:
+            seen = tree_mask.to(torch.bool)
+        # The seen places first, in order, then the rest: each place's rank among its kind,
+        # scattered there (no sort, no read-back).
+        count = seen.sum(1)
+        rank = torch.where(seen, seen.cumsum(1) - 1, (~seen).cumsum(1) - 1 + count[:, None])
+        order = torch.empty_like(rank).scatter_(1, rank, places.expand(n, -1))
+        return order + self.length, count
+
     def begin(self, n: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
         """Start a forward of `n` new tokens after the pending ones; returns which slots each
         new token sees (n, max_len): every committed slot, then the pending and new ones per
         `tree_mask` (n, pending + n), or causally when it is None."""
-        self.check_room(n)
+        self.start_forward(n)
         width = self.pending + n
-        start = self.length + self.pending
-        self.slots = self.slot_ids[:n] + start
         offset = self.slot_ids - self.length                  # slot's place after the committed
         if tree_mask is None:
             rows = self.slot_ids[:n, None] + self.pending

@@ -80,9 +80,19 @@ class Linear(nn.Linear):
 
     row_invariant = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias); with `norm` (an RMSNorm) x is normed first, with `residual` it is
+        added to the result: on the row-invariant kernel both inside the one kernel."""
         if self.row_invariant:
             from .kernels import linear as fixed_order
 
-            return fixed_order(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], -1)
-        return linear(x, self.weight, self.bias)
+            rows = x.reshape(-1, x.shape[-1])
+            y = fixed_order(rows, self.weight, self.bias, norm=norm.weight if norm is not None else None,
+                            eps=norm.eps if norm is not None else 0.0,
+                            residual=residual.reshape(rows.shape[0], -1) if residual is not None else None)
+            return y.view(*x.shape[:-1], -1)
+        if norm is not None:
+            x = norm(x)
+        y = linear(x, self.weight, self.bias)
+        return y if residual is None else residual + y

@@ -17,6 +17,7 @@ number of rows in the forward, over weights in any of the formats of formats.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from dataclasses import dataclass, field
@@ -201,10 +202,13 @@ class Attention(nn.Module):
         scalar = args.query_pre_attn_scalar if args.features.query_scalar else None
         self.scale = (scalar or args.head_dim) ** -0.5
 
-    def forward(self, x, cos, sin, cache: KVCache, mask, key_start: int):
+    def forward(self, x, cos, sin, cache: KVCache, mask, key_start: int, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None):
+        """Attention over `x` (n, dim), normed first by `norm` where given, its output projection
+        added to `residual` where given (Linear.forward: on the kernels, inside the projections)."""
         n = x.shape[0]
         args = self.args
-        qkv = self.wqkv(x)
+        qkv = self.wqkv(x, norm=norm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(q.view(n, args.n_heads, args.head_dim))
@@ -223,16 +227,16 @@ class Attention(nn.Module):
             from .kernels import attention
 
             out = attention(q[0].transpose(0, 1), keys[0], values[0], mask.prefix, mask.xoff, mask.extra,
-                            self.scale, mask.positions, mask.window)
-            return self.wo(out.reshape(n, self.q_size))
+                            self.scale, mask.positions, mask.window, mask.xend)
+            return self.wo(out.reshape(n, self.q_size), residual=residual)
         if isinstance(mask, CustomAttention):
             out = mask.attend(q, keys, values, self.scale)
-            return self.wo(out.squeeze(0).transpose(0, 1).reshape(n, self.q_size))
+            return self.wo(out.squeeze(0).transpose(0, 1).reshape(n, self.q_size), residual=residual)
         if key_start:
             keys, values = keys[:, :, key_start:], values[:, :, key_start:]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
                                              enable_gqa=args.n_kv_heads != args.n_heads)
-        return self.wo(out.squeeze(0).transpose(0, 1).reshape(n, self.q_size))
+        return self.wo(out.squeeze(0).transpose(0, 1).reshape(n, self.q_size), residual=residual)
 
 
 class MLP(nn.Module):
@@ -242,11 +246,22 @@ class MLP(nn.Module):
         self.w_gate_up = Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.w_down = Linear(args.intermediate_size, args.dim, bias=False)
         self.gelu = args.features.gelu
+        self.fused = False     # the gated up projection as one kernel (Transformer.use_kernels)
 
-    def forward(self, x):
+    def forward(self, x, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
+        """The MLP of `x`, normed first by `norm` where given, added to `residual` where given."""
+        if self.fused:
+            from .kernels import GELU, SILU, gated_linear
+
+            h = gated_linear(x.reshape(-1, x.shape[-1]), self.w_gate_up.weight, GELU if self.gelu else SILU,
+                             norm=norm.weight if norm is not None else None,
+                             eps=norm.eps if norm is not None else 0.0)
+            return self.w_down(h.view(*x.shape[:-1], -1), residual=residual)
+        if norm is not None:
+            x = norm(x)
         gate, up = self.w_gate_up(x).split(self.hidden, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.w_down(gate * up)
+        return self.w_down(gate * up, residual=residual)
 
 
 class Block(nn.Module):
@@ -263,17 +278,28 @@ class Block(nn.Module):
             self.post_mlp_norm = RMSNorm(args.dim, args.norm_eps)
         else:
             self.post_attn_norm = self.post_mlp_norm = None
+        # On the row-invariant kernels (Transformer.use_kernels): each norm computed inside the
+        # projection that reads it, and each residual added in the epilogue of the projection
+        # before it where no norm comes between: fewer kernels a layer.
+        self.fused = False
 
     def forward(self, x, cos, sin, cache, mask, key_start):
+        if self.fused:
+            summed = self.post_attn_norm is None
+            h = self.attn(x, cos, sin, cache, mask, key_start, norm=self.attn_norm, residual=x if summed else None)
+            return self.after_attention(x, h, summed)
         return self.after_attention(x, self.attn(self.attn_norm(x), cos, sin, cache, mask, key_start))
 
-    def after_attention(self, x, h):
-        """The rest of the layer once attention's output `h` is known: its residual and the MLP's
-        (batched.forward_rows computes attention its own way and shares this)."""
+    def after_attention(self, x, h, summed: bool = False):
+        """The rest of the layer once attention's output `h` is known (with `summed`, h is x plus
+        it already): its residual and the MLP's (batched.forward_rows computes attention its own
+        way and shares this)."""
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
-        x = x + h
-        h = self.mlp(self.mlp_norm(x))
+        x = h if summed else x + h
+        if self.fused and self.post_mlp_norm is None:
+            return self.mlp(x, norm=self.mlp_norm, residual=x)
+        h = self.mlp(x, norm=self.mlp_norm) if self.fused else self.mlp(self.mlp_norm(x))
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         return x + h
@@ -298,6 +324,7 @@ class Visibility:
     extra: torch.Tensor
     positions: torch.Tensor
     window: int = 0
+    xend: torch.Tensor | None = None     # where each row's extra slots end (None: xoff[1:])
 
 
 class LayerPlan:
@@ -331,6 +358,26 @@ class KernelPlan(LayerPlan):
         self.masks = {"global": (seen, 0)}
         if args.sliding_window is not None:
             self.masks["local"] = (Visibility(prefix, xoff, extra, positions, args.sliding_window), 0)
+
+
+class DeviceKernelPlan(LayerPlan):
+    """KernelPlan over a DeviceKVCache, built on the device with fixed shapes (a static step's):
+    row r sees the committed slots [0, length), then the pending and new slots it sees, listed
+    in slot order (position order: a tree's ancestors precede it) in its row of a (n, pending +
+    n) table. A tree's row and its path's one-token row see the same keys in the same order, as
+    in KernelPlan."""
+
+    def __init__(self, args: ModelArgs, cache: DeviceKVCache, positions: torch.Tensor,
+                 tree_mask: torch.Tensor | None, rope: dict):
+        n = positions.shape[0]
+        self.rows = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in rope.items()}
+        fresh, count = cache.fresh_visibility(n, tree_mask)
+        xoff = torch.arange(n, device=positions.device) * fresh.shape[1]
+        prefix = cache.length.expand(n)
+        seen = Visibility(prefix, xoff, fresh.reshape(-1), positions, xend=xoff + count)
+        self.masks = {"global": (seen, 0)}
+        if args.sliding_window is not None:
+            self.masks["local"] = (dataclasses.replace(seen, window=args.sliding_window), 0)
 
 
 class AttentionPlan(LayerPlan):
@@ -437,6 +484,7 @@ class Transformer(nn.Module):
         self._init_rope()
         self.native = None       # native.NativeModel once `use_native` has run
         self.kernels = False     # the row-invariant kernels (kernels.py) once `use_kernels` has run
+        self.fused_head = False  # the final norm inside the LM head's kernel (use_kernels)
         # Held by whoever runs a step (a generation, a batch's thread): a model's scratch
         # buffers and native state serve one caller at a time.
         self.lock = threading.RLock()
@@ -481,10 +529,12 @@ class Transformer(nn.Module):
         one-token results differ in the last bits only."""
         return self.native is not None or self.kernels
 
-    def use_kernels(self) -> None:
+    def use_kernels(self, fused: bool = True) -> None:
         """Compute every matmul, norm and attention with the row-invariant kernels (kernels.py):
-        a tree's rows then get the bits of one-token decoding on a GPU, in any dtype."""
-        from .kernels import available
+        a tree's rows then get the bits of one-token decoding on a GPU, in any dtype. fused:
+        norms inside the projections after them, the MLP's activation inside its up
+        projection, residuals inside the projections before them (Block.fused)."""
+        from .kernels import available, dot_is_row_invariant
 
         ok, why = available()
         if not ok:
@@ -494,7 +544,12 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, RMSNorm)):
                 module.row_invariant = True
+            if isinstance(module, (Block, MLP)):
+                module.fused = fused
         self.kernels = True
+        self.fused_head = fused
+        # Which linear kernel runs here is decided now, once, not inside a captured step.
+        dot_is_row_invariant(self.device, self.dtype)
 
     def use_native(self, packed: dict, weights: str) -> None:
         """Run on the native CPU engine with `packed` weights (formats.pack_model)."""
@@ -542,6 +597,8 @@ class Transformer(nn.Module):
         if self.kernels:
             from .kernels import linear as fixed_order
 
+            if self.fused_head:         # the final norm inside the head's kernel
+                return fixed_order(hidden, self.head_weight, norm=self.norm.weight, eps=self.norm.eps).float()
             return fixed_order(self.norm(hidden), self.head_weight).float()
         return linear(self.norm(hidden), self.head_weight).float()
 
@@ -621,10 +678,11 @@ class Transformer(nn.Module):
                 if cache.pending:
                     raise ValueError("a tree given by its parents sees every cached token: commit first")
                 tree_mask = ancestor_mask(parents)
-            if device_cache and self.kernels:
-                raise ValueError("static steps (a device cache) do not run on the row-invariant kernels yet")
-            plan = (DevicePlan if device_cache else KernelPlan if self.kernels else AttentionPlan)(
-                self.args, cache, positions, tree_mask, self.rope)
+            if self.kernels:
+                plan_type = DeviceKernelPlan if device_cache else KernelPlan
+            else:
+                plan_type = DevicePlan if device_cache else AttentionPlan
+            plan = plan_type(self.args, cache, positions, tree_mask, self.rope)
             tapped = []
             for i, layer in enumerate(self.layers):
                 cos, sin, mask, key_start = plan.for_layer(self.args, i)

@@ -339,9 +339,9 @@ def require_exact(model: Transformer, allow_inexact: bool = False) -> None:
 
 def static_by_default(model: Transformer) -> bool:
     """Whether an Engine runs greedy steps as static, capturable steps unless told: on CUDA,
-    where CUDA graphs pay (not yet on the row-invariant kernels, which need the host's view of
-    each row's keys); on the CPU the eager steps score fewer rows."""
-    return model.device.type == "cuda" and not model.kernels
+    where CUDA graphs pay (on torch's kernels and on the row-invariant ones alike); on the CPU
+    the eager steps score fewer rows."""
+    return model.device.type == "cuda"
 
 
 class Generation:

@@ -18,8 +18,9 @@ nodes were drafted, so it is the same set of nodes as `tree.TreeBuilder` keeps, 
 order. Verification follows the target's argmax from the root: a node is accepted when its
 token is its parent's argmax and its parent is accepted; the next token is the argmax at the
 deepest accepted node (`verify.verify_greedy`, the eager steps' verifier too): plain decoding's output,
-float32 ties apart on torch's kernels (not row-invariant). Sampling takes the eager steps
-(generate.py), as does the native CPU engine, which keeps its own cache.
+float32 ties apart on torch's kernels (not row-invariant), exactly on the row-invariant ones
+(--backend triton: each row's keys listed on the device, model.DeviceKernelPlan). Sampling
+takes the eager steps (generate.py), as does the native CPU engine, which keeps its own cache.
 """
 
 from __future__ import annotations

@@ -1,0 +1,79 @@
+"""Kernel launches a decoder layer costs: on a GPU a small model's step is bound by how many
+kernels it launches, so fusing them (kernels.py, Block.fused) is measured by counting them.
+
+Two kinds are counted while the first layer of a forward runs: the row-invariant kernels'
+launches (kernels.launches) and torch's operations that compute something (one kernel each on
+a GPU; views, which launch none, are left out, and so is whatever torch runs on behalf of
+Triton's CPU interpreter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import kernels
+
+
+class _TorchOps(TorchDispatchMode):
+    """Counts torch's computing operations while `counting` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.counting = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.counting and not func.is_view and func.__name__.split(".")[0] not in ("empty", "empty_like"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _kernels_uncounted(ops: _TorchOps):
+    """Inside a row-invariant kernel's launch, torch's operations are the interpreter's own."""
+    launch = kernels._launch
+
+    def quiet(*args, **meta):
+        ops.counting = False
+        try:
+            launch(*args, **meta)
+        finally:
+            ops.counting = True
+    kernels._launch = quiet
+    try:
+        yield
+    finally:
+        kernels._launch = launch
+
+
+class _FirstLayerDone(Exception):
+    """Raised once the first layer has run: nothing after it is counted, so nothing runs."""
+
+
+@torch.inference_mode()
+def layer_launches(model, tokens: torch.Tensor, positions: torch.Tensor, cache, **forward) -> dict:
+    """{"triton": row-invariant kernel launches, "torch": torch's operations} in the first
+    layer of `model(tokens, positions, cache, **forward)`. The forward stops after that layer:
+    the cache counts no new token (its first layer's slots past the committed ones are
+    written)."""
+    ops = _TorchOps()
+    marks = {}
+
+    def done(*_):
+        marks["end"] = (kernels.launches(), ops.count)
+        raise _FirstLayerDone
+    layer = model.layers[0]
+    before = layer.register_forward_pre_hook(lambda *_: marks.update(start=(kernels.launches(), ops.count)))
+    after = layer.register_forward_hook(done)
+    try:
+        with _kernels_uncounted(ops), ops:
+            model(tokens, positions, cache, **forward)
+    except _FirstLayerDone:
+        pass
+    finally:
+        before.remove()
+        after.remove()
+    return {"triton": marks["end"][0] - marks["start"][0], "torch": marks["end"][1] - marks["start"][1]}
