@@ -89,3 +89,18 @@ def test_device_runs_plot_chains_continued_runs(tmp_path):
     assert [r["run"] for r in hard] == sorted(r["run"] for r in hard) and hard[-1]["run"] == len(reports)
     assert all(b["tokens"] > a["tokens"] for a, b in zip(hard, hard[1:]))
     assert (tmp_path / "points.png").stat().st_size > 0
+
+
+def test_heldout_agreement_counts_answer_rows_and_every_row(tmp_path):
+    question = {"question_id": 1, "category": "chat", "turns": ["Name a colour."]}
+    (tmp_path / "q.jsonl").write_text(json.dumps(question) + "\n")
+    answer = {"question_id": 1, "method": "vanilla", "choices": [{"token_ids": [[504, 3258, 314, 2]]}]}
+    (tmp_path / "a.jsonl").write_text(json.dumps(answer) + "\n" + json.dumps({**answer, "method": "pld"}) + "\n")
+    done = subprocess.run([sys.executable, str(SCRIPTS / "heldout_agreement.py"), "--answers", str(tmp_path / "a.jsonl"),
+                           "--questions", str(tmp_path / "q.jsonl")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    # One answer (the pld line is another method's): its 4 tokens are 4 rows; every row adds the
+    # prompt's, less the two a row needs before it.
+    assert counts["answer_rows"]["rows"] == 4 and counts["every_rows"]["rows"] > 4
+    assert all(0.0 <= c["agreement"] <= 1.0 for c in counts.values())
