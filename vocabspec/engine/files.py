@@ -32,3 +32,15 @@ def load_torch_file(path: Path, **options):
     except (RuntimeError, OSError, EOFError, ValueError, KeyError, AttributeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"{path}: unreadable ({first})") from exc
+
+
+def write_atomically(path: Path, write) -> None:
+    """`write(tmp_path)` then rename it onto `path`: another process (a second server, a test
+    worker) reading the cache meanwhile sees the old file or the whole new one, never half of
+    one (a half-written safetensors file read through a memory map can even kill the reader)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

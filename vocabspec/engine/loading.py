@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import native
-from .files import cache_dir, file_key
+from .files import cache_dir, file_key, write_atomically
 from .formats import FORMATS, PACK_VERSION, flatten_packed, pack_model, unflatten_packed
 from .model import ARCH_FEATURES, ModelArgs, Transformer
 
@@ -197,8 +197,8 @@ def load_gguf(path: Path, max_seq_len: int | None = None, use_cache: bool = True
         args = _args_from_gguf(reader, path)
         state = _state_dict_from_gguf(reader, args, path)
         if use_cache:
-            save_file(state, str(cached))
-            meta.write_text(json.dumps(asdict(args)))
+            write_atomically(cached, lambda tmp: save_file(state, str(tmp)))
+            write_atomically(meta, lambda tmp: tmp.write_text(json.dumps(asdict(args))))
     # args.max_seq_len is the model's context length; allocate only what the caller asks for.
     args.context_length = args.context_length or args.max_seq_len
     args.max_seq_len = min(args.max_seq_len, max_seq_len or DEFAULT_MAX_SEQ_LEN)
@@ -459,6 +459,6 @@ def cached_pack(net: Transformer, weights: str, gguf_file: Path | None) -> dict:
             pass  # a broken entry is rebuilt
     packed = pack_model(net, weights, gguf_file)
     tensors, meta = flatten_packed(packed)
-    save_file(tensors, str(cached))
-    cached.with_suffix(".json").write_text(json.dumps(meta))
+    write_atomically(cached, lambda tmp: save_file(tensors, str(tmp)))
+    write_atomically(cached.with_suffix(".json"), lambda tmp: tmp.write_text(json.dumps(meta)))
     return packed

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .files import cache_dir, file_key
+from .files import cache_dir, file_key, write_atomically
 from .loading import ModelLoadError
 
 
@@ -74,14 +74,14 @@ def _convert(source: Path, out: Path) -> None:
     except Exception as exc:
         raise ModelLoadError(f"{source}: cannot build its tokenizer ({exc})") from exc
     out.mkdir(parents=True, exist_ok=True)
-    hf.backend_tokenizer.save(str(out / "tokenizer.json"))
+    write_atomically(out / "tokenizer.json", lambda tmp: hf.backend_tokenizer.save(str(tmp)))
     add_bos = bool(getattr(hf, "add_bos_token", False))
     probe = hf("a").input_ids
     if hf.bos_token_id is not None and probe and probe[0] == hf.bos_token_id:
         add_bos = True
     meta = {"bos_token": hf.bos_token, "eos_token": hf.eos_token, "add_bos": add_bos,
             "chat_template": hf.chat_template if isinstance(hf.chat_template, str) else None}
-    (out / "vocabspec_tokenizer.json").write_text(json.dumps(meta))
+    write_atomically(out / "vocabspec_tokenizer.json", lambda tmp: tmp.write_text(json.dumps(meta)))
 
 
 def load_tokenizer(model_path: Path) -> Tokenizer:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 
@@ -25,10 +25,6 @@ from ..engine.tokenizer import Tokenizer
 from ..engine.kv_cache import KVCache
 from .tree import Tree, chain
 from .verify import TreeLogits, Verdict, greedy_verdict, verify_sampling
-
-if TYPE_CHECKING:                 # batch.py imports this module
-    from .batch import Engine
-
 PREFILL_CHUNK = 512
 
 
@@ -351,7 +347,7 @@ class Generation:
     runs those steps for this request alone. `cache` and `proposer` are the engine's unless a
     batch gives the request its own."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig,
+    def __init__(self, engine: "Engine", prompt_ids: list[int], config: GenerationConfig,
                  cache: KVCache | None = None, proposer: Proposer | None = None, stream: bool = True,
                  outside: bool = False):
         self.engine = engine
