@@ -75,7 +75,9 @@ def test_greedy_lossless_in_every_format(real_model, weights):
     config = GenerationConfig(max_new_tokens=NEW_TOKENS[real_model.name])
     vanilla = Engine(model.model, model.tokenizer)
     mismatches = []
-    for index, (category, text) in enumerate(spec_bench_prompts()):
+    # The first 8 categories: each head on two, each prompt-lookup variant on four (every
+    # category runs in the default format, below).
+    for index, (category, text) in enumerate(spec_bench_prompts()[:8]):
         ids = model.prompt_ids(text[:1200])
         reference = vanilla.generate(ids, config).tokens
         # Prompt lookup alone and grafted onto the tree take turns: each runs on half the

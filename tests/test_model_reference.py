@@ -41,8 +41,9 @@ def test_logits_match_transformers(real_model, ours, reference):
     assert torch.equal(logits.argmax(-1), ref.argmax(-1))
 
 
-PROMPTS = ["Explain why the sky is blue.", "Write a haiku about autumn leaves.",
-           "List three uses of a paperclip."]
+# One prompt: the logits test above already compares every position of another text, and each
+# further prompt here was the same check over another 64 tokens.
+PROMPTS = ["Explain why the sky is blue."]
 
 
 @pytest.mark.parametrize("text", PROMPTS)
