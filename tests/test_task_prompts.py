@@ -80,6 +80,10 @@ def test_later_turns_come_last_with_the_conversation_so_far(smollm2):
     assert len(_later_turn_ids(TrainConfig(later_turns=2), smollm2.tokenizer, two, 512)) == 2
     with pytest.raises(ValueError, match="only 2 later turns"):
         _later_turn_ids(TrainConfig(later_turns=3), smollm2.tokenizer, two, 512)
+    fresh = _later_turn_ids(TrainConfig(later_turns=1, later_turns_start=1), smollm2.tokenizer, two, 512)
+    assert fresh == _later_turn_ids(TrainConfig(later_turns=2), smollm2.tokenizer, two, 512)[1:]
+    with pytest.raises(ValueError, match="only 2 later turns"):     # the skipped ones count
+        _later_turn_ids(TrainConfig(later_turns=2, later_turns_start=1), smollm2.tokenizer, two, 512)
     with pytest.raises(ValueError, match="only 0 later turns"):       # none fits 8 tokens
         _later_turn_ids(TrainConfig(later_turns=1), smollm2.tokenizer, two, 8)
 

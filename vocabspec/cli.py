@@ -287,6 +287,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--later-turns", type=_non_negative_int, default=defaults.later_turns,
                        help="and to this many later user turns of those conversations, with the "
                             "turns before them (ShareGPT's answers too) as the context")
+    train.add_argument("--later-turns-start", type=_non_negative_int,
+                       default=defaults.later_turns_start, metavar="N",
+                       help="take those later turns after the first N (the ones an earlier run "
+                            "answered): a fresh slice for a run that continues a drafter")
+    train.add_argument("--self-prompts", type=_non_negative_int, default=defaults.self_prompts,
+                       metavar="N",
+                       help="and to up to N prompts the target writes itself (sampled from its "
+                            "frame's opening of a user turn, one seed each; repeats and unfinished "
+                            "draws dropped): data past what ShareGPT holds")
+    train.add_argument("--self-prompts-start", type=_non_negative_int,
+                       default=defaults.self_prompts_start, metavar="SEED",
+                       help="the first of those prompts' seeds (an earlier run's start + N: a "
+                            "fresh slice)")
     train.add_argument("--answers", default=defaults.answers, metavar="DIR",
                        help="answer archive: self-distilled answers found there are not generated "
                             "again, and the ones this run generates are added to it (e.g. "

@@ -84,6 +84,11 @@ class TrainConfig:
     task_prompts: int = 0           # and task-style prompts built from ShareGPT text (task_prompts.py)
     later_turns: int = 0            # and later user turns of ShareGPT conversations, the turns
                                     # before them (ShareGPT's answers too) as their context
+    later_turns_start: int = 0      # those later turns come after the first this many (the ones
+                                    # an earlier run answered: a continued run's fresh slice)
+    self_prompts: int = 0           # and user prompts the target writes itself (self_prompts.py),
+                                    # at most this many: the seeds from self_prompts_start on
+    self_prompts_start: int = 0
     distill_new_tokens: int = 256   # tokens per self-distilled answer, at most
     answers: str = ""               # answer archive directory (answers.py): its answers are
                                     # used instead of generating them, new ones are added to it
@@ -163,12 +168,13 @@ def prepare_sequences(cfg: TrainConfig, tokenizer) -> dict:
     return split
 
 
-def _distill_prompts(cfg: TrainConfig, tokenizer) -> list[list[int]]:
+def _distill_prompts(cfg: TrainConfig, tokenizer, model_path: Path | None = None) -> list[list[int]]:
     """First user turns of ShareGPT conversations that are not held-out ones (nor training
     ones, unless `cfg.distill_start` is below `cfg.conversations`), then `cfg.task_prompts`
-    task-style prompts, then `cfg.later_turns` later turns of the same conversations (each
-    kind after the ones before, so that asking for more of a later kind keeps the earlier
-    answers and their feature shards)."""
+    task-style prompts, then `cfg.later_turns` later turns of the same conversations, then up
+    to `cfg.self_prompts` prompts the target at `model_path` writes (each kind after the ones
+    before, so that asking for more of a later kind keeps the earlier answers and their
+    feature shards)."""
     from .sharegpt import iter_conversations
 
     conversations = list(iter_conversations())
@@ -186,14 +192,28 @@ def _distill_prompts(cfg: TrainConfig, tokenizer) -> list[list[int]]:
         raise ValueError(f"ShareGPT has only {len(prompts)} unused prompts of at most {room} "
                          f"tokens, {cfg.self_distill} asked for")
     return (prompts + _task_prompt_ids(cfg, tokenizer, conversations[cfg.heldout:], room)
-            + _later_turn_ids(cfg, tokenizer, conversations[cfg.heldout + start:], room))
+            + _later_turn_ids(cfg, tokenizer, conversations[cfg.heldout + start:], room)
+            + _self_prompt_ids(cfg, tokenizer, model_path, room))
+
+
+def _self_prompt_ids(cfg: TrainConfig, tokenizer, model_path: Path | None, room: int) -> list[list[int]]:
+    from .self_prompts import sample_user_prompts, self_prompt_ids
+
+    if not cfg.self_prompts:
+        return []
+    if model_path is None:
+        raise ValueError("prompts the target writes (self_prompts) are sampled from the target, "
+                         "which this step does not load: use `vocabspec train`")
+    texts = sample_user_prompts(model_path, cfg.self_prompts_start, cfg.self_prompts, device=cfg.device,
+                                batch=cfg.distill_batch, cache=Path(cfg.out) / "self-prompts.json")
+    return self_prompt_ids(tokenizer, texts, room)
 
 
 def _later_turn_ids(cfg: TrainConfig, tokenizer, conversations: list, room: int) -> list[list[int]]:
     """Prompts that end at a conversation's second or a later user turn, the turns before it
     as the context, ShareGPT's answers included: the target answering in a conversation under
     way, as chat users' follow-up questions (and Spec-Bench's second turns) have it."""
-    prompts = []
+    prompts, skipped = [], 0
     for _, turns in conversations:
         for end in range(2, len(turns)):
             if len(prompts) == cfg.later_turns:
@@ -202,10 +222,14 @@ def _later_turn_ids(cfg: TrainConfig, tokenizer, conversations: list, room: int)
                 ids = encode_conversation(tokenizer, turns[:end + 1], answer_open=True)
                 if len(ids) > room:
                     break                       # the later turns are longer still
-                prompts.append(ids)
+                if skipped < cfg.later_turns_start:
+                    skipped += 1
+                else:
+                    prompts.append(ids)
     if len(prompts) < cfg.later_turns:
-        raise ValueError(f"ShareGPT has only {len(prompts)} later turns whose conversation so far "
-                         f"fits {room} tokens, {cfg.later_turns} asked for")
+        raise ValueError(f"ShareGPT has only {skipped + len(prompts)} later turns whose conversation "
+                         f"so far fits {room} tokens, {cfg.later_turns_start} + {cfg.later_turns} "
+                         "asked for")
     return prompts
 
 
@@ -278,7 +302,7 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
     archive lacks is added to it.
     """
     out = Path(cfg.out) / "distilled.pt"
-    prompts = _distill_prompts(cfg, tokenizer)
+    prompts = _distill_prompts(cfg, tokenizer, model_path)
     done = _load_distilled(out, prompts)
     finished = {tuple(p) for p in done["prompts"]}
     archived = {}
@@ -821,7 +845,7 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
     split = prepare_sequences(cfg, tokenizer)
     report["train_sequences"] = len(split["train"])
     report["train_tokens"] = split["train_tokens"]
-    if cfg.self_distill or cfg.task_prompts or cfg.later_turns:
+    if cfg.self_distill or cfg.task_prompts or cfg.later_turns or cfg.self_prompts:
         split["distill"] = distill_sequences(cfg, tokenizer, model_path)
         report["distill_sequences"] = len(split["distill"])
         report["distill_tokens"] = sum(map(len, split["distill"]))

@@ -1,0 +1,42 @@
+"""Prompts the target writes itself: the frame they open, what is kept, the same prompts on a
+rerun and from its cache, and their place after every other kind of self-distillation prompt."""
+
+import json
+
+import vocabspec.training.self_prompts as self_prompts
+from vocabspec.training.self_prompts import sample_user_prompts, self_prompt_ids, user_turn_opening
+from vocabspec.training.train import TrainConfig, _distill_prompts
+
+
+def test_the_opening_is_the_frame_up_to_the_users_message(smollm2, gemma3):
+    chat, stops = user_turn_opening(smollm2.tokenizer)
+    framed = smollm2.tokenizer.encode_chat([{"role": "user", "content": "Hi there"}])
+    assert framed[:len(chat)] == chat and len(framed) > len(chat) and stops == ()
+    base, stops = user_turn_opening(gemma3.tokenizer)
+    assert gemma3.tokenizer.decode(base).endswith("Question:") and stops == ("\n\nAnswer:",)
+
+
+def test_sampled_prompts_are_kept_by_seed_and_read_back_from_the_cache(smollm2, tmp_path):
+    cache = tmp_path / "self-prompts.json"
+    first = sample_user_prompts(smollm2.path, 4, 2, cache=cache)
+    drawn = json.loads(cache.read_text())
+    assert sorted(drawn) == ["4", "5"]
+    kept = [text for text in drawn.values() if text and len(text.split()) >= 3]
+    assert first == list(dict.fromkeys(kept)) and first        # in seed order, repeats dropped
+    assert all("<|im_" not in text for text in first)           # the turn's end is not in the text
+    # A rerun reads its draws back without the model (each seed's draw is the batch engine's,
+    # exactly as alone: tests/test_batch.py).
+    assert sample_user_prompts(tmp_path / "no-model-here", 4, 2, cache=cache) == first
+
+
+def test_prompts_that_do_not_fit_are_dropped_and_kinds_keep_their_order(smollm2, monkeypatch):
+    texts = ["How do I sort a list in Python?", "word " * 600]
+    ids = self_prompt_ids(smollm2.tokenizer, texts, 128)
+    assert len(ids) == 1 and smollm2.tokenizer.decode(ids[0]).count("sort a list") == 1
+    monkeypatch.setattr(self_prompts, "sample_user_prompts", lambda *a, **k: texts[:1])
+    cfg = TrainConfig(conversations=10, heldout=2, self_distill=2, later_turns=1, max_len=1024,
+                      distill_new_tokens=128)
+    before = _distill_prompts(cfg, smollm2.tokenizer, smollm2.path)
+    cfg.self_prompts = 1
+    after = _distill_prompts(cfg, smollm2.tokenizer, smollm2.path)
+    assert after[:3] == before and after[3:] == ids
