@@ -399,8 +399,13 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
     with torch.device("meta"):
         net = Transformer(args)
     net = net.to_empty(device=device)
+    # The state's tensors are this load's own (read from the file), so where they already have
+    # the parameters' dtype they become the parameters instead of being copied into them: a
+    # second copy of every weight costs seconds a load and, until freed, twice the memory.
+    dtype = next(net.parameters()).dtype
+    adopt = all(t.dtype == dtype for t in state.values() if t.is_floating_point())
     try:
-        net.load_state_dict(state, strict=True)
+        net.load_state_dict(state, strict=True, assign=adopt)
     except RuntimeError as exc:
         raise ModelLoadError(f"{path}: weights do not fit the architecture ({exc})") from exc
     net = net.to(device=device)      # also builds the RoPE tables, which were meta until now
