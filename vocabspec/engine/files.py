@@ -4,6 +4,7 @@ tokenizers, the compiled native engine, tree choices), and how a source file is 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -16,10 +17,32 @@ def cache_dir() -> Path:
 
 
 def file_key(path: Path) -> str:
-    """A file's identity for caching: its resolved path, size and modification time, hashed."""
+    """A file's identity for caching: the hash of its contents. A model file reinstalled (a new
+    virtual environment, a package upgraded to the same file) or copied elsewhere keeps its
+    cache entries, where a key of its path and modification time would rebuild them and leave
+    the old ones on disk; a file rewritten in place gets a new key. Hashing a file takes a
+    fraction of a second, done once per path, size and modification time: the index in
+    `cache_dir()/file-keys.json` remembers it for later processes."""
     stat = path.stat()
     ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+    index_path = cache_dir() / "file-keys.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if ident in index:
+        return index[ident]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    key = digest.hexdigest()[:16]
+    index[ident] = key
+    # Entries of files that are gone are dropped; a lost race with another writer only costs
+    # a later process one more hash.
+    index = {k: v for k, v in index.items() if Path(k.rsplit(":", 2)[0]).exists()}
+    write_atomically(index_path, lambda tmp: tmp.write_text(json.dumps(index, indent=0)))
+    return key
 
 
 def load_torch_file(path: Path, **options):
