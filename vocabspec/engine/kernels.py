@@ -87,6 +87,18 @@ if triton is not None:
         return 1.0 / tl.sqrt(total / K + eps)
 
     @triton.jit
+    def _tile_and_scales(x, M, K, eps, NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """A program's output tile (rows, cols) and each of its rows' norm scale (ones without
+        NORM): the prologue every linear kernel opens with."""
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        if NORM:
+            scale = _row_scales(x, rows, M, K, eps, BM, BK)
+        else:
+            scale = tl.full((BM,), 1.0, tl.float32)
+        return rows, cols, scale
+
+    @triton.jit
     def _tile(x, w, rows, cols, M, N, K, scale, nw, NORM: tl.constexpr, USE_DOT: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
               BK: tl.constexpr):
@@ -117,12 +129,7 @@ if triton is not None:
     def _linear(x, w, b, r, nw, y, M, N, K, eps, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                 NORM: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        if NORM:
-            scale = _row_scales(x, rows, M, K, eps, BM, BK)
-        else:
-            scale = tl.full((BM,), 1.0, tl.float32)
+        rows, cols, scale = _tile_and_scales(x, M, K, eps, NORM, BM, BN, BK)
         acc = _tile(x, w, rows, cols, M, N, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
         if HAS_BIAS:
             acc += tl.load(b + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -139,12 +146,7 @@ if triton is not None:
     def _gated_linear(x, w, nw, y, M, H, K, eps, NORM: tl.constexpr, ACTIVATION: tl.constexpr,
                       USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        if NORM:
-            scale = _row_scales(x, rows, M, K, eps, BM, BK)
-        else:
-            scale = tl.full((BM,), 1.0, tl.float32)
+        rows, cols, scale = _tile_and_scales(x, M, K, eps, NORM, BM, BN, BK)
         # The gate's rows of w are [0, H), the up projection's [H, 2H); each rounded to the dtype
         # as the unfused projection stores it, the activation and the product rounded likewise.
         gate = _tile(x, w, rows, cols, M, H, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
