@@ -214,3 +214,73 @@ def test_static_steps_on_the_kernels_keep_accepted_drafts():
     static = Engine(model, proposer=PromptLookupProposer(num_draft=3), static=True).generate(context, config)
     assert static.tokens == plain.tokens
     assert len(static.steps) < len(plain.steps)
+
+
+# ---------------------------------------------------------------- QKV, rotary and the cache write
+
+def qkv_case(dtype, heads=4, groups=2, dim=16, k=24, rows=6):
+    """A QKV projection's inputs: rows, weight, bias, norm gain, RoPE tables and each row's
+    position and cache slot (a tree's: positions repeat, slots do not)."""
+    from vocabspec.engine.model import rope_tables
+
+    x, weight = rand(rows, k, dtype=dtype), rand((heads + 2 * groups) * dim, k, dtype=dtype, seed=1)
+    bias, gain = rand(weight.shape[0], dtype=dtype, seed=2), rand(k, seed=3)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(dim, 10000.0, 64))
+    positions = torch.tensor([5, 9, 9, 10, 11, 30][:rows], device=DEVICE)
+    slots = torch.tensor([5, 9, 10, 11, 12, 13][:rows], device=DEVICE)
+    return x, weight, bias, gain, cos[positions], sin[positions], slots
+
+
+def fused_qkv(x, weight, bias, gain, cos, sin, slots, heads=4, groups=2, dim=16, length=20, use_dot=None):
+    keys = torch.zeros(groups, length, dim, dtype=x.dtype, device=DEVICE)
+    values = torch.zeros_like(keys)
+    q = kernels.qkv_rope_cache(x, weight, bias, cos, sin, slots, keys, values, heads, norm=gain, eps=1e-6,
+                               use_dot=use_dot)
+    return q, keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_rope_and_cache_write_in_one_kernel_against_the_unfused(dtype):
+    """The fused kernel's queries and cache against `linear` then model.apply_rope then the
+    cache's write: the same bits in float32 (in bfloat16 within a unit: the interpreter's casts
+    to it truncate, torch's round to nearest); slots not written stay as they were. Its
+    tensor-core tiling agrees to rounding."""
+    from vocabspec.engine.model import apply_rope
+
+    heads, groups, dim = 4, 2, 16
+    x, weight, bias, gain, cos, sin, slots = qkv_case(dtype)
+    q, keys, values = fused_qkv(x, weight, bias, gain, cos, sin, slots)
+    qkv = kernels.linear(x, weight, bias, norm=gain, eps=1e-6)
+    n = x.shape[0]
+    qk = qkv[:, :(heads + groups) * dim].view(n, heads + groups, dim).transpose(0, 1).unsqueeze(0)
+    qk = apply_rope(qk, cos, sin)[0].transpose(0, 1)
+    want_keys, want_values = torch.zeros_like(keys), torch.zeros_like(values)
+    want_keys[:, slots] = qk[:, heads:].transpose(0, 1)
+    want_values[:, slots] = qkv[:, (heads + groups) * dim:].view(n, groups, dim).transpose(0, 1)
+    if dtype == torch.float32:
+        assert torch.equal(q, qk[:, :heads]) and torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
+    torch.testing.assert_close(q, qk[:, :heads], **tol)
+    torch.testing.assert_close(keys, want_keys, **tol)
+    assert torch.equal(values, want_values)        # values are not rotated: the projection's bits
+    dot = fused_qkv(x, weight, bias, gain, cos, sin, slots, use_dot=True)      # tensor cores' tiling
+    for got, want in zip(dot, (q, keys, values)):
+        torch.testing.assert_close(got, want, **(tol if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_rope_cache_rows_do_not_depend_on_the_rows_beside_them(dtype):
+    """Each row's queries, keys and values have the same bits at every place in a call of any
+    row count (1 to 6), as alone (one-token decoding)."""
+    x, weight, bias, gain, cos, sin, slots = qkv_case(dtype)
+    n = x.shape[0]
+    alone = [fused_qkv(x[i:i + 1], weight, bias, gain, cos[i:i + 1], sin[i:i + 1], slots[i:i + 1]) for i in range(n)]
+    for count in (1, 2, 5, 6):
+        for shift in (0, 3):
+            picked = (torch.arange(count) + shift) % n
+            q, keys, values = fused_qkv(x[picked], weight, bias, gain, cos[picked], sin[picked], slots[picked])
+            for place, i in enumerate(picked.tolist()):
+                slot = int(slots[i])
+                assert torch.equal(q[place], alone[i][0][0]), (count, shift, i)
+                assert torch.equal(keys[:, slot], alone[i][1][:, slot])
+                assert torch.equal(values[:, slot], alone[i][2][:, slot])

@@ -165,6 +165,52 @@ if triton is not None:
         out = (a.to(y.dtype.element_ty).to(tl.float32) * u).to(y.dtype.element_ty)
         tl.store(y + rows[:, None] * H + cols[None, :], out, mask=(rows[:, None] < M) & (cols[None, :] < H))
 
+    @triton.jit(do_not_specialize=["M"])
+    def _qkv_rope_cache(x, w, b, nw, cos, sin, slots, q, kc, vc, M, K, H, G, D, T, eps,
+                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+                        PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # The tile's columns are pairs (j, j + D/2) of one head, which rotary mixes: heads [0, H)
+        # are queries, [H, H + G) keys, [H + G, H + 2G) values (paired alike, not rotated).
+        rows, pairs, scale = _tile_and_scales(x, M, K, eps, NORM, BM, BN, BK)
+        half = D // 2
+        N = (H + 2 * G) * D
+        head = pairs // half
+        j = pairs % half
+        first = head * D + j
+        second = first + half               # at or past N exactly where `first` is
+        a = _tile(x, w, rows, first, M, N, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
+        c = _tile(x, w, rows, second, M, N, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
+        if HAS_BIAS:
+            a += tl.load(b + first, mask=first < N, other=0.0).to(tl.float32)[None, :]
+            c += tl.load(b + second, mask=second < N, other=0.0).to(tl.float32)[None, :]
+        # The projection rounded as it would be stored, then rotated as model.apply_rope does it
+        # (x cos + rotate_half(x) sin in float32, rounded once).
+        dtype = q.dtype.element_ty
+        a = a.to(dtype).to(tl.float32)
+        c = c.to(dtype).to(tl.float32)
+        live = rows < M
+        angle = rows[:, None] * D + j[None, :]
+        ca = tl.load(cos + angle, mask=live[:, None], other=0.0)
+        sa = tl.load(sin + angle, mask=live[:, None], other=0.0)
+        cc = tl.load(cos + angle + half, mask=live[:, None], other=0.0)
+        sc = tl.load(sin + angle + half, mask=live[:, None], other=0.0)
+        rotated = (head < H + G)[None, :]
+        a_out = tl.where(rotated, a * ca + (-c) * sa, a).to(dtype)
+        c_out = tl.where(rotated, c * cc + a * sc, c).to(dtype)
+        # Queries to q (M, H*D); keys and values into the cache at each row's slot.
+        is_q = live[:, None] & (head < H)[None, :]
+        tl.store(q + rows[:, None] * (H * D) + first[None, :], a_out, mask=is_q)
+        tl.store(q + rows[:, None] * (H * D) + second[None, :], c_out, mask=is_q)
+        slot = tl.load(slots + rows, mask=live, other=0)
+        is_k = live[:, None] & ((head >= H) & (head < H + G))[None, :]
+        at_k = kc + ((head - H)[None, :] * T + slot[:, None]) * D + j[None, :]
+        tl.store(at_k, a_out, mask=is_k)
+        tl.store(at_k + half, c_out, mask=is_k)
+        is_v = live[:, None] & ((head >= H + G) & (head < H + 2 * G))[None, :]
+        at_v = vc + ((head - H - G)[None, :] * T + slot[:, None]) * D + j[None, :]
+        tl.store(at_v, a_out, mask=is_v)
+        tl.store(at_v + half, c_out, mask=is_v)
+
     @triton.jit
     def _rms_norm(x, w, y, D, eps, BD: tl.constexpr):
         row = tl.program_id(0)
@@ -291,6 +337,35 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, activation: int, *, norm
     _launch(_gated_linear, grid, x, weight, norm if norm is not None else weight, y, M, H, K, eps,
             norm is not None, activation, use_dot, **tiles)
     return y
+
+
+def qkv_rope_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                   sin: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   heads: int, *, norm: torch.Tensor | None = None, eps: float = 0.0,
+                   use_dot: bool | None = None) -> torch.Tensor:
+    """An attention layer's QKV projection, its rotary and its cache write in one kernel:
+    x (M, K) @ weight^T (+ bias), weight (heads + 2 groups) * D rows of queries, keys, values;
+    queries and keys rotated by row r's `cos[r]`, `sin[r]` (M, D; float32, rotate-half as
+    model.apply_rope), keys and values stored at slot `slots[r]` of a layer's `keys` and
+    `values` (groups, slots, D), in place. `norm`: as in `linear`. Returns the rotated queries
+    (M, heads, D) in x's dtype. Each output element is `linear`'s, rounded as the unfused
+    projection stores it, then rotated: row-invariant as `linear` is."""
+    _need()
+    x, weight = x.contiguous(), weight.contiguous()
+    M, K = x.shape
+    G, T, D = keys.shape
+    if weight.shape[0] != (heads + 2 * G) * D or D % 2:
+        raise ValueError(f"a QKV weight of {weight.shape[0]} rows for {heads} heads and {G} groups of {D}")
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("the cache's keys and values are written in place: they must be contiguous")
+    use_dot = _use_dot(x) if use_dot is None else use_dot
+    q = torch.empty(M, heads, D, dtype=x.dtype, device=x.device)
+    tiles = _tiling(x, use_dot)
+    grid = (triton.cdiv(M, tiles["BM"]), triton.cdiv((heads + 2 * G) * D // 2, tiles["BN"]))
+    _launch(_qkv_rope_cache, grid, x, weight, bias if bias is not None else weight,
+            norm if norm is not None else weight, cos.contiguous(), sin.contiguous(), slots.contiguous(), q,
+            keys, values, M, K, heads, G, D, T, eps, bias is not None, norm is not None, use_dot, **tiles)
+    return q
 
 
 # Where the tensor-core kernel was checked, per (device, dtype): whether every row kept its bits.
