@@ -149,7 +149,9 @@ def test_fused_kernels_against_the_unfused(dtype):
 
 def test_fusion_launches_fewer_kernels_a_layer():
     """Launches in a one-token forward's layer, unfused and fused (printed: pytest -s shows them):
-    Llama's layer drops its two norms, the activation, the product and both residual adds."""
+    Llama's layer drops its two norms, the activation, the product, both residual adds, rotary
+    and the cache writes: 5 kernels, from 18 (12 before rotary and the cache write joined the
+    QKV projection)."""
     from conftest import tiny_model
     from vocabspec.engine.launches import layer_launches
 
@@ -161,8 +163,8 @@ def test_fusion_launches_fewer_kernels_a_layer():
             counts[arch, fused] = layer_launches(model, torch.tensor([3], device=DEVICE),
                                                  torch.tensor([0], device=DEVICE), model.new_cache(8))
             print(f"{arch} layer, {'fused' if fused else 'unfused'}: {counts[arch, fused]}")
-    assert counts["llama", False] == {"triton": 7, "torch": counts["llama", True]["torch"] + 4}
-    assert counts["llama", True]["triton"] == 5
+    assert counts["llama", False] == {"triton": 7, "torch": 11}
+    assert counts["llama", True] == {"triton": 5, "torch": 0}
     # Gemma's norms after attention and the MLP keep its residual adds out of the epilogues.
     assert sum(counts["gemma3", True].values()) == sum(counts["gemma3", False].values()) - 4
 

@@ -22,8 +22,11 @@ changes with the number of rows beside it. Here every shape choice is fixed:
 
 Fewer kernels a layer (a small model's step is bound by launches): `linear` can RMS-norm its
 input rows first (each row's scale computed in the same program, from that row alone) and add
-a residual to its output, and `gated_linear` is an MLP's gated up projection with its SiLU or
-GELU in one kernel. launches.py counts what a layer launches.
+a residual to its output, `gated_linear` is an MLP's gated up projection with its SiLU or GELU
+in one kernel, and `qkv_rope_cache` is attention's QKV projection with rotary applied to its
+queries and keys and the keys and values stored at each row's cache slot (a tile's columns
+are the pairs rotary mixes, so each output element is still `linear`'s, rounded, then
+rotated). launches.py counts what a layer launches.
 
 No kernel is compiled per row count (M is never specialized on), so a CUDA graph per tree size
 replays kernels compiled once (static_step.py). They run on a GPU, and on a CPU under Triton's

@@ -201,6 +201,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         scalar = args.query_pre_attn_scalar if args.features.query_scalar else None
         self.scale = (scalar or args.head_dim) ** -0.5
+        # On the row-invariant kernels (Transformer.use_kernels): rotary and the cache write in
+        # the QKV projection's kernel, where no query/key norm comes between them.
+        self.fused = False
 
     def forward(self, x, cos, sin, cache: KVCache, mask, key_start: int, norm: RMSNorm | None = None,
                 residual: torch.Tensor | None = None):
@@ -208,6 +211,16 @@ class Attention(nn.Module):
         added to `residual` where given (Linear.forward: on the kernels, inside the projections)."""
         n = x.shape[0]
         args = self.args
+        if self.fused and self.q_norm is None and isinstance(mask, Visibility):
+            from .kernels import attention, qkv_rope_cache
+
+            keys, values = cache.storage(self.layer)
+            q = qkv_rope_cache(x.reshape(n, -1), self.wqkv.weight, self.wqkv.bias, cos, sin, mask.slots, keys,
+                               values, args.n_heads, norm=norm.weight if norm is not None else None,
+                               eps=norm.eps if norm is not None else 0.0)
+            out = attention(q, keys, values, mask.prefix, mask.xoff, mask.extra, self.scale, mask.positions,
+                            mask.window, mask.xend)
+            return self.wo(out.reshape(n, self.q_size), residual=residual)
         qkv = self.wqkv(x, norm=norm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
@@ -325,6 +338,7 @@ class Visibility:
     positions: torch.Tensor
     window: int = 0
     xend: torch.Tensor | None = None     # where each row's extra slots end (None: xoff[1:])
+    slots: torch.Tensor | None = None    # where each row's key and value are written
 
 
 class LayerPlan:
@@ -354,10 +368,11 @@ class KernelPlan(LayerPlan):
         prefix, xoff, extra = (t.to(positions.device) for t in
                                visibility(cache.length, cache.pending, positions.cpu(),
                                           tree_mask.cpu() if tree_mask is not None else None))
-        seen = Visibility(prefix, xoff, extra, positions)
+        slots = torch.arange(cache.used, cache.used + positions.shape[0], device=positions.device)
+        seen = Visibility(prefix, xoff, extra, positions, slots=slots)
         self.masks = {"global": (seen, 0)}
         if args.sliding_window is not None:
-            self.masks["local"] = (Visibility(prefix, xoff, extra, positions, args.sliding_window), 0)
+            self.masks["local"] = (dataclasses.replace(seen, window=args.sliding_window), 0)
 
 
 class DeviceKernelPlan(LayerPlan):
@@ -374,7 +389,7 @@ class DeviceKernelPlan(LayerPlan):
         fresh, count = cache.fresh_visibility(n, tree_mask)
         xoff = torch.arange(n, device=positions.device) * fresh.shape[1]
         prefix = cache.length.expand(n)
-        seen = Visibility(prefix, xoff, fresh.reshape(-1), positions, xend=xoff + count)
+        seen = Visibility(prefix, xoff, fresh.reshape(-1), positions, xend=xoff + count, slots=cache.slots)
         self.masks = {"global": (seen, 0)}
         if args.sliding_window is not None:
             self.masks["local"] = (dataclasses.replace(seen, window=args.sliding_window), 0)
@@ -533,7 +548,9 @@ class Transformer(nn.Module):
         """Compute every matmul, norm and attention with the row-invariant kernels (kernels.py):
         a tree's rows then get the bits of one-token decoding on a GPU, in any dtype. fused:
         norms inside the projections after them, the MLP's activation inside its up
-        projection, residuals inside the projections before them (Block.fused)."""
+        projection, residuals inside the projections before them (Block.fused), rotary and the
+        cache write inside the QKV projection where no query/key norm comes between
+        (Attention.fused)."""
         from .kernels import available, dot_is_row_invariant
 
         ok, why = available()
@@ -544,7 +561,7 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, RMSNorm)):
                 module.row_invariant = True
-            if isinstance(module, (Block, MLP)):
+            if isinstance(module, (Block, MLP, Attention)):
                 module.fused = fused
         self.kernels = True
         self.fused_head = fused
