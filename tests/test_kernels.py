@@ -286,3 +286,33 @@ def test_qkv_rope_cache_rows_do_not_depend_on_the_rows_beside_them(dtype):
                 assert torch.equal(q[place], alone[i][0][0]), (count, shift, i)
                 assert torch.equal(keys[:, slot], alone[i][1][:, slot])
                 assert torch.equal(values[:, slot], alone[i][2][:, slot])
+
+
+# ---------------------------------------------------------------- argmax in the head's kernel
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_argmax_is_torch_argmax_of_the_linear_ties_included(dtype):
+    """The head's argmax without its logits: torch.argmax of `linear`'s (normed) products, the
+    first index on ties, ties within a tile (37, 40) and across tiles (70) alike; every row as
+    alone, in calls of any row count."""
+    k, vocab = 24, 90                                # three tiles of 32 columns, the last partial
+    x = rand(6, k, dtype=dtype).abs() + 0.5
+    x[3:] = -x[3:]                                   # rows 3..5: the tied columns are their smallest
+    weight = rand(vocab, k, dtype=dtype, seed=1) / k ** 0.5
+    weight[[37, 40, 70]] = 1.0                       # identical columns: exact ties
+    gain = rand(k, seed=3).abs() + 0.5
+    want = kernels.linear(x, weight, norm=gain, eps=1e-6).float().argmax(-1)
+    got = kernels.linear_argmax(x, weight, norm=gain, eps=1e-6)
+    assert torch.equal(got, want)
+    assert got[:3].tolist() == [37, 37, 37]
+    assert torch.equal(kernels.linear_argmax(x, weight, norm=gain, eps=1e-6, block=2), want)   # tiles in chunks
+    for count in (1, 4):
+        for shift in (0, 3):
+            picked = (torch.arange(count) + shift) % 6
+            assert torch.equal(kernels.linear_argmax(x[picked], weight, norm=gain, eps=1e-6), want[picked])
+    rounded = kernels.linear(x, weight).float()      # without a norm too, and on tensor cores' tiling
+    assert torch.equal(kernels.linear_argmax(x, weight), rounded.argmax(-1))
+    # (The interpreter's tl.dot is numpy's product, which need not give identical columns the
+    # same bits: compared with `linear` on the same tiling.)
+    dot = kernels.linear(x, weight, use_dot=True).float().argmax(-1)
+    assert torch.equal(kernels.linear_argmax(x, weight, use_dot=True), dot)

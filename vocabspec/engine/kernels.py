@@ -223,8 +223,24 @@ if triton is not None:
         g = tl.load(w + cols, mask=cols < D, other=0.0).to(tl.float32)
         tl.store(y + row * D + cols, (v * scale * g).to(y.dtype.element_ty), mask=cols < D)
 
+    @triton.jit(do_not_specialize=["M"])
+    def _linear_tile_argmax(x, w, nw, top, at, M, N, K, eps, NORM: tl.constexpr, USE_DOT: tl.constexpr,
+                            UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                            BK: tl.constexpr):
+        # Each row's largest value in this program's columns of x @ w^T, rounded to x's dtype as
+        # `linear` stores it, and the first column holding it; _argmax then reduces the tiles.
+        rows, cols, scale = _tile_and_scales(x, M, K, eps, NORM, BM, BN, BK)
+        acc = _tile(x, w, rows, cols, M, N, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
+        value = tl.where(cols[None, :] < N, acc.to(x.dtype.element_ty).to(tl.float32), float("-inf"))
+        best = tl.max(value, axis=1)
+        first = tl.min(tl.where(value == best[:, None], cols[None, :], N), axis=1)
+        tiles = tl.num_programs(1)
+        tile = tl.program_id(1)
+        tl.store(top + rows * tiles + tile, best, mask=rows < M)
+        tl.store(at + rows * tiles + tile, first, mask=rows < M)
+
     @triton.jit
-    def _argmax(logits, out, V, BV: tl.constexpr):
+    def _argmax(logits, index, out, V, HAS_INDEX: tl.constexpr, BV: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BV)
         best = tl.full((), float("-inf"), tl.float32)
@@ -237,6 +253,8 @@ if triton is not None:
             take = top > best
             at = tl.where(take, first, at)
             best = tl.where(take, top, best)
+        if HAS_INDEX:       # logits are tiles' maxima: the first tile holding the largest, its column
+            at = tl.load(index + row * V + at).to(tl.int64)
         tl.store(out + row, at)
 
     @triton.jit(do_not_specialize=["T"])     # one kernel for every cache size
@@ -432,7 +450,30 @@ def argmax(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     _need()
     logits = logits.contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    _launch(_argmax, (logits.shape[0],), logits, out, logits.shape[1], BV=block)
+    _launch(_argmax, (logits.shape[0],), logits, out, out, logits.shape[1], False, BV=block)
+    return out
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0,
+                  use_dot: bool | None = None, block: int = 1024) -> torch.Tensor:
+    """Each row's argmax of `linear(x, weight, norm=norm, eps=eps)` (int64, the first index on
+    ties, as torch.argmax), without storing the products: an LM head's greedy tokens. Each
+    program keeps its tile's maximum per row and the first column holding it; `argmax`'s
+    kernel then takes, per row, the first tile holding the largest of them, tiles in column
+    order. Two launches, whatever the vocabulary."""
+    _need()
+    x, weight = x.contiguous(), weight.contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
+    use_dot = _use_dot(x) if use_dot is None else use_dot
+    tiles = _tiling(x, use_dot)
+    grid = (triton.cdiv(M, tiles["BM"]), triton.cdiv(N, tiles["BN"]))
+    top = torch.empty(M, grid[1], dtype=torch.float32, device=x.device)
+    at = torch.empty(M, grid[1], dtype=torch.int32, device=x.device)
+    _launch(_linear_tile_argmax, grid, x, weight, norm if norm is not None else weight, top, at, M, N, K, eps,
+            norm is not None, use_dot, **tiles)
+    out = torch.empty(M, dtype=torch.int64, device=x.device)
+    _launch(_argmax, (M,), top, at, out, grid[1], True, BV=min(block, triton.next_power_of_2(grid[1])))
     return out
 
 
