@@ -172,8 +172,9 @@ def test_fusion_launches_fewer_kernels_a_layer():
 def test_static_steps_on_the_kernels_are_plain_decoding():
     """Static steps (static_step.py, a device cache: CUDA graphs on a GPU, eager here) on the
     kernels: a tree forward over the device cache gives each row the bits of its path's one-token
-    forwards, and greedy EAGLE-2's static steps emit the tokens of the general loop and of plain
-    decoding, with no --allow-inexact."""
+    forwards, the head's argmax taken in its kernel is the logits' argmax, and greedy EAGLE-2's
+    static steps (rotary and the cache write in QKV's kernel, the argmax in the head's) emit the
+    tokens of the general loop and of plain decoding, with no --allow-inexact."""
     from test_native import assert_trees_match_one_token_forwards
 
     from conftest import tiny_model
@@ -188,6 +189,8 @@ def test_static_steps_on_the_kernels_are_plain_decoding():
     cache = DeviceKVCache(args.n_layers, args.n_kv_heads, args.head_dim, 64, model.dtype, model.device)
     context = torch.randint(0, args.vocab_size, (10,), generator=torch.Generator().manual_seed(0)).tolist()
     assert_trees_match_one_token_forwards(model, context, [5], args.vocab_size, cache=cache)
+    hidden = torch.randn(3, args.dim, generator=torch.Generator().manual_seed(1)).to(DEVICE, model.dtype)
+    assert torch.equal(model.greedy_tokens(hidden), model.lm_head(hidden).argmax(-1))   # the steps' head
     config = GenerationConfig(max_new_tokens=6)
     plain = Engine(model, static=False).generate(context, config).tokens
     assert len(set(plain)) > 2                   # the answer is no repeated token
@@ -316,3 +319,37 @@ def test_linear_argmax_is_torch_argmax_of_the_linear_ties_included(dtype):
     # same bits: compared with `linear` on the same tiling.)
     dot = kernels.linear(x, weight, use_dot=True).float().argmax(-1)
     assert torch.equal(kernels.linear_argmax(x, weight, use_dot=True), dot)
+
+
+def test_the_static_tuner_times_the_static_steps_on_the_kernels(monkeypatch):
+    """Where the model runs on the kernels (--backend triton) the static tuner
+    (autotune.calibrate_static, what choose_static_tree picks from) times the steps a GPU would
+    replay: static steps on the kernels over a device cache (model.DeviceKernelPlan), trees and
+    plain decoding alike, never torch's attention."""
+    import vocabspec.engine.model as model_module
+    import vocabspec.speculation.autotune as autotune
+    from conftest import tiny_model
+    from vocabspec.speculation.drafter import EagleDrafter
+
+    model = tiny_model("llama", seed=2, n_layers=1).to(DEVICE)
+    model.use_kernels()
+    monkeypatch.setattr(autotune, "STEP_REPEATS", 1)
+
+    def torch_attention(*_):
+        raise AssertionError("a step on torch's attention")
+    monkeypatch.setattr(model_module.DevicePlan, "__init__", torch_attention)
+    timed, step_seconds = [], autotune.step_seconds
+
+    def counted(decoder, draft, repeats=None):
+        before = kernels.launches()
+        seconds = step_seconds(decoder, draft, repeats)
+        timed.append((draft, kernels.launches() - before))
+        return seconds
+    monkeypatch.setattr(autotune, "step_seconds", counted)
+    context = torch.randint(0, 90, (8,), generator=torch.Generator().manual_seed(0)).tolist()
+    table = autotune.calibrate_static(model, EagleDrafter.random(model, seed=1), None, [context], depth=1,
+                                      top_k=2, sizes=(2,), new_tokens=2)
+    assert set(table["table"]) == {"1/2"} and table["plain_step_s"] > 0
+    # Two runs each (a warm-up, one timed), each a layer's 5 kernels and the head's 2 at least.
+    assert [draft for draft, _ in timed] == [True, False]
+    assert all(launches >= 2 * (5 + 2) for _, launches in timed), timed

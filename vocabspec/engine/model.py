@@ -619,6 +619,17 @@ class Transformer(nn.Module):
             return fixed_order(self.norm(hidden), self.head_weight).float()
         return linear(self.norm(hidden), self.head_weight).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of its logits (int64, the first index on ties) from pre-norm hidden
+        states (rows, dim): on the fused kernels taken inside the LM head's kernel, the logits
+        never stored (kernels.linear_argmax: the same index as lm_head's argmax, the same bits
+        being compared); elsewhere lm_head's argmax."""
+        if self.native is None and self.kernels and self.fused_head:
+            from .kernels import linear_argmax
+
+            return linear_argmax(hidden, self.head_weight, norm=self.norm.weight, eps=self.norm.eps)
+        return self.lm_head(hidden).argmax(-1)
+
     @property
     def head_weight(self) -> torch.Tensor:
         """The LM head's weight: the embedding's, or an untied head's."""

@@ -106,9 +106,12 @@ class StaticDecoder:
         model, cache, drafting = self.model, self.cache, self.drafting
         tree = drafting.propose(self.root) if draft else chain(self.root, self.root[:0])
         mask = tree.attention_mask()
-        hidden, logits, *tapped = model(tree.tokens, tree.depths + cache.length, cache,
-                                        tree_mask=mask, all_logits=True, taps=self.taps)
-        path, length_bonus = verify_greedy(tree.tokens, tree.parents, tree.depths, logits, tree.max_depth,
+        hidden, _, *tapped = model(tree.tokens, tree.depths + cache.length, cache,
+                                   tree_mask=mask, logits_rows=[], taps=self.taps)
+        # Greedy verification reads each row's argmax only: on the fused kernels the LM head's
+        # kernel takes it, and the logits are never stored.
+        best = model.greedy_tokens(hidden)
+        path, length_bonus = verify_greedy(tree.tokens, tree.parents, tree.depths, best, tree.max_depth,
                                            tree.valid, mask)
         count, bonus = length_bonus[0], length_bonus[1:]
         cache.keep(path, count)
