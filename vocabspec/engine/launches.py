@@ -15,6 +15,11 @@ torch's operations:
     Gemma 3, unfused                                    11 + 16 = 27
     Gemma 3, fused (its query/key norms keep rotary
       and the cache write out of QKV's kernel)           9 + 14 = 23
+
+A whole greedy static step (static_step.py) on a one-layer tiny Llama, plain decoding: 6 + 62
+before rotary and the cache write joined QKV's kernel and the argmax the head's, 7 + 54 after
+(the head: its kernel, torch's float and argmax before; its kernel and the tiles' reduction
+after, no logits stored). Each further layer: 12 before, 5 after.
 """
 
 from __future__ import annotations
