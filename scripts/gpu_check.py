@@ -25,8 +25,8 @@
    kernel and the tensor-core (tl.dot) kernel at a few decoding shapes (triton.testing.do_bench),
    whether the tensor-core kernel proved row-invariant in each dtype (the decision the kernels
    take), the fused epilogues (rotary and the cache write in QKV's kernel, the argmax in the
-   head's) against their unfused launches, and SmolLM2's launches a layer on the kernels,
-   unfused and fused.
+   head's) against their unfused launches, attention with multiply-adds and on tensor cores,
+   and SmolLM2's launches a layer on the kernels, unfused and fused.
 
 Every static-step engine is warmed, graphs captured and kernels compiled, on the prompts'
 cache sizes before it is timed. Writes report.md and run.json to the folder given.
@@ -288,6 +288,7 @@ def linear_kernels(path: Path | None) -> dict:
             "multiply_add": round(bench_ms(lambda: kernels.linear(x, weight, use_dot=False)) * 1e3, 1),
             "tensor_cores": round(bench_ms(lambda: kernels.linear(x, weight, use_dot=True)) * 1e3, 1)}
     result["epilogues_us"] = epilogue_us(cut)
+    result["attention_us"] = attention_us(cut)
     if path is not None:
         model, _ = load_model(str(path), weights="bf16", device=DEVICE, backend="triton")
         token, position = torch.tensor([1], device=DEVICE), torch.tensor([0], device=DEVICE)
@@ -333,6 +334,30 @@ def epilogue_us(cut: int) -> dict:
             "qkv_then_rope_then_cache": round(bench_ms(unfused_qkv) * 1e3, 1),
             "head_argmax": round(bench_ms(lambda: kernels.linear_argmax(x, head)) * 1e3, 1),
             "head_then_argmax": round(bench_ms(lambda: kernels.linear(x, head).float().argmax(-1)) * 1e3, 1)}
+    return out
+
+
+def attention_us(cut: int) -> dict:
+    """Microseconds of the attention kernel, one head at a time with multiply-adds against a key
+    group's heads on tensor cores, bfloat16, SmolLM2's heads over 512 cached keys (its head
+    dimension and the keys cut `cut`-fold on a CPU), causal rows after them, per row count."""
+    from vocabspec.engine import kernels
+
+    heads, groups, dim, keys_seen = 9, 3, max(64 // cut, 8), max(512 // cut, 8)
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(groups, keys_seen + 16, dim, generator=generator).to(DEVICE, torch.bfloat16)
+                    for _ in range(2))
+    out = {}
+    for rows in (1, 16):
+        q = torch.randn(rows, heads, dim, generator=generator).to(DEVICE, torch.bfloat16)
+        prefix = torch.full((rows,), keys_seen, dtype=torch.int32, device=DEVICE)
+        xoff = torch.arange(rows + 1, dtype=torch.int32, device=DEVICE) * rows
+        extra = (keys_seen + torch.arange(rows, device=DEVICE)).repeat(rows).to(torch.int32)
+        xend = xoff[:-1] + torch.arange(1, rows + 1, dtype=torch.int32, device=DEVICE)
+        seen = (q, keys, values, prefix, xoff, extra, dim ** -0.5)
+        out[f"{rows} rows"] = {
+            name: round(bench_ms(lambda: kernels.attention(*seen, xend=xend, use_dot=dot)) * 1e3, 1)
+            for name, dot in (("multiply_add", False), ("tensor_cores", True))}
     return out
 
 
@@ -494,7 +519,8 @@ def report(run: dict, prompts: int, new_tokens: int) -> str:
                   + json.dumps(run["linear"]["us"]), "",
                   "Tensor cores row-invariant (the kernels' decision): " + json.dumps(run["linear"]["decision"]),
                   "", "Fused epilogues against their unfused launches, bfloat16, microseconds: "
-                  + json.dumps(run["linear"].get("epilogues_us"))]
+                  + json.dumps(run["linear"].get("epilogues_us")),
+                  "", "Attention, bfloat16, microseconds: " + json.dumps(run["linear"].get("attention_us"))]
         lines += [f"{key}: {json.dumps(value)}" for key, value in run["linear"].items() if key.startswith("launches")]
     for weights in ("f32", "bf16"):
         if "tuner" in run.get(weights, {}):

@@ -42,13 +42,19 @@ def test_rms_norm_and_argmax():
     assert int(kernels.argmax(logits, block=128)[2]) == 7
 
 
-def test_tree_attention_rows_are_the_one_token_rows_of_their_paths():
+@pytest.mark.parametrize("use_dot", [False, True], ids=["multiply_add", "tensor_cores"])
+def test_tree_attention_rows_are_the_one_token_rows_of_their_paths(use_dot):
+    """On either kernel (one head at a time with multiply-adds, or a key group's heads on
+    tensor cores), each tree row has the bits of its path's one-token row and agrees with
+    torch's attention; the two kernels agree with each other to rounding, in a sliding window
+    too."""
     heads, groups, dim, slots, start = 4, 2, 16, 96, 40
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 5, 6])          # a tree of 9 rows after 40 slots
     n = parents.numel()
     positions, prefix, xoff, extra = native.tree_visibility(parents, start, start)
     keys, values, q = rand(groups, slots, dim, seed=6), rand(groups, slots, dim, seed=7), rand(n, heads, dim, seed=8)
-    tree = kernels.attention(q, keys, values, prefix.to(DEVICE), xoff.to(DEVICE), extra.to(DEVICE), 0.25)
+    tree = kernels.attention(q, keys, values, prefix.to(DEVICE), xoff.to(DEVICE), extra.to(DEVICE), 0.25,
+                             use_dot=use_dot)
     for r in range(n):
         seen = extra[int(xoff[r]):int(xoff[r + 1])].long()          # its ancestors' slots, then its own
         path_keys, path_values = keys.clone(), values.clone()       # the path laid out contiguously
@@ -57,7 +63,7 @@ def test_tree_attention_rows_are_the_one_token_rows_of_their_paths():
         alone = kernels.attention(q[r:r + 1], path_keys, path_values,
                                   torch.tensor([start + seen.numel()], device=DEVICE),
                                   torch.zeros(2, dtype=torch.int32, device=DEVICE),
-                                  torch.zeros(1, dtype=torch.int32, device=DEVICE), 0.25)
+                                  torch.zeros(1, dtype=torch.int32, device=DEVICE), 0.25, use_dot=use_dot)
         assert torch.equal(alone[0], tree[r]), f"tree row {r}"
         visible = torch.cat([torch.arange(start, device=DEVICE), seen.to(DEVICE)])
         kv = keys[:, visible].repeat_interleave(heads // groups, 0)
@@ -65,6 +71,11 @@ def test_tree_attention_rows_are_the_one_token_rows_of_their_paths():
         scores = torch.einsum("hd,htd->ht", q[r], kv) * 0.25
         want = torch.einsum("ht,htd->hd", scores.softmax(-1), vv)
         torch.testing.assert_close(tree[r], want, rtol=1e-5, atol=1e-5)
+    if use_dot:
+        seen = (q, keys, values, prefix.to(DEVICE), xoff.to(DEVICE), extra.to(DEVICE), 0.25, positions.to(DEVICE))
+        for window in (0, 6):
+            torch.testing.assert_close(kernels.attention(*seen, window=window, use_dot=True),
+                                       kernels.attention(*seen, window=window, use_dot=False), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- a model on the kernels

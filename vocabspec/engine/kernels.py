@@ -17,7 +17,9 @@ changes with the number of rows beside it. Here every shape choice is fixed:
 - `attention`: one program per (row, head); the keys a row sees are taken in position order
   (slots [0, prefix) then its own list of further slots), BLOCK_T at a time, with an online
   softmax over them: a tree's row and the one-token forward of its path see the same keys in
-  the same chunks, never the masked ones;
+  the same chunks, never the masked ones. Where the tensor-core linear serves, attention takes
+  tensor cores too: one program per (row, key group), the group's heads at fixed places of a
+  tl.dot over the same chunks (a program's shapes and inputs are one row's alone);
 - `rms_norm`, `argmax`: one program per row, the reduction over the whole row in one block.
 
 Fewer kernels a layer (a small model's step is bound by launches): `linear` can RMS-norm its
@@ -293,6 +295,60 @@ if triton is not None:
             m = m_new
         tl.store(out + (row * H + head) * D + dims, (acc / total).to(out.dtype.element_ty), mask=dims < D)
 
+    @triton.jit(do_not_specialize=["T"])
+    def _attention_dot(q, k, v, prefix, xoff, xend, extra, pos, out, H, G, T, D, scale, window,
+                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
+                       BD: tl.constexpr):
+        # `_attention` on tensor cores: one program per (row, key group), the group's query heads
+        # (BH places, the same head always at the same place) scored and summed against BT keys
+        # at a time by tl.dot. A program's shapes and inputs are a row's alone, its keys taken in
+        # position order in the same chunks as `_attention`'s: a tree's row and its path's
+        # one-token row run the same instructions on the same values.
+        row = tl.program_id(0)
+        group = tl.program_id(1)
+        per_group = H // G
+        places = tl.arange(0, BH)
+        heads = group * per_group + places
+        dims = tl.arange(0, BD)
+        live_heads = places < per_group
+        qv = tl.load(q + (row * H + heads[:, None]) * D + dims[None, :],
+                     mask=live_heads[:, None] & (dims[None, :] < D), other=0.0)
+        if UPCAST:
+            qv = qv.to(tl.float32)
+        pre = tl.load(prefix + row)
+        x0 = tl.load(xoff + row)
+        count = pre + tl.load(xend + row) - x0
+        first = 0
+        if window > 0:
+            first = tl.maximum(tl.load(pos + row) - window + 1, 0)
+        m = tl.full((BH,), float("-inf"), tl.float32)
+        total = tl.zeros((BH,), dtype=tl.float32)
+        acc = tl.zeros((BH, BD), dtype=tl.float32)
+        steps = tl.arange(0, BT)
+        for start in range(first, count, BT):
+            index = start + steps
+            live = index < count
+            slot = tl.where(index < pre, index,
+                            tl.load(extra + x0 + index - pre, mask=live & (index >= pre), other=0))
+            kt = tl.load(k + (group * T + slot[:, None]) * D + dims[None, :],
+                         mask=live[:, None] & (dims[None, :] < D), other=0.0)
+            vt = tl.load(v + (group * T + slot[:, None]) * D + dims[None, :],
+                         mask=live[:, None] & (dims[None, :] < D), other=0.0)
+            if UPCAST:
+                kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+            s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * scale            # (BH, BT)
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.where(live[None, :], tl.exp(s - m_new[:, None]), 0.0)
+            correction = tl.exp(m - m_new)
+            total = total * correction + tl.sum(p, axis=1)
+            # The weights go in at the values' dtype, as a flash attention kernel's do.
+            acc = tl.dot(p.to(vt.dtype), vt, acc * correction[:, None], input_precision=PRECISION)
+            m = m_new
+        result = acc / total[:, None]
+        tl.store(out + (row * H + heads[:, None]) * D + dims[None, :], result.to(out.dtype.element_ty),
+                 mask=live_heads[:, None] & (dims[None, :] < D))
+
 
 def _need():
     ok, why = available()
@@ -479,11 +535,13 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor |
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor,
               xoff: torch.Tensor, extra: torch.Tensor, scale: float, positions: torch.Tensor | None = None,
-              window: int = 0, xend: torch.Tensor | None = None) -> torch.Tensor:
+              window: int = 0, xend: torch.Tensor | None = None, use_dot: bool | None = None) -> torch.Tensor:
     """Attention of q (n, heads, D) over keys and values (groups, T, D): row r sees slots
     [0, prefix[r]) and then extra[xoff[r]:xend[r]] (xend: xoff[1:] unless given), in position
     order (its own last), as native.visibility describes a tree's rows; with a `window`, only
-    its last `window` positions (`positions`: each row's). Returns (n, heads, D) in q's dtype."""
+    its last `window` positions (`positions`: each row's). Returns (n, heads, D) in q's dtype.
+    use_dot: a key group's heads scored and summed on tensor cores (`_attention_dot`), or one
+    head at a time with multiply-adds (None: where `linear`'s tensor-core kernel serves)."""
     _need()
     n, H, D = q.shape
     G, T, _ = keys.shape
@@ -491,7 +549,13 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix:
     xoff = xoff.to(torch.int32).contiguous()
     xend = xoff[1:] if xend is None else xend.to(torch.int32).contiguous()
     pos = (positions if positions is not None else prefix).to(torch.int32).contiguous()
-    _launch(_attention, (n, H), q.contiguous(), keys.contiguous(), values.contiguous(),
-            prefix.to(torch.int32).contiguous(), xoff, xend, extra.to(torch.int32).contiguous(), pos, out,
-            H, G, T, D, scale, window, BT=BLOCK_T, BD=triton.next_power_of_2(D))
+    use_dot = _use_dot(q) if use_dot is None else use_dot
+    tensors = (q.contiguous(), keys.contiguous(), values.contiguous(), prefix.to(torch.int32).contiguous(), xoff,
+               xend, extra.to(torch.int32).contiguous(), pos, out, H, G, T, D, scale, window)
+    if use_dot:        # tl.dot's smallest tile is 16 a side: a group's heads padded to 16 places
+        tiling = _tiling(q, True)
+        _launch(_attention_dot, (n, G), *tensors, UPCAST=tiling["UPCAST"], PRECISION=tiling["PRECISION"],
+                BH=max(16, triton.next_power_of_2(H // G)), BT=BLOCK_T, BD=max(16, triton.next_power_of_2(D)))
+    else:
+        _launch(_attention, (n, H), *tensors, BT=BLOCK_T, BD=triton.next_power_of_2(D))
     return out
