@@ -358,7 +358,7 @@ class LayerPlan:
 class KernelPlan(LayerPlan):
     """RoPE rows and visibility for one forward on the row-invariant kernels: the keys each row
     sees as slot lists in position order, so that a tree's row and its path's one-token row
-    reduce over the same keys in the same order."""
+    reduce over the same keys in the same order, and the slot each row's key is written to."""
 
     def __init__(self, args: ModelArgs, cache: KVCache, positions: torch.Tensor,
                  tree_mask: torch.Tensor | None, rope: dict):
