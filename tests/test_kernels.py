@@ -162,7 +162,7 @@ def test_fusion_launches_fewer_kernels_a_layer():
     """Launches in a one-token forward's layer, unfused and fused (printed: pytest -s shows them):
     Llama's layer drops its two norms, the activation, the product, both residual adds, rotary
     and the cache writes: 5 kernels, from 18 (12 before rotary and the cache write joined the
-    QKV projection)."""
+    QKV projection); Gemma's 10, from 27 (23)."""
     from conftest import tiny_model
     from vocabspec.engine.launches import layer_launches
 
@@ -176,8 +176,10 @@ def test_fusion_launches_fewer_kernels_a_layer():
             print(f"{arch} layer, {'fused' if fused else 'unfused'}: {counts[arch, fused]}")
     assert counts["llama", False] == {"triton": 7, "torch": 11}
     assert counts["llama", True] == {"triton": 5, "torch": 0}
-    # Gemma's norms after attention and the MLP keep its residual adds out of the epilogues.
-    assert sum(counts["gemma3", True].values()) == sum(counts["gemma3", False].values()) - 4
+    # Gemma's norms after attention and the MLP keep its two residual adds out of the epilogues;
+    # its query/key norms, rotary and the cache write take one kernel after the projection.
+    assert counts["gemma3", False] == {"triton": 11, "torch": 16}
+    assert counts["gemma3", True] == {"triton": 8, "torch": 2}
 
 
 def test_static_steps_on_the_kernels_are_plain_decoding():
@@ -364,3 +366,37 @@ def test_the_static_tuner_times_the_static_steps_on_the_kernels(monkeypatch):
     # Two runs each (a warm-up, one timed), each a layer's 5 kernels and the head's 2 at least.
     assert [draft for draft, _ in timed] == [True, False]
     assert all(launches >= 2 * (5 + 2) for _, launches in timed), timed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_key_norms_rotary_and_cache_write_in_one_kernel(dtype):
+    """Gemma's query and key norms, rotary and the cache write after its QKV projection, in one
+    kernel: the bits of `rms_norm` per head, then model.apply_rope, then the cache's write (in
+    bfloat16 within a unit: the interpreter's casts truncate, torch's round); each row as alone."""
+    from vocabspec.engine.model import apply_rope
+
+    heads, groups, dim = 4, 2, 16
+    x, weight, bias, gain, cos, sin, slots = qkv_case(dtype)
+    qkv = kernels.linear(x, weight, bias)
+    q_norm, k_norm = rand(dim, seed=4), rand(dim, seed=5)
+    n = x.shape[0]
+
+    def fused(rows):
+        keys = torch.zeros(groups, 20, dim, dtype=dtype, device=DEVICE)
+        values = torch.zeros_like(keys)
+        q = kernels.head_norm_rope_cache(qkv[rows], q_norm, k_norm, 1e-6, cos[rows], sin[rows], slots[rows],
+                                         keys, values, heads)
+        return q, keys, values
+    q, keys, values = fused(torch.arange(n))
+    normed_q = kernels.rms_norm(qkv[:, :heads * dim].reshape(-1, dim), q_norm, 1e-6).view(n, heads, dim)
+    normed_k = kernels.rms_norm(qkv[:, heads * dim:(heads + groups) * dim].reshape(-1, dim), k_norm, 1e-6)
+    want_q = apply_rope(normed_q.transpose(0, 1).unsqueeze(0), cos, sin)[0].transpose(0, 1)
+    want_k = apply_rope(normed_k.view(n, groups, dim).transpose(0, 1).unsqueeze(0), cos, sin)[0]
+    tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(keys[:, slots], want_k, **tol)
+    assert torch.equal(values[:, slots], qkv[:, (heads + groups) * dim:].view(n, groups, dim).transpose(0, 1))
+    assert keys[:, [0, 1, 19]].abs().sum() == 0 and values[:, [0, 1, 19]].abs().sum() == 0
+    for i in (0, 4):
+        alone = fused(torch.tensor([i]))
+        assert torch.equal(alone[0][0], q[i]) and torch.equal(alone[1][:, slots[i]], keys[:, slots[i]])

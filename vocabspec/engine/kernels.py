@@ -217,6 +217,43 @@ if triton is not None:
         tl.store(at_v + half, c_out, mask=is_v)
 
     @triton.jit
+    def _head_norm_rope_cache(qkv, qn, kn, cos, sin, slots, q, kc, vc, H, G, D, T, eps, BD: tl.constexpr):
+        # One program per (row, head of qkv's): queries [0, H), keys [H, H + G), values after.
+        # A query or key head is RMS-normed as `_rms_norm` norms it (the same one-block sum),
+        # rounded, then rotated as model.apply_rope rotates it; its rotation partner (dims
+        # shifted by D/2) is normed alike from the same sum.
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        dims = tl.arange(0, BD)
+        half = D // 2
+        inside = dims < D
+        partner = (dims + half) % D
+        at = qkv + (row * (H + 2 * G) + head) * D
+        v = tl.load(at + dims, mask=inside, other=0.0)
+        dtype = v.dtype
+        slot = tl.load(slots + row)
+        if head < H + G:
+            x = v.to(tl.float32)
+            y = tl.load(at + partner, mask=inside, other=0.0).to(tl.float32)
+            scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+            is_q = head < H
+            gx = tl.where(is_q, tl.load(qn + dims, mask=inside, other=0.0), tl.load(kn + dims, mask=inside, other=0.0))
+            gy = tl.where(is_q, tl.load(qn + partner, mask=inside, other=0.0),
+                          tl.load(kn + partner, mask=inside, other=0.0))
+            x = (x * scale * gx.to(tl.float32)).to(dtype).to(tl.float32)
+            y = (y * scale * gy.to(tl.float32)).to(dtype).to(tl.float32)
+            rotated = tl.where(dims < half, -y, y)
+            c = tl.load(cos + row * D + dims, mask=inside, other=0.0)
+            s = tl.load(sin + row * D + dims, mask=inside, other=0.0)
+            out = (x * c + rotated * s).to(dtype)
+            if head < H:
+                tl.store(q + (row * H + head) * D + dims, out, mask=inside)
+            else:
+                tl.store(kc + ((head - H) * T + slot) * D + dims, out, mask=inside)
+        else:
+            tl.store(vc + ((head - H - G) * T + slot) * D + dims, v, mask=inside)
+
+    @triton.jit
     def _rms_norm(x, w, y, D, eps, BD: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BD)
@@ -442,6 +479,29 @@ def qkv_rope_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _launch(_qkv_rope_cache, grid, x, weight, bias if bias is not None else weight,
             norm if norm is not None else weight, cos.contiguous(), sin.contiguous(), slots.contiguous(), q,
             keys, values, M, K, heads, G, D, T, eps, bias is not None, norm is not None, use_dot, **tiles)
+    return q
+
+
+def head_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+                        values: torch.Tensor, heads: int) -> torch.Tensor:
+    """What follows a QKV projection (M, (heads + 2 groups) * D) with query and key norms
+    (Gemma 3's), in one kernel: each query head RMS-normed by `q_norm` (D,), each key head by
+    `k_norm`, as `rms_norm` norms them, then rotated as in `qkv_rope_cache`; keys and values
+    stored at slot `slots[r]` of a layer's `keys` and `values` (groups, slots, D), in place.
+    Returns the queries (M, heads, D). One program a row and head: row-invariant."""
+    _need()
+    qkv = qkv.contiguous()
+    M = qkv.shape[0]
+    G, T, D = keys.shape
+    if qkv.shape[1] != (heads + 2 * G) * D or D % 2:
+        raise ValueError(f"QKV rows of {qkv.shape[1]} for {heads} heads and {G} groups of {D}")
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("the cache's keys and values are written in place: they must be contiguous")
+    q = torch.empty(M, heads, D, dtype=qkv.dtype, device=qkv.device)
+    _launch(_head_norm_rope_cache, (M, heads + 2 * G), qkv, q_norm.contiguous(), k_norm.contiguous(),
+            cos.contiguous(), sin.contiguous(), slots.contiguous(), q, keys, values, heads, G, D, T, eps,
+            BD=triton.next_power_of_2(D))
     return q
 
 

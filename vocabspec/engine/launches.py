@@ -13,8 +13,10 @@ torch's operations:
     Llama, norms, activation and residuals fused         5 +  7 = 12
     Llama, and rotary and the cache write in QKV's       5 +  0 =  5
     Gemma 3, unfused                                    11 + 16 = 27
-    Gemma 3, fused (its query/key norms keep rotary
-      and the cache write out of QKV's kernel)           9 + 14 = 23
+    Gemma 3, norms, activation and residuals fused       9 + 14 = 23
+    Gemma 3, and its query/key norms, rotary and the
+      cache write in one kernel after QKV's              8 +  2 = 10
+      (its post-norms keep two residual adds apart)
 
 A whole greedy static step (static_step.py) on a one-layer tiny Llama, plain decoding: 6 + 62
 before rotary and the cache write joined QKV's kernel and the argmax the head's, 7 + 54 after

@@ -202,7 +202,7 @@ class Attention(nn.Module):
         scalar = args.query_pre_attn_scalar if args.features.query_scalar else None
         self.scale = (scalar or args.head_dim) ** -0.5
         # On the row-invariant kernels (Transformer.use_kernels): rotary and the cache write in
-        # the QKV projection's kernel, where no query/key norm comes between them.
+        # the QKV projection's kernel, or with query/key norms in one kernel after it.
         self.fused = False
 
     def forward(self, x, cos, sin, cache: KVCache, mask, key_start: int, norm: RMSNorm | None = None,
@@ -211,13 +211,18 @@ class Attention(nn.Module):
         added to `residual` where given (Linear.forward: on the kernels, inside the projections)."""
         n = x.shape[0]
         args = self.args
-        if self.fused and self.q_norm is None and isinstance(mask, Visibility):
-            from .kernels import attention, qkv_rope_cache
+        if self.fused and isinstance(mask, Visibility):
+            from .kernels import attention, head_norm_rope_cache, qkv_rope_cache
 
             keys, values = cache.storage(self.layer)
-            q = qkv_rope_cache(x.reshape(n, -1), self.wqkv.weight, self.wqkv.bias, cos, sin, mask.slots, keys,
-                               values, args.n_heads, norm=norm.weight if norm is not None else None,
-                               eps=norm.eps if norm is not None else 0.0)
+            if self.q_norm is None:
+                q = qkv_rope_cache(x.reshape(n, -1), self.wqkv.weight, self.wqkv.bias, cos, sin, mask.slots, keys,
+                                   values, args.n_heads, norm=norm.weight if norm is not None else None,
+                                   eps=norm.eps if norm is not None else 0.0)
+            else:       # the query/key norms need whole heads: a second kernel after the projection
+                q = head_norm_rope_cache(self.wqkv(x, norm=norm).reshape(n, -1), self.q_norm.weight,
+                                         self.k_norm.weight, self.q_norm.eps, cos, sin, mask.slots, keys, values,
+                                         args.n_heads)
             out = attention(q, keys, values, mask.prefix, mask.xoff, mask.extra, self.scale, mask.positions,
                             mask.window, mask.xend)
             return self.wo(out.reshape(n, self.q_size), residual=residual)
@@ -549,7 +554,7 @@ class Transformer(nn.Module):
         a tree's rows then get the bits of one-token decoding on a GPU, in any dtype. fused:
         norms inside the projections after them, the MLP's activation inside its up
         projection, residuals inside the projections before them (Block.fused), rotary and the
-        cache write inside the QKV projection where no query/key norm comes between
+        cache write inside the QKV projection, or with query/key norms in one kernel after it
         (Attention.fused)."""
         from .kernels import available, dot_is_row_invariant
 
