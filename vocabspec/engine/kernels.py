@@ -28,7 +28,10 @@ a residual to its output, `gated_linear` is an MLP's gated up projection with it
 in one kernel, and `qkv_rope_cache` is attention's QKV projection with rotary applied to its
 queries and keys and the keys and values stored at each row's cache slot (a tile's columns
 are the pairs rotary mixes, so each output element is still `linear`'s, rounded, then
-rotated). launches.py counts what a layer launches.
+rotated); where query and key norms come between (Gemma 3), they, rotary and the cache write
+are one kernel after the projection, `head_norm_rope_cache`. `linear_argmax` is an LM head
+that keeps each row's argmax, not its logits (greedy steps need no more). launches.py counts
+what a layer launches.
 
 No kernel is compiled per row count (M is never specialized on), so a CUDA graph per tree size
 replays kernels compiled once (static_step.py). They run on a GPU, and on a CPU under Triton's
