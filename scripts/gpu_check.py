@@ -24,7 +24,9 @@
 8. The linear kernels (linear): microseconds of cuBLAS (F.linear), the row-invariant multiply-add
    kernel and the tensor-core (tl.dot) kernel at a few decoding shapes (triton.testing.do_bench),
    whether the tensor-core kernel proved row-invariant in each dtype (the decision the kernels
-   take), and SmolLM2's launches a layer on the kernels, unfused and fused.
+   take), the fused epilogues (rotary and the cache write in QKV's kernel, the argmax in the
+   head's) against their unfused launches, attention with multiply-adds and on tensor cores,
+   and SmolLM2's launches a layer on the kernels, unfused and fused.
 
 Every static-step engine is warmed, graphs captured and kernels compiled, on the prompts'
 cache sizes before it is timed. Writes report.md and run.json to the folder given.
@@ -285,6 +287,8 @@ def linear_kernels(path: Path | None) -> dict:
             "cublas": round(bench_ms(lambda: F.linear(x, weight)) * 1e3, 1),
             "multiply_add": round(bench_ms(lambda: kernels.linear(x, weight, use_dot=False)) * 1e3, 1),
             "tensor_cores": round(bench_ms(lambda: kernels.linear(x, weight, use_dot=True)) * 1e3, 1)}
+    result["epilogues_us"] = epilogue_us(cut)
+    result["attention_us"] = attention_us(cut)
     if path is not None:
         model, _ = load_model(str(path), weights="bf16", device=DEVICE, backend="triton")
         token, position = torch.tensor([1], device=DEVICE), torch.tensor([0], device=DEVICE)
@@ -293,6 +297,68 @@ def linear_kernels(path: Path | None) -> dict:
             result[f"launches a layer, {'fused' if fused else 'unfused'}"] = layer_launches(
                 model, token, position, model.new_cache(8))
     return result
+
+
+def epilogue_us(cut: int) -> dict:
+    """Microseconds of each fused epilogue beside its unfused launches, bfloat16, SmolLM2's
+    shapes (its head dimension and vocabulary cut `cut`-fold, K 64-fold, on a CPU), per row
+    count: the QKV projection with rotary and the cache write (kernels.qkv_rope_cache) against
+    the projection, model.apply_rope and index_copy_; the LM head's argmax
+    (kernels.linear_argmax) against the head's logits and torch's argmax."""
+    from vocabspec.engine import kernels
+    from vocabspec.engine.model import apply_rope, rope_tables
+
+    heads, groups, dim, k, vocab = 9, 3, max(64 // cut, 8), max(576 // cut, 16), max(49152 // cut, 64)
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn((heads + 2 * groups) * dim, k, generator=generator) / k ** 0.5).to(DEVICE, torch.bfloat16)
+    head = (torch.randn(vocab, k, generator=generator) / k ** 0.5).to(DEVICE, torch.bfloat16)
+    keys = torch.zeros(groups, 256, dim, dtype=torch.bfloat16, device=DEVICE)
+    values = torch.zeros_like(keys)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(dim, 10000.0, 256))
+    out = {}
+    for rows in (1, 16):
+        x = torch.randn(rows, k, generator=generator).to(DEVICE, torch.bfloat16)
+        slots = torch.arange(100, 100 + rows, device=DEVICE)
+        c, s = cos[slots], sin[slots]
+
+        def unfused_qkv():
+            qkv = kernels.linear(x, weight)
+            qk = qkv[:, :(heads + groups) * dim].view(rows, heads + groups, dim).transpose(0, 1).unsqueeze(0)
+            qk = apply_rope(qk, c, s)
+            keys.index_copy_(1, slots, qk[0, heads:])
+            values.index_copy_(1, slots, qkv[:, (heads + groups) * dim:].view(rows, groups, dim).transpose(0, 1))
+            return qk[0, :heads]
+        out[f"{rows} rows"] = {
+            "qkv_rope_cache": round(bench_ms(
+                lambda: kernels.qkv_rope_cache(x, weight, None, c, s, slots, keys, values, heads)) * 1e3, 1),
+            "qkv_then_rope_then_cache": round(bench_ms(unfused_qkv) * 1e3, 1),
+            "head_argmax": round(bench_ms(lambda: kernels.linear_argmax(x, head)) * 1e3, 1),
+            "head_then_argmax": round(bench_ms(lambda: kernels.linear(x, head).float().argmax(-1)) * 1e3, 1)}
+    return out
+
+
+def attention_us(cut: int) -> dict:
+    """Microseconds of the attention kernel, one head at a time with multiply-adds against a key
+    group's heads on tensor cores, bfloat16, SmolLM2's heads over 512 cached keys (its head
+    dimension and the keys cut `cut`-fold on a CPU), causal rows after them, per row count."""
+    from vocabspec.engine import kernels
+
+    heads, groups, dim, keys_seen = 9, 3, max(64 // cut, 8), max(512 // cut, 8)
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(groups, keys_seen + 16, dim, generator=generator).to(DEVICE, torch.bfloat16)
+                    for _ in range(2))
+    out = {}
+    for rows in (1, 16):
+        q = torch.randn(rows, heads, dim, generator=generator).to(DEVICE, torch.bfloat16)
+        prefix = torch.full((rows,), keys_seen, dtype=torch.int32, device=DEVICE)
+        xoff = torch.arange(rows + 1, dtype=torch.int32, device=DEVICE) * rows
+        extra = (keys_seen + torch.arange(rows, device=DEVICE)).repeat(rows).to(torch.int32)
+        xend = xoff[:-1] + torch.arange(1, rows + 1, dtype=torch.int32, device=DEVICE)
+        seen = (q, keys, values, prefix, xoff, extra, dim ** -0.5)
+        out[f"{rows} rows"] = {
+            name: round(bench_ms(lambda: kernels.attention(*seen, xend=xend, use_dot=dot)) * 1e3, 1)
+            for name, dot in (("multiply_add", False), ("tensor_cores", True))}
+    return out
 
 
 @torch.inference_mode()                      # the step's buffers are inference tensors
@@ -451,7 +517,10 @@ def report(run: dict, prompts: int, new_tokens: int) -> str:
     if "linear" in run:
         lines += ["", "Linear kernels, bfloat16, microseconds (rows x K x N): "
                   + json.dumps(run["linear"]["us"]), "",
-                  "Tensor cores row-invariant (the kernels' decision): " + json.dumps(run["linear"]["decision"])]
+                  "Tensor cores row-invariant (the kernels' decision): " + json.dumps(run["linear"]["decision"]),
+                  "", "Fused epilogues against their unfused launches, bfloat16, microseconds: "
+                  + json.dumps(run["linear"].get("epilogues_us")),
+                  "", "Attention, bfloat16, microseconds: " + json.dumps(run["linear"].get("attention_us"))]
         lines += [f"{key}: {json.dumps(value)}" for key, value in run["linear"].items() if key.startswith("launches")]
     for weights in ("f32", "bf16"):
         if "tuner" in run.get(weights, {}):

@@ -17,13 +17,21 @@ changes with the number of rows beside it. Here every shape choice is fixed:
 - `attention`: one program per (row, head); the keys a row sees are taken in position order
   (slots [0, prefix) then its own list of further slots), BLOCK_T at a time, with an online
   softmax over them: a tree's row and the one-token forward of its path see the same keys in
-  the same chunks, never the masked ones;
+  the same chunks, never the masked ones. Where the tensor-core linear serves, attention takes
+  tensor cores too: one program per (row, key group), the group's heads at fixed places of a
+  tl.dot over the same chunks (a program's shapes and inputs are one row's alone);
 - `rms_norm`, `argmax`: one program per row, the reduction over the whole row in one block.
 
 Fewer kernels a layer (a small model's step is bound by launches): `linear` can RMS-norm its
 input rows first (each row's scale computed in the same program, from that row alone) and add
-a residual to its output, and `gated_linear` is an MLP's gated up projection with its SiLU or
-GELU in one kernel. launches.py counts what a layer launches.
+a residual to its output, `gated_linear` is an MLP's gated up projection with its SiLU or GELU
+in one kernel, and `qkv_rope_cache` is attention's QKV projection with rotary applied to its
+queries and keys and the keys and values stored at each row's cache slot (a tile's columns
+are the pairs rotary mixes, so each output element is still `linear`'s, rounded, then
+rotated); where query and key norms come between (Gemma 3), they, rotary and the cache write
+are one kernel after the projection, `head_norm_rope_cache`. `linear_argmax` is an LM head
+that keeps each row's argmax, not its logits (greedy steps need no more). launches.py counts
+what a layer launches.
 
 No kernel is compiled per row count (M is never specialized on), so a CUDA graph per tree size
 replays kernels compiled once (static_step.py). They run on a GPU, and on a CPU under Triton's
@@ -87,6 +95,18 @@ if triton is not None:
         return 1.0 / tl.sqrt(total / K + eps)
 
     @triton.jit
+    def _tile_and_scales(x, M, K, eps, NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """A program's output tile (rows, cols) and each of its rows' norm scale (ones without
+        NORM): the prologue every linear kernel opens with."""
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        if NORM:
+            scale = _row_scales(x, rows, M, K, eps, BM, BK)
+        else:
+            scale = tl.full((BM,), 1.0, tl.float32)
+        return rows, cols, scale
+
+    @triton.jit
     def _tile(x, w, rows, cols, M, N, K, scale, nw, NORM: tl.constexpr, USE_DOT: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
               BK: tl.constexpr):
@@ -117,12 +137,7 @@ if triton is not None:
     def _linear(x, w, b, r, nw, y, M, N, K, eps, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                 NORM: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        if NORM:
-            scale = _row_scales(x, rows, M, K, eps, BM, BK)
-        else:
-            scale = tl.full((BM,), 1.0, tl.float32)
+        rows, cols, scale = _tile_and_scales(x, M, K, eps, NORM, BM, BN, BK)
         acc = _tile(x, w, rows, cols, M, N, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
         if HAS_BIAS:
             acc += tl.load(b + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -139,12 +154,7 @@ if triton is not None:
     def _gated_linear(x, w, nw, y, M, H, K, eps, NORM: tl.constexpr, ACTIVATION: tl.constexpr,
                       USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        if NORM:
-            scale = _row_scales(x, rows, M, K, eps, BM, BK)
-        else:
-            scale = tl.full((BM,), 1.0, tl.float32)
+        rows, cols, scale = _tile_and_scales(x, M, K, eps, NORM, BM, BN, BK)
         # The gate's rows of w are [0, H), the up projection's [H, 2H); each rounded to the dtype
         # as the unfused projection stores it, the activation and the product rounded likewise.
         gate = _tile(x, w, rows, cols, M, H, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
@@ -163,6 +173,89 @@ if triton is not None:
         out = (a.to(y.dtype.element_ty).to(tl.float32) * u).to(y.dtype.element_ty)
         tl.store(y + rows[:, None] * H + cols[None, :], out, mask=(rows[:, None] < M) & (cols[None, :] < H))
 
+    @triton.jit(do_not_specialize=["M"])
+    def _qkv_rope_cache(x, w, b, nw, cos, sin, slots, q, kc, vc, M, K, H, G, D, T, eps,
+                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+                        PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # The tile's columns are pairs (j, j + D/2) of one head, which rotary mixes: heads [0, H)
+        # are queries, [H, H + G) keys, [H + G, H + 2G) values (paired alike, not rotated).
+        rows, pairs, scale = _tile_and_scales(x, M, K, eps, NORM, BM, BN, BK)
+        half = D // 2
+        N = (H + 2 * G) * D
+        head = pairs // half
+        j = pairs % half
+        first = head * D + j
+        second = first + half               # at or past N exactly where `first` is
+        a = _tile(x, w, rows, first, M, N, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
+        c = _tile(x, w, rows, second, M, N, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
+        if HAS_BIAS:
+            a += tl.load(b + first, mask=first < N, other=0.0).to(tl.float32)[None, :]
+            c += tl.load(b + second, mask=second < N, other=0.0).to(tl.float32)[None, :]
+        # The projection rounded as it would be stored, then rotated as model.apply_rope does it
+        # (x cos + rotate_half(x) sin in float32, rounded once).
+        dtype = q.dtype.element_ty
+        a = a.to(dtype).to(tl.float32)
+        c = c.to(dtype).to(tl.float32)
+        live = rows < M
+        angle = rows[:, None] * D + j[None, :]
+        ca = tl.load(cos + angle, mask=live[:, None], other=0.0)
+        sa = tl.load(sin + angle, mask=live[:, None], other=0.0)
+        cc = tl.load(cos + angle + half, mask=live[:, None], other=0.0)
+        sc = tl.load(sin + angle + half, mask=live[:, None], other=0.0)
+        rotated = (head < H + G)[None, :]
+        a_out = tl.where(rotated, a * ca + (-c) * sa, a).to(dtype)
+        c_out = tl.where(rotated, c * cc + a * sc, c).to(dtype)
+        # Queries to q (M, H*D); keys and values into the cache at each row's slot.
+        is_q = live[:, None] & (head < H)[None, :]
+        tl.store(q + rows[:, None] * (H * D) + first[None, :], a_out, mask=is_q)
+        tl.store(q + rows[:, None] * (H * D) + second[None, :], c_out, mask=is_q)
+        slot = tl.load(slots + rows, mask=live, other=0)
+        is_k = live[:, None] & ((head >= H) & (head < H + G))[None, :]
+        at_k = kc + ((head - H)[None, :] * T + slot[:, None]) * D + j[None, :]
+        tl.store(at_k, a_out, mask=is_k)
+        tl.store(at_k + half, c_out, mask=is_k)
+        is_v = live[:, None] & ((head >= H + G) & (head < H + 2 * G))[None, :]
+        at_v = vc + ((head - H - G)[None, :] * T + slot[:, None]) * D + j[None, :]
+        tl.store(at_v, a_out, mask=is_v)
+        tl.store(at_v + half, c_out, mask=is_v)
+
+    @triton.jit
+    def _head_norm_rope_cache(qkv, qn, kn, cos, sin, slots, q, kc, vc, H, G, D, T, eps, BD: tl.constexpr):
+        # One program per (row, head of qkv's): queries [0, H), keys [H, H + G), values after.
+        # A query or key head is RMS-normed as `_rms_norm` norms it (the same one-block sum),
+        # rounded, then rotated as model.apply_rope rotates it; its rotation partner (dims
+        # shifted by D/2) is normed alike from the same sum.
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        dims = tl.arange(0, BD)
+        half = D // 2
+        inside = dims < D
+        partner = (dims + half) % D
+        at = qkv + (row * (H + 2 * G) + head) * D
+        v = tl.load(at + dims, mask=inside, other=0.0)
+        dtype = v.dtype
+        slot = tl.load(slots + row)
+        if head < H + G:
+            x = v.to(tl.float32)
+            y = tl.load(at + partner, mask=inside, other=0.0).to(tl.float32)
+            scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+            is_q = head < H
+            gx = tl.where(is_q, tl.load(qn + dims, mask=inside, other=0.0), tl.load(kn + dims, mask=inside, other=0.0))
+            gy = tl.where(is_q, tl.load(qn + partner, mask=inside, other=0.0),
+                          tl.load(kn + partner, mask=inside, other=0.0))
+            x = (x * scale * gx.to(tl.float32)).to(dtype).to(tl.float32)
+            y = (y * scale * gy.to(tl.float32)).to(dtype).to(tl.float32)
+            rotated = tl.where(dims < half, -y, y)
+            c = tl.load(cos + row * D + dims, mask=inside, other=0.0)
+            s = tl.load(sin + row * D + dims, mask=inside, other=0.0)
+            out = (x * c + rotated * s).to(dtype)
+            if head < H:
+                tl.store(q + (row * H + head) * D + dims, out, mask=inside)
+            else:
+                tl.store(kc + ((head - H) * T + slot) * D + dims, out, mask=inside)
+        else:
+            tl.store(vc + ((head - H - G) * T + slot) * D + dims, v, mask=inside)
+
     @triton.jit
     def _rms_norm(x, w, y, D, eps, BD: tl.constexpr):
         row = tl.program_id(0)
@@ -172,8 +265,24 @@ if triton is not None:
         g = tl.load(w + cols, mask=cols < D, other=0.0).to(tl.float32)
         tl.store(y + row * D + cols, (v * scale * g).to(y.dtype.element_ty), mask=cols < D)
 
+    @triton.jit(do_not_specialize=["M"])
+    def _linear_tile_argmax(x, w, nw, top, at, M, N, K, eps, NORM: tl.constexpr, USE_DOT: tl.constexpr,
+                            UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                            BK: tl.constexpr):
+        # Each row's largest value in this program's columns of x @ w^T, rounded to x's dtype as
+        # `linear` stores it, and the first column holding it; _argmax then reduces the tiles.
+        rows, cols, scale = _tile_and_scales(x, M, K, eps, NORM, BM, BN, BK)
+        acc = _tile(x, w, rows, cols, M, N, K, scale, nw, NORM, USE_DOT, UPCAST, PRECISION, BM, BN, BK)
+        value = tl.where(cols[None, :] < N, acc.to(x.dtype.element_ty).to(tl.float32), float("-inf"))
+        best = tl.max(value, axis=1)
+        first = tl.min(tl.where(value == best[:, None], cols[None, :], N), axis=1)
+        tiles = tl.num_programs(1)
+        tile = tl.program_id(1)
+        tl.store(top + rows * tiles + tile, best, mask=rows < M)
+        tl.store(at + rows * tiles + tile, first, mask=rows < M)
+
     @triton.jit
-    def _argmax(logits, out, V, BV: tl.constexpr):
+    def _argmax(logits, index, out, V, HAS_INDEX: tl.constexpr, BV: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BV)
         best = tl.full((), float("-inf"), tl.float32)
@@ -186,6 +295,8 @@ if triton is not None:
             take = top > best
             at = tl.where(take, first, at)
             best = tl.where(take, top, best)
+        if HAS_INDEX:       # logits are tiles' maxima: the first tile holding the largest, its column
+            at = tl.load(index + row * V + at).to(tl.int64)
         tl.store(out + row, at)
 
     @triton.jit(do_not_specialize=["T"])     # one kernel for every cache size
@@ -223,6 +334,60 @@ if triton is not None:
             acc = acc * correction + tl.sum(p[:, None] * vt, axis=0)
             m = m_new
         tl.store(out + (row * H + head) * D + dims, (acc / total).to(out.dtype.element_ty), mask=dims < D)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _attention_dot(q, k, v, prefix, xoff, xend, extra, pos, out, H, G, T, D, scale, window,
+                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
+                       BD: tl.constexpr):
+        # `_attention` on tensor cores: one program per (row, key group), the group's query heads
+        # (BH places, the same head always at the same place) scored and summed against BT keys
+        # at a time by tl.dot. A program's shapes and inputs are a row's alone, its keys taken in
+        # position order in the same chunks as `_attention`'s: a tree's row and its path's
+        # one-token row run the same instructions on the same values.
+        row = tl.program_id(0)
+        group = tl.program_id(1)
+        per_group = H // G
+        places = tl.arange(0, BH)
+        heads = group * per_group + places
+        dims = tl.arange(0, BD)
+        live_heads = places < per_group
+        qv = tl.load(q + (row * H + heads[:, None]) * D + dims[None, :],
+                     mask=live_heads[:, None] & (dims[None, :] < D), other=0.0)
+        if UPCAST:
+            qv = qv.to(tl.float32)
+        pre = tl.load(prefix + row)
+        x0 = tl.load(xoff + row)
+        count = pre + tl.load(xend + row) - x0
+        first = 0
+        if window > 0:
+            first = tl.maximum(tl.load(pos + row) - window + 1, 0)
+        m = tl.full((BH,), float("-inf"), tl.float32)
+        total = tl.zeros((BH,), dtype=tl.float32)
+        acc = tl.zeros((BH, BD), dtype=tl.float32)
+        steps = tl.arange(0, BT)
+        for start in range(first, count, BT):
+            index = start + steps
+            live = index < count
+            slot = tl.where(index < pre, index,
+                            tl.load(extra + x0 + index - pre, mask=live & (index >= pre), other=0))
+            kt = tl.load(k + (group * T + slot[:, None]) * D + dims[None, :],
+                         mask=live[:, None] & (dims[None, :] < D), other=0.0)
+            vt = tl.load(v + (group * T + slot[:, None]) * D + dims[None, :],
+                         mask=live[:, None] & (dims[None, :] < D), other=0.0)
+            if UPCAST:
+                kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+            s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * scale            # (BH, BT)
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.where(live[None, :], tl.exp(s - m_new[:, None]), 0.0)
+            correction = tl.exp(m - m_new)
+            total = total * correction + tl.sum(p, axis=1)
+            # The weights go in at the values' dtype, as a flash attention kernel's do.
+            acc = tl.dot(p.to(vt.dtype), vt, acc * correction[:, None], input_precision=PRECISION)
+            m = m_new
+        result = acc / total[:, None]
+        tl.store(out + (row * H + heads[:, None]) * D + dims[None, :], result.to(out.dtype.element_ty),
+                 mask=live_heads[:, None] & (dims[None, :] < D))
 
 
 def _need():
@@ -291,6 +456,58 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, activation: int, *, norm
     return y
 
 
+def qkv_rope_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                   sin: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   heads: int, *, norm: torch.Tensor | None = None, eps: float = 0.0,
+                   use_dot: bool | None = None) -> torch.Tensor:
+    """An attention layer's QKV projection, its rotary and its cache write in one kernel:
+    x (M, K) @ weight^T (+ bias), weight (heads + 2 groups) * D rows of queries, keys, values;
+    queries and keys rotated by row r's `cos[r]`, `sin[r]` (M, D; float32, rotate-half as
+    model.apply_rope), keys and values stored at slot `slots[r]` of a layer's `keys` and
+    `values` (groups, slots, D), in place. `norm`: as in `linear`. Returns the rotated queries
+    (M, heads, D) in x's dtype. Each output element is `linear`'s, rounded as the unfused
+    projection stores it, then rotated: row-invariant as `linear` is."""
+    _need()
+    x, weight = x.contiguous(), weight.contiguous()
+    M, K = x.shape
+    G, T, D = keys.shape
+    if weight.shape[0] != (heads + 2 * G) * D or D % 2:
+        raise ValueError(f"a QKV weight of {weight.shape[0]} rows for {heads} heads and {G} groups of {D}")
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("the cache's keys and values are written in place: they must be contiguous")
+    use_dot = _use_dot(x) if use_dot is None else use_dot
+    q = torch.empty(M, heads, D, dtype=x.dtype, device=x.device)
+    tiles = _tiling(x, use_dot)
+    grid = (triton.cdiv(M, tiles["BM"]), triton.cdiv((heads + 2 * G) * D // 2, tiles["BN"]))
+    _launch(_qkv_rope_cache, grid, x, weight, bias if bias is not None else weight,
+            norm if norm is not None else weight, cos.contiguous(), sin.contiguous(), slots.contiguous(), q,
+            keys, values, M, K, heads, G, D, T, eps, bias is not None, norm is not None, use_dot, **tiles)
+    return q
+
+
+def head_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+                        values: torch.Tensor, heads: int) -> torch.Tensor:
+    """What follows a QKV projection (M, (heads + 2 groups) * D) with query and key norms
+    (Gemma 3's), in one kernel: each query head RMS-normed by `q_norm` (D,), each key head by
+    `k_norm`, as `rms_norm` norms them, then rotated as in `qkv_rope_cache`; keys and values
+    stored at slot `slots[r]` of a layer's `keys` and `values` (groups, slots, D), in place.
+    Returns the queries (M, heads, D). One program a row and head: row-invariant."""
+    _need()
+    qkv = qkv.contiguous()
+    M = qkv.shape[0]
+    G, T, D = keys.shape
+    if qkv.shape[1] != (heads + 2 * G) * D or D % 2:
+        raise ValueError(f"QKV rows of {qkv.shape[1]} for {heads} heads and {G} groups of {D}")
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("the cache's keys and values are written in place: they must be contiguous")
+    q = torch.empty(M, heads, D, dtype=qkv.dtype, device=qkv.device)
+    _launch(_head_norm_rope_cache, (M, heads + 2 * G), qkv, q_norm.contiguous(), k_norm.contiguous(),
+            cos.contiguous(), sin.contiguous(), slots.contiguous(), q, keys, values, heads, G, D, T, eps,
+            BD=triton.next_power_of_2(D))
+    return q
+
+
 # Where the tensor-core kernel was checked, per (device, dtype): whether every row kept its bits.
 _dot_checked: dict[tuple[str, torch.dtype], bool] = {}
 # (N, K) of the products the check runs: SmolLM2's and Gemma 3 270M's MLP up projections.
@@ -352,17 +569,42 @@ def argmax(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     _need()
     logits = logits.contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    _launch(_argmax, (logits.shape[0],), logits, out, logits.shape[1], BV=block)
+    _launch(_argmax, (logits.shape[0],), logits, out, out, logits.shape[1], False, BV=block)
+    return out
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0,
+                  use_dot: bool | None = None, block: int = 1024) -> torch.Tensor:
+    """Each row's argmax of `linear(x, weight, norm=norm, eps=eps)` (int64, the first index on
+    ties, as torch.argmax), without storing the products: an LM head's greedy tokens. Each
+    program keeps its tile's maximum per row and the first column holding it; `argmax`'s
+    kernel then takes, per row, the first tile holding the largest of them, tiles in column
+    order. Two launches, whatever the vocabulary."""
+    _need()
+    x, weight = x.contiguous(), weight.contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
+    use_dot = _use_dot(x) if use_dot is None else use_dot
+    tiles = _tiling(x, use_dot)
+    grid = (triton.cdiv(M, tiles["BM"]), triton.cdiv(N, tiles["BN"]))
+    top = torch.empty(M, grid[1], dtype=torch.float32, device=x.device)
+    at = torch.empty(M, grid[1], dtype=torch.int32, device=x.device)
+    _launch(_linear_tile_argmax, grid, x, weight, norm if norm is not None else weight, top, at, M, N, K, eps,
+            norm is not None, use_dot, **tiles)
+    out = torch.empty(M, dtype=torch.int64, device=x.device)
+    _launch(_argmax, (M,), top, at, out, grid[1], True, BV=min(block, triton.next_power_of_2(grid[1])))
     return out
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor,
               xoff: torch.Tensor, extra: torch.Tensor, scale: float, positions: torch.Tensor | None = None,
-              window: int = 0, xend: torch.Tensor | None = None) -> torch.Tensor:
+              window: int = 0, xend: torch.Tensor | None = None, use_dot: bool | None = None) -> torch.Tensor:
     """Attention of q (n, heads, D) over keys and values (groups, T, D): row r sees slots
     [0, prefix[r]) and then extra[xoff[r]:xend[r]] (xend: xoff[1:] unless given), in position
     order (its own last), as native.visibility describes a tree's rows; with a `window`, only
-    its last `window` positions (`positions`: each row's). Returns (n, heads, D) in q's dtype."""
+    its last `window` positions (`positions`: each row's). Returns (n, heads, D) in q's dtype.
+    use_dot: a key group's heads scored and summed on tensor cores (`_attention_dot`), or one
+    head at a time with multiply-adds (None: where `linear`'s tensor-core kernel serves)."""
     _need()
     n, H, D = q.shape
     G, T, _ = keys.shape
@@ -370,7 +612,13 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix:
     xoff = xoff.to(torch.int32).contiguous()
     xend = xoff[1:] if xend is None else xend.to(torch.int32).contiguous()
     pos = (positions if positions is not None else prefix).to(torch.int32).contiguous()
-    _launch(_attention, (n, H), q.contiguous(), keys.contiguous(), values.contiguous(),
-            prefix.to(torch.int32).contiguous(), xoff, xend, extra.to(torch.int32).contiguous(), pos, out,
-            H, G, T, D, scale, window, BT=BLOCK_T, BD=triton.next_power_of_2(D))
+    use_dot = _use_dot(q) if use_dot is None else use_dot
+    tensors = (q.contiguous(), keys.contiguous(), values.contiguous(), prefix.to(torch.int32).contiguous(), xoff,
+               xend, extra.to(torch.int32).contiguous(), pos, out, H, G, T, D, scale, window)
+    if use_dot:        # tl.dot's smallest tile is 16 a side: a group's heads padded to 16 places
+        tiling = _tiling(q, True)
+        _launch(_attention_dot, (n, G), *tensors, UPCAST=tiling["UPCAST"], PRECISION=tiling["PRECISION"],
+                BH=max(16, triton.next_power_of_2(H // G)), BT=BLOCK_T, BD=max(16, triton.next_power_of_2(D)))
+    else:
+        _launch(_attention, (n, H), *tensors, BT=BLOCK_T, BD=triton.next_power_of_2(D))
     return out

@@ -68,6 +68,14 @@ class KVCache:
         self.values[layer, :, :, start:end] = new_values
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
+    def storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A torch-layout layer's keys and values as (kv heads, slots, head_dim), contiguous
+        views of the cache: what the row-invariant kernels write at a forward's slots and read
+        in place (kernels.qkv_rope_cache, kernels.attention)."""
+        if self.layout != "torch":
+            raise ValueError("the kernels read the torch layout")
+        return self.keys[layer, 0], self.values[layer, 0]
+
     def advance(self, n_new: int) -> None:
         """Count the tokens of the forward that just ran as pending."""
         self.pending += n_new

@@ -201,6 +201,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         scalar = args.query_pre_attn_scalar if args.features.query_scalar else None
         self.scale = (scalar or args.head_dim) ** -0.5
+        # On the row-invariant kernels (Transformer.use_kernels): rotary and the cache write in
+        # the QKV projection's kernel, or with query/key norms in one kernel after it.
+        self.fused = False
 
     def forward(self, x, cos, sin, cache: KVCache, mask, key_start: int, norm: RMSNorm | None = None,
                 residual: torch.Tensor | None = None):
@@ -208,6 +211,21 @@ class Attention(nn.Module):
         added to `residual` where given (Linear.forward: on the kernels, inside the projections)."""
         n = x.shape[0]
         args = self.args
+        if self.fused and isinstance(mask, Visibility):
+            from .kernels import attention, head_norm_rope_cache, qkv_rope_cache
+
+            keys, values = cache.storage(self.layer)
+            if self.q_norm is None:
+                q = qkv_rope_cache(x.reshape(n, -1), self.wqkv.weight, self.wqkv.bias, cos, sin, mask.slots, keys,
+                                   values, args.n_heads, norm=norm.weight if norm is not None else None,
+                                   eps=norm.eps if norm is not None else 0.0)
+            else:       # the query/key norms need whole heads: a second kernel after the projection
+                q = head_norm_rope_cache(self.wqkv(x, norm=norm).reshape(n, -1), self.q_norm.weight,
+                                         self.k_norm.weight, self.q_norm.eps, cos, sin, mask.slots, keys, values,
+                                         args.n_heads)
+            out = attention(q, keys, values, mask.prefix, mask.xoff, mask.extra, self.scale, mask.positions,
+                            mask.window, mask.xend)
+            return self.wo(out.reshape(n, self.q_size), residual=residual)
         qkv = self.wqkv(x, norm=norm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
@@ -325,6 +343,7 @@ class Visibility:
     positions: torch.Tensor
     window: int = 0
     xend: torch.Tensor | None = None     # where each row's extra slots end (None: xoff[1:])
+    slots: torch.Tensor | None = None    # where each row's key and value are written
 
 
 class LayerPlan:
@@ -344,7 +363,7 @@ class LayerPlan:
 class KernelPlan(LayerPlan):
     """RoPE rows and visibility for one forward on the row-invariant kernels: the keys each row
     sees as slot lists in position order, so that a tree's row and its path's one-token row
-    reduce over the same keys in the same order."""
+    reduce over the same keys in the same order, and the slot each row's key is written to."""
 
     def __init__(self, args: ModelArgs, cache: KVCache, positions: torch.Tensor,
                  tree_mask: torch.Tensor | None, rope: dict):
@@ -354,10 +373,11 @@ class KernelPlan(LayerPlan):
         prefix, xoff, extra = (t.to(positions.device) for t in
                                visibility(cache.length, cache.pending, positions.cpu(),
                                           tree_mask.cpu() if tree_mask is not None else None))
-        seen = Visibility(prefix, xoff, extra, positions)
+        slots = torch.arange(cache.used, cache.used + positions.shape[0], device=positions.device)
+        seen = Visibility(prefix, xoff, extra, positions, slots=slots)
         self.masks = {"global": (seen, 0)}
         if args.sliding_window is not None:
-            self.masks["local"] = (Visibility(prefix, xoff, extra, positions, args.sliding_window), 0)
+            self.masks["local"] = (dataclasses.replace(seen, window=args.sliding_window), 0)
 
 
 class DeviceKernelPlan(LayerPlan):
@@ -374,7 +394,7 @@ class DeviceKernelPlan(LayerPlan):
         fresh, count = cache.fresh_visibility(n, tree_mask)
         xoff = torch.arange(n, device=positions.device) * fresh.shape[1]
         prefix = cache.length.expand(n)
-        seen = Visibility(prefix, xoff, fresh.reshape(-1), positions, xend=xoff + count)
+        seen = Visibility(prefix, xoff, fresh.reshape(-1), positions, xend=xoff + count, slots=cache.slots)
         self.masks = {"global": (seen, 0)}
         if args.sliding_window is not None:
             self.masks["local"] = (dataclasses.replace(seen, window=args.sliding_window), 0)
@@ -533,7 +553,9 @@ class Transformer(nn.Module):
         """Compute every matmul, norm and attention with the row-invariant kernels (kernels.py):
         a tree's rows then get the bits of one-token decoding on a GPU, in any dtype. fused:
         norms inside the projections after them, the MLP's activation inside its up
-        projection, residuals inside the projections before them (Block.fused)."""
+        projection, residuals inside the projections before them (Block.fused), rotary and the
+        cache write inside the QKV projection, or with query/key norms in one kernel after it
+        (Attention.fused)."""
         from .kernels import available, dot_is_row_invariant
 
         ok, why = available()
@@ -544,7 +566,7 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, RMSNorm)):
                 module.row_invariant = True
-            if isinstance(module, (Block, MLP)):
+            if isinstance(module, (Block, MLP, Attention)):
                 module.fused = fused
         self.kernels = True
         self.fused_head = fused
@@ -601,6 +623,17 @@ class Transformer(nn.Module):
                 return fixed_order(hidden, self.head_weight, norm=self.norm.weight, eps=self.norm.eps).float()
             return fixed_order(self.norm(hidden), self.head_weight).float()
         return linear(self.norm(hidden), self.head_weight).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of its logits (int64, the first index on ties) from pre-norm hidden
+        states (rows, dim): on the fused kernels taken inside the LM head's kernel, the logits
+        never stored (kernels.linear_argmax: the same index as lm_head's argmax, the same bits
+        being compared); elsewhere lm_head's argmax."""
+        if self.native is None and self.kernels and self.fused_head:
+            from .kernels import linear_argmax
+
+            return linear_argmax(hidden, self.head_weight, norm=self.norm.weight, eps=self.norm.eps)
+        return self.lm_head(hidden).argmax(-1)
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -19,7 +19,8 @@ order. Verification follows the target's argmax from the root: a node is accepte
 token is its parent's argmax and its parent is accepted; the next token is the argmax at the
 deepest accepted node (`verify.verify_greedy`, the eager steps' verifier too): plain decoding's output,
 float32 ties apart on torch's kernels (not row-invariant), exactly on the row-invariant ones
-(--backend triton: each row's keys listed on the device, model.DeviceKernelPlan). Sampling
+(--backend triton: each row's keys listed on the device, model.DeviceKernelPlan; the argmax
+taken in the LM head's kernel, Transformer.greedy_tokens). Sampling
 takes the eager steps (generate.py), as does the native CPU engine, which keeps its own cache.
 """
 
@@ -106,9 +107,12 @@ class StaticDecoder:
         model, cache, drafting = self.model, self.cache, self.drafting
         tree = drafting.propose(self.root) if draft else chain(self.root, self.root[:0])
         mask = tree.attention_mask()
-        hidden, logits, *tapped = model(tree.tokens, tree.depths + cache.length, cache,
-                                        tree_mask=mask, all_logits=True, taps=self.taps)
-        path, length_bonus = verify_greedy(tree.tokens, tree.parents, tree.depths, logits, tree.max_depth,
+        hidden, _, *tapped = model(tree.tokens, tree.depths + cache.length, cache,
+                                   tree_mask=mask, logits_rows=[], taps=self.taps)
+        # Greedy verification reads each row's argmax only: on the fused kernels the LM head's
+        # kernel takes it, and the logits are never stored.
+        best = model.greedy_tokens(hidden)
+        path, length_bonus = verify_greedy(tree.tokens, tree.parents, tree.depths, best, tree.max_depth,
                                            tree.valid, mask)
         count, bonus = length_bonus[0], length_bonus[1:]
         cache.keep(path, count)

@@ -83,9 +83,10 @@ def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Ten
     """Greedy verification of a flattened tree as device work: (path, [length, bonus]).
 
     tokens, parents (the root's -1 or itself), depths: (rows,); logits: (rows, vocab), row i
-    the scores of the token after node i; max_depth: a bound on the tree's depth (default
-    rows - 1); valid: rows that hold a draft (a padded path's padding is rejected); mask: the
-    tree's ancestor mask (`ancestor_mask`; built here where not given). path holds
+    the scores of the token after node i, or each row's argmax (rows,) taken already
+    (Transformer.greedy_tokens); max_depth: a bound on the tree's depth (default rows - 1);
+    valid: rows that hold a draft (a padded path's padding is rejected); mask: the tree's
+    ancestor mask (`ancestor_mask`; built here where not given). path holds
     the accepted rows by depth, padded to max_depth + 1; length counts the root and the
     accepted drafts; bonus is the argmax at the deepest accepted node (torch.argmax: the first
     index on ties, as plain decoding's `greedy_token`). No read-back, so a CUDA graph holds it."""
@@ -93,7 +94,7 @@ def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Ten
     depth = rows - 1 if max_depth is None else max_depth
     if mask is None:
         mask = ancestor_mask(parents, depth)
-    best = logits.argmax(-1)
+    best = logits.argmax(-1) if logits.dim() == 2 else logits
     ok = tokens == best[parents.clamp_min(0)]
     if valid is not None:
         ok = ok & valid
