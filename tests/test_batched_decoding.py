@@ -7,7 +7,9 @@ runs here and records how many answers served alone again differ.
 
 In float32 on these models the rows batched together round like rows alone closely enough that
 every token agrees, so the tests ask for equal tokens; in bfloat16 (a GPU's run) they need
-not agree, which is why the path needs --allow-inexact.
+not agree, which is why the path needs --allow-inexact. On the row-invariant kernels (Triton's
+interpreter here) the rows are exact: the same bits as each request's forward alone, and the
+batch engine steps them without --allow-inexact.
 """
 
 import json
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from vocabspec.engine import batched
+from vocabspec.engine import batched, kernels
 from vocabspec.speculation.batch import BatchEngine, BatchLimits, Engine
 from vocabspec.speculation.generate import GenerationConfig
 from vocabspec.speculation.pld import PromptLookupProposer
@@ -185,3 +187,61 @@ def test_the_server_on_torch_steps_concurrent_requests_as_rows_together():
     assert app.state.server.batch.batched.steps > 0
     assert [reply.json()["choices"][0]["message"]["content"] for reply in replies] == \
         [lm.generate(text, chat=True, max_new_tokens=10).text for text in texts]
+
+
+needs_kernels = pytest.mark.skipif(not kernels.available()[0], reason=kernels.available()[1])
+
+
+@needs_kernels
+def test_on_the_row_invariant_kernels_rows_are_each_requests_alone_bit_for_bit():
+    """The row-invariant kernels, a tiny Gemma 3 whose one layer slides over 6 positions: three
+    prompts prefilled together into slots out of order (padded to the longest), then decode
+    steps of all three rows, every row's logits the bits of its request's own forward alone."""
+    model = tiny_model("gemma3", seed=4, n_layers=1, vocab_size=32, intermediate_size=32)
+    model.use_kernels()
+    prompts = prompts_of([3, 11, 8], seed=2, vocab=32)
+    cache = batched.SlotCache(model, slots=4, window=24)
+    slots = torch.tensor([2, 0, 3])
+    logits = batched.prefill_slots(model, cache, prompts, slots=slots)
+    step = batched.DecodeStep(model, cache)
+    alone = [model.new_cache(24) for _ in prompts]
+    tokens, positions = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        _, own = model(torch.tensor(prompt), torch.arange(len(prompt)), alone[i])
+        alone[i].commit()
+        assert torch.equal(logits[i], own[0]), f"prompt {i}"
+        tokens[slots[i]], positions[slots[i]] = int(own[0].argmax()), len(prompt)
+    for _ in range(2):
+        greedy, logits = step.with_logits(tokens, positions, int(positions.max()) + 1)
+        for i, slot in enumerate(slots.tolist()):
+            _, own = model(tokens[slot:slot + 1], positions[slot:slot + 1], alone[i])
+            alone[i].commit()
+            assert torch.equal(logits[slot], own[0]), f"prompt {i}"
+        tokens, positions = greedy.clone(), positions + 1
+
+
+@needs_kernels
+def test_on_the_row_invariant_kernels_the_batch_steps_rows_exactly_without_allow_inexact():
+    """`--backend triton`'s kernels, no --allow-inexact: plain requests step as batched rows (two
+    slots, four requests of different lengths, refilled as answers end; greedy ones a step ahead
+    of the host, then beside sampled ones), and every answer, greedy or seeded sampling, its
+    logprobs included, is the one plain decoding of the request alone gives, bit for bit. Asked
+    for batched rows on torch's kernels without --allow-inexact, the engine refuses."""
+    model = tiny_model("llama", seed=3, n_layers=1, vocab_size=32, intermediate_size=32)
+    model.use_kernels()
+    engine = Engine(model)
+    prompts = prompts_of([3, 11, 7, 9], seed=0, vocab=32)
+    configs = [GenerationConfig(max_new_tokens=8), GenerationConfig(max_new_tokens=3),
+               GenerationConfig(max_new_tokens=6, sampling=SamplingParams(temperature=1.3, top_k=20, seed=2)),
+               GenerationConfig(max_new_tokens=5, logprobs=2)]
+    batch = BatchEngine(engine, None, BatchLimits(max_batch=2, window=32), thread=False)
+    assert batch.batched is not None and batch.batched.exact and len(batch.slots) == 2
+    together = batch.generate(prompts, configs)
+    alone = [engine.generate(p, c) for p, c in zip(prompts, configs)]     # plain decoding, alone
+    assert [(r.tokens, r.stop_reason) for r in together] == [(r.tokens, r.stop_reason) for r in alone]
+    assert together[3].logprobs == alone[3].logprobs
+    assert batch.batched.steps == batch.steps and batch.rows > batch.steps   # rows shared steps
+
+    with pytest.raises(ValueError, match="round each row differently.*--backend triton"):
+        BatchEngine(Engine(tiny_model("llama", seed=4)), None, BatchLimits(max_batch=2, window=32, batched=True),
+                    thread=False)

@@ -14,12 +14,13 @@ generator are its own: its tokens are exactly those it gets served alone, whatev
 The batch changes when tokens arrive, never which.
 
 On torch's kernels (a GPU's path, and `--backend torch` on a CPU) `forward_batch` runs the
-requests in turn, a forward each. There, with inexact answers allowed (`--allow-inexact`), the
-plain-decoding requests step instead as rows of one forward over per-slot caches
-(batched_decoding.py; `BatchLimits.batched`): one captured step for them all on a GPU, each
-answer the request's own up to the rounding of rows batched together. A drafted request keeps
-its own cache and the per-request step beside them; without --allow-inexact every request
-keeps it, and every answer is exactly what it gets alone.
+requests in turn, a forward each. There the plain-decoding requests step instead as rows of one
+forward over per-slot caches (batched_decoding.py; `BatchLimits.batched`), one captured step for
+them all on a GPU: on the row-invariant kernels (`--backend triton`) always, each answer exactly
+the request's own; on torch's with inexact answers allowed (`--allow-inexact`), each answer the
+request's own up to the rounding of rows batched together, and without it every request keeps
+the per-request step, each answer exactly what it gets alone. A drafted request keeps its own
+cache and the per-request step beside the rows.
 
 The steps run on one thread: the engine's own (`thread=True`), or the caller's, through `run`
 (`thread=False`). The second is the fast one on a CPU: OpenMP (libgomp) throttles a parallel
@@ -178,9 +179,9 @@ class BatchLimits:
     # batch's rows stay within this. None: the cost rule (module docstring).
     tree_rows: int | None = None
     # Plain-decoding requests as rows of one forward over per-slot caches (batched_decoding.py),
-    # not a forward each. None: where that is the faster way and allowed, a model on torch's
-    # kernels (not the native engine's, nor the row-invariant ones) with inexact answers
-    # allowed (Engine.allow_inexact).
+    # not a forward each. None: where that is the faster way and allowed: a model on the
+    # row-invariant kernels (exact there), or on torch's with inexact answers allowed
+    # (Engine.allow_inexact); never the native engine, whose step is one call already.
     batched: bool | None = None
 
     def __post_init__(self):
@@ -265,7 +266,15 @@ class BatchEngine:
         self.batched = None
         batched = self.limits.batched
         if batched is None:
-            batched = model.native is None and not model.kernels and engine.allow_inexact
+            batched = model.native is None and (model.kernels or engine.allow_inexact)
+        elif batched and model.native is not None:
+            raise ValueError("batched rows run on torch's kernels or the row-invariant ones; the "
+                             "native engine steps every request's rows in one call already")
+        elif batched and not (model.kernels or engine.allow_inexact):
+            raise ValueError(f"batched rows on {model.engine} round each row differently with "
+                             "other rows beside it, so an answer could differ from serving it alone: "
+                             "run on the row-invariant kernels (--backend triton), or allow inexact "
+                             "answers (--allow-inexact, allow_inexact=True)")
         slots = self.limits.max_batch
         if batched:
             from .batched_decoding import BatchedDecoding

@@ -1,4 +1,5 @@
-"""A batch's plain-decoding requests on torch's kernels, stepped as rows of one forward.
+"""A batch's plain-decoding requests on torch's or the row-invariant kernels, stepped as rows
+of one forward.
 
 On the native engine a batch step runs every request's rows in one native call
 (`Transformer.forward_batch`); on torch's kernels that call runs the requests in turn, a
@@ -9,8 +10,9 @@ graph per context bucket on a GPU, eagerly elsewhere. Joining requests' prompts 
 together, padded, into their slots. Greedy steps run one ahead of the host, which reads a step
 and emits its tokens while the device computes the next (`step`).
 
-Where it runs: inside `BatchEngine` (batch.py), which picks it when its model runs on torch's
-kernels and inexact answers are allowed (`BatchLimits.batched`), rather than as an engine of
+Where it runs: inside `BatchEngine` (batch.py), which picks it when its model runs on the
+row-invariant kernels, or on torch's with inexact answers allowed (`BatchLimits.batched`),
+rather than as an engine of
 its own: admission, the queue, cancellation, deadlines, streaming, stop strings, logprobs and
 results stay the batch engine's and each request's `Generation`'s, one path for the server,
 the batch job and the Python API; and a drafted request, which keeps its own KV cache and the
@@ -19,9 +21,12 @@ of each token move here.
 
 A request's tokens are its own: a greedy row takes the step's argmax, a sampled row is drawn
 from its row's logits with the request's settings and generator (`Generation.take`), the draw
-serving it alone makes from the same logits. The logits are not the same bits: torch's kernels
-round a row differently with other rows beside it (float32 in the last bits, bfloat16 by units
-of its precision), which is why this path needs inexact answers allowed.
+serving it alone makes from the same logits. On the row-invariant kernels (`--backend triton`)
+they are the same bits (engine/batched.py's `SlotRows`, the prefill's padding included), so
+every answer is the one serving the request alone gives: greedy tokens identical, seeded draws
+identical. torch's kernels round a row differently with other rows beside it (float32 in the
+last bits, bfloat16 by units of its precision), which is why there this path needs inexact
+answers allowed (`exact` says which).
 
 Memory is fixed when the engine starts: the slots are sized from the device's free memory and
 the window asked for (`SlotCache.fitting`: at most `max_batch` slots in half the free memory,
@@ -65,6 +70,12 @@ class BatchedDecoding:
     @property
     def slots(self) -> int:
         return self.cache.slots
+
+    @property
+    def exact(self) -> bool:
+        """Whether every answer is bit for bit the one serving its request alone gives (on the
+        row-invariant kernels), not only up to rounding (on torch's)."""
+        return self.model.kernels
 
     def start(self, joining: list[tuple[int, Generation]]) -> list[str | BaseException]:
         """Prefill each (slot, generation)'s prompt into its slot, shortest first in groups of
