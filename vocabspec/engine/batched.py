@@ -156,8 +156,10 @@ class SlotRows:
         kv = cache.keys[0].shape[1]
         heads = torch.arange(kv, device=slots.device)
         self.starts = ((slots[:, None] * kv + heads[None, :]) * cache.window).flatten().to(torch.int32)
-        self.ends = self.starts + (positions + 1).repeat_interleave(kv).to(torch.int32)
-        self.row_positions = positions.repeat_interleave(kv)
+        # Each row's position once per key head (expanded, not repeat_interleave'd: nothing
+        # here may ask the device for a size inside a captured step).
+        self.row_positions = positions[:, None].expand(-1, kv).reshape(-1)
+        self.ends = self.starts + (self.row_positions + 1).to(torch.int32)
         self.prefix = torch.zeros_like(self.starts)       # no keys before the listed ones
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
@@ -197,7 +199,7 @@ def _forward_rows_on_kernels(model: Transformer, tokens: torch.Tensor, positions
     args = model.args
     b, n = tokens.shape
     flat = positions.reshape(-1)
-    rows = SlotRows(cache, slots.repeat_interleave(n), flat)
+    rows = SlotRows(cache, slots[:, None].expand(-1, n).reshape(-1), flat)
     x = model.embed_tokens(tokens.reshape(-1))
     rope = {kind: (cos[flat], sin[flat]) for kind, (cos, sin) in model.rope.items()}
     attend = {0: rows.attention(0)}
