@@ -12,11 +12,10 @@ and emits its tokens while the device computes the next (`step`).
 
 Where it runs: inside `BatchEngine` (batch.py), which picks it when its model runs on the
 row-invariant kernels, or on torch's with inexact answers allowed (`BatchLimits.batched`),
-rather than as an engine of
-its own: admission, the queue, cancellation, deadlines, streaming, stop strings, logprobs and
-results stay the batch engine's and each request's `Generation`'s, one path for the server,
-the batch job and the Python API; and a drafted request, which keeps its own KV cache and the
-per-request step, runs beside plain ones in the same engine. Only the forward and the choice
+rather than as an engine of its own: admission, the queue, cancellation, deadlines, streaming,
+stop strings, logprobs and results stay the batch engine's and each request's `Generation`'s,
+one path for the server, the batch job and the Python API; and a drafted request, which keeps
+its own KV cache and the per-request step, runs beside plain ones in the same engine. Only the forward and the choice
 of each token move here.
 
 A request's tokens are its own: a greedy row takes the step's argmax, a sampled row is drawn
