@@ -214,11 +214,21 @@ class BatchedDecoding:
         slots = [slot for slot, _ in running]
         tokens = torch.tensor([generation.token for _, generation in running], dtype=torch.long, device=device)
         positions = torch.tensor([self.positions[slot] for slot in slots], dtype=torch.long, device=device)
-        laid = [SlotTree(self.model, generation.cache, tree.tokens.to(device),
-                         tree.positions(generation.cache.length).to(device),
-                         ancestor_mask(tree.parents) if tree.size else None)
-                for generation, tree in trees]
-        taps = tuple(sorted({t for generation, _ in trees for t in generation.taps}))
+        # Each tree laid out in its slot; one that cannot be (no room left, say) ends its own
+        # request before the shared forward, not the requests beside it.
+        finished: list = [None] * len(trees)
+        laid, joined = [], []
+        for index, (generation, tree) in enumerate(trees):
+            try:
+                laid.append(SlotTree(self.model, generation.cache, tree.tokens.to(device),
+                                     tree.positions(generation.cache.length).to(device),
+                                     ancestor_mask(tree.parents) if tree.size else None))
+                joined.append(index)
+            except Exception as exc:             # noqa: BLE001 - ends that request alone
+                finished[index] = (tree, exc)
+        if not running and not laid:
+            return plain, finished
+        taps = tuple(sorted({t for i in joined for t in trees[i][0].taps}))
         t1 = time.perf_counter()
         out = forward_with_trees(self.model, self.cache, tokens, positions,
                                  torch.tensor(slots, dtype=torch.long, device=device), laid, taps)
@@ -234,18 +244,18 @@ class BatchedDecoding:
                 plain.append(generation.take(chosen[row], own, forwarded - started))
             except Exception as exc:             # noqa: BLE001 - ends that request alone
                 plain.append(exc)
-        finished = []
         first = len(running)
-        for index, ((generation, tree), rows) in enumerate(zip(trees, laid)):
+        for index, rows in zip(joined, laid):
+            generation, tree = trees[index]
             part = slice(first, first + rows.rows)
             first += rows.rows
             try:
                 mine = own_taps(tapped[part] if taps else None, taps, generation.taps)
-                finished.append((tree, generation.finish(tree, hidden[part], mine, t1, None, forwarded)))
+                finished[index] = (tree, generation.finish(tree, hidden[part], mine, t1, None, forwarded))
             except BaseException as exc:
-                finished.append((tree, exc))
+                finished[index] = (tree, exc)
         self.steps += 1
-        self.tree_steps += 1
+        self.tree_steps += bool(laid)
         self.tree_rows += sum(rows.rows for rows in laid)
         return plain, finished
 
