@@ -156,8 +156,10 @@ def report(run: dict) -> str:
              "| generator | rows | answer tok/s | seconds | note |", "|---|---:|---:|---:|---|"]
     job = run.get("batch_job", {})
     if "answer_tok_s" in job:
-        note = f"{job['alone_differ']} of {job['alone_checked']} sampled answers differ from alone" \
-            if job.get("alone_checked") is not None else "rows not batched"
+        if job.get("alone_checked") is not None:
+            note = f"{job['alone_differ']} of {job['alone_checked']} sampled answers differ from alone"
+        else:
+            note = "rows batched, exact" if job.get("batched_rows") else "rows not batched"
         lines.append(f"| vocabspec generate --input | {job['slots']} | {job['answer_tok_s']} | "
                      f"{job['seconds']} | {note} |")
     else:

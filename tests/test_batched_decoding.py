@@ -7,7 +7,9 @@ runs here and records how many answers served alone again differ.
 
 In float32 on these models the rows batched together round like rows alone closely enough that
 every token agrees, so the tests ask for equal tokens; in bfloat16 (a GPU's run) they need
-not agree, which is why the path needs --allow-inexact.
+not agree, which is why the path needs --allow-inexact. On the row-invariant kernels (Triton's
+interpreter here) the rows are exact: the same bits as each request's forward alone, and the
+batch engine steps them without --allow-inexact.
 """
 
 import json
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from vocabspec.engine import batched
+from vocabspec.engine import batched, kernels
 from vocabspec.speculation.batch import BatchEngine, BatchLimits, Engine
 from vocabspec.speculation.generate import GenerationConfig
 from vocabspec.speculation.pld import PromptLookupProposer
@@ -185,3 +187,163 @@ def test_the_server_on_torch_steps_concurrent_requests_as_rows_together():
     assert app.state.server.batch.batched.steps > 0
     assert [reply.json()["choices"][0]["message"]["content"] for reply in replies] == \
         [lm.generate(text, chat=True, max_new_tokens=10).text for text in texts]
+
+
+needs_kernels = pytest.mark.skipif(not kernels.available()[0], reason=kernels.available()[1])
+
+
+@needs_kernels
+def test_on_the_row_invariant_kernels_rows_are_each_requests_alone_bit_for_bit():
+    """The row-invariant kernels, a tiny Gemma 3 whose one layer slides over 6 positions: three
+    prompts prefilled together into slots out of order (padded to the longest), then decode
+    steps of all three rows, every row's logits the bits of its request's own forward alone."""
+    model = tiny_model("gemma3", seed=4, n_layers=1, vocab_size=32, intermediate_size=32)
+    model.use_kernels()
+    prompts = prompts_of([3, 11, 8], seed=2, vocab=32)
+    cache = batched.SlotCache(model, slots=4, window=24)
+    slots = torch.tensor([2, 0, 3])
+    logits = batched.prefill_slots(model, cache, prompts, slots=slots)
+    step = batched.DecodeStep(model, cache)
+    alone = [model.new_cache(24) for _ in prompts]
+    tokens, positions = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        _, own = model(torch.tensor(prompt), torch.arange(len(prompt)), alone[i])
+        alone[i].commit()
+        assert torch.equal(logits[i], own[0]), f"prompt {i}"
+        tokens[slots[i]], positions[slots[i]] = int(own[0].argmax()), len(prompt)
+    for _ in range(2):
+        greedy, logits = step.with_logits(tokens, positions, int(positions.max()) + 1)
+        for i, slot in enumerate(slots.tolist()):
+            _, own = model(tokens[slot:slot + 1], positions[slot:slot + 1], alone[i])
+            alone[i].commit()
+            assert torch.equal(logits[slot], own[0]), f"prompt {i}"
+        tokens, positions = greedy.clone(), positions + 1
+
+
+@needs_kernels
+def test_on_the_row_invariant_kernels_the_batch_steps_rows_exactly_without_allow_inexact():
+    """`--backend triton`'s kernels, no --allow-inexact: plain requests step as batched rows (two
+    slots, four requests of different lengths, refilled as answers end; greedy ones a step ahead
+    of the host, then beside sampled ones), and every answer, greedy or seeded sampling, its
+    logprobs included, is the one plain decoding of the request alone gives, bit for bit. Asked
+    for batched rows on torch's kernels without --allow-inexact, the engine refuses."""
+    model = tiny_model("llama", seed=3, n_layers=1, vocab_size=32, intermediate_size=32)
+    model.use_kernels()
+    engine = Engine(model)
+    prompts = prompts_of([3, 11, 7, 9], seed=0, vocab=32)
+    configs = [GenerationConfig(max_new_tokens=8), GenerationConfig(max_new_tokens=3),
+               GenerationConfig(max_new_tokens=6, sampling=SamplingParams(temperature=1.3, top_k=20, seed=2)),
+               GenerationConfig(max_new_tokens=5, logprobs=2)]
+    batch = BatchEngine(engine, None, BatchLimits(max_batch=2, window=32), thread=False)
+    assert batch.batched is not None and batch.batched.exact and len(batch.slots) == 2
+    together = batch.generate(prompts, configs)
+    alone = [engine.generate(p, c) for p, c in zip(prompts, configs)]     # plain decoding, alone
+    assert [(r.tokens, r.stop_reason) for r in together] == [(r.tokens, r.stop_reason) for r in alone]
+    assert together[3].logprobs == alone[3].logprobs
+    assert batch.batched.steps == batch.steps and batch.rows > batch.steps   # rows shared steps
+
+    with pytest.raises(ValueError, match="round each row differently.*--backend triton"):
+        BatchEngine(Engine(tiny_model("llama", seed=4)), None, BatchLimits(max_batch=2, window=32, batched=True),
+                    thread=False)
+
+
+@needs_kernels
+def test_on_the_row_invariant_kernels_a_tree_in_a_slot_has_the_bits_of_its_forward_alone():
+    """A drafted request keeps its keys in a slot (`SlotSequence`): its prompt run there by the
+    model's own forward, then a branching tree beside two plain rows in one forward, a path
+    off the tree's first branch committed (its keys moved down in the slot), then its next root
+    beside them again. A tiny Gemma 3 whose one layer slides over 6 positions: every row's
+    hidden state is the bits of its request's forward alone, tree and commit included."""
+    from vocabspec.engine.kv_cache import ancestor_mask
+
+    model = tiny_model("gemma3", seed=4, n_layers=1, vocab_size=32, intermediate_size=32)
+    model.use_kernels()
+    cache = batched.SlotCache(model, slots=3, window=24)
+    plain = prompts_of([4, 9], seed=1, vocab=32)
+    logits = batched.prefill_slots(model, cache, plain, slots=torch.tensor([0, 2]))
+    drafted, own = batched.SlotSequence(cache, 1), model.new_cache(24)
+    prompt = torch.tensor(prompts_of([7], seed=3, vocab=32)[0])
+    for where in (drafted, own):
+        h, _ = model(prompt, torch.arange(7), where)
+        where.commit()
+    assert torch.equal(h, model(prompt, torch.arange(7), model.new_cache(24))[0])
+    tokens, positions = logits.argmax(-1), torch.tensor([4, 9])
+    tree_tokens, parents = torch.tensor([5, 7, 9, 11, 13]), torch.tensor([-1, 0, 0, 1, 2])
+    depths = torch.tensor([0, 1, 1, 2, 2])
+    for tree_tokens, parents, depths, path in ((tree_tokens, parents, depths, [0, 2, 4]),
+                                               (tree_tokens[:1], parents[:1], depths[:1], None)):
+        mask = ancestor_mask(parents) if parents.numel() > 1 else None
+        tree = batched.SlotTree(model, drafted, tree_tokens, depths + drafted.length, mask)
+        hidden = batched.forward_with_trees(model, cache, tokens, positions, torch.tensor([0, 2]), [tree])
+        alone, _ = model(tree_tokens, depths + own.length, own, parents=parents if mask is not None else None)
+        assert torch.equal(hidden[2:], alone)
+        for where in (drafted, own):
+            where.commit(path)
+        assert drafted.length == own.length
+        tokens, positions = model.lm_head(hidden[:2]).argmax(-1), positions + 1
+
+
+@needs_kernels
+def test_on_the_row_invariant_kernels_drafted_trees_join_the_batched_step(monkeypatch):
+    """`--backend triton`'s kernels: plain and prompt-lookup drafted requests, greedy and seeded
+    sampling, through two slots refilled as answers end (a drafted one joining while greedy rows
+    run a step ahead). Each drafted request's tree runs as rows of the same forward as the plain
+    rows (the step's rows counted: plain and tree rows together), and every answer is the one
+    its request gets served alone, the greedy ones plain decoding's."""
+    from vocabspec.speculation import batched_decoding
+
+    shapes = []         # per step with trees: (plain rows, tree rows)
+    forward = batched_decoding.forward_with_trees
+    monkeypatch.setattr(batched_decoding, "forward_with_trees", lambda model, cache, tokens, *rest, **kw:
+                        shapes.append((tokens.numel(), sum(t.rows for t in rest[2]))) or
+                        forward(model, cache, tokens, *rest, **kw))
+    model = tiny_model("llama", seed=3, n_layers=1, vocab_size=32, intermediate_size=32, max_seq_len=40)
+    model.use_kernels()
+    engine, plain = Engine(model, proposer=PromptLookupProposer(num_draft=4)), Engine(model)
+    prompts = [p * 3 for p in prompts_of([3, 4, 2, 3, 4], seed=0, vocab=32)]       # something to look up
+    configs = [GenerationConfig(max_new_tokens=7), GenerationConfig(max_new_tokens=2),
+               GenerationConfig(max_new_tokens=5),
+               GenerationConfig(max_new_tokens=5, sampling=SamplingParams(temperature=1.3, top_k=20, seed=2)),
+               GenerationConfig(max_new_tokens=3, sampling=SamplingParams(temperature=0.8, seed=5))]
+    drafts = [False, False, True, True, False]
+    batch = BatchEngine(engine, lambda: PromptLookupProposer(num_draft=4),
+                        BatchLimits(max_batch=2, window=40, tree_rows=12), thread=False)
+    assert batch.batched.trees_join and len(batch.slots) == 2
+    requests = [batch.submit(p, c, draft=d) for p, c, d in zip(prompts, configs, drafts)]
+    while not all(r.done.is_set() for r in requests):
+        batch.run_once()
+    together = [r.wait() for r in requests]
+    alone = [(engine if d else plain).generate(p, c) for p, c, d in zip(prompts, configs, drafts)]
+    assert [(r.tokens, r.stop_reason) for r in together] == [(r.tokens, r.stop_reason) for r in alone]
+    assert together[2].tokens == plain.generate(prompts[2], configs[2]).tokens
+    assert batch.drafted > 0 and batch.batched.tree_steps == len(shapes) > 0
+    assert any(rows and tree_rows > 1 for rows, tree_rows in shapes)     # a tree beside plain rows
+
+
+@needs_kernels
+def test_on_the_row_invariant_kernels_eagle_trees_with_taps_join_the_batched_step():
+    """A random fused-feature EAGLE drafter (it reads layer 0's output too), its branching trees
+    beside a plain row in the shared steps: every answer the one its request gets alone, greedy
+    and seeded sampling."""
+    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
+
+    model = tiny_model("llama", seed=3, n_layers=2, vocab_size=32, intermediate_size=32, max_seq_len=32)
+    model.use_kernels()
+    drafter = EagleDrafter.random(model, seed=2, taps=(0,))
+
+    def make():
+        return EagleProposer(drafter, depth=2, top_k=2, total_tokens=4)
+
+    engine, plain = Engine(model, proposer=make()), Engine(model)
+    prompts = prompts_of([5, 4, 6], seed=0, vocab=32)
+    configs = [GenerationConfig(max_new_tokens=3), GenerationConfig(max_new_tokens=2),
+               GenerationConfig(max_new_tokens=3, sampling=SamplingParams(temperature=1.3, seed=2))]
+    drafts = [True, False, True]
+    batch = BatchEngine(engine, make, BatchLimits(max_batch=3, window=32, tree_rows=12), thread=False)
+    requests = [batch.submit(p, c, draft=d) for p, c, d in zip(prompts, configs, drafts)]
+    while not all(r.done.is_set() for r in requests):
+        batch.run_once()
+    together = [r.wait() for r in requests]
+    alone = [(engine if d else plain).generate(p, c) for p, c, d in zip(prompts, configs, drafts)]
+    assert [(r.tokens, r.stop_reason) for r in together] == [(r.tokens, r.stop_reason) for r in alone]
+    assert batch.drafted > 0 and batch.batched.tree_rows > batch.batched.tree_steps > 0

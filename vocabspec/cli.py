@@ -411,8 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=_positive_int, default=64, help="requests waiting or running")
     serve.add_argument("--max-batch", type=_positive_int, default=8,
                        help="requests decoding at once (continuous batching; each answer exactly as alone, "
-                            "or up to rounding with --allow-inexact on torch's kernels, where the slots the "
-                            "device's free memory holds cap it)")
+                            "or up to rounding with --allow-inexact on torch's kernels; there and on "
+                            "--backend triton the slots the device's free memory holds cap it)")
     serve.add_argument("--kv-tokens", type=_positive_int, default=None,
                        help="KV cache budget in tokens over the decoding requests (default: max-batch x "
                             "the model window, capped at 4096 each); a request's prompt and answer fit "

@@ -13,13 +13,21 @@ strided batched product with no page table, and a finished sequence's slot is re
 moving the live ones down (`compact`), never by a gather at every step. The number of slots
 is sized from the device's free memory (`SlotCache.fitting`). The batch engine's plain-decoding
 requests on torch's kernels step here too (speculation/batched_decoding.py), each request in a
-slot of its own.
+slot of its own; on the row-invariant kernels so do drafted requests, a slot each as their KV
+cache (`SlotSequence`), their trees rows of the same forward (`SlotTree`, `forward_with_trees`).
 
 Rows of different sequences never mix: every product is row-wise and attention reads only
 the row's own slot, masked to its own positions. torch's kernels do not promise that a row
 gets the same bits whatever the other rows are, so answers from here are the target's greedy
-answers up to that rounding (training data, batch jobs with --allow-inexact), not the exact
-ones the native engine and the row-invariant kernels give.
+answers up to that rounding (training data, batch jobs with --allow-inexact).
+
+On the row-invariant kernels (`Transformer.use_kernels`, `--backend triton`) the rows are
+exact: each layer is the model's own `Block` (the same fused kernels a one-request forward
+runs), and attention is kernels.attention over the row's slot (`SlotRows`), which reduces a
+row's keys in position order in fixed chunks whatever else is in the call. A row here then has
+the bits of the same token in a forward of its request alone, in a prefill (padding rows
+included: they only add rows, each reading its own slot up to its own position) and in a
+decode step alike.
 """
 
 from __future__ import annotations
@@ -33,7 +41,12 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from .model import Transformer, apply_rope
+from .kv_cache import KVCache
+from .model import CustomAttention, KernelPlan, Transformer, apply_rope
+
+# kernels.attention addresses a key as (group * T + slot) * head_dim in 32-bit integers: on the
+# kernels a layer's table (every slot's keys) stays within that.
+KERNEL_TABLE_ELEMENTS = 2**31 - 1
 
 
 class SlotCache:
@@ -46,11 +59,20 @@ class SlotCache:
         self.keys = [torch.zeros(shape, **kw) for _ in range(a.n_layers)]
         self.values = [torch.zeros(shape, **kw) for _ in range(a.n_layers)]
         self.slots, self.window = slots, window
+        # On the row-invariant kernels: every (slot, kv head, position) of a layer's table, in
+        # order, the list kernels.attention reads a row's keys through (`SlotRows`), made once.
+        self.key_order = None
+        if model.kernels:
+            if slots * a.n_kv_heads * window * a.head_dim > KERNEL_TABLE_ELEMENTS:
+                raise ValueError(f"{slots} slots of {window} positions pass the {KERNEL_TABLE_ELEMENTS} "
+                                 "elements a layer's keys may hold on the row-invariant kernels")
+            self.key_order = torch.arange(slots * a.n_kv_heads * window, dtype=torch.int32, device=model.device)
 
     @staticmethod
     def bytes_per_slot(model: Transformer, window: int) -> int:
         a = model.args
-        return 2 * a.n_layers * a.n_kv_heads * window * a.head_dim * model.dtype.itemsize
+        order = a.n_kv_heads * window * 4 if model.kernels else 0      # its share of `key_order`
+        return 2 * a.n_layers * a.n_kv_heads * window * a.head_dim * model.dtype.itemsize + order
 
     @classmethod
     def fitting(cls, model: Transformer, window: int, most: int, memory_share: float = 0.5) -> "SlotCache":
@@ -59,6 +81,9 @@ class SlotCache:
         per_slot = cls.bytes_per_slot(model, window)
         free = free_memory(model.device)
         slots = min(most, int(free * memory_share) // per_slot)
+        if model.kernels:
+            a = model.args
+            slots = min(slots, KERNEL_TABLE_ELEMENTS // (a.n_kv_heads * window * a.head_dim))
         if slots < 1:
             raise ValueError(f"a slot of {window} positions needs {per_slot / 2**20:.0f} MiB of cache; "
                              f"{memory_share:.0%} of the {free / 2**20:.0f} MiB free on {model.device} "
@@ -115,6 +140,197 @@ def _attend_cached(q, keys, values, positions, scale, window):
     return out.view(b, heads, 1, dim)
 
 
+class SlotRows:
+    """One forward's rows over a SlotCache on the row-invariant kernels, each row (N of them) at
+    its position in its slot: what the model's `Attention` writes its keys and values into (as
+    into a KVCache, `write`) and attends with (`attention`: a CustomAttention per kind of
+    layer).
+
+    kernels.attention sees a row's keys as a list of places in position order. Here a row's
+    query heads that share a key head are a row of their own over a single key group, the
+    layer's whole table seen as one (slots * kv heads * window) list of keys; the row sees
+    [start, start + position] of `SlotCache.key_order`, start being its slot's and key head's
+    first place. That is the list a forward of its request alone gives the same query head
+    (its cache's positions 0 to its own), reduced in the same chunks: the same bits.
+
+    After those plain rows come the `trees` (SlotTree), each drafted request's rows: written at
+    their places in its slot (after its committed keys, as into its own KVCache), they attend
+    over that slot alone with the visibility a forward of the request alone gives them."""
+
+    def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor,
+                 places: torch.Tensor | None = None, trees: list["SlotTree"] = ()):
+        self.cache, self.slots, self.positions = cache, slots, positions
+        self.places = positions if places is None else places     # where each row's keys go
+        self.trees = list(trees)
+        self.plain = slots.numel() - sum(tree.rows for tree in self.trees)
+        kv = cache.keys[0].shape[1]
+        heads = torch.arange(kv, device=slots.device)
+        plain_slots, plain_positions = slots[:self.plain], positions[:self.plain]
+        self.starts = ((plain_slots[:, None] * kv + heads[None, :]) * cache.window).flatten().to(torch.int32)
+        # Each row's position once per key head (expanded, not repeat_interleave'd: nothing
+        # here may ask the device for a size inside a captured step).
+        self.row_positions = plain_positions[:, None].expand(-1, kv).reshape(-1)
+        self.ends = self.starts + (self.row_positions + 1).to(torch.int32)
+        self.prefix = torch.zeros_like(self.starts)       # no keys before the listed ones
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """k, v (1, kv heads, N, head dim): row r's into its slot at its place; the layer's
+        tables."""
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        keys[self.slots, :, self.places] = k[0].transpose(0, 1)
+        values[self.slots, :, self.places] = v[0].transpose(0, 1)
+        return keys, values
+
+    def attention(self, window: int) -> "SlotAttention":
+        return SlotAttention(self, window)
+
+
+class SlotSequence(KVCache):
+    """Slot `slot` of a SlotCache seen as one request's KVCache (the torch layout's rules): its
+    committed keys at [0, length), a forward's new ones pending after them, `commit` keeping
+    the accepted ones by moving them down inside the slot. A drafted request keeps its keys
+    here, so that its prefill runs alone through `Transformer.forward` (its proposer reads the
+    prompt's hidden states) and its trees join the batch's steps (`SlotTree`)."""
+
+    def __init__(self, cache: SlotCache, slot: int):
+        self.table, self.slot = cache, slot
+        self.layout, self.max_len = "torch", cache.window
+        self.length = self.pending = 0
+
+    def write(self, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor):
+        start = self.length + self.pending
+        end = start + new_keys.shape[2]
+        keys, values = self.table.keys[layer], self.table.values[layer]
+        keys[self.slot, :, start:end] = new_keys[0]
+        values[self.slot, :, start:end] = new_values[0]
+        return keys[self.slot:self.slot + 1, :, :end], values[self.slot:self.slot + 1, :, :end]
+
+    def commit(self, keep: torch.Tensor | list[int] | None = None, skip_kept_prefix: bool = True) -> None:
+        if keep is None:
+            self.length += self.pending
+        else:
+            keep = torch.as_tensor(keep, dtype=torch.long, device=self.table.keys[0].device)
+            n_keep = int(keep.numel())
+            same = skip_kept_prefix and torch.equal(keep, torch.arange(n_keep, device=keep.device))
+            if n_keep and not same:
+                source, target = keep + self.length, slice(self.length, self.length + n_keep)
+                for table in (*self.table.keys, *self.table.values):
+                    table[self.slot, :, target] = table[self.slot, :, source]
+            self.length += n_keep
+        self.pending = 0
+
+
+class SlotTree:
+    """A drafted request's rows in a step over a SlotCache: its tree (or its root alone, with
+    no `tree_mask`) after the keys its `sequence` holds, written at the places after them in
+    row order (its pending slots, as in a KVCache of its own), at `positions` (the root's plus
+    each row's depth). `seen` (a kind of layer's window -> Visibility): the keys each row
+    attends to in its slot, the KernelPlan a forward of its request alone builds (model.py), so
+    that its rows reduce over the same keys in the same order: the same bits."""
+
+    def __init__(self, model: Transformer, sequence: SlotSequence, tokens: torch.Tensor,
+                 positions: torch.Tensor, tree_mask: torch.Tensor | None):
+        if sequence.pending:
+            raise ValueError("a tree goes after committed keys: commit first")
+        sequence.check_room(tokens.numel())
+        self.sequence, self.slot, self.tokens, self.positions = sequence, sequence.slot, tokens, positions
+        self.rows = tokens.numel()
+        plan = KernelPlan(model.args, sequence, positions, tree_mask, model.rope)
+        self.seen = {0: plan.masks["global"][0]}
+        if "local" in plan.masks:
+            self.seen[model.args.sliding_window] = plan.masks["local"][0]
+
+    def places(self) -> torch.Tensor:
+        start = self.sequence.length
+        return torch.arange(start, start + self.rows, device=self.tokens.device)
+
+
+class SlotAttention(CustomAttention):
+    """Attention of `SlotRows`' rows, within a sliding `window` where the layer has one."""
+
+    def __init__(self, rows: SlotRows, window: int):
+        self.rows, self.window = rows, window
+
+    def attend(self, q, keys, values, scale):
+        from .kernels import attention
+
+        rows = self.rows
+        _, heads, n, dim = q.shape
+        kv = keys.shape[1]
+        q = q[0].transpose(0, 1)                                    # (N, heads, dim)
+        outs = []
+        if rows.plain:
+            grouped = q[:rows.plain].reshape(rows.plain * kv, heads // kv, dim)
+            out = attention(grouped, keys.view(1, -1, dim), values.view(1, -1, dim), rows.prefix, rows.starts,
+                            rows.cache.key_order, scale, rows.row_positions, self.window, rows.ends)
+            outs.append(out.view(rows.plain, heads, dim))
+        first = rows.plain
+        for tree in rows.trees:       # a call per tree: its slot's keys, its own visibility
+            seen = tree.seen[self.window]
+            outs.append(attention(q[first:first + tree.rows], keys[tree.slot], values[tree.slot], seen.prefix,
+                                  seen.xoff, seen.extra, scale, seen.positions, seen.window, seen.xend))
+            first += tree.rows
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.transpose(0, 1).unsqueeze(0)
+
+
+def _forward_rows_on_kernels(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor,
+                             cache: SlotCache, slots: torch.Tensor, taps: tuple[int, ...]):
+    """`forward_rows` on the row-invariant kernels: the rows (B, n) flattened, each layer the
+    model's own Block over `SlotRows` (sequence b's rows in slot slots[b])."""
+    b, n = tokens.shape
+    flat = positions.reshape(-1)
+    rows = SlotRows(cache, slots[:, None].expand(-1, n).reshape(-1), flat)
+    out = _blocks_over_slots(model, model.embed_tokens(tokens.reshape(-1)), flat, rows, taps)
+    if taps:
+        return out[0].view(b, n, -1), out[1].view(b, n, -1)
+    return out.view(b, n, -1)
+
+
+def _blocks_over_slots(model: Transformer, x: torch.Tensor, positions: torch.Tensor, rows: SlotRows,
+                       taps: tuple[int, ...]):
+    """The model's layers over flat rows x (N, dim) at `positions` (N,) written and read through
+    `rows`; the hidden states (N, dim), and with `taps` those layers' outputs (N, taps * dim)."""
+    args = model.args
+    rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in model.rope.items()}
+    attend = {0: rows.attention(0)}
+    if args.sliding_window is not None:
+        attend[args.sliding_window] = rows.attention(args.sliding_window)
+    tapped = []
+    for i, block in enumerate(model.layers):
+        cos, sin = rope["local" if args.is_sliding(i) and "local" in rope else "global"]
+        x = block(x, cos, sin, rows, attend[args.sliding_window if args.is_sliding(i) else 0], 0)
+        if i in taps:
+            tapped.append(x)
+    if taps:
+        return x, torch.cat(tapped, dim=-1)
+    return x
+
+
+def forward_with_trees(model: Transformer, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
+                       slots: torch.Tensor, trees: list[SlotTree], taps: tuple[int, ...] = ()):
+    """One forward on the row-invariant kernels of plain rows (tokens, positions, slots: (P,),
+    each a request's next token at its position in its slot) and drafted requests' trees
+    (`SlotTree`), every row through each weight once. Each tree's rows are left in its slot
+    after its committed keys (its request's cache commits the accepted path). Returns the
+    hidden states before the final norm of all P + sum(tree rows) rows in that order (N, dim),
+    and with `taps` those layers' outputs (N, len(taps) * dim). Every row has the bits of its
+    token in a forward of its request alone (its tree's, for a drafted request)."""
+    if not model.kernels:
+        raise ValueError("trees join a batched step on the row-invariant kernels only")
+    device = tokens.device
+    all_tokens = torch.cat([tokens, *(tree.tokens for tree in trees)])
+    all_positions = torch.cat([positions, *(tree.positions for tree in trees)])
+    all_slots = torch.cat([slots, *(torch.full((tree.rows,), tree.slot, dtype=torch.long, device=device)
+                                    for tree in trees)])
+    places = torch.cat([positions, *(tree.places() for tree in trees)])
+    rows = SlotRows(cache, all_slots, all_positions, places, trees)
+    out = _blocks_over_slots(model, model.embed_tokens(all_tokens), all_positions, rows, taps)
+    for tree in trees:
+        tree.sequence.advance(tree.rows)
+    return out
+
+
 def forward_rows(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor,
                  cache: SlotCache | None = None, first_slot: int = 0, context: int = 0,
                  taps: tuple[int, ...] = (), slots: torch.Tensor | None = None):
@@ -127,9 +343,16 @@ def forward_rows(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
     - decode (n == 1, `cache`): row b at positions[b, 0], after its slot's cached positions,
       in slot b; `context` bounds every row's position + 1 (known on the host, so the device
       is never asked).
-    With `taps`, also those layers' outputs side by side (B, n, len(taps) * dim)."""
+    With `taps`, also those layers' outputs side by side (B, n, len(taps) * dim).
+    On the row-invariant kernels with a cache each row has the bits of its token in a forward
+    of its sequence alone (`SlotRows`); `context` is then not needed."""
     args = model.args
     b, n = tokens.shape
+    if model.kernels and cache is not None:
+        decode = n == 1 and context > 0
+        if decode or slots is None:
+            slots = torch.arange(b, device=tokens.device) + (0 if decode else first_slot)
+        return _forward_rows_on_kernels(model, tokens, positions, cache, slots, taps)
     decode = cache is not None and n == 1 and context > 0
     x = model.embed_tokens(tokens)
     rope = {kind: tuple(t[positions].unsqueeze(1) for t in tables)          # (B, 1, n, D)
@@ -209,8 +432,9 @@ def prefill_groups(lengths: list[int], most_tokens: int) -> list[int]:
 class DecodeStep:
     """The next greedy token of the first `rows` slots, one row each: on a GPU every slot steps,
     captured as a CUDA graph per context length (rounded up to `bucket`, so a few graphs serve
-    a whole run), since a small model's eager step is bound by launching its few hundred
-    kernels, not by the device; elsewhere eagerly, the live slots only."""
+    a whole run; on the row-invariant kernels one graph), since a small model's eager step is
+    bound by launching its few hundred kernels, not by the device; elsewhere eagerly, the live
+    slots only."""
 
     def __init__(self, model: Transformer, cache: SlotCache, bucket: int = 128):
         self.model, self.cache, self.bucket = model, cache, bucket
@@ -252,7 +476,10 @@ class DecodeStep:
         until the next step (the logits are made on the way to the argmax either way)."""
         if not self.graphed:
             return self._step(tokens[:, None], positions[:, None], context)
-        context = min(self.cache.window, -(-context // self.bucket) * self.bucket)
+        # On the row-invariant kernels each row's attention ends at its own position, whatever
+        # `context` says: one graph serves every context.
+        bucket = self.cache.window if self.model.kernels else self.bucket
+        context = min(self.cache.window, -(-context // bucket) * bucket)
         self.tokens[:, 0].copy_(tokens)
         self.positions[:, 0].copy_(positions)
         if context not in self.graphs:

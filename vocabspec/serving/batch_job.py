@@ -412,7 +412,7 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
             progress.show()
     result.seconds = time.perf_counter() - started
     progress.end()
-    if prepared and batch.batched is not None and answered:
+    if prepared and batch.batched is not None and not batch.batched.exact and answered:
         result.alone_checked, result.alone_differ = check_alone(lm, answered)
         answers.note("alone_check", {"answers": result.alone_checked, "differ": result.alone_differ,
                                      "of": len(answered)})

@@ -14,12 +14,17 @@ generator are its own: its tokens are exactly those it gets served alone, whatev
 The batch changes when tokens arrive, never which.
 
 On torch's kernels (a GPU's path, and `--backend torch` on a CPU) `forward_batch` runs the
-requests in turn, a forward each. There, with inexact answers allowed (`--allow-inexact`), the
-plain-decoding requests step instead as rows of one forward over per-slot caches
-(batched_decoding.py; `BatchLimits.batched`): one captured step for them all on a GPU, each
-answer the request's own up to the rounding of rows batched together. A drafted request keeps
-its own cache and the per-request step beside them; without --allow-inexact every request
-keeps it, and every answer is exactly what it gets alone.
+requests in turn, a forward each. There the plain-decoding requests step instead as rows of one
+forward over per-slot caches (batched_decoding.py; `BatchLimits.batched`), one captured step for
+them all on a GPU: on the row-invariant kernels (`--backend triton`) always, each answer exactly
+the request's own; on torch's with inexact answers allowed (`--allow-inexact`), each answer the
+request's own up to the rounding of rows batched together, and without it every request keeps
+the per-request step, each answer exactly what it gets alone. On the row-invariant kernels a
+drafted request keeps its keys in a slot too, its prefill run alone there (its proposer reads
+the prompt's states), and at each step its tree (or its root alone, where the cost rule below
+says not to draft) is rows of the same forward as the plain rows, verified and committed as
+when it runs alone (`BatchedDecoding.step_with_trees`). On torch's kernels a drafted request
+keeps its own cache and the per-request step beside the rows.
 
 The steps run on one thread: the engine's own (`thread=True`), or the caller's, through `run`
 (`thread=False`). The second is the fast one on a CPU: OpenMP (libgomp) throttles a parallel
@@ -47,7 +52,8 @@ trees already in. On a CPU, where each row costs a share
 of a forward, a lone request drafts and a full batch decodes plainly; on a GPU, where rows are
 nearly free, every request drafts. A greedy request's tokens are the same either way; a sampled
 one always drafts as it would alone, so that its random draws, and its tokens, are those of
-serving it alone. `BatchLimits.tree_rows` caps the rows instead (None: the cost rule).
+serving it alone. `BatchLimits.tree_rows` caps the rows instead (None: the cost rule). Where
+trees join the batched rows' step, those plain rows count among the B requests and R rows.
 """
 
 from __future__ import annotations
@@ -178,9 +184,9 @@ class BatchLimits:
     # batch's rows stay within this. None: the cost rule (module docstring).
     tree_rows: int | None = None
     # Plain-decoding requests as rows of one forward over per-slot caches (batched_decoding.py),
-    # not a forward each. None: where that is the faster way and allowed, a model on torch's
-    # kernels (not the native engine's, nor the row-invariant ones) with inexact answers
-    # allowed (Engine.allow_inexact).
+    # not a forward each. None: where that is the faster way and allowed: a model on the
+    # row-invariant kernels (exact there), or on torch's with inexact answers allowed
+    # (Engine.allow_inexact); never the native engine, whose step is one call already.
     batched: bool | None = None
 
     def __post_init__(self):
@@ -225,9 +231,10 @@ GAIN_WEIGHT = 0.1         # the running means' weight of the latest drafted step
 
 
 class Slot:
-    def __init__(self, engine: Engine, window: int, proposer, allocate: bool = True):
+    def __init__(self, engine: Engine, window: int, proposer, allocate: bool = True,
+                 cache: KVCache | None = None):
         self.model, self.window = engine.model, window
-        self._cache = self.model.new_cache(window) if allocate else None
+        self._cache = cache if cache is not None else self.model.new_cache(window) if allocate else None
         self.proposer = proposer
         self.generation: Generation | None = None   # outside: in the engine's `batched` rows
         self.request: Request | None = None
@@ -259,22 +266,33 @@ class BatchEngine:
         # A server meets its memory need when it starts, not under its first load. allocate=False
         # (the engine's own batch of one): each cache when first used, since static steps use
         # their decoder's. With `batched` rows, plain requests keep their keys there, in as many
-        # slots as the device's memory holds, and a drafted request's own cache is made when
+        # slots as the device's memory holds. On the row-invariant kernels drafted requests do
+        # too (their trees join the step); on torch's a drafted request's own cache is made when
         # one first drafts in its slot: where requests may draft, the slots take a quarter of
         # the free memory, not half, so that a cache for each fits in the next quarter.
         self.batched = None
         batched = self.limits.batched
         if batched is None:
-            batched = model.native is None and not model.kernels and engine.allow_inexact
+            batched = model.native is None and (model.kernels or engine.allow_inexact)
+        elif batched and model.native is not None:
+            raise ValueError("batched rows run on torch's kernels or the row-invariant ones; the "
+                             "native engine steps every request's rows in one call already")
+        elif batched and not (model.kernels or engine.allow_inexact):
+            raise ValueError(f"batched rows on {model.engine} round each row differently with "
+                             "other rows beside it, so an answer could differ from serving it alone: "
+                             "run on the row-invariant kernels (--backend triton), or allow inexact "
+                             "answers (--allow-inexact, allow_inexact=True)")
         slots = self.limits.max_batch
         if batched:
             from .batched_decoding import BatchedDecoding
 
-            share = 0.25 if make_proposer is not None else 0.5
+            share = 0.25 if make_proposer is not None and not model.kernels else 0.5
             self.batched = BatchedDecoding(model, self.limits.window, self.limits.max_batch, memory_share=share)
             slots, allocate = self.batched.slots, False
-        self.slots = [Slot(engine, self.limits.window, make_proposer() if make_proposer else None, allocate)
-                      for _ in range(slots)]
+        in_slots = self.batched is not None and self.batched.trees_join
+        self.slots = [Slot(engine, self.limits.window, make_proposer() if make_proposer else None, allocate,
+                           self.batched.sequence(index) if in_slots else None)
+                      for index in range(slots)]
         # The cost curve the draft budget reads: measured once, where anything drafts.
         self.costs = None
         drafting = [slot.proposer for slot in self.slots if slot.proposer is not None]
@@ -489,6 +507,9 @@ class BatchEngine:
             return
         rows = [(index, slot) for index, slot in enumerate(self.slots)
                 if slot.generation is not None and slot.generation.outside]
+        if self.batched is not None and self.batched.trees_join and len(rows) < len(running):
+            self._step_with_trees(rows, [slot for slot in running if not slot.generation.outside])
+            return
         if rows:
             running = [slot for slot in running if not slot.generation.outside]
             with torch.inference_mode():
@@ -501,7 +522,34 @@ class BatchEngine:
         drafts = self._drafting(running)
         with torch.inference_mode():
             outcomes = step_together(model, [slot.generation for slot in running], drafts)
-        for slot, (tree, delta) in zip(running, outcomes):
+        self._settle_trees(running, outcomes)
+        self.steps += 1
+
+    def _step_with_trees(self, rows: list[tuple[int, Slot]], drafting: list[Slot]) -> None:
+        """A step on the row-invariant kernels with drafted requests running: each proposes
+        its tree (the cost rule, `_drafting`, counting the plain rows in), and the plain rows
+        and every tree run as rows of one forward (`BatchedDecoding.step_with_trees`)."""
+        drafts = self._drafting(drafting, plain=len(rows))
+        proposed, trees = [], []
+        with torch.inference_mode():
+            for slot, draft in zip(drafting, drafts):
+                try:
+                    trees.append((slot.generation, slot.generation.propose(draft)))
+                    proposed.append(slot)
+                except Exception as exc:      # its drafting failed: that request alone ends
+                    self._end(slot, exc)
+            plain, outcomes = self.batched.step_with_trees([(index, slot.generation) for index, slot in rows], trees)
+        self.rows += len(rows)
+        self._settle([slot for _, slot in rows], plain)
+        self._settle_trees(proposed, outcomes)
+        self.steps += 1
+
+    def _settle_trees(self, slots: list[Slot], outcomes: list[tuple]) -> None:
+        """After a step of trees: each slot's running means of drafts accepted and of second
+        head passes, its text delivered (or its request ended with the exception in its
+        place), and the step's rows and trees counted."""
+        model = self.engine.model
+        for slot, (tree, delta) in zip(slots, outcomes):
             if isinstance(delta, BaseException):
                 self._end(slot, delta)
                 continue
@@ -515,19 +563,19 @@ class BatchEngine:
             except BaseException as exc:
                 self._end(slot, exc)
         trees = [tree for tree, _ in outcomes if tree is not None]     # None: its drafting failed
-        self.steps += 1
         self.rows += sum(tree.tokens.numel() for tree in trees)
         self.drafted += sum(1 for tree in trees if tree.size)
 
-    def _drafting(self, running: list[Slot]) -> list[bool]:
-        """Which running requests draft this step (the module docstring's rule)."""
+    def _drafting(self, running: list[Slot], plain: int = 0) -> list[bool]:
+        """Which running requests draft this step (the module docstring's rule), with `plain`
+        more requests' rows in the same forward."""
         sampled = [not slot.generation.config.sampling.greedy for slot in running]
         drafts = [s and slot.generation.can_draft for s, slot in zip(sampled, running)]
         first = self.engine.model.verify_head_rows       # head rows a tree is scored by first
         trees = [slot.generation.proposer.max_tree_tokens for slot, d in zip(running, drafts) if d]
-        rows = len(running) + sum(trees)
-        heads = len(running) + sum(min(extra + 1, first) - 1 for extra in trees)
-        tokens = len(running) + sum(slot.gain for slot, d in zip(running, drafts) if d)
+        rows = len(running) + plain + sum(trees)
+        heads = len(running) + plain + sum(min(extra + 1, first) - 1 for extra in trees)
+        tokens = len(running) + plain + sum(slot.gain for slot, d in zip(running, drafts) if d)
         # A path that leaves a tree's first head rows costs a pass of its own (a slot's running
         # rate of them): on Gemma's head that is more than a quarter of a step.
         passes = sum(slot.passes for slot, d in zip(running, drafts) if d)

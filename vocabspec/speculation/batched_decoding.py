@@ -1,4 +1,5 @@
-"""A batch's plain-decoding requests on torch's kernels, stepped as rows of one forward.
+"""A batch's requests stepped as rows of one forward: plain-decoding ones on torch's or the
+row-invariant kernels, and drafted ones' trees beside them on the row-invariant kernels.
 
 On the native engine a batch step runs every request's rows in one native call
 (`Transformer.forward_batch`); on torch's kernels that call runs the requests in turn, a
@@ -9,30 +10,45 @@ graph per context bucket on a GPU, eagerly elsewhere. Joining requests' prompts 
 together, padded, into their slots. Greedy steps run one ahead of the host, which reads a step
 and emits its tokens while the device computes the next (`step`).
 
-Where it runs: inside `BatchEngine` (batch.py), which picks it when its model runs on torch's
-kernels and inexact answers are allowed (`BatchLimits.batched`), rather than as an engine of
-its own: admission, the queue, cancellation, deadlines, streaming, stop strings, logprobs and
-results stay the batch engine's and each request's `Generation`'s, one path for the server,
-the batch job and the Python API; and a drafted request, which keeps its own KV cache and the
-per-request step, runs beside plain ones in the same engine. Only the forward and the choice
-of each token move here.
+Where it runs: inside `BatchEngine` (batch.py), which picks it when its model runs on the
+row-invariant kernels, or on torch's with inexact answers allowed (`BatchLimits.batched`),
+rather than as an engine of its own: admission, the queue, cancellation, deadlines, streaming,
+stop strings, logprobs and results stay the batch engine's and each request's `Generation`'s,
+one path for the server, the batch job and the Python API. Only the forward and the choice of
+each token move here.
+
+Drafted requests: on the row-invariant kernels a drafted request keeps its keys in a slot too
+(`sequence`: the slot as its KV cache), its prompt prefilled alone there by the model's own
+forward (its proposer reads the prompt's hidden states and taps). At each step its tree, or its
+root alone where the batch's cost rule says not to draft, runs as rows of the plain rows'
+forward (`step_with_trees`, engine/batched.py's `SlotTree`): each tree's rows attend over its
+slot with the visibility its forward alone gives them, so they keep their bits, and the tree is
+verified, committed (the accepted keys moved down in the slot) and emitted by the request's
+own `Generation.finish`, greedy or sampling. Such a step runs eagerly, its proposals and its
+verification reading the device as a request alone does. On torch's kernels a drafted request
+keeps its own KV cache and the per-request step beside the rows.
 
 A request's tokens are its own: a greedy row takes the step's argmax, a sampled row is drawn
 from its row's logits with the request's settings and generator (`Generation.take`), the draw
-serving it alone makes from the same logits. The logits are not the same bits: torch's kernels
-round a row differently with other rows beside it (float32 in the last bits, bfloat16 by units
-of its precision), which is why this path needs inexact answers allowed.
+serving it alone makes from the same logits. On the row-invariant kernels (`--backend triton`)
+they are the same bits (engine/batched.py's `SlotRows`, the prefill's padding included), so
+every answer is the one serving the request alone gives: greedy tokens identical, seeded draws
+identical. torch's kernels round a row differently with other rows beside it (float32 in the
+last bits, bfloat16 by units of its precision), which is why there this path needs inexact
+answers allowed (`exact` says which).
 
 Memory is fixed when the engine starts: the slots are sized from the device's free memory and
 the window asked for (`SlotCache.fitting`: at most `max_batch` slots in half the free memory,
-the rest for activations; a quarter where requests may draft, whose own caches take the next
-quarter), and a prefill holds at most `prefill_tokens` padded tokens. Requests beyond the
-slots wait in the engine's queue; one longer than a slot's window is refused when submitted;
-where not even one slot fits, the engine refuses to start, naming the sizes.
+the rest for activations; on torch's kernels a quarter where requests may draft, whose own
+caches take the next quarter), and a prefill holds at most `prefill_tokens` padded tokens.
+Requests beyond the slots wait in the engine's queue; one longer than a slot's window is refused
+when submitted; where not even one slot fits, the engine refuses to start, naming the sizes.
 
 A request keeps its slot (its `BatchEngine` slot's index) until it ends, and joining requests
 take the lowest free ones. A free slot below a running one steps too, its row writing only into
-its own slot (which a prefill overwrites), so running requests never move.
+its own slot (which a prefill overwrites), so running requests never move. A drafted request's
+slot never steps that way: while one runs, every step is `step_with_trees`, whose rows are the
+running requests' alone.
 """
 
 from __future__ import annotations
@@ -41,9 +57,12 @@ import time
 
 import torch
 
-from ..engine.batched import DecodeStep, SlotCache, prefill_groups, prefill_slots
+from ..engine.batched import (DecodeStep, SlotCache, SlotSequence, SlotTree, forward_with_trees, prefill_groups,
+                              prefill_slots)
+from ..engine.kv_cache import ancestor_mask
 from ..engine.model import Transformer
-from .generate import Generation
+from .generate import Generation, own_taps
+from .tree import Tree
 
 PREFILL_TOKENS = 16384      # padded prompt tokens a prefill runs at once: bounds its activations
 
@@ -61,10 +80,30 @@ class BatchedDecoding:
         self.positions = [0] * self.cache.slots
         self.steps = 0
         self.ahead: Launched | None = None       # a greedy step launched and not yet read (`step`)
+        # Steps that drafted requests' rows joined, and those rows (trees and lone roots): the
+        # trees at work in the shared step.
+        self.tree_steps = self.tree_rows = 0
+
+    @property
+    def trees_join(self) -> bool:
+        """Whether drafted requests keep their keys in slots (`sequence`) and their trees join
+        the step (`step_with_trees`): on the row-invariant kernels, where every row keeps its
+        bits. On torch's kernels a drafted request keeps its own cache and forward."""
+        return self.model.kernels
+
+    def sequence(self, slot: int) -> SlotSequence:
+        """Slot `slot` as a drafted request's KV cache."""
+        return SlotSequence(self.cache, slot)
 
     @property
     def slots(self) -> int:
         return self.cache.slots
+
+    @property
+    def exact(self) -> bool:
+        """Whether every answer is bit for bit the one serving its request alone gives (on the
+        row-invariant kernels), not only up to rounding (on torch's)."""
+        return self.model.kernels
 
     def start(self, joining: list[tuple[int, Generation]]) -> list[str | BaseException]:
         """Prefill each (slot, generation)'s prompt into its slot, shortest first in groups of
@@ -152,6 +191,73 @@ class BatchedDecoding:
                 outcomes.append(exc)
         self.steps += 1
         return outcomes
+
+
+    def step_with_trees(self, running: list[tuple[int, Generation]],
+                        trees: list[tuple[Generation, Tree]]) -> tuple[list, list]:
+        """A step of every running (slot, generation)'s row and of each drafted generation's
+        proposed tree (its cache a `sequence`), all in one forward on the row-invariant kernels;
+        then each plain row takes its token (`Generation.take`) and each tree is verified,
+        committed and emitted (`Generation.finish`, as when its request steps alone). Per plain
+        generation the text it shows or the exception that ended it; per tree (tree, that).
+
+        Trees in the step need every row's token before the forward: no step runs ahead. Where
+        one is on its way, it is the plain rows' step (read here) and the trees step alone."""
+        if not trees:
+            return self.step(running), []
+        started = time.perf_counter()
+        ahead, self.ahead = self.ahead, None
+        plain: list[str | BaseException] = []
+        if ahead is not None:
+            plain, running = self._read(ahead, running, started), []
+        device = self.model.device
+        slots = [slot for slot, _ in running]
+        tokens = torch.tensor([generation.token for _, generation in running], dtype=torch.long, device=device)
+        positions = torch.tensor([self.positions[slot] for slot in slots], dtype=torch.long, device=device)
+        # Each tree laid out in its slot; one that cannot be (no room left, say) ends its own
+        # request before the shared forward, not the requests beside it.
+        finished: list = [None] * len(trees)
+        laid, joined = [], []
+        for index, (generation, tree) in enumerate(trees):
+            try:
+                laid.append(SlotTree(self.model, generation.cache, tree.tokens.to(device),
+                                     tree.positions(generation.cache.length).to(device),
+                                     ancestor_mask(tree.parents) if tree.size else None))
+                joined.append(index)
+            except Exception as exc:             # noqa: BLE001 - ends that request alone
+                finished[index] = (tree, exc)
+        if not running and not laid:
+            return plain, finished
+        taps = tuple(sorted({t for i in joined for t in trees[i][0].taps}))
+        t1 = time.perf_counter()
+        out = forward_with_trees(self.model, self.cache, tokens, positions,
+                                 torch.tensor(slots, dtype=torch.long, device=device), laid, taps)
+        hidden, tapped = out if taps else (out, None)
+        logits = self.model.lm_head(hidden[:len(running)]) if running else None
+        chosen = logits.argmax(-1).tolist() if running else []
+        forwarded = time.perf_counter()
+        for slot in slots:
+            self.positions[slot] += 1
+        for row, (slot, generation) in enumerate(running):
+            try:
+                own = logits[row] if generation.reads_logits else None
+                plain.append(generation.take(chosen[row], own, forwarded - started))
+            except Exception as exc:             # noqa: BLE001 - ends that request alone
+                plain.append(exc)
+        first = len(running)
+        for index, rows in zip(joined, laid):
+            generation, tree = trees[index]
+            part = slice(first, first + rows.rows)
+            first += rows.rows
+            try:
+                mine = own_taps(tapped[part] if taps else None, taps, generation.taps)
+                finished[index] = (tree, generation.finish(tree, hidden[part], mine, t1, None, forwarded))
+            except BaseException as exc:
+                finished[index] = (tree, exc)
+        self.steps += 1
+        self.tree_steps += bool(laid)
+        self.tree_rows += sum(rows.rows for rows in laid)
+        return plain, finished
 
 
 class Launched:

@@ -280,7 +280,7 @@ def _step_trees(model, generations: list["Generation"], trees: list[Tree]) -> li
     outcomes = []
     for index, (generation, tree) in enumerate(zip(generations, trees)):
         try:
-            rows = _own_taps(tapped, index, taps, generation.taps)
+            rows = own_taps(tapped[index] if taps else None, taps, generation.taps)
             outcomes.append((tree, generation.finish(tree, hidden[index], rows, t1, verdicts.get(index),
                                                      forwarded)))
         except BaseException as exc:
@@ -288,12 +288,13 @@ def _step_trees(model, generations: list["Generation"], trees: list[Tree]) -> li
     return outcomes
 
 
-def _own_taps(tapped, index: int, taps: tuple[int, ...], wanted: tuple[int, ...]) -> list[torch.Tensor]:
-    """The tapped outputs generation `index` reads (its drafter's layers, in its order) from a
-    forward over the union `taps`: the list `Generation.finish` takes ([] without taps)."""
+def own_taps(rows: torch.Tensor | None, taps: tuple[int, ...], wanted: tuple[int, ...]) -> list[torch.Tensor]:
+    """The tapped outputs a generation reads (its drafter's layers `wanted`, in its order) from
+    its `rows` of a forward over the union `taps`: the list `Generation.finish` takes ([]
+    without taps)."""
     if not wanted:
         return []
-    rows, dim = tapped[index], tapped[index].shape[-1] // len(taps)
+    dim = rows.shape[-1] // len(taps)
     if tuple(wanted) == taps:
         return [rows]
     return [torch.cat([rows[:, taps.index(t) * dim:(taps.index(t) + 1) * dim] for t in wanted], dim=-1)]
