@@ -19,10 +19,27 @@ def reference(real_model):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
+    from safetensors.torch import load_model, save_model
+    from transformers import AutoConfig
+
+    from vocabspec.engine.files import cache_dir, file_key, write_atomically
+
     logging.set_verbosity_error()
     path = real_model.path
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+    # transformers reads a GGUF in Python (about a minute for Gemma's: its configuration alone
+    # half of it); the configuration and weights it made are kept, keyed by the file's contents
+    # and transformers' version, and go back into a model transformers builds from them.
+    saved = cache_dir() / f"transformers-{path.stem}-{file_key(path)}-{transformers.__version__}"
+    weights = saved / "weights.safetensors"
+    if weights.exists():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(saved)), dtype=torch.float32)
+        load_model(model, str(weights), strict=True)
+        return model.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    model.config.save_pretrained(str(saved))
+    write_atomically(weights, lambda tmp: save_model(model, str(tmp)))
+    return model
 
 
 def test_logits_match_transformers(real_model, ours, reference):
