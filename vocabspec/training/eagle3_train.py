@@ -341,4 +341,6 @@ def train_and_save(cfg, target: Transformer, split: dict, report: dict, ship: bo
     report["train_seconds"] = round(drafter.train_seconds or time.perf_counter() - started, 1)
     report.update(evaluate(drafter, training_sets(cfg, split)[1], max(2, cfg.ttt_steps)))
     log(json.dumps({k: v for k, v in report.items() if k != "config"}))
-    drafter.save(Path(cfg.out) / "drafter", layout="speculators", extra={"training": dict(report)})
+    # In the form the engine drafts with and the shipped drafters take (Q8_0 groups), as the
+    # device recipe writes its own: what is measured is what would be committed.
+    drafter.save(Path(cfg.out) / "drafter", layout="speculators", q8_0=True, extra={"training": dict(report)})
