@@ -248,14 +248,20 @@ def test_on_the_row_invariant_kernels_the_batch_steps_rows_exactly_without_allow
 
 
 @needs_kernels
-def test_on_the_row_invariant_kernels_a_tree_in_a_slot_has_the_bits_of_its_forward_alone():
+def test_on_the_row_invariant_kernels_a_tree_in_a_slot_has_the_bits_of_its_forward_alone(monkeypatch):
     """A drafted request keeps its keys in a slot (`SlotSequence`): its prompt run there by the
     model's own forward, then a branching tree beside two plain rows in one forward, a path
     off the tree's first branch committed (its keys moved down in the slot), then its next root
     beside them again. A tiny Gemma 3 whose one layer slides over 6 positions: every row's
-    hidden state is the bits of its request's forward alone, tree and commit included."""
+    hidden state is the bits of its request's forward alone, tree and commit included. The
+    slot rows take the fused kernels a forward alone takes (the query/key norms, rotary and
+    cache write in one kernel, each row's key written into its own slot)."""
     from vocabspec.engine.kv_cache import ancestor_mask
 
+    fused = []
+    write = kernels.head_norm_rope_cache
+    monkeypatch.setattr(kernels, "head_norm_rope_cache", lambda *a, **kw: fused.append(a[0].shape[0]) or
+                        write(*a, **kw))
     model = tiny_model("gemma3", seed=4, n_layers=1, vocab_size=32, intermediate_size=32)
     model.use_kernels()
     cache = batched.SlotCache(model, slots=3, window=24)
@@ -280,6 +286,7 @@ def test_on_the_row_invariant_kernels_a_tree_in_a_slot_has_the_bits_of_its_forwa
         for where in (drafted, own):
             where.commit(path)
         assert drafted.length == own.length
+        assert fused[-2] == 2 + tree_tokens.numel()          # the shared forward's rows, fused
         tokens, positions = model.lm_head(hidden[:2]).argmax(-1), positions + 1
 
 

@@ -22,16 +22,19 @@ gets the same bits whatever the other rows are, so answers from here are the tar
 answers up to that rounding (training data, batch jobs with --allow-inexact).
 
 On the row-invariant kernels (`Transformer.use_kernels`, `--backend triton`) the rows are
-exact: each layer is the model's own `Block` (the same fused kernels a one-request forward
-runs), and attention is kernels.attention over the row's slot (`SlotRows`), which reduces a
-row's keys in position order in fixed chunks whatever else is in the call. A row here then has
-the bits of the same token in a forward of its request alone, in a prefill (padding rows
-included: they only add rows, each reading its own slot up to its own position) and in a
-decode step alike.
+exact: each layer is the model's own `Block`, the same fused kernels a one-request forward
+runs, over the slot table as one cache (`SlotRows`: `storage` and a `Visibility` whose slots
+and base put each row's keys and reads in its own slot): the QKV projection writes each row's
+key and value into its slot (kernels.qkv_rope_cache), and kernels.attention reduces a row's
+keys in position order in fixed chunks whatever else is in the call. A row here then has the
+bits of the same token in a forward of its request alone, in a prefill (padding rows included:
+they only add rows, each reading its own slot up to its own position) and in a decode step
+alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -42,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
-from .model import CustomAttention, KernelPlan, Transformer, apply_rope
+from .model import KernelPlan, Transformer, Visibility, apply_rope
 
 # kernels.attention addresses a key as (group * T + slot) * head_dim in 32-bit integers: on the
 # kernels a layer's table (every slot's keys) stays within that.
@@ -59,20 +62,28 @@ class SlotCache:
         self.keys = [torch.zeros(shape, **kw) for _ in range(a.n_layers)]
         self.values = [torch.zeros(shape, **kw) for _ in range(a.n_layers)]
         self.slots, self.window = slots, window
-        # On the row-invariant kernels: every (slot, kv head, position) of a layer's table, in
-        # order, the list kernels.attention reads a row's keys through (`SlotRows`), made once.
-        self.key_order = None
-        if model.kernels:
-            if slots * a.n_kv_heads * window * a.head_dim > KERNEL_TABLE_ELEMENTS:
-                raise ValueError(f"{slots} slots of {window} positions pass the {KERNEL_TABLE_ELEMENTS} "
-                                 "elements a layer's keys may hold on the row-invariant kernels")
-            self.key_order = torch.arange(slots * a.n_kv_heads * window, dtype=torch.int32, device=model.device)
+        if model.kernels and slots * a.n_kv_heads * window * a.head_dim > KERNEL_TABLE_ELEMENTS:
+            raise ValueError(f"{slots} slots of {window} positions pass the {KERNEL_TABLE_ELEMENTS} "
+                             "elements a layer's keys may hold on the row-invariant kernels")
 
     @staticmethod
     def bytes_per_slot(model: Transformer, window: int) -> int:
         a = model.args
-        order = a.n_kv_heads * window * 4 if model.kernels else 0      # its share of `key_order`
-        return 2 * a.n_layers * a.n_kv_heads * window * a.head_dim * model.dtype.itemsize + order
+        return 2 * a.n_layers * a.n_kv_heads * window * a.head_dim * model.dtype.itemsize
+
+    def storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's keys and values as the row-invariant kernels read and write a cache's
+        (kv heads, slots, head dim), in place: the table (slots, kv heads, window, head dim)
+        seen from its first slot, a key head's slots a window after the one before's, so that
+        slot s's position p is slot `base(s) + p` of every key head (kernels.cache_stride)."""
+        kv, dim = self.keys[layer].shape[1], self.keys[layer].shape[3]
+        shape = (kv, (self.slots * kv - kv + 1) * self.window, dim)
+        stride = (self.window * dim, dim, 1)
+        return self.keys[layer].as_strided(shape, stride), self.values[layer].as_strided(shape, stride)
+
+    def base(self, slots: torch.Tensor) -> torch.Tensor:
+        """Where slot s's positions begin in `storage`."""
+        return slots * (self.keys[0].shape[1] * self.window)
 
     @classmethod
     def fitting(cls, model: Transformer, window: int, most: int, memory_share: float = 0.5) -> "SlotCache":
@@ -142,47 +153,64 @@ def _attend_cached(q, keys, values, positions, scale, window):
 
 class SlotRows:
     """One forward's rows over a SlotCache on the row-invariant kernels, each row (N of them) at
-    its position in its slot: what the model's `Attention` writes its keys and values into (as
-    into a KVCache, `write`) and attends with (`attention`: a CustomAttention per kind of
-    layer).
+    its position in its slot: the cache the model's `Attention` writes its keys and values into
+    and reads them from (`storage`; `write` where the projection is not fused), and what each
+    row sees (`visibility`: a Visibility per kind of layer), as a forward over a KVCache of
+    its own has them.
 
-    kernels.attention sees a row's keys as a list of places in position order. Here a row's
-    query heads that share a key head are a row of their own over a single key group, the
-    layer's whole table seen as one (slots * kv heads * window) list of keys; the row sees
-    [start, start + position] of `SlotCache.key_order`, start being its slot's and key head's
-    first place. That is the list a forward of its request alone gives the same query head
-    (its cache's positions 0 to its own), reduced in the same chunks: the same bits.
+    Row r's slot starts at `base` in the table (SlotCache.storage); its key goes to the slot
+    `base + place` (its position, for a plain row) and it reads its slot's positions 0 to its
+    own (prefix = position + 1, from its base): the list a forward of its request alone gives
+    the same row (its cache's positions 0 to its own), reduced in the same chunks by the same
+    fused kernels: the same bits.
 
     After those plain rows come the `trees` (SlotTree), each drafted request's rows: written at
-    their places in its slot (after its committed keys, as into its own KVCache), they attend
-    over that slot alone with the visibility a forward of the request alone gives them."""
+    their places in its slot (after its committed keys, as into its own KVCache), they see the
+    keys a forward of the request alone shows them (its KernelPlan's visibility, from its slot's
+    base)."""
 
     def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor,
                  places: torch.Tensor | None = None, trees: list["SlotTree"] = ()):
         self.cache, self.slots, self.positions = cache, slots, positions
-        self.places = positions if places is None else places     # where each row's keys go
+        self.places = places = positions if places is None else places     # where each row's keys go
         self.trees = list(trees)
         self.plain = slots.numel() - sum(tree.rows for tree in self.trees)
-        kv = cache.keys[0].shape[1]
-        heads = torch.arange(kv, device=slots.device)
-        plain_slots, plain_positions = slots[:self.plain], positions[:self.plain]
-        self.starts = ((plain_slots[:, None] * kv + heads[None, :]) * cache.window).flatten().to(torch.int32)
-        # Each row's position once per key head (expanded, not repeat_interleave'd: nothing
-        # here may ask the device for a size inside a captured step).
-        self.row_positions = plain_positions[:, None].expand(-1, kv).reshape(-1)
-        self.ends = self.starts + (self.row_positions + 1).to(torch.int32)
-        self.prefix = torch.zeros_like(self.starts)       # no keys before the listed ones
+        device = slots.device
+        base = cache.base(slots)
+        # Plain rows: their slot's positions up to their own, no further list. Trees: their
+        # KernelPlan's lists side by side. Built with fixed shapes from device values alone (a
+        # captured decode step builds them).
+        none = torch.zeros(self.plain, dtype=torch.int32, device=device)
+        prefix, xoff, xend = [(positions[:self.plain] + 1).to(torch.int32)], [none], [none]
+        extra, listed = [torch.zeros(1, dtype=torch.int32, device=device)], 1
+        for tree in self.trees:
+            seen = tree.seen
+            n = tree.rows
+            ends = seen.xoff[1:n + 1] if seen.xend is None else seen.xend
+            prefix.append(seen.prefix.to(torch.int32))
+            xoff.append((seen.xoff[:n] + listed).to(torch.int32))
+            xend.append((ends + listed).to(torch.int32))
+            extra.append(seen.extra.to(torch.int32))
+            listed += seen.extra.numel()
+        one = len(prefix) == 1
+        self.seen = Visibility(prefix[0] if one else torch.cat(prefix), xoff[0] if one else torch.cat(xoff),
+                               extra[0] if one else torch.cat(extra), positions,
+                               xend=xend[0] if one else torch.cat(xend), slots=base + places, base=base)
+
+    def storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.storage(layer)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """k, v (1, kv heads, N, head dim): row r's into its slot at its place; the layer's
-        tables."""
-        keys, values = self.cache.keys[layer], self.cache.values[layer]
-        keys[self.slots, :, self.places] = k[0].transpose(0, 1)
-        values[self.slots, :, self.places] = v[0].transpose(0, 1)
-        return keys, values
+        `storage` (as a KVCache's `write` returns its layer, batched (1, ...))."""
+        self.cache.keys[layer][self.slots, :, self.places] = k[0].transpose(0, 1)
+        self.cache.values[layer][self.slots, :, self.places] = v[0].transpose(0, 1)
+        keys, values = self.storage(layer)
+        return keys[None], values[None]
 
-    def attention(self, window: int) -> "SlotAttention":
-        return SlotAttention(self, window)
+    def visibility(self, window: int) -> Visibility:
+        """What each row sees in a layer sliding over `window` positions (0: a global layer)."""
+        return dataclasses.replace(self.seen, window=window) if window else self.seen
 
 
 class SlotSequence(KVCache):
@@ -190,7 +218,8 @@ class SlotSequence(KVCache):
     committed keys at [0, length), a forward's new ones pending after them, `commit` keeping
     the accepted ones by moving them down inside the slot. A drafted request keeps its keys
     here, so that its prefill runs alone through `Transformer.forward` (its proposer reads the
-    prompt's hidden states) and its trees join the batch's steps (`SlotTree`)."""
+    prompt's hidden states; on the fused kernels the QKV projection writes into the slot, its
+    `storage`) and its trees join the batch's steps (`SlotTree`)."""
 
     def __init__(self, cache: SlotCache, slot: int):
         self.table, self.slot = cache, slot
@@ -204,6 +233,10 @@ class SlotSequence(KVCache):
         keys[self.slot, :, start:end] = new_keys[0]
         values[self.slot, :, start:end] = new_values[0]
         return keys[self.slot:self.slot + 1, :, :end], values[self.slot:self.slot + 1, :, :end]
+
+    def storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's keys and values of `layer` (kv heads, window, head dim), in place."""
+        return self.table.keys[layer][self.slot], self.table.values[layer][self.slot]
 
     def commit(self, keep: torch.Tensor | list[int] | None = None, skip_kept_prefix: bool = True) -> None:
         if keep is None:
@@ -224,9 +257,10 @@ class SlotTree:
     """A drafted request's rows in a step over a SlotCache: its tree (or its root alone, with
     no `tree_mask`) after the keys its `sequence` holds, written at the places after them in
     row order (its pending slots, as in a KVCache of its own), at `positions` (the root's plus
-    each row's depth). `seen` (a kind of layer's window -> Visibility): the keys each row
-    attends to in its slot, the KernelPlan a forward of its request alone builds (model.py), so
-    that its rows reduce over the same keys in the same order: the same bits."""
+    each row's depth). `seen` (a Visibility): the keys each row attends to in its slot, the
+    KernelPlan a forward of its request alone builds (model.py), so that its rows reduce over
+    the same keys in the same order: the same bits (SlotRows counts them from the slot's base,
+    the sliding layers' window added as the plan adds it)."""
 
     def __init__(self, model: Transformer, sequence: SlotSequence, tokens: torch.Tensor,
                  positions: torch.Tensor, tree_mask: torch.Tensor | None):
@@ -235,43 +269,11 @@ class SlotTree:
         sequence.check_room(tokens.numel())
         self.sequence, self.slot, self.tokens, self.positions = sequence, sequence.slot, tokens, positions
         self.rows = tokens.numel()
-        plan = KernelPlan(model.args, sequence, positions, tree_mask, model.rope)
-        self.seen = {0: plan.masks["global"][0]}
-        if "local" in plan.masks:
-            self.seen[model.args.sliding_window] = plan.masks["local"][0]
+        self.seen = KernelPlan(model.args, sequence, positions, tree_mask, model.rope).masks["global"][0]
 
     def places(self) -> torch.Tensor:
         start = self.sequence.length
         return torch.arange(start, start + self.rows, device=self.tokens.device)
-
-
-class SlotAttention(CustomAttention):
-    """Attention of `SlotRows`' rows, within a sliding `window` where the layer has one."""
-
-    def __init__(self, rows: SlotRows, window: int):
-        self.rows, self.window = rows, window
-
-    def attend(self, q, keys, values, scale):
-        from .kernels import attention
-
-        rows = self.rows
-        _, heads, n, dim = q.shape
-        kv = keys.shape[1]
-        q = q[0].transpose(0, 1)                                    # (N, heads, dim)
-        outs = []
-        if rows.plain:
-            grouped = q[:rows.plain].reshape(rows.plain * kv, heads // kv, dim)
-            out = attention(grouped, keys.view(1, -1, dim), values.view(1, -1, dim), rows.prefix, rows.starts,
-                            rows.cache.key_order, scale, rows.row_positions, self.window, rows.ends)
-            outs.append(out.view(rows.plain, heads, dim))
-        first = rows.plain
-        for tree in rows.trees:       # a call per tree: its slot's keys, its own visibility
-            seen = tree.seen[self.window]
-            outs.append(attention(q[first:first + tree.rows], keys[tree.slot], values[tree.slot], seen.prefix,
-                                  seen.xoff, seen.extra, scale, seen.positions, seen.window, seen.xend))
-            first += tree.rows
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return out.transpose(0, 1).unsqueeze(0)
 
 
 def _forward_rows_on_kernels(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor,
@@ -293,9 +295,9 @@ def _blocks_over_slots(model: Transformer, x: torch.Tensor, positions: torch.Ten
     `rows`; the hidden states (N, dim), and with `taps` those layers' outputs (N, taps * dim)."""
     args = model.args
     rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in model.rope.items()}
-    attend = {0: rows.attention(0)}
+    attend = {0: rows.visibility(0)}
     if args.sliding_window is not None:
-        attend[args.sliding_window] = rows.attention(args.sliding_window)
+        attend[args.sliding_window] = rows.visibility(args.sliding_window)
     tapped = []
     for i, block in enumerate(model.layers):
         cos, sin = rope["local" if args.is_sliding(i) and "local" in rope else "global"]

@@ -15,9 +15,10 @@ changes with the number of rows beside it. Here every shape choice is fixed:
   `dot_is_row_invariant` has run it and found every row's bits the same at every place and
   row count, once per device and dtype;
 - `attention`: one program per (row, head); the keys a row sees are taken in position order
-  (slots [0, prefix) then its own list of further slots), BLOCK_T at a time, with an online
-  softmax over them: a tree's row and the one-token forward of its path see the same keys in
-  the same chunks, never the masked ones. Where the tensor-core linear serves, attention takes
+  (slots [0, prefix) then its own list of further slots, counted from a base slot of its own
+  where many sequences share one table), BLOCK_T at a time, with an online softmax over
+  them: a tree's row and the one-token forward of its path see the same keys in the same
+  chunks, never the masked ones. Where the tensor-core linear serves, attention takes
   tensor cores too: one program per (row, key group), the group's heads at fixed places of a
   tl.dot over the same chunks (a program's shapes and inputs are one row's alone);
 - `rms_norm`, `argmax`: one program per row, the reduction over the whole row in one block.
@@ -300,8 +301,8 @@ if triton is not None:
         tl.store(out + row, at)
 
     @triton.jit(do_not_specialize=["T"])     # one kernel for every cache size
-    def _attention(q, k, v, prefix, xoff, xend, extra, pos, out, H, G, T, D, scale, window,
-                   BT: tl.constexpr, BD: tl.constexpr):
+    def _attention(q, k, v, prefix, xoff, xend, extra, pos, base, out, H, G, T, D, scale, window,
+                   HAS_BASE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)
         group = head // (H // G)
@@ -310,6 +311,9 @@ if triton is not None:
         pre = tl.load(prefix + row)
         x0 = tl.load(xoff + row)
         count = pre + tl.load(xend + row) - x0
+        start_slot = 0          # where the row's slots begin (a slot table's row, batched.SlotRows)
+        if HAS_BASE:
+            start_slot = tl.load(base + row)
         first = 0
         if window > 0:      # a sliding layer sees positions pos - window + 1 .. pos
             first = tl.maximum(tl.load(pos + row) - window + 1, 0)
@@ -320,8 +324,8 @@ if triton is not None:
         for start in range(first, count, BT):
             index = start + steps                      # logical positions, in order
             live = index < count
-            slot = tl.where(index < pre, index,
-                            tl.load(extra + x0 + index - pre, mask=live & (index >= pre), other=0))
+            slot = start_slot + tl.where(index < pre, index,
+                                         tl.load(extra + x0 + index - pre, mask=live & (index >= pre), other=0))
             kt = tl.load(k + (group * T + slot[:, None]) * D + dims[None, :],
                          mask=live[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
             s = tl.where(live, tl.sum(kt * qv[None, :], axis=1) * scale, float("-inf"))
@@ -336,9 +340,9 @@ if triton is not None:
         tl.store(out + (row * H + head) * D + dims, (acc / total).to(out.dtype.element_ty), mask=dims < D)
 
     @triton.jit(do_not_specialize=["T"])
-    def _attention_dot(q, k, v, prefix, xoff, xend, extra, pos, out, H, G, T, D, scale, window,
-                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
-                       BD: tl.constexpr):
+    def _attention_dot(q, k, v, prefix, xoff, xend, extra, pos, base, out, H, G, T, D, scale, window,
+                       HAS_BASE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BH: tl.constexpr,
+                       BT: tl.constexpr, BD: tl.constexpr):
         # `_attention` on tensor cores: one program per (row, key group), the group's query heads
         # (BH places, the same head always at the same place) scored and summed against BT keys
         # at a time by tl.dot. A program's shapes and inputs are a row's alone, its keys taken in
@@ -358,6 +362,9 @@ if triton is not None:
         pre = tl.load(prefix + row)
         x0 = tl.load(xoff + row)
         count = pre + tl.load(xend + row) - x0
+        start_slot = 0          # where the row's slots begin (a slot table's row, batched.SlotRows)
+        if HAS_BASE:
+            start_slot = tl.load(base + row)
         first = 0
         if window > 0:
             first = tl.maximum(tl.load(pos + row) - window + 1, 0)
@@ -368,8 +375,8 @@ if triton is not None:
         for start in range(first, count, BT):
             index = start + steps
             live = index < count
-            slot = tl.where(index < pre, index,
-                            tl.load(extra + x0 + index - pre, mask=live & (index >= pre), other=0))
+            slot = start_slot + tl.where(index < pre, index,
+                                         tl.load(extra + x0 + index - pre, mask=live & (index >= pre), other=0))
             kt = tl.load(k + (group * T + slot[:, None]) * D + dims[None, :],
                          mask=live[:, None] & (dims[None, :] < D), other=0.0)
             vt = tl.load(v + (group * T + slot[:, None]) * D + dims[None, :],
@@ -456,6 +463,30 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, activation: int, *, norm
     return y
 
 
+def cache_stride(keys: torch.Tensor, values: torch.Tensor) -> int:
+    """Slots between one key group's slot 0 and the next's in a cache's keys and values
+    (groups, slots, D) that the kernels write in place: each slot's D values contiguous, slots
+    side by side, the groups any whole number of slots apart, the same for keys and values
+    (a KVCache's layer, or a SlotCache's table, whose group stride is a window while its slots
+    run on through every sequence's: batched.SlotCache.storage). ValueError otherwise."""
+    G, T, D = keys.shape
+    if values.shape != keys.shape or keys.stride()[1:] != (D, 1) or values.stride()[1:] != (D, 1) \
+            or (G > 1 and (values.stride(0) != keys.stride(0) or keys.stride(0) % D)):
+        raise ValueError("the cache's keys and values are written in place: each slot's values "
+                         "contiguous, slots side by side, keys and values alike")
+    return keys.stride(0) // D if G > 1 else T
+
+
+def cache_rows(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """keys and values (groups, slots, D) as the attention kernels read them, with their group
+    stride in slots (`cache_stride`): in place where they are laid out so, else copies."""
+    try:
+        return keys, values, cache_stride(keys, values)
+    except ValueError:
+        keys, values = keys.contiguous(), values.contiguous()
+        return keys, values, keys.shape[1]
+
+
 def qkv_rope_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
                    sin: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    heads: int, *, norm: torch.Tensor | None = None, eps: float = 0.0,
@@ -470,11 +501,10 @@ def qkv_rope_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _need()
     x, weight = x.contiguous(), weight.contiguous()
     M, K = x.shape
-    G, T, D = keys.shape
+    G, _, D = keys.shape
     if weight.shape[0] != (heads + 2 * G) * D or D % 2:
         raise ValueError(f"a QKV weight of {weight.shape[0]} rows for {heads} heads and {G} groups of {D}")
-    if not (keys.is_contiguous() and values.is_contiguous()):
-        raise ValueError("the cache's keys and values are written in place: they must be contiguous")
+    T = cache_stride(keys, values)
     use_dot = _use_dot(x) if use_dot is None else use_dot
     q = torch.empty(M, heads, D, dtype=x.dtype, device=x.device)
     tiles = _tiling(x, use_dot)
@@ -496,11 +526,10 @@ def head_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.
     _need()
     qkv = qkv.contiguous()
     M = qkv.shape[0]
-    G, T, D = keys.shape
+    G, _, D = keys.shape
     if qkv.shape[1] != (heads + 2 * G) * D or D % 2:
         raise ValueError(f"QKV rows of {qkv.shape[1]} for {heads} heads and {G} groups of {D}")
-    if not (keys.is_contiguous() and values.is_contiguous()):
-        raise ValueError("the cache's keys and values are written in place: they must be contiguous")
+    T = cache_stride(keys, values)
     q = torch.empty(M, heads, D, dtype=qkv.dtype, device=qkv.device)
     _launch(_head_norm_rope_cache, (M, heads + 2 * G), qkv, q_norm.contiguous(), k_norm.contiguous(),
             cos.contiguous(), sin.contiguous(), slots.contiguous(), q, keys, values, heads, G, D, T, eps,
@@ -598,27 +627,34 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor |
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor,
               xoff: torch.Tensor, extra: torch.Tensor, scale: float, positions: torch.Tensor | None = None,
-              window: int = 0, xend: torch.Tensor | None = None, use_dot: bool | None = None) -> torch.Tensor:
+              window: int = 0, xend: torch.Tensor | None = None, use_dot: bool | None = None,
+              base: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q (n, heads, D) over keys and values (groups, T, D): row r sees slots
     [0, prefix[r]) and then extra[xoff[r]:xend[r]] (xend: xoff[1:] unless given), in position
     order (its own last), as native.visibility describes a tree's rows; with a `window`, only
-    its last `window` positions (`positions`: each row's). Returns (n, heads, D) in q's dtype.
-    use_dot: a key group's heads scored and summed on tensor cores (`_attention_dot`), or one
-    head at a time with multiply-adds (None: where `linear`'s tensor-core kernel serves)."""
+    its last `window` positions (`positions`: each row's). `base` (n,): each row's slots counted
+    from base[r] on (the slot table of many sequences, batched.SlotRows; None: from 0). keys and
+    values are read in place wherever each slot's D values are contiguous (`cache_rows`).
+    Returns (n, heads, D) in q's dtype. use_dot: a key group's heads scored and summed on
+    tensor cores (`_attention_dot`), or one head at a time with multiply-adds (None: where
+    `linear`'s tensor-core kernel serves)."""
     _need()
     n, H, D = q.shape
-    G, T, _ = keys.shape
+    keys, values, T = cache_rows(keys, values)
+    G = keys.shape[0]
     out = torch.empty_like(q)
     xoff = xoff.to(torch.int32).contiguous()
     xend = xoff[1:] if xend is None else xend.to(torch.int32).contiguous()
     pos = (positions if positions is not None else prefix).to(torch.int32).contiguous()
     use_dot = _use_dot(q) if use_dot is None else use_dot
-    tensors = (q.contiguous(), keys.contiguous(), values.contiguous(), prefix.to(torch.int32).contiguous(), xoff,
-               xend, extra.to(torch.int32).contiguous(), pos, out, H, G, T, D, scale, window)
+    prefix = prefix.to(torch.int32).contiguous()
+    tensors = (q.contiguous(), keys, values, prefix, xoff, xend, extra.to(torch.int32).contiguous(), pos,
+               base.to(torch.int32).contiguous() if base is not None else prefix, out, H, G, T, D, scale, window)
     if use_dot:        # tl.dot's smallest tile is 16 a side: a group's heads padded to 16 places
         tiling = _tiling(q, True)
-        _launch(_attention_dot, (n, G), *tensors, UPCAST=tiling["UPCAST"], PRECISION=tiling["PRECISION"],
-                BH=max(16, triton.next_power_of_2(H // G)), BT=BLOCK_T, BD=max(16, triton.next_power_of_2(D)))
+        _launch(_attention_dot, (n, G), *tensors, HAS_BASE=base is not None, UPCAST=tiling["UPCAST"],
+                PRECISION=tiling["PRECISION"], BH=max(16, triton.next_power_of_2(H // G)), BT=BLOCK_T,
+                BD=max(16, triton.next_power_of_2(D)))
     else:
-        _launch(_attention, (n, H), *tensors, BT=BLOCK_T, BD=triton.next_power_of_2(D))
+        _launch(_attention, (n, H), *tensors, HAS_BASE=base is not None, BT=BLOCK_T, BD=triton.next_power_of_2(D))
     return out

@@ -224,7 +224,7 @@ class Attention(nn.Module):
                                          self.k_norm.weight, self.q_norm.eps, cos, sin, mask.slots, keys, values,
                                          args.n_heads)
             out = attention(q, keys, values, mask.prefix, mask.xoff, mask.extra, self.scale, mask.positions,
-                            mask.window, mask.xend)
+                            mask.window, mask.xend, base=mask.base)
             return self.wo(out.reshape(n, self.q_size), residual=residual)
         qkv = self.wqkv(x, norm=norm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -245,7 +245,7 @@ class Attention(nn.Module):
             from .kernels import attention
 
             out = attention(q[0].transpose(0, 1), keys[0], values[0], mask.prefix, mask.xoff, mask.extra,
-                            self.scale, mask.positions, mask.window, mask.xend)
+                            self.scale, mask.positions, mask.window, mask.xend, base=mask.base)
             return self.wo(out.reshape(n, self.q_size), residual=residual)
         if isinstance(mask, CustomAttention):
             out = mask.attend(q, keys, values, self.scale)
@@ -336,7 +336,8 @@ class CustomAttention:
 @dataclass
 class Visibility:
     """What each new row attends to, as the row-invariant kernels read it (native.visibility's
-    prefix, xoff, extra, on the device), and the sliding window where a layer has one."""
+    prefix, xoff, extra, on the device), and the sliding window where a layer has one. The
+    slots are a cache's `storage` (a KVCache's layer; batched.SlotRows' table of many)."""
     prefix: torch.Tensor
     xoff: torch.Tensor
     extra: torch.Tensor
@@ -344,6 +345,7 @@ class Visibility:
     window: int = 0
     xend: torch.Tensor | None = None     # where each row's extra slots end (None: xoff[1:])
     slots: torch.Tensor | None = None    # where each row's key and value are written
+    base: torch.Tensor | None = None     # where each row's slots begin (None: at 0)
 
 
 class LayerPlan:
