@@ -7,7 +7,8 @@ same model at several batch sizes, and the server at many concurrent clients aga
    (speculation/batched_decoding.py: one CUDA graph a step for every request's row), run as
    `generate --input` runs them (serving/batch_job.run_job); answer tokens a second over the
    job's time, every prefill and graph capture included, and how many of a sample of answers
-   served alone again differ.
+   served alone again differ; then the same job on the row-invariant kernels (--backend triton,
+   exact: no --allow-inexact), 8 of its answers compared with the requests served alone.
 2. The peer: transformers' greedy `generate` on the same model (the GGUF read by transformers'
    gguf support), same dtype, prompts and token budget: one left-padded batch of each of
    --peer-batches prompts.
@@ -58,6 +59,7 @@ class BenchOptions:
     clients: tuple[int, ...] = (1, 64)
     requests_per_client: int = 2
     server_prompts: int = 0          # of the package's prompts, those the clients ask (0: all)
+    exact: bool = True               # also the batch job on the row-invariant kernels (--backend triton)
     budget_s: float = 480.0
 
 
@@ -73,14 +75,24 @@ def cycled(items: list, count: int) -> list:
     return [items[i % len(items)] for i in range(count)]
 
 
-def batch_job(lm, texts: list[str], options: BenchOptions) -> dict:
-    """Section 1: the prompts as `generate --input` answers them, answers thrown away."""
+def batch_job(lm, texts: list[str], options: BenchOptions, alone: int = 0) -> dict:
+    """Section 1: the prompts as `generate --input` answers them; `alone` of the answers (spread
+    over the job) are compared with the same requests served one at a time, the rest thrown away."""
     from vocabspec.serving.batch_job import Progress, StreamAnswers, run_job
 
     requests = [{"prompt": text} for text in texts]
     defaults = dict(max_new_tokens=options.new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=())
+    checked = set(range(0, len(requests), max(1, len(requests) // alone))) if alone else set()
+    kept = {}
+
+    class Keep(StreamAnswers):
+        def write(self, line: dict) -> None:
+            if line["index"] in checked:
+                kept[line["index"]] = line
+            super().write(line)
+
     with open(os.devnull, "w") as sink:
-        result = run_job(lm, requests, list(range(len(requests))), defaults, True, StreamAnswers(sink),
+        result = run_job(lm, requests, list(range(len(requests))), defaults, True, Keep(sink),
                          options.prompts, False, Progress(sys.stderr, len(requests), 0, every=30.0))
     batch = lm._batch
     stats = batch.stats()
@@ -90,7 +102,15 @@ def batch_job(lm, texts: list[str], options: BenchOptions) -> dict:
             "failures": result.failures[:3], "answer_tokens": result.tokens,
             "seconds": round(result.seconds, 2), "answer_tok_s": round(result.tokens / result.seconds, 1),
             "slots": len(batch.slots), "batched_rows": batch.batched is not None, "engine": stats,
-            "alone_checked": result.alone_checked, "alone_differ": result.alone_differ}
+            "alone_checked": result.alone_checked, "alone_differ": result.alone_differ,
+            **(compared_alone(lm, texts, kept, options) if alone else {})}
+
+
+def compared_alone(lm, texts: list[str], kept: dict, options: BenchOptions) -> dict:
+    """The kept answers against the same requests served alone, token for token."""
+    differ = [index for index, line in sorted(kept.items())
+              if lm.generate(texts[index], chat=True, max_new_tokens=options.new_tokens).text != line.get("text")]
+    return {"alone_checked": len(kept), "alone_differ": len(differ), "alone_differing": differ[:8]}
 
 
 def peer(lm, texts: list[str], options: BenchOptions, deadline: float) -> dict:
@@ -164,6 +184,14 @@ def report(run: dict) -> str:
                      f"{job['seconds']} | {note} |")
     else:
         lines.append(f"| vocabspec generate --input | | | | {job.get('error') or job.get('skipped')} |")
+    exact = run.get("batch_job_exact", {})
+    if "answer_tok_s" in exact:
+        share = f", {exact['answer_tok_s'] / job['answer_tok_s']:.2f}x the inexact job" if "answer_tok_s" in job else ""
+        lines.append(f"| vocabspec generate --input --backend triton | {exact['slots']} | {exact['answer_tok_s']} | "
+                     f"{exact['seconds']} | exact; {exact['alone_differ']} of {exact['alone_checked']} answers "
+                     f"differ from alone{share} |")
+    elif exact:
+        lines.append(f"| vocabspec generate --input --backend triton | | | | {exact.get('error') or exact.get('skipped')} |")
     peers = run.get("transformers", {})
     for size, row in peers.get("batches", {}).items():
         if "answer_tok_s" in row:
@@ -198,13 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-prompts", type=int, default=0,
                         help="of the package's prompts, those the server's clients ask (0: all)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for every section together")
+    parser.add_argument("--no-exact", action="store_true",
+                        help="skip the batch job on the row-invariant kernels (--backend triton)")
     args = parser.parse_args(argv)
     options = BenchOptions(out=Path(args.out), model=args.model, device=args.device, weights=args.weights,
                            prompts=args.prompts, new_tokens=args.new_tokens,
                            peer_batches=tuple(int(b) for b in args.peer_batches.split(",")),
                            clients=tuple(int(c) for c in args.clients.split(",")),
                            requests_per_client=args.requests_per_client, server_prompts=args.server_prompts,
-                           budget_s=args.budget_s)
+                           budget_s=args.budget_s, exact=not args.no_exact)
     started = time.perf_counter()
     deadline = started + options.budget_s
     import vocabspec
@@ -216,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
            "engine": lm.engine.model.engine, "load_seconds": round(time.perf_counter() - started, 1)}
     texts = cycled([q["turns"][0] for q in questions()], options.prompts)
     section(run, "batch_job", lambda: batch_job(lm, texts, options), deadline)
+    if options.exact:      # the row-invariant kernels: no --allow-inexact, answers compared with alone
+        exact = vocabspec.load(options.model, weights=options.weights, device=options.device, backend="triton")
+        section(run, "batch_job_exact", lambda: batch_job(exact, texts, options, alone=8), deadline)
+        del exact
     section(run, "transformers", lambda: peer(lm, texts, options, deadline), deadline)
     section(run, "server", lambda: server(lm, options, deadline), deadline)
     run["seconds"] = round(time.perf_counter() - started, 1)
@@ -223,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     (options.out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     (options.out / "report.md").write_text(report(run))
     print(report(run))
-    failed = [name for name in ("batch_job", "transformers", "server") if "error" in run.get(name, {})]
+    failed = [name for name in ("batch_job", "batch_job_exact", "transformers", "server")
+              if "error" in run.get(name, {})]
     return 1 if failed else 0
 
 
