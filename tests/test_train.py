@@ -193,7 +193,7 @@ def test_self_distillation_resumes_per_prompt_and_grows_without_redoing(tmp_path
 
     pool = [[1, 2], [3], [4, 5, 6], [7], [8, 9]]
     monkeypatch.setattr(train, "_generate_answers", fake_generate)
-    monkeypatch.setattr(train, "_distill_prompts", lambda cfg, tok: pool[:cfg.self_distill])
+    monkeypatch.setattr(train, "_distill_prompts", lambda cfg, tok, path=None: pool[:cfg.self_distill])
     cfg = TrainConfig(out=str(tmp_path), self_distill=3)
     first = train.distill_sequences(cfg, None, tmp_path / "model.gguf")
     assert first == [[3, 99], [1, 2, 99], [4, 5, 6, 99]]      # shortest prompts first
@@ -227,7 +227,7 @@ def test_answer_archive_carries_answers_to_another_work_directory(tmp_path, monk
 
     pool = [[1, 2], [3], [4, 5, 6], [7]]
     monkeypatch.setattr(train, "_generate_answers", fake_generate)
-    monkeypatch.setattr(train, "_distill_prompts", lambda cfg, tok: pool[:cfg.self_distill])
+    monkeypatch.setattr(train, "_distill_prompts", lambda cfg, tok, path=None: pool[:cfg.self_distill])
     model_file, archive = tmp_path / "model.gguf", tmp_path / "archive"
     model_file.write_bytes(b"weights of one target")
     first = TrainConfig(out=str(tmp_path / "machine-a"), self_distill=3, answers=str(archive))
