@@ -164,3 +164,34 @@ def test_eagle2_checkpoint_taps_past_the_depth_are_refused(tmp_path, target):
         (tmp_path / "d" / "config.json").write_text(json.dumps(config))
         with pytest.raises(DrafterMismatch, match=message):
             EagleDrafter.load(tmp_path / "d", target)
+
+
+def test_the_attention_scratch_holds_the_largest_team_whatever_torchs_thread_count():
+    """The attention's per-thread scratch is sized for the largest team a forward runs, not for
+    OpenMP's current maximum, which torch.set_num_threads lowers (the self-written prompts' draw
+    runs torch on one thread): a stack sized then and run by a team of two wrote past its
+    scratch, a heap corruption that aborted a later allocation. Its size no longer moves with
+    torch's threads, and a prefill sized under one thread and run by two has the bits of one
+    run by one thread (under the sanitizer pass, with no report)."""
+    import ctypes
+
+    threads = torch.get_num_threads()
+    native.threads()            # the engine's team fixed at torch's default, as in a long process
+    reference = None
+    try:
+        torch.set_num_threads(1)
+        native.set_threads(1)
+        _, model = tiny_native("llama", seed=7, n_layers=2)
+        ids = torch.randint(6, 200, (40,), generator=torch.Generator().manual_seed(0))
+        reference = model(ids, torch.arange(40), model.new_cache(64))[0]
+        _, fresh = tiny_native("llama", seed=7, n_layers=2)       # its scratch sized under one thread
+        native.set_threads(2)
+        hidden = fresh(ids, torch.arange(40), fresh.new_cache(64))[0]
+        stack = ctypes.byref(fresh.native.stack.stack)
+        sized_at_one = native.library().vs_attention_scratch(stack)
+        torch.set_num_threads(2)
+        assert native.library().vs_attention_scratch(stack) == sized_at_one
+    finally:
+        torch.set_num_threads(threads)
+        native.set_threads(0)
+    assert torch.equal(hidden, reference)

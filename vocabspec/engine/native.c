@@ -1356,8 +1356,12 @@ int64_t vs_stack_work(const vs_stack *s, int64_t n) {
     return n * (3 * (int64_t)s->dim + 2 * qs + 2 * kvs + 3 * (int64_t)s->hidden);
 }
 
+/* Per thread of the largest team a forward runs (team_max, fixed at the first call), not
+   OpenMP's current maximum: torch.set_num_threads lowers that, and a stack sized after it would
+   be run by a larger team writing past its scratch. */
 int64_t vs_attention_scratch(const vs_stack *s) {
-    return (int64_t)omp_get_max_threads() * HEADS_MAX * (s->max_len + 64);
+    team_init();
+    return (int64_t)team_max * HEADS_MAX * (s->max_len + 64);
 }
 
 ALWAYS void add_rows(float *x, const float *y, int64_t dim) {
