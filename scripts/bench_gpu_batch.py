@@ -8,7 +8,9 @@ same model at several batch sizes, and the server at many concurrent clients aga
    `generate --input` runs them (serving/batch_job.run_job); answer tokens a second over the
    job's time, every prefill and graph capture included, and how many of a sample of answers
    served alone again differ; then the same job on the row-invariant kernels (--backend triton,
-   exact: no --allow-inexact), 8 of its answers compared with the requests served alone.
+   exact: no --allow-inexact), 8 of its answers compared with the requests served alone; then
+   --drafted-prompts of the requests drafted (--draft, each request's tree rows of the shared
+   step) against the same requests plain, both on torch's kernels.
 2. The peer: transformers' greedy `generate` on the same model (the GGUF read by transformers'
    gguf support), same dtype, prompts and token budget: one left-padded batch of each of
    --peer-batches prompts.
@@ -33,7 +35,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -60,6 +62,8 @@ class BenchOptions:
     requests_per_client: int = 2
     server_prompts: int = 0          # of the package's prompts, those the clients ask (0: all)
     exact: bool = True               # also the batch job on the row-invariant kernels (--backend triton)
+    draft: str = "eagle"             # the drafted batch job's proposer
+    drafted_prompts: int = 64        # its requests (0: no drafted job)
     budget_s: float = 480.0
 
 
@@ -192,6 +196,14 @@ def report(run: dict) -> str:
                      f"differ from alone{share} |")
     elif exact:
         lines.append(f"| vocabspec generate --input --backend triton | | | | {exact.get('error') or exact.get('skipped')} |")
+    for name, label in (("batch_job_small", "plain"), ("batch_job_drafted", f"--draft {options['draft']}")):
+        row = run.get(name, {})
+        if "answer_tok_s" in row:
+            lines.append(f"| vocabspec generate --input, {label} | {row['slots']} | {row['answer_tok_s']} | "
+                         f"{row['seconds']} | {row['requests']} requests; {row['alone_differ']} of "
+                         f"{row['alone_checked']} answers differ from alone |")
+        elif row:
+            lines.append(f"| vocabspec generate --input, {label} | | | | {row.get('error') or row.get('skipped')} |")
     peers = run.get("transformers", {})
     for size, row in peers.get("batches", {}).items():
         if "answer_tok_s" in row:
@@ -228,13 +240,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for every section together")
     parser.add_argument("--no-exact", action="store_true",
                         help="skip the batch job on the row-invariant kernels (--backend triton)")
+    parser.add_argument("--draft", default="eagle", help="the drafted batch job's proposer")
+    parser.add_argument("--drafted-prompts", type=int, default=64,
+                        help="requests of the drafted batch job and its plain twin (0: none)")
     args = parser.parse_args(argv)
     options = BenchOptions(out=Path(args.out), model=args.model, device=args.device, weights=args.weights,
                            prompts=args.prompts, new_tokens=args.new_tokens,
                            peer_batches=tuple(int(b) for b in args.peer_batches.split(",")),
                            clients=tuple(int(c) for c in args.clients.split(",")),
                            requests_per_client=args.requests_per_client, server_prompts=args.server_prompts,
-                           budget_s=args.budget_s, exact=not args.no_exact)
+                           budget_s=args.budget_s, exact=not args.no_exact, draft=args.draft,
+                           drafted_prompts=args.drafted_prompts)
     started = time.perf_counter()
     deadline = started + options.budget_s
     import vocabspec
@@ -250,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
         exact = vocabspec.load(options.model, weights=options.weights, device=options.device, backend="triton")
         section(run, "batch_job_exact", lambda: batch_job(exact, texts, options, alone=8), deadline)
         del exact
+    if options.drafted_prompts:     # trees in the shared step against the same requests plain
+        few = replace(options, prompts=options.drafted_prompts)
+        section(run, "batch_job_small", lambda: batch_job(lm, texts[:few.prompts], few, alone=4), deadline)
+        drafted = vocabspec.load(options.model, weights=options.weights, device=options.device, backend="torch",
+                                 allow_inexact=True, draft=options.draft)
+        section(run, "batch_job_drafted", lambda: batch_job(drafted, texts[:few.prompts], few, alone=4), deadline)
+        del drafted
     section(run, "transformers", lambda: peer(lm, texts, options, deadline), deadline)
     section(run, "server", lambda: server(lm, options, deadline), deadline)
     run["seconds"] = round(time.perf_counter() - started, 1)
@@ -257,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     (options.out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     (options.out / "report.md").write_text(report(run))
     print(report(run))
-    failed = [name for name in ("batch_job", "batch_job_exact", "transformers", "server")
+    failed = [name for name in ("batch_job", "batch_job_exact", "batch_job_small", "batch_job_drafted",
+                                "transformers", "server")
               if "error" in run.get(name, {})]
     return 1 if failed else 0
 

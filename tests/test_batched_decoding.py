@@ -290,13 +290,40 @@ def test_on_the_row_invariant_kernels_a_tree_in_a_slot_has_the_bits_of_its_forwa
         tokens, positions = model.lm_head(hidden[:2]).argmax(-1), positions + 1
 
 
-@needs_kernels
-def test_on_the_row_invariant_kernels_drafted_trees_join_the_batched_step(monkeypatch):
-    """`--backend triton`'s kernels: plain and prompt-lookup drafted requests, greedy and seeded
-    sampling, through two slots refilled as answers end (a drafted one joining while greedy rows
-    run a step ahead). Each drafted request's tree runs as rows of the same forward as the plain
-    rows (the step's rows counted: plain and tree rows together), and every answer is the one
-    its request gets served alone, the greedy ones plain decoding's."""
+def _each_answer_is_its_own_alone(batch, engine, plain, prompts, configs, drafts):
+    """Serves the requests through `batch` (stepped here), asserts each answer is the one its
+    request gets alone (drafted on `engine`, plain on `plain`), and returns them."""
+    requests = [batch.submit(p, c, draft=d) for p, c, d in zip(prompts, configs, drafts)]
+    while not all(r.done.is_set() for r in requests):
+        batch.run_once()
+    together = [r.wait() for r in requests]
+    alone = [(engine if d else plain).generate(p, c) for p, c, d in zip(prompts, configs, drafts)]
+    assert [(r.tokens, r.stop_reason) for r in together] == [(r.tokens, r.stop_reason) for r in alone]
+    return together
+
+
+def _on(backend, model, **engine):
+    """An Engine over `model` on `backend`: the row-invariant kernels (exact batched rows), or
+    torch's with inexact answers allowed (which batched rows need there)."""
+    if backend == "kernels":
+        model.use_kernels()
+        return Engine(model, **engine)
+    return Engine(model, allow_inexact=True, **engine)
+
+
+backends = [pytest.param("kernels", marks=needs_kernels), "torch"]
+
+
+@pytest.mark.parametrize("backend,arch", [pytest.param("kernels", "llama", marks=needs_kernels),
+                                          ("torch", "llama"), ("torch", "gemma3")])
+def test_drafted_trees_join_the_batched_step(monkeypatch, backend, arch):
+    """Plain and prompt-lookup drafted requests, greedy and seeded sampling, through two slots
+    refilled as answers end (a drafted one joining while greedy rows run a step ahead). Each
+    drafted request's tree runs as rows of the same forward as the plain rows (the step's rows
+    counted: plain and tree rows together), and every answer is the one its request gets served
+    alone, the greedy ones plain decoding's: on `--backend triton`'s kernels bit for bit, on
+    torch's (float32, `TreeRowsOnTorch`) because these rows round alike; Gemma's sliding window
+    of 6 is passed by the tree rows."""
     from vocabspec.speculation import batched_decoding
 
     shapes = []         # per step with trees: (plain rows, tree rows)
@@ -304,9 +331,9 @@ def test_on_the_row_invariant_kernels_drafted_trees_join_the_batched_step(monkey
     monkeypatch.setattr(batched_decoding, "forward_with_trees", lambda model, cache, tokens, *rest, **kw:
                         shapes.append((tokens.numel(), sum(t.rows for t in rest[2]))) or
                         forward(model, cache, tokens, *rest, **kw))
-    model = tiny_model("llama", seed=3, n_layers=1, vocab_size=32, intermediate_size=32, max_seq_len=40)
-    model.use_kernels()
-    engine, plain = Engine(model, proposer=PromptLookupProposer(num_draft=4)), Engine(model)
+    model = tiny_model(arch, seed=3, n_layers=1, vocab_size=32, intermediate_size=32, max_seq_len=40)
+    engine = _on(backend, model, proposer=PromptLookupProposer(num_draft=4))
+    plain = Engine(model)
     prompts = [p * 3 for p in prompts_of([3, 4, 2, 3, 4], seed=0, vocab=32)]       # something to look up
     configs = [GenerationConfig(max_new_tokens=7), GenerationConfig(max_new_tokens=2),
                GenerationConfig(max_new_tokens=5),
@@ -315,42 +342,32 @@ def test_on_the_row_invariant_kernels_drafted_trees_join_the_batched_step(monkey
     drafts = [False, False, True, True, False]
     batch = BatchEngine(engine, lambda: PromptLookupProposer(num_draft=4),
                         BatchLimits(max_batch=2, window=40, tree_rows=12), thread=False)
-    assert batch.batched.trees_join and len(batch.slots) == 2
-    requests = [batch.submit(p, c, draft=d) for p, c, d in zip(prompts, configs, drafts)]
-    while not all(r.done.is_set() for r in requests):
-        batch.run_once()
-    together = [r.wait() for r in requests]
-    alone = [(engine if d else plain).generate(p, c) for p, c, d in zip(prompts, configs, drafts)]
-    assert [(r.tokens, r.stop_reason) for r in together] == [(r.tokens, r.stop_reason) for r in alone]
+    assert batch.batched is not None and len(batch.slots) == 2
+    together = _each_answer_is_its_own_alone(batch, engine, plain, prompts, configs, drafts)
     assert together[2].tokens == plain.generate(prompts[2], configs[2]).tokens
     assert batch.drafted > 0 and batch.batched.tree_steps == len(shapes) > 0
     assert any(rows and tree_rows > 1 for rows, tree_rows in shapes)     # a tree beside plain rows
 
 
-@needs_kernels
-def test_on_the_row_invariant_kernels_eagle_trees_with_taps_join_the_batched_step():
+@pytest.mark.parametrize("backend", backends)
+def test_eagle_trees_with_taps_join_the_batched_step(backend):
     """A random fused-feature EAGLE drafter (it reads layer 0's output too), its branching trees
     beside a plain row in the shared steps: every answer the one its request gets alone, greedy
     and seeded sampling."""
     from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
 
     model = tiny_model("llama", seed=3, n_layers=2, vocab_size=32, intermediate_size=32, max_seq_len=32)
-    model.use_kernels()
     drafter = EagleDrafter.random(model, seed=2, taps=(0,))
 
     def make():
         return EagleProposer(drafter, depth=2, top_k=2, total_tokens=4)
 
-    engine, plain = Engine(model, proposer=make()), Engine(model)
+    engine = _on(backend, model, proposer=make())
+    plain = Engine(model)
     prompts = prompts_of([5, 4, 6], seed=0, vocab=32)
     configs = [GenerationConfig(max_new_tokens=3), GenerationConfig(max_new_tokens=2),
                GenerationConfig(max_new_tokens=3, sampling=SamplingParams(temperature=1.3, seed=2))]
     drafts = [True, False, True]
     batch = BatchEngine(engine, make, BatchLimits(max_batch=3, window=32, tree_rows=12), thread=False)
-    requests = [batch.submit(p, c, draft=d) for p, c, d in zip(prompts, configs, drafts)]
-    while not all(r.done.is_set() for r in requests):
-        batch.run_once()
-    together = [r.wait() for r in requests]
-    alone = [(engine if d else plain).generate(p, c) for p, c, d in zip(prompts, configs, drafts)]
-    assert [(r.tokens, r.stop_reason) for r in together] == [(r.tokens, r.stop_reason) for r in alone]
+    _each_answer_is_its_own_alone(batch, engine, plain, prompts, configs, drafts)
     assert batch.drafted > 0 and batch.batched.tree_rows > batch.batched.tree_steps > 0

@@ -12,9 +12,9 @@ so a slot wastes at most its unused tail, a step's attention reads each slot's k
 strided batched product with no page table, and a finished sequence's slot is refilled by
 moving the live ones down (`compact`), never by a gather at every step. The number of slots
 is sized from the device's free memory (`SlotCache.fitting`). The batch engine's plain-decoding
-requests on torch's kernels step here too (speculation/batched_decoding.py), each request in a
-slot of its own; on the row-invariant kernels so do drafted requests, a slot each as their KV
-cache (`SlotSequence`), their trees rows of the same forward (`SlotTree`, `forward_with_trees`).
+requests step here too (speculation/batched_decoding.py), each request in a slot of its own, and
+so do drafted requests, a slot each as their KV cache (`SlotSequence`), their trees rows of the
+same forward (`SlotTree`, `forward_with_trees`).
 
 Rows of different sequences never mix: every product is row-wise and attention reads only
 the row's own slot, masked to its own positions. torch's kernels do not promise that a row
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
-from .model import KernelPlan, Transformer, Visibility, apply_rope
+from .model import CustomAttention, KernelPlan, Transformer, Visibility, apply_rope
 
 # kernels.attention addresses a key as (group * T + slot) * head_dim in 32-bit integers: on the
 # kernels a layer's table (every slot's keys) stays within that.
@@ -260,7 +260,8 @@ class SlotTree:
     each row's depth). `seen` (a Visibility): the keys each row attends to in its slot, the
     KernelPlan a forward of its request alone builds (model.py), so that its rows reduce over
     the same keys in the same order: the same bits (SlotRows counts them from the slot's base,
-    the sliding layers' window added as the plan adds it)."""
+    the sliding layers' window added as the plan adds it). On torch's kernels (`seen` None) its
+    rows see what `tree_mask` (ancestors, None for a root alone) shows (`TreeRowsOnTorch`)."""
 
     def __init__(self, model: Transformer, sequence: SlotSequence, tokens: torch.Tensor,
                  positions: torch.Tensor, tree_mask: torch.Tensor | None):
@@ -268,12 +269,107 @@ class SlotTree:
             raise ValueError("a tree goes after committed keys: commit first")
         sequence.check_room(tokens.numel())
         self.sequence, self.slot, self.tokens, self.positions = sequence, sequence.slot, tokens, positions
-        self.rows = tokens.numel()
-        self.seen = KernelPlan(model.args, sequence, positions, tree_mask, model.rope).masks["global"][0]
+        self.rows, self.tree_mask = tokens.numel(), tree_mask
+        self.seen = (KernelPlan(model.args, sequence, positions, tree_mask, model.rope).masks["global"][0]
+                     if model.kernels else None)
 
     def places(self) -> torch.Tensor:
         start = self.sequence.length
         return torch.arange(start, start + self.rows, device=self.tokens.device)
+
+
+class TreeRowsOnTorch(CustomAttention):
+    """`forward_with_trees`' rows on torch's kernels: first one row per slot 0..b-1 (a plain
+    row, a drafted request's tree root, or an idle slot's row, `live` False, which writes
+    nowhere: its slot may hold a request that is not in this step), then each tree's other
+    rows. Each live row's key goes to its slot at its place (`write`); the slot rows attend as a
+    decode step's rows do (`_attend_cached`, over a view of the table's first b slots), and each
+    tree's other rows over their own slot up to the tree's end (a view: no slot's keys are
+    copied), masked to the committed keys, the root and their ancestors. A layer's attention is
+    then one batched product plus one per branching tree, the projections and MLPs one over
+    every row. torch rounds a row differently with other rows beside it, so its answers are
+    alone's up to that rounding (--allow-inexact)."""
+
+    def __init__(self, cache: SlotCache, b: int, live: torch.Tensor, positions: torch.Tensor,
+                 trees: list[SlotTree], window: int = 0, context: int = 0):
+        self.cache, self.b, self.live, self.positions, self.trees = cache, b, live, positions, trees
+        self.window, self.context = window, context or cache.window
+        device = positions.device
+        written = live.nonzero()[:, 0]
+        rows, slots, places = [written], [written], [positions[written]]
+        self.branches = []     # per tree with rows past its root: (first row, rows, slot, keys, mask)
+        first = b
+        for tree in trees:
+            rest = tree.rows - 1
+            if not rest:
+                continue
+            length = tree.sequence.length
+            rows.append(torch.arange(first, first + rest, device=device))
+            slots.append(torch.full((rest,), tree.slot, dtype=torch.long, device=device))
+            places.append(tree.places()[1:])
+            mask = torch.cat([torch.ones(rest, length, dtype=torch.bool, device=device), tree.tree_mask[1:]], 1)
+            if window:
+                keys_at = torch.cat([torch.arange(length, device=device), tree.positions])
+                mask &= tree.positions[1:, None] - keys_at[None, :] < window
+            self.branches.append((first, rest, tree.slot, length + tree.rows, mask))
+            first += rest
+        self.rows, self.slots, self.places = torch.cat(rows), torch.cat(slots), torch.cat(places)
+
+    def visibility(self, window: int) -> "TreeRowsOnTorch":
+        if window == self.window:
+            return self
+        return TreeRowsOnTorch(self.cache, self.b, self.live, self.positions, self.trees, window, self.context)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """The live rows of k, v (1, kv heads, N, head dim) into their slots; the layer's table,
+        batched (1, slots, kv heads, window, head dim), which `attend` reads."""
+        self.cache.keys[layer][self.slots, :, self.places] = k[0, :, self.rows].transpose(0, 1)
+        self.cache.values[layer][self.slots, :, self.places] = v[0, :, self.rows].transpose(0, 1)
+        return self.cache.keys[layer][None], self.cache.values[layer][None]
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        keys, values, b = keys[0], values[0], self.b
+        heads, dim = q.shape[1], q.shape[3]
+        rows = q[0].transpose(0, 1)                                                  # (N, H, D)
+        out = torch.empty_like(rows)
+        context = self.context
+        out[:b] = _attend_cached(rows[:b].unsqueeze(2).contiguous(), keys[:b, :, :context], values[:b, :, :context],
+                                 self.positions[:b], scale, self.window).view(b, heads, dim)
+        gqa = keys.shape[1] != heads
+        for first, rest, slot, end, mask in self.branches:
+            mine = F.scaled_dot_product_attention(q[:, :, first:first + rest], keys[slot:slot + 1, :, :end],
+                                                  values[slot:slot + 1, :, :end], attn_mask=mask, scale=scale,
+                                                  enable_gqa=gqa)
+            out[first:first + rest] = mine[0].transpose(0, 1)
+        return out.transpose(0, 1)[None]
+
+
+def _forward_with_trees_on_torch(model: Transformer, cache: SlotCache, tokens: torch.Tensor,
+                                 positions: torch.Tensor, slots: torch.Tensor, trees: list[SlotTree],
+                                 taps: tuple[int, ...]):
+    """`forward_with_trees` on torch's kernels, its rows laid out as `TreeRowsOnTorch` takes
+    them and its outputs returned in `forward_with_trees`' order."""
+    device = tokens.device
+    b = max([int(slots.max()) + 1 if slots.numel() else 0, *(tree.slot + 1 for tree in trees)])
+    slot_tokens = torch.zeros(b, dtype=torch.long, device=device)       # an idle slot's row feeds 0 at 0
+    slot_positions = torch.zeros(b, dtype=torch.long, device=device)
+    live = torch.zeros(b, dtype=torch.bool, device=device)
+    slot_tokens[slots], slot_positions[slots], live[slots] = tokens, positions, True
+    for tree in trees:
+        slot_tokens[tree.slot], slot_positions[tree.slot] = tree.tokens[0], tree.positions[0]
+        live[tree.slot] = True
+    all_tokens = torch.cat([slot_tokens, *(tree.tokens[1:] for tree in trees)])
+    all_positions = torch.cat([slot_positions, *(tree.positions[1:] for tree in trees)])
+    context = max([int(positions.max()) + 1 if positions.numel() else 1,
+                   *(tree.sequence.length + 1 for tree in trees)])
+    rows = TreeRowsOnTorch(cache, b, live, all_positions, trees, context=context)
+    out = _blocks_over_slots(model, model.embed_tokens(all_tokens), all_positions, rows, taps)
+    order, first = [slots], b
+    for tree in trees:
+        order += [torch.tensor([tree.slot], device=device), torch.arange(first, first + tree.rows - 1, device=device)]
+        first += tree.rows - 1
+    order = torch.cat(order)
+    return (out[0][order], out[1][order]) if taps else out[order]
 
 
 def _forward_rows_on_kernels(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor,
@@ -311,15 +407,19 @@ def _blocks_over_slots(model: Transformer, x: torch.Tensor, positions: torch.Ten
 
 def forward_with_trees(model: Transformer, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
                        slots: torch.Tensor, trees: list[SlotTree], taps: tuple[int, ...] = ()):
-    """One forward on the row-invariant kernels of plain rows (tokens, positions, slots: (P,),
+    """One forward of plain rows (tokens, positions, slots: (P,),
     each a request's next token at its position in its slot) and drafted requests' trees
     (`SlotTree`), every row through each weight once. Each tree's rows are left in its slot
     after its committed keys (its request's cache commits the accepted path). Returns the
     hidden states before the final norm of all P + sum(tree rows) rows in that order (N, dim),
-    and with `taps` those layers' outputs (N, len(taps) * dim). Every row has the bits of its
-    token in a forward of its request alone (its tree's, for a drafted request)."""
+    and with `taps` those layers' outputs (N, len(taps) * dim). On the row-invariant kernels every
+    row has the bits of its token in a forward of its request alone (its tree's, for a drafted
+    request); on torch's kernels, up to rounding (`TreeRowsOnTorch`)."""
     if not model.kernels:
-        raise ValueError("trees join a batched step on the row-invariant kernels only")
+        out = _forward_with_trees_on_torch(model, cache, tokens, positions, slots, trees, taps)
+        for tree in trees:
+            tree.sequence.advance(tree.rows)
+        return out
     device = tokens.device
     all_tokens = torch.cat([tokens, *(tree.tokens for tree in trees)])
     all_positions = torch.cat([positions, *(tree.positions for tree in trees)])

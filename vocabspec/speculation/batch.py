@@ -19,12 +19,11 @@ forward over per-slot caches (batched_decoding.py; `BatchLimits.batched`), one c
 them all on a GPU: on the row-invariant kernels (`--backend triton`) always, each answer exactly
 the request's own; on torch's with inexact answers allowed (`--allow-inexact`), each answer the
 request's own up to the rounding of rows batched together, and without it every request keeps
-the per-request step, each answer exactly what it gets alone. On the row-invariant kernels a
-drafted request keeps its keys in a slot too, its prefill run alone there (its proposer reads
-the prompt's states), and at each step its tree (or its root alone, where the cost rule below
-says not to draft) is rows of the same forward as the plain rows, verified and committed as
-when it runs alone (`BatchedDecoding.step_with_trees`). On torch's kernels a drafted request
-keeps its own cache and the per-request step beside the rows.
+the per-request step, each answer exactly what it gets alone. There a drafted request keeps its
+keys in a slot too, its prefill run alone there (its proposer reads the prompt's states), and at
+each step its tree (or its root alone, where the cost rule below says not to draft) is rows of
+the same forward as the plain rows, verified and committed as when it runs alone
+(`BatchedDecoding.step_with_trees`).
 
 The steps run on one thread: the engine's own (`thread=True`), or the caller's, through `run`
 (`thread=False`). The second is the fast one on a CPU: OpenMP (libgomp) throttles a parallel
@@ -266,10 +265,8 @@ class BatchEngine:
         # A server meets its memory need when it starts, not under its first load. allocate=False
         # (the engine's own batch of one): each cache when first used, since static steps use
         # their decoder's. With `batched` rows, plain requests keep their keys there, in as many
-        # slots as the device's memory holds. On the row-invariant kernels drafted requests do
-        # too (their trees join the step); on torch's a drafted request's own cache is made when
-        # one first drafts in its slot: where requests may draft, the slots take a quarter of
-        # the free memory, not half, so that a cache for each fits in the next quarter.
+        # slots as the device's memory holds, and drafted requests do too (their trees join the
+        # step).
         self.batched = None
         batched = self.limits.batched
         if batched is None:
@@ -286,10 +283,9 @@ class BatchEngine:
         if batched:
             from .batched_decoding import BatchedDecoding
 
-            share = 0.25 if make_proposer is not None and not model.kernels else 0.5
-            self.batched = BatchedDecoding(model, self.limits.window, self.limits.max_batch, memory_share=share)
+            self.batched = BatchedDecoding(model, self.limits.window, self.limits.max_batch)
             slots, allocate = self.batched.slots, False
-        in_slots = self.batched is not None and self.batched.trees_join
+        in_slots = self.batched is not None
         self.slots = [Slot(engine, self.limits.window, make_proposer() if make_proposer else None, allocate,
                            self.batched.sequence(index) if in_slots else None)
                       for index in range(slots)]
@@ -507,7 +503,7 @@ class BatchEngine:
             return
         rows = [(index, slot) for index, slot in enumerate(self.slots)
                 if slot.generation is not None and slot.generation.outside]
-        if self.batched is not None and self.batched.trees_join and len(rows) < len(running):
+        if self.batched is not None and len(rows) < len(running):
             self._step_with_trees(rows, [slot for slot in running if not slot.generation.outside])
             return
         if rows:
@@ -526,7 +522,7 @@ class BatchEngine:
         self.steps += 1
 
     def _step_with_trees(self, rows: list[tuple[int, Slot]], drafting: list[Slot]) -> None:
-        """A step on the row-invariant kernels with drafted requests running: each proposes
+        """A step of batched rows with drafted requests running: each proposes
         its tree (the cost rule, `_drafting`, counting the plain rows in), and the plain rows
         and every tree run as rows of one forward (`BatchedDecoding.step_with_trees`)."""
         drafts = self._drafting(drafting, plain=len(rows))

@@ -1,5 +1,5 @@
-"""A batch's requests stepped as rows of one forward: plain-decoding ones on torch's or the
-row-invariant kernels, and drafted ones' trees beside them on the row-invariant kernels.
+"""A batch's requests stepped as rows of one forward, on torch's or the row-invariant kernels:
+plain-decoding ones a row each, and drafted ones' trees beside them.
 
 On the native engine a batch step runs every request's rows in one native call
 (`Transformer.forward_batch`); on torch's kernels that call runs the requests in turn, a
@@ -17,16 +17,16 @@ stop strings, logprobs and results stay the batch engine's and each request's `G
 one path for the server, the batch job and the Python API. Only the forward and the choice of
 each token move here.
 
-Drafted requests: on the row-invariant kernels a drafted request keeps its keys in a slot too
+Drafted requests: a drafted request keeps its keys in a slot too
 (`sequence`: the slot as its KV cache), its prompt prefilled alone there by the model's own
 forward (its proposer reads the prompt's hidden states and taps). At each step its tree, or its
 root alone where the batch's cost rule says not to draft, runs as rows of the plain rows'
 forward (`step_with_trees`, engine/batched.py's `SlotTree`): each tree's rows attend over its
-slot with the visibility its forward alone gives them, so they keep their bits, and the tree is
-verified, committed (the accepted keys moved down in the slot) and emitted by the request's
-own `Generation.finish`, greedy or sampling. Such a step runs eagerly, its proposals and its
-verification reading the device as a request alone does. On torch's kernels a drafted request
-keeps its own KV cache and the per-request step beside the rows.
+slot with the visibility its forward alone gives them (on the row-invariant kernels they keep
+their bits; on torch's, `TreeRowsOnTorch`, up to rounding), and the tree is verified,
+committed (the accepted keys moved down in the slot) and emitted by the request's own
+`Generation.finish`, greedy or sampling. Such a step runs eagerly, its proposals and its
+verification reading the device as a request alone does.
 
 A request's tokens are its own: a greedy row takes the step's argmax, a sampled row is drawn
 from its row's logits with the request's settings and generator (`Generation.take`), the draw
@@ -39,8 +39,7 @@ answers allowed (`exact` says which).
 
 Memory is fixed when the engine starts: the slots are sized from the device's free memory and
 the window asked for (`SlotCache.fitting`: at most `max_batch` slots in half the free memory,
-the rest for activations; on torch's kernels a quarter where requests may draft, whose own
-caches take the next quarter), and a prefill holds at most `prefill_tokens` padded tokens.
+the rest for activations), and a prefill holds at most `prefill_tokens` padded tokens.
 Requests beyond the slots wait in the engine's queue; one longer than a slot's window is refused
 when submitted; where not even one slot fits, the engine refuses to start, naming the sizes.
 
@@ -83,13 +82,6 @@ class BatchedDecoding:
         # Steps that drafted requests' rows joined, and those rows (trees and lone roots): the
         # trees at work in the shared step.
         self.tree_steps = self.tree_rows = 0
-
-    @property
-    def trees_join(self) -> bool:
-        """Whether drafted requests keep their keys in slots (`sequence`) and their trees join
-        the step (`step_with_trees`): on the row-invariant kernels, where every row keeps its
-        bits. On torch's kernels a drafted request keeps its own cache and forward."""
-        return self.model.kernels
 
     def sequence(self, slot: int) -> SlotSequence:
         """Slot `slot` as a drafted request's KV cache."""
@@ -196,7 +188,7 @@ class BatchedDecoding:
     def step_with_trees(self, running: list[tuple[int, Generation]],
                         trees: list[tuple[Generation, Tree]]) -> tuple[list, list]:
         """A step of every running (slot, generation)'s row and of each drafted generation's
-        proposed tree (its cache a `sequence`), all in one forward on the row-invariant kernels;
+        proposed tree (its cache a `sequence`), all in one forward;
         then each plain row takes its token (`Generation.take`) and each tree is verified,
         committed and emitted (`Generation.finish`, as when its request steps alone). Per plain
         generation the text it shows or the exception that ended it; per tree (tree, that).
