@@ -300,6 +300,31 @@ if triton is not None:
             at = tl.load(index + row * V + at).to(tl.int64)
         tl.store(out + row, at)
 
+    @triton.jit
+    def _row_keys(prefix, xoff, xend, pos, base, row, window, HAS_BASE: tl.constexpr):
+        # The keys a query row sees, in position order: its `pre` prefix positions, then its own
+        # entries extra[x0 : x0 + count - pre] (a tree's ancestors); a sliding layer starts at
+        # `first` (positions pos - window + 1 .. pos). Slots count from the row's `start_slot`
+        # (its slot table's row, batched.SlotRows).
+        pre = tl.load(prefix + row)
+        x0 = tl.load(xoff + row)
+        count = pre + tl.load(xend + row) - x0
+        start_slot = 0
+        if HAS_BASE:
+            start_slot = tl.load(base + row)
+        first = 0
+        if window > 0:
+            first = tl.maximum(tl.load(pos + row) - window + 1, 0)
+        return pre, x0, count, start_slot, first
+
+    @triton.jit
+    def _key_slots(extra, pre, x0, count, start_slot, index):
+        # The cache slots of logical key positions `index` (a chunk), and which of them exist.
+        live = index < count
+        slot = start_slot + tl.where(index < pre, index,
+                                     tl.load(extra + x0 + index - pre, mask=live & (index >= pre), other=0))
+        return live, slot
+
     @triton.jit(do_not_specialize=["T"])     # one kernel for every cache size
     def _attention(q, k, v, prefix, xoff, xend, extra, pos, base, out, H, G, T, D, scale, window,
                    HAS_BASE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
@@ -308,24 +333,14 @@ if triton is not None:
         group = head // (H // G)
         dims = tl.arange(0, BD)
         qv = tl.load(q + (row * H + head) * D + dims, mask=dims < D, other=0.0).to(tl.float32)
-        pre = tl.load(prefix + row)
-        x0 = tl.load(xoff + row)
-        count = pre + tl.load(xend + row) - x0
-        start_slot = 0          # where the row's slots begin (a slot table's row, batched.SlotRows)
-        if HAS_BASE:
-            start_slot = tl.load(base + row)
-        first = 0
-        if window > 0:      # a sliding layer sees positions pos - window + 1 .. pos
-            first = tl.maximum(tl.load(pos + row) - window + 1, 0)
+        pre, x0, count, start_slot, first = _row_keys(prefix, xoff, xend, pos, base, row, window, HAS_BASE)
         m = tl.full((), float("-inf"), tl.float32)
         total = tl.full((), 0.0, tl.float32)
         acc = tl.zeros((BD,), dtype=tl.float32)
         steps = tl.arange(0, BT)
         for start in range(first, count, BT):
             index = start + steps                      # logical positions, in order
-            live = index < count
-            slot = start_slot + tl.where(index < pre, index,
-                                         tl.load(extra + x0 + index - pre, mask=live & (index >= pre), other=0))
+            live, slot = _key_slots(extra, pre, x0, count, start_slot, index)
             kt = tl.load(k + (group * T + slot[:, None]) * D + dims[None, :],
                          mask=live[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
             s = tl.where(live, tl.sum(kt * qv[None, :], axis=1) * scale, float("-inf"))
@@ -359,24 +374,14 @@ if triton is not None:
                      mask=live_heads[:, None] & (dims[None, :] < D), other=0.0)
         if UPCAST:
             qv = qv.to(tl.float32)
-        pre = tl.load(prefix + row)
-        x0 = tl.load(xoff + row)
-        count = pre + tl.load(xend + row) - x0
-        start_slot = 0          # where the row's slots begin (a slot table's row, batched.SlotRows)
-        if HAS_BASE:
-            start_slot = tl.load(base + row)
-        first = 0
-        if window > 0:
-            first = tl.maximum(tl.load(pos + row) - window + 1, 0)
+        pre, x0, count, start_slot, first = _row_keys(prefix, xoff, xend, pos, base, row, window, HAS_BASE)
         m = tl.full((BH,), float("-inf"), tl.float32)
         total = tl.zeros((BH,), dtype=tl.float32)
         acc = tl.zeros((BH, BD), dtype=tl.float32)
         steps = tl.arange(0, BT)
         for start in range(first, count, BT):
             index = start + steps
-            live = index < count
-            slot = start_slot + tl.where(index < pre, index,
-                                         tl.load(extra + x0 + index - pre, mask=live & (index >= pre), other=0))
+            live, slot = _key_slots(extra, pre, x0, count, start_slot, index)
             kt = tl.load(k + (group * T + slot[:, None]) * D + dims[None, :],
                          mask=live[:, None] & (dims[None, :] < D), other=0.0)
             vt = tl.load(v + (group * T + slot[:, None]) * D + dims[None, :],
