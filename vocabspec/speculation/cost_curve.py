@@ -18,7 +18,13 @@ def forward_seconds(model, sizes, context: int = 256, repeats: int = 5,
                     bar=None) -> dict[int, float]:
     """Median seconds of the verification forward at each size, sizes taken in turn within
     each round: a burst of load from elsewhere then slows one round of every size, which the
-    median drops, instead of every repeat of a few neighbouring sizes."""
+    median drops, instead of every repeat of a few neighbouring sizes. The context is cut to
+    what the model's window leaves beside the largest tree."""
+    room = model.args.max_seq_len - max(sizes) - 1
+    if room < 1:
+        raise ValueError(f"a forward of {max(sizes) + 1} rows does not fit the model's window of "
+                         f"{model.args.max_seq_len} positions")
+    context = min(context, room)
     cache = model.new_cache(context + max(sizes) + 1)
     device = model.device
     runs: dict[int, list[float]] = {n: [] for n in sizes}
