@@ -18,7 +18,27 @@ from vocabspec.engine.loading import load_model
 from vocabspec.engine.model import ModelArgs, Transformer
 from vocabspec.engine.tokenizer import load_tokenizer
 
-torch.set_num_threads(int(os.environ.get("VOCABSPEC_TEST_THREADS", "2")))
+# Two threads a test process, or the cores' share of each where pytest-xdist runs several. The
+# native engine's largest team is OpenMP's maximum at its first call: fixed first, at every core,
+# so that its thread tests run here and its governor shares the cores with the other worker.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    from vocabspec.engine import native
+
+    if native.available()[0]:
+        native.threads()
+torch.set_num_threads(int(os.environ.get("VOCABSPEC_TEST_THREADS",
+                                         max(1, min(2, (os.cpu_count() or 1) // _workers)))))
+
+# The files whose tests take longest, started first so that pytest-xdist's workers (whole files
+# each) end together instead of one finishing a long file alone.
+LONGEST_FILES = ("test_lossless.py", "test_bf16.py", "test_sampling.py", "test_native.py", "test_static_step.py",
+                 "test_cli.py", "test_kernels.py", "test_scripts.py", "test_batch.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))    # stable: each file's order kept
 
 SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 # Spec-Bench's questions where they lie beside the repository, else the project's own prompts in
