@@ -70,9 +70,9 @@ class BatchedDecoding:
     """Plain decoding of up to `slots` requests in one forward a step (module docstring)."""
 
     def __init__(self, model: Transformer, window: int, most_slots: int,
-                 prefill_tokens: int = PREFILL_TOKENS, memory_share: float = 0.5):
+                 prefill_tokens: int = PREFILL_TOKENS):
         self.model = model
-        self.cache = SlotCache.fitting(model, window, most_slots, memory_share)
+        self.cache = SlotCache.fitting(model, window, most_slots)
         self.decode = DecodeStep(model, self.cache)
         self.prefill_tokens = prefill_tokens
         # Per slot, on the host: the position its next row goes to (the tokens its slot holds).
