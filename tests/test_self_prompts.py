@@ -2,6 +2,13 @@
 rerun and from its cache, and their place after every other kind of self-distillation prompt."""
 
 import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vocabspec.engine import native
 
 import vocabspec.training.self_prompts as self_prompts
 from vocabspec.training.self_prompts import sample_user_prompts, self_prompt_ids, user_turn_opening
@@ -40,3 +47,21 @@ def test_prompts_that_do_not_fit_are_dropped_and_kinds_keep_their_order(smollm2,
     cfg.self_prompts = 1
     after = _distill_prompts(cfg, smollm2.tokenizer, smollm2.path)
     assert after[:3] == before and after[3:] == ids
+
+
+@pytest.mark.skipif(not native.available()[0] or (os.cpu_count() or 1) < 2,
+                    reason="the native engine on two cores")
+def test_the_draw_leaves_the_native_engine_every_core(smollm2, tmp_path):
+    # A fresh process, where the draw makes the native engine's first call: its team must not be
+    # fixed at the one torch thread the draw samples with (answers and features follow it).
+    script = (
+        "import sys, torch; from pathlib import Path\n"
+        "from vocabspec.engine import native\n"
+        "from vocabspec.training.self_prompts import sample_user_prompts\n"
+        "torch.set_num_threads(2)\n"
+        "sample_user_prompts(Path(sys.argv[1]), 0, 1, cache=Path(sys.argv[2]))\n"
+        "native.set_threads(64)\n"
+        "print(torch.get_num_threads(), native.threads())\n")
+    out = subprocess.run([sys.executable, "-c", script, str(smollm2.path), str(tmp_path / "c.json")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["2", "2"]

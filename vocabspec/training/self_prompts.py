@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..engine import native
 from ..engine.prompts import conversation_text, encode_conversation, is_chat
 
 PLACEHOLDER = "\x00user message\x00"
@@ -52,6 +53,10 @@ def sample_user_prompts(model_path: Path, start: int, count: int, *, device: str
     todo = [seed for seed in range(start, start + count) if seed not in drawn]
     threads = torch.get_num_threads()
     if todo and device == "cpu":
+        # The native engine's largest team is OpenMP's maximum at its first call: fixed here
+        # first, or the draw's single torch thread would bound every later native forward.
+        if native.available()[0]:
+            native.threads()
         # A draw's torch work (the nucleus over one vocabulary row) is too small to share among
         # threads: at two threads beside busy cores 40 sampled tokens took 12.2 s, at one 3.4 s.
         torch.set_num_threads(1)
