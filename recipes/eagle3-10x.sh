@@ -11,7 +11,9 @@
 # they beat its distribution at 20.9M tokens). The prompts are tokenized first where the
 # ShareGPT package is (PROMPTS= a file made earlier skips that, as on a machine without it).
 # INIT=DIR continues a drafter (the shipped one: vocabspec/drafters/MODEL/eagle3) on the answers
-# in ANSWERS (answers-K.npz from an earlier run) instead of starting afresh.
+# in ANSWERS (answers-K.npz from an earlier run) instead of starting afresh. SELF_PROMPTS=N
+# (SELF_START=S) adds up to N prompts the target writes itself, seeds from S on, drawn and
+# answered on the device: fresh data once ShareGPT's is used.
 #
 # DEVICE=cpu: the same recipe through `vocabspec train` on the engine a user decodes with (hours
 # on 2 cores: the batch engine answers about 900 tokens a second), resumable: rerun the same
@@ -28,6 +30,7 @@ if [ "$DEVICE" != cpu ]; then
   [ -f "$PROMPTS" ] || python -m vocabspec.training.eagle3_device export --model "$MODEL" --out "$PROMPTS"
   EXTRA=()
   [ -n "${INIT:-}" ] && EXTRA+=(--init "$INIT" --answers "$ANSWERS" --lr 1e-3)
+  [ -n "${SELF_PROMPTS:-}" ] && EXTRA+=(--self-prompts "$SELF_PROMPTS" --self-prompts-start "${SELF_START:-0}")
   python -m vocabspec.training.eagle3_device run --model "${GGUF:-$MODEL}" --recipe-model "$MODEL" \
       --prompts "$PROMPTS" --out "$OUT" --device "$DEVICE" --labels hard --budget-s "${BUDGET_S:-540}" \
       "${EXTRA[@]}"

@@ -159,7 +159,14 @@ def test_the_device_recipe_answers_trains_and_writes_a_loadable_drafter(smollm2,
     assert sorted(kept_prompts) == sorted(parts["prompts"] + parts["heldout"]) and all(kept_answers)
     drafter = Eagle3Drafter.load(tmp_path / "a" / "drafter-soft", smollm2.model)
     assert drafter.config.draft_vocab_size == 8192
+    # Continued on the answers so far and on prompts the target writes itself, answered here.
     assert recipe.main(["run", *common, "--out", str(tmp_path / "b"), "--answers", str(tmp_path / "a"),
-                        "--init", str(tmp_path / "a" / "drafter-soft"), "--labels", "soft"]) == 0
+                        "--init", str(tmp_path / "a" / "drafter-soft"), "--labels", "soft",
+                        "--self-prompts", "2", "--self-prompts-start", "4"]) == 0
     report = __import__("json").loads((tmp_path / "b" / "report.json").read_text())
     assert report["answers_read"] == 4 and report["args"]["init"].endswith("drafter-soft")
+    fresh = report["self_prompts"]["kept"]
+    assert fresh >= 1 and report["answers"]["prompts"] == fresh
+    kept_prompts, kept_answers = recipe.read_answers(sorted((tmp_path / "b").glob("answers-*.npz")))
+    assert len(kept_prompts) == 4 + fresh and all(kept_answers)
+    assert report["train_sequences"] == 3 + fresh + 1      # answered prompts, no held out, a conversation

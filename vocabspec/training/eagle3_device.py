@@ -10,6 +10,8 @@ training conversations and the held-out prompts: train.py's data stage) into one
 so the GPU machine needs neither the ShareGPT package nor a tokenizer. `run` then:
 1. answers every prompt greedily, a thousand at a time (batched.greedy_answers), and keeps the
    answers in OUT (answers-K.npz), so a later run, on any machine, can train on them again;
+   `--self-prompts N` first draws up to N prompts the target writes itself (self_prompts.py) on
+   the device, answered with the rest or after `--answers`' ones: data past ShareGPT's supply;
 2. trains one EAGLE-3 drafter per label kind asked for (soft: the target's distribution over
    the draft vocabulary; hard: its choice) on the same batches (eagle3_batched.train), each
    starting from `--init` (a committed drafter: the run continues it) or afresh;
@@ -127,28 +129,34 @@ def run(args) -> dict:
         if len(fits) < len(data[kind]):
             log(f"{len(data[kind]) - len(fits)} {kind} longer than {room} tokens left out")
         data[kind] = fits
+    fresh = drawn_prompts(args, out, started + args.self_prompt_share * args.budget_s, room, report, log) \
+        if args.self_prompts else []
     if args.answers:
         prompts, answers = read_answers(sorted(Path(args.answers).glob("answers-*.npz")))
         report["answers_read"] = len(answers)
+        todo = fresh
     else:
-        prompts = data["prompts"] + data["heldout"]
+        prompts, answers = [], []
+        todo = data["prompts"] + data["heldout"] + fresh
+    if todo:
         t = time.perf_counter()
         tick = {"last": t}
 
         def progress(done: int, tokens: int) -> None:
             if time.perf_counter() - tick["last"] > 15:
                 tick["last"] = time.perf_counter()
-                log(f"answers {done}/{len(prompts)}, {tokens} new tokens, "
+                log(f"answers {done}/{len(todo)}, {tokens} new tokens, "
                     f"{tokens / (time.perf_counter() - t):.0f} tok/s")
-        answers = greedy_answers(target, prompts, args.max_new_tokens, target.args.eos_token_ids,
-                                 slots=args.slots, deadline=started + args.answer_share * args.budget_s,
-                                 progress=progress)
+        new = greedy_answers(target, todo, args.max_new_tokens, target.args.eos_token_ids,
+                             slots=args.slots, deadline=started + args.answer_share * args.budget_s,
+                             progress=progress)
         seconds = time.perf_counter() - t
-        made = sum(len(a) for a in answers if a is not None)
-        report["answers"] = {"prompts": len(prompts), "answered": sum(a is not None for a in answers),
+        made = sum(len(a) for a in new if a is not None)
+        report["answers"] = {"prompts": len(todo), "answered": sum(a is not None for a in new),
                              "new_tokens": made, "seconds": round(seconds, 1),
                              "tok_s": round(made / seconds)}
         log(json.dumps(report["answers"]))
+        prompts, answers = prompts + todo, answers + new
         kept = write_answers(out, prompts, answers)
         report["answers"]["files"] = [path.name for path in kept]
     heldout_set = {tuple(p) for p in data["heldout"]}
@@ -186,6 +194,28 @@ def run(args) -> dict:
     return report
 
 
+def drawn_prompts(args, out: Path, deadline: float, room: int, report: dict, log) -> list[list[int]]:
+    """Fresh prompts past the exported ones: user messages the target writes itself
+    (self_prompts.py), seeds from --self-prompts-start on, drawn with the batch engine on the
+    device until `deadline` (the rest are left for a later run), in the recipe's format and
+    batched there (inexact, as its answers), framed and tokenized with the GGUF's own tokenizer."""
+    from ..engine.loading import resolve_model_path
+    from ..engine.tokenizer import load_tokenizer
+    from .self_prompts import sample_user_prompts, self_prompt_ids
+
+    t = time.perf_counter()
+    path = resolve_model_path(args.model)
+    texts = sample_user_prompts(path, args.self_prompts_start, args.self_prompts, device=args.device,
+                                batch=min(args.slots, args.self_prompts), cache=out / "self-prompts.json",
+                                deadline=deadline, weights="bf16" if args.device == "cuda" else "f32",
+                                backend="torch", allow_inexact=True)
+    fresh = self_prompt_ids(load_tokenizer(path), texts, room)
+    report["self_prompts"] = {"seeds": [args.self_prompts_start, args.self_prompts_start + args.self_prompts],
+                              "kept": len(fresh), "seconds": round(time.perf_counter() - t, 1)}
+    log(json.dumps({"self_prompts": report["self_prompts"]}))
+    return fresh
+
+
 def lineage(drafter_dir: Path) -> list[dict]:
     """The runs that trained a drafter this recipe wrote, oldest first (its config's record)."""
     config = json.loads((drafter_dir / "config.json").read_text())
@@ -219,6 +249,13 @@ def main(argv=None) -> int:
     go.add_argument("--save-s", type=float, default=25.0, help="time kept for measuring and saving")
     go.add_argument("--answers", default="", help="a directory of answers-K.npz to train on instead")
     go.add_argument("--init", default="", help="a drafter directory to continue from")
+    go.add_argument("--self-prompts", type=int, default=0,
+                    help="also draw up to this many user prompts the target writes itself, answered "
+                         "with the rest (after --answers' ones where given): fresh data past ShareGPT")
+    go.add_argument("--self-prompts-start", type=int, default=0,
+                    help="their first seed: a later run takes the seeds after an earlier one's")
+    go.add_argument("--self-prompt-share", type=float, default=0.2,
+                    help="share of the budget by which the draw stops starting seeds")
     go.add_argument("--labels", default="soft,hard", help="comma-separated: soft, hard")
     go.add_argument("--draft-vocab", default="trim:8k")
     go.add_argument("--max-new-tokens", type=int, default=None,

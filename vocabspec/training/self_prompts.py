@@ -44,9 +44,14 @@ def user_turn_opening(tokenizer) -> tuple[list[int], tuple[str, ...]]:
 
 
 def sample_user_prompts(model_path: Path, start: int, count: int, *, device: str = "cpu",
-                        batch: int = 32, cache: Path | None = None) -> list[str]:
+                        batch: int = 32, cache: Path | None = None, deadline: float | None = None,
+                        weights: str = "auto", backend: str = "auto", allow_inexact: bool = False) -> list[str]:
     """The kept user messages of seeds [start, start + count), in seed order. `cache` (a JSON
-    file) holds the draws so far: a rerun draws only the seeds it lacks."""
+    file) holds the draws so far: a rerun draws only the seeds it lacks. `deadline` (a
+    time.perf_counter() value): no seed starts after it, and those not drawn are left out (a
+    rerun with the cache draws them). weights, backend: the target's (loading.load_model);
+    allow_inexact: batch the draws on torch's kernels, where a draw then depends on its batch's
+    rounding (training data only: the device recipe's bfloat16 answers do too)."""
     drawn: dict[int, str | None] = {}
     if cache is not None and cache.exists():
         drawn = {int(k): v for k, v in json.loads(cache.read_text()).items()}
@@ -62,12 +67,13 @@ def sample_user_prompts(model_path: Path, start: int, count: int, *, device: str
         torch.set_num_threads(1)
     try:
         if todo:
-            _draw(model_path, todo, drawn, device, batch, cache)
+            _draw(model_path, todo, drawn, device, batch, cache, deadline,
+                  dict(weights=weights, backend=backend, allow_inexact=allow_inexact))
     finally:
         torch.set_num_threads(threads)
     kept, seen = [], set()
     for seed in range(start, start + count):
-        text = drawn[seed]
+        text = drawn.get(seed)
         if text and len(text.split()) >= 3 and text not in seen:
             seen.add(text)
             kept.append(text)
@@ -75,20 +81,23 @@ def sample_user_prompts(model_path: Path, start: int, count: int, *, device: str
 
 
 def _draw(model_path: Path, todo: list[int], drawn: dict, device: str, batch: int,
-          cache: Path | None) -> None:
-    """Draw the seeds in `todo` into `drawn` (None: a draw that did not end), then save."""
+          cache: Path | None, deadline: float | None, loading: dict) -> None:
+    """Draw the seeds in `todo` into `drawn` (None: a draw that did not end), then save; past
+    `deadline` no seed starts."""
     from ..serving.api import load
     from ..speculation.batch import BatchLimits
     from ..speculation.generate import GenerationConfig
     from ..speculation.sampling import SamplingParams
 
-    lm = load(str(model_path), device=device)
+    lm = load(str(model_path), device=device, **loading)
     opening, stops = user_turn_opening(lm.tokenizer)
     engine = lm.batch(BatchLimits(max_batch=batch, max_waiting=2 * batch,
                                   window=len(opening) + MAX_PROMPT_TOKENS + 1))
     bar = tqdm(total=len(todo), desc="prompts the target writes", unit="prompt")
     queue, running, saved = list(reversed(todo)), [], time.perf_counter()
     while queue or running:
+        if deadline is not None and time.perf_counter() > deadline:
+            queue.clear()
         while queue and len(running) < 2 * batch:
             seed = queue.pop()
             config = GenerationConfig(max_new_tokens=MAX_PROMPT_TOKENS, stop=stops,
