@@ -88,11 +88,15 @@ def test_each_answer_is_the_requests_alone_in_any_order_and_a_bad_one_fails_alon
 
 
 def test_a_killed_job_reruns_to_exactly_the_uninterrupted_answers(lms, tmp_path, capsys):
-    items = make_requests(12)
+    # The last three are long (greedy stories that run to their limit): once the first answer
+    # is on disk, a hundred steps are left to kill the process in, whatever the host's speed.
+    items = make_requests(9) + [{"messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
+                                 "max_new_tokens": 120} for topic in TOPICS[:3]]
     source = tmp_path / "requests.jsonl"
     write_jsonl(source, items)
     whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
     assert main(job(source, "--output", str(whole), "--max-batch", "3")) == 0
+    assert [line["stop_reason"] for line in read_lines(whole) if line["index"] >= 9] == ["length"] * 3
     # The same job in a process of its own, killed (no chance to tidy up) once answers appear.
     log = tmp_path / "killed.log"
     with open(log, "w") as stderr:

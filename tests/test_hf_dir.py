@@ -49,3 +49,88 @@ def test_hf_directory_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(ModelLoadError, match="not supported"):
         load_model(str(tmp_path))
+
+
+FAMILIES = {   # transformers' config class, and what sets the family apart
+    "llama3": ("LlamaConfig", dict(rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0)),
+    "qwen3": ("Qwen3Config", dict(rope_theta=1000000.0)),
+    "mistral": ("MistralConfig", dict(rope_theta=1000000.0, sliding_window=4096)),
+}
+PROMPT = "The capital of France is"
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer as transformers saves one, for the random checkpoints below."""
+    from vocabspec.engine.loading import bundled_gguf
+    from vocabspec.engine.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(bundled_gguf("smollm2"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend, bos_token=ours.bos_token,
+                                                eos_token=ours.eos_token)
+
+
+def save_family(family, tokenizer, directory):
+    """A tiny random checkpoint of `family` with a tokenizer, saved by transformers; the model."""
+    torch.manual_seed(1)
+    name, extra = FAMILIES[family]
+    eos = tokenizer.eos_token_id
+    config = getattr(transformers, name)(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+        tie_word_embeddings=family != "llama3", bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)          # logits far apart: a greedy choice no rounding can flip
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_saved_directory_decodes_as_transformers_does_from_cli_api_and_server(family, smollm2_tokenizer,
+                                                                                 tmp_path, capsys):
+    import json
+
+    import httpx
+
+    import vocabspec
+    from vocabspec.cli import main
+    from vocabspec.serving.server import HTTPThread, ServerLimits, create_app
+
+    reference = save_family(family, smollm2_tokenizer, tmp_path)
+    ids = smollm2_tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
+    expected = out[:out.index(smollm2_tokenizer.eos_token_id)] if smollm2_tokenizer.eos_token_id in out else out
+    text = smollm2_tokenizer.decode(expected)
+
+    lm = vocabspec.load(str(tmp_path), max_seq_len=256)
+    result = lm.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    assert result.tokens == expected
+    assert main(["generate", "--model", str(tmp_path), "--max-new-tokens", str(NEW_TOKENS), "--json", PROMPT]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == text
+    http = HTTPThread(create_app(lm, family, ServerLimits(window=256)))
+    try:
+        base = http.wait_ready()
+        answer = httpx.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": NEW_TOKENS,
+                                                            "temperature": 0}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == text
+    finally:
+        http.stop(10)
+
+
+def test_a_path_that_is_no_model_gets_a_one_line_error(tmp_path, capsys):
+    from vocabspec.cli import main
+
+    (tmp_path / "notes.txt").write_text("not a model")
+    for path in (tmp_path / "notes.txt", tmp_path, tmp_path / "missing.gguf"):
+        assert main(["generate", "--model", str(path), "--max-new-tokens", "2", "Hello"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("vocabspec: error:") and "\n" not in err and "Traceback" not in err, err

@@ -17,14 +17,16 @@ def cache_dir() -> Path:
 
 
 def file_key(path: Path) -> str:
-    """A file's identity for caching: the hash of its contents. A model file reinstalled (a new
-    virtual environment, a package upgraded to the same file) or copied elsewhere keeps its
-    cache entries, where a key of its path and modification time would rebuild them and leave
-    the old ones on disk; a file rewritten in place gets a new key. Hashing a file takes a
-    fraction of a second, done once per path, size and modification time: the index in
+    """A model's identity for caching: the hash of its contents (a file's bytes; a model
+    directory's files, by name, each one's bytes). A model reinstalled (a new virtual
+    environment, a package upgraded to the same file) or copied elsewhere keeps its cache
+    entries, where a key of its path and modification time would rebuild them and leave the old
+    ones on disk; a file rewritten in place gets a new key. Hashing takes a fraction of a second
+    per GB, done once per path, size and modification time: the index in
     `cache_dir()/file-keys.json` remembers it for later processes."""
-    stat = path.stat()
-    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    stats = [(p, p.stat()) for p in files]
+    ident = f"{path.resolve()}\n" + ";".join(f"{p.name}:{st.st_size}:{st.st_mtime_ns}" for p, st in stats)
     index_path = cache_dir() / "file-keys.json"
     try:
         index = json.loads(index_path.read_text())
@@ -33,14 +35,17 @@ def file_key(path: Path) -> str:
     if ident in index:
         return index[ident]
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
+    for p, _ in stats:
+        if path.is_dir():
+            digest.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
     key = digest.hexdigest()[:16]
     index[ident] = key
-    # Entries of files that are gone are dropped; a lost race with another writer only costs
+    # Entries of paths that are gone are dropped; a lost race with another writer only costs
     # a later process one more hash.
-    index = {k: v for k, v in index.items() if Path(k.rsplit(":", 2)[0]).exists()}
+    index = {k: v for k, v in index.items() if Path(k.split("\n", 1)[0]).exists()}
     write_atomically(index_path, lambda tmp: tmp.write_text(json.dumps(index, indent=0)))
     return key
 
