@@ -780,3 +780,17 @@ def test_a_server_whose_loop_dies_answers_everyone_and_exits_nonzero(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_serve_exits_1_when_its_http_server_stops_on_its_own():
+    """An HTTP server that stops by itself (its port taken) ends `vocabspec serve` with exit 1."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "vocabspec.cli", "serve", "--model", "smollm2",
+                               "--port", str(port)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"vocabspec: error: the HTTP server on 127.0.0.1:{port} stopped" in done.stderr
