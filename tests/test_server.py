@@ -402,11 +402,13 @@ def test_message_names_reach_the_template_and_tool_turns_are_refused_with_the_re
     encode_chat = lm.tokenizer.encode_chat
     monkeypatch.setattr(lm.tokenizer, "encode_chat", lambda messages: seen.append(messages) or encode_chat(messages))
     messages = [{"role": "system", "content": "Be brief.", "name": "rules"},
-                {"role": "user", "content": "Say hi.", "name": "alice"}]
+                {"role": "user", "content": "Say hi.", "name": "alice"},
+                {"role": "assistant", "content": "Hi!", "name": None},
+                {"role": "user", "content": "Again."}]
     body = {"messages": messages, "max_tokens": 6, "temperature": 0}
     named = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
     assert named.status_code == 200, named.text
-    assert [m.get("name") for m in seen[-1]] == ["rules", "alice"]
+    assert [m.get("name") for m in seen[-1]] == ["rules", "alice", None, None]
     plain = {**body, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
     assert named.json()["choices"][0]["message"] == \
         httpx.post(base + "/v1/chat/completions", json=plain, timeout=60).json()["choices"][0]["message"]

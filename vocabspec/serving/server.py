@@ -187,7 +187,7 @@ def chat_message(message, index: int) -> dict:
     if not isinstance(content, str):
         raise BadRequest(f"{where}: content must be a string or a list of text parts", "messages")
     out = {"role": "system" if role == "developer" else role, "content": content}
-    if "name" in message:
+    if message.get("name") is not None:        # null: no name, as some clients send it
         name = message["name"]
         if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_CHARS:
             raise BadRequest(f"{where}: name must be a string of 1 to {MAX_NAME_CHARS} characters",
