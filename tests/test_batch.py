@@ -7,7 +7,8 @@
 - Continuous batching: requests joining and leaving a running batch, greedy and seeded
   sampling, drafted and plain, get exactly the tokens `generate` gives each alone; a cancelled
   request frees its slot; a full engine refuses with Busy; the speculation budget keeps
-  greedy answers and never touches sampled ones; a request whose drafting fails ends alone.
+  greedy answers and never touches sampled ones; a request whose drafting fails ends alone, and
+  so does one that cannot start; a loop that fails anyway answers every request with its error.
 """
 
 import time
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import vocabspec
-from vocabspec.speculation.batch import BatchEngine, BatchLimits, Busy, Engine
+from vocabspec.speculation.batch import BatchEngine, BatchLimits, Busy, Engine, Stopped
 from vocabspec.speculation.generate import GenerationConfig
 from vocabspec.engine.loading import load_model
 from vocabspec.speculation.sampling import SamplingParams
@@ -304,3 +305,69 @@ def test_a_request_whose_drafting_fails_ends_alone():
             requests[1].wait(0)
         assert len(requests[1].result.tokens) < 20, name          # it ended early, in its third step
         assert [requests[0].wait(0).tokens, requests[2].wait(0).tokens] == [plain[0], plain[2]], name
+
+
+def test_a_request_that_cannot_start_ends_alone(monkeypatch):
+    """A request whose admission raises (here its sampling generator) ends with that error; the
+    requests admitted beside it get their tokens alone, and the loop steps on."""
+    from conftest import tiny_native
+    from vocabspec.speculation import generate
+
+    _, model = tiny_native("llama", seed=3)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 30, 4)]
+    configs = [GenerationConfig(max_new_tokens=12),
+               GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=0.8, seed=13)),
+               GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=0.8, seed=14))]
+    alone = [Engine(model).generate(p, c).tokens for p, c in zip(prompts, configs)]
+    make_generator = generate.make_generator
+
+    def breaking(seed, device):
+        if seed == 13:
+            raise RuntimeError("no generator for this one")
+        return make_generator(seed, device)
+
+    monkeypatch.setattr(generate, "make_generator", breaking)
+    batch = BatchEngine(Engine(model), None, BatchLimits(max_batch=3, window=256), thread=False)
+    requests = [batch.submit(p, c) for p, c in zip(prompts, configs)]
+    batch.run(until=lambda: all(r.done.is_set() for r in requests))
+    with pytest.raises(RuntimeError, match="no generator"):
+        requests[1].wait(0)
+    assert [requests[0].wait(0).tokens, requests[2].wait(0).tokens] == [alone[0], alone[2]]
+    assert batch.died is None and not batch.unanswered
+    later = batch.submit(prompts[0], configs[0])
+    batch.run(until=later.done.is_set)
+    assert later.wait(0).tokens == alone[0]
+    batch.close()
+
+
+def test_a_loop_that_fails_answers_every_request_and_stops():
+    """Should the loop itself raise, every request gets the error (the one decoding, one taken
+    from the queue into no slot, one still queued), `run` raises it, and the engine refuses
+    more: nobody waits for an answer that will not come."""
+    from conftest import tiny_native
+
+    _, model = tiny_native("llama", seed=3)
+    batch = BatchEngine(Engine(model), None, BatchLimits(max_batch=1, max_waiting=4, window=256), thread=False)
+    admit = batch._admit
+    admissions = []
+
+    def admit_then_break():
+        admissions.append(len(admissions))
+        if len(admissions) == 1:
+            return admit()                  # the first request takes the slot
+        batch.waiting.get_nowait()          # the next leaves the queue and sits in no slot...
+        raise SystemError("the loop broke")  # ...as the loop fails
+
+    batch._admit = admit_then_break
+    config = GenerationConfig(max_new_tokens=50, stop_on_eos=False)
+    requests = [batch.submit([5, 6, 7], config) for _ in range(3)]
+    with pytest.raises(SystemError, match="the loop broke"):
+        batch.run()
+    assert all(r.done.is_set() for r in requests)
+    for request in requests:
+        with pytest.raises(Stopped, match="loop failed: SystemError"):
+            request.wait(0)
+    assert isinstance(batch.died, SystemError) and not batch.unanswered
+    with pytest.raises(Stopped, match="loop failed"):
+        batch.submit([5, 6, 7], config)

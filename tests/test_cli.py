@@ -176,3 +176,29 @@ def test_help_names_each_options_default():
                 unnamed.append((name, action.dest))
     assert not unnamed, f"options whose help hides the default: {unnamed}"
     assert "(default 8)" in commands["generate"].format_help()       # --max-batch
+
+
+def test_serve_options_reach_the_server(monkeypatch):
+    """`vocabspec serve`'s access options travel in its ServerLimits: the API key from --api-key
+    or else $VOCABSPEC_API_KEY, the allowed origins, the docs switch; bad values exit 2."""
+    from types import SimpleNamespace
+
+    from vocabspec import cli
+    from vocabspec.serving import api, server
+
+    model = SimpleNamespace(args=SimpleNamespace(max_seq_len=2048))
+    monkeypatch.setattr(api, "load", lambda *args, **kwargs: SimpleNamespace(engine=SimpleNamespace(model=model)))
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda lm, name, host, port, limits: seen.append(limits))
+    monkeypatch.setenv("VOCABSPEC_API_KEY", "from-the-environment")
+    assert cli.main(["serve", "--allowed-origins", "https://a.example, http://localhost:3000/"]) == 0
+    assert (seen[-1].api_key, seen[-1].allowed_origins, seen[-1].docs) == \
+        ("from-the-environment", ("https://a.example", "http://localhost:3000"), False)
+    assert cli.main(["serve", "--api-key", "from-the-flag", "--docs"]) == 0
+    assert (seen[-1].api_key, seen[-1].allowed_origins, seen[-1].docs) == ("from-the-flag", (), True)
+    monkeypatch.delenv("VOCABSPEC_API_KEY")
+    assert cli.main(["serve"]) == 0 and seen[-1].api_key is None
+    assert cli.main(["serve", "--api-key", " "]) == 2
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["serve", "--allowed-origins", "a.example"])
+    assert refused.value.code == 2 and len(seen) == 3

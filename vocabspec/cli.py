@@ -56,6 +56,18 @@ def _tree_top_k(text: str) -> int:
     return _int_at_least(1, f"an integer from 1 to {MAX_TOP_K}", MAX_TOP_K)(text)
 
 
+API_KEY_VARIABLE = "VOCABSPEC_API_KEY"      # `serve`'s API key where --api-key is not given
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """--allowed-origins: scheme://host[:port] each, comma-separated, or '*'."""
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    bad = [o for o in origins if o != "*" and "://" not in o]
+    if not origins or bad:
+        raise argparse.ArgumentTypeError(f"origins are scheme://host[:port] (or '*'), got {text!r}")
+    return origins
+
+
 def _float(text: str) -> float:
     try:
         value = float(text)
@@ -417,6 +429,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache budget in tokens over the decoding requests (default: max-batch x "
                             "the model window, capped at 4096 each); a request's prompt and answer fit "
                             "in its share")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every /v1/ route (401 without it); "
+                            f"default: ${API_KEY_VARIABLE} if set, else no key")
+    serve.add_argument("--allowed-origins", type=_origins, default=(),
+                       help="comma-separated web origins (e.g. https://app.example) allowed to call the "
+                            "server from a browser, with CORS headers for them; '*' for any (default: "
+                            "none, and a request a page sends gets 403)")
+    serve.add_argument("--docs", action="store_true",
+                       help="serve the API's /docs page and /openapi.json (the page loads Swagger UI's "
+                            "scripts from a CDN)")
 
     export = sub.add_parser("export", help="write the drafter (EAGLE/SGLang layout) and the draft "
                                            "vocabulary (SGLang token map, EAGLE-3 d2t/t2d)")
@@ -436,9 +458,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
-    from .serving.api import load
-    from .serving.server import ServerLimits, serve
+    import os
+    import traceback
 
+    from .serving.api import load
+    from .serving.server import ServerFailed, ServerLimits, serve
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key is empty")
     set_threads(args.threads)
     lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
               max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
@@ -446,8 +474,15 @@ def cmd_serve(args) -> int:
     window = args.kv_tokens // args.max_batch if args.kv_tokens else 4096
     limits = ServerLimits(max_tokens_cap=args.max_tokens_cap, max_seconds=args.max_seconds,
                           max_queue=args.max_queue, max_batch=args.max_batch,
-                          window=min(window, lm.engine.model.args.max_seq_len))
-    serve(lm, args.model, host=args.host, port=args.port, limits=limits)
+                          window=min(window, lm.engine.model.args.max_seq_len),
+                          api_key=api_key, allowed_origins=args.allowed_origins, docs=args.docs)
+    try:
+        serve(lm, args.model, host=args.host, port=args.port, limits=limits)
+    except ServerFailed as exc:         # exit at once, non-zero: a supervisor restarts it
+        if exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
+        print(f"vocabspec: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

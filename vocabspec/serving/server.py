@@ -4,17 +4,27 @@
 Requests decode together (batch.py): up to `max_batch` at once, each in a slot with its own KV
 cache of `window` tokens, joining and leaving between steps; each answer is exactly the one it
 gets served alone (on torch's kernels with --allow-inexact, plain-decoding requests step as rows
-of one forward, each answer its own up to rounding: batched_decoding.py). More requests wait in a bounded queue (503 when it is full). A streaming
-client that disconnects cancels its generation at the next step, freeing its slot. Requests are bounded in size, in max_tokens and in
-generation time. Every bad request gets a 400 with an OpenAI-style error body, and the server
-goes on serving. A request whose drafter fails (raises, or drafts a tree that cannot be
-verified) ends with a 500 naming the failure; the requests decoding beside it go on.
+of one forward, each answer its own up to rounding: batched_decoding.py). More requests wait in
+a bounded queue (503 when it is full). A streaming client that disconnects cancels its
+generation at the next step, freeing its slot. Requests are bounded in size, in max_tokens and
+in generation time.
+
+No request can stop the server. Every field is bounded where it is parsed (integers and floats
+to finite ranges, seeds to what the generator takes, top_k to the vocabulary), a body nested
+past MAX_JSON_DEPTH or holding text that is not Unicode is refused, and every bad request gets a
+4xx with an OpenAI error body (errors.py). A request that fails in the batch (its drafter
+raises, it cannot start) ends alone with a 500 naming the failure; the requests beside it go
+on. Should the decoding loop fail anyway, every request waiting gets an error and `serve` exits
+non-zero at once. Before any route reads a request, guards.py checks who sent it: a Host naming
+the loopback (when reached on it), a web page the operator allows, the API key where one is set,
+a JSON body, read only up to its cap. /docs and /openapi.json are off unless asked for.
 
 Every OpenAI field is either honoured or refused with a 400 naming it, never ignored:
 logprobs / top_logprobs come from the target's own distribution of each emitted token (the
-rows verification read, so speculation does not change them); non-zero penalties, a
-logit_bias, tools, response formats other than text, n or best_of above 1, echo and suffix are
-refused, as is any field this server does not know.
+rows verification read, so speculation does not change them); a message's `name` goes to the
+chat template; non-zero penalties, a logit_bias, tools (and tool turns), response formats other
+than text, n or best_of above 1, echo and suffix are refused, as is any field this server does
+not know.
 """
 
 
@@ -27,13 +37,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .api import LanguageModel
-from ..speculation.batch import BatchLimits, Busy
+from .errors import BadRequest, error_body
+from ..speculation.batch import BatchLimits, Busy, Stopped
 from ..speculation.generate import GenerationResult, TokenLogprob
+from ..speculation.sampling import MIN_TEMPERATURE, SEED_MAX, SEED_MIN
 
 
 @dataclass
 class ServerLimits:
-    max_request_bytes: int = 1_000_000
+    max_request_bytes: int = 1_000_000  # a body past this gets 413 as it arrives (guards.py)
     max_tokens_cap: int = 2048          # largest max_tokens a request may ask for
     default_max_tokens: int = 256
     max_seconds: float = 300.0          # generation time per request
@@ -41,27 +53,35 @@ class ServerLimits:
     max_batch: int = 8                  # requests decoding at once
     window: int = 4096                  # KV cache tokens per decoding request (prompt + answer)
     tree_rows: int | None = None        # rows a step verifies over all requests (None: the cost rule, batch.py)
+    # Who may use it (guards.py): the key every /v1/ route wants (None: none), the web pages
+    # allowed to call it (CORS; "*": any), and whether /docs and /openapi.json are served.
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    docs: bool = False
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+def _shown(value) -> str:
+    """A number as an error message quotes it: a 400-digit integer by its size."""
+    if isinstance(value, int) and value.bit_length() > 100:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    return repr(value)
 
 
-def _number(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
+def _number(body: dict, name: str, default, kind, low, high, low_open=False):
+    """body[name] (or `default` when absent or null) as `kind`, within [low, high] (low_open:
+    (low, high]); a 400 naming the field otherwise. Both bounds are finite, and checked before
+    any conversion: Python compares an int of any size with a float exactly, while float()
+    of a 400-digit integer overflows."""
     value = body.get(name, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (kind is int and not float(value).is_integer()):
+            (kind is int and isinstance(value, float) and not value.is_integer()):
         raise BadRequest(f"'{name}' must be {'an integer' if kind is int else 'a number'}", name)
-    value = kind(value)
-    if value != value or (low is not None and (value <= low if low_open else value < low)) \
-            or (high is not None and value > high):
+    if value != value or (value <= low if low_open else value < low) or value > high:
         bounds = f"{'(' if low_open else '['}{low}, {high}]"
-        raise BadRequest(f"'{name}' must be in {bounds}, got {value}", name)
-    return value
+        raise BadRequest(f"'{name}' must be in {bounds}, got {_shown(value)}", name)
+    return kind(value)
 
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
@@ -73,6 +93,8 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprob
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 MAX_COMPLETION_LOGPROBS = 5      # OpenAI's bound for /v1/completions' integer `logprobs`
 MAX_TOP_LOGPROBS = 20            # and for chat's top_logprobs
+MAX_N = 128                      # OpenAI's bound for n (this server answers n=1 only)
+MAX_BEST_OF = 20                 # and for best_of
 
 
 def refuse_unsupported(body: dict, chat: bool) -> None:
@@ -97,7 +119,7 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise BadRequest("'response_format': only {\"type\": \"text\"} is supported", "response_format")
-    if _number(body, "best_of", 1, int, 1, None) != 1:
+    if _number(body, "best_of", 1, int, 1, MAX_BEST_OF) != 1:
         raise BadRequest("only best_of=1 is supported", "best_of")
     if body.get("echo") not in (None, False):
         raise BadRequest("'echo' is not supported", "echo")
@@ -128,15 +150,25 @@ def requested_logprobs(body: dict, chat: bool) -> int | None:
     return _number(body, "logprobs", None, int, 0, MAX_COMPLETION_LOGPROBS)
 
 
-def message_text(message, index: int) -> tuple[str, str]:
-    """(role, text) of a chat message; content is a string or a list of text parts."""
+MAX_NAME_CHARS = 64              # OpenAI's bound for a message's `name`
+TOOL_FIELDS = {"tool_calls", "tool_call_id", "function_call"}
+
+
+def chat_message(message, index: int) -> dict:
+    """The message as the chat template takes it: role, text (content is a string or a list of
+    text parts) and, where the client names its author, `name` (templates that have a use for
+    one read it; the rest ignore it)."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise BadRequest(f"{where} must be an object with role and content", "messages")
-    for key in message:
-        if key not in ("role", "content"):
-            raise BadRequest(f"{where}: unsupported field {key!r}", "messages")
     role = message.get("role")
+    if role in ("tool", "function") or TOOL_FIELDS & set(message):
+        raise BadRequest(f"{where}: tool calling is not supported by this server (its requests "
+                         "refuse 'tools'), so there are no tool calls or tool results to send back",
+                         "messages")
+    for key in message:
+        if key not in ("role", "content", "name"):
+            raise BadRequest(f"{where}: unsupported field {key!r}", "messages")
     if role not in ("system", "developer", "user", "assistant"):
         raise BadRequest(f"{where}: role must be system, developer, user or assistant, got {role!r}",
                          "messages")
@@ -154,7 +186,39 @@ def message_text(message, index: int) -> tuple[str, str]:
         content = "\n".join(texts)
     if not isinstance(content, str):
         raise BadRequest(f"{where}: content must be a string or a list of text parts", "messages")
-    return ("system" if role == "developer" else role), content
+    out = {"role": "system" if role == "developer" else role, "content": content}
+    if message.get("name") is not None:        # null: no name, as some clients send it
+        name = message["name"]
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_CHARS:
+            raise BadRequest(f"{where}: name must be a string of 1 to {MAX_NAME_CHARS} characters",
+                             "messages")
+        out["name"] = name
+    return out
+
+
+MAX_JSON_DEPTH = 64              # an OpenAI request nests a few levels; past this, a 400
+
+
+def refuse_unreadable(body) -> None:
+    """A 400 for a body nested past MAX_JSON_DEPTH, or naming the first field whose text is not
+    Unicode: JSON's escapes can spell a lone surrogate ("\\ud800"), which no UTF-8 text, and no
+    tokenizer, holds. One walk, without recursion (its depth is the client's to choose)."""
+    stack = [(body, 0, None)]
+    while stack:
+        value, depth, field = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(f"the request body nests more than {MAX_JSON_DEPTH} levels deep", field)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest(f"'{field}' holds text that is not valid Unicode (a lone surrogate, "
+                                 "\\ud800-\\udfff)", field) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack += [(key, depth + 1, field or key), (item, depth + 1, field or key)]
+        elif isinstance(value, list):
+            stack += [(item, depth + 1, field) for item in value]
 
 
 class Server:
@@ -175,8 +239,11 @@ class Server:
     # ------------------------------------------------------------ requests -> generation
 
     def parse(self, body, chat: bool) -> tuple[list[int], dict]:
+        """The request's prompt ids and generation parameters; a BadRequest naming the field at
+        fault. Every number is bounded here, before anything is built from it."""
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
+        refuse_unreadable(body)
         refuse_unsupported(body, chat)
         model = body.get("model", self.model_name)
         if model != self.model_name:
@@ -186,15 +253,19 @@ class Server:
         max_tokens = _number(body, "max_tokens", limits.default_max_tokens, int, 1, limits.max_tokens_cap)
         if chat and "max_completion_tokens" in body:
             max_tokens = _number(body, "max_completion_tokens", max_tokens, int, 1, limits.max_tokens_cap)
+        temperature = _number(body, "temperature", 1.0, float, 0.0, 2.0)
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            raise BadRequest(f"'temperature' must be 0 (greedy) or in [{MIN_TEMPERATURE}, 2.0], "
+                             f"got {temperature}", "temperature")
         params = dict(
             max_new_tokens=max_tokens,
-            temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
+            temperature=temperature,
             top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0, low_open=True),
-            top_k=_number(body, "top_k", 0, int, 0, None),
-            seed=_number(body, "seed", None, int, None, None),
+            top_k=_number(body, "top_k", 0, int, 0, self.lm.engine.model.args.vocab_size),
+            seed=_number(body, "seed", None, int, SEED_MIN, SEED_MAX),
             logprobs=requested_logprobs(body, chat),
         )
-        if _number(body, "n", 1, int, 1, 1) != 1:
+        if _number(body, "n", 1, int, 1, MAX_N) != 1:
             raise BadRequest("only n=1 is supported", "n")
         stop = body.get("stop")
         if isinstance(stop, str):
@@ -203,19 +274,30 @@ class Server:
                                  or not all(isinstance(s, str) and s for s in stop)):
             raise BadRequest("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
         params["stop"] = tuple(stop or ())
+        ids = self.prompt_ids(body, chat)
+        try:
+            config = self.lm._config(**params)
+            self.batch.check(ids, config)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "prompt" if "prompt" in str(exc) else None) from exc
+        return ids, params
+
+    def prompt_ids(self, body: dict, chat: bool) -> list[int]:
+        """The prompt's token ids: the messages through the model's chat template (the tokenizer
+        takes the messages, so it alone decides which text becomes special tokens), or the
+        prompt's text."""
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise BadRequest("'messages' must be a non-empty list of {role, content} objects",
                                  "messages")
-            messages = [message_text(m, i) for i, m in enumerate(messages)]
-            if not any(text.strip() for _, text in messages):
+            messages = [chat_message(m, i) for i, m in enumerate(messages)]
+            if not any(message["content"].strip() for message in messages):
                 raise BadRequest("the messages are empty", "messages")
             if not self.lm.tokenizer.chat_template:
                 raise BadRequest(f"{self.model_name} is a base model without a chat template: "
                                  "use /v1/completions", "messages")
-            ids = self.lm.tokenizer.encode_chat([{"role": role, "content": text}
-                                                 for role, text in messages])
+            field, encode = "messages", lambda: self.lm.tokenizer.encode_chat(messages)
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -224,13 +306,11 @@ class Server:
                 raise BadRequest("'prompt' must be a string", "prompt")
             if not prompt.strip():
                 raise BadRequest("the prompt is empty", "prompt")
-            ids = self.lm.tokenizer.encode(prompt)
+            field, encode = "prompt", lambda: self.lm.tokenizer.encode(prompt)
         try:
-            config = self.lm._config(**params)
-            self.batch.check(ids, config)
-        except ValueError as exc:
-            raise BadRequest(str(exc), "prompt" if "prompt" in str(exc) else None) from exc
-        return ids, params
+            return encode()
+        except Exception as exc:    # the client's text: the template refused it (raise_exception), or the tokenizer
+            raise BadRequest(f"the {field} cannot be tokenized: {exc}", field) from exc
 
     def admit(self) -> None:
         with self.lock:
@@ -262,7 +342,7 @@ class Server:
 
         try:
             request = self.batch.submit(ids, config, on_piece=piece if on_piece is not None else None)
-        except Busy as exc:
+        except (Busy, Stopped) as exc:
             raise BadRequest(str(exc), status=503) from exc
         return request.wait()
 
@@ -321,6 +401,49 @@ class Server:
         return out
 
 
+def failure(exc: Exception) -> BadRequest:
+    """What a request whose generation raised is told: a refusal as it stands; 503 where the
+    batch stopped under it; else a 500 naming the failure (its drafter's, say)."""
+    if isinstance(exc, BadRequest):
+        return exc
+    if isinstance(exc, Stopped):
+        return BadRequest(str(exc), status=503)
+    return BadRequest(f"generation failed: {exc}", status=500)
+
+
+def refuse_constant(name: str):
+    """json.loads' hook for NaN and Infinity, which Python reads and JSON has no such thing as."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def guard(app, limits: ServerLimits) -> None:
+    """The checks before every route (guards.py), CORS for the origins allowed, and OpenAI error
+    bodies for what FastAPI answers itself (an unknown route, a wrong method, a failure)."""
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    from .guards import Guards
+
+    app.add_middleware(Guards, max_body_bytes=limits.max_request_bytes, api_key=limits.api_key,
+                       allowed_origins=tuple(limits.allowed_origins))
+    if limits.allowed_origins:       # added last, so outermost: it answers the preflights
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
+
+    async def http_error(request, exc: HTTPException):
+        return JSONResponse(error_body(BadRequest(str(exc.detail), status=exc.status_code)),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    async def server_error(request, exc: Exception):
+        return JSONResponse(error_body(BadRequest(f"internal error: {type(exc).__name__}", status=500)),
+                            status_code=500)
+
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
+
+
 def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None = None,
                batch_thread: bool = True):
     """The FastAPI app. `batch_thread`: the batch steps on a thread of its own; else whoever
@@ -328,35 +451,40 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    app = FastAPI(title="vocabspec", version="0.1")
+    limits = limits or ServerLimits()
+    docs = dict(docs_url="/docs", redoc_url=None, openapi_url="/openapi.json") if limits.docs else \
+        dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="vocabspec", version="0.1", **docs)
     app.state.server = Server(lm, model_name, limits, batch_thread)
     # Endpoints find the server through the request, never in a closure: FastAPI caches what
     # it learns of each endpoint function for the life of the process, and a closure would keep
     # the model alive there after the app is gone.
+    guard(app, limits)
 
     def error(exc: BadRequest) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status < 500 else "server_busy" if exc.status == 503 else "server_error"
-        return JSONResponse({"error": {"message": exc.message, "type": kind, "param": exc.param,
-                                       "code": None}}, status_code=exc.status)
+        return JSONResponse(error_body(exc), status_code=exc.status)
 
     async def read_json(request: Request):
-        server = request.app.state.server
-        raw = await request.body()
-        if len(raw) > server.limits.max_request_bytes:
-            raise BadRequest(f"request body over {server.limits.max_request_bytes} bytes", status=413)
         try:
-            text = raw.decode("utf-8")
+            text = (await request.body()).decode("utf-8")
         except UnicodeDecodeError:
             raise BadRequest("the request body is not valid UTF-8")
         try:
-            return json.loads(text)
+            return json.loads(text, parse_constant=refuse_constant)
+        except RecursionError:
+            raise BadRequest(f"the request body nests more than {MAX_JSON_DEPTH} levels deep")
         except ValueError as exc:
             raise BadRequest(f"the request body is not valid JSON ({exc})")
 
     @app.get("/health")
     async def health(request: Request):
         server = request.app.state.server
-        return {"status": "ok", "model": server.model_name, "waiting": server.waiting, **server.counts}
+        died = server.batch.died
+        state = {"status": "ok" if died is None else "failed", "model": server.model_name,
+                 "waiting": server.waiting, **server.counts}
+        if died is not None:        # the decoding loop failed: nothing more will be answered
+            return JSONResponse({**state, "error": repr(died)}, status_code=503)
+        return state
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -382,10 +510,8 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
             result = None
             try:
                 result = await loop.run_in_executor(server.worker, server.run, ids, params, cancel)
-            except BadRequest as exc:
-                return error(exc)
             except Exception as exc:  # keep serving whatever one generation does
-                return error(BadRequest(f"generation failed: {exc}", status=500))
+                return error(failure(exc))
             finally:
                 server.release(result)
             logprobs = server.logprobs_body(result.logprobs, chat) \
@@ -403,7 +529,7 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
                 result = server.run(ids, params, cancel, on_piece)
                 loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
             except Exception as exc:
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", str(exc)))
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", failure(exc)))
             finally:
                 server.release(result)
 
@@ -440,7 +566,7 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
                         yield "data: [DONE]\n\n"
                         return
                     else:
-                        yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
+                        yield f"data: {json.dumps(error_body(value))}\n\n"
                         return
             finally:
                 cancel.set()   # a client that went away stops its generation at the next step
@@ -501,10 +627,22 @@ class HTTPThread:
         self.thread.join(timeout=seconds)
 
 
+# How long `serve` gives its HTTP thread, once stopping, to answer the requests in flight
+# (each already has its answer or its error: the batch has stopped).
+STOP_SECONDS = 10.0
+
+
+class ServerFailed(RuntimeError):
+    """`serve` stopped on its own: its decoding loop failed, or its HTTP server did."""
+
+
 def serve(lm: LanguageModel, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           limits: ServerLimits | None = None) -> None:
     """Serve until interrupted: HTTP on a thread of its own, the batch's steps on this one
-    (the process's main thread, where OpenMP runs the native engine at full speed: batch.py)."""
+    (the process's main thread, where OpenMP runs the native engine at full speed: batch.py).
+    Should the loop fail, every request it held has its error (BatchEngine.run); HTTP answers
+    them and stops, and this raises ServerFailed at once (the CLI exits 1, for a supervisor to
+    restart it), as it does when the HTTP server stops on its own (its port taken, say)."""
     app = create_app(lm, model_name, limits, batch_thread=False)
     http = HTTPThread(app, host, port, log_level="info")
     batch = app.state.server.batch
@@ -512,6 +650,11 @@ def serve(lm: LanguageModel, model_name: str, host: str = "127.0.0.1", port: int
         batch.run(until=lambda: not http.thread.is_alive())
     except KeyboardInterrupt:
         pass
+    except Exception as exc:
+        raise ServerFailed(f"the decoding loop failed: {exc!r}") from exc
     finally:
-        http.stop()
+        stopped_itself = not http.thread.is_alive() and not http.server.should_exit
+        http.stop(STOP_SECONDS)
         batch.close()
+    if stopped_itself:
+        raise ServerFailed(f"the HTTP server on {host}:{port} stopped (its log above says why)")

@@ -37,7 +37,9 @@ a request takes a free slot (prefilled when it joins), or waits in a queue of at
 `max_waiting`; past that, `submit` refuses (`Busy`). A cancelled request leaves at the next
 step. A request whose proposer fails (raises, or drafts a tree that cannot be
 verified) ends with that error (generate.DraftingFailed) before the step's forward; the others
-step on.
+step on. So does one that cannot start (its generation, its sampling generator or its prefill
+raises). Should the loop itself fail, every request not yet answered gets the error and the
+engine stops (`run`): nobody waits for an answer that will not come.
 
 The draft budget follows the batch and the cost curve. A step of B requests over R rows yields
 B tokens plus the drafts accepted, in the time of a forward of R rows, c(R), measured on this
@@ -174,6 +176,10 @@ class Busy(RuntimeError):
     """Every slot is taken and the queue is full."""
 
 
+class Stopped(RuntimeError):
+    """The engine takes no more requests: closed, or its loop failed (`BatchEngine.run`)."""
+
+
 @dataclass(frozen=True)
 class BatchLimits:
     max_batch: int = 8          # requests decoding at once (slots)
@@ -199,7 +205,7 @@ class BatchLimits:
             raise ValueError(f"tree_rows must be a positive integer or None, got {self.tree_rows!r}")
 
 
-@dataclass
+@dataclass(eq=False)           # each request is itself (BatchEngine.unanswered holds them)
 class Request:
     """A submitted request: `result` once `done` is set; `on_piece(text, result)` hears its
     stream with the result so far (called on the engine's thread). stream_text=False: it hears
@@ -298,6 +304,11 @@ class BatchEngine:
         self.rows = self.drafted = 0          # rows verified, trees drafted (over all steps)
         self.seconds = {"prefill": 0.0, "steps": 0.0}     # time in joining requests' prefill, in steps
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=self.limits.max_waiting)
+        # Every request submitted and not yet answered, wherever it is (queued, in a slot, or
+        # between the two): if the loop dies, each of them gets the error (`run`).
+        self.unanswered: set[Request] = set()
+        self.unanswered_lock = threading.Lock()
+        self.died: BaseException | None = None     # what ended the loop, if anything did
         self.wake = threading.Event()
         self.stopping = False
         self.steps = 0
@@ -315,18 +326,24 @@ class BatchEngine:
         """Queue a request (ValueError if it cannot run: empty, too long for a slot's window;
         Busy if every slot and the queue are full). on_piece, stream_text: see `Request`."""
         if self.stopping:
-            raise RuntimeError("the batch engine has stopped")
+            raise Stopped("the batch engine has stopped" +
+                          (f": its loop failed ({self.died!r})" if self.died is not None else ""))
         self.check(prompt_ids, config)
         cancel = config.cancel if config.cancel is not None else threading.Event()
         request = Request(list(prompt_ids), replace(config, cancel=cancel), draft, on_piece, cancel=cancel,
                           stream_text=stream_text)
         try:
-            self.waiting.put_nowait(request)
+            self._queue(request)
         except queue.Full:
             raise Busy(f"all {self.limits.max_batch} slots are decoding and {self.limits.max_waiting} "
                        "requests wait: try again later") from None
         self.wake.set()
         return request
+
+    def _queue(self, request: Request) -> None:
+        with self.unanswered_lock:
+            self.waiting.put_nowait(request)
+            self.unanswered.add(request)
 
     def generate(self, prompts: list[list[int]], config: GenerationConfig | list[GenerationConfig],
                  draft: bool = True) -> list[GenerationResult]:
@@ -364,7 +381,7 @@ class BatchEngine:
                                    "or serve several at once with a BatchEngine")
             request = Request(generation.prompt_ids, generation.config,
                               on_piece=lambda text, _: pieces.append(text), generation=generation)
-            self.waiting.put_nowait(request)
+            self._queue(request)
             self._run_once()           # admitted (prefilled) before anything can abandon it
         try:
             while True:
@@ -399,11 +416,20 @@ class BatchEngine:
 
     def run(self, until: Callable[[], bool] | None = None) -> None:
         """Step the batch on this thread until `close` (or `until()` holds), waiting while
-        nothing runs."""
-        while not self.stopping and not (until is not None and until()):
-            if not self.run_once():
-                self.wake.wait(0.05)
-                self.wake.clear()
+        nothing runs. Each request's own failures end that request alone (`_admit`, `_step`);
+        should the loop itself fail anyway, every unanswered request gets the error, the engine
+        takes no more (`submit` raises Stopped) and the exception is raised here: nobody waits
+        for an answer that will not come."""
+        try:
+            while not self.stopping and not (until is not None and until()):
+                if not self.run_once():
+                    self.wake.wait(0.05)
+                    self.wake.clear()
+        except BaseException as exc:
+            self.died, self.stopping = exc, True
+            self._stop(Stopped("the batch engine was interrupted" if isinstance(exc, KeyboardInterrupt)
+                               else f"the batch engine's loop failed: {exc!r}"))
+            raise
         if self.stopping:
             self._stop()
 
@@ -427,23 +453,38 @@ class BatchEngine:
                 self._end(slot, exc)
         return True
 
-    def _stop(self) -> None:
+    def _stop(self, error: BaseException | None = None) -> None:
         with self.stepping:
-            self._stop_all()
+            self._stop_all(error or Stopped("the batch engine stopped"))
 
-    def _stop_all(self) -> None:
+    def _stop_all(self, error: BaseException) -> None:
+        """End every request with `error`: those decoding, those queued, and any between."""
         for slot in self.slots:
             if slot.generation is not None:
-                self._end(slot, RuntimeError("the batch engine stopped"))
+                self._end(slot, error)
         while True:
             try:
-                request = self.waiting.get_nowait()
+                self._fail(self.waiting.get_nowait(), error)
             except queue.Empty:
-                return
-            request.error = RuntimeError("the batch engine stopped")
+                break
+        with self.unanswered_lock:
+            left = list(self.unanswered)
+        for request in left:
+            self._fail(request, error)
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        """Answer a request that holds no slot with `error`."""
+        with self.unanswered_lock:
+            self.unanswered.discard(request)
+        if not request.done.is_set():
+            request.error = error
             request.done.set()
 
     def _admit(self) -> None:
+        """Waiting requests into free slots, each prefilled (or its rows joining `batched`'s
+        prefill). Everything a request's admission builds from it (its generation, its sampling
+        generator, its prefill) runs in its own failure handler: a request that cannot start
+        ends alone with its error, as one whose step fails does."""
         joining = []           # (slot index, slot) of requests whose rows join `batched`
         for index, slot in enumerate(self.slots):
             if slot.generation is not None:
@@ -452,26 +493,14 @@ class BatchEngine:
                 request = self.waiting.get_nowait()
             except queue.Empty:
                 break
-            stream = request.on_piece is not None and request.stream_text
-            if request.generation is None and self.batched is not None and \
-                    not (request.draft and slot.proposer is not None):
-                slot.generation = Generation(self.engine, request.prompt_ids, request.config,
-                                             stream=stream, outside=True)
-                slot.request = request
-                joining.append((index, slot))
-                continue
-            generation = request.generation or Generation(
-                self.engine, request.prompt_ids, request.config, cache=slot.cache,
-                proposer=slot.proposer if request.draft else None, stream=stream)
-            slot.generation, slot.request = generation, request
             try:
-                started = time.perf_counter()
-                with torch.inference_mode(), self.engine.model.lock:
-                    delta = generation.start()
-                self.seconds["prefill"] += time.perf_counter() - started
-                self._deliver(slot, delta)
+                if self._place(slot, request):
+                    joining.append((index, slot))
             except BaseException as exc:
-                self._end(slot, exc)
+                if slot.request is request:
+                    self._end(slot, exc)
+                else:
+                    self._fail(request, exc)
         if joining:
             try:
                 started = time.perf_counter()
@@ -481,6 +510,27 @@ class BatchEngine:
             except BaseException as exc:
                 outcomes = [exc] * len(joining)
             self._settle([slot for _, slot in joining], outcomes)
+
+    def _place(self, slot: Slot, request: Request) -> bool:
+        """The request's generation in `slot`, prefilled and its first text delivered; True
+        where instead its rows join `batched` (prefilled there, with the others joining)."""
+        stream = request.on_piece is not None and request.stream_text
+        if request.generation is None and self.batched is not None and \
+                not (request.draft and slot.proposer is not None):
+            slot.generation = Generation(self.engine, request.prompt_ids, request.config,
+                                         stream=stream, outside=True)
+            slot.request = request
+            return True
+        generation = request.generation or Generation(
+            self.engine, request.prompt_ids, request.config, cache=slot.cache,
+            proposer=slot.proposer if request.draft else None, stream=stream)
+        slot.generation, slot.request = generation, request
+        started = time.perf_counter()
+        with torch.inference_mode(), self.engine.model.lock:
+            delta = generation.start()
+        self.seconds["prefill"] += time.perf_counter() - started
+        self._deliver(slot, delta)
+        return False
 
     def _settle(self, slots: list[Slot], outcomes: list) -> None:
         """Deliver each slot's text, or end its request with the exception in its place."""
@@ -618,4 +668,6 @@ class BatchEngine:
         generation.result.seconds = time.perf_counter() - generation.started
         request.result, request.error = generation.result, error
         slot.generation = slot.request = None      # its cache is reset when the next one starts
+        with self.unanswered_lock:
+            self.unanswered.discard(request)
         request.done.set()

@@ -12,6 +12,13 @@ from dataclasses import dataclass
 import torch
 
 
+# The seeds torch's generator takes (a negative one stands for itself plus 2**64).
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+# The lowest temperature but 0 (greedy): logits over one below ~1e-37 pass float32's range, and
+# their softmax is NaN.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0     # 0 means greedy
@@ -22,10 +29,16 @@ class SamplingParams:
     def __post_init__(self):
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number from {MIN_TEMPERATURE}, "
+                             f"got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}]")
 
     @property
     def greedy(self) -> bool:
