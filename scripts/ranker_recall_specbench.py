@@ -94,14 +94,14 @@ def main():
     target, drafter = lm.engine.model, lm.engine.proposer.drafter
     full_head = lm.engine.proposer.head.weight      # in the drafter's dtype, as it drafts
     files = bundled_drafter_dir(args.model)
-    ranker = make_draft_vocab("spec:2048", target.embed.weight, files, ranker=args.ranker)
+    ranker = make_draft_vocab("spec:2048", target.head_weight, files, ranker=args.ranker)
     def options(k: int) -> str:
         """',context=C,successors=S' of spec:K (empty: the defaults). C is capped at each K (not
         at the smallest K): spec:K refuses C > K."""
         named = "" if args.context is None else f",context={min(args.context, k)}"
         return named + ("" if args.successors is None else f",successors={args.successors}")
 
-    strategies = {k: make_draft_vocab(f"spec:{k}{options(k)}", target.embed.weight, files,
+    strategies = {k: make_draft_vocab(f"spec:{k}{options(k)}", target.head_weight, files,
                                       ranker=args.ranker) for k in ks}
     questions = load_questions(args.questions, args.per_category)
     answers = _vanilla_answers(args.answers, questions) if args.answers else {}

@@ -136,5 +136,5 @@ def tiny_native(arch: str, seed: int, weights: str = "f32", scale: float = 0.3, 
     fast = Transformer(args)
     fast.load_state_dict(reference.state_dict())
     fast.eval().requires_grad_(False)
-    fast.use_native(formats.pack_model(fast, weights), weights)
+    fast.use_native(formats.pack_module_weights(fast, weights), weights)
     return reference, fast

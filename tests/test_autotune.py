@@ -79,8 +79,8 @@ def test_strategies_share_one_forward_timing_and_choices_are_cached(smollm2, tmp
     monkeypatch.setattr(autotune, "CALIBRATION_NEW_TOKENS", 8)
     model = smollm2.model
     drafter = EagleDrafter.random(model)
-    heads = {"full": FullVocab(model.embed.weight),
-             "fr": StaticSubset(model.embed.weight, torch.arange(2000), name="fr")}
+    heads = {"full": FullVocab(model.head_weight),
+             "fr": StaticSubset(model.head_weight, torch.arange(2000), name="fr")}
     chosen = {name: choose_tree(model, drafter, head, smollm2.tokenizer, depth=1, top_k=4,
                                 key=f"test|{name}") for name, head in heads.items()}
     known = json.loads((tmp_path / "autotune.json").read_text())

@@ -38,13 +38,13 @@ def proposers(target):
     trained = native_drafter(EagleDrafter.load(files, target.model))
     packed = target.model.native.head_weight if target.model.native is not None else None
     for vocab in ("full", "fr:8k", "trim:8k", "spec:1024"):
-        head = make_draft_vocab(vocab, target.model.embed.weight, files, packed_head=packed)
+        head = make_draft_vocab(vocab, target.model.head_weight, files, packed_head=packed)
         found[f"eagle-trained-{vocab}"] = EagleProposer(trained, head=head, **TREE[target.name])
     # Drafting in bfloat16 for the float32 target (the default on this CPU): the drafter
     # and its head round differently, verification does not.
     # Drafting on torch's kernels in bfloat16 for the target (the drafter's own dtype).
     narrow = EagleDrafter.load(files, target.model, dtype=torch.bfloat16)
-    head = make_draft_vocab("fr:8k", target.model.embed.weight, files, dtype=torch.bfloat16)
+    head = make_draft_vocab("fr:8k", target.model.head_weight, files, dtype=torch.bfloat16)
     found["eagle-trained-bf16-fr:8k"] = EagleProposer(narrow, head=head, **TREE[target.name])
     found["eagle-trained-full+pld"] = EagleLookupProposer(trained, **TREE[target.name])
     return found
@@ -71,7 +71,7 @@ def test_greedy_lossless_in_every_format(real_model, weights):
     trained = native_drafter(EagleDrafter.load(files, model.model))
     packed = model.model.native.head_weight if model.model.native is not None else None
     vocabs = ("full", "fr:8k", "trim:8k", "spec:1024")
-    heads = [make_draft_vocab(v, model.model.embed.weight, files, packed_head=packed) for v in vocabs]
+    heads = [make_draft_vocab(v, model.model.head_weight, files, packed_head=packed) for v in vocabs]
     config = GenerationConfig(max_new_tokens=NEW_TOKENS[real_model.name])
     vanilla = Engine(model.model, model.tokenizer)
     mismatches = []

@@ -16,6 +16,7 @@ would get in a forward of its own.
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,17 +46,34 @@ def formats_here():
 
 # ---------------------------------------------------------------- weights and matmuls
 
-def test_dequantized_cache_reads_back_the_same_args(tmp_path, monkeypatch):
-    """A GGUF's second load comes from the dequantized cache: its arguments (the architecture's
-    features among them, stored as JSON) must equal the first load's, and build the model."""
-    from vocabspec.engine.loading import load_gguf
-    from vocabspec.engine.model import Transformer
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int):
+    """Random valid GGUF blocks of a type (scripts/gguf_shapes.py, which writes the real-shape
+    files): random codes, finite scales."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS))
+    from gguf_shapes import random_blocks as blocks
+
+    return blocks(np.random.default_rng(seed), kind, rows, cols)
+
+
+def test_a_second_load_maps_the_pack_the_first_built(tmp_path, monkeypatch):
+    """The first load packs the GGUF's blocks into one file in the cache; the second maps it:
+    the same arguments, the same bytes, and no second pack."""
     monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))
-    first, _ = load_gguf(bundled_gguf("smollm2"))
-    second, state = load_gguf(bundled_gguf("smollm2"))
-    assert list(tmp_path.glob("*-v2.json")) and second == first
-    Transformer(second)
+    first, _ = load_model("smollm2", weights="gguf")
+    packs = list(tmp_path.glob("*-pack*.bin"))
+    assert len(packs) == 1
+    built = packs[0].stat().st_mtime_ns
+    second, _ = load_model("smollm2", weights="gguf-a8" if int8() else "gguf")
+    assert packs[0].stat().st_mtime_ns == built and second.args == first.args
+    for name in ("wq", "w_down"):
+        a, b = first.native.stack.keep[3][name], second.native.stack.keep[3][name]
+        assert torch.equal(a.data, b.data) and a.int8_acts != b.int8_acts or not int8()
     for arch in ("gemma3", "qwen2"):            # features with flags set survive JSON too
         args = tiny_args(arch)
         assert ModelArgs(**json.loads(json.dumps(asdict(args)))) == args
@@ -63,6 +81,8 @@ def test_dequantized_cache_reads_back_the_same_args(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_gguf_blocks_dequantize_to_gguf_values(name):
+    """Every quantized tensor type of both bundled files, packed from its blocks, dequantizes
+    to gguf-py's exact float32 values, and a gathered subset of rows (a draft head) keeps them."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -73,39 +93,60 @@ def test_gguf_blocks_dequantize_to_gguf_values(name):
         if kind in ("F32", "F16", "BF16") or (kind, tensor.shape[0]) in seen:
             continue
         seen.add((kind, tensor.shape[0]))
-        raw = np.asarray(tensor.data)[:64]                 # 64 rows of each type and width
+        raw = np.ascontiguousarray(np.asarray(tensor.data)[:64])      # 64 rows of each type and width
         rows, cols = raw.shape[0], int(tensor.shape[0])
         want = torch.from_numpy(np.ascontiguousarray(dequantize(raw, tensor.tensor_type), dtype=np.float32))
-        for int8 in (False, True):
-            packed = formats.from_gguf_blocks(kind, raw, rows, cols, int8_activations=int8)
-            assert packed is not None, f"{tensor.name}: {kind} has no quantized kind"
-            assert torch.equal(packed.dequantize(), want), f"{tensor.name} ({kind}, int8={int8})"
-            sub = torch.tensor([5, 0, 63, 17, 16])
-            assert torch.equal(packed.take_rows(sub).dequantize(), want[sub]), tensor.name
+        packed = formats.pack_blocks(kind, raw, rows, cols)
+        assert torch.equal(packed.dequantize(), want), f"{tensor.name} ({kind})"
+        sub = torch.tensor([5, 0, 63, 17, 16])
+        assert torch.equal(packed.take_rows(sub).dequantize(), want[sub]), tensor.name
     assert {"Q8_0", "Q4_1"} <= {k for k, _ in seen} if name == "smollm2" else \
         {"Q8_0", "Q5_0", "Q4_K", "Q6_K"} <= {k for k, _ in seen}
 
 
-def random_packed(kind: str, rows: int, cols: int, seed: int) -> formats.PackedWeight:
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_every_type_dequantizes_to_gguf_values(kind):
+    """Random valid blocks of every type the engine runs (every code pattern, random scales):
+    packed, they dequantize to gguf-py's values, rows gathered in any order keep them, and a
+    row order given at packing (Llama's q and k) takes the file's rows in that order."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    for seed, (rows, cols) in enumerate([(37, 256), (64, 512)]):
+        raw = random_blocks(kind, rows, cols, seed)
+        want = torch.from_numpy(np.ascontiguousarray(dequantize(raw, getattr(GGMLQuantizationType, kind)),
+                                                     dtype=np.float32))
+        packed = formats.pack_blocks(kind, raw, rows, cols)
+        assert packed.data.numel() <= 1.04 * raw.nbytes * -(-rows // 16) * 16 / rows
+        assert torch.equal(packed.dequantize(), want), (kind, rows, cols)
+        sub = torch.tensor([rows - 1, 0, 17, 16, 5, 5])
+        assert torch.equal(packed.take_rows(sub).dequantize(), want[sub]), kind
+        order = np.random.default_rng(seed).permutation(rows)
+        assert torch.equal(formats.pack_blocks(kind, raw, rows, cols, order=order).dequantize(), want[order])
+
+
+def test_types_the_engine_lacks_are_refused_by_name():
+    with pytest.raises(formats.UnsupportedType, match="IQ2_XXS"):
+        formats.pack_blocks("IQ2_XXS", np.zeros((16, 66), np.uint8), 16, 256)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        formats.pack_blocks("Q4_K", np.zeros((16, 72), np.uint8), 16, 128)
+
+
+def random_packed(kind: str, rows: int, cols: int, seed: int, int8_acts: bool = False) -> formats.PackedWeight:
     g = torch.Generator().manual_seed(seed)
     if kind in ("f32", "bf16"):
         return formats.pack_float(torch.randn(rows, cols, generator=g), kind, bias=torch.randn(rows, generator=g))
-    base = kind[:2]
-    high = {"q4": 16, "q5": 32, "q8": 128}[base]
-    low = -128 if base == "q8" else 0
-    codes = torch.randint(low, high, (rows, cols), generator=g)
-    group = 16 if base == "q8" and seed % 2 else 32
-    scale = (torch.rand(rows, cols // group, generator=g) * 0.02).to(torch.float32 if group == 16 else torch.float16)
-    minimum = None if base == "q8" else -(torch.rand(rows, cols // 32, generator=g) * 0.1).half()
-    return formats.pack_codes(kind, codes, scale, minimum, group=group)
+    return formats.pack_blocks(kind, random_blocks(kind, rows, cols, seed), rows, cols, int8_acts=int8_acts,
+                               bias=torch.randn(rows, generator=g) if seed % 2 else None)
 
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "q4", "q5", "q8", "q4i", "q5i", "q8i"])
-def test_matmul_rows_do_not_depend_on_the_row_count(kind):
-    if kind.endswith("i") and not int8():
-        pytest.skip("8-bit activations need 8-bit dot products")
-    for seed, (rows, cols) in enumerate([(100, 64), (257, 96), (48, 640)]):
-        weight = random_packed(kind, rows, cols, seed)
+@pytest.mark.parametrize("kind", ["f32", "bf16", *QUANTIZED])
+@pytest.mark.parametrize("acts", ["float", "int8"])
+def test_matmul_rows_do_not_depend_on_the_row_count(kind, acts):
+    if acts == "int8" and (kind in ("f32", "bf16") or not int8()):
+        pytest.skip("8-bit activations: quantized weights, on 8-bit dot products")
+    for seed, (rows, cols) in enumerate([(100, 256), (257, 512), (48, 768)]):
+        weight = random_packed(kind, rows, cols, seed, int8_acts=acts == "int8")
         x = torch.randn(40, cols, generator=torch.Generator().manual_seed(seed)) * 3
         alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(40)])
         for m in (2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 40):
@@ -115,12 +156,12 @@ def test_matmul_rows_do_not_depend_on_the_row_count(kind):
             reference += weight.bias.double()
         error = (alone.double() - reference).abs().max() / reference.abs().max()
         # Float activations: float32 rounding; 8-bit ones: their quantization (1/254 of a unit's max).
-        assert error < (2e-2 if kind.endswith("i") else 1e-5), (kind, float(error))
+        assert error < (2e-2 if acts == "int8" else 1e-5), (kind, float(error))
 
 
 def test_fused_head_topk_matches_the_logits():
-    weight = random_packed("q8", 300, 64, 4)
-    x = torch.randn(5, 64)
+    weight = random_packed("Q8_0", 300, 256, 4)
+    x = torch.randn(5, 256)
     ids, logprobs = weight.topk(x, 7)
     logits = weight.matmul(x)
     want = torch.topk(logits, 7, dim=-1)

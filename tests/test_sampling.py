@@ -91,7 +91,7 @@ def sampled_counts(engine, prompt, params, runs, first_seed=0):
 
 
 def make_head(kind, model):
-    weight = model.embed.weight
+    weight = model.head_weight
     if kind == "full":
         return full_head(model)
     if kind == "subset":        # FR-Spec / VocabTrim: drafts only from 5 of the 8 tokens,

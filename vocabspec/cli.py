@@ -476,6 +476,7 @@ def cmd_serve(args) -> int:
                           max_queue=args.max_queue, max_batch=args.max_batch,
                           window=min(window, lm.engine.model.args.max_seq_len),
                           api_key=api_key, allowed_origins=args.allowed_origins, docs=args.docs)
+    print(resident(lm, slots=limits.max_batch, tokens=limits.window), file=sys.stderr)
     try:
         serve(lm, args.model, host=args.host, port=args.port, limits=limits)
     except ServerFailed as exc:         # exit at once, non-zero: a supervisor restarts it
@@ -679,6 +680,7 @@ def cmd_generate(args) -> int:
               max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
               log=lambda message: print(message, file=sys.stderr))
     print(describe(lm, args.draft), file=sys.stderr)
+    print(resident(lm), file=sys.stderr)
     generation = lm.stream(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                            seed=args.seed, stop=args.stop)
@@ -733,6 +735,7 @@ def generate_file(args) -> int:
               max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
               log=lambda message: print(message, file=sys.stderr))
     print(describe(lm, args.draft), file=sys.stderr)
+    print(resident(lm, slots=args.max_batch), file=sys.stderr)     # at most: each slot its window
     defaults = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     progress = Progress(sys.stderr, len(requests), len(answers.recorded), every=args.progress_every)
@@ -748,6 +751,19 @@ def generate_file(args) -> int:
         answers.close()
     print(summary(result, answers, len(requests), args.draft != "none", args.output), file=sys.stderr)
     return 1 if sum(answers.recorded.values()) else 0
+
+
+def resident(lm, slots: int = 1, tokens: int | None = None) -> str:
+    """One line on what the model holds in memory: its weights and the KV caches of `slots`
+    contexts of `tokens` (default: its window)."""
+    need = lm.engine.model.memory
+    if need is None:
+        return "[memory: not stated for this model]"
+    if tokens is not None:
+        from dataclasses import replace
+
+        need = replace(need, tokens=tokens)
+    return f"[memory: {need.describe(slots)}, {(need.weights + slots * need.kv) / 2**30:.2f} GiB resident]"
 
 
 def describe(lm, draft: str) -> str:

@@ -1,28 +1,28 @@
 """Weight formats at run time: how a linear layer's weight is stored for the native engine.
 
 Four formats, chosen per model with `--weights`:
-- `gguf`: the file's own quantized groups, re-encoded losslessly (each weight dequantizes to the
-  very float32 value gguf-py's `dequantize` gives) into three kinds of groups of 32 inputs:
-  q4 (4-bit codes, w = code * scale + min: Q4_0, Q4_1, Q4_K), q5 (5-bit codes: Q5_0, Q5_1) and
-  q8 (signed 8-bit codes, w = code * scale: Q8_0, and Q6_K with a scale per 16 inputs). Scales
-  stay float16 where the file's are (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, so those cost no extra byte);
-  K-quants' scales are products of two numbers and are kept as exact float32 values.
-  Other types (Q2_K, Q3_K, Q5_K, IQ*) are stored as float32 rows, which is lossless too.
+- `gguf`: the file's own quantized blocks, re-laid in blocks of 16 rows (native_weights.c draws
+  the layout) with their codes and scales as the file keeps them, so a packed weight is the
+  file's size within 4%, and each weight dequantizes to the very float32 value gguf-py's
+  `dequantize` gives. Every common GGUF type runs natively: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+  Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS; F32, F16 and BF16 tensors stay as they are.
+  Any other type is refused by name.
 - `gguf-a8`: the same weights; each product quantizes its input rows to 8 bits per 32 inputs
-  (as llama.cpp does) and sums 8-bit products exactly in integers (AVX-512 VNNI or AVX2): about half
-  the work of `gguf` for one row and a third of it for a tree's rows, at llama.cpp's precision.
+  (as llama.cpp does) and sums 8-bit products exactly in integers (AVX-512 VNNI or AVX2): the
+  default where the CPU has them, about half the work of `gguf` for one row and a third of it
+  for a tree's rows, at llama.cpp's precision. It reads the same packed bytes as `gguf`.
 - `bf16`: every weight rounded to bfloat16.
 - `f32`: float32.
 
 Activations are otherwise float32 in every format (norms, attention, the residual stream). Rows
-are stored in blocks of 16, one per vector lane (see native.c; the last block padded with zero
-rows), so a matrix needs a multiple of 32 columns.
+are stored in blocks of 16, one per vector lane (the last block padded with zero rows), so a
+matrix needs a multiple of 32 columns (256 for the superblock types).
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -32,32 +32,45 @@ from . import native
 FORMATS = ("gguf", "gguf-a8", "bf16", "f32")
 ROW_BLOCK = 16
 UNIT = 32
+# The engine's types (native_weights.c's enum) and GGUF's block shapes: (inputs, bytes) a block.
+TYPES = {"F32": 0, "BF16": 1, "F16": 2, "Q4_0": 3, "Q4_1": 4, "Q5_0": 5, "Q5_1": 6, "Q8_0": 7, "Q2_K": 8,
+         "Q3_K": 9, "Q4_K": 10, "Q5_K": 11, "Q6_K": 12, "IQ4_NL": 13, "IQ4_XS": 14}
+GGUF_BLOCKS = {"F32": (1, 4), "BF16": (1, 2), "F16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
+               "Q5_1": (32, 24), "Q8_0": (32, 34), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
+               "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
+FLOAT_TYPES = ("F32", "BF16", "F16")
+_KINDS = {"f32": "F32", "bf16": "BF16", "f16": "F16"}
+
+
+class UnsupportedType(ValueError):
+    """A GGUF tensor type the native engine does not compute with."""
 
 
 @dataclass
 class PackedWeight:
-    kind: str                      # f32, bf16, q4, q5, q8; q4i, q5i, q8i (8-bit activations)
+    type: str                      # a key of TYPES
     rows: int
     cols: int
-    data: torch.Tensor             # row-blocked payloads (native.c)
-    scale: torch.Tensor | None = None
-    min: torch.Tensor | None = None
-    high: torch.Tensor | None = None
-    group: int = UNIT
+    data: torch.Tensor             # the blocks' streams (uint8), vs_packed_bytes of them
     bias: torch.Tensor | None = None
-    source: str = ""               # the GGUF type it came from, for reports
+    int8_acts: bool = False        # products quantize their input rows to 8 bits (gguf-a8)
+    source: str = ""               # where it came from, for reports
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.rows, self.cols
 
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + (0 if self.bias is None else self.bias.numel() * 4)
+
     def struct(self) -> native.Weight:
-        f16 = self.scale is not None and self.scale.dtype == torch.float16
-        return native.Weight(kind=native.KINDS[self.kind], rows=self.rows, cols=self.cols,
-                             group=self.group, scale_f16=int(f16), pad=0,
-                             data=self.data.data_ptr(), high=native.ptr(self.high),
-                             scale=native.ptr(self.scale), min=native.ptr(self.min),
-                             bias=native.ptr(self.bias))
+        return native.Weight(type=TYPES[self.type], rows=self.rows, cols=self.cols, int8_acts=int(self.int8_acts),
+                             data=self.data.data_ptr(), bias=native.ptr(self.bias))
+
+    def with_activations(self, int8: bool) -> "PackedWeight":
+        """The same weight (the same bytes) for products with 8-bit or float activations."""
+        return replace(self, int8_acts=bool(int8) and self.type not in FLOAT_TYPES)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (rows, cols) times the weight's transpose (+ bias): (rows, self.rows), float32."""
@@ -85,26 +98,16 @@ class PackedWeight:
 
     def take_rows(self, ids: torch.Tensor) -> "PackedWeight":
         """A weight of the rows `ids` (a draft vocabulary's share of the head), same format."""
-        ids = torch.as_tensor(ids, dtype=torch.long)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
+        ids = torch.as_tensor(ids, dtype=torch.long).contiguous()
+        if ids.numel() == 0:
+            raise ValueError("a weight needs at least one row")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.rows:
             raise ValueError(f"row ids outside [0, {self.rows})")
-
-        # The 8-bit-activation layouts keep a row's four codes after its row index.
-        fields = {"data": _take_rows(self.data, ids, -2 if self.kind.endswith("i") else -1)}
-        fields.update({f: _take_rows(getattr(self, f), ids) for f in ("scale", "min")
-                       if getattr(self, f) is not None})
-        if self.kind == "q5":      # a 16-bit word per block and input: a bit per row
-            bits = (self.high.to(torch.int32)[..., None] >> torch.arange(ROW_BLOCK, dtype=torch.int32)) & 1
-            bits = _take_rows(bits, ids)
-            fields["high"] = (bits << torch.arange(ROW_BLOCK, dtype=torch.int32)).sum(-1) \
-                .to(torch.int32).to(torch.uint16).contiguous()
-        elif self.kind == "q5i":   # a 64-bit word per block and four inputs: bit 4 * row + input
-            bits = ((self.high[..., None] >> torch.arange(64)) & 1).reshape(*self.high.shape, ROW_BLOCK, 4)
-            bits = _take_rows(bits, ids, -2).reshape(*bits.shape[:-3], -1, 64)
-            fields["high"] = (bits << torch.arange(64)).sum(-1).contiguous()
+        data = torch.empty(packed_bytes(self.type, ids.numel(), self.cols), dtype=torch.uint8)
+        struct = self.struct()
+        native.library().vs_take_rows(ctypes.byref(struct), ids.data_ptr(), ids.numel(), data.data_ptr())
         bias = None if self.bias is None else self.bias[ids].contiguous()
-        return PackedWeight(self.kind, ids.numel(), self.cols, group=self.group, bias=bias,
-                            source=self.source, **fields)
+        return PackedWeight(self.type, ids.numel(), self.cols, data, bias, self.int8_acts, self.source)
 
     def dequantize(self, rows: slice | None = None) -> torch.Tensor:
         """The float32 weight (or a slice of its rows) exactly as the kernels compute with it."""
@@ -115,83 +118,70 @@ class PackedWeight:
         return out
 
 
+def packed_bytes(type_name: str, rows: int, cols: int) -> int:
+    """Bytes of a packed weight (ValueError for a shape its type cannot take)."""
+    if type_name not in TYPES:
+        raise UnsupportedType(f"GGUF type {type_name} is not one the native engine computes with "
+                              f"({', '.join(TYPES)})")
+    n = native.library().vs_packed_bytes(TYPES[type_name], rows, cols)
+    if n < 0:
+        inputs = 256 if GGUF_BLOCKS[type_name][0] == 256 else UNIT
+        raise ValueError(f"a {type_name} weight of {rows} x {cols}: the native engine needs a multiple of "
+                         f"{inputs} columns")
+    return n
+
+
 def check_shape(rows: int, cols: int, what: str = "weight") -> None:
     if cols % UNIT:
         raise ValueError(f"{what} of {rows} x {cols}: the native engine needs a multiple of "
                          f"{UNIT} columns")
 
 
-def _take_rows(t: torch.Tensor, ids: torch.Tensor, row_dim: int = -1) -> torch.Tensor:
-    """Rows `ids` of a blocked tensor (blocks, units, ..., 16 at row_dim, ...), blocked again."""
-    t = t.movedim(row_dim, -1)
-    flat = t.movedim(-1, 1).reshape(-1, *t.shape[1:-1])          # (rows, units, ...)
-    return _blocked(flat[ids]).movedim(-1, row_dim).contiguous()
+def gguf_row_bytes(type_name: str, cols: int) -> int:
+    inputs, size = GGUF_BLOCKS[type_name]
+    return cols // inputs * size
 
 
-def _blocked(t: torch.Tensor) -> torch.Tensor:
-    """(rows, units, ...) -> (blocks, units, ..., 16): the native engine's blocks of 16 rows,
-    one per vector lane (the last padded with zero rows), for every 32-input unit."""
-    rows, units = t.shape[:2]
-    pad = -rows % ROW_BLOCK
-    if pad:
-        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-    t = t.reshape(-1, ROW_BLOCK, units, *t.shape[2:])          # (blocks, 16, units, ...)
-    return t.movedim(1, -1).contiguous()                        # (blocks, units, ..., 16)
+def pack_blocks(type_name: str, raw, rows: int, cols: int, order: np.ndarray | None = None,
+                out: torch.Tensor | None = None, bias: torch.Tensor | None = None, int8_acts: bool = False,
+                source: str = "") -> PackedWeight:
+    """A GGUF tensor's rows (raw: a (rows, row bytes) uint8 array, a memory map's view read in
+    place) packed in C, straight from its blocks; `order`: the file rows to take, in order
+    (Llama's q and k rows un-interleaved); `out`: where to write (a view of a cache file)."""
+    if type_name not in TYPES:
+        raise UnsupportedType(f"GGUF type {type_name} is not one the native engine computes with "
+                              f"({', '.join(TYPES)})")
+    size = packed_bytes(type_name, rows, cols)
+    row_bytes = gguf_row_bytes(type_name, cols)
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != row_bytes or not raw.flags.c_contiguous:
+        raise ValueError(f"{type_name} rows of {cols} inputs are {row_bytes} bytes each, not {raw.shape}")
+    src_rows = raw.shape[0]
+    if order is not None:
+        order = np.ascontiguousarray(order, dtype=np.int64)
+        if order.shape != (rows,) or (rows and (order.min() < 0 or order.max() >= src_rows)):
+            raise ValueError(f"row order of {order.shape} for {src_rows} rows")
+    elif src_rows != rows:
+        raise ValueError(f"{src_rows} rows of blocks for a weight of {rows}")
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8)
+    elif out.numel() != size or out.dtype != torch.uint8:
+        raise ValueError(f"{size} bytes to write, a buffer of {out.numel()}")
+    native.library().vs_pack(TYPES[type_name], raw.ctypes.data, row_bytes, rows, cols,
+                             None if order is None else order.ctypes.data, out.data_ptr())
+    return PackedWeight(type_name, rows, cols, out, _bias(bias), int8_acts and type_name not in FLOAT_TYPES,
+                        source or type_name)
 
 
 def pack_float(weight: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> PackedWeight:
+    """A float weight as f32, bf16 or f16 rows (bf16 and f16 rounded once)."""
     rows, cols = weight.shape
     check_shape(rows, cols)
-    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[kind]
-    data = _blocked(weight.detach().to(dtype).reshape(rows, cols // UNIT, UNIT))
-    return PackedWeight(kind, rows, cols, data, bias=_bias(bias), source=kind)
-
-
-def pack_codes(kind: str, codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None = None,
-               group: int = UNIT, bias: torch.Tensor | None = None, source: str = "") -> PackedWeight:
-    """Quantized groups from row-major codes (rows, cols) and per-group scale/min (rows, cols /
-    group): q4 codes 0..15, q5 codes 0..31 (w = code * scale + min), q8 codes -128..127
-    (w = code * scale, group 32 or 16)."""
-    rows, cols = codes.shape
-    check_shape(rows, cols)
-    units = cols // UNIT
-    grouped = _blocked(codes.reshape(rows, units, UNIT))      # (blocks, units, 32 inputs, 16 rows)
-    high = None
-    if kind in ("q4i", "q5i", "q8i"):
-        # Four consecutive inputs' codes per row side by side (blocks, units, 8, 16, 4): the
-        # layout the 4-way byte products (VNNI, AVX2's multiply-add pairs) read.
-        quads = grouped.reshape(*grouped.shape[:2], 8, 4, ROW_BLOCK).movedim(3, 4)
-        if kind == "q8i":
-            if group not in (16, 32) or min is not None:
-                raise ValueError("q8 groups are 16 or 32 wide, without mins")
-            data = quads.to(torch.int8).contiguous()
-        else:
-            if group != UNIT or min is None:
-                raise ValueError(f"{kind} groups are {UNIT} wide and have mins")
-            low = (quads & 15).to(torch.uint8)
-            data = torch.stack([low[..., 0] | (low[..., 2] << 4), low[..., 1] | (low[..., 3] << 4)], -1)
-            data = data.contiguous()
-            if kind == "q5i":
-                bits = ((quads >> 4) & 1).to(torch.int64).reshape(*quads.shape[:3], 64)
-                high = (bits << torch.arange(64, dtype=torch.int64)).sum(-1).contiguous()
-    elif kind in ("q4", "q5"):
-        if group != UNIT or min is None:
-            raise ValueError(f"{kind} groups are {UNIT} wide and have mins")
-        low = (grouped & 15).to(torch.uint8)
-        data = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).contiguous()   # inputs 2t, 2t+1 in one byte
-        if kind == "q5":
-            bits = ((grouped >> 4) & 1).to(torch.int32) << torch.arange(ROW_BLOCK, dtype=torch.int32)
-            high = bits.sum(-1).to(torch.int32).to(torch.uint16).contiguous()
-    elif kind == "q8":
-        if group not in (16, 32) or min is not None:
-            raise ValueError("q8 groups are 16 or 32 wide, without mins")
-        data = grouped.to(torch.int8).contiguous()
-    else:
-        raise ValueError(f"unknown quantized kind {kind!r}")
-    scale = _blocked(scale.reshape(rows, units, UNIT // group))   # (blocks, units, groups, 16)
-    if min is not None:
-        min = _blocked(min.reshape(rows, units))
-    return PackedWeight(kind, rows, cols, data, scale, min, high, group, _bias(bias), source)
+    type_name = _KINDS[kind]
+    dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[type_name]
+    values = weight.detach().to(dtype).contiguous()
+    raw = values.view(torch.uint8).reshape(rows, -1).numpy()
+    return pack_blocks(type_name, raw, rows, cols, bias=bias, source=kind)
 
 
 def q8_0_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,113 +202,39 @@ def q8_0_float(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return (codes.float().reshape(rows, cols // UNIT, UNIT) * d.float()[..., None]).reshape(rows, cols)
 
 
+def q8_0_blocks(codes: torch.Tensor, d: torch.Tensor) -> np.ndarray:
+    """Q8_0 groups as GGUF's blocks: (rows, row bytes) uint8, each block d then 32 codes."""
+    rows, cols = codes.shape
+    blocks = np.empty((rows, cols // UNIT, 34), dtype=np.uint8)
+    blocks[..., :2] = d.contiguous().numpy().view(np.uint8).reshape(rows, cols // UNIT, 2)
+    blocks[..., 2:] = codes.contiguous().numpy().view(np.uint8).reshape(rows, cols // UNIT, UNIT)
+    return blocks.reshape(rows, -1)
+
+
 def quantize_q8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
     """A float weight quantized as GGUF's Q8_0 does (`q8_0_groups`), for products with 8-bit
-    activations (q8i). Lossy: for drafters, whose rounding changes what is drafted, never what
-    is accepted."""
+    activations. Lossy: for drafters, whose rounding changes what is drafted, never what is
+    accepted."""
     codes, d = q8_0_groups(weight)
-    return pack_codes("q8i", codes, d, bias=bias, source="q8_0")
+    rows, cols = codes.shape
+    return pack_blocks("Q8_0", q8_0_blocks(codes, d), rows, cols, bias=bias, int8_acts=native.has_int8(),
+                       source="q8_0")
 
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.detach().float().contiguous()
 
 
-# ---------------------------------------------------------------- GGUF blocks
-
-def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0]
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """GGUF's 16-byte nibble runs: low nibbles are inputs 0-15, high nibbles 16-31."""
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
-
-
-def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's eight 6-bit (scale, min) pairs per 256 inputs, from their 12 packed bytes."""
-    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
-    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc, mn
-
-
-def from_gguf_blocks(type_name: str, raw: np.ndarray, rows: int, cols: int,
-                     int8_activations: bool = False) -> PackedWeight | None:
-    """A quantized GGUF tensor's blocks (rows, row bytes) re-encoded losslessly; None for a type
-    that has no quantized kind here (the caller keeps its float32 dequantization). With
-    int8_activations, in the layout of products with 8-bit activations (q4i, q5i, q8i)."""
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    suffix = "i" if int8_activations else ""
-    units = cols // UNIT
-    if type_name == "Q8_0":
-        b = raw.reshape(rows, units, 34)
-        return pack_codes("q8" + suffix, t(b[..., 2:].view(np.int8).reshape(rows, cols)), t(_f16(b, 0)),
-                          source=type_name)
-    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
-        size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[type_name]
-        b = raw.reshape(rows, units, size)
-        d = _f16(b, 0)
-        has_min = type_name.endswith("_1")
-        offset = 4 if has_min else 2
-        five = type_name.startswith("Q5")
-        codes = _nibbles(b[..., offset + 4 * five:]).astype(np.int32)
-        if five:
-            qh = np.ascontiguousarray(b[..., offset:offset + 4]).view(np.uint32)
-            codes |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32) << 4
-        if has_min:
-            mn = _f16(b, 2)
-        else:   # w = (code - 8 or 16) * d = code * d + min, min = -8d or -16d (exact in float16)
-            mn = (-(16 if five else 8) * d.astype(np.float32)).astype(np.float16)
-            if not np.array_equal(mn.astype(np.float32), -(16 if five else 8) * d.astype(np.float32)):
-                return None
-        return pack_codes(("q5" if five else "q4") + suffix, t(codes.reshape(rows, cols)), t(d), t(mn),
-                          source=type_name)
-    if type_name == "Q4_K":
-        b = raw.reshape(rows, cols // 256, 144)
-        d, dmin = _f16(b, 0).astype(np.float32), _f16(b, 2).astype(np.float32)
-        sc, mn = _k_scale_min(b[..., 4:16])
-        scale = d[..., None] * sc.astype(np.float32)          # exact: 11 x 6 bits
-        minimum = -(dmin[..., None] * mn.astype(np.float32))
-        qs = b[..., 16:].reshape(rows, cols // 256, 4, 32)   # 64 inputs per 32 bytes
-        codes = np.concatenate([qs & 15, qs >> 4], axis=-1)   # (.., 4, 64): low 32 then high 32
-        return pack_codes("q4" + suffix, t(codes.reshape(rows, cols)), t(scale.reshape(rows, units)),
-                          t(minimum.reshape(rows, units)), source=type_name)
-    if type_name == "Q6_K":
-        b = raw.reshape(rows, cols // 256, 210)
-        ql, qh = b[..., :128], b[..., 128:192]
-        sc = b[..., 192:208].view(np.int8).astype(np.float32)
-        d = _f16(b, 208).astype(np.float32)
-        scale = d[..., None] * sc                              # exact: 11 x 8 bits
-        ql = ql.reshape(rows, -1, 2, 64)
-        low = np.concatenate([ql & 15, ql >> 4], axis=-1).reshape(rows, -1, 2, 4, 32)
-        qh = qh.reshape(rows, -1, 2, 1, 32) >> (np.arange(4, dtype=np.uint8) * 2).reshape(1, 1, 1, 4, 1)
-        codes = (low | ((qh & 3) << 4)).astype(np.int16) - 32
-        return pack_codes("q8" + suffix, t(codes.reshape(rows, cols).astype(np.int8)),
-                          t(scale.reshape(rows, cols // 16)), group=16, source=type_name)
-    return None
-
-
-# ---------------------------------------------------------------- whole models
+# ---------------------------------------------------------------- float modules' weights
 
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-_GGUF_NAMES = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
-               "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+GGUF_NAMES = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
+              "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
 
 
 def llama_rope_rows(rows: int, n_head: int) -> np.ndarray:
     """The row order that undoes llama.cpp's interleaving of Llama's q/k rotary halves."""
     return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
-
-
-def float_linears(model) -> dict[str, torch.Tensor]:
-    """Each layer's projections as (rows, cols) float tensors, split out of the fused modules,
-    and the embedding."""
-    out = block_linears(model.args, model.layers)
-    out["embed"] = model.embed.weight
-    if model.output is not None:
-        out["head"] = model.output.weight
-    return out
 
 
 def block_biases(args, blocks) -> dict[str, torch.Tensor]:
@@ -344,81 +260,14 @@ def block_linears(args, blocks) -> dict[str, torch.Tensor]:
     return out
 
 
-def pack_model(model, weights: str, gguf_path=None) -> dict[str, PackedWeight]:
-    """Every projection, the embedding and the LM head (tied: the same object) of `model` in the
-    format `weights`; for gguf, re-encoded from the file's own blocks."""
-    if weights not in FORMATS:
-        raise ValueError(f"unknown weight format {weights!r} (choose from {', '.join(FORMATS)})")
-    floats = float_linears(model)
+def pack_module_weights(model, kind: str) -> dict[str, PackedWeight]:
+    """Every projection, the embedding and the LM head (tied: the same object) of a float
+    `model` (a Hugging Face directory's) as `kind` (f32 or bf16) weights."""
+    floats = block_linears(model.args, model.layers)
+    floats["embed"] = model.embed.weight
+    if model.output is not None:
+        floats["head"] = model.output.weight
     biases = block_biases(model.args, model.layers)
-    if not weights.startswith("gguf"):
-        packed = {name: pack_float(w, weights, bias=biases.get(name)) for name, w in floats.items()}
-        packed.setdefault("head", packed["embed"])
-        return packed
-    if gguf_path is None:
-        raise ValueError(f"--weights {weights} needs a GGUF model file")
-    int8_activations = weights == "gguf-a8"
-    if int8_activations and not native.has_int8():
-        raise ValueError("--weights gguf-a8 needs 8-bit dot products (AVX-512 VNNI, or AVX2), which "
-                         "this build lacks; use gguf")
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    tensors = {t.name: t for t in reader.tensors}
-    args = model.args
-    packed = {}
-    for name, w in floats.items():
-        if name in ("embed", "head"):
-            gguf_name = "token_embd.weight" if name == "embed" else "output.weight"
-        else:
-            _, index, short = name.split(".")
-            gguf_name = f"blk.{index}.{_GGUF_NAMES[short]}.weight"
-        tensor = tensors.get(gguf_name)
-        rows, cols = w.shape
-        result = None
-        if tensor is not None and tensor.tensor_type.name not in ("F32", "F16", "BF16"):
-            raw = np.asarray(tensor.data)
-            if raw.shape[0] != rows:
-                raise ValueError(f"{gguf_path}: {gguf_name} has {raw.shape[0]} rows, the model {rows}")
-            if args.arch == "llama" and name.split(".")[-1] in ("wq", "wk"):
-                heads = args.n_heads if name.endswith("wq") else args.n_kv_heads
-                raw = raw[llama_rope_rows(rows, heads)]
-            result = from_gguf_blocks(tensor.tensor_type.name, raw, rows, cols, int8_activations)
-        if result is not None and biases.get(name) is not None:
-            result.bias = biases[name].detach().float().contiguous()
-        packed[name] = result if result is not None else pack_float(w, "f32", bias=biases.get(name))
+    packed = {name: pack_float(w, kind, bias=biases.get(name)) for name, w in floats.items()}
     packed.setdefault("head", packed["embed"])
-    return packed
-
-
-PACK_VERSION = 2   # bump when the packed layout changes: cached re-encodings are rebuilt
-_FIELDS = ("data", "scale", "min", "high", "bias")
-
-
-def flatten_packed(packed: dict[str, PackedWeight]) -> tuple[dict[str, torch.Tensor], dict]:
-    """Tensors and metadata of pack_model's result (tied weights stored once), for caching."""
-    tensors, meta, seen = {}, {}, {}
-    for name, w in packed.items():
-        if id(w) in seen:
-            meta[name] = {"same_as": seen[id(w)]}
-            continue
-        seen[id(w)] = name
-        meta[name] = {"kind": w.kind, "rows": w.rows, "cols": w.cols, "group": w.group,
-                      "source": w.source, "fields": [f for f in _FIELDS if getattr(w, f) is not None]}
-        for field in meta[name]["fields"]:
-            tensors[f"{name}.{field}"] = getattr(w, field)
-    return tensors, meta
-
-
-def unflatten_packed(tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, PackedWeight]:
-    packed = {}
-    for name, info in meta.items():
-        if "same_as" in info:
-            continue
-        fields = {f: tensors[f"{name}.{f}"] for f in info["fields"]}
-        packed[name] = PackedWeight(info["kind"], info["rows"], info["cols"], group=info["group"],
-                                    source=info["source"], **fields)
-    for name, info in meta.items():
-        if "same_as" in info:
-            packed[name] = packed[info["same_as"]]
     return packed

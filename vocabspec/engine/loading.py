@@ -1,8 +1,11 @@
 """Loading target models: bundled names, GGUF files, and Hugging Face model directories.
 
-GGUF weights are dequantized once to float32 and cached as safetensors under the cache
-directory (VOCABSPEC_CACHE, default ~/.cache/vocabspec), so later loads take a second instead
-of a dozen. Every failure names the file and what is wrong with it.
+A GGUF file is read through a memory map: its header gives the model's arguments and small
+tensors, and its matrices stay in their blocks. The native engine runs them packed from those
+blocks (packed_file.py: once, then memory-mapped from the cache directory, VOCABSPEC_CACHE,
+default ~/.cache/vocabspec); torch's kernels get them dequantized one tensor at a time to
+their run dtype. What a model needs in memory is stated before it is loaded, and a model that
+does not fit is refused. Every failure names the file and what is wrong with it.
 """
 
 from __future__ import annotations
@@ -10,15 +13,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import native
-from .files import cache_dir, file_key, write_atomically
-from .formats import FORMATS, PACK_VERSION, flatten_packed, pack_model, unflatten_packed
-from .model import ARCH_FEATURES, ModelArgs, Transformer
+from .files import cache_dir
+from .formats import FORMATS, llama_rope_rows, pack_float, pack_module_weights
+from .model import ARCH_FEATURES, ModelArgs, Transformer, uninitialized
 
 BUNDLED = ("smollm2", "gemma3")
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -65,11 +69,7 @@ def resolve_model_path(model: str) -> Path:
 # ---------------------------------------------------------------- GGUF
 
 def _gguf_field(reader, key, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+    return reader.field(key, default)
 
 
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")   # Mistral's GGUFs say llama
@@ -89,8 +89,10 @@ def _args_from_gguf(reader, path: Path) -> ModelArgs:
     dim = int(need("embedding_length"))
     n_heads = int(need("attention.head_count"))
     head_dim = int(_gguf_field(reader, f"{arch}.attention.key_length", dim // n_heads))
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
-    vocab = int(_gguf_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
+    vocab = int(np.prod([int(d) for d in embed.shape[1:]]))     # the embedding's rows
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     context = int(need("context_length"))
     args = ModelArgs(
@@ -120,89 +122,173 @@ def _args_from_gguf(reader, path: Path) -> ModelArgs:
     return args
 
 
-def _state_dict_from_gguf(reader, args: ModelArgs, path: Path) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
-    import numpy as np
+def open_gguf(path: Path):
+    """The file's header, its tensors mapped (gguf_file.py; ModelLoadError naming it if it is
+    not a GGUF file or is cut short)."""
+    from .gguf_file import GGUFError, GGUFFile
 
-    raw = {}
-    for tensor in reader.tensors:
-        try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-        except Exception as exc:  # a truncated or unknown block type
-            raise ModelLoadError(f"{path}: cannot read tensor {tensor.name}: {exc}") from exc
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        if not array.flags.writeable:   # float32 tensors come back as views of the read-only map
-            array = array.copy()
-        raw[tensor.name] = torch.from_numpy(array)
+    try:
+        return GGUFFile(path)
+    except (GGUFError, OSError) as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
 
-    def take(name):
-        if name not in raw:
-            raise ModelLoadError(f"{path}: tensor {name} is missing")
-        return raw[name]
 
-    def unpermute(w, n_head):
-        # llama.cpp interleaves the rotary halves of Llama's q/k rows; undo it for rotate-half RoPE.
-        rows = w.shape[0]
-        return w.reshape(n_head, rows // n_head // 2, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+MATRIX_NAMES = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
+                "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+NORM_NAMES = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "attn.q_norm": "attn_q_norm",
+              "attn.k_norm": "attn_k_norm", "post_attn_norm": "post_attention_norm", "post_mlp_norm": "post_ffw_norm"}
 
-    sd = {"embed.weight": take("token_embd.weight"), "norm.weight": take("output_norm.weight")}
-    if "output.weight" in raw and not torch.equal(raw["output.weight"], sd["embed.weight"]):
-        args.tied_embeddings = False
-        sd["output.weight"] = raw["output.weight"]
-    if "rope_freqs.weight" in raw:      # Llama 3.1+: llama.cpp's per-frequency scaling factors
-        args.rope_scaling = {"type": "freqs", "factors": raw["rope_freqs.weight"].double().tolist()}
-    args.qkv_bias = "blk.0.attn_q.bias" in raw
-    for i in range(args.n_layers):
-        p = f"blk.{i}."
-        q, k = take(p + "attn_q.weight"), take(p + "attn_k.weight")
-        if args.arch == "llama":
-            q, k = unpermute(q, args.n_heads), unpermute(k, args.n_kv_heads)
-        o = f"layers.{i}."
-        sd[o + "attn.wqkv.weight"] = torch.cat([q, k, take(p + "attn_v.weight")])
+
+class GGUFModel:
+    """A GGUF file's model, read through its header: the arguments, the small float tensors
+    (norms, biases, RoPE factors) as float32, and where each matrix lies (`matrices`: the
+    model's name for it, its GGUF tensor and row order), read in place by whoever packs or
+    dequantizes it."""
+
+    def __init__(self, path: Path, max_seq_len: int | None = None):
+        self.path = path
+        self.reader = reader = open_gguf(path)
+        self.args = args = _args_from_gguf(reader, path)
+        self.tensors = {t.name: t for t in reader.tensors}
+        args.tied_embeddings = "output.weight" not in self.tensors
+        if "rope_freqs.weight" in self.tensors:      # Llama 3.1+: llama.cpp's per-frequency scaling factors
+            args.rope_scaling = {"type": "freqs", "factors": self.small("rope_freqs.weight").double().tolist()}
+        args.qkv_bias = "blk.0.attn_q.bias" in self.tensors
+        # args.max_seq_len is the model's context length; allocate only what the caller asks for.
+        args.context_length = args.context_length or args.max_seq_len
+        args.max_seq_len = min(args.max_seq_len, max_seq_len or DEFAULT_MAX_SEQ_LEN)
+        self.matrices = {"embed": (self.take("token_embd.weight"), None)}
+        if not args.tied_embeddings:
+            self.matrices["head"] = (self.take("output.weight"), None)
+        for i in range(args.n_layers):
+            for short, gguf_name in MATRIX_NAMES.items():
+                tensor, order = self.take(f"blk.{i}.{gguf_name}.weight"), None
+                if args.arch == "llama" and short in ("wq", "wk"):
+                    # llama.cpp interleaves the rotary halves of Llama's q/k rows; rotate-half
+                    # RoPE takes them in the other order.
+                    order = llama_rope_rows(rows_of(tensor), args.n_heads if short == "wq" else args.n_kv_heads)
+                self.matrices[f"layers.{i}.{short}"] = (tensor, order)
+        for name, (tensor, _) in self.matrices.items():
+            want = self.shape(name)
+            if (rows_of(tensor), int(tensor.shape[0])) != want:
+                raise ModelLoadError(f"{path}: {tensor.name} is {rows_of(tensor)} x {int(tensor.shape[0])}, the "
+                                     f"model's {want[0]} x {want[1]}")
+        self.norms = {"norm.weight": self.small("output_norm.weight")}
+        for i in range(args.n_layers):
+            for ours, gguf_name in NORM_NAMES.items():
+                if ours in ("attn_norm", "mlp_norm") or (ours.startswith("attn.") and args.qk_norm) or \
+                        (ours.startswith("post") and args.features.sandwich_norms):
+                    self.norms[f"layers.{i}.{ours}.weight"] = self.small(f"blk.{i}.{gguf_name}.weight")
+        self.biases = {}
         if args.qkv_bias:
-            sd[o + "attn.wqkv.bias"] = torch.cat([take(p + f"attn_{x}.bias") for x in "qkv"])
-        sd[o + "attn.wo.weight"] = take(p + "attn_output.weight")
-        sd[o + "mlp.w_gate_up.weight"] = torch.cat([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")])
-        sd[o + "mlp.w_down.weight"] = take(p + "ffn_down.weight")
-        sd[o + "attn_norm.weight"] = take(p + "attn_norm.weight")
-        sd[o + "mlp_norm.weight"] = take(p + "ffn_norm.weight")
-        if args.qk_norm:
-            sd[o + "attn.q_norm.weight"] = take(p + "attn_q_norm.weight")
-            sd[o + "attn.k_norm.weight"] = take(p + "attn_k_norm.weight")
-        if args.features.sandwich_norms:
-            sd[o + "post_attn_norm.weight"] = take(p + "post_attention_norm.weight")
-            sd[o + "post_mlp_norm.weight"] = take(p + "post_ffw_norm.weight")
-    return sd
+            for i in range(args.n_layers):
+                for short in ("wq", "wk", "wv"):
+                    self.biases[f"layers.{i}.{short}"] = self.small(f"blk.{i}.{MATRIX_NAMES[short]}.bias")
+        self.pack = None
 
+    def take(self, name: str):
+        if name not in self.tensors:
+            raise ModelLoadError(f"{self.path}: tensor {name} is missing")
+        return self.tensors[name]
 
-def load_gguf(path: Path, max_seq_len: int | None = None, use_cache: bool = True):
-    """(ModelArgs, float32 state dict) from a GGUF file, via the dequantized cache."""
-    from safetensors.torch import load_file, save_file
+    def shape(self, name: str) -> tuple[int, int]:
+        a = self.args
+        q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        return {"embed": (a.vocab_size, a.dim), "head": (a.vocab_size, a.dim), "wq": (q, a.dim), "wk": (kv, a.dim),
+                "wv": (kv, a.dim), "wo": (a.dim, q), "w_gate": (a.intermediate_size, a.dim),
+                "w_up": (a.intermediate_size, a.dim), "w_down": (a.dim, a.intermediate_size)}[name.split(".")[-1]]
 
-    key = file_key(path)
-    cached = cache_dir() / f"{path.stem}-{key}-v2.safetensors"
-    meta = cached.with_suffix(".json")
-    args = state = None
-    if use_cache and cached.exists() and meta.exists():
+    def small(self, name: str) -> torch.Tensor:
+        """A float tensor of the file (a norm, a bias, RoPE factors) as float32."""
+        tensor = self.take(name)
+        kind = tensor.tensor_type.name
+        if kind not in ("F32", "F16", "BF16"):
+            raise ModelLoadError(f"{self.path}: {name} is {kind}; norms and biases are floats")
+        data = np.asarray(tensor.data).reshape(-1)
+        if kind == "BF16":
+            data = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return torch.from_numpy(data.astype(np.float32))
+
+    def packed(self, int8_acts: bool, log=None) -> dict:
+        """Every matrix as a PackedWeight over the file's pack (packed_file.py: built once,
+        memory-mapped), with its bias; a tied head is the embedding."""
+        from .packed_file import Matrix, check_types, open_pack
+
+        matrices = {name: Matrix(tensor, order) for name, (tensor, order) in self.matrices.items()}
         try:
-            args, state = ModelArgs(**json.loads(meta.read_text())), load_file(str(cached))
-        except Exception:
-            args = state = None  # a broken cache entry is rebuilt below
-    if state is None:
+            check_types(self.path, matrices)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        self.pack = open_pack(self.path, matrices, self.reader.map, log=log)
+        out = {name: self.pack.weight(name, int8_acts, self.biases.get(name)) for name in matrices}
+        out.setdefault("head", out["embed"])
+        return out
+
+    def packed_bytes(self) -> int:
+        """What the matrices take packed: the weights' share of the process's memory."""
+        from .packed_file import Matrix
+
         try:
-            from gguf import GGUFReader
-            reader = GGUFReader(str(path))
+            return sum(Matrix(t, o).packed_bytes() for t, o in self.matrices.values())
+        except ValueError:
+            return sum(int(t.n_bytes) for t, _ in self.matrices.values())
+
+    def dequantized(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """One matrix as a float tensor of `dtype`, dequantized on its own (float32 of one
+        tensor at a time, never of the model)."""
+        from .formats import GGUF_BLOCKS, gguf_row_bytes, pack_blocks
+
+        tensor, order = self.matrices[name]
+        kind, rows, cols = tensor.tensor_type.name, rows_of(tensor), int(tensor.shape[0])
+        if kind in GGUF_BLOCKS and native.available()[0]:
+            raw = np.asarray(tensor.data).view(np.uint8).reshape(-1, gguf_row_bytes(kind, cols))
+            return pack_blocks(kind, raw, rows, cols, order=order).dequantize().to(dtype)
+        from gguf.quants import dequantize
+
+        try:
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(rows, cols)
         except Exception as exc:
-            raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
-        args = _args_from_gguf(reader, path)
-        state = _state_dict_from_gguf(reader, args, path)
-        if use_cache:
-            write_atomically(cached, lambda tmp: save_file(state, str(tmp)))
-            write_atomically(meta, lambda tmp: tmp.write_text(json.dumps(asdict(args))))
-    # args.max_seq_len is the model's context length; allocate only what the caller asks for.
-    args.context_length = args.context_length or args.max_seq_len
-    args.max_seq_len = min(args.max_seq_len, max_seq_len or DEFAULT_MAX_SEQ_LEN)
-    return args, state
+            raise ModelLoadError(f"{self.path}: cannot read tensor {tensor.name}: {exc}") from exc
+        return torch.from_numpy(np.ascontiguousarray(array if order is None else array[order])).to(dtype)
+
+
+def rows_of(tensor) -> int:
+    return int(np.prod([int(d) for d in tensor.shape[1:]]))
+
+
+def gguf_floats(model: GGUFModel, net: Transformer, dtype: torch.dtype, device: torch.device) -> None:
+    """Every parameter of `net` (built on the meta device) from the file, tensor by tensor in
+    `dtype` on `device` (torch's kernels: a GPU's bfloat16 8B takes its 16 GB, and no float32
+    copy of the model is ever made)."""
+    a = model.args
+    fused = {"attn.wqkv.weight": ("wq", "wk", "wv"), "mlp.w_gate_up.weight": ("w_gate", "w_up"),
+             "attn.wo.weight": ("wo",), "mlp.w_down.weight": ("w_down",)}
+    params = {"embed.weight": lambda: model.dequantized("embed", dtype)}
+    if not a.tied_embeddings:
+        params["output.weight"] = lambda: model.dequantized("head", dtype)
+    for i in range(a.n_layers):
+        for ours, parts in fused.items():
+            params[f"layers.{i}.{ours}"] = (lambda i=i, parts=parts: torch.cat(
+                [model.dequantized(f"layers.{i}.{p}", dtype) for p in parts]))
+        if a.qkv_bias:
+            params[f"layers.{i}.attn.wqkv.bias"] = (lambda i=i: torch.cat(
+                [model.biases[f"layers.{i}.{p}"] for p in ("wq", "wk", "wv")]).to(dtype))
+    for name, tensor in model.norms.items():
+        params[name] = lambda tensor=tensor: tensor.to(dtype)
+    for name, make in params.items():
+        adopt(net, name, make().to(device))
+
+
+def adopt(net: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make `tensor` the parameter `name` of `net` (replacing a meta one), no copy."""
+    *path, leaf = name.split(".")
+    module = net
+    for part in path:
+        module = getattr(module, part)
+    old = getattr(module, leaf)
+    if tuple(old.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"{name}: a tensor of {tuple(tensor.shape)} for a parameter of {tuple(old.shape)}")
+    setattr(module, leaf, torch.nn.Parameter(tensor, requires_grad=False))
 
 
 # ---------------------------------------------------------------- Hugging Face directories
@@ -365,21 +451,28 @@ def choose_backend(device: torch.device, backend: str = "auto") -> tuple[str, st
 
 
 def load_model(model: str, weights: str = "auto", device: str | torch.device = "cpu",
-               max_seq_len: int | None = None, backend: str = "auto") -> tuple[Transformer, Path]:
+               max_seq_len: int | None = None, backend: str = "auto", log=None) -> tuple[Transformer, Path]:
     """Build the target model from a bundled name, GGUF file or HF directory.
 
     weights: the run-time format (formats.py); "auto" is the fastest exact one here
     (`auto_weights`). On torch's kernels (other devices, or no native engine) f32 and bf16 run
     (bf16 computes in bfloat16). backend: auto, native, torch (torch's kernels, any device) or
-    triton (torch's path with the row-invariant kernels of kernels.py: exact on a GPU)."""
+    triton (torch's path with the row-invariant kernels of kernels.py: exact on a GPU).
+
+    A GGUF file on the native engine runs from its own blocks (packed once, memory-mapped: the
+    file's size in memory); elsewhere it is dequantized tensor by tensor to the run dtype. What
+    the weights and one context's cache take is checked against the memory free before anything
+    is read, and a model that does not fit is refused with the number it needs."""
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weight format {weights!r} (choose from {', '.join(WEIGHTS)})")
     device = torch.device(device)
     path = resolve_model_path(model)
+    gguf, state = None, None
     if path.is_dir():
         args, state = load_hf_dir(path, max_seq_len)
-    elif path.suffix == ".gguf" or path.is_file():
-        args, state = load_gguf(path, max_seq_len)
+    elif path.is_file():
+        gguf = GGUFModel(path, max_seq_len)
+        args = gguf.args
     else:
         raise ModelLoadError(f"{path}: not a GGUF file or model directory")
     engine, why = choose_backend(device, backend)
@@ -388,37 +481,47 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
         if backend == "native":
             raise ModelLoadError(f"{path}: {unfit}")
         engine, why = "torch", unfit
-    gguf_file = path if path.is_file() else None
     if weights == "auto":
-        weights = auto_weights(engine, gguf_file is not None)
+        weights = auto_weights(engine, gguf is not None)
     if weights.startswith("gguf") and engine != "native":
         raise ModelLoadError(f"--weights {weights} runs on the native CPU engine, not used here "
                              f"({why}); use bf16 or f32")
-    if weights.startswith("gguf") and gguf_file is None:
+    if weights.startswith("gguf") and gguf is None:
         raise ModelLoadError(f"{path}: --weights {weights} needs a GGUF file, not a model directory")
-    with torch.device("meta"):
+    need = memory_need(args, weights, engine, gguf)
+    if device.type == "cpu":
+        check_fits(path, need)
+    with torch.device("meta"), uninitialized():
         net = Transformer(args)
-    net = net.to_empty(device=device)
-    # The state's tensors are this load's own (read from the file), so where they already have
-    # the parameters' dtype they become the parameters instead of being copied into them: a
-    # second copy of every weight costs seconds a load and, until freed, twice the memory.
-    dtype = next(net.parameters()).dtype
-    adopt = all(t.dtype == dtype for t in state.values() if t.is_floating_point())
-    try:
-        net.load_state_dict(state, strict=True, assign=adopt)
-    except RuntimeError as exc:
-        raise ModelLoadError(f"{path}: weights do not fit the architecture ({exc})") from exc
-    net = net.to(device=device)      # also builds the RoPE tables, which were meta until now
+    if gguf is not None and engine == "native":
+        for name, tensor in gguf.norms.items():
+            adopt(net, name, tensor)
+        net.init_rope(device)
+        if weights.startswith("gguf"):
+            packed = gguf.packed(int8_acts=weights == "gguf-a8", log=log)
+        else:
+            packed = {name: pack_float(gguf.dequantized(name, torch.float32), weights, bias=gguf.biases.get(name))
+                      for name in gguf.matrices}
+            packed.setdefault("head", packed["embed"])
+        net.use_native(packed, weights)
+    else:
+        dtype = torch.bfloat16 if weights == "bf16" and engine != "native" else torch.float32
+        if gguf is not None:
+            gguf_floats(gguf, net, dtype, device)
+        else:
+            assign_state(net, state, path, device)
+        net.init_rope(device)
+        if engine == "native":
+            net.use_native(pack_module_weights(net, weights), weights)
+        elif dtype != torch.float32:
+            net.to(dtype=dtype)
+        elif device.type == "cuda":
+            # float32 means float32: TF32 would round matmul inputs to 10 mantissa bits, and a tree
+            # forward would then differ from one-token decoding far beyond float32 rounding.
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
     net.eval().requires_grad_(False)
-    if engine == "native":
-        net.use_native(cached_pack(net, weights, gguf_file), weights)
-    elif weights == "bf16":
-        net = net.to(dtype=torch.bfloat16)
-    elif device.type == "cuda":
-        # float32 means float32: TF32 would round matmul inputs to 10 mantissa bits, and a tree
-        # forward would then differ from one-token decoding far beyond float32 rounding.
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    net.memory = need
     if backend == "triton":
         net.use_kernels()
     net.engine = f"the native CPU engine ({native.isa()})" if engine == "native" else \
@@ -427,11 +530,22 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
     return net, path
 
 
+def assign_state(net: Transformer, state: dict, path: Path, device: torch.device) -> None:
+    """A Hugging Face directory's float32 state as `net`'s parameters (built on meta): the
+    state's tensors are this load's own, so they become the parameters, not copies."""
+    params = dict(net.named_parameters())
+    missing, extra = set(params) - set(state), set(state) - set(params)
+    if missing or extra:
+        raise ModelLoadError(f"{path}: weights do not fit the architecture (missing {sorted(missing)[:4]}, "
+                             f"unexpected {sorted(extra)[:4]})")
+    for name, tensor in state.items():
+        adopt(net, name, tensor.to(device))
+
+
 def auto_weights(engine: str, gguf: bool) -> str:
     """The fastest exact format here: a GGUF's own blocks with 8-bit activations where the CPU
     has 8-bit dot products (AVX-512 VNNI, AVX2; as llama.cpp computes), else with float32 ones;
-    f32 for other files and on
-    torch's kernels."""
+    f32 for other files and on torch's kernels."""
     if engine != "native" or not gguf:
         return "f32"
     return "gguf-a8" if native.has_int8() else "gguf"
@@ -448,22 +562,62 @@ def native_unfit(args: ModelArgs) -> str:
     return "the native engine needs multiples of 32: " + ", ".join(bad) if bad else ""
 
 
-def cached_pack(net: Transformer, weights: str, gguf_file: Path | None) -> dict:
-    """pack_model's result, cached beside the dequantized weights for GGUF re-encodings (they
-    take seconds to build and milliseconds to map)."""
-    if not weights.startswith("gguf"):
-        return pack_model(net, weights, gguf_file)
-    from safetensors.torch import load_file, save_file
+# ---------------------------------------------------------------- memory
 
-    cached = cache_dir() / f"{gguf_file.stem}-{file_key(gguf_file)}-{weights}{PACK_VERSION}.safetensors"
-    if cached.exists():
-        try:
-            return unflatten_packed(load_file(str(cached)), json.loads(
-                (cached.with_suffix(".json")).read_text()))
-        except Exception:
-            pass  # a broken entry is rebuilt
-    packed = pack_model(net, weights, gguf_file)
-    tensors, meta = flatten_packed(packed)
-    write_atomically(cached, lambda tmp: save_file(tensors, str(tmp)))
-    write_atomically(cached.with_suffix(".json"), lambda tmp: tmp.write_text(json.dumps(meta)))
-    return packed
+@dataclass
+class MemoryNeed:
+    """What a model takes in memory, stated before it is loaded: its weights (on the native
+    engine, a GGUF's pack is memory-mapped and shared between processes) and a context's KV
+    cache (one slot of max_seq_len tokens; a server holds one per slot)."""
+    weights: int
+    kv_per_token: int
+    tokens: int
+    overhead: int = 256 << 20       # tables, workspaces, the tokenizer, torch itself
+
+    @property
+    def kv(self) -> int:
+        return self.kv_per_token * self.tokens
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.overhead
+
+    def describe(self, slots: int = 1) -> str:
+        gib = 2 ** 30
+        return (f"{self.weights / gib:.2f} GiB of weights, {slots * self.kv / gib:.2f} GiB of KV cache "
+                f"({slots} x {self.tokens} tokens)")
+
+
+def memory_need(args: ModelArgs, weights: str, engine: str, gguf: GGUFModel | None) -> MemoryNeed:
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    count = args.n_layers * (q * args.dim * 2 + kv * args.dim * 2 + 3 * args.dim * args.intermediate_size) + \
+        args.vocab_size * args.dim * (1 if args.tied_embeddings else 2)
+    if weights.startswith("gguf") and gguf is not None:
+        size = gguf.packed_bytes()
+    else:
+        size = count * (2 if weights == "bf16" else 4)
+    element = 2 if weights.startswith("gguf") or (engine != "native" and weights == "bf16") else 4
+    return MemoryNeed(size, args.n_layers * kv * 2 * element, args.max_seq_len)
+
+
+def memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(path: Path, need: MemoryNeed) -> None:
+    """ModelLoadError, with the numbers, where the model and one context do not fit the memory
+    free now (VOCABSPEC_MEMORY_CHECK=0 skips the check)."""
+    have = memory_available()
+    if have is None or os.environ.get("VOCABSPEC_MEMORY_CHECK", "1") == "0":
+        return
+    if need.total > have:
+        gib = 2 ** 30
+        raise ModelLoadError(f"{path}: needs {need.total / gib:.2f} GiB ({need.describe()}), and this machine has "
+                             f"{have / gib:.2f} GiB free; a shorter --max-seq-len shrinks the cache")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -492,6 +493,19 @@ def native_stack(args: ModelArgs, blocks, packed: dict, rope: dict, first: dict 
                        args.norm_eps, blocks[0].attn.scale, args.features.gelu, layers, kv_half)
 
 
+@contextmanager
+def uninitialized():
+    """Linear layers and embeddings built inside get no random initialization: for a model built
+    on the meta device whose weights the loader supplies (torch's initializers on meta tensors
+    import its compiler: two seconds of a load)."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -503,18 +517,20 @@ class Transformer(nn.Module):
         self.output = None if args.tied_embeddings else Linear(args.dim, args.vocab_size, bias=False)
         self.embed_scale = math.sqrt(args.dim) if args.features.scale_embeddings else None
         self.rope = {}
-        self._init_rope()
+        self.init_rope(self.norm.weight.device)
         self.native = None       # native.NativeModel once `use_native` has run
+        self.memory = None       # loading.MemoryNeed: what its weights and a context's cache take
         self.kernels = False     # the row-invariant kernels (kernels.py) once `use_kernels` has run
         self.fused_head = False  # the final norm inside the LM head's kernel (use_kernels)
         # Held by whoever runs a step (a generation, a batch's thread): a model's scratch
         # buffers and native state serve one caller at a time.
         self.lock = threading.RLock()
+        self._float_head = None
         self.engine = "torch's kernels"   # what runs it, and why (loading.load_model says)
 
-    def _init_rope(self):
+    def init_rope(self, device: torch.device) -> None:
+        """The RoPE tables on `device` (a model built on the meta device gets real ones here)."""
         args = self.args
-        device = self.embed.weight.device
         self.rope = {"global": tuple(t.to(device) for t in rope_tables(
             args.head_dim, args.rope_base, args.max_seq_len, args.rope_scaling))}
         if any(args.is_sliding(i) for i in range(args.n_layers)):
@@ -525,15 +541,16 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        # The final norm: always materialized (on the native engine the matrices never are).
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.norm.weight.dtype
 
     def to(self, *a, **kw):
         out = super().to(*a, **kw)
-        self._init_rope()
+        self.init_rope(self.device)
         return out
 
     @property
@@ -576,7 +593,7 @@ class Transformer(nn.Module):
         dot_is_row_invariant(self.device, self.dtype)
 
     def use_native(self, packed: dict, weights: str) -> None:
-        """Run on the native CPU engine with `packed` weights (formats.pack_model)."""
+        """Run on the native CPU engine with `packed` weights (a GGUF pack (packed_file.py) or formats.pack_module_weights)."""
         from .native import NativeModel
 
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -639,7 +656,13 @@ class Transformer(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
-        """The LM head's weight: the embedding's, or an untied head's."""
+        """The LM head's weight: the embedding's, or an untied head's. On the native engine the
+        head lives packed; this is its float32 copy, made when first asked for (training and
+        SpecVocab's exact head read it: vocabulary x width floats, 2 GB for Llama 3 8B)."""
+        if self.native is not None:
+            if self._float_head is None:
+                self._float_head = self.native.head_weight.dequantize()
+            return self._float_head
         return self.embed.weight if self.output is None else self.output.weight
 
     def _check_taps(self, taps: tuple[int, ...]) -> None:

@@ -37,17 +37,18 @@ import torch
 from .files import cache_dir
 
 SOURCE = Path(__file__).with_name("native.c")
-KINDS = {"f32": 0, "bf16": 1, "q4": 2, "q5": 3, "q8": 4, "q4i": 5, "q5i": 6, "q8i": 7}
+# The compiled unit and what it includes (native.h: the ABI; native_vec.h: the vectors;
+# native_weights.c: the weight layout and the matmul; native_threads.c: the governor).
+SOURCES = [SOURCE] + [SOURCE.with_name(name) for name in ("native.h", "native_vec.h", "native_weights.c",
+                                                          "native_threads.c")]
 
 _lib = None
 _error: str | None = None
 
 
 class Weight(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int32), ("rows", ctypes.c_int32), ("cols", ctypes.c_int32),
-                ("group", ctypes.c_int32), ("scale_f16", ctypes.c_int32), ("pad", ctypes.c_int32),
-                ("data", ctypes.c_void_p), ("high", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("min", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+    _fields_ = [("type", ctypes.c_int32), ("rows", ctypes.c_int32), ("cols", ctypes.c_int32),
+                ("int8_acts", ctypes.c_int32), ("data", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -128,18 +129,20 @@ def _check_sanitizer_runtime() -> None:
 def _build(compiler: str) -> Path:
     flags = _flags()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_key().encode()
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + version.encode() + _cpu_key().encode()
                          + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_dir() / f"native-{'sanitized-' if sanitized() else ''}{key}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *flags, "-o", str(out), str(SOURCE), "-lm"]
+        cmd = [compiler, *flags, "-I", str(SOURCE.parent), "-o", str(out), str(SOURCE), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
-        _self_test(_declare(ctypes.CDLL(str(out))))
+        lib = _declare(ctypes.CDLL(str(out)))
+        check_abi(lib)
+        _self_test(lib)
         os.replace(out, target)   # atomic: a concurrent build of the same key is harmless
     return target
 
@@ -152,20 +155,15 @@ def _self_test(lib) -> None:
     rows, cols, n = 40, 96, 7          # 40: a block of 16 rows with a tail
     weight = torch.randn(rows, cols, generator=generator)
     x = torch.randn(n, cols, generator=generator)
-    blocks = -(-rows // 16)
-    # f32 layout: (blocks, units, input, lane)
-    padded = torch.zeros(blocks * 16, cols)
-    padded[:rows] = weight
-    data = padded.view(blocks, 16, cols // 32, 32).permute(0, 2, 3, 1).contiguous()
-    f32 = Weight(kind=KINDS["f32"], rows=rows, cols=cols, group=32, data=data.data_ptr())
-    # q8i: signed codes and a float scale per (row, unit), four inputs' codes per row together
-    codes = torch.randint(-128, 128, (blocks * 16, cols), generator=generator, dtype=torch.int8)
-    scales = torch.rand(blocks, cols // 32, 16, generator=generator) + 0.5
-    q8i_data = codes.view(blocks, 16, cols // 32, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
-    q8i = Weight(kind=KINDS["q8i"], rows=rows, cols=cols, group=32, data=q8i_data.data_ptr(),
-                 scale=scales.data_ptr())
+    f32 = _test_weight(lib, 0, weight.view(torch.uint8).reshape(rows, -1), rows, cols)
+    # Q8_0: a float16 scale and 32 signed codes a block, here random codes and scales
+    codes = torch.randint(-128, 128, (rows, cols), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(rows, cols // 32, generator=generator) + 0.5).half()
+    blocks = torch.cat([scales.view(torch.uint8).reshape(rows, -1, 2), codes.view(torch.uint8).reshape(rows, -1, 32)],
+                       -1).reshape(rows, -1)
+    q8i = _test_weight(lib, 7, blocks, rows, cols, int8=True)
     checks = [("f32 matmul", f32)] + ([("8-bit-activation matmul", q8i)] if lib.vs_has_int8() else [])
-    for name, w in checks:
+    for name, (w, _) in checks:
         together = torch.empty(n, rows)
         lib.vs_linear(ctypes.byref(w), x.data_ptr(), n, together.data_ptr())
         for i in range(n):
@@ -175,9 +173,35 @@ def _self_test(lib) -> None:
                 raise RuntimeError(f"self-test failed: a row of a {name} changes with the rows beside it "
                                    "(the compiler reordered the arithmetic?)")
     ids, logprobs, logits = torch.empty(n, 4, dtype=torch.int64), torch.empty(n, 4), torch.empty(n, rows)
-    lib.vs_linear_topk(ctypes.byref(f32), x.data_ptr(), n, 4, logits.data_ptr(), ids.data_ptr(), logprobs.data_ptr())
+    lib.vs_linear_topk(ctypes.byref(f32[0]), x.data_ptr(), n, 4, logits.data_ptr(), ids.data_ptr(), logprobs.data_ptr())
     if not torch.equal(ids, torch.topk(logits, 4).indices):
         raise RuntimeError("self-test failed: the fused top-k disagrees with the products it ranks")
+
+
+def _test_weight(lib, type_id: int, raw: torch.Tensor, rows: int, cols: int, int8: bool = False):
+    """(Weight, its bytes) packed from row-major GGUF rows `raw` (uint8, rows x row bytes)."""
+    raw = raw.contiguous()
+    data = torch.empty(lib.vs_packed_bytes(type_id, rows, cols), dtype=torch.uint8)
+    lib.vs_pack(type_id, raw.data_ptr(), raw.shape[1], rows, cols, None, data.data_ptr())
+    return Weight(type=type_id, rows=rows, cols=cols, int8_acts=int(int8), data=data.data_ptr()), data
+
+
+def check_abi(lib) -> None:
+    """native.h's structs against the ctypes mirrors here: every size and offset the library
+    reports (vs_abi) must match, else RuntimeError naming the first that does not."""
+    want = [ctypes.sizeof(Weight), *(getattr(Weight, f).offset for f in ("type", "rows", "cols", "int8_acts", "data",
+                                                                          "bias")),
+            ctypes.sizeof(Layer), *(getattr(Layer, f).offset for f in ("wq", "w_down", "attn_norm", "hidden_norm", "cos",
+                                                                        "sin", "window", "norm_residual")),
+            ctypes.sizeof(Stack), *(getattr(Stack, f).offset for f in ("eps", "kv_half", "layers")),
+            ctypes.sizeof(Drafter), *(getattr(Drafter, f).offset for f in ("head", "embed", "head_ids", "out_norm",
+                                                                            "eps", "fused"))]
+    got = (ctypes.c_int64 * 64)()
+    n = lib.vs_abi(got, 64)
+    if n != len(want) or list(got[:n]) != want:
+        first = next((i for i in range(min(n, len(want))) if got[i] != want[i]), min(n, len(want)))
+        raise RuntimeError(f"native.h and native.py disagree on the ABI's structs (entry {first} of vs_abi: "
+                           f"{list(got[:n])} against {want})")
 
 
 def _declare(lib):
@@ -187,6 +211,12 @@ def _declare(lib):
     lib.vs_tile_rows.restype = ctypes.c_int
     lib.vs_linear_topk.argtypes = [ctypes.POINTER(Weight), p, i64, i64, p, p, p]
     lib.vs_dequant_rows.argtypes = [ctypes.POINTER(Weight), i64, i64, p]
+    lib.vs_take_rows.argtypes = [ctypes.POINTER(Weight), p, i64, p]
+    lib.vs_packed_bytes.argtypes = [ctypes.c_int32, i64, i64]
+    lib.vs_packed_bytes.restype = i64
+    lib.vs_pack.argtypes = [ctypes.c_int32, p, i64, i64, i64, p, p]
+    lib.vs_abi.argtypes = [p, i64]
+    lib.vs_abi.restype = i64
     lib.vs_embed.argtypes = [ctypes.POINTER(Weight), p, i64, f32, p]
     lib.vs_head.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p]
     lib.vs_stack_work.argtypes = [ctypes.POINTER(Stack), i64]
@@ -228,6 +258,7 @@ def library():
         if sanitized():
             _check_sanitizer_runtime()
         lib = _declare(ctypes.CDLL(str(_build(compiler))))
+        check_abi(lib)
     except (RuntimeError, OSError) as exc:
         _error = f"native CPU engine unavailable: {exc}"
         raise RuntimeError(_error) from exc

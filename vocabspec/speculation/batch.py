@@ -172,6 +172,18 @@ class Engine:
         return generation.result
 
 
+def check_cache_fits(model: Transformer, slots: int, window: int) -> None:
+    """ValueError, with the numbers, where `slots` caches of `window` tokens do not fit the
+    memory free now: a server meets its memory need when it starts, or says it cannot."""
+    from ..engine.loading import memory_available
+
+    need, have = model.memory.kv_per_token * window * slots, memory_available()
+    if have is not None and need > have:
+        raise ValueError(f"{slots} slots of {window} tokens need {need / 2**30:.2f} GiB of KV cache, and this "
+                         f"machine has {have / 2**30:.2f} GiB free: fewer slots (--max-batch) or a smaller "
+                         "window (--kv-tokens)")
+
+
 class Busy(RuntimeError):
     """Every slot is taken and the queue is full."""
 
@@ -292,6 +304,8 @@ class BatchEngine:
             self.batched = BatchedDecoding(model, self.limits.window, self.limits.max_batch)
             slots, allocate = self.batched.slots, False
         in_slots = self.batched is not None
+        if allocate and model.memory is not None and model.device.type == "cpu":
+            check_cache_fits(model, slots, self.limits.window)
         self.slots = [Slot(engine, self.limits.window, make_proposer() if make_proposer else None, allocate,
                            self.batched.sequence(index) if in_slots else None)
                       for index in range(slots)]

@@ -1,0 +1,123 @@
+/* The native CPU engine's ABI: the structs native.py builds (its ctypes mirrors are checked
+ * against `vs_abi` when the library loads: every size and offset) and the functions it calls.
+ *
+ * Layouts, drawn once:
+ *
+ *   a weight (vs_weight.data): blocks of 16 rows, one stream each, one row per vector lane
+ *     block 0: [unit 0][unit 1]...    quantized: per 32 inputs a record [codes][scales], and
+ *     block 1: ...                    every 8 units a header [d x16][dmin x16] (K-quants);
+ *                                     float: per 32 inputs, input by input, 16 rows each.
+ *     A code plane is 64 bytes: lane r (4 bytes) = row r's codes of inputs 4t .. 4t + 3
+ *     (native_weights.c says which plane holds which quad).
+ *
+ *   a cache (one per sequence), per layer and kv head:
+ *     keys   [T/16][head_dim][16]   blocks of 16 slots, each dimension's 16 values together
+ *     values [T][head_dim]
+ *
+ *   what a row sees (visibility): slots [0, prefix[r]), then extra[xoff[r] .. xoff[r+1]) in
+ *   position order, its own slot last; a sliding window drops positions below pos - window + 1.
+ */
+
+#ifndef VOCABSPEC_NATIVE_H
+#define VOCABSPEC_NATIVE_H
+
+#include <stdint.h>
+
+typedef struct {
+    int32_t type;          /* VS_F32 .. VS_IQ4_XS (native_weights.c) */
+    int32_t rows, cols;
+    int32_t int8_acts;     /* products quantize their input rows to 8 bits (gguf-a8) */
+    const uint8_t *data;   /* the blocks' streams, vs_packed_bytes(type, rows, cols) */
+    const float *bias;     /* rows, or NULL */
+} vs_weight;
+
+typedef struct {
+    vs_weight wq, wk, wv, wo, w_gate, w_up, w_down;
+    const float *attn_norm, *mlp_norm, *post_attn_norm, *post_mlp_norm, *q_norm, *k_norm;
+    /* EAGLE-3's first layer: q, k and v read the row's embedding through attn_norm beside the
+       row itself through hidden_norm (2 dim inputs); NULL elsewhere. */
+    const float *hidden_norm;
+    const float *cos, *sin;  /* RoPE tables, max_len x head_dim */
+    int32_t window;          /* sliding window in positions, 0: global attention */
+    int32_t norm_residual;   /* with hidden_norm: the residual is the normed row */
+} vs_layer;
+
+typedef struct {
+    int32_t dim, n_heads, n_kv, head_dim, hidden, max_len, n_layers, act; /* act 0 SiLU, 1 GELU-tanh */
+    float eps, attn_scale;
+    int32_t kv_half, pad;  /* its caches hold keys and values as IEEE halves (else floats) */
+    vs_layer *layers;
+} vs_stack;
+
+/* An EAGLE drafter: its decoder layers (a vs_stack over its own cache), fc, and a draft head
+   (head_ids: the target id of each head row, NULL for all).
+   - EAGLE-2 (fused 0): fc over (token embedding, feature); features are the target's last
+     hidden states through its final norm (norm, eps), or the drafter's own outputs; the head
+     (the target's rows) scores the outputs as they are.
+   - EAGLE-3 (fused 1): at a position the target has run, fc fuses the target's tapped rows
+     (fc.cols wide) into the feature; deeper, the feature is the drafter's output. The first
+     layer reads the token's embedding beside it (vs_layer's hidden_norm); the head (the
+     drafter's own) scores the outputs through head_norm, or the outputs are normed by
+     out_norm before anything reads them (norm_output checkpoints). */
+typedef struct {
+    vs_weight fc, head, embed;
+    const int64_t *head_ids;
+    const float *norm, *head_norm, *out_norm;
+    float eps, embed_scale;
+    int32_t fused, pad;
+} vs_drafter;
+
+/* Sizes and offsets of the structs above, for the loader's check: count written. */
+int64_t vs_abi(int64_t *out, int64_t cap);
+
+/* weights */
+int vs_type_count(void);
+int64_t vs_packed_bytes(int32_t type, int64_t rows, int64_t cols);
+void vs_pack(int32_t type, const uint8_t *src, int64_t row_bytes, int64_t rows, int64_t cols, const int64_t *order,
+             uint8_t *dst);
+void vs_take_rows(const vs_weight *w, const int64_t *ids, int64_t n, uint8_t *dst);
+void vs_dequant_rows(const vs_weight *w, int64_t r0, int64_t r1, float *out);
+int vs_has_int8(void);
+int vs_tile_rows(void);
+void vs_linear(const vs_weight *w, const float *x, int64_t M, float *y);
+void vs_linear_topk(const vs_weight *w, const float *x, int64_t M, int64_t k, float *logits, int64_t *ids,
+                    float *logprobs);
+void vs_embed(const vs_weight *w, const int32_t *ids, int64_t n, float scale, float *out);
+void vs_head(const float *norm, float eps, const vs_weight *w, const float *hidden, int64_t M, float *work,
+             float *logits);
+
+/* threads */
+void vs_set_threads(int n);
+int vs_threads(void);
+void vs_threads_observe(int n, double cpu, double wall);
+
+/* layers */
+int64_t vs_stack_work(const vs_stack *s, int64_t n);
+int64_t vs_attention_scratch(const vs_stack *s);
+void vs_stack_forward_rows(const vs_stack *s, float *x, const float *embeds, int64_t n, const int32_t *pos,
+                           const int32_t *prefix, const int32_t *xoff, const int32_t *extra, void *const *keys,
+                           void *const *values, const int32_t *slot, float *work, float *scratch,
+                           const int32_t *taps, int64_t ntaps, float *tapped);
+void vs_stack_forward(const vs_stack *s, float *x, const float *embeds, int64_t n, const int32_t *pos,
+                      const int32_t *prefix, const int32_t *xoff, const int32_t *extra, void *keys, void *values,
+                      int64_t start, float *work, float *scratch, const int32_t *taps, int64_t ntaps, float *tapped);
+
+/* speculative steps */
+void vs_tree_visibility(const int64_t *parents, int64_t n, int64_t start, int64_t base, int32_t *pos,
+                        int32_t *prefix, int32_t *xoff, int32_t *extra);
+void vs_cache_keep(void *keys, void *values, int64_t layers, int64_t n_kv, int64_t head_dim, int64_t T,
+                   int64_t length, const int64_t *keep, int64_t nkeep, int64_t half);
+void vs_verify_greedy(const float *norm, float eps, const vs_weight *w, const float *hidden, int64_t ntrees,
+                      const int64_t *offsets, const int64_t *tokens, const int64_t *parents, int64_t head_rows,
+                      int64_t *paths, int64_t *counts, int64_t *next, float *work);
+void vs_drafter_read(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
+                     const int64_t *tokens, const float *hidden, int64_t n, float *state, float *scratch,
+                     float *work, float *att);
+int64_t vs_drafter_read_scratch(const vs_drafter *d, int64_t n);
+int64_t vs_tree_capacity(int64_t top_k, int64_t depth);
+int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
+                      const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
+                      int64_t *tokens, int64_t *parents, int64_t *ranks, float *head_logits, float *work,
+                      float *att);
+
+#endif

@@ -1,0 +1,916 @@
+/* Weights of the native engine: GGUF's types in a row-blocked layout, built straight from the
+ * file's blocks, and the matmul over them (included by native.c, one compiled unit).
+ *
+ * A weight's rows come in blocks of 16, one per vector lane; a block is one stream of bytes,
+ * read front to back by a product. For a quantized type the stream is, per 32-input unit (and,
+ * for the 256-input superblock types, a header before every eight units):
+ *
+ *     [header: d[16] (and dmin[16]) as halves]  every 8 units (Q2_K..Q6_K, IQ4_XS)
+ *     [codes: lo planes, then hi planes]        64 bytes a plane: 16 lanes x 4 bytes
+ *     [scales: the unit's groups, 16 lanes each]
+ *
+ * A plane's 32-bit lane r holds row r's codes of four consecutive inputs (byte j: input 4t + j
+ * of quad t), the layout the 4-way byte products (VNNI's dpbusd, AVX2's maddubs) read:
+ *   - lo4 (4 planes): plane k holds quad k in the low nibbles, quad k + 4 in the high ones;
+ *   - lo2 (2 planes): plane k holds quads k, k + 2, k + 4, k + 6 in bits 0-1, 2-3, 4-5, 6-7;
+ *   - lo8 (8 planes): plane t holds quad t (Q8_0's signed codes as they are);
+ *   - hi1 (1 plane): bit t of each byte is the high bit of quad t (bit 4 of a 5-bit code, bit 2
+ *     of Q3_K's 3-bit one);
+ *   - hi2 (2 planes): as lo2, the bits 4-5 of Q6_K's 6-bit codes.
+ * So a quad's codes are one or two loads, shifts and masks away, and the scales keep the file's
+ * sizes (halves, 4- or 6-bit fields as bytes): a packed weight is at most 4% larger than the
+ * file's blocks (Q3_K's 6-bit scales as bytes: 3.6%; Q4_K's and Q5_K's: 2.8%).
+ *
+ * A unit's codes u are unsigned bytes; the weight of a code is (u - off) * scale (+ min): off
+ * is 8 (Q4_0), 16 (Q5_0), 4 (Q3_K), 32 (Q6_K), 128 for the signed types (Q8_0's codes and the
+ * IQ4 tables as u = value + 128) and 0 for the types with mins. Scales and mins are exact
+ * products of the file's numbers (a half times a 4-, 6- or 8-bit integer), so every weight
+ * dequantizes to the value gguf-py's `dequantize` gives (a single rounding where it rounds).
+ *
+ * Float weights (f32, bf16, f16) keep one unit per 32 inputs, input by input: 16 rows each.
+ *
+ * Products, one order per output element whatever the call (see native.c's header):
+ *   - float activations: per group (16 or 32 inputs) a chain p = fma(x_k, u_k - off, p) over the
+ *     inputs in ascending order, then acc = fma(p, scale, acc) and, with mins,
+ *     acc = fma(sum of the group's x, min, acc);
+ *   - 8-bit activations (x quantized per 32 inputs, d = max|x| / 127, as llama.cpp does): per
+ *     group an exact integer sum of u_k * q_k (less off times the sum of q), then
+ *     acc = fma(sum, scale * d, acc) and, with mins, acc = fma(d * sum of q, min, acc).
+ * Integer sums are exact in any order, so the instruction set that summed them changes nothing.
+ */
+
+enum {
+    VS_F32 = 0, VS_BF16 = 1, VS_F16 = 2,
+    VS_Q4_0 = 3, VS_Q4_1 = 4, VS_Q5_0 = 5, VS_Q5_1 = 6, VS_Q8_0 = 7,
+    VS_Q2_K = 8, VS_Q3_K = 9, VS_Q4_K = 10, VS_Q5_K = 11, VS_Q6_K = 12,
+    VS_IQ4_NL = 13, VS_IQ4_XS = 14, VS_TYPES = 15
+};
+
+ALWAYS int t_float(const int T) { return T <= VS_F16; }
+ALWAYS int t_super(const int T) { return (T >= VS_Q2_K && T <= VS_Q6_K) || T == VS_IQ4_XS; }
+ALWAYS int t_lo(const int T) { return T == VS_Q2_K || T == VS_Q3_K ? 2 : T == VS_Q8_0 ? 8 : 4; }
+ALWAYS int t_hi(const int T) {
+    return T == VS_Q5_0 || T == VS_Q5_1 || T == VS_Q5_K || T == VS_Q3_K ? 1 : T == VS_Q6_K ? 2 : 0;
+}
+ALWAYS int t_code_bytes(const int T) { return 64 * (t_lo(T) + t_hi(T)); }
+ALWAYS int t_scale_bytes(const int T) {
+    return T == VS_Q4_1 || T == VS_Q5_1 ? 64 : T == VS_IQ4_XS ? 16 : 32;
+}
+ALWAYS int t_head_bytes(const int T) {
+    return T == VS_Q2_K || T == VS_Q4_K || T == VS_Q5_K ? 64 : t_super(T) ? 32 : 0;
+}
+ALWAYS int t_group(const int T) { return T == VS_Q2_K || T == VS_Q3_K || T == VS_Q6_K ? 16 : 32; }
+ALWAYS int t_min(const int T) {
+    return T == VS_Q4_1 || T == VS_Q5_1 || T == VS_Q2_K || T == VS_Q4_K || T == VS_Q5_K;
+}
+ALWAYS int t_off(const int T) {
+    return T == VS_Q4_0 ? 8 : T == VS_Q5_0 ? 16 : T == VS_Q3_K ? 4 : T == VS_Q6_K ? 32
+         : T == VS_Q8_0 || T == VS_IQ4_NL || T == VS_IQ4_XS ? 128 : 0;
+}
+ALWAYS int t_signed(const int T) { return T == VS_Q8_0 || T == VS_IQ4_NL || T == VS_IQ4_XS; }
+ALWAYS int t_float_bytes(const int T) { return T == VS_F32 ? 4 : 2; }
+
+/* Bytes of one block's stream (16 rows) of a weight of `cols` inputs. */
+ALWAYS int64_t t_block_bytes(const int T, int64_t cols) {
+    const int64_t units = cols / 32;
+    if (t_float(T)) return units * 32 * 16 * t_float_bytes(T);
+    return (t_super(T) ? cols / 256 * t_head_bytes(T) : 0) + units * (t_code_bytes(T) + t_scale_bytes(T));
+}
+
+/* Where unit u's record (codes, then scales) starts in a block; its superblock's header. */
+ALWAYS const uint8_t *t_unit(const int T, const uint8_t *block, int64_t u) {
+    const int64_t rec = t_code_bytes(T) + t_scale_bytes(T);
+    if (!t_super(T)) return block + u * rec;
+    return block + (u / 8) * (t_head_bytes(T) + 8 * rec) + t_head_bytes(T) + (u % 8) * rec;
+}
+ALWAYS const uint8_t *t_head(const int T, const uint8_t *block, int64_t u) {
+    return block + (u / 8) * (t_head_bytes(T) + 8 * (t_code_bytes(T) + t_scale_bytes(T)));
+}
+
+static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+int vs_type_count(void) { return VS_TYPES; }
+
+/* Bytes of a packed weight of `type` (rows padded to blocks of 16); -1 for shapes it cannot
+   take (columns not a multiple of its block's inputs). */
+int64_t vs_packed_bytes(int32_t type, int64_t rows, int64_t cols) {
+    if (type < 0 || type >= VS_TYPES || rows < 1 || cols < 32 || cols % (t_super(type) ? 256 : 32)) return -1;
+    int64_t per = 0;
+    switch (type) {
+#define PER(T) case T: per = t_block_bytes(T, cols); break;
+    PER(VS_F32) PER(VS_BF16) PER(VS_F16) PER(VS_Q4_0) PER(VS_Q4_1) PER(VS_Q5_0) PER(VS_Q5_1) PER(VS_Q8_0)
+    PER(VS_Q2_K) PER(VS_Q3_K) PER(VS_Q4_K) PER(VS_Q5_K) PER(VS_Q6_K) PER(VS_IQ4_NL) PER(VS_IQ4_XS)
+#undef PER
+    }
+    return (rows + 15) / 16 * per;
+}
+
+/* ---------------------------------------------------------------- one lane's numbers
+
+   The scalar view of a block, lane by lane: what packing writes, a gather copies and
+   dequantization reads. Every element of a block's stream belongs to one lane: a code plane's
+   4 bytes, a scale array's byte or half. */
+
+/* Lane-by-lane arrays of a unit's record after its codes: (count, bytes a lane). */
+ALWAYS int t_scale_arrays(const int T, int *esize) {
+    if (T == VS_Q4_0 || T == VS_Q5_0 || T == VS_Q8_0 || T == VS_IQ4_NL) return *esize = 2, 1;
+    if (T == VS_Q4_1 || T == VS_Q5_1) return *esize = 2, 2;
+    if (T == VS_IQ4_XS) return *esize = 1, 1;
+    return *esize = 1, 2;     /* Q2_K, Q3_K, Q6_K: a byte per group of 16; Q4_K, Q5_K: sc, m */
+}
+
+/* Copy lane `from` of block src to lane `to` of block dst (whole stream). */
+static void lane_copy(int T, int64_t cols, const uint8_t *src, int from, uint8_t *dst, int to) {
+    if (t_float(T)) {
+        const int e = t_float_bytes(T);
+        for (int64_t k = 0; k < cols; k++) memcpy(dst + (k * 16 + to) * e, src + (k * 16 + from) * e, e);
+        return;
+    }
+    const int64_t units = cols / 32;
+    int esize;
+    switch (T) {   /* constant layouts for each type */
+#define COPY(TT)                                                                                     \
+    case TT: {                                                                                       \
+        const int arrays = t_scale_arrays(TT, &esize);                                               \
+        for (int64_t u = 0; u < units; u++) {                                                        \
+            if (t_super(TT) && u % 8 == 0) {                                                         \
+                const uint8_t *hs = t_head(TT, src, u);                                              \
+                uint8_t *hd = (uint8_t *)t_head(TT, dst, u);                                         \
+                for (int a = 0; a < t_head_bytes(TT) / 32; a++)                                      \
+                    memcpy(hd + a * 32 + 2 * to, hs + a * 32 + 2 * from, 2);                         \
+            }                                                                                        \
+            const uint8_t *rs = t_unit(TT, src, u);                                                  \
+            uint8_t *rd = (uint8_t *)t_unit(TT, dst, u);                                             \
+            for (int p = 0; p < t_code_bytes(TT) / 64; p++) memcpy(rd + p * 64 + 4 * to, rs + p * 64 + 4 * from, 4); \
+            rs += t_code_bytes(TT), rd += t_code_bytes(TT);                                          \
+            for (int a = 0; a < arrays; a++)                                                         \
+                memcpy(rd + a * 16 * esize + to * esize, rs + a * 16 * esize + from * esize, esize); \
+        }                                                                                            \
+        break;                                                                                       \
+    }
+    COPY(VS_Q4_0) COPY(VS_Q4_1) COPY(VS_Q5_0) COPY(VS_Q5_1) COPY(VS_Q8_0) COPY(VS_Q2_K) COPY(VS_Q3_K)
+    COPY(VS_Q4_K) COPY(VS_Q5_K) COPY(VS_Q6_K) COPY(VS_IQ4_NL) COPY(VS_IQ4_XS)
+#undef COPY
+    default: break;
+    }
+}
+
+/* u of lane `lane`'s 32 inputs of a unit record (the planes read back, IQ4's indices as values
+   + 128, Q8_0's codes + 128). */
+ALWAYS void lane_codes(const int T, const uint8_t *rec, int lane, uint8_t *u) {
+    const uint8_t *lo = rec, *hi = rec + 64 * t_lo(T);
+    for (int k = 0; k < 32; k++) {
+        const int t = k / 4, j = k % 4, at = 4 * lane + j;
+        int c;
+        if (t_lo(T) == 8) c = (uint8_t)(lo[t * 64 + at] ^ 0x80);
+        else if (t_lo(T) == 4) c = (lo[(t & 3) * 64 + at] >> (4 * (t >> 2))) & 15;
+        else c = (lo[(t & 1) * 64 + at] >> (2 * (t >> 1))) & 3;
+        if (T == VS_Q3_K) c |= ((hi[at] >> t) & 1) << 2;
+        else if (t_hi(T) == 1) c |= ((hi[at] >> t) & 1) << 4;
+        else if (t_hi(T) == 2) c |= ((hi[(t & 1) * 64 + at] >> (2 * (t >> 1))) & 3) << 4;
+        if (T == VS_IQ4_NL || T == VS_IQ4_XS) c = kvalues_iq4nl[c] + 128;
+        u[k] = (uint8_t)c;
+    }
+}
+
+ALWAYS float half_at(const uint8_t *p, int i) {
+    uint16_t h;
+    memcpy(&h, p + 2 * i, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Lane `lane`'s scale and min of group g (0 or 1 for groups of 16) of a unit record. */
+ALWAYS void lane_scale(const int T, const uint8_t *head, const uint8_t *rec, int lane, int g, float *scale,
+                       float *minimum) {
+    const uint8_t *s = rec + t_code_bytes(T);
+    const float d = t_super(T) ? half_at(head, lane) : 0.0f, dmin = t_head_bytes(T) == 64 ? half_at(head + 32, lane) : 0.0f;
+    *minimum = 0.0f;
+    switch (T) {
+    case VS_Q4_0: case VS_Q5_0: case VS_Q8_0: case VS_IQ4_NL: *scale = half_at(s, lane); break;
+    case VS_Q4_1: case VS_Q5_1: *scale = half_at(s, lane), *minimum = half_at(s + 32, lane); break;
+    case VS_Q2_K: *scale = d * (float)(s[16 * g + lane] & 15), *minimum = -(dmin * (float)(s[16 * g + lane] >> 4)); break;
+    case VS_Q3_K: case VS_Q6_K: *scale = d * (float)(int8_t)s[16 * g + lane]; break;
+    case VS_Q4_K: case VS_Q5_K: *scale = d * (float)s[lane], *minimum = -(dmin * (float)s[16 + lane]); break;
+    case VS_IQ4_XS: *scale = d * (float)(int8_t)s[lane]; break;
+    default: *scale = 0.0f;
+    }
+}
+
+/* Rows [r0, r1) of w as float32 weights, exactly as gguf-py dequantizes them. */
+static void dequant_rows_t(const int T, const vs_weight *w, int64_t r0, int64_t r1, float *out) {
+    const int64_t K = w->cols, units = K / 32, bb = t_block_bytes(T, K);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *block = w->data + (r / 16) * bb;
+        const int lane = (int)(r % 16);
+        float *o = out + (r - r0) * K;
+        if (t_float(T)) {
+            for (int64_t k = 0; k < K; k++) {
+                const uint8_t *p = block + ((k / 32) * 512 + (k % 32) * 16 + lane) * t_float_bytes(T);
+                if (T == VS_F32) memcpy(o + k, p, 4);
+                else if (T == VS_F16) o[k] = half_at(p, 0);
+                else {
+                    uint16_t b;
+                    memcpy(&b, p, 2);
+                    const uint32_t bits = (uint32_t)b << 16;
+                    memcpy(o + k, &bits, 4);
+                }
+            }
+            continue;
+        }
+        for (int64_t u = 0; u < units; u++) {
+            const uint8_t *rec = t_unit(T, block, u);
+            uint8_t c[32];
+            lane_codes(T, rec, lane, c);
+            for (int g = 0; g < 32 / t_group(T); g++) {
+                float scale, minimum;
+                lane_scale(T, t_head(T, block, u), rec, lane, g, &scale, &minimum);
+                for (int k = g * t_group(T); k < (g + 1) * t_group(T); k++)
+                    o[u * 32 + k] = t_min(T) ? fmaf((float)c[k], scale, minimum) : (float)(c[k] - t_off(T)) * scale;
+            }
+        }
+    }
+}
+
+void vs_dequant_rows(const vs_weight *w, int64_t r0, int64_t r1, float *out) {
+    switch (w->type) {
+#define DQ(T) case T: dequant_rows_t(T, w, r0, r1, out); break;
+    DQ(VS_F32) DQ(VS_BF16) DQ(VS_F16) DQ(VS_Q4_0) DQ(VS_Q4_1) DQ(VS_Q5_0) DQ(VS_Q5_1) DQ(VS_Q8_0)
+    DQ(VS_Q2_K) DQ(VS_Q3_K) DQ(VS_Q4_K) DQ(VS_Q5_K) DQ(VS_Q6_K) DQ(VS_IQ4_NL) DQ(VS_IQ4_XS)
+#undef DQ
+    default: break;
+    }
+}
+
+/* dst (n rows, packed like w) = rows ids[0..n) of w; padding lanes zero. */
+void vs_take_rows(const vs_weight *w, const int64_t *ids, int64_t n, uint8_t *dst) {
+    const int64_t bb = vs_packed_bytes(w->type, 16, w->cols);
+    memset(dst, 0, (size_t)((n + 15) / 16 * bb));
+    for (int64_t i = 0; i < n; i++)
+        lane_copy(w->type, w->cols, w->data + (ids[i] / 16) * bb, (int)(ids[i] % 16), dst + (i / 16) * bb, (int)(i % 16));
+}
+
+/* ---------------------------------------------------------------- packing GGUF blocks
+
+   One GGUF block of a row, taken apart: u (its inputs' codes as the planes hold them: the
+   code with its high bits, IQ4's 4-bit index, Q8_0's signed byte), and its scales in the
+   stream's terms (halves' bits, or bytes). */
+typedef struct {
+    uint8_t u[256];
+    uint16_t d[8], m[8];        /* per 32 inputs (Q4_0 .. Q8_0, IQ4_NL: one) */
+    uint8_t sc[16], mn[16];     /* per group of the superblock types */
+    uint16_t hd, hdmin;         /* the superblock's header */
+} gguf_block;
+
+ALWAYS uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+static void k_scale_min(const uint8_t *q, int j, uint8_t *d, uint8_t *m) { /* ggml's get_scale_min_k4 */
+    if (j < 4) *d = q[j] & 63, *m = q[j + 4] & 63;
+    else *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+}
+
+/* GGUF block bytes (inputs, bytes) of a type. */
+static void gguf_block_shape(int T, int *inputs, int *bytes) {
+    static const int shape[VS_TYPES][2] = {{1, 4}, {1, 2}, {1, 2}, {32, 18}, {32, 20}, {32, 22}, {32, 24}, {32, 34},
+                                           {256, 84}, {256, 110}, {256, 144}, {256, 176}, {256, 210}, {32, 18}, {256, 136}};
+    *inputs = shape[T][0], *bytes = shape[T][1];
+}
+
+static void gguf_decode(int T, const uint8_t *b, gguf_block *o) {
+    switch (T) {
+    case VS_Q4_0: case VS_Q4_1: case VS_Q5_0: case VS_Q5_1: case VS_IQ4_NL: {
+        const int mins = T == VS_Q4_1 || T == VS_Q5_1, five = T == VS_Q5_0 || T == VS_Q5_1;
+        o->d[0] = u16_at(b);
+        if (mins) o->m[0] = u16_at(b + 2);
+        const uint8_t *qh = b + 2 + 2 * mins, *qs = qh + 4 * five;
+        uint32_t h = 0;
+        if (five) memcpy(&h, qh, 4);
+        for (int k = 0; k < 32; k++) {
+            int c = k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
+            if (five) c |= ((h >> k) & 1) << 4;
+            o->u[k] = (uint8_t)c;
+        }
+        break;
+    }
+    case VS_Q8_0:
+        o->d[0] = u16_at(b);
+        memcpy(o->u, b + 2, 32);
+        break;
+    case VS_Q2_K: {
+        const uint8_t *scales = b, *q = b + 16;
+        o->hd = u16_at(b + 80), o->hdmin = u16_at(b + 82);
+        for (int e = 0; e < 256; e++) {
+            const int n = e / 128, j = (e % 128) / 32, h = (e % 32) / 16, l = e % 16;
+            o->u[e] = (q[n * 32 + h * 16 + l] >> (2 * j)) & 3;
+        }
+        memcpy(o->sc, scales, 16);
+        break;
+    }
+    case VS_Q3_K: {
+        const uint8_t *hm = b, *q = b + 32;
+        uint32_t aux[4];
+        memcpy(aux, b + 96, 12);
+        const uint32_t tmp = aux[2], k1 = 0x03030303, k2 = 0x0f0f0f0f;
+        aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+        aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+        aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+        aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+        const int8_t *scales = (const int8_t *)aux;
+        o->hd = u16_at(b + 108);
+        for (int e = 0; e < 256; e++) {
+            const int n = e / 128, j = (e % 128) / 32, h = (e % 32) / 16, l = e % 16;
+            const int low = (q[n * 32 + h * 16 + l] >> (2 * j)) & 3, high = (hm[h * 16 + l] >> (n * 4 + j)) & 1;
+            o->u[e] = (uint8_t)(low | high << 2);
+        }
+        for (int g = 0; g < 16; g++) o->sc[g] = (uint8_t)(int8_t)(scales[g] - 32);
+        break;
+    }
+    case VS_Q4_K: case VS_Q5_K: {
+        const int five = T == VS_Q5_K;
+        const uint8_t *qh = b + 16, *qs = b + 16 + 32 * five;
+        o->hd = u16_at(b), o->hdmin = u16_at(b + 2);
+        for (int g = 0; g < 8; g++) k_scale_min(b + 4, g, &o->sc[g], &o->mn[g]);
+        for (int e = 0; e < 256; e++) {
+            const int J = e / 64, h = (e % 64) / 32, l = e % 32;
+            int c = h ? qs[J * 32 + l] >> 4 : qs[J * 32 + l] & 15;
+            if (five) c |= ((qh[l] >> (2 * J + h)) & 1) << 4;
+            o->u[e] = (uint8_t)c;
+        }
+        break;
+    }
+    case VS_Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        o->hd = u16_at(b + 208);
+        memcpy(o->sc, b + 192, 16);
+        for (int e = 0; e < 256; e++) {
+            const int N = e / 128, s = (e % 128) / 32, l = e % 32;
+            const int low = (ql[64 * N + l + 32 * (s & 1)] >> (4 * (s >> 1))) & 15;
+            const int high = (qh[32 * N + l] >> (2 * s)) & 3;
+            o->u[e] = (uint8_t)(low | high << 4);
+        }
+        break;
+    }
+    case VS_IQ4_XS: {
+        const uint16_t sh = u16_at(b + 2);
+        const uint8_t *sl = b + 4, *qs = b + 8;
+        o->hd = u16_at(b);
+        for (int ib = 0; ib < 8; ib++) {
+            const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0xf) | (((sh >> (2 * ib)) & 3) << 4);
+            o->sc[ib] = (uint8_t)(int8_t)(ls - 32);
+            for (int j = 0; j < 16; j++) o->u[ib * 32 + j] = qs[ib * 16 + j] & 15, o->u[ib * 32 + 16 + j] = qs[ib * 16 + j] >> 4;
+        }
+        break;
+    }
+    default: break;
+    }
+}
+
+/* One unit's record of 16 lanes (lanes past `valid` stay zero): codes from u[lane][32]. */
+static void write_unit(int T, uint8_t *rec, uint8_t u[16][32], const gguf_block *blk[16], int sub, int valid) {
+    uint8_t *lo = rec, *hi = rec + 64 * t_lo(T), *s = rec + t_code_bytes(T);
+    for (int r = 0; r < valid; r++)
+        for (int k = 0; k < 32; k++) {
+            const int t = k / 4, j = k % 4, at = 4 * r + j, c = u[r][k];
+            const int low = t_lo(T) == 8 ? c : c & ((1 << t_lo(T)) - 1);
+            if (t_lo(T) == 8) lo[t * 64 + at] = (uint8_t)c;
+            else if (t_lo(T) == 4) lo[(t & 3) * 64 + at] |= (uint8_t)(low << (4 * (t >> 2)));
+            else lo[(t & 1) * 64 + at] |= (uint8_t)(low << (2 * (t >> 1)));
+            if (T == VS_Q3_K) hi[at] |= (uint8_t)(((c >> 2) & 1) << t);
+            else if (t_hi(T) == 1) hi[at] |= (uint8_t)(((c >> 4) & 1) << t);
+            else if (t_hi(T) == 2) hi[(t & 1) * 64 + at] |= (uint8_t)(((c >> 4) & 3) << (2 * (t >> 1)));
+        }
+    for (int r = 0; r < valid; r++) {
+        const gguf_block *b = blk[r];
+        switch (T) {
+        case VS_Q4_0: case VS_Q5_0: case VS_Q8_0: case VS_IQ4_NL: memcpy(s + 2 * r, &b->d[0], 2); break;
+        case VS_Q4_1: case VS_Q5_1: memcpy(s + 2 * r, &b->d[0], 2), memcpy(s + 32 + 2 * r, &b->m[0], 2); break;
+        case VS_Q2_K: case VS_Q3_K: case VS_Q6_K: s[r] = b->sc[2 * sub], s[16 + r] = b->sc[2 * sub + 1]; break;
+        case VS_Q4_K: case VS_Q5_K: s[r] = b->sc[sub], s[16 + r] = b->mn[sub]; break;
+        case VS_IQ4_XS: s[r] = b->sc[sub]; break;
+        default: break;
+        }
+    }
+}
+
+/* Pack `rows` rows of GGUF blocks (row i at src + order[i] * row_bytes, order NULL: i) into
+   dst (vs_packed_bytes of it). Floats: row-major f32, f16 or bf16 values. */
+void vs_pack(int32_t type, const uint8_t *src, int64_t row_bytes, int64_t rows, int64_t cols,
+             const int64_t *order, uint8_t *dst) {
+    const int64_t blocks = (rows + 15) / 16, bb = vs_packed_bytes(type, 16, cols);
+    int inputs, bytes;
+    gguf_block_shape(type, &inputs, &bytes);
+#pragma omp parallel for schedule(dynamic, 4) num_threads(team())
+    for (int64_t bi = 0; bi < blocks; bi++) {
+        uint8_t *block = dst + bi * bb;
+        memset(block, 0, (size_t)bb);
+        const int valid = rows - bi * 16 < 16 ? (int)(rows - bi * 16) : 16;
+        const uint8_t *row[16];
+        for (int r = 0; r < valid; r++) row[r] = src + (order ? order[bi * 16 + r] : bi * 16 + r) * row_bytes;
+        if (t_float(type)) {
+            const int e = type == VS_F32 ? 4 : 2;
+            for (int r = 0; r < valid; r++)
+                for (int64_t k = 0; k < cols; k++)
+                    memcpy(block + ((k / 32) * 512 + (k % 32) * 16 + r) * e, row[r] + k * e, e);
+            continue;
+        }
+        gguf_block dec[16];
+        const gguf_block *bp[16];
+        for (int64_t first = 0; first < cols; first += inputs) {     /* one GGUF block of each row */
+            for (int r = 0; r < valid; r++) {
+                gguf_decode(type, row[r] + (first / inputs) * bytes, &dec[r]);
+                bp[r] = &dec[r];
+            }
+            if (t_super(type)) {
+                uint8_t *head = (uint8_t *)t_head(type, block, first / 32);
+                for (int r = 0; r < valid; r++) {
+                    memcpy(head + 2 * r, &dec[r].hd, 2);
+                    if (t_head_bytes(type) == 64) memcpy(head + 32 + 2 * r, &dec[r].hdmin, 2);
+                }
+            }
+            for (int sub = 0; sub < inputs / 32; sub++) {
+                uint8_t u[16][32];
+                for (int r = 0; r < valid; r++) memcpy(u[r], dec[r].u + 32 * sub, 32);
+                switch (type) {   /* the record's place: constant layouts per type */
+#define AT(T) case T: write_unit(T, (uint8_t *)t_unit(T, block, first / 32 + sub), u, bp, sub, valid); break;
+                AT(VS_Q4_0) AT(VS_Q4_1) AT(VS_Q5_0) AT(VS_Q5_1) AT(VS_Q8_0) AT(VS_Q2_K) AT(VS_Q3_K)
+                AT(VS_Q4_K) AT(VS_Q5_K) AT(VS_Q6_K) AT(VS_IQ4_NL) AT(VS_IQ4_XS)
+#undef AT
+                default: break;
+                }
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- what a product reads of x */
+
+typedef struct {
+    const float *x;       /* float activations: M x ldx */
+    int64_t ldx;
+    const float *xs;      /* per row and unit: sums of x over inputs 0-15, 16-31, 0-31 (types with mins) */
+#if VS_HAS_INT8
+    const int8_t *q;      /* 8-bit activations: M x K codes */
+    const float *d;       /* M x units: the unit's d */
+    const int32_t *qsum;  /* M x units x 2: sums of the codes over inputs 0-15, 16-31 */
+    const float *dsum;    /* M x units x 3: d times those sums, and d times the unit's */
+#endif
+    int float_ready, int8_ready;
+} acts;
+
+/* A thread's buffer, grown as needed. */
+static void *thread_buffer(int which, size_t bytes) {
+    static __thread void *buf[4];
+    static __thread size_t cap[4];
+    if (cap[which] < bytes) {
+        free(buf[which]);
+        buf[which] = malloc(bytes);
+        cap[which] = bytes;
+    }
+    return buf[which];
+}
+
+/* Each row's sums of x over every group, in input order (the mins' terms). */
+static void prepare_float(acts *a, const float *x, int64_t M, int64_t ldx, int64_t K, int mins) {
+    a->x = x, a->ldx = ldx, a->float_ready = 1;
+    if (!mins) return;
+    const int64_t units = K / 32;
+    float *xs = thread_buffer(0, (size_t)M * units * 3 * sizeof(float));
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t u = 0; u < units; u++) {
+            const float *xu = x + i * ldx + u * 32;
+            float s = 0.0f, a0 = 0.0f, a1 = 0.0f;
+            for (int k = 0; k < 32; k++) s += xu[k];
+            for (int k = 0; k < 16; k++) a0 += xu[k];
+            for (int k = 16; k < 32; k++) a1 += xu[k];
+            float *o = xs + (i * units + u) * 3;
+            o[0] = a0, o[1] = a1, o[2] = s;
+        }
+    a->xs = xs;
+}
+
+#if VS_HAS_INT8
+/* Rows quantized per 32 inputs: d = max|x| / 127, q = round(x / d), with the sums of q. */
+static void prepare_int8(acts *a, const float *x, int64_t M, int64_t ldx, int64_t K) {
+    const int64_t units = K / 32;
+    int8_t *q = thread_buffer(1, (size_t)M * K);
+    float *d = thread_buffer(2, (size_t)M * units * 4 * sizeof(float)), *dsum = d + M * units;
+    int32_t *qsum = thread_buffer(3, (size_t)M * units * 2 * sizeof(int32_t));
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t u = 0; u < units; u++) {
+            const float *xu = x + i * ldx + u * 32;
+            const vf va = vf_load(xu), vb = vf_load(xu + 16);
+            const float amax = vf_hmax(vf_max(vf_abs(va), vf_abs(vb)));
+            const float du = amax / 127.0f, id = du != 0.0f ? 1.0f / du : 0.0f;
+            const vi qa = vi_round(vf_mul(va, vf_set1(id))), qb = vi_round(vf_mul(vb, vf_set1(id)));
+            vi_store_i8(q + i * K + u * 32, qa);
+            vi_store_i8(q + i * K + u * 32 + 16, qb);
+            const int64_t at = i * units + u;
+            const int32_t sa = vi_sum(qa), sb = vi_sum(qb);
+            d[at] = du;
+            qsum[2 * at] = sa, qsum[2 * at + 1] = sb;
+            dsum[3 * at] = du * (float)sa, dsum[3 * at + 1] = du * (float)sb, dsum[3 * at + 2] = du * (float)(sa + sb);
+        }
+    a->q = q, a->d = d, a->qsum = qsum, a->dsum = dsum, a->int8_ready = 1;
+}
+#endif
+
+/* ---------------------------------------------------------------- the kernels */
+
+ALWAYS vi vi_mask(vi a, int32_t m) { return vi_and(a, vi_set1(m)); }
+
+/* Bit t of each byte of h moved to bit `to` (every other bit cleared). */
+ALWAYS vi bit_to(vi h, const int t, const int to) {
+    const int32_t m = 0x01010101 << to;
+    return to >= t ? vi_mask(vi_slli(h, to - t), m) : vi_mask(vi_srli(h, t - to), m);
+}
+
+/* Quad t's codes u of one block's unit record (hi: its high planes, loaded once a unit). */
+ALWAYS vi quad_u(const int T, const uint8_t *rec, const int t, vi hi0, vi hi1, vi table) {
+    vi u;
+    if (t_lo(T) == 8) return vi_xor(vi_load(rec + 64 * t), vi_set1((int32_t)0x80808080));
+    if (t_lo(T) == 4) {
+        const vi v = vi_load(rec + 64 * (t & 3));
+        u = vi_mask(t < 4 ? v : vi_srli(v, 4), 0x0F0F0F0F);
+    } else {
+        u = vi_mask(vi_srli(vi_load(rec + 64 * (t & 1)), 2 * (t >> 1)), 0x03030303);
+    }
+    if (T == VS_Q3_K) u = vi_or(u, bit_to(hi0, t, 2));
+    else if (t_hi(T) == 1) u = vi_or(u, bit_to(hi0, t, 4));
+    else if (t_hi(T) == 2) {
+        const vi h = (t & 1) ? hi1 : hi0;
+        const int s = 2 * (t >> 1);
+        u = vi_or(u, vi_mask(s <= 4 ? vi_slli(h, 4 - s) : vi_srli(h, s - 4), 0x30303030));
+    }
+    if (T == VS_IQ4_NL || T == VS_IQ4_XS) u = vi_lookup16(table, u);
+    return u;
+}
+
+/* The 16 lanes' scale (and min) of group g of a unit record; d, dmin: its header's. */
+ALWAYS void group_scale(const int T, const uint8_t *rec, const int g, vf d, vf dmin, vf *scale, vf *minimum) {
+    const uint8_t *s = rec + t_code_bytes(T);
+    switch (T) {
+    case VS_Q4_0: case VS_Q5_0: case VS_Q8_0: case VS_IQ4_NL: *scale = vf_half((const uint16_t *)s); break;
+    case VS_Q4_1: case VS_Q5_1: *scale = vf_half((const uint16_t *)s), *minimum = vf_half((const uint16_t *)(s + 32)); break;
+    case VS_Q2_K: {
+        const vi b = vi_u8(s + 16 * g);
+        *scale = vf_mul(d, vf_of_int(vi_mask(b, 15)));
+        *minimum = vf_neg(vf_mul(dmin, vf_of_int(vi_srli(b, 4))));
+        break;
+    }
+    case VS_Q3_K: case VS_Q6_K: *scale = vf_mul(d, vf_of_int(vi_i8((const int8_t *)s + 16 * g))); break;
+    case VS_Q4_K: case VS_Q5_K:
+        *scale = vf_mul(d, vf_of_int(vi_u8(s)));
+        *minimum = vf_neg(vf_mul(dmin, vf_of_int(vi_u8(s + 16))));
+        break;
+    case VS_IQ4_XS: *scale = vf_mul(d, vf_of_int(vi_i8((const int8_t *)s))); break;
+    default: break;
+    }
+}
+
+ALWAYS vi iq4_table(void) {
+    int8_t t[64];
+    for (int i = 0; i < 64; i++) t[i] = (int8_t)(kvalues_iq4nl[i % 16] + 128);
+    return vi_load(t);
+}
+
+/* Tiles: MR rows of x by NR blocks of weights. The tiling changes no lane's operations. */
+#if VS_AVX512
+#define QTILE_M 4
+#define QTILE_N 4
+#else
+#define QTILE_M 4
+#define QTILE_N 1
+#endif
+
+/* y[i, 16 (b0 + v) + lane] for MR rows (from m0) and NR blocks (from b0) of a quantized weight,
+   float activations. */
+ALWAYS void qtile_f(const int T, const int MR, const int NR, const vs_weight *w, int64_t b0, const acts *a,
+                    int64_t m0, float *y, int64_t ldy) {
+    const int64_t units = w->cols / 32, bb = t_block_bytes(T, w->cols);
+    const vi table = (T == VS_IQ4_NL || T == VS_IQ4_XS) ? iq4_table() : vi_zero();
+    const vf off = vf_set1((float)t_off(T));
+    vf acc[QTILE_M][QTILE_N], d[QTILE_N], dmin[QTILE_N];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) acc[i][v] = vf_zero();
+#pragma GCC unroll 8
+    for (int v = 0; v < NR; v++) d[v] = dmin[v] = vf_zero();
+    for (int64_t u = 0; u < units; u++) {
+        const uint8_t *rec[QTILE_N];
+        vi hi0[QTILE_N], hi1[QTILE_N];
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) {
+            const uint8_t *block = w->data + (b0 + v) * bb;
+            rec[v] = t_unit(T, block, u);
+            if (t_super(T) && u % 8 == 0) {
+                const uint8_t *h = t_head(T, block, u);
+                d[v] = vf_half((const uint16_t *)h);
+                if (t_head_bytes(T) == 64) dmin[v] = vf_half((const uint16_t *)(h + 32));
+            }
+            hi0[v] = t_hi(T) ? vi_load(rec[v] + 64 * t_lo(T)) : vi_zero();
+            hi1[v] = t_hi(T) == 2 ? vi_load(rec[v] + 64 * t_lo(T) + 64) : vi_zero();
+        }
+        const float *xu = a->x + m0 * a->ldx + u * 32;
+#pragma GCC unroll 2
+        for (int g = 0; g < 32 / t_group(T); g++) {
+            vf p[QTILE_M][QTILE_N];
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+                for (int v = 0; v < NR; v++) p[i][v] = vf_zero();
+#pragma GCC unroll 8
+            for (int t = g * t_group(T) / 4; t < (g + 1) * t_group(T) / 4; t++) {
+                vi c[QTILE_N];
+#pragma GCC unroll 8
+                for (int v = 0; v < NR; v++) c[v] = quad_u(T, rec[v], t, hi0[v], hi1[v], table);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    vf wj[QTILE_N];
+#pragma GCC unroll 8
+                    for (int v = 0; v < NR; v++) wj[v] = vf_sub(vf_of_int(vi_mask(vi_srli(c[v], 8 * j), 0xFF)), off);
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++) {
+                        const vf xv = vf_set1(xu[i * a->ldx + 4 * t + j]);
+#pragma GCC unroll 8
+                        for (int v = 0; v < NR; v++) p[i][v] = vf_fma(xv, wj[v], p[i][v]);
+                    }
+                }
+            }
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++) {
+                vf s, mn = vf_zero();
+                group_scale(T, rec[v], g, d[v], dmin[v], &s, &mn);
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) {
+                    acc[i][v] = vf_fma(p[i][v], s, acc[i][v]);
+                    if (t_min(T)) {
+                        const float *xs = a->xs + ((m0 + i) * units + u) * 3;
+                        acc[i][v] = vf_fma(vf_set1(t_group(T) == 16 ? xs[g] : xs[2]), mn, acc[i][v]);
+                    }
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NR; v++) {
+        const int64_t n0 = (b0 + v) * 16, left = w->rows - n0;
+        const vf bias = w->bias ? vf_load_part(w->bias + n0, left, 0.0f) : vf_zero();
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+            vf_store_part(y + (m0 + i) * ldy + n0, w->bias ? vf_add(acc[i][v], bias) : acc[i][v], left);
+    }
+}
+
+#if VS_HAS_INT8
+/* Exact integer sums of one group (quads t0 .. t1) for MR rows and NR blocks: isum[i][v] lane r
+   = sum over the group of u_k * q_k (signed types on AVX2: of the signed codes, off 0). */
+ALWAYS void group_isums(const int T, const int MR, const int NR, const uint8_t *const *rec, const vi *hi0,
+                        const vi *hi1, vi table, const int8_t *xq, int64_t K, const int t0, const int t1,
+                        vi isum[QTILE_M][QTILE_N]) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) isum[i][v] = vi_zero();
+#if VS_AVX512
+#pragma GCC unroll 8
+    for (int t = t0; t < t1; t++) {
+        vi c[QTILE_N];
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) c[v] = quad_u(T, rec[v], t, hi0[v], hi1[v], table);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            int32_t quad;
+            memcpy(&quad, xq + i * K + 4 * t, 4);
+            const vi xv = vi_set1(quad);
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++) isum[i][v] = vi_dot_us(isum[i][v], c[v], xv);
+        }
+    }
+#else
+    /* maddubs: u (at most 63 unsigned) times q, pairs summed in 16 bits: up to `per` quads add
+       up there before they are widened, within 32767 (signed codes: their magnitude, one quad). */
+    const int umax = t_signed(T) ? 128 : (1 << (t_lo(T) + t_hi(T))) - 1;
+    const int per = t_signed(T) ? 1 : 32767 / (2 * 127 * umax) >= 8 ? 8 : 32767 / (2 * 127 * umax);
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
+    for (int s = t0; s < t1; s += per) {
+        __m256i a16[QTILE_M][QTILE_N][2];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++) a16[i][v][0] = a16[i][v][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int t = s; t < s + per && t < t1; t++) {
+            vi c[QTILE_N];
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++) {
+                c[v] = quad_u(T, rec[v], t, hi0[v], hi1[v], table);
+                if (t_signed(T)) c[v] = vi_xor(c[v], vi_set1((int32_t)0x80808080));   /* the signed codes */
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                int32_t quad;
+                memcpy(&quad, xq + i * K + 4 * t, 4);
+                const __m256i xv = _mm256_set1_epi32(quad);
+#pragma GCC unroll 8
+                for (int v = 0; v < NR; v++) {
+                    if (t_signed(T)) {
+                        a16[i][v][0] = _mm256_maddubs_epi16(_mm256_abs_epi8(c[v].lo), _mm256_sign_epi8(xv, c[v].lo));
+                        a16[i][v][1] = _mm256_maddubs_epi16(_mm256_abs_epi8(c[v].hi), _mm256_sign_epi8(xv, c[v].hi));
+                    } else {
+                        a16[i][v][0] = _mm256_add_epi16(a16[i][v][0], _mm256_maddubs_epi16(c[v].lo, xv));
+                        a16[i][v][1] = _mm256_add_epi16(a16[i][v][1], _mm256_maddubs_epi16(c[v].hi, xv));
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++)
+                isum[i][v] = vi_add(isum[i][v], vi_make(_mm256_madd_epi16(a16[i][v][0], ones),
+                                                        _mm256_madd_epi16(a16[i][v][1], ones)));
+    }
+#endif
+}
+
+/* As qtile_f with 8-bit activations. */
+ALWAYS void qtile_a8(const int T, const int MR, const int NR, const vs_weight *w, int64_t b0, const acts *a,
+                     int64_t m0, float *y, int64_t ldy) {
+    const int64_t units = w->cols / 32, K = w->cols, bb = t_block_bytes(T, w->cols);
+    const vi table = (T == VS_IQ4_NL || T == VS_IQ4_XS) ? iq4_table() : vi_zero();
+    /* off: the codes' offset the integer sums carry (none where AVX2 sums signed codes) */
+    const int off = !VS_AVX512 && t_signed(T) ? 0 : t_off(T);
+    vf acc[QTILE_M][QTILE_N], d[QTILE_N], dmin[QTILE_N];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) acc[i][v] = vf_zero();
+#pragma GCC unroll 8
+    for (int v = 0; v < NR; v++) d[v] = dmin[v] = vf_zero();
+    for (int64_t u = 0; u < units; u++) {
+        const uint8_t *rec[QTILE_N];
+        vi hi0[QTILE_N], hi1[QTILE_N];
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) {
+            const uint8_t *block = w->data + (b0 + v) * bb;
+            rec[v] = t_unit(T, block, u);
+            if (t_super(T) && u % 8 == 0) {
+                const uint8_t *h = t_head(T, block, u);
+                d[v] = vf_half((const uint16_t *)h);
+                if (t_head_bytes(T) == 64) dmin[v] = vf_half((const uint16_t *)(h + 32));
+            }
+            hi0[v] = t_hi(T) ? vi_load(rec[v] + 64 * t_lo(T)) : vi_zero();
+            hi1[v] = t_hi(T) == 2 ? vi_load(rec[v] + 64 * t_lo(T) + 64) : vi_zero();
+        }
+        const int8_t *xq = a->q + m0 * K + u * 32;
+#pragma GCC unroll 2
+        for (int g = 0; g < 32 / t_group(T); g++) {
+            vi isum[QTILE_M][QTILE_N];
+            group_isums(T, MR, NR, rec, hi0, hi1, table, xq, K, g * t_group(T) / 4, (g + 1) * t_group(T) / 4, isum);
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++) {
+                vf s, mn = vf_zero();
+                group_scale(T, rec[v], g, d[v], dmin[v], &s, &mn);
+#pragma GCC unroll 8
+                for (int i = 0; i < MR; i++) {
+                    const int64_t at = (m0 + i) * units + u;
+                    vi sum = isum[i][v];
+                    if (off) {
+                        const int32_t q = t_group(T) == 16 ? a->qsum[2 * at + g] : a->qsum[2 * at] + a->qsum[2 * at + 1];
+                        sum = vi_sub(sum, vi_set1(off * q));
+                    }
+                    acc[i][v] = vf_fma(vf_of_int(sum), vf_mul(s, vf_set1(a->d[at])), acc[i][v]);
+                    if (t_min(T)) acc[i][v] = vf_fma(vf_set1(a->dsum[3 * at + (t_group(T) == 16 ? g : 2)]), mn, acc[i][v]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NR; v++) {
+        const int64_t n0 = (b0 + v) * 16, left = w->rows - n0;
+        const vf bias = w->bias ? vf_load_part(w->bias + n0, left, 0.0f) : vf_zero();
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+            vf_store_part(y + (m0 + i) * ldy + n0, w->bias ? vf_add(acc[i][v], bias) : acc[i][v], left);
+    }
+}
+#endif
+
+/* Float weights: per unit a chain over its 32 inputs (two lane sets of 16 weights' rows),
+   added to acc once the unit is done. */
+ALWAYS void ftile(const int T, const int MR, const int NR, const vs_weight *w, int64_t b0, const acts *a,
+                  int64_t m0, float *y, int64_t ldy) {
+    const int64_t units = w->cols / 32, bb = t_block_bytes(T, w->cols), e = t_float_bytes(T);
+    vf acc[QTILE_M][QTILE_N];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int v = 0; v < NR; v++) acc[i][v] = vf_zero();
+    for (int64_t u = 0; u < units; u++) {
+        vf p[QTILE_M][QTILE_N];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++) p[i][v] = vf_zero();
+        const float *xu = a->x + m0 * a->ldx + u * 32;
+#pragma GCC unroll 2
+        for (int k = 0; k < 32; k++) {
+            vf wk[QTILE_N];
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++) {
+                const uint8_t *at = w->data + (b0 + v) * bb + (u * 512 + k * 16) * e;
+                wk[v] = T == VS_F32 ? vf_load((const float *)at)
+                      : T == VS_F16 ? vf_half((const uint16_t *)at) : vf_of_bits(vi_slli(vi_u16(at), 16));
+            }
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                const vf xv = vf_set1(xu[i * a->ldx + k]);
+#pragma GCC unroll 8
+                for (int v = 0; v < NR; v++) p[i][v] = vf_fma(xv, wk[v], p[i][v]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+            for (int v = 0; v < NR; v++) acc[i][v] = vf_add(acc[i][v], p[i][v]);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NR; v++) {
+        const int64_t n0 = (b0 + v) * 16, left = w->rows - n0;
+        const vf bias = w->bias ? vf_load_part(w->bias + n0, left, 0.0f) : vf_zero();
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+            vf_store_part(y + (m0 + i) * ldy + n0, w->bias ? vf_add(acc[i][v], bias) : acc[i][v], left);
+    }
+}
+
+ALWAYS void any_tile(const int T, const int A8, const int MR, const int NR, const vs_weight *w, int64_t b0,
+                     const acts *a, int64_t m0, float *y, int64_t ldy) {
+    if (t_float(T)) ftile(T, MR, NR, w, b0, a, m0, y, ldy);
+#if VS_HAS_INT8
+    else if (A8) qtile_a8(T, MR, NR, w, b0, a, m0, y, ldy);
+#endif
+    else qtile_f(T, MR, NR, w, b0, a, m0, y, ldy);
+}
+
+/* Blocks [b0, b1) for all M rows. */
+ALWAYS void blocks_rows(const int T, const int A8, const vs_weight *w, int64_t b0, int64_t b1, const acts *a,
+                        int64_t M, float *y, int64_t ldy) {
+    int64_t m = 0;
+#define TILES(MR)                                                                                   \
+    {                                                                                               \
+        int64_t b = b0;                                                                             \
+        for (; b + QTILE_N <= b1; b += QTILE_N) any_tile(T, A8, MR, QTILE_N, w, b, a, m, y, ldy);   \
+        for (; b < b1; b++) any_tile(T, A8, MR, 1, w, b, a, m, y, ldy);                             \
+    }
+    for (; m + QTILE_M <= M; m += QTILE_M) TILES(QTILE_M)
+    switch (M - m) {
+    case 3: TILES(3) break;
+    case 2: TILES(2) break;
+    case 1: TILES(1) break;
+    default: break;
+    }
+#undef TILES
+}
+
+typedef void (*blocks_fn)(const vs_weight *, int64_t, int64_t, const acts *, int64_t, float *, int64_t);
+#define BLOCKS(T)                                                                                            \
+    static void blocks_f_##T(const vs_weight *w, int64_t b0, int64_t b1, const acts *a, int64_t M, float *y, \
+                             int64_t ldy) { blocks_rows(T, 0, w, b0, b1, a, M, y, ldy); }                     \
+    static void blocks_a8_##T(const vs_weight *w, int64_t b0, int64_t b1, const acts *a, int64_t M, float *y, \
+                              int64_t ldy) { blocks_rows(T, 1, w, b0, b1, a, M, y, ldy); }
+BLOCKS(VS_F32) BLOCKS(VS_BF16) BLOCKS(VS_F16) BLOCKS(VS_Q4_0) BLOCKS(VS_Q4_1) BLOCKS(VS_Q5_0) BLOCKS(VS_Q5_1)
+BLOCKS(VS_Q8_0) BLOCKS(VS_Q2_K) BLOCKS(VS_Q3_K) BLOCKS(VS_Q4_K) BLOCKS(VS_Q5_K) BLOCKS(VS_Q6_K)
+BLOCKS(VS_IQ4_NL) BLOCKS(VS_IQ4_XS)
+#undef BLOCKS
+
+static blocks_fn blocks_for(const vs_weight *w) {
+    static const blocks_fn f[VS_TYPES][2] = {
+#define ROW(T) {blocks_f_##T, blocks_a8_##T},
+        ROW(VS_F32) ROW(VS_BF16) ROW(VS_F16) ROW(VS_Q4_0) ROW(VS_Q4_1) ROW(VS_Q5_0) ROW(VS_Q5_1) ROW(VS_Q8_0)
+        ROW(VS_Q2_K) ROW(VS_Q3_K) ROW(VS_Q4_K) ROW(VS_Q5_K) ROW(VS_Q6_K) ROW(VS_IQ4_NL) ROW(VS_IQ4_XS)
+#undef ROW
+    };
+    return f[w->type][w->int8_acts && !t_float(w->type)];
+}
+
+/* y's columns for weight blocks [b0, b1) of w and M rows of x: one work item. A thread
+   prepares what its items read of x on its first one that needs it (weights sharing x may
+   differ in type: q, k and v of a Q4_K_M file). */
+ALWAYS void linear_blocks(const vs_weight *w, int64_t b0, int64_t b1, const float *x, int64_t M, int64_t ldx,
+                          float *y, int64_t ldy, acts *a) {
+#if VS_HAS_INT8
+    if (w->int8_acts && !t_float(w->type)) {
+        if (!a->int8_ready) prepare_int8(a, x, M, ldx, w->cols);
+    } else
+#endif
+    if (!a->float_ready || (t_min(w->type) && a->xs == NULL)) prepare_float(a, x, M, ldx, w->cols, t_min(w->type));
+    blocks_for(w)(w, b0, b1, a, M, y, ldy);
+}
+
+int vs_has_int8(void) { return VS_HAS_INT8; }
+
+/* Rows a matmul takes per pass over a weight's blocks: up to this many cost about one row's
+   streaming of the weights. */
+int vs_tile_rows(void) { return QTILE_M; }
