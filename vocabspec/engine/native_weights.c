@@ -269,14 +269,14 @@ static void k_scale_min(const uint8_t *q, int j, uint8_t *d, uint8_t *m) { /* gg
 }
 
 /* GGUF block bytes (inputs, bytes) of a type. */
-static void gguf_block_shape(int T, int *inputs, int *bytes) {
+ALWAYS void gguf_block_shape(const int T, int *inputs, int *bytes) {
     static const int shape[VS_TYPES][2] = {{1, 4}, {1, 2}, {1, 2}, {32, 18}, {32, 20}, {32, 22}, {32, 24}, {32, 34},
                                            {256, 84}, {256, 110}, {256, 144}, {256, 176}, {256, 210}, {32, 18}, {256, 136}};
     *inputs = shape[T][0], *bytes = shape[T][1];
 }
 
-static void gguf_decode(int T, const uint8_t *b, gguf_block *o) {
-    switch (T) {
+ALWAYS void gguf_decode(const int T, const uint8_t *b, gguf_block *o) {
+    switch (T) {   /* loops of 16 or 32 bytes without divisions: the compiler vectorizes them */
     case VS_Q4_0: case VS_Q4_1: case VS_Q5_0: case VS_Q5_1: case VS_IQ4_NL: {
         const int mins = T == VS_Q4_1 || T == VS_Q5_1, five = T == VS_Q5_0 || T == VS_Q5_1;
         o->d[0] = u16_at(b);
@@ -284,44 +284,39 @@ static void gguf_decode(int T, const uint8_t *b, gguf_block *o) {
         const uint8_t *qh = b + 2 + 2 * mins, *qs = qh + 4 * five;
         uint32_t h = 0;
         if (five) memcpy(&h, qh, 4);
-        for (int k = 0; k < 32; k++) {
-            int c = k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
-            if (five) c |= ((h >> k) & 1) << 4;
-            o->u[k] = (uint8_t)c;
-        }
+        for (int k = 0; k < 16; k++) o->u[k] = qs[k] & 15, o->u[k + 16] = qs[k] >> 4;
+        if (five)
+            for (int k = 0; k < 32; k++) o->u[k] |= (uint8_t)(((h >> k) & 1) << 4);
         break;
     }
     case VS_Q8_0:
         o->d[0] = u16_at(b);
         memcpy(o->u, b + 2, 32);
         break;
-    case VS_Q2_K: {
-        const uint8_t *scales = b, *q = b + 16;
-        o->hd = u16_at(b + 80), o->hdmin = u16_at(b + 82);
-        for (int e = 0; e < 256; e++) {
-            const int n = e / 128, j = (e % 128) / 32, h = (e % 32) / 16, l = e % 16;
-            o->u[e] = (q[n * 32 + h * 16 + l] >> (2 * j)) & 3;
+    case VS_Q2_K: case VS_Q3_K: {
+        const uint8_t *q = b + (T == VS_Q2_K ? 16 : 32), *hm = b;
+        for (int n = 0; n < 2; n++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++) {      /* l: h * 16 + the 16-input group's input */
+                    uint8_t c = (q[n * 32 + l] >> (2 * j)) & 3;
+                    if (T == VS_Q3_K) c |= (uint8_t)(((hm[l] >> (n * 4 + j)) & 1) << 2);
+                    o->u[n * 128 + j * 32 + l] = c;
+                }
+        if (T == VS_Q2_K) {
+            o->hd = u16_at(b + 80), o->hdmin = u16_at(b + 82);
+            memcpy(o->sc, b, 16);
+        } else {
+            uint32_t aux[4];
+            memcpy(aux, b + 96, 12);
+            const uint32_t tmp = aux[2], k1 = 0x03030303, k2 = 0x0f0f0f0f;
+            aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+            aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+            aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+            aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+            const int8_t *scales = (const int8_t *)aux;
+            o->hd = u16_at(b + 108);
+            for (int g = 0; g < 16; g++) o->sc[g] = (uint8_t)(int8_t)(scales[g] - 32);
         }
-        memcpy(o->sc, scales, 16);
-        break;
-    }
-    case VS_Q3_K: {
-        const uint8_t *hm = b, *q = b + 32;
-        uint32_t aux[4];
-        memcpy(aux, b + 96, 12);
-        const uint32_t tmp = aux[2], k1 = 0x03030303, k2 = 0x0f0f0f0f;
-        aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
-        aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
-        aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
-        aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
-        const int8_t *scales = (const int8_t *)aux;
-        o->hd = u16_at(b + 108);
-        for (int e = 0; e < 256; e++) {
-            const int n = e / 128, j = (e % 128) / 32, h = (e % 32) / 16, l = e % 16;
-            const int low = (q[n * 32 + h * 16 + l] >> (2 * j)) & 3, high = (hm[h * 16 + l] >> (n * 4 + j)) & 1;
-            o->u[e] = (uint8_t)(low | high << 2);
-        }
-        for (int g = 0; g < 16; g++) o->sc[g] = (uint8_t)(int8_t)(scales[g] - 32);
         break;
     }
     case VS_Q4_K: case VS_Q5_K: {
@@ -329,24 +324,26 @@ static void gguf_decode(int T, const uint8_t *b, gguf_block *o) {
         const uint8_t *qh = b + 16, *qs = b + 16 + 32 * five;
         o->hd = u16_at(b), o->hdmin = u16_at(b + 2);
         for (int g = 0; g < 8; g++) k_scale_min(b + 4, g, &o->sc[g], &o->mn[g]);
-        for (int e = 0; e < 256; e++) {
-            const int J = e / 64, h = (e % 64) / 32, l = e % 32;
-            int c = h ? qs[J * 32 + l] >> 4 : qs[J * 32 + l] & 15;
-            if (five) c |= ((qh[l] >> (2 * J + h)) & 1) << 4;
-            o->u[e] = (uint8_t)c;
-        }
+        for (int J = 0; J < 4; J++)
+            for (int l = 0; l < 32; l++) {
+                uint8_t lo = qs[J * 32 + l] & 15, hi = qs[J * 32 + l] >> 4;
+                if (five) lo |= (uint8_t)(((qh[l] >> (2 * J)) & 1) << 4), hi |= (uint8_t)(((qh[l] >> (2 * J + 1)) & 1) << 4);
+                o->u[J * 64 + l] = lo, o->u[J * 64 + 32 + l] = hi;
+            }
         break;
     }
     case VS_Q6_K: {
         const uint8_t *ql = b, *qh = b + 128;
         o->hd = u16_at(b + 208);
         memcpy(o->sc, b + 192, 16);
-        for (int e = 0; e < 256; e++) {
-            const int N = e / 128, s = (e % 128) / 32, l = e % 32;
-            const int low = (ql[64 * N + l + 32 * (s & 1)] >> (4 * (s >> 1))) & 15;
-            const int high = (qh[32 * N + l] >> (2 * s)) & 3;
-            o->u[e] = (uint8_t)(low | high << 4);
-        }
+        for (int N = 0; N < 2; N++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t a = ql[64 * N + l], c = ql[64 * N + 32 + l], h = qh[32 * N + l];
+                o->u[128 * N + l] = (uint8_t)((a & 15) | ((h & 3) << 4));
+                o->u[128 * N + 32 + l] = (uint8_t)((c & 15) | (((h >> 2) & 3) << 4));
+                o->u[128 * N + 64 + l] = (uint8_t)((a >> 4) | (((h >> 4) & 3) << 4));
+                o->u[128 * N + 96 + l] = (uint8_t)((c >> 4) | (((h >> 6) & 3) << 4));
+            }
         break;
     }
     case VS_IQ4_XS: {
@@ -364,20 +361,26 @@ static void gguf_decode(int T, const uint8_t *b, gguf_block *o) {
     }
 }
 
-/* One unit's record of 16 lanes (lanes past `valid` stay zero): codes from u[lane][32]. */
-static void write_unit(int T, uint8_t *rec, uint8_t u[16][32], const gguf_block *blk[16], int sub, int valid) {
-    uint8_t *lo = rec, *hi = rec + 64 * t_lo(T), *s = rec + t_code_bytes(T);
+/* One unit's record of 16 lanes (lanes past `valid` stay zero): codes from u[lane][32],
+   four codes a 32-bit word at a time. */
+ALWAYS void write_unit(const int T, uint8_t *rec, uint8_t u[16][32], const gguf_block *const *blk, int sub,
+                       int valid) {
+    uint32_t planes[12][16];
+    memset(planes, 0, sizeof(planes));
+    uint32_t (*hi)[16] = planes + t_lo(T);
     for (int r = 0; r < valid; r++)
-        for (int k = 0; k < 32; k++) {
-            const int t = k / 4, j = k % 4, at = 4 * r + j, c = u[r][k];
-            const int low = t_lo(T) == 8 ? c : c & ((1 << t_lo(T)) - 1);
-            if (t_lo(T) == 8) lo[t * 64 + at] = (uint8_t)c;
-            else if (t_lo(T) == 4) lo[(t & 3) * 64 + at] |= (uint8_t)(low << (4 * (t >> 2)));
-            else lo[(t & 1) * 64 + at] |= (uint8_t)(low << (2 * (t >> 1)));
-            if (T == VS_Q3_K) hi[at] |= (uint8_t)(((c >> 2) & 1) << t);
-            else if (t_hi(T) == 1) hi[at] |= (uint8_t)(((c >> 4) & 1) << t);
-            else if (t_hi(T) == 2) hi[(t & 1) * 64 + at] |= (uint8_t)(((c >> 4) & 3) << (2 * (t >> 1)));
+        for (int t = 0; t < 8; t++) {
+            uint32_t w;
+            memcpy(&w, u[r] + 4 * t, 4);
+            if (t_lo(T) == 8) planes[t][r] = w;
+            else if (t_lo(T) == 4) planes[t & 3][r] |= (w & 0x0F0F0F0Fu) << (4 * (t >> 2));
+            else planes[t & 1][r] |= (w & 0x03030303u) << (2 * (t >> 1));
+            if (T == VS_Q3_K) hi[0][r] |= ((w >> 2) & 0x01010101u) << t;
+            else if (t_hi(T) == 1) hi[0][r] |= ((w >> 4) & 0x01010101u) << t;
+            else if (t_hi(T) == 2) hi[t & 1][r] |= ((w >> 4) & 0x03030303u) << (2 * (t >> 1));
         }
+    memcpy(rec, planes, (size_t)t_code_bytes(T));
+    uint8_t *s = rec + t_code_bytes(T);
     for (int r = 0; r < valid; r++) {
         const gguf_block *b = blk[r];
         switch (T) {
@@ -391,13 +394,42 @@ static void write_unit(int T, uint8_t *rec, uint8_t u[16][32], const gguf_block 
     }
 }
 
-/* Pack `rows` rows of GGUF blocks (row i at src + order[i] * row_bytes, order NULL: i) into
-   dst (vs_packed_bytes of it). Floats: row-major f32, f16 or bf16 values. */
-void vs_pack(int32_t type, const uint8_t *src, int64_t row_bytes, int64_t rows, int64_t cols,
-             const int64_t *order, uint8_t *dst) {
-    const int64_t blocks = (rows + 15) / 16, bb = vs_packed_bytes(type, 16, cols);
+/* One block of 16 rows (row[r]: row r's GGUF bytes; rows past `valid` are zero). */
+ALWAYS void pack_block(const int T, const uint8_t *const *row, int valid, int64_t cols, uint8_t *block) {
     int inputs, bytes;
-    gguf_block_shape(type, &inputs, &bytes);
+    gguf_block_shape(T, &inputs, &bytes);
+    if (t_float(T)) {
+        const int e = t_float_bytes(T);
+        for (int r = 0; r < valid; r++)
+            for (int64_t k = 0; k < cols; k++)
+                memcpy(block + ((k / 32) * 512 + (k % 32) * 16 + r) * e, row[r] + k * e, e);
+        return;
+    }
+    gguf_block dec[16];
+    const gguf_block *bp[16];
+    for (int64_t first = 0; first < cols; first += inputs) {     /* one GGUF block of each row */
+        for (int r = 0; r < valid; r++) {
+            gguf_decode(T, row[r] + (first / inputs) * bytes, &dec[r]);
+            bp[r] = &dec[r];
+        }
+        if (t_super(T)) {
+            uint8_t *head = (uint8_t *)t_head(T, block, first / 32);
+            for (int r = 0; r < valid; r++) {
+                memcpy(head + 2 * r, &dec[r].hd, 2);
+                if (t_head_bytes(T) == 64) memcpy(head + 32 + 2 * r, &dec[r].hdmin, 2);
+            }
+        }
+        for (int sub = 0; sub < inputs / 32; sub++) {
+            uint8_t u[16][32];
+            for (int r = 0; r < valid; r++) memcpy(u[r], dec[r].u + 32 * sub, 32);
+            write_unit(T, (uint8_t *)t_unit(T, block, first / 32 + sub), u, bp, sub, valid);
+        }
+    }
+}
+
+ALWAYS void pack_blocks_t(const int T, const uint8_t *src, int64_t row_bytes, int64_t rows, int64_t cols,
+                          const int64_t *order, uint8_t *dst) {
+    const int64_t blocks = (rows + 15) / 16, bb = t_block_bytes(T, cols);
 #pragma omp parallel for schedule(dynamic, 4) num_threads(team())
     for (int64_t bi = 0; bi < blocks; bi++) {
         uint8_t *block = dst + bi * bb;
@@ -405,39 +437,20 @@ void vs_pack(int32_t type, const uint8_t *src, int64_t row_bytes, int64_t rows, 
         const int valid = rows - bi * 16 < 16 ? (int)(rows - bi * 16) : 16;
         const uint8_t *row[16];
         for (int r = 0; r < valid; r++) row[r] = src + (order ? order[bi * 16 + r] : bi * 16 + r) * row_bytes;
-        if (t_float(type)) {
-            const int e = type == VS_F32 ? 4 : 2;
-            for (int r = 0; r < valid; r++)
-                for (int64_t k = 0; k < cols; k++)
-                    memcpy(block + ((k / 32) * 512 + (k % 32) * 16 + r) * e, row[r] + k * e, e);
-            continue;
-        }
-        gguf_block dec[16];
-        const gguf_block *bp[16];
-        for (int64_t first = 0; first < cols; first += inputs) {     /* one GGUF block of each row */
-            for (int r = 0; r < valid; r++) {
-                gguf_decode(type, row[r] + (first / inputs) * bytes, &dec[r]);
-                bp[r] = &dec[r];
-            }
-            if (t_super(type)) {
-                uint8_t *head = (uint8_t *)t_head(type, block, first / 32);
-                for (int r = 0; r < valid; r++) {
-                    memcpy(head + 2 * r, &dec[r].hd, 2);
-                    if (t_head_bytes(type) == 64) memcpy(head + 32 + 2 * r, &dec[r].hdmin, 2);
-                }
-            }
-            for (int sub = 0; sub < inputs / 32; sub++) {
-                uint8_t u[16][32];
-                for (int r = 0; r < valid; r++) memcpy(u[r], dec[r].u + 32 * sub, 32);
-                switch (type) {   /* the record's place: constant layouts per type */
-#define AT(T) case T: write_unit(T, (uint8_t *)t_unit(T, block, first / 32 + sub), u, bp, sub, valid); break;
-                AT(VS_Q4_0) AT(VS_Q4_1) AT(VS_Q5_0) AT(VS_Q5_1) AT(VS_Q8_0) AT(VS_Q2_K) AT(VS_Q3_K)
-                AT(VS_Q4_K) AT(VS_Q5_K) AT(VS_Q6_K) AT(VS_IQ4_NL) AT(VS_IQ4_XS)
-#undef AT
-                default: break;
-                }
-            }
-        }
+        pack_block(T, row, valid, cols, block);
+    }
+}
+
+/* Pack `rows` rows of GGUF blocks (row i at src + order[i] * row_bytes, order NULL: i) into
+   dst (vs_packed_bytes of it). Floats: row-major f32, f16 or bf16 values. */
+void vs_pack(int32_t type, const uint8_t *src, int64_t row_bytes, int64_t rows, int64_t cols,
+             const int64_t *order, uint8_t *dst) {
+    switch (type) {   /* a copy of the loops for each type: its layout's numbers are constants */
+#define PACK(T) case T: pack_blocks_t(T, src, row_bytes, rows, cols, order, dst); break;
+    PACK(VS_F32) PACK(VS_BF16) PACK(VS_F16) PACK(VS_Q4_0) PACK(VS_Q4_1) PACK(VS_Q5_0) PACK(VS_Q5_1) PACK(VS_Q8_0)
+    PACK(VS_Q2_K) PACK(VS_Q3_K) PACK(VS_Q4_K) PACK(VS_Q5_K) PACK(VS_Q6_K) PACK(VS_IQ4_NL) PACK(VS_IQ4_XS)
+#undef PACK
+    default: break;
     }
 }
 
@@ -572,13 +585,16 @@ ALWAYS vi iq4_table(void) {
     return vi_load(t);
 }
 
-/* Tiles: MR rows of x by NR blocks of weights. The tiling changes no lane's operations. */
+/* Tiles: MR rows of x by NR blocks of weights, MR * NR chains at a time: four rows by one block,
+   two by two, or one row by four blocks (AVX2, with half the registers: one block). The
+   tiling changes no lane's operations. */
+#define QTILE_M 4
 #if VS_AVX512
-#define QTILE_M 4
 #define QTILE_N 4
+#define NR_OF(MR) ((MR) >= 4 ? 1 : (MR) == 2 ? 2 : 1)
 #else
-#define QTILE_M 4
 #define QTILE_N 1
+#define NR_OF(MR) 1
 #endif
 
 /* y[i, 16 (b0 + v) + lane] for MR rows (from m0) and NR blocks (from b0) of a quantized weight,
@@ -854,23 +870,23 @@ ALWAYS void any_tile(const int T, const int A8, const int MR, const int NR, cons
     else qtile_f(T, MR, NR, w, b0, a, m0, y, ldy);
 }
 
-/* Blocks [b0, b1) for all M rows. */
+/* Blocks [b0, b1) for all M rows: tiles of four rows, then two, then one. */
 ALWAYS void blocks_rows(const int T, const int A8, const vs_weight *w, int64_t b0, int64_t b1, const acts *a,
                         int64_t M, float *y, int64_t ldy) {
     int64_t m = 0;
-#define TILES(MR)                                                                                   \
-    {                                                                                               \
-        int64_t b = b0;                                                                             \
-        for (; b + QTILE_N <= b1; b += QTILE_N) any_tile(T, A8, MR, QTILE_N, w, b, a, m, y, ldy);   \
-        for (; b < b1; b++) any_tile(T, A8, MR, 1, w, b, a, m, y, ldy);                             \
+#define TILES(MR)                                                                                  \
+    {                                                                                              \
+        int64_t b = b0;                                                                            \
+        if (NR_OF(MR) > 1)                                                                         \
+            for (; b + NR_OF(MR) <= b1; b += NR_OF(MR)) any_tile(T, A8, MR, NR_OF(MR), w, b, a, m, y, ldy); \
+        for (; b < b1; b++) any_tile(T, A8, MR, 1, w, b, a, m, y, ldy);                            \
     }
-    for (; m + QTILE_M <= M; m += QTILE_M) TILES(QTILE_M)
-    switch (M - m) {
-    case 3: TILES(3) break;
-    case 2: TILES(2) break;
-    case 1: TILES(1) break;
-    default: break;
+    for (; m + 4 <= M; m += 4) TILES(4)
+    if (M - m >= 2) {
+        TILES(2)
+        m += 2;
     }
+    if (M - m == 1) TILES(1)
 #undef TILES
 }
 
