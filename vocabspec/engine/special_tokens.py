@@ -25,7 +25,8 @@ class SpecialTokens:
         self.tokens, self.attrs = tokens, attrs
         special = [i for i, attr in enumerate(attrs) if attr & SPECIAL_ATTRS]
         # llama.cpp sorts them by the length of their text in bytes, longest first.
-        self.order = sorted(special, key=lambda i: (-len(tokens[i].encode("utf-8")), i))
+        order = sorted(special, key=lambda i: (-len(tokens[i].encode("utf-8")), i))
+        self.rank = {token: place for place, token in enumerate(order)}
         self.ids = {tokens[i]: i for i in special}
         self.characters = set("".join(self.ids))
         # Every special text's special prefixes (itself included): the scan finds the longest
@@ -46,10 +47,9 @@ class SpecialTokens:
 
     def split(self, text: str, parse_special: bool) -> list[str | int]:
         """`text` as its pieces in order: stretches of text (str) and special tokens (int)."""
-        present = self.present(text)
         pieces: list[str | int] = [text] if text else []
-        for token in self.order:
-            if token not in present or (not parse_special and self.attrs[token] & PARSED_ONLY_ON_REQUEST):
+        for token in sorted(self.present(text), key=self.rank.__getitem__):
+            if not parse_special and self.attrs[token] & PARSED_ONLY_ON_REQUEST:
                 continue
             pieces = [part for piece in pieces
                       for part in (self._cut(piece, token) if isinstance(piece, str) else (piece,))]

@@ -72,24 +72,34 @@ class Tokenizer:
         llama.cpp's completion does), else control tokens' texts are text (user-defined tokens
         are always tokens, as in llama.cpp). add_bos: None for the file's choice (a text that
         starts with the BOS token's own text then starts with two, as in llama.cpp)."""
+        return self.encode_batch([text], add_bos, parse_special)[0]
+
+    def encode_batch(self, texts: list[str], add_bos: bool | None = None,
+                     parse_special: bool = True) -> list[list[int]]:
+        """`encode` of each text, the pipeline run once over all of them."""
         if not isinstance(parse_special, bool):
             raise ValueError(f"parse_special must be true or false, not {parse_special!r}")
-        ids = self._encode_pieces(self.special.split(text, parse_special))
-        if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
-            ids.insert(0, self.bos_token_id)
-        return ids
+        bos = (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None
+        return [[self.bos_token_id] + ids if bos else ids
+                for ids in self._encode([self.special.split(t, parse_special) for t in texts])]
 
-    def _encode_pieces(self, pieces: list, restore: dict | None = None) -> list[int]:
-        texts = [p.translate(restore) if restore else p for p in pieces if isinstance(p, str)]
+    def _encode(self, splits: list[list], restore: dict | None = None) -> list[list[int]]:
+        """Each split text's ids: its special tokens as they are, its text through the pipeline
+        (after `restore`, str.translate's table, puts back what a chat's rendering stood in for)."""
+        texts = [p.translate(restore) if restore else p for pieces in splits for p in pieces
+                 if isinstance(p, str)]
         with self._lock:       # the pipeline is shared by the server's request threads
             encoded = iter(self.backend.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
-        ids: list[int] = []
-        for piece in pieces:
-            if isinstance(piece, str):
-                ids.extend(next(encoded).ids)
-            else:
-                ids.append(piece)
-        return ids
+        out = []
+        for pieces in splits:
+            ids: list[int] = []
+            for piece in pieces:
+                if isinstance(piece, str):
+                    ids.extend(next(encoded).ids)
+                else:
+                    ids.append(piece)
+            out.append(ids)
+        return out
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids` as llama.cpp's detokenizer gives it: control tokens' text only when
@@ -112,7 +122,7 @@ class Tokenizer:
         marked, restore = mark_control_texts(messages, self.special, avoid=(template.source,))
         text = template.render(marked, add_generation_prompt, self.template_tokens)
         # The template writes its own BOS where it wants one: none is added.
-        return self._encode_pieces(self.special.split(text, parse_special=True), restore)
+        return self._encode([self.special.split(text, parse_special=True)], restore)[0]
 
     def _chat_template(self) -> ChatTemplate:
         if self.template is None:

@@ -92,12 +92,12 @@ def read_metadata(path: Path) -> dict:
     of str, numeric arrays numpy arrays."""
     try:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _parse_metadata(memoryview(data))
+            return _parse_metadata(data)
     except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
         raise VocabError(f"{path}: cannot read its GGUF metadata ({exc})") from exc
 
 
-def _parse_metadata(data: memoryview) -> dict:
+def _parse_metadata(data: mmap.mmap) -> dict:
     if bytes(data[:4]) != b"GGUF":
         raise ValueError("not a GGUF file (no GGUF magic)")
     version, = struct.unpack_from("<I", data, 4)
@@ -112,15 +112,28 @@ def _parse_metadata(data: memoryview) -> dict:
     return out
 
 
-def _string(data: memoryview, offset: int) -> tuple[str, int]:
+def _string(data: mmap.mmap, offset: int) -> tuple[str, int]:
     size, = struct.unpack_from("<Q", data, offset)
     end = offset + 8 + size
     if end > len(data):
         raise ValueError("metadata runs past the end of the file")
-    return bytes(data[offset + 8:end]).decode("utf-8"), end
+    return data[offset + 8:end].decode("utf-8"), end
 
 
-def _value(data: memoryview, offset: int, kind: int):
+def _strings(data: mmap.mmap, offset: int, n: int) -> tuple[list[str], int]:
+    # A vocabulary's hundreds of thousands of tokens and merges: the loop kept tight.
+    unpack, values, total = struct.Struct("<Q").unpack_from, [], len(data)
+    for _ in range(n):
+        size, = unpack(data, offset)
+        offset += 8
+        if offset + size > total:
+            raise ValueError("metadata runs past the end of the file")
+        values.append(data[offset:offset + size].decode("utf-8"))
+        offset += size
+    return values, offset
+
+
+def _value(data: mmap.mmap, offset: int, kind: int):
     if kind in _SCALARS:
         return struct.unpack_from(_SCALARS[kind], data, offset)[0], offset + struct.calcsize(_SCALARS[kind])
     if kind == STRING:
@@ -132,6 +145,8 @@ def _value(data: memoryview, offset: int, kind: int):
     if item in _NUMPY:
         width = np.dtype(_NUMPY[item]).itemsize
         return np.frombuffer(data, _NUMPY[item], n, offset).copy(), offset + n * width
+    if item == STRING:
+        return _strings(data, offset, n)
     values = []
     for _ in range(n):
         value, offset = _value(data, offset, item)

@@ -109,7 +109,7 @@ def _bpe(vocab: Vocab, merges: list[tuple[str, str]], byte_fallback: bool, ignor
     return {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": byte_fallback,
             "ignore_merges": ignore_merges, "vocab": {t: i for i, t in enumerate(vocab.tokens)},
-            "merges": [list(pair) for pair in merges]}
+            "merges": merges}      # pairs, written as JSON lists
 
 
 def _merges_by_score(vocab: Vocab) -> list[tuple[str, str]]:
@@ -131,12 +131,7 @@ def _merges_by_score(vocab: Vocab) -> list[tuple[str, str]]:
 def _ranked_merges(vocab: Vocab) -> list[tuple[str, str]]:
     """The file's merges in rank order, each pair once at its first rank (as llama.cpp keeps
     them); a merge whose parts or result are no token can never apply and is left out."""
-    index = {t: i for i, t in enumerate(vocab.tokens)}
-    seen, merges = set(), []
-    for left, right in vocab.merges:
-        if (left, right) in seen:
-            continue
-        seen.add((left, right))
-        if left in index and right in index and left + right in index:
-            merges.append((left, right))
-    return merges
+    tokens = set(vocab.tokens)
+    merges = dict.fromkeys(pair for pair in vocab.merges
+                           if pair[0] in tokens and pair[1] in tokens and pair[0] + pair[1] in tokens)
+    return list(merges)

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
-FIELDS = {"prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+FIELDS = {"prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+          "parse_special"}
 JOB_FORMAT = "vocabspec-batch-job-1"
 
 
@@ -357,8 +358,13 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
         settings = {**defaults, **{k: v for k, v in item.items() if k not in ("prompt", "messages")}}
         budget = settings["max_new_tokens"] if isinstance(settings["max_new_tokens"], int) else 0
         progress.expect(index, budget)
+        in_chat = chat or "messages" in item
+        special = settings.pop("parse_special", None)
+        if in_chat and "parse_special" not in item:
+            special = None       # the command's choice is for plain prompts; a chat line's own is refused
         try:
-            ids = lm.encode_prompt(item.get("prompt", item.get("messages")), chat=chat or "messages" in item)
+            ids = lm.encode_prompt(item.get("prompt", item.get("messages")), chat=in_chat,
+                                   parse_special=special)
             config = lm._config(**settings)
             lm.engine.check_prompt(ids, config)
         except Exception as exc:                  # noqa: BLE001 - recorded on its line

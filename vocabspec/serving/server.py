@@ -14,7 +14,9 @@ Every OpenAI field is either honoured or refused with a 400 naming it, never ign
 logprobs / top_logprobs come from the target's own distribution of each emitted token (the
 rows verification read, so speculation does not change them); non-zero penalties, a
 logit_bias, tools, response formats other than text, n or best_of above 1, echo and suffix are
-refused, as is any field this server does not know.
+refused, as is any field this server does not know. A completion's prompt parses special tokens'
+texts as llama.cpp's completion does (`parse_special: false` keeps them text); a chat
+message's content is always text, and only its template's markup becomes special tokens.
 """
 
 
@@ -70,7 +72,9 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                "tool_choice", "functions", "function_call", "parallel_tool_calls",
                                "response_format"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+# parse_special: whether a prompt's special-token texts are those tokens (default true, as
+# llama.cpp's completion); a chat's messages are text whatever it says, so chat refuses it.
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of", "parse_special"}
 MAX_COMPLETION_LOGPROBS = 5      # OpenAI's bound for /v1/completions' integer `logprobs`
 MAX_TOP_LOGPROBS = 20            # and for chat's top_logprobs
 
@@ -78,8 +82,13 @@ MAX_TOP_LOGPROBS = 20            # and for chat's top_logprobs
 def refuse_unsupported(body: dict, chat: bool) -> None:
     """A 400 naming the first field that asks for something this server does not do."""
     for name in body:
+        if name == "parse_special" and chat:
+            raise BadRequest("'parse_special' applies to /v1/completions: a chat message's content "
+                             "is always tokenized as text", name)
         if name not in (CHAT_FIELDS if chat else COMPLETION_FIELDS):
             raise BadRequest(f"unsupported field {name!r}", name)
+    if body.get("parse_special") not in (None, True, False):
+        raise BadRequest("'parse_special' must be true or false", "parse_special")
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name, 0.0, float, -2.0, 2.0) != 0.0:
             raise BadRequest(f"'{name}' is not supported (only 0): penalties would change the "
@@ -214,8 +223,11 @@ class Server:
             if not self.lm.tokenizer.chat_template:
                 raise BadRequest(f"{self.model_name} is a base model without a chat template: "
                                  "use /v1/completions", "messages")
-            ids = self.lm.tokenizer.encode_chat([{"role": role, "content": text}
-                                                 for role, text in messages])
+            try:
+                ids = self.lm.tokenizer.encode_chat([{"role": role, "content": text}
+                                                     for role, text in messages])
+            except ValueError as exc:        # the template refused the conversation
+                raise BadRequest(str(exc), "messages") from exc
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -224,7 +236,7 @@ class Server:
                 raise BadRequest("'prompt' must be a string", "prompt")
             if not prompt.strip():
                 raise BadRequest("the prompt is empty", "prompt")
-            ids = self.lm.tokenizer.encode(prompt)
+            ids = self.lm.tokenizer.encode(prompt, parse_special=body.get("parse_special") is not False)
         try:
             config = self.lm._config(**params)
             self.batch.check(ids, config)
