@@ -64,6 +64,15 @@ def read_requests(path: Path) -> list[dict]:
     return requests
 
 
+def request_ids(lm, item: dict, settings: dict, chat: bool) -> list[int]:
+    """A request's prompt ids, its parse_special taken out of `settings`: the command's applies
+    to plain prompts, a chat request's own is refused (a chat's messages are always text)."""
+    in_chat = chat or "messages" in item
+    special = settings.pop("parse_special", None)
+    return lm.encode_prompt(item.get("prompt", item.get("messages")), chat=in_chat,
+                            parse_special=special if not in_chat or "parse_special" in item else None)
+
+
 def requests_hash(requests: list[dict]) -> str:
     """The requests' identity: blank lines, key order and spacing in the file do not count."""
     digest = hashlib.sha256()
@@ -358,13 +367,8 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
         settings = {**defaults, **{k: v for k, v in item.items() if k not in ("prompt", "messages")}}
         budget = settings["max_new_tokens"] if isinstance(settings["max_new_tokens"], int) else 0
         progress.expect(index, budget)
-        in_chat = chat or "messages" in item
-        special = settings.pop("parse_special", None)
-        if in_chat and "parse_special" not in item:
-            special = None       # the command's choice is for plain prompts; a chat line's own is refused
         try:
-            ids = lm.encode_prompt(item.get("prompt", item.get("messages")), chat=in_chat,
-                                   parse_special=special)
+            ids = request_ids(lm, item, settings, chat)
             config = lm._config(**settings)
             lm.engine.check_prompt(ids, config)
         except Exception as exc:                  # noqa: BLE001 - recorded on its line
