@@ -48,7 +48,9 @@ def convert_hf_directory(path: Path) -> tuple[str, dict]:
     probe = hf("a", add_special_tokens=True).input_ids
     meta = {"tokens": tokens, "attrs": attrs, "bos_id": hf.bos_token_id, "eos_id": hf.eos_token_id,
             "unk_id": hf.unk_token_id, "pad_id": hf.pad_token_id,
-            "add_bos": hf.bos_token_id is not None and probe[:1] == [hf.bos_token_id],
+            "around": ([hf.bos_token_id] if hf.bos_token_id is not None and probe[:1] == [hf.bos_token_id] else [],
+                       [hf.eos_token_id] if hf.eos_token_id is not None and probe[-1:] == [hf.eos_token_id]
+                       and len(probe) > 1 else []),
             "add_space_prefix": any(d.get("type") == "Strip" and d.get("start", 0) > 0 or
                                     d.get("type") == "Metaspace" and d.get("prepend_scheme") != "never"
                                     for d in decoders),

@@ -27,7 +27,7 @@ from .vocab import (ATTR_BYTE, ATTR_CONTROL, ATTR_NORMAL, ATTR_UNKNOWN, ATTR_USE
                     PARSED_ONLY_ON_REQUEST, VocabError, read_vocab)
 
 # Bumped whenever conversion changes what a cached tokenizer holds: stale caches are rebuilt.
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3
 META = "vocabspec_tokenizer.json"
 
 
@@ -46,7 +46,8 @@ class Tokenizer:
         # The special tokens a template may name, as transformers passes them to it.
         self.template_tokens = {f"{name}_token": self._text(meta[f"{name}_id"])
                                 for name in ("bos", "eos", "unk", "pad") if meta.get(f"{name}_id") is not None}
-        self.add_bos = meta["add_bos"]
+        self.before, self.after = meta["around"]      # what add_special puts around a text
+        self.add_bos = self.bos_token_id is not None and self.before == [self.bos_token_id]
         self.add_space_prefix = meta["add_space_prefix"]
         self.special = SpecialTokens(self.tokens, self.attrs)
         self._pieces = token_pieces(self.tokens, self.attrs, meta["byte_level"])
@@ -70,8 +71,10 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """Token ids of `text`. parse_special: a special token's text becomes that token (as
         llama.cpp's completion does), else control tokens' texts are text (user-defined tokens
-        are always tokens, as in llama.cpp). add_bos: None for the file's choice (a text that
-        starts with the BOS token's own text then starts with two, as in llama.cpp)."""
+        are always tokens, as in llama.cpp). add_bos: None for the file's choice, llama.cpp's
+        add_special (its BOS where it adds one: a text that starts with the BOS token's own text
+        then starts with two, as in llama.cpp; an EOS or separator where it adds one), True for
+        a BOS whatever the file says, False for neither."""
         return self.encode_batch([text], add_bos, parse_special)[0]
 
     def encode_batch(self, texts: list[str], add_bos: bool | None = None,
@@ -79,9 +82,12 @@ class Tokenizer:
         """`encode` of each text, the pipeline run once over all of them."""
         if not isinstance(parse_special, bool):
             raise ValueError(f"parse_special must be true or false, not {parse_special!r}")
-        bos = (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None
-        return [[self.bos_token_id] + ids if bos else ids
-                for ids in self._encode([self.special.split(t, parse_special) for t in texts])]
+        if add_bos is False:
+            before, after = [], []
+        else:
+            before = [self.bos_token_id] if add_bos and self.bos_token_id is not None else self.before
+            after = self.after
+        return [before + ids + after for ids in self._encode([self.special.split(t, parse_special) for t in texts])]
 
     def _encode(self, splits: list[list], restore: dict | None = None) -> list[list[int]]:
         """Each split text's ids: its special tokens as they are, its text through the pipeline
@@ -174,7 +180,7 @@ def _convert_gguf(source: Path) -> tuple[str, dict]:
         raise ModelLoadError(str(exc)) from exc
     return pipeline, {"tokens": vocab.tokens, "attrs": vocab.attrs, "bos_id": vocab.bos_id,
                       "eos_id": vocab.eos_id, "unk_id": vocab.unk_id, "pad_id": vocab.pad_id,
-                      "add_bos": vocab.add_bos, "add_space_prefix": vocab.add_space_prefix,
+                      "around": vocab.special_around(), "add_space_prefix": vocab.add_space_prefix,
                       "byte_level": vocab.kind == "bpe" and vocab.model == "gpt2",
                       "chat_template": vocab.chat_template}
 
@@ -195,11 +201,19 @@ def _directory_key(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _cached_version(directory: Path) -> int | None:
+    """The conversion version a cached tokenizer was written by (None: none, or unreadable)."""
+    try:
+        return json.loads((directory / META).read_text(encoding="utf-8")).get("version")
+    except (OSError, ValueError):
+        return None
+
+
 def load_tokenizer(model_path: Path) -> Tokenizer:
     model_path = Path(model_path)
     key = _directory_key(model_path) if model_path.is_dir() else file_key(model_path)
     directory = cache_dir() / f"tokenizer-v{CONVERSION_VERSION}-{model_path.stem}-{key}"
-    if not (directory / META).exists():
+    if _cached_version(directory) != CONVERSION_VERSION:
         if model_path.is_dir():
             from .hf_tokenizer import convert_hf_directory
             pipeline, meta = convert_hf_directory(model_path)

@@ -27,7 +27,11 @@ SPECIAL_ATTRS = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN    # split out o
 PARSED_ONLY_ON_REQUEST = ATTR_CONTROL | ATTR_UNKNOWN               # the rest always are
 
 # tokenizer.ggml.model -> the kind of tokenizer llama.cpp runs for it.
-KINDS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe"}
+KINDS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "bert": "wpm"}
+# llama.cpp's special tokens where the file names none, per tokenizer.ggml.model:
+# (bos, eos, unknown, separator, padding).
+DEFAULT_IDS = {"llama": (1, 2, 0, None, None), "gpt2": (11, 11, None, None, None),
+               "gemma4": (None, None, None, None, None), "bert": (101, None, 100, 102, 0)}
 
 # Texts llama.cpp makes control tokens whatever the file says (end of generation), and the
 # fill-in-the-middle texts it looks for when the file names no such token (key, texts).
@@ -67,15 +71,27 @@ class Vocab:
     bos_id: int | None
     eos_id: int | None
     unk_id: int | None
+    sep_id: int | None
     pad_id: int | None
     add_bos: bool
+    add_eos: bool
     add_space_prefix: bool
+    lowercase: bool                 # WordPiece's normalizer (tokenizer.ggml.normalizer.*)
+    strip_accents: bool
     chat_template: str | None
     chat_templates: dict[str, str] = field(default_factory=dict)   # named ones (tool_use, rag)
 
     @property
     def kind(self) -> str:
         return KINDS[self.model]
+
+    def special_around(self) -> tuple[list[int], list[int]]:
+        """The ids llama.cpp puts before and after a text it tokenizes with add_special: the
+        BOS and EOS tokens where the vocabulary adds them; WordPiece's always, and its separator."""
+        if self.kind == "wpm":
+            return [t for t in (self.bos_id,) if t is not None], [t for t in (self.sep_id,) if t is not None]
+        return ([self.bos_id] if self.add_bos and self.bos_id is not None else [],
+                [self.eos_id] if self.add_eos and self.eos_id is not None else [])
 
 
 # ---------------------------------------------------------------- the file's metadata
@@ -170,21 +186,21 @@ def read_vocab(path: Path) -> Vocab:
         raise VocabError(f"{path}: the file has no tokenizer (no tokenizer.ggml.model key)")
     if model not in KINDS:
         raise VocabError(f"{path}: tokenizer model {model!r} is not supported (llama: "
-                         "SentencePiece, gpt2: byte-level BPE, gemma4)")
+                         "SentencePiece, gpt2: byte-level BPE, gemma4, bert: WordPiece)")
     tokens = _token_texts(path, key("tokens"))
     n = len(tokens)
     types = _per_token(path, key("token_type"), n, "token_type")
     scores = _per_token(path, key("scores"), n, "scores")
     kind = KINDS[model]
     merges = _merges(path, key("merges")) if kind == "bpe" else None
-    pre = "gemma4" if model == "gemma4" else str(key("pre") or "default")
-    defaults = {"spm": (1, 2, 0)}.get(kind, (11, 11, None)) if model != "gemma4" else (None, None, None)
-    bos, eos, unk = (_token_id(meta, name, default, n) for name, default in
-                     zip(("bos_token_id", "eos_token_id", "unknown_token_id"), defaults))
-    pad = _token_id(meta, "padding_token_id", None, n)
-    add_bos = bool(key("add_bos_token", kind == "spm" or pre in BOS_BY_DEFAULT))
+    pre = "gemma4" if model == "gemma4" else str(key("pre") or "default")   # (a BPE's regular expressions)
+    bos, eos, unk, sep, pad = (_token_id(meta, name, default, n) for name, default in zip(
+        ("bos_token_id", "eos_token_id", "unknown_token_id", "seperator_token_id", "padding_token_id"),
+        DEFAULT_IDS[model]))
+    add_bos = bool(key("add_bos_token", kind in ("spm", "wpm") or pre in BOS_BY_DEFAULT))
     if model == "gemma4":
         add_bos = True           # llama.cpp overrides the file here (its PR 21500)
+    lowercase = bool(key("normalizer.lowercase", True))
     template = meta.get("tokenizer.chat_template")
     named = {name: meta[f"tokenizer.chat_template.{name}"]
              for name in meta.get("tokenizer.chat_templates", []) or []
@@ -193,8 +209,10 @@ def read_vocab(path: Path) -> Vocab:
                  attrs=token_attributes(tokens, [int(t) for t in types] if types is not None else None,
                                         meta, eos),
                  scores=[float(s) for s in scores] if scores is not None else None, merges=merges,
-                 bos_id=bos, eos_id=eos, unk_id=unk, pad_id=pad, add_bos=add_bos,
+                 bos_id=bos, eos_id=eos, unk_id=unk, sep_id=sep, pad_id=pad, add_bos=add_bos,
+                 add_eos=bool(key("add_eos_token", False)),
                  add_space_prefix=bool(key("add_space_prefix", kind == "spm")),
+                 lowercase=lowercase, strip_accents=bool(key("normalizer.strip_accents", lowercase)),
                  chat_template=template if isinstance(template, str) else None, chat_templates=named)
 
 

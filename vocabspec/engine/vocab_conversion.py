@@ -11,6 +11,11 @@ so it holds none of them as added tokens and never grows the vocabulary. Per kin
   llama.cpp ignores merges (Llama 3), a word that is itself a token is that token.
 - Gemma 4 (`gemma4`): spaces as `▁`, runs of newlines apart from the rest, merges by rank on
   the characters themselves, bytes for what no token covers.
+- WordPiece (`bert`): lower-cased and accents stripped where the file asks, split at spaces,
+  punctuation and CJK characters, each word's longest known start first; the file writes a
+  word's first piece `▁piece` and the rest bare, the pipeline `piece` and `##rest`. (llama.cpp's
+  own character table counts Hangul's medial and final jamo as accents and strips them; this
+  pipeline keeps them, as transformers does. No model here runs WordPiece.)
 """
 
 from __future__ import annotations
@@ -80,6 +85,8 @@ PRE_TOKENIZERS = {   # tokenizer.ggml.pre -> (regular expressions, ignore merges
 
 def pipeline_json(vocab: Vocab) -> str:
     """The `tokenizers` JSON of the pipeline that tokenizes this vocabulary's raw text."""
+    if vocab.kind == "wpm":
+        return _wordpiece(vocab)
     if vocab.kind == "spm":
         model = _bpe(vocab, _merges_by_score(vocab), byte_fallback=True, ignore_merges=False)
         steps = ([{"type": "Prepend", "prepend": "▁"}] if vocab.add_space_prefix else []) + \
@@ -101,6 +108,22 @@ def pipeline_json(vocab: Vocab) -> str:
         model = _bpe(vocab, _ranked_merges(vocab), byte_fallback=escaped, ignore_merges=ignore_merges)
     return json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
                        "normalizer": normalizer, "pre_tokenizer": pre_tokenizer,
+                       "post_processor": None, "decoder": None, "model": model}, ensure_ascii=False)
+
+
+def _wordpiece(vocab: Vocab) -> str:
+    from .vocab import SPECIAL_ATTRS
+
+    pieces = {}
+    for i, (text, attr) in enumerate(zip(vocab.tokens, vocab.attrs)):
+        piece = text if attr & SPECIAL_ATTRS else text[1:] if text.startswith("▁") else "##" + text
+        pieces.setdefault(piece, i)
+    model = {"type": "WordPiece", "unk_token": vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else "[UNK]",
+             "continuing_subword_prefix": "##", "max_input_chars_per_word": 1 << 30, "vocab": pieces}
+    normalizer = {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": True,
+                  "strip_accents": vocab.strip_accents, "lowercase": vocab.lowercase}
+    return json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                       "normalizer": normalizer, "pre_tokenizer": {"type": "BertPreTokenizer"},
                        "post_processor": None, "decoder": None, "model": model}, ensure_ascii=False)
 
 
