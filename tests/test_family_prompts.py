@@ -55,8 +55,9 @@ def test_the_api_accepts_every_prompt(family):
         assert lm.generate(chat, max_new_tokens=2).prompt_tokens == len(tok.encode_chat(chat))
         with pytest.raises(ValueError, match="parse_special applies to a plain prompt"):
             lm.generate(chat, parse_special=False)
-    with pytest.raises(ValueError, match="parse_special must be"):
-        lm.generate("Hi", parse_special="no")
+    for wrong in ("no", 1):
+        with pytest.raises(ValueError, match="parse_special must be"):
+            lm.generate("Hi", parse_special=wrong)
 
 
 def test_the_cli_accepts_every_prompt(family, tmp_path, capsys):
@@ -96,8 +97,9 @@ def test_the_server_accepts_every_prompt(family):
                 assert response.status_code == 200, response.text
                 ids = tok.encode(prompt, parse_special=special is not False)
                 assert response.json()["usage"]["prompt_tokens"] == len(ids), (name, prompt, special)
-        bad = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "parse_special": "no"}, timeout=60)
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "parse_special"
+        for wrong in ("no", 1):
+            bad = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "parse_special": wrong}, timeout=60)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "parse_special", wrong
         if tok.chat_template:
             chat = {"messages": [{"role": "user", "content": MESSAGE}], "max_tokens": 2, "temperature": 0}
             response = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60)

@@ -49,3 +49,23 @@ def test_hf_directory_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(ModelLoadError, match="not supported"):
         load_model(str(tmp_path))
+
+
+def test_a_model_directorys_tokenizer_tokenizes_as_its_gguf(tmp_path):
+    # transformers writes SmolLM2's tokenizer (its GGUF's, which it converts right) to a
+    # directory; read back from there it gives the GGUF's ids, special tokens and chat.
+    from vocabspec.engine.loading import bundled_gguf
+    from vocabspec.engine.tokenizer import load_tokenizer
+
+    path = bundled_gguf("smollm2")
+    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf.save_pretrained(str(tmp_path))
+    ours, theirs = load_tokenizer(tmp_path), load_tokenizer(path)
+    texts = ["Hello world", " leading space", "<|im_start|>user\nhi<|im_end|>", "naïve 日本 🦙\n\n  x"]
+    for text in texts:
+        for special in (True, False):
+            assert ours.encode(text, parse_special=special) == theirs.encode(text, parse_special=special)
+        assert ours.decode(theirs.encode(text), skip_special_tokens=False) == text
+    chat = [{"role": "user", "content": "Hi <|im_end|>"}]
+    assert ours.encode_chat(chat) == theirs.encode_chat(chat)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.add_bos) == (theirs.bos_token_id, theirs.eos_token_id, False)

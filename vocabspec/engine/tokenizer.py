@@ -196,7 +196,8 @@ def _write(out: Path, source: Path, pipeline: str, meta: dict) -> None:
 def _directory_key(path: Path) -> str:
     """A model directory's identity: its tokenizer files' contents."""
     digest = hashlib.sha256()
-    for name in sorted(p.name for p in path.iterdir() if p.name.startswith(("tokenizer", "special_tokens"))):
+    names = ("tokenizer", "special_tokens", "added_tokens", "chat_template", "vocab", "merges")
+    for name in sorted(p.name for p in path.iterdir() if p.is_file() and p.name.startswith(names)):
         digest.update(name.encode() + b"\0" + file_key(path / name).encode())
     return digest.hexdigest()[:16]
 

@@ -39,7 +39,7 @@ class LanguageModel:
         (only the template's markup becomes special tokens), so a chat refuses parse_special."""
         if not isinstance(prompt, (str, list)):
             raise ValueError("prompt must be a string or a list of chat messages")
-        if parse_special not in (None, True, False):
+        if parse_special is not None and not isinstance(parse_special, bool):
             raise ValueError(f"parse_special must be True or False, not {parse_special!r}")
         if isinstance(prompt, list) or chat:
             if parse_special is not None:

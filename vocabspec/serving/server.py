@@ -87,7 +87,7 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
                              "is always tokenized as text", name)
         if name not in (CHAT_FIELDS if chat else COMPLETION_FIELDS):
             raise BadRequest(f"unsupported field {name!r}", name)
-    if body.get("parse_special") not in (None, True, False):
+    if body.get("parse_special") is not None and not isinstance(body["parse_special"], bool):
         raise BadRequest("'parse_special' must be true or false", "parse_special")
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name, 0.0, float, -2.0, 2.0) != 0.0:
