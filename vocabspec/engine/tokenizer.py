@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from pathlib import Path
 
 from .chat_template import ChatTemplate, ChatTemplateError, mark_control_texts
@@ -32,11 +31,13 @@ META = "vocabspec_tokenizer.json"
 
 
 class Tokenizer:
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, source: Path | None = None):
+        """The tokenizer cached in `directory`; `source`: the model file it was made from, as
+        errors name it (default: where it was when converted)."""
         from tokenizers import Tokenizer as FastTokenizer
 
-        meta = json.loads((directory / META).read_text())
-        self.source = meta["source"]
+        meta = json.loads((directory / META).read_text(encoding="utf-8"))
+        self.source = str(source) if source is not None else meta["source"]
         self.backend = FastTokenizer.from_file(str(directory / "tokenizer.json"))
         self.tokens: list[str] = meta["tokens"]
         self.attrs: list[int] = meta["attrs"]
@@ -52,7 +53,6 @@ class Tokenizer:
         self.special = SpecialTokens(self.tokens, self.attrs)
         self._pieces = token_pieces(self.tokens, self.attrs, meta["byte_level"])
         self._hidden = {i for i, a in enumerate(self.attrs) if a & PARSED_ONLY_ON_REQUEST}
-        self._lock = threading.Lock()
         source = meta.get("chat_template")
         # A hostile template is refused here, when the model loads: it is never rendered.
         self.template = ChatTemplate(source, self.source) if source else None
@@ -94,8 +94,7 @@ class Tokenizer:
         (after `restore`, str.translate's table, puts back what a chat's rendering stood in for)."""
         texts = [p.translate(restore) if restore else p for pieces in splits for p in pieces
                  if isinstance(p, str)]
-        with self._lock:       # the pipeline is shared by the server's request threads
-            encoded = iter(self.backend.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
+        encoded = iter(self.backend.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
         out = []
         for pieces in splits:
             ids: list[int] = []
@@ -222,6 +221,6 @@ def load_tokenizer(model_path: Path) -> Tokenizer:
             pipeline, meta = _convert_gguf(model_path)
         _write(directory, model_path, pipeline, meta)
     try:
-        return Tokenizer(directory)
+        return Tokenizer(directory, model_path)
     except ChatTemplateError as exc:
         raise ModelLoadError(str(exc)) from exc
