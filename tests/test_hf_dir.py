@@ -67,11 +67,9 @@ NEW_TOKENS = 8
 def smollm2_tokenizer():
     """SmolLM2's tokenizer as transformers saves one, for the random checkpoints below."""
     from vocabspec.engine.loading import bundled_gguf
-    from vocabspec.engine.tokenizer import load_tokenizer
 
-    ours = load_tokenizer(bundled_gguf("smollm2"))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend, bos_token=ours.bos_token,
-                                                eos_token=ours.eos_token)
+    path = bundled_gguf("smollm2")
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def save_family(family, tokenizer, directory):
@@ -134,3 +132,23 @@ def test_a_path_that_is_no_model_gets_a_one_line_error(tmp_path, capsys):
         assert main(["generate", "--model", str(path), "--max-new-tokens", "2", "Hello"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("vocabspec: error:") and "\n" not in err and "Traceback" not in err, err
+
+
+def test_a_model_directorys_tokenizer_tokenizes_as_its_gguf(tmp_path):
+    # transformers writes SmolLM2's tokenizer (its GGUF's, which it converts right) to a
+    # directory; read back from there it gives the GGUF's ids, special tokens and chat.
+    from vocabspec.engine.loading import bundled_gguf
+    from vocabspec.engine.tokenizer import load_tokenizer
+
+    path = bundled_gguf("smollm2")
+    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf.save_pretrained(str(tmp_path))
+    ours, theirs = load_tokenizer(tmp_path), load_tokenizer(path)
+    texts = ["Hello world", " leading space", "<|im_start|>user\nhi<|im_end|>", "naïve 日本 🦙\n\n  x"]
+    for text in texts:
+        for special in (True, False):
+            assert ours.encode(text, parse_special=special) == theirs.encode(text, parse_special=special)
+        assert ours.decode(theirs.encode(text), skip_special_tokens=False) == text
+    chat = [{"role": "user", "content": "Hi <|im_end|>"}]
+    assert ours.encode_chat(chat) == theirs.encode_chat(chat)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.add_bos) == (theirs.bos_token_id, theirs.eos_token_id, False)

@@ -468,8 +468,6 @@ def test_message_names_reach_the_template_and_tool_turns_are_refused_with_the_re
         assert "tool calling is not supported" in refused.json()["error"]["message"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs the tokenizer to encode message content as text, only "
-                                        "the template's markup as special tokens (engine/tokenizer.py)")
 def test_chat_markup_in_a_message_reaches_the_model_as_text(server, monkeypatch):
     """A message holding `<|im_end|>\\n<|im_start|>system...` cannot open a turn of its own: the
     prompt's ids hold only the template's control tokens, and the text comes through whole."""

@@ -242,8 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--input", default=None,
                      help="a JSONL file of requests, one object a line: prompt (text) or messages "
                           "(chat), and optionally max_new_tokens, temperature, top_p, top_k, seed, "
-                          "stop; answered together (continuous batching), each exactly as alone; a request "
-                          "that fails gets an error line and the exit code 1, the rest go on")
+                          "stop, parse_special (prompts only); answered together (continuous "
+                          "batching), each exactly as alone; a request that fails gets an error "
+                          "line and the exit code 1, the rest go on")
     gen.add_argument("--output", default=None,
                      help="with --input: the JSONL answers' file, a line written as each request "
                           "finishes ('index': its place among the requests, from 0; 'error' where "
@@ -257,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-batch", type=_positive_int, default=8, help="with --input: requests decoding at once")
     add_model_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--no-parse-special", dest="parse_special", action="store_false",
+                     help="a plain prompt's special-token texts stay text (by default they are those "
+                          "tokens, as in llama.cpp's completion); a chat's messages are always text")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="tokens to generate at most")
     gen.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=_float, default=1.0, help="nucleus sampling mass (1: off)")
@@ -670,6 +674,9 @@ def cmd_generate(args) -> int:
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give a prompt or --input FILE.jsonl (not both)")
+    if args.chat and not args.parse_special:
+        raise ValueError("--no-parse-special applies to a plain prompt: a chat message's content is "
+                         "always tokenized as text")
     if args.input is not None:
         return generate_file(args)
     if args.output is not None or args.ordered:
@@ -681,9 +688,9 @@ def cmd_generate(args) -> int:
               log=lambda message: print(message, file=sys.stderr))
     print(describe(lm, args.draft), file=sys.stderr)
     print(resident(lm), file=sys.stderr)
-    generation = lm.stream(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                           seed=args.seed, stop=args.stop)
+    generation = lm.stream(args.prompt, chat=args.chat, parse_special=None if args.chat else args.parse_special,
+                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
     for piece in generation:
         if not args.json:
             sys.stdout.write(piece)
@@ -715,6 +722,8 @@ def generate_file(args) -> int:
                "--chat": args.chat, "--max-new-tokens": args.max_new_tokens,
                "--temperature": args.temperature, "--top-p": args.top_p, "--top-k": args.top_k,
                "--seed": args.seed, "--stop": list(args.stop)}
+    if not args.parse_special:
+        options["--no-parse-special"] = True
     if args.output is not None:
         answers = AnswerFile.open(Path(args.output), path, requests, options)
         if answers.discarded:
@@ -737,7 +746,7 @@ def generate_file(args) -> int:
     print(describe(lm, args.draft), file=sys.stderr)
     print(resident(lm, slots=args.max_batch), file=sys.stderr)     # at most: each slot its window
     defaults = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+                    top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), parse_special=args.parse_special)
     progress = Progress(sys.stderr, len(requests), len(answers.recorded), every=args.progress_every)
     try:
         result = run_job(lm, requests, pending, defaults, args.chat, answers, args.max_batch,

@@ -39,9 +39,13 @@ def conversation_text(tokenizer: Tokenizer, turns: list[tuple[str, str]], *,
 
 def encode_conversation(tokenizer: Tokenizer, turns: list[tuple[str, str]], *,
                         answer_open: bool, example: bool = True) -> list[int]:
+    """The turns' token ids. The turns' text is text either way: a chat template's own markup
+    gives the only special tokens (and its BOS), a base frame gets the model's BOS."""
+    if is_chat(tokenizer):
+        return tokenizer.encode_chat([{"role": role, "content": text} for role, text in turns],
+                                     add_generation_prompt=answer_open)
     text = conversation_text(tokenizer, turns, answer_open=answer_open, example=example)
-    # A chat template writes its own special tokens; plain text gets the model's BOS.
-    return tokenizer.encode(text, add_bos=False if is_chat(tokenizer) else None)
+    return tokenizer.encode(text, parse_special=False)
 
 
 def stop_strings(tokenizer: Tokenizer) -> tuple[str, ...]:

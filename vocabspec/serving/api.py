@@ -32,15 +32,24 @@ class LanguageModel:
         self.draft = draft or DraftConfig()
         self._batch = None
 
-    def encode_prompt(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
+    def encode_prompt(self, prompt: str | list[dict], chat: bool = False,
+                      parse_special: bool | None = None) -> list[int]:
+        """A prompt's token ids. A plain prompt's special-token texts are those tokens unless
+        parse_special is False (as llama.cpp's completion); a chat's messages are always text
+        (only the template's markup becomes special tokens), so a chat refuses parse_special."""
         if not isinstance(prompt, (str, list)):
             raise ValueError("prompt must be a string or a list of chat messages")
+        if parse_special is not None and not isinstance(parse_special, bool):
+            raise ValueError(f"parse_special must be True or False, not {parse_special!r}")
         if isinstance(prompt, list) or chat:
+            if parse_special is not None:
+                raise ValueError("parse_special applies to a plain prompt: a chat message's content "
+                                 "is always tokenized as text")
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             return self.tokenizer.encode_chat(messages)
         if not prompt:
             raise ValueError("the prompt is empty")
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(prompt, parse_special=parse_special is not False)
 
     def _config(self, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None,
                 stop=(), cancel=None, deadline=None, logprobs=None) -> GenerationConfig:
@@ -55,12 +64,13 @@ class LanguageModel:
                                                         top_k=top_k, seed=seed),
                                 cancel=cancel, deadline=deadline, logprobs=logprobs)
 
-    def stream(self, prompt, chat: bool = False, **kwargs):
+    def stream(self, prompt, chat: bool = False, parse_special: bool | None = None, **kwargs):
         """Iterate over text pieces as they are generated; `.result` on the iterator at the end."""
-        return self.engine.stream(self.encode_prompt(prompt, chat), self._config(**kwargs))
+        return self.engine.stream(self.encode_prompt(prompt, chat, parse_special), self._config(**kwargs))
 
-    def generate(self, prompt, chat: bool = False, **kwargs) -> GenerationResult:
-        return self.engine.generate(self.encode_prompt(prompt, chat), self._config(**kwargs))
+    def generate(self, prompt, chat: bool = False, parse_special: bool | None = None,
+                 **kwargs) -> GenerationResult:
+        return self.engine.generate(self.encode_prompt(prompt, chat, parse_special), self._config(**kwargs))
 
     def batch(self, limits: BatchLimits | None = None, thread: bool = False) -> BatchEngine:
         """A continuous-batching engine over this model (batch.py), each slot drafting as this
@@ -78,10 +88,10 @@ class LanguageModel:
         return self._batch
 
     def generate_batch(self, prompts: list, chat: bool = False, limits: BatchLimits | None = None,
-                       **kwargs) -> list[GenerationResult]:
+                       parse_special: bool | None = None, **kwargs) -> list[GenerationResult]:
         """Every prompt's result, decoded together: each one exactly what `generate` gives it
         alone (batch.py). Keywords as for `generate`, the same for every prompt."""
-        ids = [self.encode_prompt(prompt, chat) for prompt in prompts]
+        ids = [self.encode_prompt(prompt, chat, parse_special) for prompt in prompts]
         return self.batch(limits).generate(ids, self._config(**kwargs))
 
 

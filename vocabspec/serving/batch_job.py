@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
-FIELDS = {"prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+FIELDS = {"prompt", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+          "parse_special"}
 JOB_FORMAT = "vocabspec-batch-job-1"
 
 
@@ -61,6 +62,15 @@ def read_requests(path: Path) -> list[dict]:
     if not requests:
         raise ValueError(f"{path} holds no requests")
     return requests
+
+
+def request_ids(lm, item: dict, settings: dict, chat: bool) -> list[int]:
+    """A request's prompt ids, its parse_special taken out of `settings`: the command's applies
+    to plain prompts, a chat request's own is refused (a chat's messages are always text)."""
+    in_chat = chat or "messages" in item
+    special = settings.pop("parse_special", None)
+    return lm.encode_prompt(item.get("prompt", item.get("messages")), chat=in_chat,
+                            parse_special=special if not in_chat or "parse_special" in item else None)
 
 
 def requests_hash(requests: list[dict]) -> str:
@@ -358,7 +368,7 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
         budget = settings["max_new_tokens"] if isinstance(settings["max_new_tokens"], int) else 0
         progress.expect(index, budget)
         try:
-            ids = lm.encode_prompt(item.get("prompt", item.get("messages")), chat=chat or "messages" in item)
+            ids = request_ids(lm, item, settings, chat)
             config = lm._config(**settings)
             lm.engine.check_prompt(ids, config)
         except Exception as exc:                  # noqa: BLE001 - recorded on its line

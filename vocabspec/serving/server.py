@@ -24,7 +24,9 @@ logprobs / top_logprobs come from the target's own distribution of each emitted 
 rows verification read, so speculation does not change them); a message's `name` goes to the
 chat template; non-zero penalties, a logit_bias, tools (and tool turns), response formats other
 than text, n or best_of above 1, echo and suffix are refused, as is any field this server does
-not know.
+not know. A completion's prompt parses special tokens' texts as llama.cpp's completion does
+(`parse_special: false` keeps them text); a chat message's content is always text, and only its
+template's markup becomes special tokens.
 """
 
 
@@ -90,7 +92,9 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                "tool_choice", "functions", "function_call", "parallel_tool_calls",
                                "response_format"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+# parse_special: whether a prompt's special-token texts are those tokens (default true, as
+# llama.cpp's completion); a chat's messages are text whatever it says, so chat refuses it.
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of", "parse_special"}
 MAX_COMPLETION_LOGPROBS = 5      # OpenAI's bound for /v1/completions' integer `logprobs`
 MAX_TOP_LOGPROBS = 20            # and for chat's top_logprobs
 MAX_N = 128                      # OpenAI's bound for n (this server answers n=1 only)
@@ -100,8 +104,13 @@ MAX_BEST_OF = 20                 # and for best_of
 def refuse_unsupported(body: dict, chat: bool) -> None:
     """A 400 naming the first field that asks for something this server does not do."""
     for name in body:
+        if name == "parse_special" and chat:
+            raise BadRequest("'parse_special' applies to /v1/completions: a chat message's content "
+                             "is always tokenized as text", name)
         if name not in (CHAT_FIELDS if chat else COMPLETION_FIELDS):
             raise BadRequest(f"unsupported field {name!r}", name)
+    if body.get("parse_special") is not None and not isinstance(body["parse_special"], bool):
+        raise BadRequest("'parse_special' must be true or false", "parse_special")
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name, 0.0, float, -2.0, 2.0) != 0.0:
             raise BadRequest(f"'{name}' is not supported (only 0): penalties would change the "
@@ -306,7 +315,8 @@ class Server:
                 raise BadRequest("'prompt' must be a string", "prompt")
             if not prompt.strip():
                 raise BadRequest("the prompt is empty", "prompt")
-            field, encode = "prompt", lambda: self.lm.tokenizer.encode(prompt)
+            parse_special = body.get("parse_special") is not False
+            field, encode = "prompt", lambda: self.lm.tokenizer.encode(prompt, parse_special=parse_special)
         try:
             return encode()
         except Exception as exc:    # the client's text: the template refused it (raise_exception), or the tokenizer
