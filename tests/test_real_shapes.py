@@ -22,6 +22,8 @@ from vocabspec.speculation.generate import GenerationConfig
 from vocabspec.speculation.hybrid import EagleLookupProposer
 from vocabspec.speculation.pld import PromptLookupProposer
 
+from llamacpp_files import models_dir
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import gguf_shapes  # noqa: E402
 
@@ -33,9 +35,7 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def target():
-    if not (gguf_shapes.LCPP_MODELS / "ggml-vocab-llama-bpe.gguf").exists():
-        pytest.skip("llama.cpp's vocab files (the llama-cpp-python sdist, ../shared/tools/build-llamacpp)")
-    path = gguf_shapes.made("llama-3.1-8b", "Q4_K_M", cache_dir() / "shapes", layers=2)
+    path = gguf_shapes.made("llama-3.1-8b", "Q4_K_M", cache_dir() / "shapes", layers=2, vocab_dir=models_dir())
     model, _ = load_model(str(path), max_seq_len=512)
     return model, path
 
