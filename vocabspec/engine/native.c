@@ -22,36 +22,6 @@
  * AVX-512 (F, BW) or AVX2 with FMA and F16C.
  */
 
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include <omp.h>
-
-#if defined(__FAST_MATH__) || __FINITE_MATH_ONLY__ || defined(__ASSOCIATIVE_MATH__)
-#error "the vocabspec native engine must be built without fast-math: its reductions have one fixed order"
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define VS_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define VS_AVX512 0
-#else
-#error "the vocabspec native engine needs AVX-512 (F, BW) or AVX2 with FMA and F16C"
-#endif
-
-/* Products with 8-bit activations need exact 8-bit dot products: AVX-512 VNNI, or AVX2's
-   multiply-add pairs (AVX-VNNI where present). */
-#if VS_AVX512 ? defined(__AVX512VNNI__) : 1
-#define VS_HAS_INT8 1
-#else
-#define VS_HAS_INT8 0
-#endif
-
-#define ALWAYS static inline __attribute__((always_inline))
 #include "native_vec.h"
 #include "native.h"
 

@@ -37,10 +37,13 @@ import torch
 from .files import cache_dir
 
 SOURCE = Path(__file__).with_name("native.c")
-# The compiled unit and what it includes (native.h: the ABI; native_vec.h: the vectors;
-# native_weights.c: the weight layout and the matmul; native_threads.c: the governor).
-SOURCES = [SOURCE] + [SOURCE.with_name(name) for name in ("native.h", "native_vec.h", "native_weights.c",
-                                                          "native_threads.c")]
+KERNELS = SOURCE.with_name("native_kernels.c")
+# What the library is built from: native.c and what it includes (native.h: the ABI;
+# native_vec.h: the vectors; native_layout.h: the weight layout's numbers; native_weights.c:
+# packing, gathers and dequantization; native_threads.c: the governor), and the matmul kernels,
+# a unit of their own compiled in two halves beside it (one process a core).
+SOURCES = [SOURCE, KERNELS] + [SOURCE.with_name(name) for name in (
+    "native.h", "native_vec.h", "native_layout.h", "native_weights.c", "native_threads.c")]
 
 _lib = None
 _error: str | None = None
@@ -102,9 +105,14 @@ def sanitized() -> bool:
 
 
 def _flags() -> list[str]:
+    # VOCABSPEC_NATIVE_DEFINES: -D options for trying a kernel's constants (a library of its
+    # own, keyed by them), e.g. "-DPREFETCH=1024".
+    defines = os.environ.get("VOCABSPEC_NATIVE_DEFINES", "").split()
+    if any(not d.startswith("-D") for d in defines):
+        raise RuntimeError(f"VOCABSPEC_NATIVE_DEFINES takes -D options only, not {defines}")
     if not sanitized():
-        return FLAGS
-    return ["-O1" if flag == "-O3" else flag for flag in FLAGS] + SANITIZE_FLAGS
+        return FLAGS + defines
+    return ["-O1" if flag == "-O3" else flag for flag in FLAGS] + SANITIZE_FLAGS + defines
 
 
 def isa() -> str:
@@ -136,10 +144,19 @@ def _build(compiler: str) -> Path:
         return target
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *flags, "-I", str(SOURCE.parent), "-o", str(out), str(SOURCE), "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        compile_flags = [flag for flag in flags if flag != "-shared"]
+        units = [(SOURCE, []), (KERNELS, ["-DVS_PART=0"]), (KERNELS, ["-DVS_PART=1"])]
+        commands = [[compiler, *compile_flags, *extra, "-I", str(SOURCE.parent), "-c", "-o", str(Path(tmp) / f"{i}.o"),
+                     str(path)] for i, (path, extra) in enumerate(units)]
+        running = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in commands]
+        for cmd, process in zip(commands, running):
+            _, err = process.communicate()
+            if process.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{err.strip()[-2000:]}")
+        link = [compiler, *flags, "-o", str(out), *(cmd[-2] for cmd in commands), "-lm"]
+        done = subprocess.run(link, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{' '.join(link)} failed:\n{done.stderr.strip()[-2000:]}")
         lib = _declare(ctypes.CDLL(str(out)))
         check_abi(lib)
         _self_test(lib)

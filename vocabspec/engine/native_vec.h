@@ -4,6 +4,41 @@
  * the same sequence of IEEE operations on either instruction set; integer dot products are exact
  * on both. Included by native.c. */
 
+#ifndef VOCABSPEC_NATIVE_VEC_H
+#define VOCABSPEC_NATIVE_VEC_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <omp.h>
+
+#if defined(__FAST_MATH__) || __FINITE_MATH_ONLY__ || defined(__ASSOCIATIVE_MATH__)
+#error "the vocabspec native engine must be built without fast-math: its reductions have one fixed order"
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define VS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VS_AVX512 0
+#else
+#error "the vocabspec native engine needs AVX-512 (F, BW) or AVX2 with FMA and F16C"
+#endif
+
+/* Products with 8-bit activations need exact 8-bit dot products: AVX-512 VNNI, or AVX2's
+   multiply-add pairs (AVX-VNNI where present). */
+#if VS_AVX512 ? defined(__AVX512VNNI__) : 1
+#define VS_HAS_INT8 1
+#else
+#define VS_HAS_INT8 0
+#endif
+
+#define ALWAYS static inline __attribute__((always_inline))
+
+
 
 #if VS_AVX512
 typedef __m512 vf;  /* 16 floats */
@@ -235,4 +270,6 @@ ALWAYS int32_t vi_sum(vi v) { return isum8(_mm256_add_epi32(_mm512_extracti64x4_
 ALWAYS float vf_sum(vf v) { return sum8(_mm256_add_ps(v.hi, v.lo)); }
 ALWAYS float vf_hmax(vf v) { return max8(_mm256_max_ps(v.hi, v.lo)); }
 ALWAYS int32_t vi_sum(vi v) { return isum8(_mm256_add_epi32(v.hi, v.lo)); }
+#endif
+
 #endif

