@@ -164,12 +164,15 @@ class GGUFFile:
         start = self.pos
         if item in SCALARS:
             self._take(count * SCALARS[item][1])
-        elif item == STRING:
+        elif item == STRING:     # each a length and its bytes: stepped over in a tight loop
+            data, pos, size = self.map, self.pos, self.size
             for _ in range(count):
-                length = int.from_bytes(self._take(8), "little")
-                self.pos += length
-                if self.pos > self.size:
+                if pos + 8 > size:
                     raise GGUFError("a string array runs past the end of the file")
+                pos += 8 + int.from_bytes(data[pos:pos + 8], "little")
+            if pos > size:
+                raise GGUFError("a string array runs past the end of the file")
+            self.pos = pos
         else:
             raise GGUFError(f"arrays of type {item} are not read")
         return LongArray(item, count, start)

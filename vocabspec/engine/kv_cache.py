@@ -32,9 +32,12 @@ class KVCache:
             self.keys = torch.zeros(shape, dtype=dtype, device=device)
             self.values = torch.zeros(shape, dtype=dtype, device=device)
         elif layout == "native":
+            # Not zeroed: native.c reads a slot only once it is written (a partly filled block's
+            # other lanes are loaded and dropped), so pages are touched as the sequence grows
+            # (zeroing an 8B model's 4096-token cache took a second before the first token).
             slots = -(-max_len // 16) * 16        # whole blocks of 16 keys
-            self.keys = torch.zeros(n_layers, n_kv_heads, slots // 16, head_dim, 16, dtype=dtype, device=device)
-            self.values = torch.zeros(n_layers, n_kv_heads, slots, head_dim, dtype=dtype, device=device)
+            self.keys = torch.empty(n_layers, n_kv_heads, slots // 16, head_dim, 16, dtype=dtype, device=device)
+            self.values = torch.empty(n_layers, n_kv_heads, slots, head_dim, dtype=dtype, device=device)
         else:
             raise ValueError(f"unknown cache layout {layout!r}")
         self.layout = layout

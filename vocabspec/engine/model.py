@@ -517,7 +517,8 @@ class Transformer(nn.Module):
         self.output = None if args.tied_embeddings else Linear(args.dim, args.vocab_size, bias=False)
         self.embed_scale = math.sqrt(args.dim) if args.features.scale_embeddings else None
         self.rope = {}
-        self.init_rope(self.norm.weight.device)
+        if not self.norm.weight.is_meta:    # built on meta, the loader makes them (init_rope)
+            self.init_rope(self.norm.weight.device)
         self.native = None       # native.NativeModel once `use_native` has run
         self.memory = None       # loading.MemoryNeed: what its weights and a context's cache take
         self.kernels = False     # the row-invariant kernels (kernels.py) once `use_kernels` has run

@@ -86,16 +86,27 @@ def build(path: Path, target: Path, matrices: dict[str, Matrix], source: mmap.mm
     start = -(-(len(MAGIC) + 8 + len(header)) // PAGE) * PAGE
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     total, done = sum(entry["nbytes"] for entry in index.values()), 0
+    # One buffer for every tensor, in huge pages where the kernel gives them: a fresh page's
+    # first touch costs tens of microseconds on a VM, a second of a large tensor's packing.
+    largest = max(entry["nbytes"] for entry in index.values())
+    buffer = mmap.mmap(-1, largest)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    space = torch.frombuffer(buffer, dtype=torch.uint8)
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC + len(header).to_bytes(8, "little") + header)
             for name, m in matrices.items():
                 entry = index[name]
                 raw = np.asarray(m.tensor.data).view(np.uint8).reshape(-1, gguf_row_bytes(m.type, m.cols))
-                packed = pack_blocks(m.type, raw, m.rows, m.cols, order=m.order)
+                out = space[:entry["nbytes"]]
+                pack_blocks(m.type, raw, m.rows, m.cols, order=m.order, out=out)
                 f.seek(start + entry["offset"])
-                f.write(memoryview(packed.data.numpy()))
-                del packed, raw
+                f.write(memoryview(out.numpy()))
+                del raw, out
                 _release(source, m.tensor)
                 done += entry["nbytes"]
                 if progress is not None:
@@ -103,6 +114,8 @@ def build(path: Path, target: Path, matrices: dict[str, Matrix], source: mmap.mm
             f.truncate(start + offset)
         os.replace(tmp, target)
     finally:
+        del space
+        buffer.close()
         tmp.unlink(missing_ok=True)
 
 

@@ -139,12 +139,18 @@ class Tokenizer:
 def token_pieces(tokens: list[str], attrs: list[int], byte_level: bool) -> list[bytes]:
     """Each token's bytes as llama.cpp's token_to_piece renders it (special tokens included)."""
     byte_of = _gpt2_bytes() if byte_level else None
+    # A byte-level token's characters to their bytes through one translation table (a loop
+    # over a 128k vocabulary's characters takes most of a second of every load).
+    as_bytes = {ord(c): b for c, b in byte_of.items()} if byte_of is not None else None
     pieces = []
     for text, attr in zip(tokens, attrs):
         if attr & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
             pieces.append(text.encode("utf-8"))
         elif attr & ATTR_NORMAL and byte_of is not None:
-            pieces.append(b"".join(bytes((byte_of[c],)) if c in byte_of else c.encode("utf-8") for c in text))
+            try:
+                pieces.append(text.translate(as_bytes).encode("latin-1"))
+            except UnicodeEncodeError:      # a character outside GPT-2's map: its UTF-8
+                pieces.append(b"".join(bytes((byte_of[c],)) if c in byte_of else c.encode("utf-8") for c in text))
         elif attr & ATTR_NORMAL:
             pieces.append(text.replace("▁", " ").encode("utf-8"))
         elif attr & ATTR_BYTE:
