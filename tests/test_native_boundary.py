@@ -54,6 +54,8 @@ def test_target_calls_refuse_out_of_range_values(target):
         target.native.stack.forward(x.clone(), torch.tensor([300, 301]), cache.keys, cache.values, 300, 0)
     with pytest.raises(ValueError, match="committed length must be an integer >= 0, not -3"):
         target.native.stack.forward(x.clone(), torch.tensor([0, 1]), cache.keys, cache.values, -3, 0)
+    with pytest.raises(ValueError, match="host memory, not a tensor on meta"):     # its address is 0
+        target.native.stack.forward(x.to("meta"), torch.tensor([0, 1]), cache.keys, cache.values, 0, 0)
     with pytest.raises(ValueError, match="kept pending slot"):
         native.cache_keep(cache.keys, cache.values, 10, [0, cache.values.shape[-2]])
     with pytest.raises(ValueError, match="must increase"):

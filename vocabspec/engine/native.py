@@ -312,7 +312,12 @@ def available() -> tuple[bool, str]:
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+    """A tensor's address for native.c; only host memory has one (a meta tensor's is 0)."""
+    if t is None:
+        return None
+    if t.device.type != "cpu":
+        raise ValueError(f"the native engine reads host memory, not a tensor on {t.device}")
+    return t.data_ptr()
 
 
 # ---- the boundary: every index and size a call hands to native.c is checked here, once per
@@ -502,7 +507,7 @@ class NativeStack:
         self.reserve(n, slots)
         tapped = torch.empty(n, len(taps) * self.dim) if taps else None
         tap_ids = torch.tensor(taps, dtype=torch.int32) if taps else None
-        lib.vs_stack_forward(ctypes.byref(self.stack), x.data_ptr(), ptr(embeds if self.reads_embeds else None),
+        lib.vs_stack_forward(ctypes.byref(self.stack), ptr(x), ptr(embeds if self.reads_embeds else None),
                              n, pos32.data_ptr(),
                              prefix.data_ptr(), xoff.data_ptr(), extra.data_ptr(), keys.data_ptr(),
                              values.data_ptr(), length + pending, self.work.data_ptr(),
@@ -578,12 +583,14 @@ class NativeModel:
         self._embed_struct, self._head_struct = embed.struct(), head.struct()
         self._work = torch.empty(0, dtype=torch.float32)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, scaled: bool = True) -> torch.Tensor:
+        """The tokens' rows of the embedding table, float32; times the model's embedding scale
+        unless `scaled` is False (EAGLE-3 drafters read the table as it is)."""
         ids = tokens.to(torch.int32).contiguous()
         check_range("token id", tokens, 0, self.embed_weight.rows)
         out = torch.empty(ids.numel(), self.embed_weight.cols, dtype=torch.float32)
         library().vs_embed(ctypes.byref(self._embed_struct), ids.data_ptr(), ids.numel(),
-                           self.embed_scale, out.data_ptr())
+                           self.embed_scale if scaled else 0.0, out.data_ptr())
         return out
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

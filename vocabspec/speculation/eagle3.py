@@ -271,8 +271,11 @@ class Eagle3Drafter(nn.Module):
     # ------------------------------------------------------------ running
 
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
-        table = self.embed if self.embed is not None else self.target.embed
-        return table(tokens)
+        if self.embed is not None:
+            return self.embed(tokens)
+        if self.target.native is not None:        # its float table is not in memory
+            return self.target.native.embed(tokens, scaled=False)
+        return self.target.embed(tokens)
 
     def input_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Fused features from the target's rows at positions it has run: its tapped layer
