@@ -343,10 +343,13 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
         for step in range(4):
             for depth, top_k, total in [(4, 5, 12), (1, 1, 1), (3, 3, 9), (5, 8, 40), (2, 4, 100)]:
                 proposer.depth, proposer.top_k, proposer.total_tokens = depth, top_k, total
-                fast, reference = proposer.backend.grow(7), reference_backend.grow(7)
+                shape = (proposer.depth, proposer.total_tokens)
+                fast, reference = proposer.backend.grow(7, *shape), reference_backend.grow(7, *shape)
                 assert torch.equal(fast.tokens, reference.tokens), (head.name, step, depth, top_k, total)
                 assert torch.equal(fast.parents, reference.parents)
                 assert fast.children == reference.children and torch.equal(fast.ranks, reference.ranks)
+                # what the live sizing reads (the C log-softmax rounds its own way: not bits)
+                assert torch.allclose(fast.values, reference.values, rtol=1e-5, atol=1e-5)
             accepted = torch.randint(0, 200, (1 + step,), generator=g).tolist()
             proposer.observe(accepted, torch.randn(1 + step, width, generator=g), step)
 

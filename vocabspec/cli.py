@@ -780,10 +780,15 @@ def describe(lm, draft: str) -> str:
     engine = lm.engine
     what = f"[{lm.name}, weights {engine.model.weights} on {engine.model.engine}: "
     if engine.proposer is None:
+        if draft != "none":
+            return what + f"plain decoding: no {draft} tree beat it when this machine was timed]"
         return what + "plain decoding, no drafting (--draft eagle for EAGLE-2 speculative decoding)]"
     shape = engine.proposer.tree_shape
     head = engine.proposer.head
     tree = f", tree depth {shape[0]} x {shape[1]} tokens" if shape else ""
+    if getattr(engine.proposer, "sizing", None) is not None:
+        tree = f", tree sized each step from its confidence and this machine's costs (at most {shape[0]} deep, " \
+               f"{shape[1]} tokens)"
     vocab = f", draft head {head.name}" if head is not None else ""
     return what + f"{draft}{vocab}{tree}; output identical to plain decoding]"
 

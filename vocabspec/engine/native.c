@@ -841,13 +841,14 @@ int64_t vs_tree_capacity(int64_t top_k, int64_t depth) { return 1 + top_k + dept
 /* Grow the tree from `state` (the drafter's output at the root) over the drafter's cache of
    `length` committed slots; its expansions are left pending (forgotten: the next read
    overwrites them). Writes the kept tree, flattened, to tokens/parents (parents[0] = -1) and
-   each node's value rank to ranks (-1 for the root); returns its rows (-1: a tree that is not
+   each node's value rank to ranks (-1 for the root) and its value (the log of the product of
+   confidences along its path; 0 for the root) to node_values; returns its rows (-1: a tree that is not
    one, which the caller raises on). head_logits: top_k x
    head rows floats; work/att: as vs_stack_forward for top_k rows. */
 int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
                       const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
-                      int64_t *tokens, int64_t *parents, int64_t *ranks, float *head_logits, float *work,
-                      float *att) {
+                      int64_t *tokens, int64_t *parents, int64_t *ranks, double *node_values,
+                      float *head_logits, float *work, float *att) {
     const int64_t dim = d->fc.rows, cap = vs_tree_capacity(top_k, depth);
     int64_t *tok = malloc(cap * sizeof(int64_t)), *ids = malloc(top_k * top_k * sizeof(int64_t));
     int32_t *par = malloc(cap * sizeof(int32_t)), *dep = malloc(cap * sizeof(int32_t));
@@ -970,13 +971,14 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *
         for (int64_t i = lo; i < hi; i++) flat[place[i]] = (int32_t)(++placed);
         lo = hi;
     }
-    tokens[0] = root, parents[0] = -1, ranks[0] = -1;
+    tokens[0] = root, parents[0] = -1, ranks[0] = -1, node_values[0] = 0.0;
     int64_t rows = kept + 1;
     for (int64_t i = 0; i < kept; i++) {
         const int32_t node = place[i];
         tokens[i + 1] = tok[node];
         parents[i + 1] = flat[par[node]];
         ranks[i + 1] = row_of[node];
+        node_values[i + 1] = val[node];
         /* Kept without its parent, or placed after none: a broken tree must not reach
            verification, which indexes by parent. */
         if (node < 1 || parents[i + 1] < 0 || parents[i + 1] > i) rows = -1;

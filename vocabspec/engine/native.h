@@ -117,7 +117,7 @@ int64_t vs_drafter_read_scratch(const vs_drafter *d, int64_t n);
 int64_t vs_tree_capacity(int64_t top_k, int64_t depth);
 int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
                       const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
-                      int64_t *tokens, int64_t *parents, int64_t *ranks, float *head_logits, float *work,
-                      float *att);
+                      int64_t *tokens, int64_t *parents, int64_t *ranks, double *node_values,
+                      float *head_logits, float *work, float *att);
 
 #endif

@@ -252,7 +252,7 @@ def _declare(lib):
     lib.vs_tree_capacity.argtypes = [i64, i64]
     lib.vs_tree_capacity.restype = i64
     lib.vs_eagle_tree.argtypes = [ctypes.POINTER(Drafter), ctypes.POINTER(Stack), p, p, i64, p, i64, i64, i64,
-                                  i64, p, p, p, p, p, p]
+                                  i64, p, p, p, p, p, p, p]
     lib.vs_eagle_tree.restype = i64
     lib.vs_set_threads.argtypes = [ctypes.c_int]
     lib.vs_threads.restype = ctypes.c_int
@@ -741,9 +741,10 @@ class NativeDrafter:
                             self._scratch.data_ptr(), self.stack.work.data_ptr(), self.stack.scratch.data_ptr())
 
     def tree(self, keys: torch.Tensor, values: torch.Tensor, length: int, root: int, top_k: int, depth: int,
-             total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+             total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
         """EAGLE-2's tree from `state` over a cache of `length` committed slots: (tokens,
-        parents, value ranks), flattened with the root first."""
+        parents, value ranks, values), flattened with the root first (values: float64, each
+        node's log path confidence, the root's 0)."""
         lib = library()
         if not 1 <= top_k <= 64:
             raise ValueError(f"the native drafter expands 1 to 64 children a node, not {top_k}")
@@ -759,14 +760,16 @@ class NativeDrafter:
         if self._tree is None or self._tree[0] != shape:
             rows = min(lib.vs_tree_capacity(top_k, depth), total_tokens + 1)
             self._tree = (shape, torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int64),
-                          torch.empty(rows, dtype=torch.int64), torch.empty(top_k * self.head_rows))
-        _, tokens, parents, ranks, logits = self._tree
+                          torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.float64),
+                          torch.empty(top_k * self.head_rows))
+        _, tokens, parents, ranks, node_values, logits = self._tree
         self.stack.reserve(top_k, slots)
         n = lib.vs_eagle_tree(ctypes.byref(self.struct), ctypes.byref(self.stack.stack), keys.data_ptr(),
                               values.data_ptr(), length, self.state.data_ptr(), root, top_k, depth, total_tokens,
-                              tokens.data_ptr(), parents.data_ptr(), ranks.data_ptr(), logits.data_ptr(),
+                              tokens.data_ptr(), parents.data_ptr(), ranks.data_ptr(), node_values.data_ptr(),
+                              logits.data_ptr(),
                               self.stack.work.data_ptr(), self.stack.scratch.data_ptr())
         if n < 1:
             raise RuntimeError(f"the native drafter built a tree with a node whose parent it did not keep "
                                f"(top_k {top_k}, depth {depth}, total_tokens {total_tokens})")
-        return tokens[:n].clone(), parents[:n].clone(), ranks[1:n].tolist()
+        return tokens[:n].clone(), parents[:n].clone(), ranks[1:n].tolist(), node_values[:n].clone()

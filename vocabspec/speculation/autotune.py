@@ -219,19 +219,28 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
                 log=None) -> tuple[int, int]:
     """(depth, total_tokens) for this machine, depth at most the one given; (0, 0) where no tree
     decodes faster than plain decoding (measured)."""
+    chosen, _ = tree_choice(model, drafter, head, tokenizer, depth, top_k, key, log)
+    return int(chosen["depth"]), int(chosen["total_tokens"])
+
+
+def tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
+                log=None) -> tuple[dict, dict[int, float]]:
+    """What `choose_tree` chose and measured (depth, total_tokens, measured_speedup and the
+    calibration table), and the forward curve it read: rows verified -> seconds. The live
+    sizing rule (live_tree.py) starts from both."""
     from ..engine.files import cache_dir
 
     path = cache_dir() / "autotune.json"
     known = _load(path)
     full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v16")
-    if full_key not in known:
+    # The forward's time depends on the model's shapes, not on its weights or drafter.
+    args = model.args
+    shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
+            f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
+    forward_key = _cache_key(model, f"forward|{shape}|v9")
+    if full_key not in known or forward_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
-        # The forward's time depends on the model's shapes, not on its weights or drafter.
-        args = model.args
-        shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
-                f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
-        forward_key = _cache_key(model, f"forward|{shape}|v9")
         # Minutes on a small CPU: show where it is (no bar when the caller asked for silence).
         work = len(calibration_depths(depth)) * len(CALIBRATION_QUESTIONS)
         if forward_key not in known:
@@ -245,9 +254,9 @@ def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
         _store(path, known)
     chosen = known[full_key]
     if log and not chosen["total_tokens"]:
-        log(f"no draft tree beats plain decoding on this machine (the best measured "
+        log(f"no draft tree beat plain decoding when this machine was timed (the best measured "
             f"{chosen.get('measured_speedup', 0):.2f}x)")
-    return int(chosen["depth"]), int(chosen["total_tokens"])
+    return chosen, {int(n) + 1: t for n, t in known[forward_key].items()}
 
 
 # ---------------------------------------------------------------- measured sizes: Medusa's tree, a chain

@@ -35,7 +35,7 @@ from ..engine.kv_cache import DeviceKVCache, KVCache
 from ..engine.linear import Linear
 from ..engine.model import ARCH_FEATURES, Block, CustomAttention, ModelArgs, Transformer
 from .generate import Proposer, StaticDrafting
-from .tree import Tree, TreeBuilder, flatten
+from .tree import Tree, TreeBuilder, chain, flatten
 
 _HF_NAMES = {  # our Block's parameter names -> EAGLE / Hugging Face names (q, k, v fused here)
     "attn_norm.weight": "input_layernorm.weight",
@@ -520,6 +520,9 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self.device = self.target.device
         native = drafter.native_drafter(self.head) if top_k <= 64 else None
         self.backend = NativeEagleDrafting(self, native) if native is not None else TorchEagleDrafting(self)
+        # The live tree-size rule (live_tree.py), where the tree is chosen per step: depth and
+        # total_tokens are then the largest tree a step drafts. None: every step this tree.
+        self.sizing = None
         self.reset_timings()
 
     @property
@@ -566,6 +569,8 @@ class EagleProposer(HeadTimedDrafting, Proposer):
             self.backend.read(tokens, rows)
 
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
+        if self.sizing is not None:
+            self.sizing.start()
         self._unread = []
         self.cache.reset()
         self.head.see_tokens(prompt_ids + [first_token], reset=True)
@@ -579,6 +584,8 @@ class EagleProposer(HeadTimedDrafting, Proposer):
 
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
         start = time.perf_counter()
+        if self.sizing is not None and self.size_live:
+            self.sizing.observe(accepted)
         self.head.see_tokens(accepted + [next_token])
         self._unread.append((accepted[1:] + [next_token], hidden))
         if sum(len(read) for read, _ in self._unread) >= self.READ_AFTER:
@@ -596,9 +603,23 @@ class EagleProposer(HeadTimedDrafting, Proposer):
 
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
-        tree = self.backend.grow(root_token)
+        sizing = self.sizing if self.size_live else None
+        if sizing is None:
+            tree = self.backend.grow(root_token, self.depth, self.total_tokens)
+        else:
+            depth, total = sizing.plan()
+            if depth:
+                tree = sizing.choose(self.backend.grow(root_token, depth, total), depth + 1,
+                                     time.perf_counter() - start)
+            else:
+                tree = chain(root_token, [], device=self.target.device)
         self.timings["total"] += time.perf_counter() - start
         return tree
+
+    def next_tree_tokens(self) -> int:
+        if self.sizing is not None and self.size_live:
+            return self.sizing.next_size()
+        return self.max_tree_tokens
 
     @property
     def static(self) -> bool:
@@ -631,11 +652,11 @@ class TorchEagleDrafting:
         p = self.proposer
         p.last_state = p._run(tokens, p._features(hidden), timed)[-1:]
 
-    def grow(self, root_token: int) -> Tree:
+    def grow(self, root_token: int, depth: int, total_tokens: int) -> Tree:
         """EAGLE-2's tree (the native drafter's `vs_eagle_tree` follows it node for node)."""
         p = self.proposer
         p._read_unread()                 # the accepted tokens since the last tree, first
-        builder = TreeBuilder(root_token, p.top_k, p.total_tokens)
+        builder = TreeBuilder(root_token, p.top_k, total_tokens)
         tokens, log_probs = p._top_k(p.last_state, [root_token], 0)
         builder.add_children([0], tokens, log_probs)
         # Each expanded node's drafter state feeds its children; its pending KV slot lets
@@ -653,7 +674,7 @@ class TorchEagleDrafting:
             state_of.update(zip(frontier, states))
             return p._top_k(states, read, level)
 
-        builder.grow(p.depth, expand, lambda: p.cache.pending, device)
+        builder.grow(depth, expand, lambda: p.cache.pending, device)
         p.cache.discard()
         return builder.build(device)
 
@@ -675,14 +696,14 @@ class NativeEagleDrafting:
         if timed:
             p.timings["native"] += time.perf_counter() - start
 
-    def grow(self, root_token: int) -> Tree:
+    def grow(self, root_token: int, depth: int, total_tokens: int) -> Tree:
         self.proposer._read_unread()     # the accepted tokens since the last tree, first
         p, start = self.proposer, time.perf_counter()
         cache = p.cache
-        tokens, parents, ranks = self.native.tree(cache.keys, cache.values, cache.length, root_token,
-                                                  p.top_k, p.depth, p.total_tokens)
+        tokens, parents, ranks, values = self.native.tree(cache.keys, cache.values, cache.length, root_token,
+                                                          p.top_k, depth, total_tokens)
         p.timings["native"] += time.perf_counter() - start
-        return Tree.from_parents(tokens, parents, ranks)
+        return Tree.from_parents(tokens, parents, ranks, values)
 
 
 def static_tree_rows(depth: int, top_k: int, total_tokens: int) -> int:

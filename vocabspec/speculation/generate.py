@@ -46,6 +46,10 @@ class Proposer:
     cache = None                # its own KV cache, if it keeps one
     draft_forwards: int | None = None   # drafting passes a step, where not its tree's depth + 1
     tree_shape: tuple[int, int] | None = None   # (depth, total tokens) of its tree, if sized so
+    # Whether this request's trees may be sized from the machine's timing (live_tree.py): a
+    # greedy request's only, set by its Generation; a sampled request's trees must not depend
+    # on timing, so that its seed gives the same tokens in a batch and alone.
+    size_live: bool = True
 
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
         raise NotImplementedError
@@ -549,6 +553,7 @@ class Generation:
         token = self._pick(logits[0], self.config.sampling, generator)
         result.prefill_seconds = time.perf_counter() - start
         if self.proposer is not None:
+            self.proposer.size_live = self.config.sampling.greedy
             self.proposer.reset(self.prompt_ids, hidden, token)
         return logits, token
 

@@ -68,7 +68,7 @@ class EagleLookupProposer(EagleProposer):
         copy mode, the drafter's tree. A batch's draft budget weighs this, not the largest
         graft: with that, no tree ever paid for a lone request's rows."""
         path = self.lookup.next_tree_tokens()
-        return path if self._copying and path else self.total_tokens + path
+        return path if self._copying and path else super().next_tree_tokens() + path
 
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
@@ -78,8 +78,12 @@ class EagleLookupProposer(EagleProposer):
             self.grafted += len(self._chain)
             tree = chain(root_token, self._chain, device=self.target.device)
             self._count_lookup(time.perf_counter() - start)
+            if self.sizing is not None and self.size_live:     # a step the rule did not size: its cost alone
+                self.sizing.tree, self.sizing.extra_rows = None, len(self._chain)
             return tree
         looked_up = time.perf_counter() - start
+        if self.sizing is not None:         # the path's rows come on top of the tree it sizes
+            self.sizing.extra_rows = len(self._chain)
         tree = super().propose(root_token)          # counts its own time
         start = time.perf_counter()
         if self._chain:
@@ -87,6 +91,8 @@ class EagleLookupProposer(EagleProposer):
             tree = graft(tree, torch.tensor(self._chain, device=tree.tokens.device),
                          torch.tensor(len(self._chain), device=tree.tokens.device)).compact()
             self.grafted += tree.size - size
+            if self.sizing is not None:
+                self.sizing.extra_rows = tree.size - size      # less what the tree already had
         self._count_lookup(looked_up + time.perf_counter() - start)
         return tree
 

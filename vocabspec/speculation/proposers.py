@@ -350,33 +350,45 @@ def _eagle_tree(model, config: DraftConfig, model_name: str, tokenizer, log, dra
     from .drafter import EagleProposer
     from .pld import PromptLookupProposer
 
-    depth, total = config.depth, config.total_tokens
+    depth, total, sizing = config.depth, config.total_tokens, None
     if total == "auto":
-        from .autotune import choose_static_tree, choose_tree
+        from .autotune import choose_static_tree, tree_choice
         from .drafter import drafts_statically
         from .generate import static_by_default
 
         if tokenizer is None:
             raise ValueError("total_tokens='auto' needs the model's tokenizer")
-        # Where an Engine runs static steps (a GPU), the tree is chosen by their costs.
-        static = static_by_default(model) and drafts_statically(head)
-        choose = choose_static_tree if static else choose_tree
-        depth, total = choose(model, drafter, head, tokenizer, depth=depth, top_k=config.top_k,
-                              key=f"{model_name}|{_weights_key(path)}|{head.name}|{dtype}", log=log)
-        if not total:            # measured: no tree beats plain decoding on this machine
-            if config.method == "eagle+pld":
+        key = f"{model_name}|{_weights_key(path)}|{head.name}|{dtype}"
+        # Where an Engine runs static steps (a GPU), the tree is chosen by their costs, once.
+        if static_by_default(model) and drafts_statically(head):
+            depth, total = choose_static_tree(model, drafter, head, tokenizer, depth=depth, top_k=config.top_k,
+                                              key=key, log=log)
+            if not total:            # measured: no tree beats plain decoding on this device
+                if config.method == "eagle+pld":
+                    if log:
+                        log("eagle+pld: drafting with prompt lookup alone")
+                    return PromptLookupProposer(device=model.device)
                 if log:
-                    log("eagle+pld: drafting with prompt lookup alone")
-                return PromptLookupProposer(device=model.device)
-            if log:
-                log("eagle: decoding plainly")
-            return None
+                    log("eagle: decoding plainly")
+                return None
+        else:
+            # Elsewhere each step sizes its tree (live_tree.py): the tuner's choice is the prior,
+            # never a verdict; depth and total are the largest tree a step drafts.
+            from .live_tree import sizing_prior
+
+            chosen, forward = tree_choice(model, drafter, head, tokenizer, depth=depth, top_k=config.top_k,
+                                          key=key, log=log)
+            sizing = sizing_prior(chosen, forward, depth)
+            total = sizing.most
     if config.method == "eagle+pld":
         from .hybrid import EagleLookupProposer
 
         # The tree size is the one chosen for EAGLE alone; the lookup path comes on top.
-        return EagleLookupProposer(drafter, head=head, depth=depth, top_k=config.top_k, total_tokens=total)
-    return EagleProposer(drafter, head=head, depth=depth, top_k=config.top_k, total_tokens=total)
+        proposer = EagleLookupProposer(drafter, head=head, depth=depth, top_k=config.top_k, total_tokens=total)
+    else:
+        proposer = EagleProposer(drafter, head=head, depth=depth, top_k=config.top_k, total_tokens=total)
+    proposer.sizing = sizing
+    return proposer
 
 
 def _head_files(config: DraftConfig, model_name: str) -> Path | None:

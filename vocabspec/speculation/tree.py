@@ -39,6 +39,9 @@ class Tree:
     # Each node's place in the value ranking (0 = most valuable draft; -1 for the root and for
     # grafted rows): the tree of the best m nodes is exactly the nodes ranked below m (autotune).
     ranks: torch.Tensor | None = None
+    # Each node's value (float64, host): the log of the product of the drafter's confidences
+    # along its path, 0 for the root (EAGLE-2's trees; the live sizing rule reads it).
+    values: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -47,9 +50,9 @@ class Tree:
 
     @classmethod
     def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor,
-                     ranks: list[int] | None = None) -> "Tree":
+                     ranks: list[int] | None = None, values: torch.Tensor | None = None) -> "Tree":
         """A tree built on the host (the native drafter's): tokens and parents (-1 for the root,
-        each node's parent before it), the drafts' value ranks."""
+        each node's parent before it), the drafts' value ranks, the nodes' values."""
         parent_list = parents.tolist()
         depths = [0] * len(parent_list)
         for node in range(1, len(parent_list)):
@@ -57,7 +60,7 @@ class Tree:
         device = tokens.device
         return cls(tokens, parents.to(device), torch.tensor(depths, dtype=torch.long, device=device),
                    max(depths), ranks=torch.tensor([-1] + list(ranks), dtype=torch.long, device=device)
-                   if ranks is not None else None)
+                   if ranks is not None else None, values=values)
 
     def attention_mask(self) -> torch.Tensor:
         """(rows, rows) bool: row i sees row j iff j is i or one of its ancestors."""
@@ -102,7 +105,23 @@ class Tree:
         parents = self.parents[rows]
         parents = torch.where(parents >= 0, row_of[parents.clamp_min(0)], parents)
         return Tree(self.tokens[rows], parents, self.depths[rows], self.max_depth,
-                    ranks=self.ranks[rows] if self.ranks is not None else None)
+                    ranks=self.ranks[rows] if self.ranks is not None else None,
+                    values=self.values[rows.cpu()] if self.values is not None else None)
+
+    def best(self, size: int) -> "Tree":
+        """The tree of its `size` most valuable drafts (value rank < size): exactly the tree a
+        drafter told to keep `size` nodes builds (a node's ancestors rank before it), in the
+        same row order. Needs ranks on the host."""
+        if size >= self.size:
+            return self
+        ranks, parents = self.ranks.tolist(), self.parents.tolist()
+        rows = [0] + [row for row in range(1, len(ranks)) if ranks[row] < size]
+        row_of = {row: i for i, row in enumerate(rows)}       # on lists: a step's host work
+        index = torch.tensor(rows, dtype=torch.long)
+        return Tree.from_parents(self.tokens[index.to(self.tokens.device)],
+                                 torch.tensor([-1] + [row_of[parents[row]] for row in rows[1:]], dtype=torch.long),
+                                 [ranks[row] for row in rows[1:]],
+                                 self.values[index] if self.values is not None else None)
 
 
 # A path's parents and depths by its rows and device, shared by every chain of that length (a
@@ -184,7 +203,9 @@ def graft(tree: Tree, chain_tokens: torch.Tensor, count: torch.Tensor) -> Tree:
     ranks = tree.ranks if tree.ranks is not None else torch.full_like(tree.tokens, -1)
     return Tree(torch.cat([tree.tokens, chain_tokens]), torch.cat([tree.parents, parents]),
                 torch.cat([tree.depths, steps + 1]), max(tree.max_depth, k), valid=torch.cat([tree_valid, valid]),
-                ranks=torch.cat([ranks, torch.full_like(chain_tokens, -1)]))
+                ranks=torch.cat([ranks, torch.full_like(chain_tokens, -1)]),
+                values=None if tree.values is None else      # a grafted row has no drafter's value
+                torch.cat([tree.values, torch.full((k,), float("nan"), dtype=torch.float64)]))
 
 
 # The largest trees drafting accepts (the CLI's and DraftConfig's bounds, the trees the fuzz
@@ -308,4 +329,5 @@ class TreeBuilder:
         return Tree(tokens=torch.tensor([self.token[i] for i in order], dtype=torch.long, device=device),
                     parents=torch.tensor(parents, dtype=torch.long, device=device),
                     depths=torch.tensor(depths, dtype=torch.long, device=device), max_depth=max(depths),
-                    ranks=torch.tensor(ranks, dtype=torch.long, device=device))
+                    ranks=torch.tensor(ranks, dtype=torch.long, device=device),
+                    values=torch.tensor([self.value[i] for i in order], dtype=torch.float64))

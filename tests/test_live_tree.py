@@ -1,0 +1,128 @@
+"""The live tree-size rule (speculation/live_tree.py): whatever sizes it picks, greedy decoding
+gives plain decoding's tokens; a verdict that no tree pays is tried again; its calibration and
+costs follow what the steps show; a tree cut to its best m nodes is the tree a drafter keeping
+m nodes builds."""
+
+import random
+
+import pytest
+import torch
+
+import vocabspec
+from vocabspec.speculation.live_tree import PROBE_EVERY, Calibration, LiveCosts, LiveSizing, path_rows
+from vocabspec.speculation.tree import TreeBuilder
+
+PROMPTS = ["Explain how a bicycle's gears make it easier to ride uphill.",
+           "Translate to French: The weather is lovely today and we will walk to the river."]
+CURVE = {n: 0.004 + 0.0004 * n for n in range(2, 34)}       # rows -> seconds, a CPU's shape
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return vocabspec.load("smollm2", max_seq_len=1024)
+
+
+def live_model(prior_speedup: float):
+    lm = vocabspec.load("smollm2", draft="eagle", depth=4, total_tokens=8, max_seq_len=1024)
+    sizing = LiveSizing(CURVE, draft_level=0.0003, prior_speedup=prior_speedup, depth=2, total=3,
+                        most_depth=4, most=8)
+    sizing.keep_sizes = True
+    lm.engine.proposer.sizing = sizing
+    return lm, sizing
+
+
+@pytest.mark.parametrize("prior", [1.2, 0.5], ids=["drafting-prior", "busy-verdict"])
+def test_live_sizes_give_plain_decodings_tokens(plain, prior):
+    lm, sizing = live_model(prior)
+    accepted = []
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, max_new_tokens=48, chat=True).tokens
+        got = lm.generate(prompt, max_new_tokens=48, chat=True)
+        assert got.tokens == want
+        accepted += [step.accept_length - 1 for step in got.steps]
+    sizes = [size for _, size in sizing.sizes]
+    # The rule drafted (a busy verdict included: its probes found drafting pays) at more than
+    # one size, and accepted drafts.
+    assert len(set(sizes)) > 1, sizes
+    assert sum(accepted) >= 10, accepted
+
+
+def test_a_sampled_request_keeps_the_fixed_tree(plain):
+    lm, sizing = live_model(1.2)
+    lm.generate(PROMPTS[0], max_new_tokens=16, chat=True, temperature=0.8, seed=3)
+    assert sizing.sizes == []            # never consulted: its trees must not follow timing
+    assert lm.engine.proposer.size_live is False
+
+
+def test_a_verdict_that_drafting_loses_is_probed_again():
+    sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, depth=0, total=0, most_depth=4, most=8)
+    plans = []
+    for _ in range(3 * (PROBE_EVERY + 1)):
+        plans.append(sizing.plan())
+        sizing.observe([1])           # a plain step (the rule drafted nothing) or a probe's root
+    drafted = [i for i, plan in enumerate(plans) if plan != (0, 0)]
+    assert drafted and all(b - a == PROBE_EVERY for a, b in zip(drafted, drafted[1:])), plans
+
+
+def test_calibration_follows_the_outcomes():
+    calibration = Calibration(max_depth=3)
+    value = torch.log(torch.tensor(0.85)).item()           # the drafter says 85%
+    assert calibration.chance(1, value) == pytest.approx(0.85)
+    calibration.learn([1] * 200, [value] * 200, [i % 4 == 0 for i in range(200)])   # 25% were right
+    assert calibration.chance(1, value) == pytest.approx(0.25, abs=0.03)
+    assert calibration.chance(2, value) == pytest.approx(0.85)   # another depth: its own bins
+
+
+def test_costs_follow_a_busy_spell_and_recover():
+    costs = LiveCosts(CURVE, 0.0003)
+    quiet = costs(1)
+    for _ in range(60):
+        costs.step(1, 3 * CURVE[2])              # a busy neighbour: every step three times as slow
+    assert costs(1) == pytest.approx(3 * quiet, rel=0.1) and costs(6) > 2.5 * CURVE[6]
+    for _ in range(60):
+        costs.step(1, CURVE[2])
+    assert costs(1) == pytest.approx(quiet, rel=0.1) and costs(6) == pytest.approx(CURVE[6], rel=0.15)
+
+
+def test_the_best_m_nodes_are_the_tree_a_builder_keeping_m_builds():
+    rng = random.Random(5)
+    for trial in range(30):
+        top_k, depth, seed = rng.randint(1, 4), rng.randint(1, 4), rng.randrange(10 ** 6)
+
+        def children(builder, node):
+            """A node's drafted children, fixed by its path (whatever else the tree expands)."""
+            path, at = [], node
+            while at != -1:
+                path.append(builder.token[at])
+                at = builder.parent[at]
+            g = torch.Generator().manual_seed(hash((seed, *path)) % 2 ** 31)
+            return torch.randperm(50, generator=g)[:top_k], torch.rand(top_k, generator=g).log().sort(descending=True).values
+
+        def grown(total):
+            builder = TreeBuilder(7, top_k, total)
+            tokens, log_probs = children(builder, 0)
+            builder.add_children([0], tokens[None], log_probs[None])
+            for _ in range(depth):
+                frontier = builder.frontier()
+                if not frontier:
+                    break
+                drafted = [children(builder, node) for node in frontier]
+                builder.add_children(frontier, torch.stack([t for t, _ in drafted]),
+                                     torch.stack([lp for _, lp in drafted]))
+            return builder.build()
+
+        big = grown(40)
+        for m in range(1, big.size + 1):
+            small, cut = grown(m), big.best(m)
+            assert torch.equal(cut.tokens, small.tokens) and torch.equal(cut.parents, small.parents), (trial, m)
+            assert torch.equal(cut.ranks, small.ranks) and torch.equal(cut.values, small.values)
+
+
+def test_the_accepted_path_is_followed_by_tokens():
+    builder = TreeBuilder(1, 2, 10)
+    builder.add_children([0], torch.tensor([[5, 6]]), torch.tensor([[-0.1, -0.2]]))
+    builder.add_children([1, 2], torch.tensor([[7, 8], [7, 9]]), torch.tensor([[-0.1, -0.3], [-0.1, -0.2]]))
+    tree = builder.build()
+    tokens = tree.tokens.tolist()
+    rows = path_rows(tree, [1, 6, 7, 3])
+    assert [tokens[r] for r in sorted(rows)] == [6, 7]

@@ -1,0 +1,257 @@
+"""The live tree-size rule: each step's EAGLE-2 tree sized from the drafter's calibrated
+confidence and this machine's measured costs, as they are now.
+
+The tuner (autotune.py) measures once which tree decodes fastest; that choice is only as good
+as the machine was quiet when it ran, and one tree serves every prompt. Here it is a prior.
+Each step:
+
+- Before drafting: draft only where drafting has been paying, the expected speed of the last
+  drafted steps against plain decoding's (a running mean started from the tuner's measured
+  speedup), and to the depth those steps' chosen trees reached plus one. Where it has not been
+  paying, every PROBE_EVERY-th step drafts anyway, so a verdict reached on a busy machine, or
+  on a stretch the drafter could not guess, is tried again.
+- After drafting (a tree of up to `most` nodes): its nodes in value order (EAGLE-2's
+  reranking: the best m nodes are a tree), each with its calibrated chance to be on the
+  accepted path. The tree kept is the m that maximises expected tokens per second,
+  (1 + sum of the first m chances) / (c(1 + m) + loop), m = 0 (the root alone) included. The
+  drafting is spent by then, so it does not enter this choice; it enters the next one.
+- After verification: each verified node's outcome (on the accepted path or not) trains the
+  calibration, a count per depth and confidence bin, starting from the drafter's raw
+  confidence as a prior of PRIOR_WEIGHT observations; the step's time updates the costs.
+
+Costs: c(rows) is the tuner's measured forward curve times a running scale (every step's time
+over the curve's at its rows, so a busy spell raises every size alike and a quiet one lowers
+them again), times a per-size correction once that size has MIN_SAMPLES steps; the loop's own
+time a step and a drafting level's time are running means too.
+
+Exactness does not depend on any of it: any tree of the drafted nodes verifies exactly, and
+greedy verification gives plain decoding's tokens whatever its size. A sampled request keeps
+the fixed tree (`EagleProposer.size_live`): its tree must not depend on timing, so that a seed
+gives the same tokens in a batch and alone.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .tree import Tree
+
+BINS = 10                 # confidence bins per depth
+PRIOR_WEIGHT = 4.0        # the raw confidence counts as this many observations of a bin
+PROBE_EVERY = 8           # plain steps between drafted probes where drafting has not paid
+WEIGHT = 0.1              # running means' weight of the latest step
+ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly
+MIN_SAMPLES = 8           # steps at a size before its own correction counts
+SHAPE_WEIGHT = 0.02       # a size's correction's: slower than the machine's scale, so that a
+                          # busy spell moves the scale (every size), not one size's shape
+
+
+class Calibration:
+    """P(a drafted node is on the accepted path) by depth and by its path confidence."""
+
+    def __init__(self, max_depth: int):
+        self.hits = [[0.0] * BINS for _ in range(max_depth + 1)]
+        self.seen = [[0.0] * BINS for _ in range(max_depth + 1)]
+
+    def _bin(self, value: float) -> int:
+        confidence = math.exp(value) if value == value else 0.0       # NaN: no drafter's value
+        return min(BINS - 1, int(confidence * BINS))
+
+    def chance(self, depth: int, value: float) -> float:
+        depth = min(depth, len(self.seen) - 1)
+        b = self._bin(value)
+        prior = (b + 0.5) / BINS
+        return (self.hits[depth][b] + PRIOR_WEIGHT * prior) / (self.seen[depth][b] + PRIOR_WEIGHT)
+
+    def learn(self, depths: list[int], values: list[float], on_path: list[bool]) -> None:
+        for depth, value, hit in zip(depths, values, on_path):
+            depth, b = min(depth, len(self.seen) - 1), self._bin(value)
+            self.seen[depth][b] += 1
+            self.hits[depth][b] += hit
+
+    def state(self) -> dict:
+        return {"hits": self.hits, "seen": self.seen}
+
+
+class LiveCosts:
+    """c(rows): a step's forward and verification over `rows` rows, now: the tuner's curve
+    times the machine's running scale, times a size's own correction once it has MIN_SAMPLES
+    steps (both running means of log ratios); and a drafting level's time, a running mean."""
+
+    def __init__(self, forward: dict[int, float], draft_level: float):
+        self.rows = sorted(forward)
+        self.curve = [forward[n] for n in self.rows]
+        self.log_scale = 0.0
+        self.residual: dict[int, tuple[float, int]] = {}     # rows -> (log correction, steps)
+        self.draft_level = draft_level
+
+    def prior(self, rows: int) -> float:
+        """The tuner's curve at `rows`, linear between its sizes and beyond its largest."""
+        xs, ys = self.rows, self.curve
+        if rows <= xs[0] or len(xs) == 1:
+            return ys[0]
+        for i in range(1, len(xs)):
+            if rows <= xs[i]:
+                return ys[i - 1] + (ys[i] - ys[i - 1]) * (rows - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (rows - xs[-1])
+
+    def _correction(self, rows: int) -> float:
+        log_ratio, steps = self.residual.get(rows, (0.0, 0))
+        return log_ratio if steps >= MIN_SAMPLES else 0.0
+
+    def __call__(self, rows: int) -> float:
+        return self.prior(rows) * math.exp(self.log_scale + self._correction(rows))
+
+    def step(self, rows: int, seconds: float) -> None:
+        """A step's forward and verification over `rows` rows took `seconds`."""
+        if seconds <= 0.0:
+            return
+        log_ratio = math.log(seconds / self.prior(rows))
+        # The scale follows the machine (every size alike), the residual this size's shape.
+        self.log_scale += WEIGHT * (log_ratio - self._correction(rows) - self.log_scale)
+        residual, steps = self.residual.get(rows, (0.0, 0))
+        residual += SHAPE_WEIGHT * (log_ratio - self.log_scale - residual)
+        self.residual[rows] = (residual, steps + 1)
+
+
+class LiveSizing:
+    """The rule for one proposer (see the module docstring). `forward`: the tuner's forward
+    curve (rows -> seconds); `draft_level`: its seconds a drafting level; `prior_speedup`: the
+    tuner's measured speedup of its tree; `depth`, `total`: its tree (0, 0 where none paid);
+    `most_depth`, `most`: the largest tree a step drafts."""
+
+    def __init__(self, forward: dict[int, float], draft_level: float, prior_speedup: float,
+                 depth: int, total: int, most_depth: int, most: int):
+        self.costs = LiveCosts(forward, draft_level)
+        self.calibration = Calibration(most_depth)
+        self.most_depth, self.most = most_depth, most
+        self.advantage = prior_speedup          # expected drafting speed over plain's, running
+        self.depth = max(1, min(depth or 2, most_depth))
+        self.total = max(1, min(total or 3, most))      # the nodes a step drafts to choose from
+        self.plain_steps = 0
+        self.tree: Tree | None = None           # the tree verified this step (drafted nodes)
+        self.extra_rows = 0                     # rows grafted onto it (prompt lookup's path)
+        self._observed = None                   # when the last step's verification was seen
+        self._draft_seconds = 0.0
+        self.sizes: list[tuple[float, int]] = []    # (root's best child confidence, size) a step
+        self.keep_sizes = False
+
+    # ---- before drafting
+
+    def start(self) -> None:
+        """A new request: its first step's time would hold its prefill."""
+        self._observed, self.tree, self.extra_rows, self._draft_seconds = None, None, 0, 0.0
+
+    def drafts(self) -> bool:
+        """Whether the next step drafts: where drafting has been paying, and every
+        PROBE_EVERY-th step where it has not."""
+        return self.advantage >= 1.0 or self.plain_steps >= PROBE_EVERY
+
+    def plan(self) -> tuple[int, int]:
+        """The tree to draft this step, (depth, nodes kept to choose from); (0, 0): the root
+        alone."""
+        self.tree = None
+        if not self.drafts():
+            return 0, 0
+        self.plain_steps = 0
+        return self.depth, self.total
+
+    def next_size(self) -> int:
+        """The next proposal's drafted rows, as far as known before drafting (a batch's budget)."""
+        return self.total if self.drafts() else 0
+
+    # ---- after drafting
+
+    def choose(self, tree: Tree, drafted_levels: int, draft_seconds: float) -> Tree:
+        """The best tree of `tree`'s drafts (see the module docstring), and the running means
+        of drafting's cost and advantage updated."""
+        self._draft_seconds = draft_seconds
+        if drafted_levels:
+            level = draft_seconds / drafted_levels
+            self.costs.draft_level += WEIGHT * (level - self.costs.draft_level)
+        ranks, values, depths = tree.ranks.tolist(), tree.values.tolist(), tree.depths.tolist()
+        order = sorted(range(1, len(ranks)), key=ranks.__getitem__)
+        chance = self.calibration.chance
+        chances = [chance(depths[row], values[row]) for row in order]
+        costs, extra = self.costs, self.extra_rows
+        best_m, best_rate, gain = 0, 1.0 / costs(1 + extra), 1.0
+        for m, p in enumerate(chances, 1):
+            gain += p
+            rate = gain / costs(1 + m + extra)
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        kept = tree.best(best_m)
+        # The next tree's depth: the one whose best prefix pays most with its drafting counted
+        # (a level's drafting against the chances of the nodes it adds), a level deeper where
+        # the deepest drafted level paid, so that it grows where the drafter grows surer.
+        drafted_depth = max(depths)
+        best_depth, drafting_rate = 1, 0.0
+        for d in range(1, drafted_depth + 1):
+            gain, m, rate = 1.0, 0, 0.0
+            for row, p in zip(order, chances):
+                if depths[row] <= d:
+                    gain, m = gain + p, m + 1
+                    rate = max(rate, gain / (costs(1 + m + extra) + costs.draft_level * (d + 1)))
+            if rate > drafting_rate:
+                best_depth, drafting_rate = d, rate
+        self.depth = max(1, min(self.most_depth, best_depth + (best_depth == drafted_depth)))
+        self.total = max(2, min(self.most, best_m + 2))
+        # Drafting pays if it beats a plain step at its best depth.
+        self.advantage += ADVANTAGE_WEIGHT * (drafting_rate * costs(1) - self.advantage)
+        if self.keep_sizes:
+            first = max((math.exp(values[row]) for row in order if depths[row] == 1), default=0.0)
+            self.sizes.append((first, best_m))
+        self.tree = kept
+        return kept
+
+    # ---- after verification
+
+    def observe(self, accepted: list[int]) -> None:
+        """The step verified (its accepted tokens, the root first): outcomes and costs. A
+        step's cost is the time since the last step's verification less its drafting: the
+        forward, verification and the loop's own work, whether the step drafted or not."""
+        now = time.perf_counter()
+        tree = self.tree
+        rows = 1 + (tree.size if tree is not None else 0) + self.extra_rows
+        if self._observed is not None:
+            self.costs.step(rows, now - self._observed - self._draft_seconds)
+        if tree is not None and tree.size:
+            self.plain_steps = 0
+            on_path = path_rows(tree, accepted)
+            depths, values = tree.depths.tolist()[1:], tree.values.tolist()[1:]
+            self.calibration.learn(depths, values, [row in on_path for row in range(1, tree.size + 1)])
+        else:
+            self.plain_steps += 1
+        self.tree, self.extra_rows, self._draft_seconds = None, 0, 0.0
+        self._observed = time.perf_counter()
+
+
+def path_rows(tree: Tree, accepted: list[int]) -> set[int]:
+    """The tree's rows on the accepted path (tokens after the root, followed from the root)."""
+    children, tokens = tree.children, tree.tokens.tolist()
+    row, rows = 0, set()
+    for token in accepted[1:]:
+        row = next((child for child in children[row] if tokens[child] == token), None)
+        if row is None:
+            break
+        rows.add(row)
+    return rows
+
+
+def sizing_prior(chosen: dict, forward: dict[int, float], most_depth: int) -> LiveSizing:
+    """A LiveSizing from the tuner's cached choice (autotune.choose_tree's entry) and forward
+    curve: its tree, measured speedup and drafting time a level as the priors."""
+    table = chosen.get("table", {})
+    depth, total = int(chosen["depth"]), int(chosen["total_tokens"])
+    levels = [row["draft_s"] / (row["depth"] + 1) for row in table.values() if row.get("draft_s")]
+    draft_level = sorted(levels)[len(levels) // 2] if levels else 0.0
+    # The largest tree a step drafts: where the curve's forward reaches 2.5 plain steps (no
+    # drafter's 1 + sum of chances pays more rows on a CPU), at most 32 nodes.
+    base = forward[min(forward)]
+    most = max([n for n in forward if forward[n] <= 2.5 * base] + [2])
+    most = max(2, min(32, most - 1, 2 * max(total, 4)))
+    return LiveSizing(forward, draft_level, float(chosen.get("measured_speedup", 1.0)), depth, total,
+                      most_depth, most)
