@@ -13,11 +13,11 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import date
 from pathlib import Path
@@ -27,22 +27,24 @@ PROMPT = "The history of the printing press begins"
 
 
 def timed_call(command: list[str], env: dict) -> dict:
-    """Seconds to the first byte on stdout, seconds in all, and the child's peak RSS (GiB)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """Seconds to the first byte on stdout, seconds in all, and the child's own peak RSS (GiB,
+    from wait4's rusage of that child alone)."""
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     first = process.stdout.read(1)
     first_s = time.perf_counter() - start
-    rest, err = process.communicate()
+    err = []
+    reader = threading.Thread(target=lambda: err.append(process.stderr.read()))
+    reader.start()
+    process.stdout.read()
+    reader.join()
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
     total_s = time.perf_counter() - start
     if process.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:6])}: exit {process.returncode}\n{err.decode()[-2000:]}")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    # ru_maxrss of RUSAGE_CHILDREN is the largest child's so far: each call here is measured
-    # after the previous ones, so only a call larger than all before it is certain; say which.
+        raise RuntimeError(f"{' '.join(command[:6])}: exit {process.returncode}\n{err[0].decode()[-2000:]}")
     return {"first_byte_s": round(first_s if first else total_s, 2), "total_s": round(total_s, 2),
-            "peak_rss_gib": round(peak / 2**20, 2), "rss_is_this_call": peak > before,
-            "stderr_tail": err.decode()[-300:]}
+            "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2), "stderr_tail": err[0].decode()[-300:]}
 
 
 def main():

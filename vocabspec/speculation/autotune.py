@@ -237,17 +237,18 @@ def tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
     args = model.args
     shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
             f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
-    forward_key = _cache_key(model, f"forward|{shape}|v9")
+    # A plain step's forward (0 drafted) too: the live rule weighs every tree against it.
+    forward_key = _cache_key(model, f"forward|{shape}|v10")
     if full_key not in known or forward_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
         # Minutes on a small CPU: show where it is (no bar when the caller asked for silence).
         work = len(calibration_depths(depth)) * len(CALIBRATION_QUESTIONS)
         if forward_key not in known:
-            work += (FORWARD_REPEATS + 1) * len(CANDIDATE_SIZES)
+            work += (FORWARD_REPEATS + 1) * (len(CANDIDATE_SIZES) + 1)
         with tqdm(total=work, desc="autotune", unit="run", disable=log is None, leave=False) as bar:
             if forward_key not in known:
-                timed = forward_seconds(model, CANDIDATE_SIZES, repeats=FORWARD_REPEATS, bar=bar)
+                timed = forward_seconds(model, (0,) + tuple(CANDIDATE_SIZES), repeats=FORWARD_REPEATS, bar=bar)
                 known[forward_key] = {str(n): t for n, t in timed.items()}
             forwards = {int(n): t for n, t in known[forward_key].items()}
             known[full_key] = calibrate(model, tokenizer, drafter, head, depth, top_k, forwards, bar)

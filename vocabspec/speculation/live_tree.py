@@ -188,17 +188,17 @@ class LiveSizing:
         # (a level's drafting against the chances of the nodes it adds), a level deeper where
         # the deepest drafted level paid, so that it grows where the drafter grows surer.
         drafted_depth = max(depths)
-        best_depth, drafting_rate = 1, 0.0
+        best_depth, best_size, drafting_rate = 1, 1, 0.0
         for d in range(1, drafted_depth + 1):
-            gain, m, rate = 1.0, 0, 0.0
+            gain, m = 1.0, 0
             for row, p in zip(order, chances):
                 if depths[row] <= d:
                     gain, m = gain + p, m + 1
-                    rate = max(rate, gain / (costs(1 + m + extra) + costs.draft_level * (d + 1)))
-            if rate > drafting_rate:
-                best_depth, drafting_rate = d, rate
+                    rate = gain / (costs(1 + m + extra) + costs.draft_level * (d + 1))
+                    if rate > drafting_rate:
+                        best_depth, best_size, drafting_rate = d, m, rate
         self.depth = max(1, min(self.most_depth, best_depth + (best_depth == drafted_depth)))
-        self.total = max(2, min(self.most, best_m + 2))
+        self.total = max(2, min(self.most, best_size + 1))
         # Drafting pays if it beats a plain step at its best depth.
         self.advantage += ADVANTAGE_WEIGHT * (drafting_rate * costs(1) - self.advantage)
         if self.keep_sizes:
@@ -251,7 +251,7 @@ def sizing_prior(chosen: dict, forward: dict[int, float], most_depth: int) -> Li
     # The largest tree a step drafts: where the curve's forward reaches 2.5 plain steps (no
     # drafter's 1 + sum of chances pays more rows on a CPU), at most 32 nodes.
     base = forward[min(forward)]
-    most = max([n for n in forward if forward[n] <= 2.5 * base] + [2])
+    most = max([n for n in forward if forward[n] <= 2.5 * base] + [3])
     most = max(2, min(32, most - 1, 2 * max(total, 4)))
     return LiveSizing(forward, draft_level, float(chosen.get("measured_speedup", 1.0)), depth, total,
                       most_depth, most)
