@@ -76,7 +76,13 @@ ALWAYS vi iq4_table(void) {
    tiling changes no lane's operations. */
 #if VS_AVX512
 #define QTILE_N 4
-#define NR_OF(MR) ((MR) >= 4 ? 2 : (MR) == 2 ? 2 : 1)
+/* A lone row (decoding) takes VS_NR_ONE blocks a tile: four on Intel's cores, one on AMD's
+   (Zen 4 runs a 512-bit op as two halves; there more chains in flight measured slower).
+   native.py sets it from the CPU's vendor; VOCABSPEC_NATIVE_DEFINES may try another. */
+#ifndef VS_NR_ONE
+#define VS_NR_ONE 1
+#endif
+#define NR_OF(MR) ((MR) >= 4 ? 2 : (MR) == 2 ? 2 : VS_NR_ONE)
 #else
 #define QTILE_N 1
 #define NR_OF(MR) 1

@@ -7,22 +7,23 @@ Each step:
 
 - Before drafting: draft only where drafting has been paying, the expected speed of the last
   drafted steps against plain decoding's (a running mean started from the tuner's measured
-  speedup), and to the depth those steps' chosen trees reached plus one. Where it has not been
+  speedup), to the depth and size the last step found best. Where it has not been
   paying, every PROBE_EVERY-th step drafts anyway, so a verdict reached on a busy machine, or
   on a stretch the drafter could not guess, is tried again.
 - After drafting (a tree of up to `most` nodes): its nodes in value order (EAGLE-2's
   reranking: the best m nodes are a tree), each with its calibrated chance to be on the
   accepted path. The tree kept is the m that maximises expected tokens per second,
-  (1 + sum of the first m chances) / (c(1 + m) + loop), m = 0 (the root alone) included. The
-  drafting is spent by then, so it does not enter this choice; it enters the next one.
+  (1 + sum of the first m chances) / (c(1 + m) + a second head pass's chance times its cost),
+  m = 0 (the root alone) included. The drafting is spent by then, so it does not enter this
+  choice; it sets the next tree's depth and size (the best prefix with its drafting counted).
 - After verification: each verified node's outcome (on the accepted path or not) trains the
   calibration, a count per depth and confidence bin, starting from the drafter's raw
   confidence as a prior of PRIOR_WEIGHT observations; the step's time updates the costs.
 
-Costs: c(rows) is the tuner's measured forward curve times a running scale (every step's time
-over the curve's at its rows, so a busy spell raises every size alike and a quiet one lowers
-them again), times a per-size correction once that size has MIN_SAMPLES steps; the loop's own
-time a step and a drafting level's time are running means too.
+Costs: c(rows) is the tuner's measured forward curve times a running scale (every step's time,
+from one verification to the next less its drafting, over the curve's at its rows, so a busy
+spell raises every size alike and a quiet one lowers them again), times a per-size correction
+once that size has MIN_SAMPLES steps; a drafting level's time is a running mean too.
 
 Exactness does not depend on any of it: any tree of the drafted nodes verifies exactly, and
 greedy verification gives plain decoding's tokens whatever its size. A sampled request keeps
@@ -32,6 +33,7 @@ gives the same tokens in a batch and alone.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 
@@ -81,7 +83,9 @@ class LiveCosts:
     times the machine's running scale, times a size's own correction once it has MIN_SAMPLES
     steps (both running means of log ratios); and a drafting level's time, a running mean."""
 
-    def __init__(self, forward: dict[int, float], draft_level: float):
+    def __init__(self, forward: dict[int, float], draft_level: float, head_pass: float = 0.0,
+                 head_rows: int = 1 << 30):
+        self.head_pass, self.head_rows = head_pass, head_rows     # a second head pass, its rows
         self.rows = sorted(forward)
         self.curve = [forward[n] for n in self.rows]
         self.log_scale = 0.0
@@ -124,8 +128,9 @@ class LiveSizing:
     `most_depth`, `most`: the largest tree a step drafts."""
 
     def __init__(self, forward: dict[int, float], draft_level: float, prior_speedup: float,
-                 depth: int, total: int, most_depth: int, most: int):
-        self.costs = LiveCosts(forward, draft_level)
+                 depth: int, total: int, most_depth: int, most: int, head_pass: float = 0.0,
+                 head_rows: int = 1 << 30):
+        self.costs = LiveCosts(forward, draft_level, head_pass, head_rows)
         self.calibration = Calibration(most_depth)
         self.most_depth, self.most = most_depth, most
         self.advantage = prior_speedup          # expected drafting speed over plain's, running
@@ -176,11 +181,9 @@ class LiveSizing:
         order = sorted(range(1, len(ranks)), key=ranks.__getitem__)
         chance = self.calibration.chance
         chances = [chance(depths[row], values[row]) for row in order]
-        costs, extra = self.costs, self.extra_rows
-        best_m, best_rate, gain = 0, 1.0 / costs(1 + extra), 1.0
-        for m, p in enumerate(chances, 1):
-            gain += p
-            rate = gain / costs(1 + m + extra)
+        costs = self.costs
+        best_m, best_rate = 0, 1.0 / costs(1 + self.extra_rows)
+        for m, rate in enumerate(self._rates(order, chances, 0.0), 1):
             if rate > best_rate:
                 best_m, best_rate = m, rate
         kept = tree.best(best_m)
@@ -190,13 +193,11 @@ class LiveSizing:
         drafted_depth = max(depths)
         best_depth, best_size, drafting_rate = 1, 1, 0.0
         for d in range(1, drafted_depth + 1):
-            gain, m = 1.0, 0
-            for row, p in zip(order, chances):
-                if depths[row] <= d:
-                    gain, m = gain + p, m + 1
-                    rate = gain / (costs(1 + m + extra) + costs.draft_level * (d + 1))
-                    if rate > drafting_rate:
-                        best_depth, best_size, drafting_rate = d, m, rate
+            rows = [(row, p) for row, p in zip(order, chances) if depths[row] <= d]
+            for m, rate in enumerate(self._rates([r for r, _ in rows], [p for _, p in rows],
+                                                 costs.draft_level * (d + 1)), 1):
+                if rate > drafting_rate:
+                    best_depth, best_size, drafting_rate = d, m, rate
         self.depth = max(1, min(self.most_depth, best_depth + (best_depth == drafted_depth)))
         self.total = max(2, min(self.most, best_size + 1))
         # Drafting pays if it beats a plain step at its best depth.
@@ -206,6 +207,23 @@ class LiveSizing:
             self.sizes.append((first, best_m))
         self.tree = kept
         return kept
+
+    def _rates(self, order: list[int], chances: list[float], drafting: float) -> list[float]:
+        """Expected tokens per second of the trees of the first 1, 2, ... nodes of `order` (rows
+        in value order, with their chances), `drafting` seconds on top. Greedy verification
+        scores the head over a tree's first `head_rows` rows; a path that goes past them costs
+        another pass (on Gemma's 262k-row head a quarter of a step): the chance of that is
+        the summed chances of the kept nodes placed past the first pass."""
+        costs, extra, first = self.costs, self.extra_rows, self.costs.head_rows
+        kept: list[int] = []
+        chance_of = dict(zip(order, chances))
+        rates, gain = [], 1.0
+        for m, (row, p) in enumerate(zip(order, chances), 1):
+            gain += p
+            bisect.insort(kept, row)        # the kept tree's rows keep the drafted tree's order
+            second = min(1.0, sum(chance_of[r] for r in kept[first - 1:])) if m >= first else 0.0
+            rates.append(gain / (costs(1 + m + extra) + drafting + second * costs.head_pass))
+        return rates
 
     # ---- after verification
 
@@ -241,9 +259,12 @@ def path_rows(tree: Tree, accepted: list[int]) -> set[int]:
     return rows
 
 
-def sizing_prior(chosen: dict, forward: dict[int, float], most_depth: int) -> LiveSizing:
-    """A LiveSizing from the tuner's cached choice (autotune.choose_tree's entry) and forward
-    curve: its tree, measured speedup and drafting time a level as the priors."""
+def sizing_prior(model, chosen: dict, forward: dict[int, float], most_depth: int) -> LiveSizing:
+    """A LiveSizing for `model` from the tuner's cached choice (autotune.choose_tree's entry)
+    and forward curve: its tree, measured speedup and drafting time a level as the priors, and
+    a second pass of the LM head timed now (milliseconds)."""
+    from .cost_curve import head_seconds
+
     table = chosen.get("table", {})
     depth, total = int(chosen["depth"]), int(chosen["total_tokens"])
     levels = [row["draft_s"] / (row["depth"] + 1) for row in table.values() if row.get("draft_s")]
@@ -253,5 +274,7 @@ def sizing_prior(chosen: dict, forward: dict[int, float], most_depth: int) -> Li
     base = forward[min(forward)]
     most = max([n for n in forward if forward[n] <= 2.5 * base] + [3])
     most = max(2, min(32, most - 1, 2 * max(total, 4)))
+    head_rows = model.verify_head_rows
+    head_pass = head_seconds(model, [head_rows], repeats=3)[head_rows]
     return LiveSizing(forward, draft_level, float(chosen.get("measured_speedup", 1.0)), depth, total,
-                      most_depth, most)
+                      most_depth, most, head_pass, head_rows)

@@ -378,7 +378,7 @@ def _eagle_tree(model, config: DraftConfig, model_name: str, tokenizer, log, dra
 
             chosen, forward = tree_choice(model, drafter, head, tokenizer, depth=depth, top_k=config.top_k,
                                           key=key, log=log)
-            sizing = sizing_prior(chosen, forward, depth)
+            sizing = sizing_prior(model, chosen, forward, depth)
             total = sizing.most
     if config.method == "eagle+pld":
         from .hybrid import EagleLookupProposer
