@@ -76,13 +76,17 @@ ALWAYS vi iq4_table(void) {
    tiling changes no lane's operations. */
 #if VS_AVX512
 #define QTILE_N 4
-/* A lone row (decoding) takes VS_NR_ONE blocks a tile: four on Intel's cores, one on AMD's
-   (Zen 4 runs a 512-bit op as two halves; there more chains in flight measured slower).
-   native.py sets it from the CPU's vendor; VOCABSPEC_NATIVE_DEFINES may try another. */
+/* A lone row (decoding) takes VS_NR_ONE blocks a tile, four rows VS_NR_FOUR: four each on
+   Intel's cores, one and two on AMD's (Zen 4 runs a 512-bit op as two halves; there more
+   chains in flight measured slower). native.py sets them from the CPU's vendor;
+   VOCABSPEC_NATIVE_DEFINES may try others. */
 #ifndef VS_NR_ONE
 #define VS_NR_ONE 1
 #endif
-#define NR_OF(MR) ((MR) >= 4 ? 2 : (MR) == 2 ? 2 : VS_NR_ONE)
+#ifndef VS_NR_FOUR
+#define VS_NR_FOUR 2
+#endif
+#define NR_OF(MR) ((MR) >= 4 ? VS_NR_FOUR : (MR) == 2 ? 2 : VS_NR_ONE)
 #else
 #define QTILE_N 1
 #define NR_OF(MR) 1
