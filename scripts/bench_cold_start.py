@@ -63,7 +63,6 @@ def main():
     cache = Path(tempfile.mkdtemp(prefix="vocabspec-cold-"))
     try:
         env = dict(os.environ, VOCABSPEC_CACHE=str(cache))
-        # llama.cpp first: the largest peak so far is then known to be its own or ours.
         result["llamacpp"] = timed_call(lcpp, dict(os.environ))
         result["ours_first"] = timed_call(ours, env)
         result["ours_warm"] = timed_call(ours, env)

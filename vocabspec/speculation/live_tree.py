@@ -74,9 +74,6 @@ class Calibration:
             self.seen[depth][b] += 1
             self.hits[depth][b] += hit
 
-    def state(self) -> dict:
-        return {"hits": self.hits, "seen": self.seen}
-
 
 class LiveCosts:
     """c(rows): a step's forward and verification over `rows` rows, now: the tuner's curve
