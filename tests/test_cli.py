@@ -178,6 +178,23 @@ def test_help_names_each_options_default():
     assert "(default 8)" in commands["generate"].format_help()       # --max-batch
 
 
+def test_train_options_are_declared_once_from_train_config():
+    """`vocabspec train`'s TrainConfig options come from one table (cli.TRAIN_OPTIONS), each
+    with its field's default; only --model, --out (default: from --model) and --drafter (its
+    choices: the trainable families) are declared apart."""
+    from vocabspec.cli import TRAIN_OPTIONS, build_parser
+    from vocabspec.training.train import TrainConfig
+
+    defaults = TrainConfig()
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    actions = {action.dest: action for action in train._actions}
+    names = [name for name, *_ in TRAIN_OPTIONS]
+    assert len(names) == len(set(names)) == len(set(names) & set(actions))
+    assert {name: actions[name].default for name in names} == {name: getattr(defaults, name) for name in names}
+    fields = set(TrainConfig.__dataclass_fields__)
+    assert {dest for dest in actions if dest in fields} - set(names) == {"model", "out", "drafter"}
+
+
 def test_serve_options_reach_the_server(monkeypatch):
     """`vocabspec serve`'s access options travel in its ServerLimits: the API key from --api-key
     or else $VOCABSPEC_API_KEY, the allowed origins, the docs switch; bad values exit 2."""

@@ -116,7 +116,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="bundled name (smollm2, gemma3), a .gguf file or a HF model directory")
     add_weight_args(parser)
-    parser.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all, fewer while other processes hold cores)")
+    _threads_option(parser)
     parser.add_argument("--max-seq-len", type=_positive_int, default=None,
                         help="KV cache size in tokens (default 4096, capped by the model)")
     add_draft_args(parser)
@@ -186,37 +186,104 @@ def _labels(text: str) -> str:
     return text
 
 
+def _train_option(name: str, kind, text: str, **extra) -> tuple:
+    """One of `vocabspec train`'s TrainConfig options: the field `name` as --NAME, its default
+    the field's; `kind` parses it (bool: an on/off flag; None: the text as given); `extra`: more
+    of add_argument's keywords (metavar, choices)."""
+    return name, kind, text, extra
+
+
+# `vocabspec train`'s options that are TrainConfig's fields, in --help's order. Help names each
+# one's default (ShowDefaults), unless its text already does.
 TRAIN_OPTIONS = (
-    ("conversations", _positive_int, "training conversations (after the held-out ones)"),
-    ("heldout", _positive_int, "held-out conversations for evaluation"),
-    ("max_len", _positive_int, "tokens per sequence (longer conversations are cut)"),
-    ("epochs", _positive_int, "passes over the training sequences"),
-    ("accumulate", _positive_int, "sequences per optimizer step"),
-    ("top_candidates", _positive_int, "the target's top token ids stored per position"),
-    ("negatives", _non_negative_int, "random negative tokens added to each sequence's candidates"),
-    ("max_steps", _non_negative_int, "stop after this many optimizer steps (0: run every epoch)"),
-    ("lr", _float, "peak learning rate"),
-    ("noise", _float, "uniform noise on input features, in units of each dimension's std"),
-    ("cls_weight", _float, "weight of the token loss beside the feature loss (EAGLE's)"),
-    ("distill_new_tokens", _positive_int, "tokens per self-distilled answer, at most"),
-    ("distill_batch", _positive_int, "prompts the target answers together"),
-    ("unroll", _positive_int, "drafting steps trained per position (1: EAGLE's loss)"),
-    ("checkpoint_every", _positive_int, "optimizer steps between checkpoints"),
-    ("warmup_steps", _non_negative_int, "learning-rate warm-up steps"),
-    ("ranker_weight", _float, "train SpecVocab's ranker jointly with this loss weight (0: no ranker)"),
-    ("ranker_rank", _non_negative_int, "the ranker's rank d' (0: d/16)"),
-    ("ranker_positions", _positive_int, "positions per sequence and step in the ranker's loss"),
-    ("ranker_lr", _float, "the ranker's learning rate"),
-    ("layers", _positive_int, "drafter layers (EAGLE: 1; added layers start as the identity)"),
-    ("ttt_steps", _positive_int, "--drafter eagle3: draft steps trained per position (training-time test)"),
-    ("ttt_decay", _float, "--drafter eagle3: step k's loss weighs this to the k (normalized; EAGLE-3's code uses 0.8)"),
-    ("labels", _labels, "--drafter eagle3: soft (the target's distribution over the draft vocabulary) or hard "
-                        "(the target's choice)"),
-    ("draft_vocab", _token_list, "--drafter eagle3: its draft vocabulary, fr:N or trim:N (a bundled token map's first N)"),
-    ("medusa_heads", _positive_int, "Medusa heads (--drafter medusa)"),
-    ("medusa_positions", _positive_int, "positions sampled per sequence and step (Medusa)"),
-    ("archive_sequences", _non_negative_int, "also train on this many sequences of the answer "
-                                             "archive (--answers), as they are"),
+    _train_option("conversations", _positive_int, "training conversations (after the held-out ones)"),
+    _train_option("heldout", _positive_int, "held-out conversations for evaluation"),
+    _train_option("max_len", _positive_int, "tokens per sequence (longer conversations are cut)"),
+    _train_option("epochs", _positive_int, "passes over the training sequences"),
+    _train_option("accumulate", _positive_int, "sequences per optimizer step"),
+    _train_option("top_candidates", _positive_int, "the target's top token ids stored per position"),
+    _train_option("negatives", _non_negative_int, "random negative tokens added to each sequence's candidates"),
+    _train_option("max_steps", _non_negative_int, "stop after this many optimizer steps (0: run every epoch)"),
+    _train_option("lr", _float, "peak learning rate"),
+    _train_option("noise", _float, "uniform noise on input features, in units of each dimension's std"),
+    _train_option("cls_weight", _float, "weight of the token loss beside the feature loss (EAGLE's)"),
+    _train_option("distill_new_tokens", _positive_int, "tokens per self-distilled answer, at most"),
+    _train_option("distill_batch", _positive_int, "prompts the target answers together"),
+    _train_option("unroll", _positive_int, "drafting steps trained per position (1: EAGLE's loss)"),
+    _train_option("checkpoint_every", _positive_int, "optimizer steps between checkpoints"),
+    _train_option("warmup_steps", _non_negative_int, "learning-rate warm-up steps"),
+    _train_option("ranker_weight", _float, "train SpecVocab's ranker jointly with this loss weight (0: no ranker)"),
+    _train_option("ranker_rank", _non_negative_int, "the ranker's rank d' (0: d/16)"),
+    _train_option("ranker_positions", _positive_int, "positions per sequence and step in the ranker's loss"),
+    _train_option("ranker_lr", _float, "the ranker's learning rate"),
+    _train_option("layers", _positive_int, "drafter layers (EAGLE: 1; added layers start as the identity)"),
+    _train_option("ttt_steps", _positive_int, "--drafter eagle3: draft steps trained per position (training-time test)"),
+    _train_option("ttt_decay", _float, "--drafter eagle3: step k's loss weighs this to the k (normalized; EAGLE-3's "
+                                       "code uses 0.8)"),
+    _train_option("labels", _labels, "--drafter eagle3: soft (the target's distribution over the draft vocabulary) "
+                                     "or hard (the target's choice)"),
+    _train_option("draft_vocab", _token_list, "--drafter eagle3: its draft vocabulary, fr:N or trim:N (a bundled "
+                                              "token map's first N)"),
+    _train_option("medusa_heads", _positive_int, "Medusa heads (--drafter medusa)"),
+    _train_option("medusa_positions", _positive_int, "positions sampled per sequence and step (Medusa)"),
+    _train_option("archive_sequences", _non_negative_int, "also train on this many sequences of the answer "
+                                                          "archive (--answers), as they are"),
+    _train_option("self_distill", _non_negative_int,
+                  "also train on the target's own greedy answers to this many unused ShareGPT prompts "
+                  "(self-distillation)"),
+    _train_option("distill_start", _non_negative_int,
+                  "take those prompts from the conversations after the first N training ones (default: "
+                  "after all of them); keeping N fixed lets --conversations grow without generating new "
+                  "answers", metavar="N"),
+    _train_option("task_prompts", _non_negative_int,
+                  "and to this many task-style prompts built from ShareGPT text (summarize, translate, "
+                  "answer from a passage; then code requests and extractions; then arithmetic word problems)"),
+    _train_option("later_turns", _non_negative_int,
+                  "and to this many later user turns of those conversations, with the turns before them "
+                  "(ShareGPT's answers too) as the context"),
+    _train_option("later_turns_start", _non_negative_int,
+                  "take those later turns after the first N (the ones an earlier run answered): a fresh "
+                  "slice for a run that continues a drafter", metavar="N"),
+    _train_option("self_prompts", _non_negative_int,
+                  "and to up to N prompts the target writes itself (sampled from its frame's opening of a "
+                  "user turn, one seed each; repeats and unfinished draws dropped): data past what ShareGPT "
+                  "holds", metavar="N"),
+    _train_option("self_prompts_start", _non_negative_int,
+                  "the first of those prompts' seeds (an earlier run's start + N: a fresh slice)",
+                  metavar="SEED"),
+    _train_option("answers", None,
+                  "answer archive: self-distilled answers found there are not generated again, and the "
+                  "ones this run generates are added to it (e.g. runs/answers-MODEL)", metavar="DIR"),
+    _train_option("generate_answers", bool,
+                  "with --answers: generate the answers the archive lacks (hours on a CPU; without this "
+                  "flag such a run stops and says how many are missing)"),
+    _train_option("init", None, "start from this drafter directory instead of a random drafter"),
+    _train_option("ranker_init", None,
+                  "with --ranker-weight: the SpecVocab ranker file to start from (default: the LM head's "
+                  "truncated SVD)"),
+    _train_option("taps", None,
+                  "target layers whose outputs join the drafter's input feature, as in EAGLE-3 "
+                  "(comma-separated indices, e.g. 1,14; default: none)"),
+    _train_option("feature_dtype", None,
+                  "target dtype for feature extraction on torch's kernels (auto: bfloat16 where the device "
+                  "has fast bfloat16 matmuls, else float32); runtime: the engine and format a user decodes "
+                  "with (on these CPUs the native engine, faster, and the very states the drafter reads at "
+                  "inference; default %(default)s)", choices=["auto", "float32", "bfloat16", "runtime"]),
+    _train_option("train_dtype", None,
+                  "the drafter's matmuls in training: bfloat16 runs them under autocast (weights and "
+                  "optimizer stay float32); auto: bfloat16 where the device has fast bfloat16 matmuls",
+                  choices=["float32", "bfloat16", "auto"]),
+    _train_option("snapshot_tokens", None,
+                  "--drafter eagle3: keep the run as it stood after these many training tokens (e.g. "
+                  "1.9M,5.7M), as OUT/checkpoint-eagle3-at-N.pt: the smaller points of a scaling table "
+                  "from one run", metavar="N,N"),
+    _train_option("online_features", bool,
+                  "compute the target's features as training draws each sequence instead of storing "
+                  "feature shards (no disk; the same forwards for one epoch)"),
+    _train_option("full_vocab_loss", bool, "exact cross-entropy over the whole vocabulary (slow on a CPU)"),
+    _train_option("device", None,
+                  "where answers are generated, features computed and --drafter eagle3 trained: cpu, cuda "
+                  "or cuda:N (the same recipe; the other families train on the CPU; default %(default)s)"),
 )
 
 
@@ -234,11 +301,42 @@ class ShowDefaults(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: each subcommand's options from a function of its own, in --help's
+    order; the option groups several subcommands share from one function each."""
     parser = argparse.ArgumentParser(prog="vocabspec", description=__doc__, formatter_class=ShowDefaults)
     sub = parser.add_subparsers(dest="command", required=True,
                                 parser_class=partial(argparse.ArgumentParser, formatter_class=ShowDefaults))
+    for add_options in (_generate_options, _train_options, _vocab_options, _ranker_options, _bench_options,
+                        _serve_options, _export_options):
+        add_options(sub)
+    return parser
+
+
+def _model_name_option(parser: argparse.ArgumentParser) -> None:
+    """--model for the commands that read a model's files (generate and serve: add_model_args)."""
+    parser.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
+
+
+def _threads_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="CPU threads (default: all, fewer while other processes hold cores)")
+
+
+def _generate_options(sub) -> None:
     gen = sub.add_parser("generate", help="generate text from a prompt, or answer a JSONL file of prompts")
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt text (or --input)")
+    _batch_job_options(gen)
+    add_model_args(gen)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--no-parse-special", dest="parse_special", action="store_false",
+                     help="a plain prompt's special-token texts stay text (by default they are those "
+                          "tokens, as in llama.cpp's completion); a chat's messages are always text")
+    _sampling_options(gen)
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+
+def _batch_job_options(gen: argparse.ArgumentParser) -> None:
+    """generate --input: a JSONL file of requests answered together (serving/batch_job.py)."""
     gen.add_argument("--input", default=None,
                      help="a JSONL file of requests, one object a line: prompt (text) or messages "
                           "(chat), and optionally max_new_tokens, temperature, top_p, top_k, seed, "
@@ -256,109 +354,47 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --input: seconds between progress lines where standard error is "
                           "not a terminal (a terminal's bar is redrawn in place)")
     gen.add_argument("--max-batch", type=_positive_int, default=8, help="with --input: requests decoding at once")
-    add_model_args(gen)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--no-parse-special", dest="parse_special", action="store_false",
-                     help="a plain prompt's special-token texts stay text (by default they are those "
-                          "tokens, as in llama.cpp's completion); a chat's messages are always text")
+
+
+def _sampling_options(gen: argparse.ArgumentParser) -> None:
+    """generate's answer length, sampling and stop strings (a request of --input may set its own)."""
     gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="tokens to generate at most")
     gen.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=_float, default=1.0, help="nucleus sampling mass (1: off)")
     gen.add_argument("--top-k", type=_non_negative_int, default=0, help="sample among the k likeliest (0: off)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+
+def _train_options(sub) -> None:
     from .speculation.proposers import FAMILIES
+    from .training.train import TrainConfig
 
     train = sub.add_parser("train", help="train a drafter for a model (data, features, training); "
                                          "--drafter names its family")
-    from .training.train import TrainConfig
     defaults = TrainConfig()
-    train.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
+    _model_name_option(train)
     train.add_argument("--out", default=None, help="work directory (default runs/train-MODEL)")
     train.add_argument("--stages", default="data,features,train",
                        help="comma-separated subset of data,features,train")
-    train.add_argument("--drafter", default=defaults.drafter,
-                       choices=tuple(f.name for f in FAMILIES.values() if f.trainable),
-                       help="what to train: " + ", ".join(f"{f.name} ({f.summary})"
-                                                          for f in FAMILIES.values() if f.trainable))
+    trainable = [f for f in FAMILIES.values() if f.trainable]
+    train.add_argument("--drafter", default=defaults.drafter, choices=tuple(f.name for f in trainable),
+                       help="what to train: " + ", ".join(f"{f.name} ({f.summary})" for f in trainable))
     train.add_argument("--ship", action="store_true",
                        help="copy the trained drafter (bfloat16; Medusa heads: 8-bit rows) into the "
                             "package as the bundled default")
-    for name, kind, text in TRAIN_OPTIONS:
-        train.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
-                           help=f"{text} (default {getattr(defaults, name)})")
-    train.add_argument("--self-distill", type=_non_negative_int, default=defaults.self_distill,
-                       help="also train on the target's own greedy answers to this many unused "
-                            "ShareGPT prompts (self-distillation)")
-    train.add_argument("--distill-start", type=_non_negative_int, default=defaults.distill_start,
-                       metavar="N",
-                       help="take those prompts from the conversations after the first N "
-                            "training ones (default: after all of them); keeping N fixed lets "
-                            "--conversations grow without generating new answers")
-    train.add_argument("--task-prompts", type=_non_negative_int, default=defaults.task_prompts,
-                       help="and to this many task-style prompts built from ShareGPT text "
-                            "(summarize, translate, answer from a passage; then code requests and "
-                            "extractions; then arithmetic word problems)")
-    train.add_argument("--later-turns", type=_non_negative_int, default=defaults.later_turns,
-                       help="and to this many later user turns of those conversations, with the "
-                            "turns before them (ShareGPT's answers too) as the context")
-    train.add_argument("--later-turns-start", type=_non_negative_int,
-                       default=defaults.later_turns_start, metavar="N",
-                       help="take those later turns after the first N (the ones an earlier run "
-                            "answered): a fresh slice for a run that continues a drafter")
-    train.add_argument("--self-prompts", type=_non_negative_int, default=defaults.self_prompts,
-                       metavar="N",
-                       help="and to up to N prompts the target writes itself (sampled from its "
-                            "frame's opening of a user turn, one seed each; repeats and unfinished "
-                            "draws dropped): data past what ShareGPT holds")
-    train.add_argument("--self-prompts-start", type=_non_negative_int,
-                       default=defaults.self_prompts_start, metavar="SEED",
-                       help="the first of those prompts' seeds (an earlier run's start + N: a "
-                            "fresh slice)")
-    train.add_argument("--answers", default=defaults.answers, metavar="DIR",
-                       help="answer archive: self-distilled answers found there are not generated "
-                            "again, and the ones this run generates are added to it (e.g. "
-                            "runs/answers-MODEL)")
-    train.add_argument("--generate-answers", action="store_true",
-                       help="with --answers: generate the answers the archive lacks (hours on a CPU; "
-                            "without this flag such a run stops and says how many are missing)")
-    train.add_argument("--init", default=defaults.init,
-                       help="start from this drafter directory instead of a random drafter")
-    train.add_argument("--ranker-init", default=defaults.ranker_init,
-                       help="with --ranker-weight: the SpecVocab ranker file to start from "
-                            "(default: the LM head's truncated SVD)")
-    train.add_argument("--taps", default=defaults.taps,
-                       help="target layers whose outputs join the drafter's input feature, as in "
-                            "EAGLE-3 (comma-separated indices, e.g. 1,14; default: none)")
-    train.add_argument("--feature-dtype", default=defaults.feature_dtype,
-                       choices=["auto", "float32", "bfloat16", "runtime"],
-                       help="target dtype for feature extraction on torch's kernels (auto: bfloat16 "
-                            "where the device has fast bfloat16 matmuls, else float32); runtime: the "
-                            "engine and format a user decodes with (on these CPUs the native engine, "
-                            "faster, and the very states the drafter reads at inference; default "
-                            f"{defaults.feature_dtype})")
-    train.add_argument("--train-dtype", default=defaults.train_dtype, choices=["float32", "bfloat16", "auto"],
-                       help="the drafter's matmuls in training: bfloat16 runs them under autocast "
-                            "(weights and optimizer stay float32); auto: bfloat16 where the device "
-                            "has fast bfloat16 matmuls")
-    train.add_argument("--snapshot-tokens", default=defaults.snapshot_tokens, metavar="N,N",
-                       help="--drafter eagle3: keep the run as it stood after these many training "
-                            "tokens (e.g. 1.9M,5.7M), as OUT/checkpoint-eagle3-at-N.pt: the smaller "
-                            "points of a scaling table from one run")
-    train.add_argument("--online-features", action="store_true",
-                       help="compute the target's features as training draws each sequence instead "
-                            "of storing feature shards (no disk; the same forwards for one epoch)")
-    train.add_argument("--full-vocab-loss", action="store_true",
-                       help="exact cross-entropy over the whole vocabulary (slow on a CPU)")
-    train.add_argument("--device", default=defaults.device,
-                       help="where answers are generated, features computed and --drafter eagle3 "
-                            "trained: cpu, cuda or cuda:N (the same recipe; the other families "
-                            f"train on the CPU; default {defaults.device})")
-    train.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all, fewer while other processes hold cores)")
+    for name, kind, text, extra in TRAIN_OPTIONS:
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            train.add_argument(flag, action="store_true", help=text, **extra)
+        else:
+            train.add_argument(flag, type=kind, default=getattr(defaults, name), help=text, **extra)
+    _threads_option(train)
 
+
+def _vocab_options(sub) -> None:
     vocab = sub.add_parser("vocab", help="rank tokens by frequency and write a draft token map")
-    vocab.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
+    _model_name_option(vocab)
     vocab.add_argument("--source", default="sharegpt",
                        help="sharegpt (FR-Spec corpus), target (VocabTrim: the target's own "
                             "greedy predictions, from `vocabspec train` features), or files")
@@ -375,8 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "drafter is read by spec:K)")
     vocab.add_argument("--out", required=True, help="output file")
 
+
+def _ranker_options(sub) -> None:
     ranker = sub.add_parser("ranker", help="train SpecVocab's low-rank ranker by distillation")
-    ranker.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
+    _model_name_option(ranker)
     ranker.add_argument("--draft-path", default=None, help="drafter (default: the bundled one)")
     ranker.add_argument("--features", default=None, help="default runs/train-MODEL")
     ranker.add_argument("--rank", type=_positive_int, default=None, help="d' (default d/16)")
@@ -388,12 +426,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ranker file to start from (default: the head's truncated SVD)")
     ranker.add_argument("--out", default=None, help="default: next to the bundled drafter")
 
+
+def _bench_options(sub) -> None:
+    from .speculation.proposers import FAMILIES
+
     bench = sub.add_parser("bench", help="Spec-Bench: every method side by side, with plots")
     bench.add_argument("--questions", default="builtin",
                        help="Spec-Bench's question.jsonl (from github.com/hemingkx/Spec-Bench, "
                             "data/spec_bench/question.jsonl), or builtin (default): the project's own "
                             "13 prompts, one per Spec-Bench category")
-    bench.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
+    _model_name_option(bench)
     bench.add_argument("--methods", default="vanilla,pld,eagle2,eagle2+fr:32k,eagle2+trim:32k,eagle2+spec:2048",
                        help="comma-separated: " + "; ".join(f.grammar for f in FAMILIES.values())
                             + "; then /float32 or /bfloat16 sets the drafter's dtype on torch's kernels "
@@ -411,12 +453,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (mismatches are counted)")
     bench.add_argument("--seed", type=int, default=0, help="sampling seed")
     add_weight_args(bench)
-    bench.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all, fewer while other processes hold cores)")
+    _threads_option(bench)
     add_draft_args(bench, method=False)
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     bench.add_argument("--resume", action="store_true",
                        help="keep the questions an interrupted run in --out finished (same settings)")
 
+
+def _serve_options(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming)")
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -433,6 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache budget in tokens over the decoding requests (default: max-batch x "
                             "the model window, capped at 4096 each); a request's prompt and answer fit "
                             "in its share")
+    _access_options(serve)
+
+
+def _access_options(serve: argparse.ArgumentParser) -> None:
+    """Who may use the server (serving/guards.py), and whether it serves its API's docs."""
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every /v1/ route (401 without it); "
                             f"default: ${API_KEY_VARIABLE} if set, else no key")
@@ -444,9 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve the API's /docs page and /openapi.json (the page loads Swagger UI's "
                             "scripts from a CDN)")
 
+
+def _export_options(sub) -> None:
     export = sub.add_parser("export", help="write the drafter (EAGLE/SGLang layout) and the draft "
                                            "vocabulary (SGLang token map, EAGLE-3 d2t/t2d)")
-    export.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
+    _model_name_option(export)
     export.add_argument("--draft-path", default=None, help="drafter directory (default: bundled)")
     export.add_argument("--draft-vocab", default=None, help="fr:N or trim:N to export as a token map (an "
                         "EAGLE-3 drafter: its own vocabulary narrowed to it)")
@@ -458,7 +509,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an EAGLE-3 drafter's matrices as Q8_0 groups: the package's bundle form "
                              "(about half of bfloat16's bytes; vocabspec reads it, other engines do not)")
     export.add_argument("--out", required=True, help="output directory")
-    return parser
 
 
 def cmd_serve(args) -> int:
