@@ -339,28 +339,48 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
     `answers` as it finishes (`ordered`: in `pending`'s order). Where the answers may differ
     from serving each alone (inexact batched rows), a sample is served alone (`check_alone`)
     and the count recorded."""
-    from ..speculation.batch import BatchLimits, Busy
-
     result = JobResult()
     started = time.perf_counter()
-    held: dict[int, dict] = {}
-    order = deque(pending)
+    lines = JobLines(answers, pending, ordered, progress, result)
+    prepared = prepare_requests(lm, requests, pending, defaults, chat, progress, lines)
+    if prepared:
+        batch, answered = decode_requests(lm, prepared, max_batch, progress, lines, result)
+    result.seconds = time.perf_counter() - started
+    progress.end()
+    if prepared and batch.batched is not None and not batch.batched.exact and answered:
+        result.alone_checked, result.alone_differ = check_alone(lm, answered)
+        answers.note("alone_check", {"answers": result.alone_checked, "differ": result.alone_differ,
+                                     "of": len(answered)})
+    return result
 
-    def record(line: dict) -> None:
-        if not ordered:
-            answers.write(line)
+
+class JobLines:
+    """Where a job's lines go: to `answers` as each request ends, or (`ordered`) held back to
+    keep `pending`'s order; a failure counted, shown and recorded on its line."""
+
+    def __init__(self, answers, pending: list[int], ordered: bool, progress: Progress, result: JobResult):
+        self.answers, self.ordered, self.progress, self.result = answers, ordered, progress, result
+        self.held: dict[int, dict] = {}
+        self.order = deque(pending)
+
+    def record(self, line: dict) -> None:
+        if not self.ordered:
+            self.answers.write(line)
             return
-        held[line["index"]] = line
-        while order and order[0] in held:
-            answers.write(held.pop(order.popleft()))
+        self.held[line["index"]] = line
+        while self.order and self.order[0] in self.held:
+            self.answers.write(self.held.pop(self.order.popleft()))
 
-    def fail(index: int, exc: BaseException) -> None:
-        result.failed += 1
-        progress.fail(index)
-        record({"index": index, "error": error_message(exc)})
+    def fail(self, index: int, exc: BaseException) -> None:
+        self.result.failed += 1
+        self.progress.fail(index)
+        self.record({"index": index, "error": error_message(exc)})
 
-    # Each request's prompt and settings, checked against the model's context window: one
-    # that cannot run fails alone, before anything decodes.
+
+def prepare_requests(lm, requests: list[dict], pending: list[int], defaults: dict, chat: bool,
+                     progress: Progress, lines: JobLines) -> list[tuple]:
+    """(index, prompt ids, config) of each pending request, checked against the model's context
+    window: one that cannot run fails alone, before anything decodes."""
     prepared = []
     for index in pending:
         item = requests[index]
@@ -372,61 +392,78 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
             config = lm._config(**settings)
             lm.engine.check_prompt(ids, config)
         except Exception as exc:                  # noqa: BLE001 - recorded on its line
-            fail(index, exc)
+            lines.fail(index, exc)
             continue
         prepared.append((index, ids, config))
-    if prepared:
-        window = max(len(ids) + config.max_new_tokens + 1 for _, ids, config in prepared)
-        # A queue as long as the batch: a whole batch joins (one prefill) between two steps.
-        batch = lm.batch(BatchLimits(max_batch=max_batch, max_waiting=max(max_batch, BatchLimits.max_waiting),
-                                     window=min(max(window, 256), lm.engine.model.args.max_seq_len)))
-        asked = {index: (ids, config) for index, ids, config in prepared}
-        answered = []
-        waiting = deque(prepared)
-        running = {}
-        while waiting or running:
-            while waiting:
-                index, ids, config = waiting[0]
-                try:
-                    # Progress counts tokens: no text is decoded before an answer ends.
-                    request = batch.submit(ids, config, on_piece=lambda _, so_far, index=index:
-                                           progress.piece(index, len(so_far.tokens)), stream_text=False)
-                except Busy:                     # the engine's queue is full: step, then submit
-                    break
-                except Exception as exc:         # noqa: BLE001 - recorded on its line
-                    fail(index, exc)
-                else:
-                    running[index] = request
-                waiting.popleft()
-            batch.run_once()
-            for index, request in list(running.items()):
-                if not request.done.is_set():
-                    continue
-                del running[index]
-                if isinstance(request.error, (KeyboardInterrupt, SystemExit)):
-                    # The batch engine hands an interrupt during a step to the step's requests
-                    # as their error: it stops the job, and they stay unrecorded, to run again.
-                    raise request.error
-                if request.error is not None:
-                    fail(index, request.error)
-                    continue
-                answer = request.result
-                result.answers += 1
-                result.tokens += answer.new_tokens
-                result.steps += len(answer.steps)
-                result.accepted += sum(step.accept_length for step in answer.steps)
-                progress.finish(index, answer.new_tokens)
-                record({"index": index, **answer.as_dict(), "tokens": answer.tokens})
-                if answer.stop_reason not in ("time", "cancelled"):
-                    answered.append((*asked[index], answer.tokens))
-            progress.show()
-    result.seconds = time.perf_counter() - started
-    progress.end()
-    if prepared and batch.batched is not None and not batch.batched.exact and answered:
-        result.alone_checked, result.alone_differ = check_alone(lm, answered)
-        answers.note("alone_check", {"answers": result.alone_checked, "differ": result.alone_differ,
-                                     "of": len(answered)})
-    return result
+    return prepared
+
+
+def decode_requests(lm, prepared: list[tuple], max_batch: int, progress: Progress, lines: JobLines,
+                    result: JobResult) -> tuple:
+    """The prepared requests through one batch engine, each line recorded as its request ends;
+    (the batch, the (ids, config, tokens) of the answers that ran to their end)."""
+    from ..speculation.batch import BatchLimits
+
+    window = max(len(ids) + config.max_new_tokens + 1 for _, ids, config in prepared)
+    # A queue as long as the batch: a whole batch joins (one prefill) between two steps.
+    batch = lm.batch(BatchLimits(max_batch=max_batch, max_waiting=max(max_batch, BatchLimits.max_waiting),
+                                 window=min(max(window, 256), lm.engine.model.args.max_seq_len)))
+    asked = {index: (ids, config) for index, ids, config in prepared}
+    answered = []
+    waiting = deque(prepared)
+    running = {}
+    while waiting or running:
+        submit_waiting(batch, waiting, running, progress, lines)
+        batch.run_once()
+        for index, request in list(running.items()):
+            if not request.done.is_set():
+                continue
+            del running[index]
+            answer = finished_answer(index, request, progress, lines, result)
+            if answer is not None and answer.stop_reason not in ("time", "cancelled"):
+                answered.append((*asked[index], answer.tokens))
+        progress.show()
+    return batch, answered
+
+
+def submit_waiting(batch, waiting: deque, running: dict, progress: Progress, lines: JobLines) -> None:
+    """The waiting requests into the batch engine until its queue is full; one it refuses
+    otherwise fails alone."""
+    from ..speculation.batch import Busy
+
+    while waiting:
+        index, ids, config = waiting[0]
+        try:
+            # Progress counts tokens: no text is decoded before an answer ends.
+            request = batch.submit(ids, config, on_piece=lambda _, so_far, index=index:
+                                   progress.piece(index, len(so_far.tokens)), stream_text=False)
+        except Busy:                     # the engine's queue is full: step, then submit
+            break
+        except Exception as exc:         # noqa: BLE001 - recorded on its line
+            lines.fail(index, exc)
+        else:
+            running[index] = request
+        waiting.popleft()
+
+
+def finished_answer(index: int, request, progress: Progress, lines: JobLines, result: JobResult):
+    """A finished request's line recorded and its figures counted: its answer, or None where
+    it failed."""
+    if isinstance(request.error, (KeyboardInterrupt, SystemExit)):
+        # The batch engine hands an interrupt during a step to the step's requests
+        # as their error: it stops the job, and they stay unrecorded, to run again.
+        raise request.error
+    if request.error is not None:
+        lines.fail(index, request.error)
+        return None
+    answer = request.result
+    result.answers += 1
+    result.tokens += answer.new_tokens
+    result.steps += len(answer.steps)
+    result.accepted += sum(step.accept_length for step in answer.steps)
+    progress.finish(index, answer.new_tokens)
+    lines.record({"index": index, **answer.as_dict(), "tokens": answer.tokens})
+    return answer
 
 
 def summary(result: JobResult, answers, total: int, drafting: bool, output: str | None) -> str:

@@ -458,8 +458,7 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
                batch_thread: bool = True):
     """The FastAPI app. `batch_thread`: the batch steps on a thread of its own; else whoever
     serves the app steps it (`app.state.server.batch.run()`, as `serve` does on the main thread)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi import FastAPI
 
     limits = limits or ServerLimits()
     docs = dict(docs_url="/docs", redoc_url=None, openapi_url="/openapi.json") if limits.docs else \
@@ -470,21 +469,14 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
     # it learns of each endpoint function for the life of the process, and a closure would keep
     # the model alive there after the app is gone.
     guard(app, limits)
+    add_routes(app)
+    return app
 
-    def error(exc: BadRequest) -> JSONResponse:
-        return JSONResponse(error_body(exc), status_code=exc.status)
 
-    async def read_json(request: Request):
-        try:
-            text = (await request.body()).decode("utf-8")
-        except UnicodeDecodeError:
-            raise BadRequest("the request body is not valid UTF-8")
-        try:
-            return json.loads(text, parse_constant=refuse_constant)
-        except RecursionError:
-            raise BadRequest(f"the request body nests more than {MAX_JSON_DEPTH} levels deep")
-        except ValueError as exc:
-            raise BadRequest(f"the request body is not valid JSON ({exc})")
+def add_routes(app) -> None:
+    """/health, /v1/models, /v1/completions and /v1/chat/completions."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
 
     @app.get("/health")
     async def health(request: Request):
@@ -501,89 +493,6 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
         return {"object": "list", "data": [{"id": request.app.state.server.model_name, "object": "model",
                                             "created": 0, "owned_by": "vocabspec"}]}
 
-    async def complete(request: Request, chat: bool):
-        server = request.app.state.server
-        try:
-            body = await read_json(request)
-            ids, params = server.parse(body, chat)
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise BadRequest("'stream' must be true or false", "stream")
-            server.admit()
-        except BadRequest as exc:
-            return error(exc)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        cancel = threading.Event()
-        loop = asyncio.get_running_loop()
-        if not stream:
-            result = None
-            try:
-                result = await loop.run_in_executor(server.worker, server.run, ids, params, cancel)
-            except Exception as exc:  # keep serving whatever one generation does
-                return error(failure(exc))
-            finally:
-                server.release(result)
-            logprobs = server.logprobs_body(result.logprobs, chat) \
-                if params["logprobs"] is not None else None
-            return server.body(chat, rid, created, result.text, result, logprobs=logprobs)
-
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def on_piece(piece: str, entries: list[TokenLogprob]):
-            loop.call_soon_threadsafe(queue.put_nowait, ("piece", (piece, entries)))
-
-        def work():
-            result = None
-            try:
-                result = server.run(ids, params, cancel, on_piece)
-                loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
-            except Exception as exc:
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", failure(exc)))
-            finally:
-                server.release(result)
-
-        future = loop.run_in_executor(server.worker, work)
-
-        def chunk_logprobs(entries):
-            if params["logprobs"] is None:
-                return None
-            return server.logprobs_body(entries, chat, offset=len(streamed))
-
-        streamed = ""        # text sent so far (text_offset of a completions chunk's tokens)
-        counted = 0          # logprob entries sent so far
-
-        async def events():
-            nonlocal streamed, counted
-            try:
-                if chat:
-                    first = server.body(chat, rid, created, None, delta={"role": "assistant", "content": ""})
-                    yield f"data: {json.dumps(first)}\n\n"
-                while True:
-                    kind, value = await queue.get()
-                    if kind == "piece":
-                        piece, entries = value
-                        chunk = server.body(chat, rid, created, piece,
-                                            delta={"content": piece} if chat else {},
-                                            logprobs=chunk_logprobs(entries))
-                        streamed += piece
-                        counted += len(entries)
-                        yield f"data: {json.dumps(chunk)}\n\n"
-                    elif kind == "done":
-                        final = server.body(chat, rid, created, "", value, delta={},
-                                            logprobs=chunk_logprobs(value.logprobs[counted:]))
-                        yield f"data: {json.dumps(final)}\n\n"
-                        yield "data: [DONE]\n\n"
-                        return
-                    else:
-                        yield f"data: {json.dumps(error_body(value))}\n\n"
-                        return
-            finally:
-                cancel.set()   # a client that went away stops its generation at the next step
-                await asyncio.shield(future)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await complete(request, chat=False)
@@ -592,7 +501,138 @@ def create_app(lm: LanguageModel, model_name: str, limits: ServerLimits | None =
     async def chat_completions(request: Request):
         return await complete(request, chat=True)
 
-    return app
+
+def error_response(exc: BadRequest):
+    """A refusal as its JSON response: the OpenAI error body, with the status it names."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(error_body(exc), status_code=exc.status)
+
+
+async def read_json(request):
+    """The request's body as JSON: UTF-8, at most MAX_JSON_DEPTH levels deep, with no NaN or
+    Infinity; a BadRequest saying which it is not."""
+    try:
+        text = (await request.body()).decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("the request body is not valid UTF-8")
+    try:
+        return json.loads(text, parse_constant=refuse_constant)
+    except RecursionError:
+        raise BadRequest(f"the request body nests more than {MAX_JSON_DEPTH} levels deep")
+    except ValueError as exc:
+        raise BadRequest(f"the request body is not valid JSON ({exc})")
+
+
+async def complete(request, chat: bool):
+    """A /v1/completions (chat: /v1/chat/completions) request: parsed and admitted, then
+    answered whole or streamed as server-sent events."""
+    server = request.app.state.server
+    try:
+        body = await read_json(request)
+        ids, params = server.parse(body, chat)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("'stream' must be true or false", "stream")
+        server.admit()
+    except BadRequest as exc:
+        return error_response(exc)
+    reply = Reply(server, chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()),
+                  params["logprobs"] is not None)
+    cancel = threading.Event()
+    if not stream:
+        return await answer_whole(reply, ids, params, cancel)
+    return answer_streamed(reply, ids, params, cancel)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every body of one request's answer names: the server, the kind of request, its id
+    and creation time, and whether it asked for logprobs."""
+    server: Server
+    chat: bool
+    rid: str
+    created: int
+    logprobs: bool
+
+    def body(self, text: str | None, result=None, delta=None, logprobs: dict | None = None) -> dict:
+        return self.server.body(self.chat, self.rid, self.created, text, result, delta=delta, logprobs=logprobs)
+
+    def logprobs_body(self, entries, offset: int = 0) -> dict | None:
+        """The logprobs of `entries` (None where the request asked for none)."""
+        if not self.logprobs:
+            return None
+        return self.server.logprobs_body(entries, self.chat, offset=offset)
+
+
+async def answer_whole(reply: Reply, ids, params, cancel):
+    """The answer as one body, once it is done."""
+    server = reply.server
+    result = None
+    try:
+        result = await asyncio.get_running_loop().run_in_executor(server.worker, server.run, ids, params, cancel)
+    except Exception as exc:  # keep serving whatever one generation does
+        return error_response(failure(exc))
+    finally:
+        server.release(result)
+    return reply.body(result.text, result, logprobs=reply.logprobs_body(result.logprobs))
+
+
+def answer_streamed(reply: Reply, ids, params, cancel):
+    """The answer as server-sent events: each piece as it is decoded, then the final chunk."""
+    from fastapi.responses import StreamingResponse
+
+    server = reply.server
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def on_piece(piece: str, entries: list[TokenLogprob]):
+        loop.call_soon_threadsafe(queue.put_nowait, ("piece", (piece, entries)))
+
+    def work():
+        result = None
+        try:
+            result = server.run(ids, params, cancel, on_piece)
+            loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
+        except Exception as exc:
+            loop.call_soon_threadsafe(queue.put_nowait, ("error", failure(exc)))
+        finally:
+            server.release(result)
+
+    future = loop.run_in_executor(server.worker, work)
+    return StreamingResponse(events(reply, queue, cancel, future), media_type="text/event-stream")
+
+
+async def events(reply: Reply, queue: asyncio.Queue, cancel: threading.Event, future):
+    """The events of a streamed answer from what its generation puts on `queue`; a client that
+    goes away (the generator closed) cancels the generation."""
+    streamed = ""        # text sent so far (text_offset of a completions chunk's tokens)
+    counted = 0          # logprob entries sent so far
+    try:
+        if reply.chat:
+            first = reply.body(None, delta={"role": "assistant", "content": ""})
+            yield f"data: {json.dumps(first)}\n\n"
+        while True:
+            kind, value = await queue.get()
+            if kind == "piece":
+                piece, entries = value
+                chunk = reply.body(piece, delta={"content": piece} if reply.chat else {},
+                                   logprobs=reply.logprobs_body(entries, offset=len(streamed)))
+                streamed += piece
+                counted += len(entries)
+                yield f"data: {json.dumps(chunk)}\n\n"
+            elif kind == "done":
+                final = reply.body("", value, delta={},
+                                   logprobs=reply.logprobs_body(value.logprobs[counted:], offset=len(streamed)))
+                yield f"data: {json.dumps(final)}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                yield f"data: {json.dumps(error_body(value))}\n\n"
+                return
+    finally:
+        cancel.set()   # a client that went away stops its generation at the next step
+        await asyncio.shield(future)
 
 
 def free_port() -> int:
