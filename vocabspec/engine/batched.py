@@ -612,87 +612,105 @@ def greedy_answers(model: Transformer, prompts: list[list[int]], max_new_tokens:
         return []
     if any(not p for p in prompts):
         raise ValueError("an empty prompt has no next token")
-    device = model.device
     window = max(map(len, prompts)) + max_new_tokens
     if window > model.args.max_seq_len:
         raise ValueError(f"a prompt of {max(map(len, prompts))} tokens and {max_new_tokens} new ones "
                          f"pass the model's window of {model.args.max_seq_len}")
-    cache = SlotCache.fitting(model, window, min(slots, len(prompts)))
-    step = DecodeStep(model, cache)
-    queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))
-    answers: list = [None] * len(prompts)
-    eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=device)
-    # Per slot, live ones first: position of its last token's successor, that token, tokens
-    # produced, whether finished (free slots count as finished), and its answer so far.
-    n = cache.slots
-    live: list[int] = []                                   # prompt index per live slot
-    host_position: list[int] = []                          # live slots' positions (host copy)
-    position = torch.zeros(n, dtype=torch.long, device=device)
-    last = torch.zeros(n, dtype=torch.long, device=device)
-    produced = torch.zeros(n, dtype=torch.long, device=device)
-    finished = torch.ones(n, dtype=torch.bool, device=device)
-    out = torch.zeros(n, max_new_tokens, dtype=torch.long, device=device)
-    done_answers, new_tokens = 0, 0
-
-    def admit():
-        while queue and len(live) < n and (deadline is None or time.perf_counter() < deadline):
-            room = [len(prompts[i]) for i in itertools.islice(queue, n - len(live))]
-            take = [queue.popleft() for _ in range(prefill_groups(room, prefill_tokens)[0])]
-            first_slot, k = len(live), len(take)
-            first = prefill_slots(model, cache, [prompts[i] for i in take], first_slot=first_slot).argmax(-1)
-            new = slice(first_slot, first_slot + k)
-            lengths = torch.tensor([len(prompts[i]) for i in take], device=device)
-            position[new], last[new], produced[new] = lengths, first, 1
-            out[new] = 0
-            out[new, 0] = first
-            finished[new] = torch.isin(first, eos) | (max_new_tokens <= 1)
-            live.extend(take)
-            host_position.extend(len(prompts[i]) for i in take)
-
-    def harvest():
-        """Record finished answers and move live slots to the front; returns tokens made."""
-        nonlocal live, host_position
-        count = len(live)
-        done_rows = finished[:count].nonzero().flatten().tolist()
-        if not done_rows:
-            return 0
-        counts = produced[done_rows].tolist()
-        for row, made, toks in zip(done_rows, counts, out[done_rows].tolist()):
-            answers[live[row]] = toks[:made]
-        keep = (~finished[:count]).nonzero().flatten()
-        kept = keep.tolist()
-        if kept:
-            cache.compact(keep, max(host_position[r] for r in kept) + 1)
-        for state in (position, last, produced, finished, out):
-            state[:len(kept)] = state[keep]
-        finished[len(kept):] = True
-        live = [live[r] for r in kept]
-        host_position = [host_position[r] for r in kept]
-        return sum(counts)
-
-    admit()
-    steps_taken = 0
-    while live:
-        context = min(max(host_position) + 1, window)
-        b = step.rows(len(live))
-        token = step(last[:b], position[:b], context)
-        rows = torch.arange(b, device=device)
-        col = produced[:b].clamp(max=max_new_tokens - 1)
-        out[rows, col] = torch.where(finished[:b], out[rows, col], token)
-        produced[:b] += (~finished[:b]).long()
-        finished[:b] |= torch.isin(token, eos) | (produced[:b] >= max_new_tokens)
-        last[:b] = token
-        position[:b] = (position[:b] + 1).clamp(max=window - 1)
-        host_position = [min(p + 1, window - 1) for p in host_position]
+    batch = _GreedyBatch(model, prompts, max_new_tokens, eos_ids, window, min(slots, len(prompts)))
+    batch.admit(prefill_tokens, deadline)
+    steps_taken, done_answers, new_tokens = 0, 0, 0
+    while batch.live:
+        batch.step()
         steps_taken += 1
-        if steps_taken % check_every == 0 or len(live) == 1:
-            before = len(live)
-            made = harvest()
+        if steps_taken % check_every == 0 or len(batch.live) == 1:
+            before = len(batch.live)
+            made = batch.harvest()
             if made:
-                done_answers += before - len(live)
+                done_answers += before - len(batch.live)
                 new_tokens += made
                 if progress is not None:
                     progress(done_answers, new_tokens)
-            if len(live) < refill_below * n:
-                admit()
-    return answers
+            if len(batch.live) < refill_below * batch.n:
+                batch.admit(prefill_tokens, deadline)
+    return batch.answers
+
+
+class _GreedyBatch:
+    """greedy_answers' sequences in the slots of one cache. Per slot, live ones first: the
+    position of its last token's successor, that token, tokens produced, whether finished (free
+    slots count as finished), and its answer so far; the prompts not yet admitted, shortest
+    first; the answers done."""
+
+    def __init__(self, model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
+                 window: int, slots: int):
+        device = model.device
+        self.model, self.prompts, self.max_new_tokens, self.window = model, prompts, max_new_tokens, window
+        self.cache = SlotCache.fitting(model, window, slots)
+        self.decode = DecodeStep(model, self.cache)
+        self.queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))
+        self.answers: list = [None] * len(prompts)
+        self.eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=device)
+        self.n = n = self.cache.slots
+        self.live: list[int] = []                          # prompt index per live slot
+        self.host_position: list[int] = []                 # live slots' positions (host copy)
+        self.position = torch.zeros(n, dtype=torch.long, device=device)
+        self.last = torch.zeros(n, dtype=torch.long, device=device)
+        self.produced = torch.zeros(n, dtype=torch.long, device=device)
+        self.finished = torch.ones(n, dtype=torch.bool, device=device)
+        self.out = torch.zeros(n, max_new_tokens, dtype=torch.long, device=device)
+
+    def admit(self, prefill_tokens: int, deadline: float | None) -> None:
+        """Queued prompts into the free slots, a prefill of at most `prefill_tokens` at a time,
+        until the slots are full, the queue is empty or `deadline` has passed."""
+        prompts, n = self.prompts, self.n
+        while self.queue and len(self.live) < n and (deadline is None or time.perf_counter() < deadline):
+            room = [len(prompts[i]) for i in itertools.islice(self.queue, n - len(self.live))]
+            take = [self.queue.popleft() for _ in range(prefill_groups(room, prefill_tokens)[0])]
+            first_slot, k = len(self.live), len(take)
+            first = prefill_slots(self.model, self.cache, [prompts[i] for i in take],
+                                  first_slot=first_slot).argmax(-1)
+            new = slice(first_slot, first_slot + k)
+            lengths = torch.tensor([len(prompts[i]) for i in take], device=self.model.device)
+            self.position[new], self.last[new], self.produced[new] = lengths, first, 1
+            self.out[new] = 0
+            self.out[new, 0] = first
+            self.finished[new] = torch.isin(first, self.eos) | (self.max_new_tokens <= 1)
+            self.live.extend(take)
+            self.host_position.extend(len(prompts[i]) for i in take)
+
+    def step(self) -> None:
+        """One token for every live slot (a finished one's answer stays as it is)."""
+        window, max_new_tokens = self.window, self.max_new_tokens
+        finished, produced = self.finished, self.produced
+        context = min(max(self.host_position) + 1, window)
+        b = self.decode.rows(len(self.live))
+        token = self.decode(self.last[:b], self.position[:b], context)
+        rows = torch.arange(b, device=self.model.device)
+        col = produced[:b].clamp(max=max_new_tokens - 1)
+        self.out[rows, col] = torch.where(finished[:b], self.out[rows, col], token)
+        produced[:b] += (~finished[:b]).long()
+        finished[:b] |= torch.isin(token, self.eos) | (produced[:b] >= max_new_tokens)
+        self.last[:b] = token
+        self.position[:b] = (self.position[:b] + 1).clamp(max=window - 1)
+        self.host_position = [min(p + 1, window - 1) for p in self.host_position]
+
+    def harvest(self) -> int:
+        """Record finished answers and move live slots to the front; returns tokens made."""
+        finished = self.finished
+        count = len(self.live)
+        done_rows = finished[:count].nonzero().flatten().tolist()
+        if not done_rows:
+            return 0
+        counts = self.produced[done_rows].tolist()
+        for row, made, toks in zip(done_rows, counts, self.out[done_rows].tolist()):
+            self.answers[self.live[row]] = toks[:made]
+        keep = (~finished[:count]).nonzero().flatten()
+        kept = keep.tolist()
+        if kept:
+            self.cache.compact(keep, max(self.host_position[r] for r in kept) + 1)
+        for state in (self.position, self.last, self.produced, finished, self.out):
+            state[:len(kept)] = state[keep]
+        finished[len(kept):] = True
+        self.live = [self.live[r] for r in kept]
+        self.host_position = [self.host_position[r] for r in kept]
+        return sum(counts)

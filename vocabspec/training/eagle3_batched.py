@@ -78,13 +78,7 @@ def train(target: Transformer, drafters: dict[str, tuple[Eagle3Drafter, str]],
     steps that fit, measured over its first steps, and the learning rate decays over those.
     Returns the scaling points: each drafter's held-out agreement after `snapshot_tokens`
     training tokens and at the end."""
-    taps = tuple(sorted({t for d, _ in drafters.values() for t in d.taps}))
-    for name, (drafter, labels) in drafters.items():
-        if drafter.taps != taps:
-            raise ValueError(f"drafter {name} fuses taps {drafter.taps}, the others {taps}")
-        if labels not in LABELS:
-            raise ValueError(f"drafter {name}: labels are {' or '.join(LABELS)}, not {labels!r}")
-        drafter.train().requires_grad_(True)
+    taps = _shared_taps(drafters)
     optimizers = {name: torch.optim.AdamW(d.parameters(), lr=lr, betas=(0.9, 0.95))
                   for name, (d, _) in drafters.items()}
     batches = length_batches(sequences, tokens_per_batch, seed)
@@ -92,26 +86,10 @@ def train(target: Transformer, drafters: dict[str, tuple[Eagle3Drafter, str]],
             for batch in length_batches(heldout, tokens_per_batch, seed)]
     device = target.device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    total, trained, points, started = len(batches), 0, [], time.perf_counter()
+    total, trained, started = len(batches), 0, time.perf_counter()
+    points = _Points(drafters, held, steps, autocast, started, log)
     pending = sorted(snapshot_tokens)
-
-    def point(label: str) -> None:
-        for name, (drafter, _) in drafters.items():
-            drafter.eval()
-            with autocast:
-                measured = agreement(drafter, held, steps)
-            drafter.train()
-            points.append({"drafter": name, "tokens": trained, "at": label,
-                           "seconds": round(time.perf_counter() - started, 1), **measured})
-            log(json.dumps(points[-1]))
-
-    timed = device.type == "cuda"      # one step's split between the target and each drafter
-
-    def clock():
-        if timed:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
+    clock = _clock(device.type == "cuda")   # one step's split between the target and each drafter
     for step, batch in enumerate(batches):
         if step == total:
             break
@@ -120,18 +98,9 @@ def train(target: Transformer, drafters: dict[str, tuple[Eagle3Drafter, str]],
         if split:
             split.append(clock())
         for name, (drafter, labels) in drafters.items():
-            optimizer = optimizers[name]
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, total, lr, warmup)
-            optimizer.zero_grad(set_to_none=True)
-            with autocast:
-                loss, info = batch_loss(drafter, features, steps, decay, labels)
-            if loss is None:
-                continue
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
-            optimizer.step()
-            if split:
+            loss, info = _drafter_step(drafter, optimizers[name], learning_rate(step, total, lr, warmup), autocast,
+                                       features, steps, decay, labels, grad_clip)
+            if loss is not None and split:
                 split.append(clock())
         if split:
             log(f"step {step} of {int(features['lengths'].sum())} tokens: target {split[1] - split[0]:.3f} s, "
@@ -142,11 +111,69 @@ def train(target: Transformer, drafters: dict[str, tuple[Eagle3Drafter, str]],
             total = min(total, max(20, int((deadline - time.perf_counter()) / (1.15 * pace)) + 10))
             log(f"{pace * 1000:.0f} ms a step: {total} of {len(batches)} steps fit")
         while pending and trained >= pending[0]:
-            point(f"{pending.pop(0)}")
+            points.add(f"{pending.pop(0)}", trained)
         if step % 50 == 0:
             log(f"step {step}/{total} tokens {trained} loss {float(loss.detach()):.3f} "
                 + " ".join(f"{k} {float(v):.3f}" for k, v in info.items()))
-    point("end")
+    points.add("end", trained)
     for drafter, _ in drafters.values():
         drafter.eval().requires_grad_(False)
-    return points
+    return points.points
+
+
+def _shared_taps(drafters: dict[str, tuple[Eagle3Drafter, str]]) -> tuple[int, ...]:
+    """The target layers every drafter fuses, each drafter put in training mode; ValueError
+    where two fuse different ones or labels are unknown."""
+    taps = tuple(sorted({t for d, _ in drafters.values() for t in d.taps}))
+    for name, (drafter, labels) in drafters.items():
+        if drafter.taps != taps:
+            raise ValueError(f"drafter {name} fuses taps {drafter.taps}, the others {taps}")
+        if labels not in LABELS:
+            raise ValueError(f"drafter {name}: labels are {' or '.join(LABELS)}, not {labels!r}")
+        drafter.train().requires_grad_(True)
+    return taps
+
+
+def _clock(timed: bool):
+    """time.perf_counter, after the device's work so far where `timed` (a GPU)."""
+    def clock():
+        if timed:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+    return clock
+
+
+def _drafter_step(drafter: Eagle3Drafter, optimizer, rate: float, autocast, features: dict, steps: int,
+                  decay: float, labels: str, grad_clip: float) -> tuple:
+    """One optimizer step of one drafter on a batch's features at learning rate `rate`;
+    (loss, figures), the loss None where the batch has no position to train (no step then)."""
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)
+    with autocast:
+        loss, info = batch_loss(drafter, features, steps, decay, labels)
+    if loss is None:
+        return loss, info
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
+    optimizer.step()
+    return loss, info
+
+
+class _Points:
+    """The scaling points of a run: each drafter's held-out agreement after so many tokens."""
+
+    def __init__(self, drafters: dict, held: list[dict], steps: int, autocast, started: float, log):
+        self.drafters, self.held, self.steps, self.autocast = drafters, held, steps, autocast
+        self.started, self.log = started, log
+        self.points: list[dict] = []
+
+    def add(self, label: str, trained: int) -> None:
+        for name, (drafter, _) in self.drafters.items():
+            drafter.eval()
+            with self.autocast:
+                measured = agreement(drafter, self.held, self.steps)
+            drafter.train()
+            self.points.append({"drafter": name, "tokens": trained, "at": label,
+                                "seconds": round(time.perf_counter() - self.started, 1), **measured})
+            self.log(json.dumps(self.points[-1]))

@@ -100,12 +100,10 @@ def read_answers(paths: list[Path]) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def run(args) -> dict:
-    from ..engine.batched import greedy_answers
     from ..engine.loading import load_model
-    from ..speculation.eagle3 import Eagle3Drafter
     from ..speculation.proposers import bundled_drafter_dir
     from .eagle3_batched import train
-    from .eagle3_train import draft_vocabulary, new_drafter
+    from .eagle3_train import draft_vocabulary
 
     started = time.perf_counter()
     deadline = started + args.budget_s
@@ -124,11 +122,7 @@ def run(args) -> dict:
     if args.limit:
         data = {k: v[:args.limit] for k, v in data.items()}
     room = args.max_len - args.max_new_tokens       # a prompt leaves its answer room in max_len
-    for kind in ("prompts", "heldout"):
-        fits = [p for p in data[kind] if 0 < len(p) <= room]
-        if len(fits) < len(data[kind]):
-            log(f"{len(data[kind]) - len(fits)} {kind} longer than {room} tokens left out")
-        data[kind] = fits
+    fitting_prompts(data, room, log)
     fresh = drawn_prompts(args, out, started + args.self_prompt_share * args.budget_s, room, report, log) \
         if args.self_prompts else []
     if args.answers:
@@ -139,35 +133,80 @@ def run(args) -> dict:
         prompts, answers = [], []
         todo = data["prompts"] + data["heldout"] + fresh
     if todo:
-        t = time.perf_counter()
-        tick = {"last": t}
-
-        def progress(done: int, tokens: int) -> None:
-            if time.perf_counter() - tick["last"] > 15:
-                tick["last"] = time.perf_counter()
-                log(f"answers {done}/{len(todo)}, {tokens} new tokens, "
-                    f"{tokens / (time.perf_counter() - t):.0f} tok/s")
-        new = greedy_answers(target, todo, args.max_new_tokens, target.args.eos_token_ids,
-                             slots=args.slots, deadline=started + args.answer_share * args.budget_s,
-                             progress=progress)
-        seconds = time.perf_counter() - t
-        made = sum(len(a) for a in new if a is not None)
-        report["answers"] = {"prompts": len(todo), "answered": sum(a is not None for a in new),
-                             "new_tokens": made, "seconds": round(seconds, 1),
-                             "tok_s": round(made / seconds)}
-        log(json.dumps(report["answers"]))
+        new = answer_prompts(target, todo, args, started, report, log)
         prompts, answers = prompts + todo, answers + new
         kept = write_answers(out, prompts, answers)
         report["answers"]["files"] = [path.name for path in kept]
-    heldout_set = {tuple(p) for p in data["heldout"]}
-    pairs = [(p, a) for p, a in zip(prompts, answers) if a is not None]
-    heldout = [(p + a)[:args.max_len] for p, a in pairs if tuple(p) in heldout_set]
-    sequences = [(p + a)[:args.max_len] for p, a in pairs if tuple(p) not in heldout_set]
-    sequences += [c[:args.max_len] for c in data["conversations"]]
+    sequences, heldout = training_sequences(data, prompts, answers, args.max_len)
     report["train_sequences"], report["train_tokens"] = len(sequences), sum(map(len, sequences))
     log(f"training on {len(sequences)} sequences, {report['train_tokens']} tokens; "
         f"{len(heldout)} held out")
     ids = draft_vocabulary(args.draft_vocab, target, bundled_drafter_dir(args.recipe_model))
+    drafters = starting_drafters(args, target, ids)
+    points = train(target, drafters, sequences, heldout, tokens_per_batch=args.tokens_per_batch,
+                   lr=args.lr, seed=args.seed, deadline=deadline - args.save_s,
+                   snapshot_tokens=tuple(int(float(x) * 1e6) for x in args.snapshot_m.split(",") if x),
+                   log=log)
+    report["points"] = points
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    save_drafters(args, out, drafters, points, report["device"])
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    log(f"done in {report['seconds']} s")
+    return report
+
+
+def fitting_prompts(data: dict, room: int, log) -> None:
+    """Leave out of `data` the prompts and held-out prompts that do not fit `room` tokens (or
+    are empty), saying how many."""
+    for kind in ("prompts", "heldout"):
+        fits = [p for p in data[kind] if 0 < len(p) <= room]
+        if len(fits) < len(data[kind]):
+            log(f"{len(data[kind]) - len(fits)} {kind} longer than {room} tokens left out")
+        data[kind] = fits
+
+
+def answer_prompts(target, todo: list[list[int]], args, started: float, report: dict, log) -> list:
+    """The target's greedy answers to `todo` (None for those the answer share of the budget
+    left unanswered), with their figures in report["answers"] and a progress line every 15 s."""
+    from ..engine.batched import greedy_answers
+
+    t = time.perf_counter()
+    tick = {"last": t}
+
+    def progress(done: int, tokens: int) -> None:
+        if time.perf_counter() - tick["last"] > 15:
+            tick["last"] = time.perf_counter()
+            log(f"answers {done}/{len(todo)}, {tokens} new tokens, "
+                f"{tokens / (time.perf_counter() - t):.0f} tok/s")
+    new = greedy_answers(target, todo, args.max_new_tokens, target.args.eos_token_ids,
+                         slots=args.slots, deadline=started + args.answer_share * args.budget_s,
+                         progress=progress)
+    seconds = time.perf_counter() - t
+    made = sum(len(a) for a in new if a is not None)
+    report["answers"] = {"prompts": len(todo), "answered": sum(a is not None for a in new),
+                         "new_tokens": made, "seconds": round(seconds, 1),
+                         "tok_s": round(made / seconds)}
+    log(json.dumps(report["answers"]))
+    return new
+
+
+def training_sequences(data: dict, prompts: list[list[int]], answers: list, max_len: int) -> tuple:
+    """(training sequences, held-out ones), each cut to `max_len`: each answered prompt with its
+    answer (held out where the prompt is one of data["heldout"]), then the conversations."""
+    heldout_set = {tuple(p) for p in data["heldout"]}
+    pairs = [(p, a) for p, a in zip(prompts, answers) if a is not None]
+    heldout = [(p + a)[:max_len] for p, a in pairs if tuple(p) in heldout_set]
+    sequences = [(p + a)[:max_len] for p, a in pairs if tuple(p) not in heldout_set]
+    sequences += [c[:max_len] for c in data["conversations"]]
+    return sequences, heldout
+
+
+def starting_drafters(args, target, ids) -> dict:
+    """{labels: (drafter, labels)} for each label kind of --labels: --init's drafter, or a new
+    one over the draft vocabulary `ids`, in float32 on the target's device."""
+    from ..speculation.eagle3 import Eagle3Drafter
+    from .eagle3_train import new_drafter
+
     drafters = {}
     for labels in args.labels.split(","):
         if args.init:
@@ -175,23 +214,20 @@ def run(args) -> dict:
         else:
             drafter = new_drafter(target, ids.to(target.device), args.seed)
         drafters[labels] = (drafter.to(target.device, torch.float32), labels)
-    points = train(target, drafters, sequences, heldout, tokens_per_batch=args.tokens_per_batch,
-                   lr=args.lr, seed=args.seed, deadline=deadline - args.save_s,
-                   snapshot_tokens=tuple(int(float(x) * 1e6) for x in args.snapshot_m.split(",") if x),
-                   log=log)
-    report["points"] = points
-    report["seconds"] = round(time.perf_counter() - started, 1)
+    return drafters
+
+
+def save_drafters(args, out: Path, drafters: dict, points: list[dict], device: str) -> None:
+    """Each drafter as OUT/drafter-LABELS, in the engine's form (speculators' layout, Q8_0),
+    its training lineage (--init's runs, then this one) in its config."""
     earlier = lineage(Path(args.init)) if args.init else []
     for labels, (drafter, _) in drafters.items():
         final = [p for p in points if p["drafter"] == labels][-1]
-        this = {"labels": labels, "tokens": final["tokens"], "lr": args.lr, "device": report["device"],
+        this = {"labels": labels, "tokens": final["tokens"], "lr": args.lr, "device": device,
                 **{k: v for k, v in final.items() if k.startswith("top1")}}
         drafter.save(out / f"drafter-{labels}", layout="speculators", q8_0=True,
                      extra={"training": {"tokens_total": sum(r["tokens"] for r in earlier + [this]),
                                          "runs": earlier + [this]}})
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    log(f"done in {report['seconds']} s")
-    return report
 
 
 def drawn_prompts(args, out: Path, deadline: float, room: int, report: dict, log) -> list[list[int]]:

@@ -246,13 +246,59 @@ def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> di
 
 
 def train(cfg, target: Transformer, split: dict | None = None, log=print) -> Eagle3Drafter:
-    from ..speculation.proposers import bundled_drafter_dir
-    from .train import (_atomic_save, _lr, parse_taps, parse_token_counts, resumable, training_precision,
-                        training_sets)
+    from .train import _atomic_save, _lr, epoch_batch, parse_token_counts, resumable, training_sets
 
     out = Path(cfg.out)
     train_set, heldout = training_sets(cfg, split)
     torch.manual_seed(cfg.seed)
+    drafter = _starting_drafter(cfg, target)
+    drafter.train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(0.9, 0.95))
+    steps_per_epoch = math.ceil(len(train_set) / cfg.accumulate)
+    total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or steps_per_epoch * cfg.epochs)
+    run = _Run(cfg, drafter, optimizer)
+    checkpoint = out / "checkpoint-eagle3.pt"
+    snapshots = parse_token_counts(cfg.snapshot_tokens)
+    run.resume(resumable(checkpoint, cfg, log), total, log)
+    run.started, tokens_seen = time.perf_counter(), 0
+    bar = tqdm(total=total, initial=run.step, desc="training (EAGLE-3)", unit="step")
+    while run.step < total:
+        batch = epoch_batch(cfg, run.step, steps_per_epoch, len(train_set))
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(run.step, total, cfg)
+        optimizer.zero_grad(set_to_none=True)
+        stats, tokens = _accumulated(cfg, drafter, train_set, batch)
+        tokens_seen += tokens
+        run.trained += tokens
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        optimizer.step()
+        run.step += 1
+        run.keep_snapshots(snapshots, out, log)
+        if stats:
+            mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+            bar.set_postfix(loss=f"{mean['loss']:.3f}", acc1=f"{mean['acc1']:.3f}",
+                            tok_s=f"{tokens_seen / (time.perf_counter() - run.started):.0f}")
+        bar.update(1)
+        if run.step % cfg.checkpoint_every == 0 or run.step == total:
+            drafter.eval()
+            metrics = {"step": run.step, **evaluate(drafter, heldout, cfg.ttt_steps)}
+            drafter.train()
+            run.history.append(metrics)
+            log(json.dumps(metrics))
+            _atomic_save(run.state(), checkpoint)
+    bar.close()
+    drafter.eval().requires_grad_(False)
+    drafter.train_seconds = torch.load(checkpoint, map_location="cpu")["seconds"] if checkpoint.exists() else None
+    return drafter
+
+
+def _starting_drafter(cfg, target: Transformer) -> Eagle3Drafter:
+    """--init's drafter, else a new one over cfg.draft_vocab's vocabulary; ValueError where its
+    taps are not the ones the features hold."""
+    from ..speculation.proposers import bundled_drafter_dir
+    from .train import parse_taps
+
     ids = draft_vocabulary(cfg.draft_vocab, target, bundled_drafter_dir(cfg.model))
     drafter = Eagle3Drafter.load(cfg.init, target, dtype=torch.float32) if cfg.init else \
         new_drafter(target, ids, cfg.seed)
@@ -260,72 +306,62 @@ def train(cfg, target: Transformer, split: dict | None = None, log=print) -> Eag
         raise ValueError(f"the drafter fuses the target's taps {list(drafter.taps)}; the features hold "
                          f"{cfg.taps or 'none'}: run the features stage with --taps "
                          f"{','.join(map(str, drafter.taps))}")
-    drafter.train().requires_grad_(True)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=(0.9, 0.95))
-    steps_per_epoch = math.ceil(len(train_set) / cfg.accumulate)
-    total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or steps_per_epoch * cfg.epochs)
-    step, history, seconds_before, trained = 0, [], 0.0, 0
-    checkpoint = out / "checkpoint-eagle3.pt"
-    snapshots = parse_token_counts(cfg.snapshot_tokens)
-    state = resumable(checkpoint, cfg, log)
-    if state is not None:
-        drafter.load_state_dict(state["drafter"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, history, seconds_before = state["step"], state["history"], state["seconds"]
-        trained = state.get("tokens", 0)
-        log(f"resuming from step {step}/{total}")
-
-    def state_now(with_optimizer=True):
-        return {"drafter": drafter.state_dict(), "step": step, "history": history, "config": asdict(cfg),
-                "seconds": seconds_before + time.perf_counter() - started, "tokens": trained,
-                **({"optimizer": optimizer.state_dict()} if with_optimizer else {})}
-    started, tokens_seen = time.perf_counter(), 0
-    bar = tqdm(total=total, initial=step, desc="training (EAGLE-3)", unit="step")
-    while step < total:
-        epoch, index = divmod(step, steps_per_epoch)
-        order = list(range(len(train_set)))
-        random.Random(cfg.seed + epoch).shuffle(order)
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(step, total, cfg)
-        optimizer.zero_grad(set_to_none=True)
-        stats = []
-        batch = order[index * cfg.accumulate:(index + 1) * cfg.accumulate]
-        for i in batch:
-            tokens, hidden, candidates, tapped = on_device(train_set[i], drafter.draft_ids.device)
-            with training_precision(cfg):
-                loss, info = sequence_loss(drafter, tokens, hidden, candidates, tapped, cfg.ttt_steps,
-                                           cfg.ttt_decay, cfg.labels)
-            if loss is None:
-                continue
-            (loss / len(batch)).backward()
-            stats.append(info | {"loss": float(loss.detach())})
-            tokens_seen += tokens.numel()
-            trained += tokens.numel()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        optimizer.step()
-        step += 1
-        for label, count in snapshots.items():       # the run as it stood after `count` tokens
-            kept = out / f"checkpoint-eagle3-at-{label}.pt"
-            if trained >= count and not kept.exists():
-                _atomic_save(state_now(with_optimizer=False), kept)
-                log(f"kept the drafter after {trained} tokens (step {step}) in {kept.name}")
-        if stats:
-            mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
-            bar.set_postfix(loss=f"{mean['loss']:.3f}", acc1=f"{mean['acc1']:.3f}",
-                            tok_s=f"{tokens_seen / (time.perf_counter() - started):.0f}")
-        bar.update(1)
-        if step % cfg.checkpoint_every == 0 or step == total:
-            drafter.eval()
-            metrics = {"step": step, **evaluate(drafter, heldout, cfg.ttt_steps)}
-            drafter.train()
-            history.append(metrics)
-            log(json.dumps(metrics))
-            _atomic_save(state_now(), checkpoint)
-    bar.close()
-    drafter.eval().requires_grad_(False)
-    drafter.train_seconds = torch.load(checkpoint, map_location="cpu")["seconds"] if checkpoint.exists() else None
     return drafter
+
+
+def _accumulated(cfg, drafter: Eagle3Drafter, train_set, batch: list[int]) -> tuple[list[dict], int]:
+    """One optimizer step's gradients, accumulated over the sequences `batch` indexes (one
+    without a position to train adds none); (each such sequence's figures, its tokens)."""
+    from .train import training_precision
+
+    stats, tokens_seen = [], 0
+    for i in batch:
+        tokens, hidden, candidates, tapped = on_device(train_set[i], drafter.draft_ids.device)
+        with training_precision(cfg):
+            loss, info = sequence_loss(drafter, tokens, hidden, candidates, tapped, cfg.ttt_steps,
+                                       cfg.ttt_decay, cfg.labels)
+        if loss is None:
+            continue
+        (loss / len(batch)).backward()
+        stats.append(info | {"loss": float(loss.detach())})
+        tokens_seen += tokens.numel()
+    return stats, tokens_seen
+
+
+class _Run:
+    """Where an EAGLE-3 training run stands, as its checkpoints record it: the drafter and its
+    optimizer, the step, the held-out history, the training seconds and tokens over every part
+    of the run (resumed ones included)."""
+
+    def __init__(self, cfg, drafter: Eagle3Drafter, optimizer):
+        self.cfg, self.drafter, self.optimizer = cfg, drafter, optimizer
+        self.step, self.history, self.seconds_before, self.trained = 0, [], 0.0, 0
+        self.started = time.perf_counter()
+
+    def resume(self, state: dict | None, total: int, log) -> None:
+        """Continue from checkpoint `state` (None: start afresh)."""
+        if state is None:
+            return
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.history, self.seconds_before = state["step"], state["history"], state["seconds"]
+        self.trained = state.get("tokens", 0)
+        log(f"resuming from step {self.step}/{total}")
+
+    def state(self, with_optimizer=True) -> dict:
+        return {"drafter": self.drafter.state_dict(), "step": self.step, "history": self.history,
+                "config": asdict(self.cfg), "seconds": self.seconds_before + time.perf_counter() - self.started,
+                "tokens": self.trained, **({"optimizer": self.optimizer.state_dict()} if with_optimizer else {})}
+
+    def keep_snapshots(self, snapshots: dict, out: Path, log) -> None:
+        """The run as it stood after each of `snapshots`' token counts, once it has passed it."""
+        from .train import _atomic_save
+
+        for label, count in snapshots.items():
+            kept = out / f"checkpoint-eagle3-at-{label}.pt"
+            if self.trained >= count and not kept.exists():
+                _atomic_save(self.state(with_optimizer=False), kept)
+                log(f"kept the drafter after {self.trained} tokens (step {self.step}) in {kept.name}")
 
 
 def train_and_save(cfg, target: Transformer, split: dict, report: dict, ship: bool, log) -> None:

@@ -690,25 +690,7 @@ def train_drafter(cfg: TrainConfig, target: Transformer, split: dict | None = No
     train_set, heldout = training_sets(cfg, split)
     torch.manual_seed(cfg.seed)
     std = feature_std(target, train_set)
-    taps = parse_taps(cfg.taps)
-    if cfg.init:
-        drafter = EagleDrafter.load(cfg.init, target)
-        if drafter.taps != taps:
-            if drafter.taps:
-                raise ValueError(f"--init {cfg.init} fuses layers {list(drafter.taps)}, this run "
-                                 f"asks for {list(taps)}")
-            drafter.add_taps(taps)
-        if len(drafter.layers) > cfg.layers:
-            raise ValueError(f"--init {cfg.init} has {len(drafter.layers)} layers, this run "
-                             f"asks for {cfg.layers}")
-        while len(drafter.layers) < cfg.layers:
-            drafter.add_layer()
-    else:
-        drafter = EagleDrafter.random(target, seed=cfg.seed, n_layers=cfg.layers)
-        _scale_fc_to_inputs(drafter, std)
-        if taps:                # fc's start is scaled to the last-layer feature it first sees
-            drafter.add_taps(taps)
-    drafter = drafter.float().train().requires_grad_(True)
+    drafter = _starting_drafter(cfg, target, std).float().train().requires_grad_(True)
     ranker = _start_ranker(cfg, target) if cfg.ranker_weight > 0 else None
     groups = [{"params": list(drafter.parameters()), "lr_scale": 1.0}]
     if ranker is not None:
@@ -718,28 +700,15 @@ def train_drafter(cfg: TrainConfig, target: Transformer, split: dict | None = No
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
-    step, history, seconds_before = 0, [], 0.0
     checkpoint = out / "checkpoint.pt"
-    state = resumable(checkpoint, cfg, log)
-    if state is not None:
-        drafter.load_state_dict(state["drafter"])
-        if ranker is not None:
-            with torch.no_grad():
-                for param, saved in zip(ranker, state["ranker"]):
-                    param.copy_(saved)
-        optimizer.load_state_dict(state["optimizer"])
-        step, history = state["step"], state["history"]
-        seconds_before = state.get("seconds", 0.0)
-        log(f"resuming from step {step}/{total}")
+    step, history, seconds_before = _resumed(resumable(checkpoint, cfg, log), drafter, ranker, optimizer,
+                                             total, log)
     generator = torch.Generator().manual_seed(cfg.seed + step)
     started = time.perf_counter()
     tokens_seen = 0
     bar = tqdm(total=total, initial=step, desc="training", unit="step")
     while step < total:
-        epoch, index = divmod(step, steps_per_epoch)
-        order = list(range(len(train_set)))
-        random.Random(cfg.seed + epoch).shuffle(order)
-        batch = order[index * cfg.accumulate:(index + 1) * cfg.accumulate]
+        batch = epoch_batch(cfg, step, steps_per_epoch, len(train_set))
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, total, cfg) * group["lr_scale"]
         optimizer.zero_grad(set_to_none=True)
@@ -763,14 +732,8 @@ def train_drafter(cfg: TrainConfig, target: Transformer, split: dict | None = No
                         tok_s=f"{tokens_seen / (time.perf_counter() - started):.0f}")
         bar.update(1)
         if step % cfg.checkpoint_every == 0 or step == total:
-            drafter.eval()
-            metrics = {"step": step, "train": mean,
-                       **evaluate(drafter, heldout, steps=max(2, cfg.unroll))}
-            if ranker is not None:
-                metrics["ranker"] = ranker_recall(drafter, *(t.detach() for t in ranker), heldout[:16])
-            drafter.train()
-            history.append(metrics)
-            log(json.dumps(metrics))
+            history.append(_measured(cfg, drafter, ranker, heldout, step, mean))
+            log(json.dumps(history[-1]))
             _atomic_save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
                           "ranker": [t.detach() for t in ranker] if ranker is not None else None,
                           "step": step, "history": history, "config": asdict(cfg),
@@ -781,6 +744,67 @@ def train_drafter(cfg: TrainConfig, target: Transformer, split: dict | None = No
     drafter.train_seconds = torch.load(checkpoint).get("seconds") if checkpoint.exists() else None
     drafter.trained_ranker = tuple(t.detach() for t in ranker) if ranker is not None else None
     return drafter
+
+
+def epoch_batch(cfg: TrainConfig, step: int, steps_per_epoch: int, size: int) -> list[int]:
+    """The indices of the training sequences optimizer step `step` reads: the step's share
+    (cfg.accumulate of them) of its epoch's seeded shuffle of `size` sequences."""
+    epoch, index = divmod(step, steps_per_epoch)
+    order = list(range(size))
+    random.Random(cfg.seed + epoch).shuffle(order)
+    return order[index * cfg.accumulate:(index + 1) * cfg.accumulate]
+
+
+def _starting_drafter(cfg: TrainConfig, target: Transformer, std: torch.Tensor) -> EagleDrafter:
+    """The drafter training starts from: --init's, grown to cfg.layers and given the taps it
+    lacks (ValueError where it has other taps or more layers), else a random one whose fc is
+    scaled to the features' std."""
+    taps = parse_taps(cfg.taps)
+    if cfg.init:
+        drafter = EagleDrafter.load(cfg.init, target)
+        if drafter.taps != taps:
+            if drafter.taps:
+                raise ValueError(f"--init {cfg.init} fuses layers {list(drafter.taps)}, this run "
+                                 f"asks for {list(taps)}")
+            drafter.add_taps(taps)
+        if len(drafter.layers) > cfg.layers:
+            raise ValueError(f"--init {cfg.init} has {len(drafter.layers)} layers, this run "
+                             f"asks for {cfg.layers}")
+        while len(drafter.layers) < cfg.layers:
+            drafter.add_layer()
+    else:
+        drafter = EagleDrafter.random(target, seed=cfg.seed, n_layers=cfg.layers)
+        _scale_fc_to_inputs(drafter, std)
+        if taps:                # fc's start is scaled to the last-layer feature it first sees
+            drafter.add_taps(taps)
+    return drafter
+
+
+def _resumed(state: dict | None, drafter: EagleDrafter, ranker, optimizer, total: int, log) -> tuple:
+    """(step, history, seconds) of a run resumed from checkpoint `state`, its drafter, ranker
+    and optimizer loaded from it; (0, [], 0.0) where there is none."""
+    if state is None:
+        return 0, [], 0.0
+    drafter.load_state_dict(state["drafter"])
+    if ranker is not None:
+        with torch.no_grad():
+            for param, saved in zip(ranker, state["ranker"]):
+                param.copy_(saved)
+    optimizer.load_state_dict(state["optimizer"])
+    step, history = state["step"], state["history"]
+    log(f"resuming from step {step}/{total}")
+    return step, history, state.get("seconds", 0.0)
+
+
+def _measured(cfg: TrainConfig, drafter: EagleDrafter, ranker, heldout, step: int, mean: dict) -> dict:
+    """A checkpoint's metrics: the training batch's means and the held-out figures (the
+    ranker's recall too where one trains)."""
+    drafter.eval()
+    metrics = {"step": step, "train": mean, **evaluate(drafter, heldout, steps=max(2, cfg.unroll))}
+    if ranker is not None:
+        metrics["ranker"] = ranker_recall(drafter, *(t.detach() for t in ranker), heldout[:16])
+    drafter.train()
+    return metrics
 
 
 def _start_ranker(cfg: TrainConfig, target: Transformer) -> tuple[torch.Tensor, torch.Tensor]:
