@@ -245,6 +245,74 @@ static int64_t heads_per_item(const vs_stack *s, int64_t n, int threads) {
     return 1;
 }
 
+/* Scores over the prefix's keys from `start` (key i's to from[h] + i - start): KEY_BLOCKS blocks
+   of 16 keys a pass while they fit, then 16 keys a vector, each key one fma chain over d. */
+ALWAYS void prefix_scores(const int64_t hb, const int half, const float *const *qv, const void *kt, const int64_t D,
+                          float *const *from, int64_t start, int64_t pre, const vf scale) {
+    int64_t i = start;
+    for (; i + 16 * KEY_BLOCKS <= pre; i += 16 * KEY_BLOCKS) {
+        float *at[HEADS_MAX];
+        for (int64_t h = 0; h < hb; h++) at[h] = from[h] + (i - start);
+        switch (hb) {   /* constant head counts: the accumulators stay in registers */
+        case 1: scores_pass(1, half, qv, kv_ptr(kt, half, i * D), D, at, scale); break;
+#if HEADS_MAX >= 4
+        case 3: scores_pass(3, half, qv, kv_ptr(kt, half, i * D), D, at, scale); break;
+        case 4: scores_pass(4, half, qv, kv_ptr(kt, half, i * D), D, at, scale); break;
+#endif
+        default: scores_pass(2, half, qv, kv_ptr(kt, half, i * D), D, at, scale); break;
+        }
+    }
+    for (; i < pre; i += 16) {
+        vf a[HEADS_MAX];
+        for (int64_t h = 0; h < hb; h++) a[h] = vf_zero();
+        for (int64_t d = 0; d < D; d++) {
+            const vf k = kv_load_part(kt, half, i * D + d * 16, pre - i);
+            for (int64_t h = 0; h < hb; h++) a[h] = vf_fma(vf_set1(qv[h][d]), k, a[h]);
+        }
+        for (int64_t h = 0; h < hb; h++) vf_store_part(from[h] + (i - start), vf_mul(a[h], scale), pre - i);
+    }
+}
+
+/* Softmax of each head's `count` scores in place, in position order, each head's own;
+   sums[h]: the sum of head h's exponentials. */
+ALWAYS void softmax_heads(const int64_t hb, float *const *sc, int64_t count, float *sums) {
+    for (int64_t h = 0; h < hb; h++) {
+        vf mx = vf_set1(-INFINITY);
+        for (int64_t j = 0; j < count; j += 16)
+            mx = vf_max(mx, vf_load_part(sc[h] + j, count - j, -INFINITY));
+        const vf top = vf_set1(vf_hmax(mx));
+        vf total = vf_zero();
+        for (int64_t j = 0; j < count; j += 16) {
+            const vf e = vf_keep_part(vexp(vf_sub(vf_load_part(sc[h] + j, count - j, 0.0f), top)), count - j);
+            vf_store_part(sc[h] + j, e, count - j);
+            total = vf_add(total, e);
+        }
+        sums[h] = vf_sum(total);
+    }
+}
+
+/* Weighted values: one chain per output lane and head, keys in position order; heads share a
+   value vector's load where their accumulators fit the registers. */
+ALWAYS void weighted_values(const int64_t hb, const int half, const int64_t chunks, const void *vv, const int64_t D,
+                            float *const *sc, const float *sums, int64_t count, int64_t first, int64_t pre,
+                            const int32_t *xs, float *const *o) {
+    if (hb * chunks <= 16) {
+        switch (hb * 16 + chunks) {
+        case 1 * 16 + 4: values_pass(1, half, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
+        case 2 * 16 + 4: values_pass(2, half, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
+        case 2 * 16 + 8: values_pass(2, half, 8, vv, D, sc, sums, count, first, pre, xs, o); break;
+#if HEADS_MAX >= 4
+        case 3 * 16 + 4: values_pass(3, half, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
+        case 4 * 16 + 4: values_pass(4, half, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
+#endif
+        default: values_pass(hb, half, chunks, vv, D, sc, sums, count, first, pre, xs, o); break;
+        }
+    } else {
+        for (int64_t h = 0; h < hb; h++)
+            values_pass(1, half, chunks, vv, D, sc + h, sums + h, count, first, pre, xs, o + h);
+    }
+}
+
 /* Visibility of row r: cache slots [0, prefix[r]) hold positions 0 .. prefix[r] - 1, then the
    slots extra[xoff[r] .. xoff[r+1]) hold the next positions, the row's own last. Logical index
    i is position i; a sliding window drops indices below pos - window + 1. Keys are stored in
@@ -271,37 +339,17 @@ ALWAYS void attention_in(const int half, const vs_stack *s, const vs_layer *L, v
         if (L->window > 0 && pos[r] - L->window + 1 > 0) first = pos[r] - L->window + 1;
         const int64_t count = pre + nx - first;
         /* Scores from the block holding `first` (those before it computed and dropped): sc[h][j]
-           is index first + j's for head h0 + h. */
+           is index first + j's for head h0 + h; o[h] its output. */
         const int64_t start = first & ~(int64_t)15;
         for (int64_t h = 0; h < hb; h++) {
             qv[h] = q + (r * H + h0 + h) * D;
             from[h] = scratch + ((int64_t)omp_get_thread_num() * HEADS_MAX + h) * (T + 64);
             sc[h] = from[h] + (first - start);
+            o[h] = out + (r * H + h0 + h) * D;
         }
-        /* Scores over the prefix: 16 keys a vector, each key one fma chain over d. */
-        int64_t i = start;
-        for (; i + 16 * KEY_BLOCKS <= pre; i += 16 * KEY_BLOCKS) {
-            float *at[HEADS_MAX];
-            for (int64_t h = 0; h < hb; h++) at[h] = from[h] + (i - start);
-            switch (hb) {   /* constant head counts: the accumulators stay in registers */
-            case 1: scores_pass(1, half, qv, kv_ptr(kt, half, i * D), D, at, scale); break;
-#if HEADS_MAX >= 4
-            case 3: scores_pass(3, half, qv, kv_ptr(kt, half, i * D), D, at, scale); break;
-            case 4: scores_pass(4, half, qv, kv_ptr(kt, half, i * D), D, at, scale); break;
-#endif
-            default: scores_pass(2, half, qv, kv_ptr(kt, half, i * D), D, at, scale); break;
-            }
-        }
-        for (; i < pre; i += 16) {
-            vf a[HEADS_MAX];
-            for (int64_t h = 0; h < hb; h++) a[h] = vf_zero();
-            for (int64_t d = 0; d < D; d++) {
-                const vf k = kv_load_part(kt, half, i * D + d * 16, pre - i);
-                for (int64_t h = 0; h < hb; h++) a[h] = vf_fma(vf_set1(qv[h][d]), k, a[h]);
-            }
-            for (int64_t h = 0; h < hb; h++) vf_store_part(from[h] + (i - start), vf_mul(a[h], scale), pre - i);
-        }
-        /* The extra slots: the same chain, one key at a time. */
+        prefix_scores(hb, half, qv, kt, D, from, start, pre, scale);
+        /* The extra slots: the same chain, one key at a time (inline: as a helper of its own
+           it changes how the compiler lays out the value passes below). */
         for (int64_t e = first > pre ? first - pre : 0; e < nx; e++) {
             const int64_t kd = KEY_AT(xs[e], 0, D);
             for (int64_t h = 0; h < hb; h++) {
@@ -310,38 +358,8 @@ ALWAYS void attention_in(const int half, const vs_stack *s, const vs_layer *L, v
                 sc[h][pre + e - first] = a * s->attn_scale;
             }
         }
-        /* Softmax in position order, each head's own. */
-        for (int64_t h = 0; h < hb; h++) {
-            vf mx = vf_set1(-INFINITY);
-            for (int64_t j = 0; j < count; j += 16)
-                mx = vf_max(mx, vf_load_part(sc[h] + j, count - j, -INFINITY));
-            const vf top = vf_set1(vf_hmax(mx));
-            vf total = vf_zero();
-            for (int64_t j = 0; j < count; j += 16) {
-                const vf e = vf_keep_part(vexp(vf_sub(vf_load_part(sc[h] + j, count - j, 0.0f), top)), count - j);
-                vf_store_part(sc[h] + j, e, count - j);
-                total = vf_add(total, e);
-            }
-            sums[h] = vf_sum(total);
-            o[h] = out + (r * H + h0 + h) * D;
-        }
-        /* Weighted values: one chain per output lane and head, keys in position order; heads
-           share a value vector's load where their accumulators fit the registers. */
-        if (hb * chunks <= 16) {
-            switch (hb * 16 + chunks) {
-            case 1 * 16 + 4: values_pass(1, half, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
-            case 2 * 16 + 4: values_pass(2, half, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
-            case 2 * 16 + 8: values_pass(2, half, 8, vv, D, sc, sums, count, first, pre, xs, o); break;
-#if HEADS_MAX >= 4
-            case 3 * 16 + 4: values_pass(3, half, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
-            case 4 * 16 + 4: values_pass(4, half, 4, vv, D, sc, sums, count, first, pre, xs, o); break;
-#endif
-            default: values_pass(hb, half, chunks, vv, D, sc, sums, count, first, pre, xs, o); break;
-            }
-        } else {
-            for (int64_t h = 0; h < hb; h++)
-                values_pass(1, half, chunks, vv, D, sc + h, sums + h, count, first, pre, xs, o + h);
-        }
+        softmax_heads(hb, sc, count, sums);
+        weighted_values(hb, half, chunks, vv, D, sc, sums, count, first, pre, xs, o);
     }
 }
 
@@ -388,6 +406,100 @@ ALWAYS void add_rows(float *x, const float *y, int64_t dim) {
         vf_store(x + i, vf_add(vf_load(x + i), vf_load(y + i)));
 }
 
+/* A layer's inputs to q, k and v (n rows of `width` at h): each row of x normed, or copied where
+   the layer has no norm; with hidden_norm (EAGLE-3's layer) the row's embedding normed, then its
+   state (which becomes the residual where norm_residual says so). */
+ALWAYS void attention_inputs(const vs_stack *s, const vs_layer *L, float *x, const float *embeds, int64_t n,
+                             float *h, int64_t width) {
+    const int64_t dim = s->dim;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        float *hr = h + r * width, *xr = x + r * dim;
+        if (L->hidden_norm) {
+            rmsnorm_row(embeds + r * dim, L->attn_norm, hr, dim, s->eps);
+            rmsnorm_row(xr, L->hidden_norm, hr + dim, dim, s->eps);
+            if (L->norm_residual) memcpy(xr, hr + dim, dim * sizeof(float));
+        } else if (L->attn_norm) {
+            rmsnorm_row(xr, L->attn_norm, hr, dim, s->eps);
+        } else {
+            memcpy(hr, xr, dim * sizeof(float));
+        }
+    }
+}
+
+/* Each row's query and key heads normed (where the layer has q_norm, k_norm) and rotated at its
+   position, its new key and value stored in its cache at slot[r] of layer l, and its rotated
+   queries copied to att. */
+ALWAYS void rope_and_store(const vs_stack *s, const vs_layer *L, int64_t l, float *q, float *k, const float *v,
+                           float *att, int64_t n, const int32_t *pos, void *const *keys, void *const *values,
+                           const int32_t *slot) {
+    const int64_t H = s->n_heads, G = s->n_kv, D = s->head_dim, qs = H * D, kvs = G * D, T = s->max_len;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        float *qr = q + r * qs, *kr = k + r * kvs;
+        const float *vr = v + r * kvs;
+        const float *cos = L->cos + (int64_t)pos[r] * D, *sin = L->sin + (int64_t)pos[r] * D;
+        for (int64_t hh = 0; hh < H; hh++) {
+            if (L->q_norm) rmsnorm_row(qr + hh * D, L->q_norm, qr + hh * D, D, s->eps);
+            rope_head(qr + hh * D, cos, sin, D);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            if (L->k_norm) rmsnorm_row(kr + g * D, L->k_norm, kr + g * D, D, s->eps);
+            rope_head(kr + g * D, cos, sin, D);
+            const int64_t kt = (l * G + g) * D * T + KEY_AT(slot[r], 0, D);
+            const int64_t vt = ((l * G + g) * T + slot[r]) * D;
+            for (int64_t d = 0; d < D; d++) {
+                kv_put(keys[r], s->kv_half, kt + d * 16, kr[g * D + d]);
+                kv_put(values[r], s->kv_half, vt + d, vr[g * D + d]);
+            }
+        }
+        memcpy(att + r * qs, qr, qs * sizeof(float));
+    }
+}
+
+/* x += the attention's output o (through post_attn_norm where the layer has one); h: the MLP's
+   input, x normed. */
+ALWAYS void attention_residual(const vs_stack *s, const vs_layer *L, float *x, float *o, float *h, int64_t n) {
+    const int64_t dim = s->dim;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        float *orow = o + r * dim, *xr = x + r * dim;
+        if (L->post_attn_norm) rmsnorm_row(orow, L->post_attn_norm, orow, dim, s->eps);
+        add_rows(xr, orow, dim);
+        rmsnorm_row(xr, L->mlp_norm, h + r * dim, dim, s->eps);
+    }
+}
+
+/* act = the activation (GELU's tanh form or SiLU) of gate, times up, row by row. */
+ALWAYS void mlp_activation(const vs_stack *s, const float *gate, const float *up, float *act, int64_t n) {
+    const int64_t I = s->hidden;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const float *g = gate + r * I, *u = up + r * I;
+        float *ar = act + r * I;
+        for (int64_t i = 0; i < I; i += 16) {
+            const vf gv = vf_load(g + i);
+            const vf a = s->act ? vgelu_tanh(gv) : vsilu(gv);
+            vf_store(ar + i, vf_mul(a, vf_load(u + i)));
+        }
+    }
+}
+
+/* x += the MLP's output o (through post_mlp_norm where the layer has one); then each row copied
+   to its place in tapped where layer l is one of the taps. */
+ALWAYS void mlp_residual(const vs_stack *s, const vs_layer *L, int64_t l, float *x, float *o, int64_t n,
+                         const int32_t *taps, int64_t ntaps, float *tapped) {
+    const int64_t dim = s->dim;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        float *orow = o + r * dim, *xr = x + r * dim;
+        if (L->post_mlp_norm) rmsnorm_row(orow, L->post_mlp_norm, orow, dim, s->eps);
+        add_rows(xr, orow, dim);
+        for (int64_t t = 0; t < ntaps; t++)
+            if (taps[t] == l) memcpy(tapped + (r * ntaps + t) * dim, xr, dim * sizeof(float));
+    }
+}
+
 /* x (n x dim) through every layer, in place, each row over a cache of its own (rows of several
    sequences share a call; each row's arithmetic is the same whatever shares it). A cache holds,
    per layer, keys (n_kv x max_len/16 x head_dim x 16: blocks of 16 keys with each dimension's 16
@@ -402,7 +514,7 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, const float *embeds, int
                            const int32_t *slot, float *work, float *scratch, const int32_t *taps, int64_t ntaps,
                            float *tapped) {
     const int64_t dim = s->dim, H = s->n_heads, G = s->n_kv, D = s->head_dim, I = s->hidden;
-    const int64_t qs = H * D, kvs = G * D, T = s->max_len;
+    const int64_t qs = H * D, kvs = G * D;
     float *h = work;              /* n x dim (2 dim with hidden_norm): normed input of a sub-block */
     float *q = h + 2 * n * dim;   /* n x qs: queries, then the attention output */
     float *k = q + n * qs;        /* n x kvs */
@@ -422,77 +534,24 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, const float *embeds, int
     for (int64_t l = 0; l < s->n_layers; l++) {
         const vs_layer *L = s->layers + l;
         const int64_t width = L->hidden_norm ? 2 * dim : dim;   /* q, k and v's inputs */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) {
-            float *hr = h + r * width, *xr = x + r * dim;
-            if (L->hidden_norm) {
-                rmsnorm_row(embeds + r * dim, L->attn_norm, hr, dim, s->eps);
-                rmsnorm_row(xr, L->hidden_norm, hr + dim, dim, s->eps);
-                if (L->norm_residual) memcpy(xr, hr + dim, dim * sizeof(float));
-            } else if (L->attn_norm) {
-                rmsnorm_row(xr, L->attn_norm, hr, dim, s->eps);
-            } else {
-                memcpy(hr, xr, dim * sizeof(float));
-            }
-        }
+        attention_inputs(s, L, x, embeds, n, h, width);
         {
             const vs_weight *ws[3] = {&L->wq, &L->wk, &L->wv};
             float *ys[3] = {q, k, v};
             linear_rows_multi(ws, ys, 3, h, n, width);
         }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) {
-            float *qr = q + r * qs, *kr = k + r * kvs, *vr = v + r * kvs;
-            const float *cos = L->cos + (int64_t)pos[r] * D, *sin = L->sin + (int64_t)pos[r] * D;
-            for (int64_t hh = 0; hh < H; hh++) {
-                if (L->q_norm) rmsnorm_row(qr + hh * D, L->q_norm, qr + hh * D, D, s->eps);
-                rope_head(qr + hh * D, cos, sin, D);
-            }
-            for (int64_t g = 0; g < G; g++) {
-                if (L->k_norm) rmsnorm_row(kr + g * D, L->k_norm, kr + g * D, D, s->eps);
-                rope_head(kr + g * D, cos, sin, D);
-                const int64_t kt = (l * G + g) * D * T + KEY_AT(slot[r], 0, D);
-                const int64_t vt = ((l * G + g) * T + slot[r]) * D;
-                for (int64_t d = 0; d < D; d++) {
-                    kv_put(keys[r], s->kv_half, kt + d * 16, kr[g * D + d]);
-                    kv_put(values[r], s->kv_half, vt + d, vr[g * D + d]);
-                }
-            }
-            memcpy(att + r * qs, qr, qs * sizeof(float));
-        }
+        rope_and_store(s, L, l, q, k, v, att, n, pos, keys, values, slot);
         attention(s, L, keys, values, l, att, n, pos, prefix, xoff, extra, q, scratch, hb);
         linear_rows(&L->wo, q, n, qs, o, dim);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) {
-            float *orow = o + r * dim, *xr = x + r * dim;
-            if (L->post_attn_norm) rmsnorm_row(orow, L->post_attn_norm, orow, dim, s->eps);
-            add_rows(xr, orow, dim);
-            rmsnorm_row(xr, L->mlp_norm, h + r * dim, dim, s->eps);
-        }
+        attention_residual(s, L, x, o, h, n);
         {
             const vs_weight *ws[2] = {&L->w_gate, &L->w_up};
             float *ys[2] = {gate, up};
             linear_rows_multi(ws, ys, 2, h, n, dim);
         }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) {
-            const float *g = gate + r * I, *u = up + r * I;
-            float *ar = act + r * I;
-            for (int64_t i = 0; i < I; i += 16) {
-                const vf gv = vf_load(g + i);
-                const vf a = s->act ? vgelu_tanh(gv) : vsilu(gv);
-                vf_store(ar + i, vf_mul(a, vf_load(u + i)));
-            }
-        }
+        mlp_activation(s, gate, up, act, n);
         linear_rows(&L->w_down, act, n, I, o, dim);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) {
-            float *orow = o + r * dim, *xr = x + r * dim;
-            if (L->post_mlp_norm) rmsnorm_row(orow, L->post_mlp_norm, orow, dim, s->eps);
-            add_rows(xr, orow, dim);
-            for (int64_t t = 0; t < ntaps; t++)
-                if (taps[t] == l) memcpy(tapped + (r * ntaps + t) * dim, xr, dim * sizeof(float));
-        }
+        mlp_residual(s, L, l, x, o, n, taps, ntaps, tapped);
     }
     cpu += thread_cpu_now() - cpu_started;
     }
@@ -838,6 +897,178 @@ static double tree_log_prob(float lp) {
 /* Most nodes a tree of these settings drafts (the root included). */
 int64_t vs_tree_capacity(int64_t top_k, int64_t depth) { return 1 + top_k + depth * top_k * top_k; }
 
+/* vs_eagle_tree's working state: per node (the root first, then as drafted) its token, parent,
+   depth, drafter cache slot (-1 while not expanded), row among the frontier's states (then its
+   value rank), value and flattened place; the frontier (nodes expanded next) and the drafter's
+   rows for it; scratch for the head's top-k and the sorts. */
+typedef struct {
+    int64_t *tok, *ids;
+    int32_t *par, *dep, *slot, *row_of, *order, *flat;
+    double *val, *sorted;
+    float *lp, *states, *pair, *normed;
+    int64_t *front_tok;
+    int32_t *pos, *prefix, *xoff, *extra;
+    float *cur, *next_states;   /* the frontier's states, and the next frontier's */
+    int32_t front[64];
+    int64_t count, pending, n_front;
+} eagle_tree;
+
+static void eagle_tree_alloc(eagle_tree *t, const vs_drafter *d, int64_t top_k, int64_t depth) {
+    const int64_t dim = d->fc.rows, cap = vs_tree_capacity(top_k, depth);
+    t->tok = malloc(cap * sizeof(int64_t)), t->ids = malloc(top_k * top_k * sizeof(int64_t));
+    t->par = malloc(cap * sizeof(int32_t)), t->dep = malloc(cap * sizeof(int32_t));
+    t->slot = malloc(cap * sizeof(int32_t)), t->row_of = malloc(cap * sizeof(int32_t));
+    t->order = malloc(2 * cap * sizeof(int32_t)), t->flat = malloc(cap * sizeof(int32_t));
+    t->val = malloc(cap * sizeof(double)), t->sorted = malloc(cap * sizeof(double));
+    t->lp = malloc(top_k * top_k * sizeof(float));
+    t->states = malloc(2 * top_k * dim * sizeof(float)), t->pair = malloc(top_k * 2 * dim * sizeof(float));
+    t->normed = d->head_norm ? malloc(top_k * dim * sizeof(float)) : NULL;
+    t->front_tok = malloc(top_k * sizeof(int64_t));
+    t->pos = malloc(top_k * sizeof(int32_t)), t->prefix = malloc(top_k * sizeof(int32_t));
+    t->xoff = malloc((top_k + 1) * sizeof(int32_t)), t->extra = malloc(top_k * (depth + 1) * sizeof(int32_t));
+}
+
+static void eagle_tree_free(eagle_tree *t) {
+    free(t->tok), free(t->ids), free(t->par), free(t->dep), free(t->slot), free(t->row_of), free(t->order);
+    free(t->flat), free(t->val), free(t->sorted), free(t->lp), free(t->states), free(t->pair), free(t->front_tok);
+    free(t->pos), free(t->prefix), free(t->xoff), free(t->extra), free(t->normed);
+}
+
+/* The frontier's rows (states in cur) through the head: top_k children each (fewer where the
+   head has fewer rows), appended as the newest nodes. */
+static void eagle_tree_children(const vs_drafter *d, const vs_stack *s, eagle_tree *t, int64_t top_k,
+                                float *head_logits) {
+    const int64_t dim = d->fc.rows, n_front = t->n_front;
+    const int64_t k = top_k < d->head.rows ? top_k : d->head.rows;
+    const float *head_in = t->cur;
+    if (d->head_norm) {
+        for (int64_t r = 0; r < n_front; r++)
+            rmsnorm_row(t->cur + r * dim, d->head_norm, t->normed + r * dim, dim, s->eps);
+        head_in = t->normed;
+    }
+#pragma omp parallel num_threads(team())
+    {
+        linear_rows(&d->head, head_in, n_front, dim, head_logits, d->head.rows);
+        topk_rows(head_logits, n_front, d->head.rows, k, t->ids, t->lp);
+    }
+    for (int64_t r = 0; r < n_front; r++) {
+        const int32_t p = t->front[r];
+        for (int64_t c = 0; c < k; c++) {
+            const int64_t count = t->count;
+            t->tok[count] = d->head_ids ? d->head_ids[t->ids[r * k + c]] : t->ids[r * k + c];
+            t->par[count] = p;
+            t->dep[count] = t->dep[p] + 1;
+            t->val[count] = t->val[p] + tree_log_prob(t->lp[r * k + c]);
+            t->slot[count] = -1;
+            t->count++;
+        }
+    }
+}
+
+/* The next frontier (its size returned): of the newest nodes [newest_lo, count), the top_k by
+   value, less nodes valued at most the total_tokens-th value overall (their descendants could
+   not be kept). */
+static int64_t eagle_tree_next_front(eagle_tree *t, int64_t top_k, int64_t total_tokens, int32_t newest_lo) {
+    const int64_t count = t->count;
+    int32_t cand = (int32_t)count - newest_lo;
+    for (int32_t i = 0; i < cand; i++) t->order[i] = newest_lo + i;
+    qsort(t->order, cand, sizeof(int32_t), by_value);
+    if (cand > top_k) cand = (int32_t)top_k;
+    int64_t m = 0;
+    if (count - 1 < total_tokens) {
+        for (int32_t i = 0; i < cand; i++) t->front[m++] = t->order[i];
+    } else {
+        memcpy(t->sorted, t->val + 1, (count - 1) * sizeof(double));
+        qsort(t->sorted, count - 1, sizeof(double), by_double_desc);
+        const double cutoff = t->sorted[total_tokens - 1];
+        for (int32_t i = 0; i < cand; i++)
+            if (t->val[t->order[i]] > cutoff) t->front[m++] = t->order[i];
+    }
+    return m;
+}
+
+/* The m frontier nodes through the drafter: each row its token and its parent's state, seeing
+   its expanded ancestors' pending slots and its own; their states become the frontier's. */
+static void eagle_tree_expand(const vs_drafter *d, const vs_stack *s, eagle_tree *t, int64_t m, void *keys,
+                              void *values, int64_t length, float *work, float *att) {
+    const int64_t dim = d->fc.rows;
+    for (int64_t r = 0; r < m; r++) {
+        const int32_t node = t->front[r];
+        t->front_tok[r] = t->tok[node];
+        memcpy(t->next_states + r * dim, t->cur + t->row_of[t->par[node]] * dim, dim * sizeof(float));
+    }
+    if (d->fused) drafter_embed(d, t->front_tok, m, t->pair, dim);    /* the parents' states as they are */
+    else drafter_input(d, t->front_tok, t->next_states, 1, m, t->pair, t->next_states);
+    t->xoff[0] = 0;
+    for (int64_t r = 0; r < m; r++) {
+        const int32_t node = t->front[r];
+        t->pos[r] = (int32_t)(length - 1 + t->dep[node]);
+        t->prefix[r] = (int32_t)length;
+        int64_t at = t->xoff[r] + t->dep[node];  /* ancestors below the root, then itself */
+        t->extra[--at] = (int32_t)(length + t->pending + r);
+        for (int32_t a = t->par[node]; a > 0; a = t->par[a]) t->extra[--at] = (int32_t)(length + t->slot[a]);
+        t->xoff[r + 1] = t->xoff[r] + t->dep[node];
+    }
+    vs_stack_forward(s, t->next_states, d->fused ? t->pair : NULL, m, t->pos, t->prefix, t->xoff, t->extra, keys,
+                     values, length + t->pending, work, att, NULL, 0, NULL);
+    drafter_states(d, s, t->next_states, m);
+    for (int64_t r = 0; r < m; r++) t->slot[t->front[r]] = (int32_t)(t->pending + r), t->row_of[t->front[r]] = (int32_t)r;
+    t->pending += m;
+    t->n_front = m;
+    float *swap = t->cur;
+    t->cur = t->next_states;
+    t->next_states = swap;
+}
+
+/* Keep the best total_tokens (their count returned; row_of: each one's value rank) and place them
+   depth by depth (flat: each node's place; order + kept: the kept nodes in place order). */
+static int64_t eagle_tree_place(eagle_tree *t, int64_t depth, int64_t total_tokens) {
+    const int64_t count = t->count;
+    int64_t kept = count - 1 < total_tokens ? count - 1 : total_tokens;
+    for (int32_t i = 0; i < count - 1; i++) t->order[i] = i + 1;
+    qsort(t->order, count - 1, sizeof(int32_t), by_rank);
+    for (int64_t i = 0; i < count; i++) t->flat[i] = -1;
+    for (int64_t r = 0; r < kept; r++) t->row_of[t->order[r]] = (int32_t)r;   /* value rank */
+    t->flat[0] = 0;
+    /* Parents are kept with their children and are shallower: placing level by level in
+       depth order sees each parent's place before its children are sorted. */
+    int32_t *place = t->order + kept, placed = 0;
+    memcpy(place, t->order, kept * sizeof(int32_t));
+    int64_t lo = 0;
+    for (int32_t dd = 1; lo < kept && dd <= depth + 1; dd++) {
+        int64_t hi = lo;
+        for (int64_t i = lo; i < kept; i++)
+            if (t->dep[place[i]] == dd) {
+                const int32_t swap = place[hi];
+                place[hi++] = place[i];
+                place[i] = swap;
+            }
+        qsort(place + lo, hi - lo, sizeof(int32_t), by_place);
+        for (int64_t i = lo; i < hi; i++) t->flat[place[i]] = (int32_t)(++placed);
+        lo = hi;
+    }
+    return kept;
+}
+
+/* The placed tree, flattened, into the caller's arrays; its rows, or -1 where it is not a tree. */
+static int64_t eagle_tree_write(const eagle_tree *t, int64_t kept, int64_t root, int64_t *tokens, int64_t *parents,
+                                int64_t *ranks, double *node_values) {
+    const int32_t *place = t->order + kept;
+    tokens[0] = root, parents[0] = -1, ranks[0] = -1, node_values[0] = 0.0;
+    int64_t rows = kept + 1;
+    for (int64_t i = 0; i < kept; i++) {
+        const int32_t node = place[i];
+        tokens[i + 1] = t->tok[node];
+        parents[i + 1] = t->flat[t->par[node]];
+        ranks[i + 1] = t->row_of[node];
+        node_values[i + 1] = t->val[node];
+        /* Kept without its parent, or placed after none: a broken tree must not reach
+           verification, which indexes by parent. */
+        if (node < 1 || parents[i + 1] < 0 || parents[i + 1] > i) rows = -1;
+    }
+    return rows;
+}
+
 /* Grow the tree from `state` (the drafter's output at the root) over the drafter's cache of
    `length` committed slots; its expansions are left pending (forgotten: the next read
    overwrites them). Writes the kept tree, flattened, to tokens/parents (parents[0] = -1) and
@@ -849,142 +1080,30 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *
                       const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
                       int64_t *tokens, int64_t *parents, int64_t *ranks, double *node_values,
                       float *head_logits, float *work, float *att) {
-    const int64_t dim = d->fc.rows, cap = vs_tree_capacity(top_k, depth);
-    int64_t *tok = malloc(cap * sizeof(int64_t)), *ids = malloc(top_k * top_k * sizeof(int64_t));
-    int32_t *par = malloc(cap * sizeof(int32_t)), *dep = malloc(cap * sizeof(int32_t));
-    int32_t *slot = malloc(cap * sizeof(int32_t)), *row_of = malloc(cap * sizeof(int32_t));
-    int32_t *order = malloc(2 * cap * sizeof(int32_t)), *flat = malloc(cap * sizeof(int32_t));
-    double *val = malloc(cap * sizeof(double)), *sorted = malloc(cap * sizeof(double));
-    float *lp = malloc(top_k * top_k * sizeof(float));
-    float *states = malloc(2 * top_k * dim * sizeof(float)), *pair = malloc(top_k * 2 * dim * sizeof(float));
-    float *normed = d->head_norm ? malloc(top_k * dim * sizeof(float)) : NULL;
-    int64_t *front_tok = malloc(top_k * sizeof(int64_t));
-    int32_t *pos = malloc(top_k * sizeof(int32_t)), *prefix = malloc(top_k * sizeof(int32_t));
-    int32_t *xoff = malloc((top_k + 1) * sizeof(int32_t)), *extra = malloc(top_k * (depth + 1) * sizeof(int32_t));
-    int32_t front[64], newest_lo, newest_hi;
-    tree_keys keys_ = {val, dep, par, flat};
+    const int64_t dim = d->fc.rows;
+    eagle_tree t;
+    eagle_tree_alloc(&t, d, top_k, depth);
+    tree_keys keys_ = {t.val, t.dep, t.par, t.flat};
     sort_keys = &keys_;
-    int64_t count = 1, pending = 0;
-    tok[0] = root, par[0] = -1, dep[0] = 0, val[0] = 0.0, slot[0] = -1;
+    t.count = 1, t.pending = 0;
+    t.tok[0] = root, t.par[0] = -1, t.dep[0] = 0, t.val[0] = 0.0, t.slot[0] = -1;
 
     /* Depth 1: the root's children, from `state`. */
-    float *cur = states, *next_states = states + top_k * dim;
-    memcpy(cur, state, dim * sizeof(float));
-    int64_t n_front = 1;
-    front[0] = 0;
-    row_of[0] = 0;
+    t.cur = t.states, t.next_states = t.states + top_k * dim;
+    memcpy(t.cur, state, dim * sizeof(float));
+    t.n_front = 1;
+    t.front[0] = 0;
+    t.row_of[0] = 0;
     for (int64_t level = 0; level <= depth; level++) {
-        /* The frontier's rows (states in cur) through the head: top_k children each. */
-        const int64_t k = top_k < d->head.rows ? top_k : d->head.rows;
-        const float *head_in = cur;
-        if (d->head_norm) {
-            for (int64_t r = 0; r < n_front; r++)
-                rmsnorm_row(cur + r * dim, d->head_norm, normed + r * dim, dim, s->eps);
-            head_in = normed;
-        }
-#pragma omp parallel num_threads(team())
-        {
-            linear_rows(&d->head, head_in, n_front, dim, head_logits, d->head.rows);
-            topk_rows(head_logits, n_front, d->head.rows, k, ids, lp);
-        }
-        newest_lo = (int32_t)count;
-        for (int64_t r = 0; r < n_front; r++) {
-            const int32_t p = front[r];
-            for (int64_t c = 0; c < k; c++) {
-                tok[count] = d->head_ids ? d->head_ids[ids[r * k + c]] : ids[r * k + c];
-                par[count] = p;
-                dep[count] = dep[p] + 1;
-                val[count] = val[p] + tree_log_prob(lp[r * k + c]);
-                slot[count] = -1;
-                count++;
-            }
-        }
-        newest_hi = (int32_t)count;
+        const int32_t newest_lo = (int32_t)t.count;
+        eagle_tree_children(d, s, &t, top_k, head_logits);
         if (level == depth) break;
-        /* The next frontier: the newest layer's top_k by value, less nodes valued at most the
-           total_tokens-th value overall (their descendants could not be kept). */
-        int32_t cand = newest_hi - newest_lo;
-        for (int32_t i = 0; i < cand; i++) order[i] = newest_lo + i;
-        qsort(order, cand, sizeof(int32_t), by_value);
-        if (cand > top_k) cand = (int32_t)top_k;
-        int64_t m = 0;
-        if (count - 1 < total_tokens) {
-            for (int32_t i = 0; i < cand; i++) front[m++] = order[i];
-        } else {
-            memcpy(sorted, val + 1, (count - 1) * sizeof(double));
-            qsort(sorted, count - 1, sizeof(double), by_double_desc);
-            const double cutoff = sorted[total_tokens - 1];
-            for (int32_t i = 0; i < cand; i++)
-                if (val[order[i]] > cutoff) front[m++] = order[i];
-        }
+        const int64_t m = eagle_tree_next_front(&t, top_k, total_tokens, newest_lo);
         if (m == 0) break;
-        /* Their drafter rows: token and parent's state, each seeing its expanded ancestors'
-           pending slots and its own. */
-        for (int64_t r = 0; r < m; r++) {
-            const int32_t node = front[r];
-            front_tok[r] = tok[node];
-            memcpy(next_states + r * dim, cur + row_of[par[node]] * dim, dim * sizeof(float));
-        }
-        if (d->fused) drafter_embed(d, front_tok, m, pair, dim);    /* the parents' states as they are */
-        else drafter_input(d, front_tok, next_states, 1, m, pair, next_states);
-        xoff[0] = 0;
-        for (int64_t r = 0; r < m; r++) {
-            const int32_t node = front[r];
-            pos[r] = (int32_t)(length - 1 + dep[node]);
-            prefix[r] = (int32_t)length;
-            int64_t at = xoff[r] + dep[node];  /* ancestors below the root, then itself */
-            extra[--at] = (int32_t)(length + pending + r);
-            for (int32_t a = par[node]; a > 0; a = par[a]) extra[--at] = (int32_t)(length + slot[a]);
-            xoff[r + 1] = xoff[r] + dep[node];
-        }
-        vs_stack_forward(s, next_states, d->fused ? pair : NULL, m, pos, prefix, xoff, extra, keys, values,
-                         length + pending, work, att, NULL, 0, NULL);
-        drafter_states(d, s, next_states, m);
-        for (int64_t r = 0; r < m; r++) slot[front[r]] = (int32_t)(pending + r), row_of[front[r]] = (int32_t)r;
-        pending += m;
-        n_front = m;
-        float *t = cur;
-        cur = next_states;
-        next_states = t;
+        eagle_tree_expand(d, s, &t, m, keys, values, length, work, att);
     }
-    /* Keep the best total_tokens; flatten depth by depth. */
-    int64_t kept = count - 1 < total_tokens ? count - 1 : total_tokens;
-    for (int32_t i = 0; i < count - 1; i++) order[i] = i + 1;
-    qsort(order, count - 1, sizeof(int32_t), by_rank);
-    for (int64_t i = 0; i < count; i++) flat[i] = -1;
-    for (int64_t r = 0; r < kept; r++) row_of[order[r]] = (int32_t)r;   /* value rank */
-    flat[0] = 0;
-    /* Parents are kept with their children and are shallower: placing level by level in
-       depth order sees each parent's place before its children are sorted. */
-    int32_t *place = order + kept, placed = 0;
-    memcpy(place, order, kept * sizeof(int32_t));
-    int64_t lo = 0;
-    for (int32_t dd = 1; lo < kept && dd <= depth + 1; dd++) {
-        int64_t hi = lo;
-        for (int64_t i = lo; i < kept; i++)
-            if (dep[place[i]] == dd) {
-                const int32_t t = place[hi];
-                place[hi++] = place[i];
-                place[i] = t;
-            }
-        qsort(place + lo, hi - lo, sizeof(int32_t), by_place);
-        for (int64_t i = lo; i < hi; i++) flat[place[i]] = (int32_t)(++placed);
-        lo = hi;
-    }
-    tokens[0] = root, parents[0] = -1, ranks[0] = -1, node_values[0] = 0.0;
-    int64_t rows = kept + 1;
-    for (int64_t i = 0; i < kept; i++) {
-        const int32_t node = place[i];
-        tokens[i + 1] = tok[node];
-        parents[i + 1] = flat[par[node]];
-        ranks[i + 1] = row_of[node];
-        node_values[i + 1] = val[node];
-        /* Kept without its parent, or placed after none: a broken tree must not reach
-           verification, which indexes by parent. */
-        if (node < 1 || parents[i + 1] < 0 || parents[i + 1] > i) rows = -1;
-    }
-    free(tok), free(ids), free(par), free(dep), free(slot), free(row_of), free(order), free(flat);
-    free(val), free(sorted), free(lp), free(states), free(pair), free(front_tok), free(pos), free(prefix);
-    free(xoff), free(extra), free(normed);
+    const int64_t kept = eagle_tree_place(&t, depth, total_tokens);
+    const int64_t rows = eagle_tree_write(&t, kept, root, tokens, parents, ranks, node_values);
+    eagle_tree_free(&t);
     return rows;
 }

@@ -223,88 +223,109 @@ ALWAYS void gguf_block_shape(const int T, int *inputs, int *bytes) {
     *inputs = shape[T][0], *bytes = shape[T][1];
 }
 
-ALWAYS void gguf_decode(const int T, const uint8_t *b, gguf_block *o) {
-    switch (T) {   /* loops of 16 or 32 bytes without divisions: the compiler vectorizes them */
-    case VS_Q4_0: case VS_Q4_1: case VS_Q5_0: case VS_Q5_1: case VS_IQ4_NL: {
-        const int mins = T == VS_Q4_1 || T == VS_Q5_1, five = T == VS_Q5_0 || T == VS_Q5_1;
-        o->d[0] = u16_at(b);
-        if (mins) o->m[0] = u16_at(b + 2);
-        const uint8_t *qh = b + 2 + 2 * mins, *qs = qh + 4 * five;
-        uint32_t h = 0;
-        if (five) memcpy(&h, qh, 4);
-        for (int k = 0; k < 16; k++) o->u[k] = qs[k] & 15, o->u[k + 16] = qs[k] >> 4;
-        if (five)
-            for (int k = 0; k < 32; k++) o->u[k] |= (uint8_t)(((h >> k) & 1) << 4);
-        break;
+/* The per-type pieces of gguf_decode: loops of 16 or 32 bytes without divisions, which the
+   compiler vectorizes. */
+
+/* Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL: a half scale (and min), 32 4-bit codes (Q5's with their
+   fifth bits). */
+ALWAYS void decode_32(const int T, const uint8_t *b, gguf_block *o) {
+    const int mins = T == VS_Q4_1 || T == VS_Q5_1, five = T == VS_Q5_0 || T == VS_Q5_1;
+    o->d[0] = u16_at(b);
+    if (mins) o->m[0] = u16_at(b + 2);
+    const uint8_t *qh = b + 2 + 2 * mins, *qs = qh + 4 * five;
+    uint32_t h = 0;
+    if (five) memcpy(&h, qh, 4);
+    for (int k = 0; k < 16; k++) o->u[k] = qs[k] & 15, o->u[k + 16] = qs[k] >> 4;
+    if (five)
+        for (int k = 0; k < 32; k++) o->u[k] |= (uint8_t)(((h >> k) & 1) << 4);
+}
+
+/* Q3_K's sixteen 6-bit group scales, as signed bytes. */
+ALWAYS void decode_q3_k_scales(const uint8_t *b, gguf_block *o) {
+    uint32_t aux[4];
+    memcpy(aux, b + 96, 12);
+    const uint32_t tmp = aux[2], k1 = 0x03030303, k2 = 0x0f0f0f0f;
+    aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+    aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+    aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+    aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+    const int8_t *scales = (const int8_t *)aux;
+    o->hd = u16_at(b + 108);
+    for (int g = 0; g < 16; g++) o->sc[g] = (uint8_t)(int8_t)(scales[g] - 32);
+}
+
+/* Q2_K and Q3_K: 2-bit codes (Q3_K's with their third bits), then the scales. */
+ALWAYS void decode_q2_q3_k(const int T, const uint8_t *b, gguf_block *o) {
+    const uint8_t *q = b + (T == VS_Q2_K ? 16 : 32), *hm = b;
+    for (int n = 0; n < 2; n++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {      /* l: h * 16 + the 16-input group's input */
+                uint8_t c = (q[n * 32 + l] >> (2 * j)) & 3;
+                if (T == VS_Q3_K) c |= (uint8_t)(((hm[l] >> (n * 4 + j)) & 1) << 2);
+                o->u[n * 128 + j * 32 + l] = c;
+            }
+    if (T == VS_Q2_K) {
+        o->hd = u16_at(b + 80), o->hdmin = u16_at(b + 82);
+        memcpy(o->sc, b, 16);
+    } else {
+        decode_q3_k_scales(b, o);
     }
+}
+
+/* Q4_K and Q5_K: the header, eight groups' 6-bit scales and mins, 4-bit codes (Q5_K's with
+   their fifth bits). */
+ALWAYS void decode_q4_q5_k(const int T, const uint8_t *b, gguf_block *o) {
+    const int five = T == VS_Q5_K;
+    const uint8_t *qh = b + 16, *qs = b + 16 + 32 * five;
+    o->hd = u16_at(b), o->hdmin = u16_at(b + 2);
+    for (int g = 0; g < 8; g++) k_scale_min(b + 4, g, &o->sc[g], &o->mn[g]);
+    for (int J = 0; J < 4; J++)
+        for (int l = 0; l < 32; l++) {
+            uint8_t lo = qs[J * 32 + l] & 15, hi = qs[J * 32 + l] >> 4;
+            if (five) lo |= (uint8_t)(((qh[l] >> (2 * J)) & 1) << 4), hi |= (uint8_t)(((qh[l] >> (2 * J + 1)) & 1) << 4);
+            o->u[J * 64 + l] = lo, o->u[J * 64 + 32 + l] = hi;
+        }
+}
+
+/* Q6_K: 4 low and 2 high bits a code, sixteen 8-bit group scales. */
+ALWAYS void decode_q6_k(const uint8_t *b, gguf_block *o) {
+    const uint8_t *ql = b, *qh = b + 128;
+    o->hd = u16_at(b + 208);
+    memcpy(o->sc, b + 192, 16);
+    for (int N = 0; N < 2; N++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t a = ql[64 * N + l], c = ql[64 * N + 32 + l], h = qh[32 * N + l];
+            o->u[128 * N + l] = (uint8_t)((a & 15) | ((h & 3) << 4));
+            o->u[128 * N + 32 + l] = (uint8_t)((c & 15) | (((h >> 2) & 3) << 4));
+            o->u[128 * N + 64 + l] = (uint8_t)((a >> 4) | (((h >> 4) & 3) << 4));
+            o->u[128 * N + 96 + l] = (uint8_t)((c >> 4) | (((h >> 6) & 3) << 4));
+        }
+}
+
+/* IQ4_XS: the header, eight groups' 6-bit scales, 4-bit indices into the IQ4 table. */
+ALWAYS void decode_iq4_xs(const uint8_t *b, gguf_block *o) {
+    const uint16_t sh = u16_at(b + 2);
+    const uint8_t *sl = b + 4, *qs = b + 8;
+    o->hd = u16_at(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0xf) | (((sh >> (2 * ib)) & 3) << 4);
+        o->sc[ib] = (uint8_t)(int8_t)(ls - 32);
+        for (int j = 0; j < 16; j++) o->u[ib * 32 + j] = qs[ib * 16 + j] & 15, o->u[ib * 32 + 16 + j] = qs[ib * 16 + j] >> 4;
+    }
+}
+
+/* One GGUF block of type T at b, taken apart into o. */
+ALWAYS void gguf_decode(const int T, const uint8_t *b, gguf_block *o) {
+    switch (T) {
+    case VS_Q4_0: case VS_Q4_1: case VS_Q5_0: case VS_Q5_1: case VS_IQ4_NL: decode_32(T, b, o); break;
     case VS_Q8_0:
         o->d[0] = u16_at(b);
         memcpy(o->u, b + 2, 32);
         break;
-    case VS_Q2_K: case VS_Q3_K: {
-        const uint8_t *q = b + (T == VS_Q2_K ? 16 : 32), *hm = b;
-        for (int n = 0; n < 2; n++)
-            for (int j = 0; j < 4; j++)
-                for (int l = 0; l < 32; l++) {      /* l: h * 16 + the 16-input group's input */
-                    uint8_t c = (q[n * 32 + l] >> (2 * j)) & 3;
-                    if (T == VS_Q3_K) c |= (uint8_t)(((hm[l] >> (n * 4 + j)) & 1) << 2);
-                    o->u[n * 128 + j * 32 + l] = c;
-                }
-        if (T == VS_Q2_K) {
-            o->hd = u16_at(b + 80), o->hdmin = u16_at(b + 82);
-            memcpy(o->sc, b, 16);
-        } else {
-            uint32_t aux[4];
-            memcpy(aux, b + 96, 12);
-            const uint32_t tmp = aux[2], k1 = 0x03030303, k2 = 0x0f0f0f0f;
-            aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
-            aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
-            aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
-            aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
-            const int8_t *scales = (const int8_t *)aux;
-            o->hd = u16_at(b + 108);
-            for (int g = 0; g < 16; g++) o->sc[g] = (uint8_t)(int8_t)(scales[g] - 32);
-        }
-        break;
-    }
-    case VS_Q4_K: case VS_Q5_K: {
-        const int five = T == VS_Q5_K;
-        const uint8_t *qh = b + 16, *qs = b + 16 + 32 * five;
-        o->hd = u16_at(b), o->hdmin = u16_at(b + 2);
-        for (int g = 0; g < 8; g++) k_scale_min(b + 4, g, &o->sc[g], &o->mn[g]);
-        for (int J = 0; J < 4; J++)
-            for (int l = 0; l < 32; l++) {
-                uint8_t lo = qs[J * 32 + l] & 15, hi = qs[J * 32 + l] >> 4;
-                if (five) lo |= (uint8_t)(((qh[l] >> (2 * J)) & 1) << 4), hi |= (uint8_t)(((qh[l] >> (2 * J + 1)) & 1) << 4);
-                o->u[J * 64 + l] = lo, o->u[J * 64 + 32 + l] = hi;
-            }
-        break;
-    }
-    case VS_Q6_K: {
-        const uint8_t *ql = b, *qh = b + 128;
-        o->hd = u16_at(b + 208);
-        memcpy(o->sc, b + 192, 16);
-        for (int N = 0; N < 2; N++)
-            for (int l = 0; l < 32; l++) {
-                const uint8_t a = ql[64 * N + l], c = ql[64 * N + 32 + l], h = qh[32 * N + l];
-                o->u[128 * N + l] = (uint8_t)((a & 15) | ((h & 3) << 4));
-                o->u[128 * N + 32 + l] = (uint8_t)((c & 15) | (((h >> 2) & 3) << 4));
-                o->u[128 * N + 64 + l] = (uint8_t)((a >> 4) | (((h >> 4) & 3) << 4));
-                o->u[128 * N + 96 + l] = (uint8_t)((c >> 4) | (((h >> 6) & 3) << 4));
-            }
-        break;
-    }
-    case VS_IQ4_XS: {
-        const uint16_t sh = u16_at(b + 2);
-        const uint8_t *sl = b + 4, *qs = b + 8;
-        o->hd = u16_at(b);
-        for (int ib = 0; ib < 8; ib++) {
-            const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0xf) | (((sh >> (2 * ib)) & 3) << 4);
-            o->sc[ib] = (uint8_t)(int8_t)(ls - 32);
-            for (int j = 0; j < 16; j++) o->u[ib * 32 + j] = qs[ib * 16 + j] & 15, o->u[ib * 32 + 16 + j] = qs[ib * 16 + j] >> 4;
-        }
-        break;
-    }
+    case VS_Q2_K: case VS_Q3_K: decode_q2_q3_k(T, b, o); break;
+    case VS_Q4_K: case VS_Q5_K: decode_q4_q5_k(T, b, o); break;
+    case VS_Q6_K: decode_q6_k(b, o); break;
+    case VS_IQ4_XS: decode_iq4_xs(b, o); break;
     default: break;
     }
 }
