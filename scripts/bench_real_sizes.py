@@ -1,6 +1,9 @@
 """The native engine against llama.cpp's own build on GGUFs of real models' shapes (random weights,
 scripts/gguf_shapes.py): decode (llama-bench's tg), prompt processing (pp512), the rows a tree
-costs (llama-bench's pp at 1-64 against our forward of as many rows), and memory.
+costs (llama-bench's pp at 1-64 against our forward of as many rows), and memory. Each figure is
+set against this machine's ceilings (scripts/machine_peaks.py, measured in the same run): decode
+as the bytes a token reads over its time against the read bandwidth, and the rows past the first
+as their int8 arithmetic over their extra time against the int8 dot-product peak.
 
 Both engines read the same file with the same threads, in rounds that alternate between them so
 that the machine's drift falls on both (medians over rounds). Ours: plain greedy decoding through
@@ -25,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+import machine_peaks
 from vocabspec.engine import native
+from vocabspec.engine.gguf_file import GGUFFile
 from vocabspec.engine.loading import load_model
 from vocabspec.speculation.batch import Engine
 from vocabspec.speculation.cost_curve import forward_seconds
@@ -59,6 +64,32 @@ def ours_prefill(model, tokens: int) -> float:
         return tokens / (time.perf_counter() - start)
 
 
+def per_token(path: Path) -> dict:
+    """What one token's forward reads and computes: every tensor's bytes but the embedding
+    table's (a token reads one of its rows; tied, it is also the head and read whole), and two
+    operations per weight of the matrices a row multiplies (the head included)."""
+    tensors = GGUFFile(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    read = [t for t in tensors if tied or t.name != "token_embd.weight"]
+    matrices = [t for t in read if len(t.shape) == 2]
+    return {"bytes": sum(t.n_bytes for t in read), "ops": 2 * sum(t.n_elements for t in matrices)}
+
+
+def roofline(result: dict, work: dict, peaks: dict) -> dict:
+    """Decode's bytes a second against the bandwidth, and the extra rows' int8 rate against the peak."""
+    out = {"bytes_per_token_gib": round(work["bytes"] / 2**30, 2), **peaks}
+    gbs = work["bytes"] * result["ours_tg"] / 1e9
+    out["decode_gbs"], out["decode_of_bandwidth"] = round(gbs, 1), round(gbs / peaks["bandwidth_gbs"], 2)
+    if "ours_ms" in result:
+        rows = sorted(result["ours_ms"])
+        one, last = rows[0], rows[-1]
+        extra_s = (result["ours_ms"][last] - result["ours_ms"][one]) / 1e3
+        if extra_s > 0:
+            gops = (last - one) * work["ops"] / extra_s / 1e9
+            out["extra_rows_gops"], out["extra_rows_of_int8_peak"] = round(gops), round(gops / peaks["int8_gops"], 2)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
@@ -71,6 +102,8 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     native.set_threads(args.threads)
+    peaks = machine_peaks.measure(args.threads)
+    print(json.dumps(peaks), flush=True)
     started = time.perf_counter()
     model, _ = load_model(str(args.model), max_seq_len=max(1024, args.prompt + 16))
     load_s = time.perf_counter() - started
@@ -100,6 +133,7 @@ def main():
             result[side] = {n: round(statistics.median(v), 1) for n, v in curve[side].items()}
             one = result[side][rows[0]]
             result[side.replace("_ms", "_x_one_row")] = {n: round(v / one, 2) for n, v in result[side].items()}
+    result["roofline"] = roofline(result, per_token(args.model), peaks)
     print(json.dumps(result))
     if args.out:
         with open(args.out, "a") as f:

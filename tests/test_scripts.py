@@ -112,3 +112,21 @@ def test_heldout_agreement_counts_answer_rows_and_every_row(tmp_path):
     # prompt's, less the two a row needs before it.
     assert counts["answer_rows"]["rows"] == 4 and counts["every_rows"]["rows"] > 4
     assert all(0.0 <= c["agreement"] <= 1.0 for c in counts.values())
+
+
+def test_machine_peaks_and_the_roofline_they_set():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import bench_real_sizes
+        import machine_peaks
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    peaks = machine_peaks.measure(threads=1, buffer_gib=0.0625)
+    assert peaks["bandwidth_gbs"] > 0.5 and peaks["int8_gops"] > 5 and peaks["int8_width"] in (256, 512)
+    # A 1 GB-a-token model decoding at 10 tok/s reads 10 GB/s; 16 rows taking 1.5 s more than one
+    # row's 0.5 s do 15 rows' 2 GOP each in that 1.5 s: 20 GOPS.
+    record = {"ours_tg": 10.0, "ours_ms": {1: 500.0, 16: 2000.0}}
+    line = bench_real_sizes.roofline(record, {"bytes": 1e9, "ops": 2e9},
+                                     {"bandwidth_gbs": 20.0, "int8_gops": 100.0, "threads": 1, "int8_width": 512})
+    assert line["decode_gbs"] == 10.0 and line["decode_of_bandwidth"] == 0.5
+    assert line["extra_rows_gops"] == 20 and line["extra_rows_of_int8_peak"] == 0.2
