@@ -24,7 +24,7 @@ def plain():
 
 def live_model(prior_speedup: float):
     lm = vocabspec.load("smollm2", draft="eagle", depth=4, total_tokens=8, max_seq_len=1024)
-    sizing = LiveSizing(CURVE, draft_level=0.0003, prior_speedup=prior_speedup, depth=2, total=3,
+    sizing = LiveSizing(CURVE, draft_level=0.0003, prior_speedup=prior_speedup, total=3,
                         most_depth=4, most=8)
     sizing.keep_sizes = True
     lm.engine.proposer.sizing = sizing
@@ -55,7 +55,7 @@ def test_a_sampled_request_keeps_the_fixed_tree(plain):
 
 
 def test_a_verdict_that_drafting_loses_is_probed_again():
-    sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, depth=0, total=0, most_depth=4, most=8)
+    sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, total=0, most_depth=4, most=8)
     plans = []
     for _ in range(3 * (PROBE_EVERY + 1)):
         plans.append(sizing.plan())
@@ -126,3 +126,46 @@ def test_the_accepted_path_is_followed_by_tokens():
     tokens = tree.tokens.tolist()
     rows = path_rows(tree, [1, 6, 7, 3])
     assert [tokens[r] for r in sorted(rows)] == [6, 7]
+
+
+def test_the_calibration_is_kept_in_the_tuners_cache(tmp_path, monkeypatch):
+    """What one run learned is the next run's start (scaled to KEEP_SEEN a bin, so it still
+    moves), kept every SAVE_EVERY outcomes and at `save`; a kept state of another shape is
+    not read."""
+    import json
+
+    from vocabspec.speculation.autotune import keep_calibration
+    from vocabspec.speculation.live_tree import KEEP_SEEN, SAVE_EVERY
+
+    monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))
+    value = torch.log(torch.tensor(0.85)).item()
+    first = LiveSizing(CURVE, 0.0003, prior_speedup=1.2, total=3, most_depth=4, most=8)
+    keep_calibration(first, "test|drafter")
+    first.calibration.learn([1] * 1000, [value] * 1000, [i % 4 == 0 for i in range(1000)])
+    first._unsaved = SAVE_EVERY - 1
+    first.start()                                     # under SAVE_EVERY outcomes: not yet kept
+    assert not (tmp_path / "autotune.json").exists()
+    first._unsaved = SAVE_EVERY
+    first.start()
+    kept = json.loads((tmp_path / "autotune.json").read_text())["calibration|test|drafter|v1"]
+    assert kept["seen"][1][8] == 1000
+    second = LiveSizing(CURVE, 0.0003, prior_speedup=1.2, total=3, most_depth=4, most=8)
+    keep_calibration(second, "test|drafter")
+    assert second.calibration.chance(1, value) == pytest.approx(0.25, abs=0.03)
+    assert second.calibration.seen[1][8] == KEEP_SEEN
+    other = LiveSizing(CURVE, 0.0003, prior_speedup=1.2, total=3, most_depth=6, most=8)   # 7 depths, not 5
+    keep_calibration(other, "test|drafter")
+    assert other.calibration.chance(1, value) == pytest.approx(0.85)
+
+
+def test_a_tree_stops_growing_where_its_frontier_cannot_pay():
+    """TreeStop: the frontier's summed chances against min_gain, each node's bin from its
+    confidence, depths past the table's last read from its last row."""
+    from vocabspec.speculation.live_tree import TreeStop
+
+    calibration = Calibration(max_depth=2)
+    stop = TreeStop(calibration.table(), 0.55)
+    log = torch.log(torch.tensor([0.33, 0.12, 0.97, 0.62, 0.42], dtype=torch.float64)).tolist()
+    assert not stop.pays([1, 1], log[:2])            # the raw prior's bins: 0.35 + 0.15 < 0.55
+    assert stop.pays([1, 1, 1], log[:3])             # and a sure node's 0.95
+    assert stop.pays([7], [log[3]]) and not stop.pays([7], [log[4]])   # depth 7: depth 2's bins

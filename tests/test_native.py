@@ -15,6 +15,7 @@ would get in a forward of its own.
 """
 
 import json
+from itertools import product
 from dataclasses import asdict
 from pathlib import Path
 
@@ -296,11 +297,24 @@ def test_bad_visibility_is_refused():
 
 # ---------------------------------------------------------------- speculative steps in one call
 
+def _stops():
+    from vocabspec.speculation.live_tree import TreeStop
+
+    # Chances halving with depth, alike in every confidence bin: the sums are exact in C and in
+    # Python, so where a tree stops depends on its frontiers' sizes, never on a rounding.
+    table = torch.tensor([[0.5 ** d] * 10 for d in range(5)], dtype=torch.float64)
+    return [None, TreeStop(table, 0.6), TreeStop(table, 1.2)]
+
+
+STOPS = _stops()
+
+
 @pytest.mark.parametrize("arch,family", [("llama", "eagle"), ("gemma3", "eagle"), ("llama", "eagle3"),
                                          ("gemma3", "eagle3")])
 def test_native_draft_trees_are_the_reference_trees(arch, family):
     """vs_eagle_tree against TreeBuilder grown from Python over the same native drafter and head:
-    the same tokens, parents, children and value ranks, through several reads of new tokens.
+    the same tokens, parents, children and value ranks, through several reads of new tokens,
+    grown whole and stopped early by the live rule's TreeStop.
     EAGLE-3: a drafter fusing three target layers, whose head is its own (all of it, and a
     subset), normed before the head or at the output, its residual normed or not."""
     from dataclasses import replace
@@ -333,6 +347,7 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
         keep = torch.randperm(150, generator=g)[:60]     # a subset of its rows, as fr:N and trim:N are
         setups += [(drafter, StaticSubset.of_rows(drafter.native_pack(drafter.lm_head.weight[keep]),
                                                   drafter.draft_ids[keep], "fr:60"))]
+    stopped_early = 0
     for drafter, head in setups:
         width = (len(drafter.taps) + 1) * a.dim      # the target's rows the drafter reads
         proposer = EagleProposer(drafter, head=head, depth=4, top_k=5, total_tokens=12)
@@ -341,17 +356,21 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
         context = torch.randint(0, 200, (30,), generator=g).tolist()
         proposer.reset(context, torch.randn(30, width, generator=g), context[-1])
         for step in range(4):
-            for depth, top_k, total in [(4, 5, 12), (1, 1, 1), (3, 3, 9), (5, 8, 40), (2, 4, 100)]:
+            for (depth, top_k, total), stop in product([(4, 5, 12), (1, 1, 1), (3, 3, 9), (5, 8, 40), (2, 4, 100)],
+                                                       STOPS):
                 proposer.depth, proposer.top_k, proposer.total_tokens = depth, top_k, total
                 shape = (proposer.depth, proposer.total_tokens)
-                fast, reference = proposer.backend.grow(7, *shape), reference_backend.grow(7, *shape)
-                assert torch.equal(fast.tokens, reference.tokens), (head.name, step, depth, top_k, total)
+                fast, reference = proposer.backend.grow(7, *shape, stop), reference_backend.grow(7, *shape, stop)
+                if stop is not None:
+                    stopped_early += fast.max_depth < proposer.backend.grow(7, *shape).max_depth
+                assert torch.equal(fast.tokens, reference.tokens), (head.name, step, depth, top_k, total, stop)
                 assert torch.equal(fast.parents, reference.parents)
                 assert fast.children == reference.children and torch.equal(fast.ranks, reference.ranks)
                 # what the live sizing reads (the C log-softmax rounds its own way: not bits)
                 assert torch.allclose(fast.values, reference.values, rtol=1e-5, atol=1e-5)
             accepted = torch.randint(0, 200, (1 + step,), generator=g).tolist()
             proposer.observe(accepted, torch.randn(1 + step, width, generator=g), step)
+    assert stopped_early        # the live rule's stop cut some trees short, alike in C and Python
 
 
 def test_one_call_greedy_verification_accepts_what_the_torch_verifier_accepts():

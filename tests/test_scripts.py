@@ -130,3 +130,15 @@ def test_machine_peaks_and_the_roofline_they_set():
                                      {"bandwidth_gbs": 20.0, "int8_gops": 100.0, "threads": 1, "int8_width": 512})
     assert line["decode_gbs"] == 10.0 and line["decode_of_bandwidth"] == 0.5
     assert line["extra_rows_gops"] == 20 and line["extra_rows_of_int8_peak"] == 0.2
+
+
+def test_live_vs_static_reads_one_question_a_category_and_the_heldout_prompts():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("live_vs_static", SCRIPTS / "live_vs_static.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    categories = [c for c, _ in script.prompts()]
+    assert len([c for c in categories if not c.startswith("heldout")]) == 13
+    assert len([c for c in categories if c.startswith("heldout")]) == 8
+    assert len(set(categories)) == len(categories)

@@ -91,6 +91,8 @@ int64_t vs_abi(int64_t *out, int64_t cap) {
         sizeof(vs_stack), offsetof(vs_stack, eps), offsetof(vs_stack, kv_half), offsetof(vs_stack, layers),
         sizeof(vs_drafter), offsetof(vs_drafter, head), offsetof(vs_drafter, embed), offsetof(vs_drafter, head_ids),
         offsetof(vs_drafter, out_norm), offsetof(vs_drafter, eps), offsetof(vs_drafter, fused),
+        sizeof(vs_tree_stop), offsetof(vs_tree_stop, depths), offsetof(vs_tree_stop, bins),
+        offsetof(vs_tree_stop, min_gain),
     };
     const int64_t n = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < n && i < cap; i++) out[i] = v[i];
@@ -1069,17 +1071,34 @@ static int64_t eagle_tree_write(const eagle_tree *t, int64_t kept, int64_t root,
     return rows;
 }
 
+/* Whether the next level may pay (vs_tree_stop; NULL: every level is drafted): the m frontier
+   nodes' summed chances bound what their children can add, a child's chance never above its
+   parent's. Summed in frontier order, as live_tree.TreeStop sums them. */
+static int eagle_tree_level_pays(const vs_tree_stop *stop, const eagle_tree *t, int64_t m) {
+    if (stop == NULL) return 1;
+    double gain = 0.0;
+    for (int64_t r = 0; r < m; r++) {
+        const int32_t node = t->front[r];
+        const int64_t depth = t->dep[node] < stop->depths ? t->dep[node] : stop->depths - 1;
+        int64_t bin = (int64_t)(exp(t->val[node]) * (double)stop->bins);
+        if (bin > stop->bins - 1) bin = stop->bins - 1;
+        gain += stop->chance[depth * stop->bins + bin];
+    }
+    return gain >= stop->min_gain;
+}
+
 /* Grow the tree from `state` (the drafter's output at the root) over the drafter's cache of
    `length` committed slots; its expansions are left pending (forgotten: the next read
    overwrites them). Writes the kept tree, flattened, to tokens/parents (parents[0] = -1) and
    each node's value rank to ranks (-1 for the root) and its value (the log of the product of
    confidences along its path; 0 for the root) to node_values; returns its rows (-1: a tree that is not
-   one, which the caller raises on). head_logits: top_k x
-   head rows floats; work/att: as vs_stack_forward for top_k rows. */
+   one, which the caller raises on). stop: where the tree may stop growing before `depth`
+   (NULL: never). head_logits: top_k x head rows floats; work/att: as vs_stack_forward for top_k
+   rows. */
 int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
                       const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
-                      int64_t *tokens, int64_t *parents, int64_t *ranks, double *node_values,
-                      float *head_logits, float *work, float *att) {
+                      const vs_tree_stop *stop, int64_t *tokens, int64_t *parents, int64_t *ranks,
+                      double *node_values, float *head_logits, float *work, float *att) {
     const int64_t dim = d->fc.rows;
     eagle_tree t;
     eagle_tree_alloc(&t, d, top_k, depth);
@@ -1099,7 +1118,7 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *
         eagle_tree_children(d, s, &t, top_k, head_logits);
         if (level == depth) break;
         const int64_t m = eagle_tree_next_front(&t, top_k, total_tokens, newest_lo);
-        if (m == 0) break;
+        if (m == 0 || !eagle_tree_level_pays(stop, &t, m)) break;
         eagle_tree_expand(d, s, &t, m, keys, values, length, work, att);
     }
     const int64_t kept = eagle_tree_place(&t, depth, total_tokens);

@@ -115,9 +115,19 @@ void vs_drafter_read(const vs_drafter *d, const vs_stack *s, void *keys, void *v
                      float *work, float *att);
 int64_t vs_drafter_read_scratch(const vs_drafter *d, int64_t n);
 int64_t vs_tree_capacity(int64_t top_k, int64_t depth);
+/* When EAGLE-2's tree stops growing (the live tree-size rule, live_tree.py): the next level is
+   drafted only while its frontier's summed chances to be on the accepted path, chance[depth *
+   bins + bin] with bin = min(bins - 1, (int)(exp(value) * bins)) and depth capped at depths - 1,
+   reach min_gain (expected tokens: what a level's drafting and rows cost, at the rule's rate). */
+typedef struct {
+    const double *chance;
+    int64_t depths, bins;
+    double min_gain;
+} vs_tree_stop;
+
 int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
                       const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
-                      int64_t *tokens, int64_t *parents, int64_t *ranks, double *node_values,
-                      float *head_logits, float *work, float *att);
+                      const vs_tree_stop *stop, int64_t *tokens, int64_t *parents, int64_t *ranks,
+                      double *node_values, float *head_logits, float *work, float *att);
 
 #endif

@@ -72,6 +72,11 @@ class Stack(ctypes.Structure):
                 ("layers", ctypes.POINTER(Layer))]
 
 
+class TreeStop(ctypes.Structure):
+    _fields_ = [("chance", ctypes.c_void_p), ("depths", ctypes.c_int64), ("bins", ctypes.c_int64),
+                ("min_gain", ctypes.c_double)]
+
+
 class Drafter(ctypes.Structure):
     _fields_ = [("fc", Weight), ("head", Weight), ("embed", Weight), ("head_ids", ctypes.c_void_p),
                 ("norm", ctypes.c_void_p), ("head_norm", ctypes.c_void_p), ("out_norm", ctypes.c_void_p),
@@ -227,7 +232,8 @@ def check_abi(lib) -> None:
                                                                         "sin", "window", "norm_residual")),
             ctypes.sizeof(Stack), *(getattr(Stack, f).offset for f in ("eps", "kv_half", "layers")),
             ctypes.sizeof(Drafter), *(getattr(Drafter, f).offset for f in ("head", "embed", "head_ids", "out_norm",
-                                                                            "eps", "fused"))]
+                                                                            "eps", "fused")),
+            ctypes.sizeof(TreeStop), *(getattr(TreeStop, f).offset for f in ("depths", "bins", "min_gain"))]
     got = (ctypes.c_int64 * 64)()
     n = lib.vs_abi(got, 64)
     if n != len(want) or list(got[:n]) != want:
@@ -267,7 +273,7 @@ def _declare(lib):
     lib.vs_tree_capacity.argtypes = [i64, i64]
     lib.vs_tree_capacity.restype = i64
     lib.vs_eagle_tree.argtypes = [ctypes.POINTER(Drafter), ctypes.POINTER(Stack), p, p, i64, p, i64, i64, i64,
-                                  i64, p, p, p, p, p, p, p]
+                                  i64, ctypes.POINTER(TreeStop), p, p, p, p, p, p, p]
     lib.vs_eagle_tree.restype = i64
     lib.vs_set_threads.argtypes = [ctypes.c_int]
     lib.vs_threads.restype = ctypes.c_int
@@ -406,6 +412,18 @@ def visibility(length: int, pending: int, positions: torch.Tensor, tree_mask: to
     xoff[1:] = counts.cumsum(0)
     return (torch.full((n,), length, dtype=torch.int32), xoff,
             (cols + length).to(torch.int32) if cols.numel() else torch.zeros(1, dtype=torch.int32))
+
+
+def _tree_stop(stop):
+    """vs_tree_stop for a live_tree.TreeStop (None: a null pointer); it points into the
+    TreeStop's own float64 table, which outlives the call."""
+    if stop is None:
+        return None
+    table = stop.table
+    if table.dtype != torch.float64 or not table.is_contiguous() or table.dim() != 2:
+        raise ValueError("a tree stop's chances are a contiguous float64 (depths, bins) table")
+    return ctypes.byref(TreeStop(chance=table.data_ptr(), depths=table.shape[0], bins=table.shape[1],
+                                 min_gain=float(stop.min_gain)))
 
 
 def tree_visibility(parents: torch.Tensor, start: int, base: int):
@@ -756,10 +774,11 @@ class NativeDrafter:
                             self._scratch.data_ptr(), self.stack.work.data_ptr(), self.stack.scratch.data_ptr())
 
     def tree(self, keys: torch.Tensor, values: torch.Tensor, length: int, root: int, top_k: int, depth: int,
-             total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
+             total_tokens: int, stop=None) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
         """EAGLE-2's tree from `state` over a cache of `length` committed slots: (tokens,
         parents, value ranks, values), flattened with the root first (values: float64, each
-        node's log path confidence, the root's 0)."""
+        node's log path confidence, the root's 0). `stop` (live_tree.TreeStop, or None): where
+        it stops growing before `depth`."""
         lib = library()
         if not 1 <= top_k <= 64:
             raise ValueError(f"the native drafter expands 1 to 64 children a node, not {top_k}")
@@ -781,7 +800,7 @@ class NativeDrafter:
         self.stack.reserve(top_k, slots)
         n = lib.vs_eagle_tree(ctypes.byref(self.struct), ctypes.byref(self.stack.stack), keys.data_ptr(),
                               values.data_ptr(), length, self.state.data_ptr(), root, top_k, depth, total_tokens,
-                              tokens.data_ptr(), parents.data_ptr(), ranks.data_ptr(), node_values.data_ptr(),
+                              _tree_stop(stop), tokens.data_ptr(), parents.data_ptr(), ranks.data_ptr(), node_values.data_ptr(),
                               logits.data_ptr(),
                               self.stack.work.data_ptr(), self.stack.scratch.data_ptr())
         if n < 1:

@@ -24,7 +24,10 @@ Every size up to 32 is a candidate. Among the candidates within TOLERANCE of the
 predicted speed the smallest tree wins: a difference that small is noise on a shared
 machine, and the smaller tree costs less where the estimate is wrong. Calibration stops
 adding depths after BUDGET_SECONDS (the whole choice takes under 30 s). Results are cached per
-machine, model, dtype and drafter (VOCABSPEC_CACHE/autotune.json).
+machine, model, dtype and drafter (VOCABSPEC_CACHE/autotune.json), with the cores other
+processes kept busy meanwhile where that was more than a quiet machine's: such an entry is timed
+again by the first call that finds the machine quiet (machine_load.py). The tree chosen is the
+live rule's prior (live_tree.py), not a verdict.
 
 Where greedy decoding runs as static steps (on CUDA: static_step.py, captured as CUDA graphs),
 a step's cost is one replayed graph, not a forward plus drafting timed apart, and static trees
@@ -47,6 +50,7 @@ import torch
 from tqdm import tqdm
 
 from .cost_curve import forward_seconds
+from .machine_load import BUSY_CORES, LoadMark, machine_is_quiet
 from .generate import Proposer
 from ..engine.linear import packing_enabled
 
@@ -215,6 +219,54 @@ def _store(path, known: dict) -> None:
     tmp.replace(path)
 
 
+def _mark_busy(known: dict, keys, others: float) -> None:
+    """Record beside each new entry ("busy|" + its key) that other processes kept `others`
+    cores busy while it was timed, where that is more than a quiet machine's
+    (machine_load.BUSY_CORES)."""
+    if others > BUSY_CORES:
+        for key in keys:
+            known[f"busy|{key}"] = round(others, 2)
+
+
+def _retime_if_busy(known: dict, keys, log) -> None:
+    """Forget the entries among `keys` timed beside other work, if the machine is quiet now:
+    a verdict measured on a busy machine is not this machine's, and the first quiet call times
+    it again (a busy call keeps using it)."""
+    busy = [key for key in keys if f"busy|{key}" in known]
+    if busy and machine_is_quiet():
+        if log:
+            log(f"the cached timing was taken while other work held "
+                f"{max(known[f'busy|{k}'] for k in busy):.1f} cores; timing again on the quiet machine")
+        for key in busy:
+            known.pop(key, None)
+            del known[f"busy|{key}"]
+
+
+def keep_calibration(sizing, key: str) -> None:
+    """The live rule's calibration for the drafter `key` names (live_tree.Calibration): started
+    from what the cache kept, and kept there as it learns and when the process ends. Another
+    process's save in between is overwritten (the file is replaced whole, never torn)."""
+    import atexit
+    import weakref
+
+    from ..engine.files import cache_dir
+
+    path, full_key = cache_dir() / "autotune.json", f"calibration|{key}|v1"
+    sizing.calibration.load(_load(path).get(full_key))
+
+    def persist(state: dict) -> None:
+        try:
+            known = _load(path)
+            known[full_key] = state
+            _store(path, known)
+        except OSError:            # a cache directory gone (a test's) or read-only: kept in memory
+            pass
+
+    sizing.persist = persist
+    alive = weakref.ref(sizing)
+    atexit.register(lambda: alive() is not None and alive().save())
+
+
 def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
                 log=None) -> tuple[int, int]:
     """(depth, total_tokens) for this machine, depth at most the one given; (0, 0) where no tree
@@ -239,9 +291,11 @@ def tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
             f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
     # A plain step's forward (0 drafted) too: the live rule weighs every tree against it.
     forward_key = _cache_key(model, f"forward|{shape}|v10")
+    _retime_if_busy(known, (full_key, forward_key), log)
     if full_key not in known or forward_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
+        mark = LoadMark()
         # Minutes on a small CPU: show where it is (no bar when the caller asked for silence).
         work = len(calibration_depths(depth)) * len(CALIBRATION_QUESTIONS)
         if forward_key not in known:
@@ -252,6 +306,7 @@ def tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
                 known[forward_key] = {str(n): t for n, t in timed.items()}
             forwards = {int(n): t for n, t in known[forward_key].items()}
             known[full_key] = calibrate(model, tokenizer, drafter, head, depth, top_k, forwards, bar)
+        _mark_busy(known, (full_key, forward_key), mark.others())
         _store(path, known)
     chosen = known[full_key]
     if log and not chosen["total_tokens"]:
@@ -316,10 +371,13 @@ def _cached(key: str, model, compute, log):
     path = cache_dir() / "autotune.json"
     known = _load(path)
     full_key = _cache_key(model, key)
+    _retime_if_busy(known, (full_key,), log)
     if full_key not in known:
         if log:
             log("choosing the draft size for this machine (once; cached)...")
+        mark = LoadMark()
         known[full_key] = compute()
+        _mark_busy(known, (full_key,), mark.others())
         _store(path, known)
     return known[full_key]
 

@@ -609,8 +609,8 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         else:
             depth, total = sizing.plan()
             if depth:
-                tree = sizing.choose(self.backend.grow(root_token, depth, total), depth + 1,
-                                     time.perf_counter() - start)
+                tree = self.backend.grow(root_token, depth, total, sizing.stop)
+                tree = sizing.choose(tree, tree.max_depth, time.perf_counter() - start)
             else:
                 tree = chain(root_token, [], device=self.target.device)
         self.timings["total"] += time.perf_counter() - start
@@ -652,8 +652,9 @@ class TorchEagleDrafting:
         p = self.proposer
         p.last_state = p._run(tokens, p._features(hidden), timed)[-1:]
 
-    def grow(self, root_token: int, depth: int, total_tokens: int) -> Tree:
-        """EAGLE-2's tree (the native drafter's `vs_eagle_tree` follows it node for node)."""
+    def grow(self, root_token: int, depth: int, total_tokens: int, stop=None) -> Tree:
+        """EAGLE-2's tree (the native drafter's `vs_eagle_tree` follows it node for node);
+        `stop`: where it may stop growing (TreeBuilder.grow)."""
         p = self.proposer
         p._read_unread()                 # the accepted tokens since the last tree, first
         builder = TreeBuilder(root_token, p.top_k, total_tokens)
@@ -674,7 +675,7 @@ class TorchEagleDrafting:
             state_of.update(zip(frontier, states))
             return p._top_k(states, read, level)
 
-        builder.grow(depth, expand, lambda: p.cache.pending, device)
+        builder.grow(depth, expand, lambda: p.cache.pending, device, stop)
         p.cache.discard()
         return builder.build(device)
 
@@ -696,12 +697,12 @@ class NativeEagleDrafting:
         if timed:
             p.timings["native"] += time.perf_counter() - start
 
-    def grow(self, root_token: int, depth: int, total_tokens: int) -> Tree:
+    def grow(self, root_token: int, depth: int, total_tokens: int, stop=None) -> Tree:
         self.proposer._read_unread()     # the accepted tokens since the last tree, first
         p, start = self.proposer, time.perf_counter()
         cache = p.cache
         tokens, parents, ranks, values = self.native.tree(cache.keys, cache.values, cache.length, root_token,
-                                                          p.top_k, depth, total_tokens)
+                                                          p.top_k, depth, total_tokens, stop)
         p.timings["native"] += time.perf_counter() - start
         return Tree.from_parents(tokens, parents, ranks, values)
 

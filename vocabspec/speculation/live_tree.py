@@ -7,18 +7,24 @@ Each step:
 
 - Before drafting: draft only where drafting has been paying, the expected speed of the last
   drafted steps against plain decoding's (a running mean started from the tuner's measured
-  speedup), to the depth and size the last step found best. Where it has not been
-  paying, every PROBE_EVERY-th step drafts anyway, so a verdict reached on a busy machine, or
-  on a stretch the drafter could not guess, is tried again.
+  speedup). Where it has not been paying, every PROBE_EVERY-th step drafts anyway, so a
+  verdict reached on a busy machine, or on a stretch the drafter could not guess, is tried
+  again.
+- While drafting: the tree grows a level only while that level may pay (`TreeStop`): its
+  frontier's summed calibrated chances, a bound on what the level's nodes can add, reach what
+  the level's drafting and a row's forward cost at the rate the last steps expected. A sure
+  drafter drafts deep, a lost one stops after its first level.
 - After drafting (a tree of up to `most` nodes): its nodes in value order (EAGLE-2's
   reranking: the best m nodes are a tree), each with its calibrated chance to be on the
   accepted path. The tree kept is the m that maximises expected tokens per second,
   (1 + sum of the first m chances) / (c(1 + m) + a second head pass's chance times its cost),
   m = 0 (the root alone) included. The drafting is spent by then, so it does not enter this
-  choice; it sets the next tree's depth and size (the best prefix with its drafting counted).
+  choice; it enters the rate the step gained, which sets the next step's stop, room (m + 1
+  nodes) and whether drafting pays.
 - After verification: each verified node's outcome (on the accepted path or not) trains the
   calibration, a count per depth and confidence bin, starting from the drafter's raw
-  confidence as a prior of PRIOR_WEIGHT observations; the step's time updates the costs.
+  confidence as a prior of PRIOR_WEIGHT observations, or from the counts an earlier run kept
+  in the tuner's cache (autotune.keep_calibration); the step's time updates the costs.
 
 Costs: c(rows) is the tuner's measured forward curve times a running scale (every step's time,
 from one verification to the next less its drafting, over the curve's at its rows, so a busy
@@ -47,6 +53,8 @@ PROBE_EVERY = 8           # plain steps between drafted probes where drafting ha
 WEIGHT = 0.1              # running means' weight of the latest step
 ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly
 MIN_SAMPLES = 8           # steps at a size before its own correction counts
+KEEP_SEEN = 200.0         # observations a bin keeps from a previous run's calibration
+SAVE_EVERY = 256          # outcomes learned between saves of the calibration
 SHAPE_WEIGHT = 0.02       # a size's correction's: slower than the machine's scale, so that a
                           # busy spell moves the scale (every size), not one size's shape
 
@@ -73,6 +81,53 @@ class Calibration:
             depth, b = min(depth, len(self.seen) - 1), self._bin(value)
             self.seen[depth][b] += 1
             self.hits[depth][b] += hit
+
+    def table(self) -> torch.Tensor:
+        """(depths, BINS) float64: every bin's chance, what TreeStop reads."""
+        return torch.tensor([[(hits + PRIOR_WEIGHT * (b + 0.5) / BINS) / (seen + PRIOR_WEIGHT)
+                              for b, (hits, seen) in enumerate(zip(hits_d, seen_d))]
+                             for hits_d, seen_d in zip(self.hits, self.seen)], dtype=torch.float64)
+
+    def state(self) -> dict:
+        """The counts, as the tuner's cache keeps them (autotune.calibration_cache)."""
+        return {"hits": [[round(h, 2) for h in row] for row in self.hits],
+                "seen": [[round(n, 2) for n in row] for row in self.seen]}
+
+    def load(self, state: dict | None) -> None:
+        """Start from counts a previous run kept (`state`), each bin's scaled down to at most
+        KEEP_SEEN observations, so the new run's outcomes still move it; a state of another
+        shape, or none, leaves the drafter's raw confidence as the prior."""
+        if not state:
+            return
+        hits, seen = state.get("hits"), state.get("seen")
+        shape = [len(row) for row in self.seen]
+        if not hits or not seen or [len(row) for row in seen] != shape or [len(row) for row in hits] != shape:
+            return
+        for d, (hits_d, seen_d) in enumerate(zip(hits, seen)):
+            for b, (h, n) in enumerate(zip(hits_d, seen_d)):
+                if n > 0 and 0 <= h <= n:
+                    scale = min(1.0, KEEP_SEEN / n)
+                    self.hits[d][b], self.seen[d][b] = h * scale, n * scale
+
+
+class TreeStop:
+    """Where a step's EAGLE-2 tree stops growing (native.h's vs_tree_stop): the next level is
+    drafted only while its frontier's summed chances to be on the accepted path (a bound on
+    what the level's nodes can add: a child's chance is never above its parent's) reach
+    `min_gain` expected tokens, what the level's drafting and a row cost at the rule's rate."""
+
+    def __init__(self, table: torch.Tensor, min_gain: float):
+        self.table, self.min_gain = table, min_gain
+        self._rows = table.tolist()
+
+    def pays(self, depths: list[int], values: list[float]) -> bool:
+        """Whether the frontier of these nodes (depths, values, in frontier order) is worth a
+        level; summed in that order, as native.c's eagle_tree_level_pays sums it."""
+        bins, gain = len(self._rows[0]), 0.0
+        for depth, value in zip(depths, values):
+            row = self._rows[min(depth, len(self._rows) - 1)]
+            gain += row[min(bins - 1, int(math.exp(value) * bins))]
+        return gain >= self.min_gain
 
 
 class LiveCosts:
@@ -121,31 +176,43 @@ class LiveCosts:
 class LiveSizing:
     """The rule for one proposer (see the module docstring). `forward`: the tuner's forward
     curve (rows -> seconds); `draft_level`: its seconds a drafting level; `prior_speedup`: the
-    tuner's measured speedup of its tree; `depth`, `total`: its tree (0, 0 where none paid);
-    `most_depth`, `most`: the largest tree a step drafts."""
+    tuner's measured speedup of its tree; `total`: its tree's nodes (0 where none paid);
+    `most_depth`, `most`: the largest tree a step drafts. `persist(state)`, where set, keeps
+    the calibration (the tuner's cache) every SAVE_EVERY outcomes and at `save`."""
 
     def __init__(self, forward: dict[int, float], draft_level: float, prior_speedup: float,
-                 depth: int, total: int, most_depth: int, most: int, head_pass: float = 0.0,
+                 total: int, most_depth: int, most: int, head_pass: float = 0.0,
                  head_rows: int = 1 << 30):
         self.costs = LiveCosts(forward, draft_level, head_pass, head_rows)
         self.calibration = Calibration(most_depth)
         self.most_depth, self.most = most_depth, most
         self.advantage = prior_speedup          # expected drafting speed over plain's, running
-        self.depth = max(1, min(depth or 2, most_depth))
+        self.rate = prior_speedup / self.costs(1)   # expected tokens a second of the trees kept
         self.total = max(1, min(total or 3, most))      # the nodes a step drafts to choose from
         self.plain_steps = 0
+        self.stop: TreeStop | None = None       # where this step's tree stops growing
         self.tree: Tree | None = None           # the tree verified this step (drafted nodes)
         self.extra_rows = 0                     # rows grafted onto it (prompt lookup's path)
         self._observed = None                   # when the last step's verification was seen
         self._draft_seconds = 0.0
         self.sizes: list[tuple[float, int]] = []    # (root's best child confidence, size) a step
         self.keep_sizes = False
+        self.persist = None
+        self._unsaved = 0
 
     # ---- before drafting
 
     def start(self) -> None:
         """A new request: its first step's time would hold its prefill."""
         self._observed, self.tree, self.extra_rows, self._draft_seconds = None, None, 0, 0.0
+        if self._unsaved >= SAVE_EVERY:
+            self.save()
+
+    def save(self) -> None:
+        """Keep the calibration where `persist` keeps it (nothing without one)."""
+        if self.persist is not None and self._unsaved:
+            self.persist(self.calibration.state())
+        self._unsaved = 0
 
     def drafts(self) -> bool:
         """Whether the next step drafts: where drafting has been paying, and every
@@ -153,13 +220,17 @@ class LiveSizing:
         return self.advantage >= 1.0 or self.plain_steps >= PROBE_EVERY
 
     def plan(self) -> tuple[int, int]:
-        """The tree to draft this step, (depth, nodes kept to choose from); (0, 0): the root
-        alone."""
+        """The tree to draft this step, (depth, nodes kept to choose from), and where it stops
+        growing (`stop`): a level is drafted while it may pay at the rate the rule expects,
+        its drafting and a row's forward counted; (0, 0): the root alone."""
         self.tree = None
         if not self.drafts():
             return 0, 0
         self.plain_steps = 0
-        return self.depth, self.total
+        costs = self.costs
+        row = (costs(1 + self.total) - costs(1)) / self.total
+        self.stop = TreeStop(self.calibration.table(), self.rate * (costs.draft_level + row))
+        return self.most_depth, self.total
 
     def next_size(self) -> int:
         """The next proposal's drafted rows, as far as known before drafting (a batch's budget)."""
@@ -169,7 +240,7 @@ class LiveSizing:
 
     def choose(self, tree: Tree, drafted_levels: int, draft_seconds: float) -> Tree:
         """The best tree of `tree`'s drafts (see the module docstring), and the running means
-        of drafting's cost and advantage updated."""
+        of drafting's cost, rate and advantage updated."""
         self._draft_seconds = draft_seconds
         if drafted_levels:
             level = draft_seconds / drafted_levels
@@ -183,27 +254,18 @@ class LiveSizing:
         for m, rate in enumerate(self._rates(order, chances, 0.0), 1):
             if rate > best_rate:
                 best_m, best_rate = m, rate
-        kept = tree.best(best_m)
-        # The next tree's depth: the one whose best prefix pays most with its drafting counted
-        # (a level's drafting against the chances of the nodes it adds), a level deeper where
-        # the deepest drafted level paid, so that it grows where the drafter grows surer.
-        drafted_depth = max(depths)
-        best_depth, best_size, drafting_rate = 1, 1, 0.0
-        for d in range(1, drafted_depth + 1):
-            rows = [(row, p) for row, p in zip(order, chances) if depths[row] <= d]
-            for m, rate in enumerate(self._rates([r for r, _ in rows], [p for _, p in rows],
-                                                 costs.draft_level * (d + 1)), 1):
-                if rate > drafting_rate:
-                    best_depth, best_size, drafting_rate = d, m, rate
-        self.depth = max(1, min(self.most_depth, best_depth + (best_depth == drafted_depth)))
-        self.total = max(2, min(self.most, best_size + 1))
-        # Drafting pays if it beats a plain step at its best depth.
-        self.advantage += ADVANTAGE_WEIGHT * (drafting_rate * costs(1) - self.advantage)
+        # The drafting is spent and does not enter the choice; it does enter what this step
+        # gained, which sets the next step's rate, room and whether drafting pays.
+        gain = 1.0 + sum(chances[:best_m])
+        rate = gain / (gain / best_rate + draft_seconds)
+        self.rate += WEIGHT * (rate - self.rate)
+        self.total = max(2, min(self.most, best_m + 1))
+        self.advantage += ADVANTAGE_WEIGHT * (rate * costs(1) - self.advantage)
         if self.keep_sizes:
             first = max((math.exp(values[row]) for row in order if depths[row] == 1), default=0.0)
             self.sizes.append((first, best_m))
-        self.tree = kept
-        return kept
+        self.tree = tree.best(best_m)
+        return self.tree
 
     def _rates(self, order: list[int], chances: list[float], drafting: float) -> list[float]:
         """Expected tokens per second of the trees of the first 1, 2, ... nodes of `order` (rows
@@ -238,6 +300,7 @@ class LiveSizing:
             on_path = path_rows(tree, accepted)
             depths, values = tree.depths.tolist()[1:], tree.values.tolist()[1:]
             self.calibration.learn(depths, values, [row in on_path for row in range(1, tree.size + 1)])
+            self._unsaved += tree.size
         else:
             self.plain_steps += 1
         self.tree, self.extra_rows, self._draft_seconds = None, 0, 0.0
@@ -263,7 +326,7 @@ def sizing_prior(model, chosen: dict, forward: dict[int, float], most_depth: int
     from .cost_curve import head_seconds
 
     table = chosen.get("table", {})
-    depth, total = int(chosen["depth"]), int(chosen["total_tokens"])
+    total = int(chosen["total_tokens"])
     levels = [row["draft_s"] / (row["depth"] + 1) for row in table.values() if row.get("draft_s")]
     draft_level = sorted(levels)[len(levels) // 2] if levels else 0.0
     # The largest tree a step drafts: where the curve's forward reaches 2.5 plain steps (no
@@ -273,5 +336,5 @@ def sizing_prior(model, chosen: dict, forward: dict[int, float], most_depth: int
     most = max(2, min(32, most - 1, 2 * max(total, 4)))
     head_rows = model.verify_head_rows
     head_pass = head_seconds(model, [head_rows], repeats=3)[head_rows]
-    return LiveSizing(forward, draft_level, float(chosen.get("measured_speedup", 1.0)), depth, total,
+    return LiveSizing(forward, draft_level, float(chosen.get("measured_speedup", 1.0)), total,
                       most_depth, most, head_pass, head_rows)

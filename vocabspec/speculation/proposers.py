@@ -374,11 +374,13 @@ def _eagle_tree(model, config: DraftConfig, model_name: str, tokenizer, log, dra
         else:
             # Elsewhere each step sizes its tree (live_tree.py): the tuner's choice is the prior,
             # never a verdict; depth and total are the largest tree a step drafts.
+            from .autotune import keep_calibration
             from .live_tree import sizing_prior
 
             chosen, forward = tree_choice(model, drafter, head, tokenizer, depth=depth, top_k=config.top_k,
                                           key=key, log=log)
             sizing = sizing_prior(model, chosen, forward, depth)
+            keep_calibration(sizing, key)
             total = sizing.most
     if config.method == "eagle+pld":
         from .hybrid import EagleLookupProposer

@@ -271,16 +271,18 @@ class TreeBuilder:
         cutoff = sorted(self.value[1:], reverse=True)[self.total_tokens - 1]
         return [node for node in chosen if self.value[node] > cutoff]
 
-    def grow(self, levels: int, expand, pending, device: torch.device | None = None) -> dict[int, int]:
+    def grow(self, levels: int, expand, pending, device: torch.device | None = None, stop=None) -> dict[int, int]:
         """Grow the tree level by level, at most `levels` times, as a drafter with its own KV
         cache does (EAGLE's drafter, a draft model): `expand(level, frontier, mask)` runs the
         frontier's nodes (mask: `frontier_mask`'s, over `pending()` slots before them) and
-        returns each row's top children (tokens, log_probs). Returns the pending slot of every
-        expanded node."""
+        returns each row's top children (tokens, log_probs). `stop` (live_tree.TreeStop, or
+        None): a level is drafted only where `stop.pays(its frontier's depths, values)`.
+        Returns the pending slot of every expanded node."""
         slot_of: dict[int, int] = {}
         for level in range(1, levels + 1):
             frontier = self.frontier()
-            if not frontier:
+            if not frontier or (stop is not None and not stop.pays([self.depth[n] for n in frontier],
+                                                                   [self.value[n] for n in frontier])):
                 break
             n_pending = pending()
             mask = self.frontier_mask(frontier, slot_of, n_pending, device)
