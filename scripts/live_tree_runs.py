@@ -67,7 +67,7 @@ def busy_run(model: str, prompt: str, tokens: int, busy: int, quiet_calls: int) 
         print(f"quiet call on a cache tuned quiet: {quiet}", file=sys.stderr)
         tuned = json.loads((Path(busy_cache) / "autotune.json").read_text())
     verdicts = {key.split("|")[0]: (entry["depth"], entry["total_tokens"], entry.get("measured_speedup"))
-                for key, entry in tuned.items() if isinstance(entry, dict) and "total_tokens" in entry}
+                for key, entry in tuned.items() if "total_tokens" in entry}
     return {"busy_first": first, "quiet_after_busy": after, "quiet_fresh": quiet, "busy_tuner_verdict": verdicts,
             "after_over_fresh": round(after[-1]["tok_s"] / quiet["tok_s"], 3)}
 
@@ -80,7 +80,7 @@ def verdict_run(model: str, prompt: str, tokens: int) -> dict:
         path = Path(cache) / "autotune.json"
         known = json.loads(path.read_text())
         for entry in known.values():
-            if isinstance(entry, dict) and "total_tokens" in entry:
+            if "total_tokens" in entry:
                 entry.update(depth=0, total_tokens=0, measured_speedup=0.81)
         path.write_text(json.dumps(known))
         after = [call(model, prompt, tokens, Path(cache)) for _ in range(2)]

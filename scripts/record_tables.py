@@ -96,7 +96,7 @@ def calibrations(path: Path) -> list[str]:
     lines = ["| model | draft head | weights | chosen tree (depth/tokens) | calibration: predicted tok/s | "
              "calibration: measured vs plain |", "| --- | --- | --- | --- | --- | --- |"]
     for key, entry in known.items():
-        if key.startswith("forward|") or not isinstance(entry, dict) or "table" not in entry:
+        if key.startswith("forward|") or "table" not in entry:
             continue
         parts = key.split("|")
         model, head, weights = parts[0], parts[2], parts[7]

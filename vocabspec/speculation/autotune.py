@@ -25,8 +25,9 @@ predicted speed the smallest tree wins: a difference that small is noise on a sh
 machine, and the smaller tree costs less where the estimate is wrong. Calibration stops
 adding depths after BUDGET_SECONDS (the whole choice takes under 30 s). Results are cached per
 machine, model, dtype and drafter (VOCABSPEC_CACHE/autotune.json), with the cores other
-processes kept busy meanwhile where that was more than a quiet machine's: such an entry is timed
-again by the first call that finds the machine quiet (machine_load.py). The tree chosen is the
+processes kept busy meanwhile, where that was more than a quiet machine's, beside it
+(autotune-busy.json): such an entry is timed again by the first call that finds the machine
+quiet (machine_load.py). The tree chosen is the
 live rule's prior (live_tree.py), not a verdict.
 
 Where greedy decoding runs as static steps (on CUDA: static_step.py, captured as CUDA graphs),
@@ -219,27 +220,37 @@ def _store(path, known: dict) -> None:
     tmp.replace(path)
 
 
-def _mark_busy(known: dict, keys, others: float) -> None:
-    """Record beside each new entry ("busy|" + its key) that other processes kept `others`
-    cores busy while it was timed, where that is more than a quiet machine's
-    (machine_load.BUSY_CORES)."""
-    if others > BUSY_CORES:
-        for key in keys:
-            known[f"busy|{key}"] = round(others, 2)
+def _busy_path(path):
+    """Beside the cache (`path`): the cores other processes kept busy while each of its entries
+    was timed, for those timed beside more than a quiet machine's (machine_load.BUSY_CORES)."""
+    return path.with_name("autotune-busy.json")
 
 
-def _retime_if_busy(known: dict, keys, log) -> None:
+def _mark_busy(path, keys, others: float) -> None:
+    """Record, beside the cache at `path`, how busy other processes kept the machine while the
+    entries `keys` were just timed (forgetting an older record where it was quiet now)."""
+    flags = _load(_busy_path(path))
+    for key in keys:
+        if others > BUSY_CORES:
+            flags[key] = round(others, 2)
+        else:
+            flags.pop(key, None)
+    if flags or _busy_path(path).exists():
+        _store(_busy_path(path), flags)
+
+
+def _retime_if_busy(path, known: dict, keys, log) -> None:
     """Forget the entries among `keys` timed beside other work, if the machine is quiet now:
     a verdict measured on a busy machine is not this machine's, and the first quiet call times
     it again (a busy call keeps using it)."""
-    busy = [key for key in keys if f"busy|{key}" in known]
+    flags = _load(_busy_path(path))
+    busy = [key for key in keys if key in flags and key in known]
     if busy and machine_is_quiet():
         if log:
-            log(f"the cached timing was taken while other work held "
-                f"{max(known[f'busy|{k}'] for k in busy):.1f} cores; timing again on the quiet machine")
+            log(f"the cached timing was taken while other work held {max(flags[k] for k in busy):.1f} "
+                f"cores; timing again on the quiet machine")
         for key in busy:
-            known.pop(key, None)
-            del known[f"busy|{key}"]
+            del known[key]
 
 
 def keep_calibration(sizing, key: str) -> None:
@@ -291,7 +302,7 @@ def tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
             f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
     # A plain step's forward (0 drafted) too: the live rule weighs every tree against it.
     forward_key = _cache_key(model, f"forward|{shape}|v10")
-    _retime_if_busy(known, (full_key, forward_key), log)
+    _retime_if_busy(path, known, (full_key, forward_key), log)
     if full_key not in known or forward_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
@@ -306,8 +317,8 @@ def tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
                 known[forward_key] = {str(n): t for n, t in timed.items()}
             forwards = {int(n): t for n, t in known[forward_key].items()}
             known[full_key] = calibrate(model, tokenizer, drafter, head, depth, top_k, forwards, bar)
-        _mark_busy(known, (full_key, forward_key), mark.others())
         _store(path, known)
+        _mark_busy(path, (full_key, forward_key), mark.others())
     chosen = known[full_key]
     if log and not chosen["total_tokens"]:
         log(f"no draft tree beat plain decoding when this machine was timed (the best measured "
@@ -371,14 +382,14 @@ def _cached(key: str, model, compute, log):
     path = cache_dir() / "autotune.json"
     known = _load(path)
     full_key = _cache_key(model, key)
-    _retime_if_busy(known, (full_key,), log)
+    _retime_if_busy(path, known, (full_key,), log)
     if full_key not in known:
         if log:
             log("choosing the draft size for this machine (once; cached)...")
         mark = LoadMark()
         known[full_key] = compute()
-        _mark_busy(known, (full_key,), mark.others())
         _store(path, known)
+        _mark_busy(path, (full_key,), mark.others())
     return known[full_key]
 
 
