@@ -800,8 +800,8 @@ class NativeDrafter:
         self.stack.reserve(top_k, slots)
         n = lib.vs_eagle_tree(ctypes.byref(self.struct), ctypes.byref(self.stack.stack), keys.data_ptr(),
                               values.data_ptr(), length, self.state.data_ptr(), root, top_k, depth, total_tokens,
-                              _tree_stop(stop), tokens.data_ptr(), parents.data_ptr(), ranks.data_ptr(), node_values.data_ptr(),
-                              logits.data_ptr(),
+                              _tree_stop(stop), tokens.data_ptr(), parents.data_ptr(), ranks.data_ptr(),
+                              node_values.data_ptr(), logits.data_ptr(),
                               self.stack.work.data_ptr(), self.stack.scratch.data_ptr())
         if n < 1:
             raise RuntimeError(f"the native drafter built a tree with a node whose parent it did not keep "

@@ -27,8 +27,7 @@ adding depths after BUDGET_SECONDS (the whole choice takes under 30 s). Results 
 machine, model, dtype and drafter (VOCABSPEC_CACHE/autotune.json), with the cores other
 processes kept busy meanwhile, where that was more than a quiet machine's, beside it
 (autotune-busy.json): such an entry is timed again by the first call that finds the machine
-quiet (machine_load.py). The tree chosen is the
-live rule's prior (live_tree.py), not a verdict.
+quiet (machine_load.py). The tree chosen is the live rule's prior (live_tree.py), not a verdict.
 
 Where greedy decoding runs as static steps (on CUDA: static_step.py, captured as CUDA graphs),
 a step's cost is one replayed graph, not a forward plus drafting timed apart, and static trees

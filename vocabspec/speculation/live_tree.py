@@ -59,6 +59,13 @@ SHAPE_WEIGHT = 0.02       # a size's correction's: slower than the machine's sca
                           # busy spell moves the scale (every size), not one size's shape
 
 
+def confidence_bin(value: float, bins: int) -> int:
+    """The bin of a node's value (the log of its path confidence) among `bins` equal ones of
+    confidence; NaN (a grafted row: no drafter's value) the lowest. native.c bins alike."""
+    confidence = math.exp(value) if value == value else 0.0
+    return min(bins - 1, int(confidence * bins))
+
+
 class Calibration:
     """P(a drafted node is on the accepted path) by depth and by its path confidence."""
 
@@ -66,27 +73,23 @@ class Calibration:
         self.hits = [[0.0] * BINS for _ in range(max_depth + 1)]
         self.seen = [[0.0] * BINS for _ in range(max_depth + 1)]
 
-    def _bin(self, value: float) -> int:
-        confidence = math.exp(value) if value == value else 0.0       # NaN: no drafter's value
-        return min(BINS - 1, int(confidence * BINS))
-
     def chance(self, depth: int, value: float) -> float:
-        depth = min(depth, len(self.seen) - 1)
-        b = self._bin(value)
+        return self._bin_chance(min(depth, len(self.seen) - 1), confidence_bin(value, BINS))
+
+    def _bin_chance(self, depth: int, b: int) -> float:
         prior = (b + 0.5) / BINS
         return (self.hits[depth][b] + PRIOR_WEIGHT * prior) / (self.seen[depth][b] + PRIOR_WEIGHT)
 
     def learn(self, depths: list[int], values: list[float], on_path: list[bool]) -> None:
         for depth, value, hit in zip(depths, values, on_path):
-            depth, b = min(depth, len(self.seen) - 1), self._bin(value)
+            depth, b = min(depth, len(self.seen) - 1), confidence_bin(value, BINS)
             self.seen[depth][b] += 1
             self.hits[depth][b] += hit
 
     def table(self) -> torch.Tensor:
         """(depths, BINS) float64: every bin's chance, what TreeStop reads."""
-        return torch.tensor([[(hits + PRIOR_WEIGHT * (b + 0.5) / BINS) / (seen + PRIOR_WEIGHT)
-                              for b, (hits, seen) in enumerate(zip(hits_d, seen_d))]
-                             for hits_d, seen_d in zip(self.hits, self.seen)], dtype=torch.float64)
+        return torch.tensor([[self._bin_chance(d, b) for b in range(BINS)] for d in range(len(self.seen))],
+                            dtype=torch.float64)
 
     def state(self) -> dict:
         """The counts, as the tuner's cache keeps them (autotune.calibration_cache)."""
@@ -118,15 +121,16 @@ class TreeStop:
 
     def __init__(self, table: torch.Tensor, min_gain: float):
         self.table, self.min_gain = table, min_gain
-        self._rows = table.tolist()
+        self._rows = None                   # the table on the host, read where Python grows the tree
 
     def pays(self, depths: list[int], values: list[float]) -> bool:
         """Whether the frontier of these nodes (depths, values, in frontier order) is worth a
         level; summed in that order, as native.c's eagle_tree_level_pays sums it."""
+        if self._rows is None:
+            self._rows = self.table.tolist()
         bins, gain = len(self._rows[0]), 0.0
         for depth, value in zip(depths, values):
-            row = self._rows[min(depth, len(self._rows) - 1)]
-            gain += row[min(bins - 1, int(math.exp(value) * bins))]
+            gain += self._rows[min(depth, len(self._rows) - 1)][confidence_bin(value, bins)]
         return gain >= self.min_gain
 
 
