@@ -360,8 +360,12 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
                                                        STOPS):
                 proposer.depth, proposer.top_k, proposer.total_tokens = depth, top_k, total
                 shape = (proposer.depth, proposer.total_tokens)
-                fast, reference = proposer.backend.grow(7, *shape, stop), reference_backend.grow(7, *shape, stop)
+                fast = proposer.backend.grow(7, *shape, stop)
+                fast_levels = stop.levels if stop is not None else None
+                reference = reference_backend.grow(7, *shape, stop)
                 if stop is not None:
+                    # the levels drafted, which price a level: alike, and never below the kept depth
+                    assert fast_levels == stop.levels and fast.max_depth <= stop.levels <= depth + 1
                     stopped_early += fast.max_depth < proposer.backend.grow(7, *shape).max_depth
                 assert torch.equal(fast.tokens, reference.tokens), (head.name, step, depth, top_k, total, stop)
                 assert torch.equal(fast.parents, reference.parents)

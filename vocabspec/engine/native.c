@@ -92,7 +92,7 @@ int64_t vs_abi(int64_t *out, int64_t cap) {
         sizeof(vs_drafter), offsetof(vs_drafter, head), offsetof(vs_drafter, embed), offsetof(vs_drafter, head_ids),
         offsetof(vs_drafter, out_norm), offsetof(vs_drafter, eps), offsetof(vs_drafter, fused),
         sizeof(vs_tree_stop), offsetof(vs_tree_stop, depths), offsetof(vs_tree_stop, bins),
-        offsetof(vs_tree_stop, min_gain),
+        offsetof(vs_tree_stop, min_gain), offsetof(vs_tree_stop, levels),
     };
     const int64_t n = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < n && i < cap; i++) out[i] = v[i];
@@ -1097,7 +1097,7 @@ static int eagle_tree_level_pays(const vs_tree_stop *stop, const eagle_tree *t, 
    rows. */
 int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
                       const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
-                      const vs_tree_stop *stop, int64_t *tokens, int64_t *parents, int64_t *ranks,
+                      vs_tree_stop *stop, int64_t *tokens, int64_t *parents, int64_t *ranks,
                       double *node_values, float *head_logits, float *work, float *att) {
     const int64_t dim = d->fc.rows;
     eagle_tree t;
@@ -1116,6 +1116,7 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *
     for (int64_t level = 0; level <= depth; level++) {
         const int32_t newest_lo = (int32_t)t.count;
         eagle_tree_children(d, s, &t, top_k, head_logits);
+        if (stop) stop->levels = level + 1;
         if (level == depth) break;
         const int64_t m = eagle_tree_next_front(&t, top_k, total_tokens, newest_lo);
         if (m == 0 || !eagle_tree_level_pays(stop, &t, m)) break;

@@ -118,16 +118,19 @@ int64_t vs_tree_capacity(int64_t top_k, int64_t depth);
 /* When EAGLE-2's tree stops growing (the live tree-size rule, live_tree.py): the next level is
    drafted only while its frontier's summed chances to be on the accepted path, chance[depth *
    bins + bin] with bin = min(bins - 1, (int)(exp(value) * bins)) and depth capped at depths - 1,
-   reach min_gain (expected tokens: what a level's drafting and rows cost, at the rule's rate). */
+   reach min_gain (expected tokens: what a level's drafting and rows cost, at the rule's rate).
+   levels (written by vs_eagle_tree): the levels it drafted, the root's children counted, so the
+   rule prices a level by what was drafted, not by the depth it kept. */
 typedef struct {
     const double *chance;
     int64_t depths, bins;
     double min_gain;
+    int64_t levels;
 } vs_tree_stop;
 
 int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
                       const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
-                      const vs_tree_stop *stop, int64_t *tokens, int64_t *parents, int64_t *ranks,
+                      vs_tree_stop *stop, int64_t *tokens, int64_t *parents, int64_t *ranks,
                       double *node_values, float *head_logits, float *work, float *att);
 
 #endif

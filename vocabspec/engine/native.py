@@ -74,7 +74,7 @@ class Stack(ctypes.Structure):
 
 class TreeStop(ctypes.Structure):
     _fields_ = [("chance", ctypes.c_void_p), ("depths", ctypes.c_int64), ("bins", ctypes.c_int64),
-                ("min_gain", ctypes.c_double)]
+                ("min_gain", ctypes.c_double), ("levels", ctypes.c_int64)]
 
 
 class Drafter(ctypes.Structure):
@@ -233,7 +233,7 @@ def check_abi(lib) -> None:
             ctypes.sizeof(Stack), *(getattr(Stack, f).offset for f in ("eps", "kv_half", "layers")),
             ctypes.sizeof(Drafter), *(getattr(Drafter, f).offset for f in ("head", "embed", "head_ids", "out_norm",
                                                                             "eps", "fused")),
-            ctypes.sizeof(TreeStop), *(getattr(TreeStop, f).offset for f in ("depths", "bins", "min_gain"))]
+            ctypes.sizeof(TreeStop), *(getattr(TreeStop, f).offset for f in ("depths", "bins", "min_gain", "levels"))]
     got = (ctypes.c_int64 * 64)()
     n = lib.vs_abi(got, 64)
     if n != len(want) or list(got[:n]) != want:
@@ -414,16 +414,16 @@ def visibility(length: int, pending: int, positions: torch.Tensor, tree_mask: to
             (cols + length).to(torch.int32) if cols.numel() else torch.zeros(1, dtype=torch.int32))
 
 
-def _tree_stop(stop):
-    """vs_tree_stop for a live_tree.TreeStop (None: a null pointer); it points into the
-    TreeStop's own float64 table, which outlives the call."""
+def _tree_stop(stop) -> TreeStop | None:
+    """vs_tree_stop for a live_tree.TreeStop (None for None); it points into the TreeStop's
+    own float64 table, which outlives the call."""
     if stop is None:
         return None
     table = stop.table
     if table.dtype != torch.float64 or not table.is_contiguous() or table.dim() != 2:
         raise ValueError("a tree stop's chances are a contiguous float64 (depths, bins) table")
-    return ctypes.byref(TreeStop(chance=table.data_ptr(), depths=table.shape[0], bins=table.shape[1],
-                                 min_gain=float(stop.min_gain)))
+    return TreeStop(chance=table.data_ptr(), depths=table.shape[0], bins=table.shape[1],
+                    min_gain=float(stop.min_gain))
 
 
 def tree_visibility(parents: torch.Tensor, start: int, base: int):
@@ -798,11 +798,14 @@ class NativeDrafter:
                           torch.empty(top_k * self.head_rows))
         _, tokens, parents, ranks, node_values, logits = self._tree
         self.stack.reserve(top_k, slots)
+        c_stop = _tree_stop(stop)
         n = lib.vs_eagle_tree(ctypes.byref(self.struct), ctypes.byref(self.stack.stack), keys.data_ptr(),
                               values.data_ptr(), length, self.state.data_ptr(), root, top_k, depth, total_tokens,
-                              _tree_stop(stop), tokens.data_ptr(), parents.data_ptr(), ranks.data_ptr(),
-                              node_values.data_ptr(), logits.data_ptr(),
+                              None if c_stop is None else ctypes.byref(c_stop), tokens.data_ptr(),
+                              parents.data_ptr(), ranks.data_ptr(), node_values.data_ptr(), logits.data_ptr(),
                               self.stack.work.data_ptr(), self.stack.scratch.data_ptr())
+        if c_stop is not None:
+            stop.levels = c_stop.levels
         if n < 1:
             raise RuntimeError(f"the native drafter built a tree with a node whose parent it did not keep "
                                f"(top_k {top_k}, depth {depth}, total_tokens {total_tokens})")

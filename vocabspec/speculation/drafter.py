@@ -610,7 +610,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
             depth, total = sizing.plan()
             if depth:
                 tree = self.backend.grow(root_token, depth, total, sizing.stop)
-                tree = sizing.choose(tree, tree.max_depth, time.perf_counter() - start)
+                tree = sizing.choose(tree, sizing.stop.levels, time.perf_counter() - start)
             else:
                 tree = chain(root_token, [], device=self.target.device)
         self.timings["total"] += time.perf_counter() - start

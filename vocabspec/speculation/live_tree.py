@@ -117,10 +117,12 @@ class TreeStop:
     """Where a step's EAGLE-2 tree stops growing (native.h's vs_tree_stop): the next level is
     drafted only while its frontier's summed chances to be on the accepted path (a bound on
     what the level's nodes can add: a child's chance is never above its parent's) reach
-    `min_gain` expected tokens, what the level's drafting and a row cost at the rule's rate."""
+    `min_gain` expected tokens, what the level's drafting and a row cost at the rule's rate.
+    The tree's builder sets `levels`: the levels it drafted, the root's children counted."""
 
     def __init__(self, table: torch.Tensor, min_gain: float):
         self.table, self.min_gain = table, min_gain
+        self.levels = 0
         self._rows = None                   # the table on the host, read where Python grows the tree
 
     def pays(self, depths: list[int], values: list[float]) -> bool:

@@ -276,9 +276,12 @@ class TreeBuilder:
         cache does (EAGLE's drafter, a draft model): `expand(level, frontier, mask)` runs the
         frontier's nodes (mask: `frontier_mask`'s, over `pending()` slots before them) and
         returns each row's top children (tokens, log_probs). `stop` (live_tree.TreeStop, or
-        None): a level is drafted only where `stop.pays(its frontier's depths, values)`.
-        Returns the pending slot of every expanded node."""
+        None): a level is drafted only where `stop.pays(its frontier's depths, values)`; its
+        `levels` is set to the levels drafted, the root's children counted. Returns the
+        pending slot of every expanded node."""
         slot_of: dict[int, int] = {}
+        if stop is not None:
+            stop.levels = 1                 # the root's children, drafted before the tree grows
         for level in range(1, levels + 1):
             frontier = self.frontier()
             if not frontier or (stop is not None and not stop.pays([self.depth[n] for n in frontier],
@@ -290,6 +293,8 @@ class TreeBuilder:
             for row, node in enumerate(frontier):
                 slot_of[node] = n_pending + row
             self.add_children(frontier, tokens, log_probs)
+            if stop is not None:
+                stop.levels = level + 1
         return slot_of
 
     def frontier_mask(self, frontier: list[int], slot_of: dict[int, int], pending: int,
