@@ -18,10 +18,10 @@ import torch
 from tqdm import tqdm
 
 from vocabspec.serving.api import load
-from vocabspec.speculation.cost_curve import forward_seconds
-from vocabspec.speculation.batch import BatchLimits
+from vocabspec.decoding.cost_curve import forward_seconds
+from vocabspec.decoding.batch import BatchLimits
 from vocabspec.cli import set_threads
-from vocabspec.speculation.generate import GenerationConfig
+from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.engine.loading import resolve_model_path
 from vocabspec.training.train import TrainConfig, _distill_prompts
 

@@ -4,7 +4,7 @@ same model at several batch sizes, and the server at many concurrent clients aga
 
 1. The batch job: --prompts requests (the package's prompts, cycled, as chat) of up to
    --new-tokens greedy tokens each, in --weights on torch's kernels with inexact answers allowed
-   (speculation/batched_decoding.py: one CUDA graph a step for every request's row), run as
+   (decoding/batched_decoding.py: one CUDA graph a step for every request's row), run as
    `generate --input` runs them (serving/batch_job.run_job); answer tokens a second over the
    job's time, every prefill and graph capture included, and how many of a sample of answers
    served alone again differ; then the same job on the row-invariant kernels (--backend triton,

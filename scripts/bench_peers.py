@@ -31,10 +31,11 @@ import torch
 from llamacpp import LlamaCppTool, decode_only
 from vocabspec.benchmarks.bench import BUILTIN_QUESTIONS
 from vocabspec.engine.formats import FORMATS
-from vocabspec.speculation.generate import GenerationConfig
-from vocabspec.speculation.batch import Engine
+from vocabspec.decoding.generate import GenerationConfig
+from vocabspec.decoding.batch import Engine
 from vocabspec.engine.loading import load_model, resolve_model_path
-from vocabspec.speculation.proposers import DraftConfig, make_proposer
+from vocabspec.speculation.config import DraftConfig
+from vocabspec.tuning.proposers import make_proposer
 from vocabspec.engine.tokenizer import load_tokenizer
 from vocabspec.engine.prompts import encode_conversation
 

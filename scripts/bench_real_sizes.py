@@ -32,9 +32,9 @@ import machine_peaks
 from vocabspec.engine import native
 from vocabspec.engine.gguf_file import GGUFFile
 from vocabspec.engine.loading import load_model
-from vocabspec.speculation.batch import Engine
-from vocabspec.speculation.cost_curve import forward_seconds
-from vocabspec.speculation.generate import GenerationConfig
+from vocabspec.decoding.batch import Engine
+from vocabspec.decoding.cost_curve import forward_seconds
+from vocabspec.decoding.generate import GenerationConfig
 
 LLAMA_BENCH = Path(os.environ.get("LCPP_DIR", Path.home() / ".lcpp")) / "bin" / "llama-bench"
 

@@ -19,7 +19,7 @@ import torch
 
 from vocabspec.engine.formats import FORMATS
 
-from vocabspec.speculation.cost_curve import forward_seconds
+from vocabspec.decoding.cost_curve import forward_seconds
 from vocabspec.engine.loading import load_model
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)

@@ -29,10 +29,10 @@ import torch
 
 from vocabspec.engine import native
 from vocabspec.engine.loading import load_model
-from vocabspec.speculation.cost_curve import forward_seconds
-from vocabspec.speculation.draft_vocab import FullVocab, SpecVocab, StaticSubset
-from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter
+from vocabspec.decoding.cost_curve import forward_seconds
+from vocabspec.speculation.vocab.heads import FullVocab, SpecVocab, StaticSubset
+from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
+from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter
 
 CONTEXT = 256
 # Mean acceptance lengths the papers report at EAGLE-2's Spec-Bench tree (depth 6, 60 tokens):

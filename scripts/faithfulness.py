@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from vocabspec.benchmarks.bench import BUILTIN_QUESTIONS
-from vocabspec.speculation.generate import GenerationConfig
-from vocabspec.speculation.batch import Engine
+from vocabspec.decoding.generate import GenerationConfig
+from vocabspec.decoding.batch import Engine
 from vocabspec.engine.loading import load_model
 from vocabspec.engine.prompts import encode_conversation
 from vocabspec.engine.tokenizer import load_tokenizer

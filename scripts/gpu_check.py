@@ -51,19 +51,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vocabspec.speculation import autotune  # noqa: E402
-from vocabspec.speculation.drafter import EagleDrafter, EagleProposer  # noqa: E402
-from vocabspec.speculation.draft_vocab import FullVocab, StaticSubset  # noqa: E402
-from vocabspec.speculation.generate import GenerationConfig  # noqa: E402
-from vocabspec.speculation.batch import Engine
-from vocabspec.speculation.hybrid import EagleLookupProposer  # noqa: E402
+from vocabspec.tuning import autotune  # noqa: E402
+from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer  # noqa: E402
+from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset  # noqa: E402
+from vocabspec.decoding.generate import GenerationConfig  # noqa: E402
+from vocabspec.decoding.batch import Engine
+from vocabspec.speculation.families.hybrid import EagleLookupProposer  # noqa: E402
 from vocabspec.engine.kv_cache import DeviceKVCache  # noqa: E402
 from vocabspec.engine.loading import load_model  # noqa: E402
 from vocabspec.engine.model import ModelArgs, Transformer  # noqa: E402
-from vocabspec.speculation.pld import PromptLookupProposer  # noqa: E402
+from vocabspec.speculation.families.pld import PromptLookupProposer  # noqa: E402
 from vocabspec.engine.prompts import encode_conversation  # noqa: E402
-from vocabspec.speculation.static_step import capture_graph, count_read_backs  # noqa: E402
-from vocabspec.speculation.token_map import load_token_map  # noqa: E402
+from vocabspec.decoding.static_step import capture_graph, count_read_backs  # noqa: E402
+from vocabspec.speculation.vocab.token_map import load_token_map  # noqa: E402
 from vocabspec.engine.tokenizer import load_tokenizer  # noqa: E402
 
 DRAFTER = Path(__file__).resolve().parents[1] / "vocabspec" / "drafters" / "smollm2"

@@ -20,8 +20,8 @@ import torch
 from vocabspec.engine.loading import load_model
 from vocabspec.engine.prompts import encode_conversation
 from vocabspec.engine.tokenizer import load_tokenizer
-from vocabspec.speculation.eagle3 import Eagle3Drafter
-from vocabspec.speculation.proposers import bundled_eagle3_dir
+from vocabspec.speculation.families.eagle3 import Eagle3Drafter
+from vocabspec.speculation.config import bundled_eagle3_dir
 from vocabspec.training.eagle3_batched import target_features
 from vocabspec.training.eagle3_train import StepAttention, StepKeys
 

@@ -32,7 +32,8 @@ def prompts() -> list[tuple[str, str]]:
 
 def proposer(target, tokenizer, model: str, method: str):
     """plain, or a --draft method with @DEPTHxTOKENS fixing its tree (else the live rule)."""
-    from vocabspec.speculation.proposers import DraftConfig, make_proposer
+    from vocabspec.speculation.config import DraftConfig
+    from vocabspec.tuning.proposers import make_proposer
 
     if method == "plain":
         return None
@@ -48,8 +49,8 @@ def main() -> None:
     from vocabspec.engine.loading import load_model
     from vocabspec.engine.prompts import encode_conversation
     from vocabspec.engine.tokenizer import load_tokenizer
-    from vocabspec.speculation.batch import Engine
-    from vocabspec.speculation.generate import GenerationConfig
+    from vocabspec.decoding.batch import Engine
+    from vocabspec.decoding.generate import GenerationConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")

@@ -27,14 +27,14 @@ import torch
 from tqdm import tqdm
 
 import vocabspec
-from vocabspec.speculation.proposers import bundled_drafter_dir
-from vocabspec.speculation.draft_vocab import make_draft_vocab
+from vocabspec.speculation.config import bundled_drafter_dir
+from vocabspec.speculation.vocab.heads import make_draft_vocab
 from vocabspec.benchmarks.bench import load_questions
-from vocabspec.speculation.generate import GenerationConfig
+from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.engine.linear import linear
 from vocabspec.engine.prompts import encode_conversation
 from vocabspec.training.ranker import hits_in_top
-from vocabspec.speculation.drafter import draft_states, features_of
+from vocabspec.speculation.families.eagle import draft_states, features_of
 
 QUESTIONS = "../shared/data/spec_bench/question.jsonl"   # Spec-Bench's, beside the repository
 QUESTIONS = QUESTIONS if Path(QUESTIONS).exists() else "builtin"   # else the project's own prompts

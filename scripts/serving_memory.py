@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vocabspec.serving.api import load  # noqa: E402
 from vocabspec.benchmarks.bench import load_questions  # noqa: E402
-from vocabspec.speculation.proposers import DraftConfig  # noqa: E402
+from vocabspec.speculation.config import DraftConfig  # noqa: E402
 from vocabspec.serving.server import ServerLimits  # noqa: E402
 from vocabspec.benchmarks.throughput import prompts_for, rss_mb, run_clients_apart, serve_while  # noqa: E402
 

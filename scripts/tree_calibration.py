@@ -26,7 +26,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import vocabspec.speculation.drafter as drafter_module
+import vocabspec.speculation.families.eagle as drafter_module
 from vocabspec.serving.api import load
 from vocabspec.benchmarks.bench import BUILTIN_QUESTIONS, load_questions
 from vocabspec.engine.prompts import encode_conversation

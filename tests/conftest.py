@@ -145,6 +145,6 @@ def _busy_machine_never_retimes(monkeypatch):
     """A cached timing taken beside other work is timed again once the machine is quiet
     (machine_load.py); the other test worker makes every timing here look busy and its pauses
     quiet, so no test's cache would stay put. The one test of that rule sets the machine's state."""
-    import vocabspec.speculation.autotune as autotune
+    import vocabspec.tuning.autotune as autotune
 
     monkeypatch.setattr(autotune, "machine_is_quiet", lambda seconds=None: False)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from vocabspec.speculation.autotune import accept_length_at
+from vocabspec.tuning.autotune import accept_length_at
 from vocabspec.speculation.tree import TreeBuilder
 
 
@@ -50,7 +50,7 @@ def test_accept_length_at():
 
 
 def test_pick_prefers_the_smallest_tree_within_tolerance():
-    from vocabspec.speculation.autotune import pick
+    from vocabspec.tuning.autotune import pick
 
     table = {"1/8": {"depth": 1, "total_tokens": 8, "tokens_per_s": 9.8},
              "1/24": {"depth": 1, "total_tokens": 24, "tokens_per_s": 10.0},
@@ -68,11 +68,11 @@ def test_pick_prefers_the_smallest_tree_within_tolerance():
 def test_strategies_share_one_forward_timing_and_choices_are_cached(smollm2, tmp_path, monkeypatch):
     import json
 
-    from vocabspec.speculation.autotune import choose_tree, pick
-    from vocabspec.speculation.draft_vocab import FullVocab, StaticSubset
-    from vocabspec.speculation.drafter import EagleDrafter
+    from vocabspec.tuning.autotune import choose_tree, pick
+    from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset
+    from vocabspec.speculation.families.eagle import EagleDrafter
 
-    import vocabspec.speculation.autotune as autotune
+    import vocabspec.tuning.autotune as autotune
 
     monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(autotune, "CANDIDATE_SIZES", (2, 4, 8))     # a quick calibration
@@ -107,10 +107,10 @@ def test_strategies_share_one_forward_timing_and_choices_are_cached(smollm2, tmp
 def test_timing_every_size_leaves_the_proposals_unchanged():
     """The calibration grows the tree at every candidate size between real steps; the drafter's
     cache and the real proposals must not notice, and every size gets timed."""
-    from vocabspec.speculation.autotune import SizeTimer
-    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-    from vocabspec.speculation.generate import GenerationConfig
-    from vocabspec.speculation.batch import Engine
+    from vocabspec.tuning.autotune import SizeTimer
+    from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
+    from vocabspec.decoding.generate import GenerationConfig
+    from vocabspec.decoding.batch import Engine
 
     from conftest import tiny_model
 
@@ -150,11 +150,11 @@ def test_static_tree_of_m_nodes_accepts_what_the_largest_trees_ranks_say(torch_s
     """A static tree of m nodes is the drafted nodes of value rank < m: on the same prompt the
     first step at each size accepts exactly what the largest tree's accepted ranks predict. And
     timing a step in place leaves the decoder, its caches and the drafter as they were."""
-    from vocabspec.speculation.autotune import step_seconds
-    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-    from vocabspec.speculation.generate import GenerationConfig
-    from vocabspec.speculation.batch import Engine
-    from vocabspec.speculation.proposers import bundled_drafter_dir
+    from vocabspec.tuning.autotune import step_seconds
+    from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
+    from vocabspec.decoding.generate import GenerationConfig
+    from vocabspec.decoding.batch import Engine
+    from vocabspec.speculation.config import bundled_drafter_dir
 
     from conftest import spec_bench_prompts
 
@@ -191,11 +191,11 @@ def test_static_tree_of_m_nodes_accepts_what_the_largest_trees_ranks_say(torch_s
 def test_static_tree_choice_is_measured_on_static_steps_and_cached(torch_smollm2, tmp_path, monkeypatch):
     import json
 
-    import vocabspec.speculation.autotune as autotune
-    from vocabspec.speculation.autotune import choose_static_tree, pick
-    from vocabspec.speculation.draft_vocab import StaticSubset
-    from vocabspec.speculation.drafter import EagleDrafter
-    from vocabspec.speculation.proposers import bundled_drafter_dir
+    import vocabspec.tuning.autotune as autotune
+    from vocabspec.tuning.autotune import choose_static_tree, pick
+    from vocabspec.speculation.vocab.heads import StaticSubset
+    from vocabspec.speculation.families.eagle import EagleDrafter
+    from vocabspec.speculation.config import bundled_drafter_dir
 
     monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(autotune, "STATIC_SIZES", (2, 4))          # a quick calibration
@@ -226,11 +226,12 @@ def test_static_tree_choice_is_measured_on_static_steps_and_cached(torch_smollm2
 def test_inexact_engines_tune_and_static_ones_tune_by_static_steps(torch_smollm2, tmp_path, monkeypatch):
     """On torch's kernels (inexact, allowed by the caller) the tuner's own engines run too; and
     where an Engine would run static steps (CUDA), EAGLE's tree is chosen by the static tuner."""
-    import vocabspec.speculation.autotune as autotune
-    import vocabspec.speculation.generate as generate
-    from vocabspec.speculation.draft_vocab import FullVocab
-    from vocabspec.speculation.drafter import EagleDrafter
-    from vocabspec.speculation.proposers import DraftConfig, make_proposer
+    import vocabspec.tuning.autotune as autotune
+    import vocabspec.decoding.generate as generate
+    from vocabspec.speculation.vocab.heads import FullVocab
+    from vocabspec.speculation.families.eagle import EagleDrafter
+    from vocabspec.speculation.config import DraftConfig
+    from vocabspec.tuning.proposers import make_proposer
 
     monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(autotune, "CANDIDATE_SIZES", (2,))
@@ -261,7 +262,7 @@ def test_a_timing_taken_beside_other_work_is_timed_again_once_the_machine_is_qui
     a quiet timing then stands."""
     import json
 
-    import vocabspec.speculation.autotune as autotune
+    import vocabspec.tuning.autotune as autotune
 
     from conftest import tiny_model
 
@@ -295,7 +296,7 @@ def test_other_processes_load_is_measured():
     import sys
     import time
 
-    from vocabspec.speculation.machine_load import LoadMark
+    from vocabspec.tuning.machine_load import LoadMark
 
     mark = LoadMark()
     end = time.perf_counter() + 0.3

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import vocabspec
-from vocabspec.speculation.batch import BatchEngine, BatchLimits, Busy, Engine, Stopped
-from vocabspec.speculation.generate import GenerationConfig
+from vocabspec.decoding.batch import BatchEngine, BatchLimits, Busy, Engine, Stopped
+from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.engine.loading import load_model
 from vocabspec.speculation.sampling import SamplingParams
 from vocabspec.speculation.tree import chain
@@ -99,7 +99,7 @@ def requests():
 @pytest.mark.parametrize("method", ["eagle", "pld"])
 def test_continuous_batching_gives_each_request_its_tokens_alone(lms, method):
     lm = lms[method]
-    batch = BatchEngine(lm.engine, lambda: vocabspec.speculation.proposers.make_proposer(
+    batch = BatchEngine(lm.engine, lambda: vocabspec.tuning.proposers.make_proposer(
         lm.engine.model, lm.draft, "smollm2", tokenizer=lm.tokenizer),
         BatchLimits(max_batch=3, window=1024, tree_rows=8))
     try:
@@ -219,10 +219,10 @@ def test_the_draft_budget_follows_the_cost_curve(lms):
     cost: none does, a drafted tree never paying for its rows. Rows free but each head row a
     forward's cost (a huge vocabulary's head): none does either, a tree's head rows counted
     beside the plain requests' one each. Tokens as alone either way."""
-    from vocabspec.speculation.cost_curve import Costs
+    from vocabspec.decoding.cost_curve import Costs
 
     lm = lms["eagle"]
-    batch = BatchEngine(lm.engine, lambda: vocabspec.speculation.proposers.make_proposer(
+    batch = BatchEngine(lm.engine, lambda: vocabspec.tuning.proposers.make_proposer(
         lm.engine.model, lm.draft, "smollm2", tokenizer=lm.tokenizer), BatchLimits(max_batch=3, window=1024),
         thread=False)
     assert batch.costs is not None and batch.costs(1) > 0      # measured on this machine
@@ -255,9 +255,9 @@ def test_a_request_whose_drafting_fails_ends_alone():
     from dataclasses import replace as swap
 
     from conftest import tiny_native
-    from vocabspec.speculation.draft_vocab import FullVocab
-    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-    from vocabspec.speculation.generate import DraftingFailed
+    from vocabspec.speculation.vocab.heads import FullVocab
+    from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
+    from vocabspec.speculation.proposer import DraftingFailed
 
     _, model = tiny_native("llama", seed=3)
     drafter = EagleDrafter.random(model, seed=2)
@@ -311,7 +311,7 @@ def test_a_request_that_cannot_start_ends_alone(monkeypatch):
     """A request whose admission raises (here its sampling generator) ends with that error; the
     requests admitted beside it get their tokens alone, and the loop steps on."""
     from conftest import tiny_native
-    from vocabspec.speculation import generate
+    from vocabspec.decoding import generate
 
     _, model = tiny_native("llama", seed=3)
     g = torch.Generator().manual_seed(1)

@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_model
 from vocabspec.engine.batched import SlotCache, forward_rows, greedy_answers, pad_rows
-from vocabspec.speculation.eagle3 import Eagle3Drafter
+from vocabspec.speculation.families.eagle3 import Eagle3Drafter
 from vocabspec.training.eagle3_batched import batch_loss, length_batches, target_features
 from vocabspec.training.eagle3_train import StepAttention, sequence_loss
 

@@ -1,5 +1,5 @@
 """The batch engine's plain-decoding requests on torch's kernels as rows of one forward
-(speculation/batched_decoding.py), in float32 on the CPU: every greedy answer is the one plain
+(decoding/batched_decoding.py), in float32 on the CPU: every greedy answer is the one plain
 decoding of the request alone gives; every seeded sampled answer the one serving it alone
 draws, and the draws follow the target's distribution; slots are sized from free memory, a
 request that cannot fit is refused, and `generate --input --backend torch --allow-inexact`
@@ -19,9 +19,9 @@ import torch
 
 from conftest import tiny_model
 from vocabspec.engine import batched, kernels
-from vocabspec.speculation.batch import BatchEngine, BatchLimits, Engine
-from vocabspec.speculation.generate import GenerationConfig
-from vocabspec.speculation.pld import PromptLookupProposer
+from vocabspec.decoding.batch import BatchEngine, BatchLimits, Engine
+from vocabspec.decoding.generate import GenerationConfig
+from vocabspec.speculation.families.pld import PromptLookupProposer
 from vocabspec.speculation.sampling import SamplingParams, target_probs
 
 
@@ -130,7 +130,7 @@ def test_generate_input_on_torch_runs_rows_together_and_records_the_alone_check(
     through batched rows, and the job's record and summary say how many answers served alone
     again differ (none, in float32)."""
     from vocabspec.cli import main
-    from vocabspec.speculation import batched_decoding
+    from vocabspec.decoding import batched_decoding
 
     rows = []
     step = batched_decoding.BatchedDecoding.step
@@ -324,7 +324,7 @@ def test_drafted_trees_join_the_batched_step(monkeypatch, backend, arch):
     alone, the greedy ones plain decoding's: on `--backend triton`'s kernels bit for bit, on
     torch's (float32, `TreeRowsOnTorch`) because these rows round alike; Gemma's sliding window
     of 6 is passed by the tree rows."""
-    from vocabspec.speculation import batched_decoding
+    from vocabspec.decoding import batched_decoding
 
     shapes = []         # per step with trees: (plain rows, tree rows)
     forward = batched_decoding.forward_with_trees
@@ -354,7 +354,7 @@ def test_eagle_trees_with_taps_join_the_batched_step(backend):
     """A random fused-feature EAGLE drafter (it reads layer 0's output too), its branching trees
     beside a plain row in the shared steps: every answer the one its request gets alone, greedy
     and seeded sampling."""
-    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
+    from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
 
     model = tiny_model("llama", seed=3, n_layers=2, vocab_size=32, intermediate_size=32, max_seq_len=32)
     drafter = EagleDrafter.random(model, seed=2, taps=(0,))

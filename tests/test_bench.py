@@ -7,7 +7,7 @@ import pytest
 
 from vocabspec.benchmarks.bench import copy_fraction, load_questions
 from vocabspec.cli import main
-from vocabspec.speculation.proposers import DraftConfig
+from vocabspec.speculation.config import DraftConfig
 
 from conftest import SPEC_BENCH
 

@@ -9,11 +9,11 @@ format, bf16 included, is exact (test_native.py, test_lossless.py)."""
 import pytest
 import torch
 
-from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-from vocabspec.speculation.generate import GenerationConfig, prefill
-from vocabspec.speculation.batch import Engine
+from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
+from vocabspec.decoding.generate import GenerationConfig, prefill
+from vocabspec.decoding.batch import Engine
 from vocabspec.engine.loading import load_model
-from vocabspec.speculation.pld import PromptLookupProposer
+from vocabspec.speculation.families.pld import PromptLookupProposer
 
 from conftest import spec_bench_prompts
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from vocabspec.speculation.drafter import DrafterMismatch, EagleDrafter
+from vocabspec.speculation.families.eagle import DrafterMismatch, EagleDrafter
 from vocabspec.engine.loading import ModelLoadError, load_model
 
 from conftest import tiny_model
@@ -88,7 +88,7 @@ def test_generate_json(smollm2):
 
 def test_chat_on_base_model_is_refused(gemma3):
     from vocabspec.serving.api import LanguageModel
-    from vocabspec.speculation.batch import Engine
+    from vocabspec.decoding.batch import Engine
 
     lm = LanguageModel(Engine(gemma3.model, gemma3.tokenizer), "gemma3")
     with pytest.raises(ValueError, match="no chat template"):
@@ -96,8 +96,8 @@ def test_chat_on_base_model_is_refused(gemma3):
 
 
 def test_over_long_prompt_is_refused_and_engine_still_works(smollm2):
-    from vocabspec.speculation.generate import GenerationConfig
-    from vocabspec.speculation.batch import Engine
+    from vocabspec.decoding.generate import GenerationConfig
+    from vocabspec.decoding.batch import Engine
 
     engine = Engine(smollm2.model, smollm2.tokenizer)
     with pytest.raises(ValueError, match="context window"):
@@ -134,7 +134,7 @@ def test_drafter_roundtrip_and_mismatch(tmp_path):
 
 
 def test_vocab_writes_a_successor_table_from_files(tmp_path, smollm2):
-    from vocabspec.speculation.token_map import load_successors
+    from vocabspec.speculation.vocab.token_map import load_successors
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a cat sat. the cat sat. the cat sat. the dog ran.")

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from speculators_layout import untrained_speculators_checkpoint
 from vocabspec import cli
-from vocabspec.speculation.drafter import EagleDrafter
-from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter
+from vocabspec.speculation.families.eagle import EagleDrafter
+from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter
 
 
 @pytest.fixture(scope="module")

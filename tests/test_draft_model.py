@@ -5,11 +5,12 @@ vocabulary or tokenizer is refused by name. Sampling is checked in test_sampling
 
 import pytest
 
-from vocabspec.speculation.draft_model import DraftModelMismatch, DraftModelProposer, check_same_tokenizer
-from vocabspec.speculation.draft_vocab import make_draft_vocab
-from vocabspec.speculation.generate import GenerationConfig
-from vocabspec.speculation.batch import Engine
-from vocabspec.speculation.proposers import DraftConfig, bundled_drafter_dir, make_proposer
+from vocabspec.speculation.families.draft_model import DraftModelMismatch, DraftModelProposer, check_same_tokenizer
+from vocabspec.speculation.vocab.heads import make_draft_vocab
+from vocabspec.decoding.generate import GenerationConfig
+from vocabspec.decoding.batch import Engine
+from vocabspec.speculation.config import DraftConfig, bundled_drafter_dir
+from vocabspec.tuning.proposers import make_proposer
 
 from conftest import loaded, spec_bench_prompts, tiny_model
 

@@ -1,4 +1,4 @@
-"""The drafting families' registry (proposers.Family): a family registered in one place is a
+"""The drafting families' registry (config.Family): a family registered in one place is a
 --draft choice with its help line, a benchmark method name, a set of options the others are
 refused against, a size the autotuner measures and a trainer `vocabspec train` runs; the built-in
 families keep their names."""
@@ -8,18 +8,22 @@ import json
 import pytest
 
 from vocabspec import cli
-from vocabspec.speculation import proposers
+from vocabspec.speculation import config as drafting_config
 from vocabspec.training import train
 from vocabspec.engine.files import cache_dir
-from vocabspec.speculation.pld import PromptLookupProposer
-from vocabspec.speculation.proposers import DraftConfig, Family, make_proposer, register
+from vocabspec.speculation.families.pld import PromptLookupProposer
+from vocabspec.speculation.config import DraftConfig, Family, register
+from vocabspec.tuning.proposers import make_proposer
 
 
 @pytest.fixture
-def registry(monkeypatch):
-    """The registry as it is, restored after the test."""
-    monkeypatch.setattr(proposers, "FAMILIES", dict(proposers.FAMILIES))
-    return proposers.FAMILIES
+def registry():
+    """The registry as it is, restored after the test (in place: its readers hold the dict)."""
+    families = drafting_config.FAMILIES
+    kept = dict(families)
+    yield families
+    families.clear()
+    families.update(kept)
 
 
 def train_lookup_n(cfg, target, split, report, ship, log):

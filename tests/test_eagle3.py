@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 import vocabspec
-from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter, is_eagle3
+from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter, is_eagle3
 from vocabspec.engine.files import cache_dir
 
 from conftest import tiny_native
@@ -193,7 +193,7 @@ def test_training_time_test_drafts_what_a_tree_drafts():
 
 
 def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tmp_path, monkeypatch):
-    from vocabspec.speculation import proposers
+    from vocabspec.speculation import config as drafting_config
     from vocabspec.training import eagle3_train
     from vocabspec.training.train import TrainConfig, _atomic_save
 
@@ -214,7 +214,7 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
             shard["tapped"].append(tapped.to(torch.bfloat16))
         _atomic_save(shard, tmp_path / "features" / f"{part}-00000.pt")
     torch.save(torch.randperm(200, generator=generator), tmp_path / "token_map_trim.pt")
-    monkeypatch.setattr(proposers, "bundled_drafter_dir", lambda name: tmp_path)
+    monkeypatch.setattr(drafting_config, "bundled_drafter_dir", lambda name: tmp_path)
     cfg = TrainConfig(out=str(tmp_path), drafter="eagle3", taps="1,3,4", draft_vocab="trim:150", epochs=6,
                       accumulate=2, lr=3e-3, warmup_steps=2, checkpoint_every=6, max_steps=6,
                       snapshot_tokens="100,1M")
@@ -345,8 +345,8 @@ def test_export_writes_an_eagle3_drafter_in_either_layout(smollm2_eagle3, tmp_pa
 def test_the_shipped_eagle3_drafter_is_smollm2s_default_and_gives_plain_decodings_tokens():
     """`eagle`, `eagle+pld` and `eagle3` draft with the shipped EAGLE-3 drafter; the eagle2 names
     and SpecVocab heads (trained on EAGLE-2's states) with the bundled EAGLE-2 drafter."""
-    from vocabspec.speculation.proposers import (DraftConfig, bundled_drafter_dir, bundled_eagle3_dir,
-                                                 default_eagle_path)
+    from vocabspec.speculation.config import (DraftConfig, bundled_drafter_dir, bundled_eagle3_dir,
+                                              default_eagle_path)
 
     shipped = bundled_eagle3_dir("smollm2")
     assert shipped is not None and shipped.parent == bundled_drafter_dir("smollm2")

@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from vocabspec.cli import main
-from vocabspec.speculation.drafter import EagleDrafter
+from vocabspec.speculation.families.eagle import EagleDrafter
 from vocabspec.engine.formats import PackedWeight
-from vocabspec.speculation.generate import GenerationConfig
-from vocabspec.speculation.batch import Engine
-from vocabspec.speculation.token_map import load_token_map, save_token_map
+from vocabspec.decoding.generate import GenerationConfig
+from vocabspec.decoding.batch import Engine
+from vocabspec.speculation.vocab.token_map import load_token_map, save_token_map
 
 EAGLE_KEYS = {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
               "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
@@ -71,7 +71,7 @@ def test_exported_drafter_matches_eagle_reference(smollm2, tmp_path):
                                 "pip install --no-deps eagle-llm")
     from eagle.model.configs import EConfig
 
-    from vocabspec.speculation.drafter import draft_states, features_of
+    from vocabspec.speculation.families.eagle import draft_states, features_of
 
     out = tmp_path / "export"
     assert main(["export", "--model", "smollm2", "--out", str(out)]) == 0

@@ -12,8 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from vocabspec.speculation.generate import GenerationConfig  # noqa: E402
-from vocabspec.speculation.batch import Engine
+from vocabspec.decoding.generate import GenerationConfig  # noqa: E402
+from vocabspec.decoding.batch import Engine
 from vocabspec.engine.loading import ModelLoadError, load_model  # noqa: E402
 
 SHAPE = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
@@ -117,10 +117,10 @@ def test_drafting_pipeline_for_each_family(family, tmp_path):
     steps, a VocabTrim token map from the target's predictions; speculative decoding with the
     trained drafter and that map gives plain decoding's tokens; the export loads back and
     reads as the family's Hugging Face config."""
-    from vocabspec.speculation.draft_vocab import make_draft_vocab
-    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
+    from vocabspec.speculation.vocab.heads import make_draft_vocab
+    from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
     from vocabspec.export import export
-    from vocabspec.speculation.token_map import count_target_predictions, rank, save_token_map
+    from vocabspec.speculation.vocab.token_map import count_target_predictions, rank, save_token_map
     from vocabspec.training.train import TrainConfig, extract_features, train_drafter
 
     reference = save_tiny(family, tmp_path / "target")

@@ -6,11 +6,11 @@ from the feature shards; a deeper drafter's tree rows see only their ancestors i
 import pytest
 import torch
 
-from vocabspec.speculation.proposers import bundled_drafter_dir
-from vocabspec.speculation.drafter import DrafterMismatch, EagleDrafter, EagleProposer
-from vocabspec.speculation.generate import GenerationConfig
-from vocabspec.speculation.batch import Engine
-from vocabspec.speculation.drafter import draft_states, features_of
+from vocabspec.speculation.config import bundled_drafter_dir
+from vocabspec.speculation.families.eagle import DrafterMismatch, EagleDrafter, EagleProposer
+from vocabspec.decoding.generate import GenerationConfig
+from vocabspec.decoding.batch import Engine
+from vocabspec.speculation.families.eagle import draft_states, features_of
 from vocabspec.training.train import (OnlineFeatures, TrainConfig, extract_features, load_shards, online_sets,
                              train_drafter)
 
@@ -94,7 +94,7 @@ def test_batched_requests_feed_their_drafters_the_tapped_rows(smollm2):
     """A fused-feature drafter in continuous batching: each request gets plain decoding's tokens,
     and its drafter the tapped rows it gets alone (the same drafts, so the same accepted
     lengths step by step)."""
-    from vocabspec.speculation.batch import BatchEngine, BatchLimits
+    from vocabspec.decoding.batch import BatchEngine, BatchLimits
 
     model, dim = smollm2.model, smollm2.model.args.dim
 

@@ -88,9 +88,9 @@ def test_a_model_on_the_kernels_is_exact():
     from test_native import assert_trees_match_one_token_forwards
 
     from conftest import tiny_native
-    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-    from vocabspec.speculation.generate import GenerationConfig
-    from vocabspec.speculation.batch import Engine
+    from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
+    from vocabspec.decoding.generate import GenerationConfig
+    from vocabspec.decoding.batch import Engine
 
     reference, _ = tiny_native("gemma3", seed=2, n_layers=2)   # a sliding layer and a global one
     model = reference.to(DEVICE)
@@ -192,9 +192,9 @@ def test_static_steps_on_the_kernels_are_plain_decoding():
 
     from conftest import tiny_model
     from vocabspec.engine.kv_cache import DeviceKVCache
-    from vocabspec.speculation.batch import Engine
-    from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-    from vocabspec.speculation.generate import GenerationConfig
+    from vocabspec.decoding.batch import Engine
+    from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
+    from vocabspec.decoding.generate import GenerationConfig
 
     model = tiny_model("llama", seed=2, n_layers=1).to(DEVICE)
     model.use_kernels()
@@ -220,9 +220,9 @@ def test_static_steps_on_the_kernels_keep_accepted_drafts():
     Gemma with a sliding window of 6 whose answer repeats a token): the accepted path is moved
     in the device cache and the answer is still plain decoding's, in fewer steps."""
     from conftest import tiny_model
-    from vocabspec.speculation.batch import Engine
-    from vocabspec.speculation.generate import GenerationConfig
-    from vocabspec.speculation.pld import PromptLookupProposer
+    from vocabspec.decoding.batch import Engine
+    from vocabspec.decoding.generate import GenerationConfig
+    from vocabspec.speculation.families.pld import PromptLookupProposer
 
     model = tiny_model("gemma3", seed=2, n_layers=1).to(DEVICE)
     model.use_kernels()
@@ -340,9 +340,9 @@ def test_the_static_tuner_times_the_static_steps_on_the_kernels(monkeypatch):
     replay: static steps on the kernels over a device cache (model.DeviceKernelPlan), trees and
     plain decoding alike, never torch's attention."""
     import vocabspec.engine.model as model_module
-    import vocabspec.speculation.autotune as autotune
+    import vocabspec.tuning.autotune as autotune
     from conftest import tiny_model
-    from vocabspec.speculation.drafter import EagleDrafter
+    from vocabspec.speculation.families.eagle import EagleDrafter
 
     model = tiny_model("llama", seed=2, n_layers=1).to(DEVICE)
     model.use_kernels()

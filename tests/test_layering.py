@@ -1,9 +1,12 @@
 """The package's layers, one folder each: the engine (model, formats, cache, native engine)
-imports no other part; speculation (trees, verification, the loop, proposers) only the engine;
-serving (the server, the API) the two below it; training and benchmarking, which the
-core never imports, any of those three but not each other. No two modules import each other in
-a cycle (function-level imports included), and loading a model with a drafter and generating
-loads no training module."""
+imports no other part; speculation (the core: trees, verification, sampling, the proposer
+interface, the drafting config; the draft heads; the drafting families) only the engine;
+decoding (the loop) those two; tuning (the timed tree sizes, the proposer a config builds)
+those three; serving (the server, the API) the four below it; training and benchmarking, which
+the core never imports, any of those but not each other. Inside speculation the families
+import only the core, and neither the core nor the loop imports a family. No two modules import
+each other in a cycle (function-level imports included), and loading a model with a drafter and
+generating loads no training module."""
 
 import ast
 import subprocess
@@ -18,10 +21,13 @@ PACKAGE = Path(vocabspec.__file__).parent
 MAY_IMPORT = {
     "engine": set(),
     "speculation": {"engine"},
-    "serving": {"engine", "speculation"},
-    "training": {"engine", "speculation", "serving"},
-    "benchmarks": {"engine", "speculation", "serving"},
+    "decoding": {"engine", "speculation"},
+    "tuning": {"engine", "speculation", "decoding"},
+    "serving": {"engine", "speculation", "decoding", "tuning"},
+    "training": {"engine", "speculation", "decoding", "tuning", "serving"},
+    "benchmarks": {"engine", "speculation", "decoding", "tuning", "serving"},
 }
+FAMILIES = "speculation.families"
 ROOT_MODULES = 12          # at most, at the package's root
 
 
@@ -67,10 +73,20 @@ def test_the_root_holds_few_modules_and_every_module_a_part():
 
 def test_each_part_imports_only_the_parts_below_it():
     graph = imports()
-    assert {"engine.model", "speculation.generate", "speculation.drafter", "engine.native"} <= set(graph)
+    assert {"engine.model", "decoding.generate", "speculation.families.eagle", "engine.native"} <= set(graph)
     bad = sorted((m, d) for m in graph for d in graph[m]
                  if part(m) and part(d) != part(m) and part(d) not in MAY_IMPORT[part(m)])
     assert not bad, f"imports across the layers: {bad}"
+
+
+def test_the_core_and_the_loop_import_no_drafting_family():
+    graph = imports()
+    families = {m for m in graph if m.startswith(FAMILIES + ".")}
+    assert {"speculation.families.eagle", "speculation.families.pld", "speculation.families.medusa"} <= families
+    core = [m for m in graph if (part(m) == "speculation" and m not in families) or part(m) == "decoding"]
+    assert {"speculation.tree", "speculation.config", "speculation.vocab.heads", "decoding.batch"} <= set(core)
+    bad = sorted((m, d) for m in core for d in graph[m] if d == FAMILIES or d.startswith(FAMILIES + "."))
+    assert not bad, f"the core or the loop imports a drafting family: {bad}"
 
 
 def test_no_import_cycles():

@@ -134,7 +134,7 @@ def test_the_calibration_is_kept_in_the_tuners_cache(tmp_path, monkeypatch):
     not read."""
     import json
 
-    from vocabspec.speculation.autotune import keep_calibration
+    from vocabspec.tuning.autotune import keep_calibration
     from vocabspec.speculation.live_tree import KEEP_SEEN, SAVE_EVERY
 
     monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))

@@ -10,13 +10,13 @@ in the default weight format; in every other format the trained drafter on every
 import pytest
 import torch
 
-from vocabspec.speculation.proposers import bundled_drafter_dir
-from vocabspec.speculation.draft_vocab import make_draft_vocab
-from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-from vocabspec.speculation.generate import GenerationConfig
-from vocabspec.speculation.batch import Engine
-from vocabspec.speculation.hybrid import EagleLookupProposer
-from vocabspec.speculation.pld import PromptLookupProposer
+from vocabspec.speculation.config import bundled_drafter_dir
+from vocabspec.speculation.vocab.heads import make_draft_vocab
+from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
+from vocabspec.decoding.generate import GenerationConfig
+from vocabspec.decoding.batch import Engine
+from vocabspec.speculation.families.hybrid import EagleLookupProposer
+from vocabspec.speculation.families.pld import PromptLookupProposer
 
 from conftest import loaded, spec_bench_prompts
 

@@ -6,12 +6,13 @@ refused by name. Sampling is checked in test_sampling.py."""
 import pytest
 import torch
 
-from vocabspec.speculation.draft_vocab import make_draft_vocab
-from vocabspec.speculation.generate import GenerationConfig
-from vocabspec.speculation.batch import Engine
-from vocabspec.speculation.medusa import (MEDUSA_63, MedusaHeads, MedusaMismatch, MedusaProposer, TreeLayout,
-                              bundled_medusa_dir, check_choices)
-from vocabspec.speculation.proposers import DraftConfig, bundled_drafter_dir, make_proposer
+from vocabspec.speculation.vocab.heads import make_draft_vocab
+from vocabspec.decoding.generate import GenerationConfig
+from vocabspec.decoding.batch import Engine
+from vocabspec.speculation.families.medusa import (MEDUSA_63, MedusaHeads, MedusaMismatch, MedusaProposer,
+                                                   TreeLayout, bundled_medusa_dir, check_choices)
+from vocabspec.speculation.config import DraftConfig, bundled_drafter_dir
+from vocabspec.tuning.proposers import make_proposer
 
 from conftest import spec_bench_prompts, tiny_model
 

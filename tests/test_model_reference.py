@@ -65,8 +65,8 @@ PROMPTS = ["Explain why the sky is blue."]
 
 @pytest.mark.parametrize("text", PROMPTS)
 def test_greedy_64_tokens_match_transformers(real_model, ours, reference, text):
-    from vocabspec.speculation.generate import GenerationConfig
-    from vocabspec.speculation.batch import Engine
+    from vocabspec.decoding.generate import GenerationConfig
+    from vocabspec.decoding.batch import Engine
 
     ids = real_model.prompt_ids(text)
     engine = Engine(ours, real_model.tokenizer)

@@ -319,10 +319,10 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
     subset), normed before the head or at the output, its residual normed or not."""
     from dataclasses import replace
 
-    from vocabspec.speculation.draft_vocab import FullVocab, StaticSubset
-    from vocabspec.speculation.drafter import (EagleDrafter, EagleProposer, NativeEagleDrafting,
-                                               TorchEagleDrafting)
-    from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter
+    from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset
+    from vocabspec.speculation.families.eagle import (EagleDrafter, EagleProposer, NativeEagleDrafting,
+                                                      TorchEagleDrafting)
+    from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter
 
     _, target = tiny_native(arch, seed=4)
     a = target.args

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_native
 from vocabspec.engine import native
-from vocabspec.speculation.drafter import DrafterMismatch, EagleDrafter, EagleProposer
-from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter
+from vocabspec.speculation.families.eagle import DrafterMismatch, EagleDrafter, EagleProposer
+from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def target():
 def native_drafter(target):
     drafter = EagleDrafter.random(target, seed=1)
     drafter.use_native("f32")
-    from vocabspec.speculation.draft_vocab import FullVocab
+    from vocabspec.speculation.vocab.heads import FullVocab
 
     proposer = EagleProposer(drafter, head=FullVocab(target.native.head_weight), depth=3, top_k=4, total_tokens=8)
     return proposer.backend.native, drafter.new_cache(64)

@@ -31,11 +31,11 @@ import torch
 
 from conftest import tiny_native
 from vocabspec.engine import native
-from vocabspec.speculation.batch import BatchEngine, BatchLimits, Engine
-from vocabspec.speculation.draft_vocab import FullVocab, StaticSubset
-from vocabspec.speculation.drafter import EagleDrafter, EagleProposer, NativeEagleDrafting
-from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter
-from vocabspec.speculation.generate import GenerationConfig
+from vocabspec.decoding.batch import BatchEngine, BatchLimits, Engine
+from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset
+from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer, NativeEagleDrafting
+from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter
+from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.speculation.tree import MAX_DEPTH, MAX_TOP_K, MAX_TOTAL_TOKENS, Tree
 
 pytestmark = pytest.mark.skipif(not native.available()[0], reason=native.available()[1])

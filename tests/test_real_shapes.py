@@ -14,13 +14,13 @@ import torch
 from vocabspec.engine import native
 from vocabspec.engine.files import cache_dir
 from vocabspec.engine.loading import load_model
-from vocabspec.speculation.batch import Engine
-from vocabspec.speculation.draft_vocab import FullVocab, StaticSubset
-from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter
-from vocabspec.speculation.generate import GenerationConfig
-from vocabspec.speculation.hybrid import EagleLookupProposer
-from vocabspec.speculation.pld import PromptLookupProposer
+from vocabspec.decoding.batch import Engine
+from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset
+from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
+from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter
+from vocabspec.decoding.generate import GenerationConfig
+from vocabspec.speculation.families.hybrid import EagleLookupProposer
+from vocabspec.speculation.families.pld import PromptLookupProposer
 
 from llamacpp_files import models_dir
 

@@ -19,16 +19,17 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from vocabspec.speculation.draft_vocab import FullVocab, SpecVocab, StaticSubset
-from vocabspec.speculation.draft_model import DraftModelProposer
-from vocabspec.speculation.drafter import EagleDrafter, EagleProposer
-from vocabspec.speculation.generate import GenerationConfig, Proposer
-from vocabspec.speculation.batch import Engine
-from vocabspec.speculation.hybrid import EagleLookupProposer
-from vocabspec.speculation.medusa import MedusaHeads, MedusaProposer
+from vocabspec.speculation.vocab.heads import FullVocab, SpecVocab, StaticSubset
+from vocabspec.speculation.families.draft_model import DraftModelProposer
+from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
+from vocabspec.decoding.generate import GenerationConfig
+from vocabspec.speculation.proposer import Proposer
+from vocabspec.decoding.batch import Engine
+from vocabspec.speculation.families.hybrid import EagleLookupProposer
+from vocabspec.speculation.families.medusa import MedusaHeads, MedusaProposer
 from vocabspec.speculation.sampling import SamplingParams, target_probs
 from vocabspec.speculation.tree import chain
-from vocabspec.speculation.token_map import successor_lists
+from vocabspec.speculation.vocab.token_map import successor_lists
 from vocabspec.speculation.verify import verify_sampling
 
 from conftest import tiny_model, tiny_native
@@ -253,7 +254,7 @@ def deep_proposer(kind: str, model):
         draft = tiny_model("llama", seed=12, vocab_size=DEEP_VOCAB, n_layers=1)
         return DraftModelProposer(draft, depth=2, top_k=2, total_tokens=4)
     if kind == "eagle3":         # three target layers fused, a draft vocabulary of 3 of the 4 tokens
-        from vocabspec.speculation.eagle3 import Eagle3Config, Eagle3Drafter
+        from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter
 
         a = model.args
         config = Eagle3Config(dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,

@@ -413,7 +413,7 @@ def test_out_of_range_and_unreadable_bodies_get_400_and_the_next_request_is_serv
 def test_a_request_that_cannot_start_fails_alone(server, monkeypatch):
     """A request whose admission raises in the batch (its sampling generator, here) gets a 500
     naming the failure; the loop goes on, and the next request is served."""
-    from vocabspec.speculation import generate
+    from vocabspec.decoding import generate
 
     base, _, app = server
     make_generator = generate.make_generator
@@ -791,7 +791,7 @@ def test_a_300mb_chunked_body_gets_413_and_the_server_memory_stays_flat(served):
 # that next one taken from the queue into no slot (where the probe's request once sat, its
 # client waiting for ever).
 DYING_LOOP = """
-from vocabspec.speculation.batch import BatchEngine
+from vocabspec.decoding.batch import BatchEngine
 admit = BatchEngine._admit
 
 def admit_or_die(self):

@@ -9,15 +9,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vocabspec.speculation.draft_vocab import make_draft_vocab
-from vocabspec.speculation.drafter import EagleDrafter, EagleProposer, EagleStaticDrafting
-from vocabspec.speculation.generate import GenerationConfig
-from vocabspec.speculation.batch import Engine
-from vocabspec.speculation.hybrid import EagleLookupProposer
-from vocabspec.speculation.medusa import MedusaHeads, MedusaProposer, bundled_medusa_dir
-from vocabspec.speculation.pld import PromptLookupProposer
-from vocabspec.speculation.proposers import bundled_drafter_dir
-from vocabspec.speculation.static_step import StaticDecoder, count_read_backs
+from vocabspec.speculation.vocab.heads import make_draft_vocab
+from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer, EagleStaticDrafting
+from vocabspec.decoding.generate import GenerationConfig
+from vocabspec.decoding.batch import Engine
+from vocabspec.speculation.families.hybrid import EagleLookupProposer
+from vocabspec.speculation.families.medusa import MedusaHeads, MedusaProposer, bundled_medusa_dir
+from vocabspec.speculation.families.pld import PromptLookupProposer
+from vocabspec.speculation.config import bundled_drafter_dir
+from vocabspec.decoding.static_step import StaticDecoder, count_read_backs
 
 from conftest import Loaded, loaded, spec_bench_prompts
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from vocabspec.speculation.drafter import EagleDrafter
+from vocabspec.speculation.families.eagle import EagleDrafter
 from vocabspec.training.train import TrainConfig, _atomic_save, sequence_loss, train_drafter
 
 from conftest import tiny_model
@@ -101,7 +101,7 @@ def test_training_lowers_loss_and_resumes(tmp_path):
 def test_unrolled_loss_adds_a_step_on_predicted_features():
     import torch.nn.functional as F
 
-    from vocabspec.speculation.drafter import draft_states, features_of
+    from vocabspec.speculation.families.eagle import draft_states, features_of
 
     model = tiny_model("llama", vocab_size=40)
     drafter = EagleDrafter.random(model).float()
@@ -127,7 +127,7 @@ def test_held_out_agreement_at_step_k_follows_the_unrolled_chain():
     the whole vocabulary: both feed the drafter the same chain of its own predictions."""
     import torch.nn.functional as F
 
-    from vocabspec.speculation.drafter import features_of
+    from vocabspec.speculation.families.eagle import features_of
     from vocabspec.training.train import evaluate
 
     model = tiny_model("llama", vocab_size=6)     # few tokens: chance agreement is not rare
@@ -154,7 +154,7 @@ def test_self_distilled_answers_are_the_engines_greedy_answers_with_their_end(tm
     """The batch engine answers every prompt as plain decoding alone would, the end-of-sequence
     token that ended an answer kept (a drafter learns to propose it), and the file saved."""
     from vocabspec.serving.api import load
-    from vocabspec.speculation.generate import GenerationConfig
+    from vocabspec.decoding.generate import GenerationConfig
     from vocabspec.engine.loading import resolve_model_path
     from vocabspec.engine.prompts import encode_conversation
     from vocabspec.training.train import _generate_answers
@@ -336,7 +336,7 @@ def test_ranker_training_starts_from_a_given_ranker(tmp_path):
 
 def test_joint_ranker_loss_adds_the_rankers_distillation_to_the_token_loss():
     from vocabspec.training.ranker import distillation_loss, svd_init, teacher
-    from vocabspec.speculation.drafter import draft_states, features_of
+    from vocabspec.speculation.families.eagle import draft_states, features_of
 
     model = tiny_model("llama", vocab_size=40)
     drafter = EagleDrafter.random(model).float().requires_grad_(True)
@@ -426,7 +426,7 @@ def test_recipes_keep_their_answers_and_generate_what_is_missing(model):
 
 def test_medusa_trainer_trains_and_saves_heads(tmp_path):
     # The Medusa family's trainer as `vocabspec train --drafter medusa` runs it (train.trainer_of).
-    from vocabspec.speculation.medusa import MedusaHeads
+    from vocabspec.speculation.families.medusa import MedusaHeads
     from vocabspec.training.train import trainer_of
 
     model = tiny_model("llama", vocab_size=50)

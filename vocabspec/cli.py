@@ -80,7 +80,7 @@ def _float(text: str) -> float:
 
 def _token_list(text: str) -> str:
     """fr:N or trim:N: a token map's first N tokens."""
-    from .speculation.draft_vocab import parse_draft_vocab
+    from .speculation.vocab.heads import parse_draft_vocab
 
     try:
         kind, _ = parse_draft_vocab(text)
@@ -123,9 +123,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None:
-    """The fields of proposers.DraftConfig (the bench names its methods instead of --draft)."""
+    """The fields of config.DraftConfig (the bench names its methods instead of --draft)."""
     if method:
-        from .speculation.proposers import FAMILIES
+        from .speculation.config import FAMILIES
 
         parser.add_argument("--draft", default="none", type=_draft_method, metavar="METHOD",
                             help="proposer: " + ", ".join(f"{f.display} ({f.summary})"
@@ -160,7 +160,7 @@ def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None
 
 
 def _draft_method(text: str) -> str:
-    from .speculation.proposers import DraftConfig
+    from .speculation.config import DraftConfig
 
     try:
         DraftConfig.from_draft(text)        # the family, and its NAME:VALUE argument
@@ -171,7 +171,7 @@ def _draft_method(text: str) -> str:
 
 def draft_config(args):
     """The DraftConfig the command line asks for."""
-    from .speculation.proposers import DraftConfig
+    from .speculation.config import DraftConfig
 
     return DraftConfig.from_draft(args.draft, path=args.draft_path, vocab=args.draft_vocab,
                                   token_map=args.token_map, ranker=args.ranker, depth=args.depth,
@@ -367,7 +367,7 @@ def _sampling_options(gen: argparse.ArgumentParser) -> None:
 
 
 def _train_options(sub) -> None:
-    from .speculation.proposers import FAMILIES
+    from .speculation.config import FAMILIES
     from .training.train import TrainConfig
 
     train = sub.add_parser("train", help="train a drafter for a model (data, features, training); "
@@ -428,7 +428,7 @@ def _ranker_options(sub) -> None:
 
 
 def _bench_options(sub) -> None:
-    from .speculation.proposers import FAMILIES
+    from .speculation.config import FAMILIES
 
     bench = sub.add_parser("bench", help="Spec-Bench: every method side by side, with plots")
     bench.add_argument("--questions", default="builtin",
@@ -553,7 +553,7 @@ def cmd_export(args) -> int:
 
 def cmd_bench(args) -> int:
     from .benchmarks.bench import BenchConfig, run_bench
-    from .speculation.proposers import DraftConfig
+    from .speculation.config import DraftConfig
 
     set_threads(args.threads)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -600,8 +600,8 @@ def cmd_vocab(args) -> int:
 
     from .engine.loading import load_model
     from .training.sharegpt import count_sharegpt
-    from .speculation.token_map import (count_files, count_target_predictions, rank,
-                            save_eagle3, save_token_map)
+    from .speculation.vocab.token_map import (count_files, count_target_predictions, rank, save_eagle3,
+                                              save_token_map)
     from .engine.tokenizer import load_tokenizer
 
     model, path = load_model(args.model, max_seq_len=64)
@@ -642,7 +642,7 @@ def cmd_vocab(args) -> int:
 
 def _write_successors(args, tokenizer, vocab: int) -> int:
     from .training.sharegpt import sharegpt_ids
-    from .speculation.token_map import file_ids, save_successors, successor_lists
+    from .speculation.vocab.token_map import file_ids, save_successors, successor_lists
 
     if args.source not in ("sharegpt", "files"):
         raise ValueError("--successors counts a corpus: --source sharegpt or files")
@@ -665,10 +665,10 @@ def cmd_ranker(args) -> int:
 
     import torch
 
-    from .speculation.proposers import bundled_drafter_dir
-    from .speculation.drafter import EagleDrafter
+    from .speculation.config import bundled_drafter_dir
+    from .speculation.families.eagle import EagleDrafter
     from .engine.loading import load_model
-    from .speculation.draft_vocab import load_ranker, save_ranker
+    from .speculation.vocab.heads import load_ranker, save_ranker
     from .training.ranker import train_ranker
     from .training.train import TrainConfig, load_shards
 
@@ -850,7 +850,7 @@ COMMANDS = {"generate": cmd_generate, "train": cmd_train, "vocab": cmd_vocab, "r
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .speculation.drafter import DrafterMismatch
+    from .speculation.families.eagle import DrafterMismatch
     from .engine.loading import ModelLoadError
 
     try:

@@ -26,12 +26,12 @@ import torch
 
 def export(model: str, out: str | Path, draft_path: str | None = None, draft_vocab: str | None = None,
            token_map: str | None = None, layout: str | None = None, q8_0: bool = False) -> list[Path]:
-    from .speculation.proposers import bundled_drafter_dir
-    from .speculation.draft_vocab import parse_draft_vocab
-    from .speculation.drafter import EagleDrafter
-    from .speculation.eagle3 import Eagle3Drafter, is_eagle3
+    from .speculation.config import bundled_drafter_dir
+    from .speculation.vocab.heads import parse_draft_vocab
+    from .speculation.families.eagle import EagleDrafter
+    from .speculation.families.eagle3 import Eagle3Drafter, is_eagle3
     from .engine.loading import load_model
-    from .speculation.token_map import load_token_map, save_eagle3, save_token_map
+    from .speculation.vocab.token_map import load_token_map, save_eagle3, save_token_map
 
     target, _ = load_model(model, max_seq_len=64)
     source = Path(draft_path) if draft_path else bundled_drafter_dir(model)

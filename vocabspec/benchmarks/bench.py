@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..speculation.generate import GenerationConfig
-from ..speculation.batch import Engine
+from ..decoding.generate import GenerationConfig
+from ..decoding.batch import Engine
 from ..engine.prompts import encode_conversation, stop_strings
 from ..speculation.sampling import SamplingParams
 
@@ -121,9 +121,10 @@ def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
     trees that would otherwise be chosen again (a resumed run keeps its first run's)."""
     from dataclasses import replace
 
-    from ..speculation.generate import require_exact
+    from ..decoding.generate import require_exact
     from ..engine.loading import load_model
-    from ..speculation.proposers import DraftConfig, make_proposer
+    from ..speculation.config import DraftConfig
+    from ..tuning.proposers import make_proposer
     from ..engine.tokenizer import load_tokenizer
 
     configs = {name: DraftConfig.from_method(name, path=cfg.draft_path, depth=cfg.depth,

@@ -212,7 +212,7 @@ def run_throughput(model: str, methods: list[str], concurrencies: list[int], out
 
     from ..serving.api import load
     from .bench import load_questions
-    from ..speculation.proposers import DraftConfig
+    from ..speculation.config import DraftConfig
     from ..serving.server import ServerLimits
 
     asked = load_questions(questions, per_category)
@@ -247,7 +247,7 @@ def curve_ms(model, concurrencies: list[int]) -> dict[str, float]:
     """The cost curve at each concurrency's rows (one sequence, a 256-token context), ms: what
     c clients could get at most is c x forward(1) / forward(c) of one client's tokens per
     second, steps at the curve with nothing else (no prefill, no second sequence's cache)."""
-    from ..speculation.cost_curve import forward_seconds
+    from ..decoding.cost_curve import forward_seconds
 
     seconds = forward_seconds(model, sorted({c - 1 for c in concurrencies} | {0}), repeats=5)
     return {str(n + 1): round(s * 1e3, 3) for n, s in seconds.items()}

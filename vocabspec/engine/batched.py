@@ -12,7 +12,7 @@ so a slot wastes at most its unused tail, a step's attention reads each slot's k
 strided batched product with no page table, and a finished sequence's slot is refilled by
 moving the live ones down (`compact`), never by a gather at every step. The number of slots
 is sized from the device's free memory (`SlotCache.fitting`). The batch engine's plain-decoding
-requests step here too (speculation/batched_decoding.py), each request in a slot of its own, and
+requests step here too (decoding/batched_decoding.py), each request in a slot of its own, and
 so do drafted requests, a slot each as their KV cache (`SlotSequence`), their trees rows of the
 same forward (`SlotTree`, `forward_with_trees`).
 

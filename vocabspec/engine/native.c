@@ -93,6 +93,8 @@ int64_t vs_abi(int64_t *out, int64_t cap) {
         offsetof(vs_drafter, out_norm), offsetof(vs_drafter, eps), offsetof(vs_drafter, fused),
         sizeof(vs_tree_stop), offsetof(vs_tree_stop, depths), offsetof(vs_tree_stop, bins),
         offsetof(vs_tree_stop, min_gain), offsetof(vs_tree_stop, levels),
+        sizeof(vs_tree_request), offsetof(vs_tree_request, length), offsetof(vs_tree_request, root),
+        offsetof(vs_tree_request, stop), offsetof(vs_tree_request, node_values), offsetof(vs_tree_request, att),
     };
     const int64_t n = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < n && i < cap; i++) out[i] = v[i];
@@ -1087,29 +1089,30 @@ static int eagle_tree_level_pays(const vs_tree_stop *stop, const eagle_tree *t, 
     return gain >= stop->min_gain;
 }
 
-/* Grow the tree from `state` (the drafter's output at the root) over the drafter's cache of
-   `length` committed slots; its expansions are left pending (forgotten: the next read
+/* Grow the tree of request `r` (native.h's vs_tree_request) from its `state` over the drafter's
+   cache of `length` committed slots; its expansions are left pending (forgotten: the next read
    overwrites them). Writes the kept tree, flattened, to tokens/parents (parents[0] = -1) and
    each node's value rank to ranks (-1 for the root) and its value (the log of the product of
-   confidences along its path; 0 for the root) to node_values; returns its rows (-1: a tree that is not
-   one, which the caller raises on). stop: where the tree may stop growing before `depth`
-   (NULL: never). head_logits: top_k x head rows floats; work/att: as vs_stack_forward for top_k
-   rows. */
-int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
-                      const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
-                      vs_tree_stop *stop, int64_t *tokens, int64_t *parents, int64_t *ranks,
-                      double *node_values, float *head_logits, float *work, float *att) {
+   confidences along its path; 0 for the root) to node_values; returns its rows (-1: a tree that
+   is not one, which the caller raises on). stop: where the tree may stop growing before
+   `depth` (NULL: never). */
+int64_t vs_eagle_tree(const vs_tree_request *r) {
+    const vs_drafter *d = r->drafter;
+    const vs_stack *s = r->stack;
+    const int64_t top_k = r->top_k, depth = r->depth, total_tokens = r->total_tokens;
+    vs_tree_stop *stop = r->stop;
+    float *head_logits = r->head_logits;
     const int64_t dim = d->fc.rows;
     eagle_tree t;
     eagle_tree_alloc(&t, d, top_k, depth);
     tree_keys keys_ = {t.val, t.dep, t.par, t.flat};
     sort_keys = &keys_;
     t.count = 1, t.pending = 0;
-    t.tok[0] = root, t.par[0] = -1, t.dep[0] = 0, t.val[0] = 0.0, t.slot[0] = -1;
+    t.tok[0] = r->root, t.par[0] = -1, t.dep[0] = 0, t.val[0] = 0.0, t.slot[0] = -1;
 
     /* Depth 1: the root's children, from `state`. */
     t.cur = t.states, t.next_states = t.states + top_k * dim;
-    memcpy(t.cur, state, dim * sizeof(float));
+    memcpy(t.cur, r->state, dim * sizeof(float));
     t.n_front = 1;
     t.front[0] = 0;
     t.row_of[0] = 0;
@@ -1120,10 +1123,10 @@ int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *
         if (level == depth) break;
         const int64_t m = eagle_tree_next_front(&t, top_k, total_tokens, newest_lo);
         if (m == 0 || !eagle_tree_level_pays(stop, &t, m)) break;
-        eagle_tree_expand(d, s, &t, m, keys, values, length, work, att);
+        eagle_tree_expand(d, s, &t, m, r->keys, r->values, r->length, r->work, r->att);
     }
     const int64_t kept = eagle_tree_place(&t, depth, total_tokens);
-    const int64_t rows = eagle_tree_write(&t, kept, root, tokens, parents, ranks, node_values);
+    const int64_t rows = eagle_tree_write(&t, kept, r->root, r->tokens, r->parents, r->ranks, r->node_values);
     eagle_tree_free(&t);
     return rows;
 }

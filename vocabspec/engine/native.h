@@ -128,9 +128,23 @@ typedef struct {
     int64_t levels;
 } vs_tree_stop;
 
-int64_t vs_eagle_tree(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
-                      const float *state, int64_t root, int64_t top_k, int64_t depth, int64_t total_tokens,
-                      vs_tree_stop *stop, int64_t *tokens, int64_t *parents, int64_t *ranks,
-                      double *node_values, float *head_logits, float *work, float *att);
+/* One EAGLE-2 tree (vs_eagle_tree): the drafter and its stack, its cache of `length` committed
+   slots, its output at the root (`state`, the root token `root`), the tree's shape and stop;
+   out: the kept tree; scratch: head_logits (top_k x head rows floats), work/att (as
+   vs_stack_forward for top_k rows). */
+typedef struct {
+    const vs_drafter *drafter;
+    const vs_stack *stack;
+    void *keys, *values;
+    int64_t length;
+    const float *state;
+    int64_t root, top_k, depth, total_tokens;
+    vs_tree_stop *stop;
+    int64_t *tokens, *parents, *ranks;
+    double *node_values;
+    float *head_logits, *work, *att;
+} vs_tree_request;
+
+int64_t vs_eagle_tree(const vs_tree_request *r);
 
 #endif

@@ -77,6 +77,15 @@ class TreeStop(ctypes.Structure):
                 ("min_gain", ctypes.c_double), ("levels", ctypes.c_int64)]
 
 
+class TreeRequest(ctypes.Structure):
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    _fields_ = [("drafter", p), ("stack", p), ("keys", p), ("values", p), ("length", i64), ("state", p),
+                ("root", i64), ("top_k", i64), ("depth", i64), ("total_tokens", i64), ("stop", p),
+                ("tokens", p), ("parents", p), ("ranks", p), ("node_values", p), ("head_logits", p), ("work", p),
+                ("att", p)]
+    del p, i64
+
+
 class Drafter(ctypes.Structure):
     _fields_ = [("fc", Weight), ("head", Weight), ("embed", Weight), ("head_ids", ctypes.c_void_p),
                 ("norm", ctypes.c_void_p), ("head_norm", ctypes.c_void_p), ("out_norm", ctypes.c_void_p),
@@ -233,7 +242,9 @@ def check_abi(lib) -> None:
             ctypes.sizeof(Stack), *(getattr(Stack, f).offset for f in ("eps", "kv_half", "layers")),
             ctypes.sizeof(Drafter), *(getattr(Drafter, f).offset for f in ("head", "embed", "head_ids", "out_norm",
                                                                             "eps", "fused")),
-            ctypes.sizeof(TreeStop), *(getattr(TreeStop, f).offset for f in ("depths", "bins", "min_gain", "levels"))]
+            ctypes.sizeof(TreeStop), *(getattr(TreeStop, f).offset for f in ("depths", "bins", "min_gain", "levels")),
+            ctypes.sizeof(TreeRequest), *(getattr(TreeRequest, f).offset for f in ("length", "root", "stop",
+                                                                                    "node_values", "att"))]
     got = (ctypes.c_int64 * 64)()
     n = lib.vs_abi(got, 64)
     if n != len(want) or list(got[:n]) != want:
@@ -272,8 +283,7 @@ def _declare(lib):
     lib.vs_drafter_read_scratch.restype = i64
     lib.vs_tree_capacity.argtypes = [i64, i64]
     lib.vs_tree_capacity.restype = i64
-    lib.vs_eagle_tree.argtypes = [ctypes.POINTER(Drafter), ctypes.POINTER(Stack), p, p, i64, p, i64, i64, i64,
-                                  i64, ctypes.POINTER(TreeStop), p, p, p, p, p, p, p]
+    lib.vs_eagle_tree.argtypes = [ctypes.POINTER(TreeRequest)]
     lib.vs_eagle_tree.restype = i64
     lib.vs_set_threads.argtypes = [ctypes.c_int]
     lib.vs_threads.restype = ctypes.c_int
@@ -799,11 +809,14 @@ class NativeDrafter:
         _, tokens, parents, ranks, node_values, logits = self._tree
         self.stack.reserve(top_k, slots)
         c_stop = _tree_stop(stop)
-        n = lib.vs_eagle_tree(ctypes.byref(self.struct), ctypes.byref(self.stack.stack), keys.data_ptr(),
-                              values.data_ptr(), length, self.state.data_ptr(), root, top_k, depth, total_tokens,
-                              None if c_stop is None else ctypes.byref(c_stop), tokens.data_ptr(),
-                              parents.data_ptr(), ranks.data_ptr(), node_values.data_ptr(), logits.data_ptr(),
-                              self.stack.work.data_ptr(), self.stack.scratch.data_ptr())
+        request = TreeRequest(
+            drafter=ctypes.addressof(self.struct), stack=ctypes.addressof(self.stack.stack), keys=keys.data_ptr(),
+            values=values.data_ptr(), length=length, state=self.state.data_ptr(), root=root, top_k=top_k,
+            depth=depth, total_tokens=total_tokens, stop=None if c_stop is None else ctypes.addressof(c_stop),
+            tokens=tokens.data_ptr(), parents=parents.data_ptr(), ranks=ranks.data_ptr(),
+            node_values=node_values.data_ptr(), head_logits=logits.data_ptr(), work=self.stack.work.data_ptr(),
+            att=self.stack.scratch.data_ptr())
+        n = lib.vs_eagle_tree(ctypes.byref(request))
         if c_stop is not None:
             stop.levels = c_stop.levels
         if n < 1:

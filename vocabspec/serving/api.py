@@ -6,7 +6,7 @@
     for piece in lm.stream("Once upon a time", max_new_tokens=32):
         print(piece, end="", flush=True)
 
-Drafting options are those of `proposers.DraftConfig`: pass one as `draft=`, or its method
+Drafting options are those of `config.DraftConfig`: pass one as `draft=`, or its method
 name and any of its fields as keywords (draft="eagle", vocab="fr:32k", depth=4, ...).
 """
 
@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from ..speculation.batch import BatchEngine, BatchLimits, Engine
-from ..speculation.generate import GenerationConfig, GenerationResult, require_exact
+from ..decoding.batch import BatchEngine, BatchLimits, Engine
+from ..decoding.generate import GenerationConfig, GenerationResult, require_exact
 from ..engine.loading import load_model
-from ..speculation.proposers import DraftConfig, make_proposer
+from ..speculation.config import DraftConfig
+from ..tuning.proposers import make_proposer
 from ..speculation.sampling import SamplingParams
 from ..engine.tokenizer import load_tokenizer
 

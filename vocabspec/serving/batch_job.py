@@ -2,7 +2,7 @@
 answer written as it finishes, so a job of thousands of prompts can be watched, interrupted and
 resumed.
 
-The requests run on the batch engine (speculation/batch.py), each answer exactly what the
+The requests run on the batch engine (decoding/batch.py), each answer exactly what the
 request gets alone; on torch's kernels with inexact answers allowed, the plain-decoding ones
 step as rows of one forward (batched_decoding.py), each answer the request's up to rounding,
 and the job then serves a sample of its answers alone again and counts those that differ
@@ -402,7 +402,7 @@ def decode_requests(lm, prepared: list[tuple], max_batch: int, progress: Progres
                     result: JobResult) -> tuple:
     """The prepared requests through one batch engine, each line recorded as its request ends;
     (the batch, the (ids, config, tokens) of the answers that ran to their end)."""
-    from ..speculation.batch import BatchLimits
+    from ..decoding.batch import BatchLimits
 
     window = max(len(ids) + config.max_new_tokens + 1 for _, ids, config in prepared)
     # A queue as long as the batch: a whole batch joins (one prefill) between two steps.
@@ -429,7 +429,7 @@ def decode_requests(lm, prepared: list[tuple], max_batch: int, progress: Progres
 def submit_waiting(batch, waiting: deque, running: dict, progress: Progress, lines: JobLines) -> None:
     """The waiting requests into the batch engine until its queue is full; one it refuses
     otherwise fails alone."""
-    from ..speculation.batch import Busy
+    from ..decoding.batch import Busy
 
     while waiting:
         index, ids, config = waiting[0]

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 from .api import LanguageModel
 from .errors import BadRequest, error_body
-from ..speculation.batch import BatchLimits, Busy, Stopped
-from ..speculation.generate import GenerationResult, TokenLogprob
+from ..decoding.batch import BatchLimits, Busy, Stopped
+from ..decoding.generate import GenerationResult, TokenLogprob
 from ..speculation.sampling import MIN_TEMPERATURE, SEED_MAX, SEED_MIN
 
 

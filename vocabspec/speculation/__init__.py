@@ -1,3 +1,4 @@
-"""Speculation: draft trees, verification, the decoding loop and its static (CUDA graph) form,
-sampling, and the proposers: EAGLE-2 and EAGLE-3 drafters with their draft heads, Medusa,
-independent draft models, prompt lookup."""
+"""Speculation: the core (draft trees, verification, sampling, the proposer interface, the
+drafting config and registry, the live tree-size rule), the draft vocabularies (vocab/) and
+the drafting families (families/: EAGLE-2 and EAGLE-3, prompt lookup and the hybrid, Medusa,
+independent draft models). The loop that runs them is decoding/'s."""

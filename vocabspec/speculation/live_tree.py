@@ -323,24 +323,3 @@ def path_rows(tree: Tree, accepted: list[int]) -> set[int]:
             break
         rows.add(row)
     return rows
-
-
-def sizing_prior(model, chosen: dict, forward: dict[int, float], most_depth: int) -> LiveSizing:
-    """A LiveSizing for `model` from the tuner's cached choice (autotune.choose_tree's entry)
-    and forward curve: its tree, measured speedup and drafting time a level as the priors, and
-    a second pass of the LM head timed now (milliseconds)."""
-    from .cost_curve import head_seconds
-
-    table = chosen.get("table", {})
-    total = int(chosen["total_tokens"])
-    levels = [row["draft_s"] / (row["depth"] + 1) for row in table.values() if row.get("draft_s")]
-    draft_level = sorted(levels)[len(levels) // 2] if levels else 0.0
-    # The largest tree a step drafts: where the curve's forward reaches 2.5 plain steps (no
-    # drafter's 1 + sum of chances pays more rows on a CPU), at most 32 nodes.
-    base = forward[min(forward)]
-    most = max([n for n in forward if forward[n] <= 2.5 * base] + [3])
-    most = max(2, min(32, most - 1, 2 * max(total, 4)))
-    head_rows = model.verify_head_rows
-    head_pass = head_seconds(model, [head_rows], repeats=3)[head_rows]
-    return LiveSizing(forward, draft_level, float(chosen.get("measured_speedup", 1.0)), total,
-                      most_depth, most, head_pass, head_rows)

@@ -26,7 +26,7 @@ import torch
 
 from ..engine.batched import forward_rows, pad_rows
 from ..engine.model import Transformer
-from ..speculation.eagle3 import Eagle3Drafter
+from ..speculation.families.eagle3 import Eagle3Drafter
 from .eagle3_train import LABELS, agreement, batch_loss
 
 def length_batches(sequences: list[list[int]], tokens: int, seed: int) -> list[list[int]]:

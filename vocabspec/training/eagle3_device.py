@@ -101,7 +101,7 @@ def read_answers(paths: list[Path]) -> tuple[list[list[int]], list[list[int]]]:
 
 def run(args) -> dict:
     from ..engine.loading import load_model
-    from ..speculation.proposers import bundled_drafter_dir
+    from ..speculation.config import bundled_drafter_dir
     from .eagle3_batched import train
     from .eagle3_train import draft_vocabulary
 
@@ -204,7 +204,7 @@ def training_sequences(data: dict, prompts: list[list[int]], answers: list, max_
 def starting_drafters(args, target, ids) -> dict:
     """{labels: (drafter, labels)} for each label kind of --labels: --init's drafter, or a new
     one over the draft vocabulary `ids`, in float32 on the target's device."""
-    from ..speculation.eagle3 import Eagle3Drafter
+    from ..speculation.families.eagle3 import Eagle3Drafter
     from .eagle3_train import new_drafter
 
     drafters = {}

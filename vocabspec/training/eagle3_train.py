@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..speculation.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layers
+from ..speculation.families.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layers
 from ..engine.model import CustomAttention, Transformer
 
 LABELS = ("soft", "hard")
@@ -38,8 +38,8 @@ LABELS = ("soft", "hard")
 
 def draft_vocabulary(spec: str, target: Transformer, files: Path | None) -> torch.Tensor:
     """The draft vocabulary's target ids, from a bundled token map (fr:N or trim:N)."""
-    from ..speculation.draft_vocab import parse_draft_vocab
-    from ..speculation.token_map import load_token_map
+    from ..speculation.vocab.heads import parse_draft_vocab
+    from ..speculation.vocab.token_map import load_token_map
 
     kind, size = parse_draft_vocab(spec)
     if kind not in ("fr", "trim"):
@@ -71,7 +71,7 @@ def new_drafter(target: Transformer, ids: torch.Tensor, seed: int) -> Eagle3Draf
 def drafter_from_checkpoint(path: Path, target: Transformer) -> Eagle3Drafter:
     """The drafter a training checkpoint (OUT/checkpoint-eagle3.pt) holds, as `train` left it
     at that step: for measuring a run part of the way through its data."""
-    from ..speculation.proposers import bundled_drafter_dir
+    from ..speculation.config import bundled_drafter_dir
 
     state = torch.load(path, map_location="cpu")
     config = state["config"]
@@ -296,7 +296,7 @@ def train(cfg, target: Transformer, split: dict | None = None, log=print) -> Eag
 def _starting_drafter(cfg, target: Transformer) -> Eagle3Drafter:
     """--init's drafter, else a new one over cfg.draft_vocab's vocabulary; ValueError where its
     taps are not the ones the features hold."""
-    from ..speculation.proposers import bundled_drafter_dir
+    from ..speculation.config import bundled_drafter_dir
     from .train import parse_taps
 
     ids = draft_vocabulary(cfg.draft_vocab, target, bundled_drafter_dir(cfg.model))

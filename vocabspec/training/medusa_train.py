@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..speculation.medusa import MedusaHeads
+from ..speculation.families.medusa import MedusaHeads
 from ..engine.model import Transformer
 from .train import ship_dir, training_sets
 
@@ -133,14 +133,14 @@ def train_medusa(cfg, target: Transformer, train_set, heldout, log=print) -> tup
 
 
 def train_and_save(cfg, target: Transformer, split: dict, report: dict, ship: bool, log) -> None:
-    """The Medusa family's trainer (proposers.Family.trainer): train the heads on the feature
+    """The Medusa family's trainer (config.Family.trainer): train the heads on the feature
     shards, save them to `cfg.out`/medusa, and with `ship` into the package."""
     heads, figures = train_medusa(cfg, target, *training_sets(cfg, split), log=log)
     report.update(figures)
     extra = {"training": dict(report)}
     heads.save(Path(cfg.out) / "medusa", target.args, extra=extra)
     if ship:
-        from ..speculation.proposers import default_vocab
+        from ..speculation.config import default_vocab
 
         directory = ship_dir(cfg.model) / "medusa"
         # The shipped heads' default draft head is a measured choice: keep it.

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..speculation.draft_vocab import load_ranker, save_ranker  # noqa: F401  (training writes what drafting reads)
-from ..speculation.drafter import EagleDrafter, draft_states, features_of
+from ..speculation.vocab.heads import load_ranker, save_ranker  # noqa: F401  (training writes what drafting reads)
+from ..speculation.families.eagle import EagleDrafter, draft_states, features_of
 
 
 def svd_init(head_weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

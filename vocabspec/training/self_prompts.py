@@ -85,8 +85,8 @@ def _draw(model_path: Path, todo: list[int], drawn: dict, device: str, batch: in
     """Draw the seeds in `todo` into `drawn` (None: a draw that did not end), then save; past
     `deadline` no seed starts."""
     from ..serving.api import load
-    from ..speculation.batch import BatchLimits
-    from ..speculation.generate import GenerationConfig
+    from ..decoding.batch import BatchLimits
+    from ..decoding.generate import GenerationConfig
     from ..speculation.sampling import SamplingParams
 
     lm = load(str(model_path), device=device, **loading)

@@ -43,10 +43,10 @@ from tqdm import tqdm
 
 from ..engine.files import load_torch_file
 from .answers import read_answers, target_fingerprint, write_answers
-from ..speculation.drafter import EagleDrafter, checked_taps, draft_states, features_of
+from ..speculation.families.eagle import EagleDrafter, checked_taps, draft_states, features_of
 from ..engine.model import Transformer
 from ..engine.prompts import encode_conversation
-from ..speculation.draft_vocab import load_ranker, save_ranker
+from ..speculation.vocab.heads import load_ranker, save_ranker
 from .ranker import distillation_loss, starting_ranker, teacher
 from .ranker import recall as ranker_recall
 
@@ -251,7 +251,7 @@ def _task_prompt_ids(cfg: TrainConfig, tokenizer, conversations: list, room: int
 def _fast_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """float32 / bfloat16 by name; "auto": bfloat16 where the device has fast bfloat16 matmuls
     (without them a CPU emulates bfloat16, several times slower than float32)."""
-    from ..speculation.drafter import bf16_supported
+    from ..speculation.families.eagle import bf16_supported
 
     if name == "auto":
         return torch.bfloat16 if bf16_supported(torch.device(device)) else torch.float32
@@ -354,8 +354,8 @@ def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]],
     the batch, and it is the text the drafter will meet. An answer keeps the end-of-sequence
     token that ended it; a base model's ends at its stop string. Returns the generator's name."""
     from ..serving.api import load
-    from ..speculation.batch import BatchLimits
-    from ..speculation.generate import GenerationConfig
+    from ..decoding.batch import BatchLimits
+    from ..decoding.generate import GenerationConfig
     from ..engine.prompts import stop_strings
 
     lm = load(str(model_path), device=cfg.device)
@@ -820,9 +820,9 @@ def _start_ranker(cfg: TrainConfig, target: Transformer) -> tuple[torch.Tensor, 
 def measure_tau(drafter: EagleDrafter, target: Transformer, prompts: list[list[int]],
                 max_new_tokens: int = 64) -> float:
     """Mean accepted length (bonus token counted) of greedy EAGLE-2 decoding on a few prompts."""
-    from ..speculation.drafter import EagleProposer
-    from ..speculation.generate import GenerationConfig
-    from ..speculation.batch import Engine
+    from ..speculation.families.eagle import EagleProposer
+    from ..decoding.generate import GenerationConfig
+    from ..decoding.batch import Engine
 
     # The trainer's target runs on torch's kernels, where drafting is refused as inexact; tau only
     # counts accepted tokens, and rounding differences barely move it.
@@ -839,10 +839,10 @@ def ship_dir(model_name: str) -> Path:
 
 
 def trainer_of(name: str):
-    """The trainer that the drafting family `name` registers (proposers.Family.trainer)."""
+    """The trainer that the drafting family `name` registers (config.Family.trainer)."""
     import importlib
 
-    from ..speculation.proposers import FAMILIES
+    from ..speculation.config import FAMILIES
 
     family = FAMILIES.get(name)
     if family is None or not family.trainable:
@@ -924,13 +924,13 @@ def check_device(cfg: TrainConfig, stages) -> None:
 
 def default_eagle3_taps(n_layers: int) -> tuple[int, ...]:
     """The taps (outputs of layers) holding EAGLE-3's default fused hidden states 2, N/2, N - 3."""
-    from ..speculation.eagle3 import default_aux_layers
+    from ..speculation.families.eagle3 import default_aux_layers
 
     return tuple(sorted({i - 1 for i in default_aux_layers(n_layers) if i < n_layers}))
 
 
 def train_eagle(cfg: TrainConfig, target: Transformer, split: dict, report: dict, ship: bool, log) -> None:
-    """The EAGLE family's trainer (proposers.Family.trainer): train the drafter on the feature
+    """The EAGLE family's trainer (config.Family.trainer): train the drafter on the feature
     shards, measure it, save it to `cfg.out`/drafter, and with `ship` into the package."""
     out = Path(cfg.out)
     t2 = time.perf_counter()
@@ -952,7 +952,7 @@ def train_eagle(cfg: TrainConfig, target: Transformer, split: dict, report: dict
         save_ranker(*(t.to(torch.bfloat16) for t in drafter.trained_ranker),
                     out / "drafter" / "ranker.safetensors", meta={"joint_training": report["ranker"]})
     if ship:
-        from ..speculation.proposers import default_vocab
+        from ..speculation.config import default_vocab
 
         shipped = EagleDrafter.load(out / "drafter", target).to(torch.bfloat16)
         # The shipped drafter's default draft head is a measured choice: keep it.

@@ -8,7 +8,7 @@ nearly the same answers.
 
 The tree grows as EAGLE-2's does (tree.TreeBuilder: top-k children per node, the best
 `total_tokens` nodes kept); with top_k = 1 it is a chain. The draft's LM head is a draft-vocabulary
-strategy over its own head (draft_vocab.py): `trim:N` keeps the N tokens the target generates
+strategy over its own head (vocab/heads.py): `trim:N` keeps the N tokens the target generates
 most (VocabTrim), `fr:N` the N most frequent in a corpus (FR-Spec).
 
 The draft cache holds the committed text up to the last step's root; drafted nodes are pending
@@ -23,10 +23,11 @@ import time
 
 import torch
 
-from .draft_vocab import FullVocab, HeadTimedDrafting
-from .generate import PREFILL_CHUNK, Proposer
-from ..engine.model import Transformer
-from .tree import Tree, TreeBuilder
+from ..config import Family, head_files, register
+from ..vocab.heads import FullVocab, HeadTimedDrafting, make_draft_vocab
+from ..proposer import PREFILL_CHUNK, Proposer
+from ...engine.model import Transformer
+from ..tree import Tree, TreeBuilder
 
 
 class DraftModelMismatch(ValueError):
@@ -51,8 +52,8 @@ def load_draft_model(spec: str, target: Transformer, target_tokenizer=None, weig
                      room: int = 256) -> Transformer:
     """The draft model `spec` (bundled name, GGUF file or HF directory) in `weights` (formats.py;
     auto: the fastest exact format here), positioned as far as the target plus `room` for trees."""
-    from ..engine.loading import load_model
-    from ..engine.tokenizer import load_tokenizer
+    from ...engine.loading import load_model
+    from ...engine.tokenizer import load_tokenizer
 
     draft, path = load_model(spec, weights=weights, device=target.device,
                              max_seq_len=target.args.max_seq_len + room)
@@ -189,3 +190,43 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
 def _layer_parameters(a) -> int:
     attn = a.dim * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + a.n_heads * a.head_dim * a.dim
     return a.n_layers * (attn + 3 * a.dim * a.intermediate_size)
+
+
+def draft_model_parts(model, config, model_name: str, tokenizer=None, log=None):
+    """(draft model, draft head): the independent draft model config.draft_model names, in
+    config.draft_weights, with the draft head config.vocab over its own LM head."""
+    draft = load_draft_model(config.draft_model, model, tokenizer, weights=config.draft_weights)
+    if log:
+        log(f"draft model: {config.draft_model} ({draft.weights}) drafting for the target ({model.weights})")
+    vocab = "full" if config.vocab == "auto" else config.vocab
+    packed = draft.native.head_weight if draft.native is not None else None
+    # Token maps are the target's (the draft shares its tokenizer): VocabTrim's counts the
+    # target's own generated text.
+    head = make_draft_vocab(vocab, draft.head_weight, head_files(config, model_name), config.token_map,
+                            None, packed_head=packed)
+    return draft, head
+
+
+def _build(model, config, model_name: str, tokenizer=None, log=None):
+    draft, head = draft_model_parts(model, config, model_name, tokenizer, log)
+    return DraftModelProposer(draft, head, depth=max(1, config.depth), top_k=config.top_k,
+                              total_tokens=config.total_tokens)
+
+
+def _names(base: str) -> dict | None:
+    head, plus, vocab = base.partition("+")
+    if not head.startswith("model:") or head == "model:":
+        return None
+    return {"draft_model": head[len("model:"):], "vocab": vocab if plus else "full"}
+
+
+def _check(config) -> None:
+    if config.vocab.startswith("spec"):
+        raise ValueError("SpecVocab's ranker is trained for the EAGLE drafter's states: a draft "
+                         "model's head takes full, fr:N or trim:N")
+
+
+register(Family("model", "an independent draft model sharing the target's tokenizer: a bundled name, "
+                "a .gguf file or a model directory",
+                frozenset({"vocab", "token_map", "depth", "top_k", "total_tokens", "draft_model", "draft_weights"}),
+                _build, _names, "model:NAME, model:NAME+HEAD", argument="draft_model", head=True, check=_check))

@@ -33,8 +33,8 @@ import os
 import torch
 
 from ..engine.kv_cache import DeviceKVCache
-from .tree import chain
-from .verify import verify_greedy
+from ..speculation.tree import chain
+from ..speculation.verify import verify_greedy
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ from ..engine.batched import (DecodeStep, SlotCache, SlotSequence, SlotTree, for
 from ..engine.kv_cache import ancestor_mask
 from ..engine.model import Transformer
 from .generate import Generation, own_taps
-from .tree import Tree
+from ..speculation.tree import Tree
 
 PREFILL_TOKENS = 16384      # padded prompt tokens a prefill runs at once: bounds its activations
 

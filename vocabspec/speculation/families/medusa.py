@@ -5,7 +5,7 @@ last-layer hidden state after the final norm, the vector its LM head multiplies)
 accepted token, followed by an LM head: it predicts the token k + 1 places ahead, the target's
 own head having predicted the next one (the tree's root). Here every head reads through the
 target's LM head, frozen, as FR-Spec's Medusa experiments do, so a draft-vocabulary strategy
-(full, fr:N, trim:N, spec:K from draft_vocab.py) is the heads' LM head, and the heads store only
+(full, fr:N, trim:N, spec:K from vocab/heads.py) is the heads' LM head, and the heads store only
 their blocks. A block starts as zero (the head then repeats the target's next-token guess) and
 is trained on the target's features (train.py, `--drafter medusa`).
 
@@ -28,11 +28,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .draft_vocab import FullVocab, HeadTimedDrafting, float_rows, int8_rows
-from ..engine.linear import Linear
-from .generate import Proposer, StaticDrafting
-from ..engine.kv_cache import ancestor_mask
-from .tree import Tree
+from ..config import Family, default_vocab, head_files, register
+from ..vocab.heads import FullVocab, HeadTimedDrafting, float_rows, int8_rows, make_draft_vocab
+from ...engine.linear import Linear
+from ..proposer import Proposer, StaticDrafting
+from ...engine.kv_cache import ancestor_mask
+from ..tree import Tree
 
 # Medusa's published tree for its 7B models (FasterDecoding/Medusa, medusa_choices.py,
 # mc_sim_7b_63): each entry is a path of top-k indices, one per head, best first.
@@ -330,3 +331,43 @@ class MedusaStaticDrafting(StaticDrafting):
 def bundled_medusa_dir(model_name: str) -> Path | None:
     path = Path(__file__).parents[1] / "drafters" / model_name / "medusa"
     return path if (path / "config.json").exists() else None
+
+
+def medusa_parts(model, config, model_name: str, log=None):
+    """(heads, draft head, path): the bundled Medusa heads or config.path's, on the target's
+    device, with the draft head config.vocab."""
+    path = config.path or bundled_medusa_dir(model_name)
+    if path is None:
+        raise ValueError(f"no Medusa heads are bundled for {model_name!r}: pass --draft-path DIR "
+                         "(made by `vocabspec train --drafter medusa`)")
+    heads = MedusaHeads.random(model.args.dim, 4) if path == "random" else \
+        MedusaHeads.load(path, model.args)
+    # The blocks are a few small matmuls: in the target's dtype (float32 on the native engine).
+    heads = heads.to(device=model.device, dtype=model.dtype)
+    if config.vocab != "auto":
+        vocab = config.vocab
+    else:       # the head the shipped heads' config names as fastest, else full
+        vocab = "full" if path == "random" else default_vocab(Path(path))
+        if log:
+            log(f"draft vocabulary: {vocab} (the Medusa heads' default; --draft-vocab to choose)")
+    packed = model.native.head_weight if model.native is not None else None
+    head = make_draft_vocab(vocab, model.head_weight, head_files(config, model_name), config.token_map,
+                            config.ranker, packed_head=packed)
+    return heads, head, path
+
+
+def _build(model, config, model_name: str, tokenizer=None, log=None):
+    heads, head, _ = medusa_parts(model, config, model_name, log)
+    return MedusaProposer(model, heads, head, total_tokens=min(config.total_tokens, len(MEDUSA_63)))
+
+
+def _names(base: str) -> dict | None:
+    if base == "medusa":
+        return {"vocab": "full"}
+    return {"vocab": base[len("medusa+"):]} if base.startswith("medusa+") else None
+
+
+register(Family("medusa", "Medusa's heads and tree",
+                frozenset({"path", "vocab", "token_map", "ranker", "total_tokens"}), _build,
+                _names, "medusa, medusa+HEAD", head=True,
+                trainer="vocabspec.training.medusa_train:train_and_save"))

@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .drafter import DrafterMismatch, attention_mask, packed_head_ids, randomized, unpack_q8_0
-from ..engine.kv_cache import DeviceKVCache, KVCache
-from ..engine.linear import Linear
-from ..engine.model import Block, ModelArgs, RMSNorm, Transformer, rope_tables
+from .eagle import DrafterMismatch, attention_mask, packed_head_ids, randomized, unpack_q8_0
+from ...engine.kv_cache import DeviceKVCache, KVCache
+from ...engine.linear import Linear
+from ...engine.model import Block, ModelArgs, RMSNorm, Transformer, rope_tables
 
 LAYOUTS = ("speculators", "sglang")
 
@@ -214,8 +214,8 @@ class Eagle3Drafter(nn.Module):
         and the draft head as `kind` weights (q8i: GGUF's Q8_0 groups beside 8-bit
         activations), float32 activations, a native KV cache. What is drafted changes by
         rounding only; verification is untouched."""
-        from ..engine.formats import block_biases, block_linears, pack_float, quantize_q8
-        from ..engine.model import native_stack, norm_weight
+        from ...engine.formats import block_biases, block_linears, pack_float, quantize_q8
+        from ...engine.model import native_stack, norm_weight
 
         c, a = self.config, self.args
         if not self.native_fits:
@@ -256,7 +256,7 @@ class Eagle3Drafter(nn.Module):
     def native_drafter(self, head):
         """Its reads and trees as native calls (native.NativeDrafter) where it drafts on the
         native engine and `head` is packed; None elsewhere."""
-        from ..engine.native import NativeDrafter
+        from ...engine.native import NativeDrafter
 
         ids = packed_head_ids(head)
         embed = self.native_embed or (self.target.native.embed_weight if self.target.native else None)
@@ -351,8 +351,8 @@ class Eagle3Drafter(nn.Module):
     def draft_head(self, spec: str, files: Path | None = None, token_map: str | Path | None = None):
         """The draft head over the drafter's own vocabulary: `full` (all of it), or `fr:N` /
         `trim:N`: the token map's first N tokens that the drafter's vocabulary holds."""
-        from .draft_vocab import StaticSubset, parse_draft_vocab
-        from .token_map import load_token_map
+        from ..vocab.heads import StaticSubset, parse_draft_vocab
+        from ..vocab.token_map import load_token_map
 
         kind, size = parse_draft_vocab(spec)
         rows, ids = self.lm_head.weight, self.draft_ids
@@ -461,7 +461,7 @@ class Eagle3Drafter(nn.Module):
         and `vocabspec export` writes floats for other readers."""
         from safetensors.torch import save_file
 
-        from ..engine.formats import q8_0_groups
+        from ...engine.formats import q8_0_groups
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)

@@ -71,8 +71,9 @@ from ..engine.kv_cache import KVCache
 from ..engine.model import Transformer
 from ..engine.tokenizer import Tokenizer
 from .cost_curve import Costs
-from .generate import (Generation, GenerationConfig, GenerationResult, Proposer, require_exact,
-                       static_by_default, step_together)
+from .generate import (Generation, GenerationConfig, GenerationResult, require_exact, static_by_default,
+                       step_together)
+from ..speculation.proposer import Proposer
 
 
 class Engine:

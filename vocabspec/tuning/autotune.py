@@ -49,9 +49,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from .cost_curve import forward_seconds
+from ..decoding.cost_curve import forward_seconds
 from .machine_load import BUSY_CORES, LoadMark, machine_is_quiet
-from .generate import Proposer
+from ..speculation.proposer import Proposer
 from ..engine.linear import packing_enabled
 
 CANDIDATE_SIZES = tuple(range(1, 13)) + (16, 20, 24, 32)
@@ -148,9 +148,9 @@ def calibration_depths(depth: int) -> list[int]:
 
 def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
               forwards: dict[int, float], bar=None) -> dict:
-    from .drafter import EagleProposer
-    from .generate import GenerationConfig
-    from .batch import Engine
+    from ..speculation.families.eagle import EagleProposer
+    from ..decoding.generate import GenerationConfig
+    from ..decoding.batch import Engine
     from ..engine.prompts import encode_conversation
 
     largest = max(CANDIDATE_SIZES)
@@ -340,8 +340,8 @@ def measured_speedups(model, tokenizer, proposers: dict, prompts, static: bool |
     that forward is the same either way, and in generations as short as these it would be a
     fifth of the time, shrinking every ratio toward 1. (A proposer's own start on the prompt,
     a drafter's read of it, is after the first token, so it counts.)"""
-    from .generate import GenerationConfig
-    from .batch import Engine
+    from ..decoding.generate import GenerationConfig
+    from ..decoding.batch import Engine
 
     # The tuner only measures: whether inexact drafting may run is the caller's Engine's to say.
     engines = {"plain": Engine(model, tokenizer, static=static)}
@@ -398,12 +398,12 @@ def choose_medusa_tree(model, heads, head, tokenizer, key: str, log=None):
     with its parent, so every prefix of that order is a tree, and it maximises the expected
     accepted length at its size), then the prefix size that decodes fastest, measured; size 0
     where none beats plain decoding."""
-    from .medusa import MEDUSA_63, MedusaProposer
+    from ..speculation.families.medusa import MEDUSA_63, MedusaProposer
 
     def compute():
         prompts = _calibration_prompts(tokenizer)
-        from .generate import GenerationConfig
-        from .batch import Engine
+        from ..decoding.generate import GenerationConfig
+        from ..decoding.batch import Engine
 
         engine = Engine(model, tokenizer, MedusaProposer(model, heads, head, MEDUSA_63), allow_inexact=True)
         hits = [0] * len(MEDUSA_63)
@@ -424,7 +424,7 @@ def choose_medusa_tree(model, heads, head, tokenizer, key: str, log=None):
 def choose_size(model, tokenizer, key: str, sizes, make, log=None) -> int:
     """The size among `sizes` whose proposer (`make(size)`) decodes fastest on this machine,
     measured against plain decoding side by side (the smallest within TOLERANCE of the best);
-    0 where none beats plain decoding. What a family's `sizes` ask for (proposers.Family), and a
+    0 where none beats plain decoding. What a family's `sizes` ask for (config.Family), and a
     draft model's chain length."""
     def compute():
         speedups = measured_speedups(model, tokenizer, {n: make(n) for n in sizes},
@@ -466,9 +466,9 @@ def calibrate_static(model, drafter, head, prompts, depth: int, top_k: int, size
     prompt with the largest tree gives tau at every size (the accepted nodes' ranks), and its
     last decoder times the step at every size and plain decoding's step. `loop_s`: the
     generation loop's own time per step (text, bookkeeping), added to every step alike."""
-    from .drafter import EagleProposer, static_tree_rows
-    from .generate import GenerationConfig
-    from .batch import Engine
+    from ..speculation.families.eagle import EagleProposer, static_tree_rows
+    from ..decoding.generate import GenerationConfig
+    from ..decoding.batch import Engine
 
     sizes = sizes or STATIC_SIZES
     config = GenerationConfig(max_new_tokens=new_tokens or CALIBRATION_NEW_TOKENS)
@@ -508,7 +508,7 @@ def static_tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, 
     """What `choose_static_tree` chose and measured: depth, total_tokens, measured_speedup and
     `calibrate_static`'s table (the GPU check prints it)."""
     def compute():
-        from .drafter import EagleProposer
+        from ..speculation.families.eagle import EagleProposer
 
         prompts = _calibration_prompts(tokenizer)
         with tqdm(total=len(calibration_depths(depth)) * len(prompts), desc="autotune", unit="run",

@@ -29,10 +29,12 @@ import time
 
 import torch
 
-from .drafter import EagleProposer
-from .generate import StaticDrafting
+from ..config import Family, register
+from .eagle import EagleProposer
+from .eagle_family import EAGLE_OPTIONS, eagle_names, eagle_parts, tree_proposer
+from ..proposer import StaticDrafting
 from .pld import PromptLookupProposer
-from .tree import Tree, chain, graft
+from ..tree import Tree, chain, graft
 
 
 class EagleLookupProposer(EagleProposer):
@@ -155,3 +157,13 @@ class HybridStaticDrafting(StaticDrafting):
         p._chain = list(p.lookup.drafted)
         if self._path_alone():            # the next step is the path alone
             p.copy_steps += 1
+
+
+def build_eagle_lookup(model, config, model_name: str, tokenizer=None, log=None):
+    """EAGLE-2's tree with prompt lookup's path grafted on, the tree fixed."""
+    return tree_proposer(eagle_parts(model, config, model_name, log), config, config.depth, config.total_tokens,
+                         kind=EagleLookupProposer)
+
+
+register(Family("eagle+pld", "EAGLE-2's tree plus prompt lookup's path", EAGLE_OPTIONS, build_eagle_lookup,
+                eagle_names(True), "eagle+pld, eagle2+pld, eagle2+HEAD+pld", head=True))

@@ -30,12 +30,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .draft_vocab import FullVocab, HeadTimedDrafting
-from ..engine.kv_cache import DeviceKVCache, KVCache
-from ..engine.linear import Linear
-from ..engine.model import ARCH_FEATURES, Block, CustomAttention, ModelArgs, Transformer
-from .generate import Proposer, StaticDrafting
-from .tree import Tree, TreeBuilder, chain, flatten
+from ..vocab.heads import FullVocab, HeadTimedDrafting
+from ...engine.kv_cache import DeviceKVCache, KVCache
+from ...engine.linear import Linear
+from ...engine.model import ARCH_FEATURES, Block, CustomAttention, ModelArgs, Transformer
+from ..proposer import Proposer, StaticDrafting
+from ..tree import Tree, TreeBuilder, chain, flatten
 
 _HF_NAMES = {  # our Block's parameter names -> EAGLE / Hugging Face names (q, k, v fused here)
     "attn_norm.weight": "input_layernorm.weight",
@@ -179,8 +179,8 @@ class EagleDrafter(nn.Module):
         """Draft on the native CPU engine: fc and the layers as `kind` weights (bf16 holds a
         bfloat16 checkpoint exactly), float32 activations, a native KV cache. What is drafted
         changes by rounding only; verification is untouched."""
-        from ..engine.formats import block_biases, block_linears, pack_float, quantize_q8
-        from ..engine.model import native_stack
+        from ...engine.formats import block_biases, block_linears, pack_float, quantize_q8
+        from ...engine.model import native_stack
 
         if self.fuse is not None:
             raise ValueError("drafters with taps draft on torch's kernels")
@@ -196,7 +196,7 @@ class EagleDrafter(nn.Module):
         """Its reads and trees as native calls (native.NativeDrafter), where it and its draft
         head run on the native engine (a full or fixed-subset head over the target's packed
         rows); None elsewhere."""
-        from ..engine.native import NativeDrafter
+        from ...engine.native import NativeDrafter
 
         ids = packed_head_ids(head)
         if self.native is None or self.target.native is None or ids is False:
@@ -304,7 +304,7 @@ class EagleDrafter(nn.Module):
         of bfloat16's bytes."""
         from safetensors.torch import save_file
 
-        from ..engine.formats import q8_0_groups
+        from ...engine.formats import q8_0_groups
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -414,7 +414,7 @@ class EagleDrafter(nn.Module):
 def unpack_q8_0(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors with Q8_0 groups (`NAME` codes beside `NAME_scale`, see
     EagleDrafter.save) as float32 matrices; other tensors as they are."""
-    from ..engine.formats import q8_0_float
+    from ...engine.formats import q8_0_float
 
     out = {}
     for name, tensor in state.items():
@@ -471,7 +471,7 @@ def packed_head_ids(head):
     """The target id of each row of a draft head packed for the native engine (None: the rows
     are the target's whole vocabulary in order); False for a head that is not packed or not of
     fixed rows (SpecVocab's)."""
-    from .draft_vocab import StaticSubset
+    from ..vocab.heads import StaticSubset
 
     if not isinstance(head, (FullVocab, StaticSubset)) or isinstance(head.weight, torch.Tensor):
         return False

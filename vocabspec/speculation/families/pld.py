@@ -12,8 +12,9 @@ import time
 
 import torch
 
-from .generate import Proposer, StaticDrafting
-from .tree import Tree, chain
+from ..config import Family, bench_names, register
+from ..proposer import Proposer, StaticDrafting
+from ..tree import Tree, chain
 
 
 class PromptLookupProposer(Proposer):
@@ -136,3 +137,10 @@ class LookupStaticDrafting(StaticDrafting):
     def after(self, accepted, next_token, length) -> None:
         self.proposer.observe(accepted, None, next_token)
         self.proposer._stage()
+
+
+def _build(model, config, model_name, tokenizer=None, log=None):
+    return PromptLookupProposer(device=model.device)
+
+
+register(Family("pld", "prompt lookup", frozenset(), _build, bench_names("pld"), "pld"))

@@ -1,0 +1,102 @@
+"""What the loop asks of a proposer (`Proposer`), and of its drafting in static steps
+(`StaticDrafting`): the core's one interface between the decoding loop and every drafting
+family. A proposer turns the committed context into a `Tree` and hears back which tokens were
+accepted; the loop never asks which family it is."""
+
+from __future__ import annotations
+
+import torch
+
+from .tree import Tree
+
+PREFILL_CHUNK = 512     # prompt tokens a prefill forward takes at once (and a proposer's read)
+
+
+class Proposer:
+    """What the engine, the batch, static steps and the benchmark ask of a proposer; every
+    proposer derives from it. A proposer implements `reset`, `propose` and `observe`; the rest
+    have defaults that mean "not this proposer's concern".
+
+    `hidden` rows are the target's last-layer hidden states (before the final norm) of the
+    tokens given, preceded by the outputs of the layers in `taps` (a fused-feature drafter's
+    inputs; empty for most). `max_tree_tokens`: the most drafted tokens a proposal holds (the
+    engine keeps that much room in the cache)."""
+
+    max_tree_tokens: int
+    taps: tuple[int, ...] = ()
+    timing_sync: bool = False   # time each phase after waiting for the device (a breakdown's cost)
+    static: bool = False        # drafts greedy steps of fixed shapes: `static_form` returns its drafting
+    head = None                 # its draft head (vocab/heads.py), if it drafts through one
+    cache = None                # its own KV cache, if it keeps one
+    draft_forwards: int | None = None   # drafting passes a step, where not its tree's depth + 1
+    tree_shape: tuple[int, int] | None = None   # (depth, total tokens) of its tree, if sized so
+    # Whether this request's trees may be sized from the machine's timing (live_tree.py): a
+    # greedy request's only, set by its Generation; a sampled request's trees must not depend
+    # on timing, so that its seed gives the same tokens in a batch and alone.
+    size_live: bool = True
+
+    def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
+        raise NotImplementedError
+
+    def propose(self, root_token: int) -> Tree:
+        raise NotImplementedError
+
+    def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
+        raise NotImplementedError
+
+    def static_form(self, max_len: int | None) -> "StaticDrafting | None":
+        """Draft for static steps (static_step.py) over a target cache of `max_len` slots: the
+        proposer keeps its state where those steps read it and returns its drafting in their
+        form; None: back to the general loop (returns None). The tensors a form's steps read
+        are made once for a size: a captured step holds them."""
+        if max_len is not None:
+            raise ValueError(f"{type(self).__name__} does not draft in static steps")
+        return None
+
+    def next_tree_tokens(self) -> int:
+        """The drafted tokens of the next proposal, where it can say so cheaply (the batch's
+        draft budget); else the most a proposal holds."""
+        return self.max_tree_tokens
+
+    def time_breakdown(self) -> dict[str, float]:
+        """Seconds spent drafting since `reset_timings`, by phase (the benchmark's breakdown)."""
+        return {}
+
+    def reset_timings(self) -> None:
+        pass
+
+    def draft_parameters(self) -> int:
+        """Parameters one draft step reads (0 without a model): VocabTrim's memory-bound speedup."""
+        return 0
+
+
+class DraftingFailed(RuntimeError):
+    """A request's proposer raised, or drafted a tree that cannot be verified: that request
+    ends with it, and the requests beside it step on."""
+
+
+class StaticDrafting:
+    """A proposer's drafting as static steps run it (static_step.py), returned by
+    `Proposer.static_form`: device work of fixed shapes, with no read-back inside a step."""
+
+    cache = None                # the drafter's own DeviceKVCache, if it keeps one
+
+    @property
+    def rows(self) -> int:
+        """The next step's tree rows, the root included (host: the tree's shape fixes them)."""
+        raise NotImplementedError
+
+    def propose(self, root: torch.Tensor) -> Tree:
+        """The tree after `root` (a device tensor): `rows` rows, padding marked invalid."""
+        raise NotImplementedError
+
+    def observe(self, reads: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -> None:
+        """Inside the step: `reads` (m,), each accepted token's successor, and `rows` (m, width),
+        the target's rows of the accepted nodes, of which the first `count` (0-dim) count."""
+
+    def after(self, accepted: list[int], next_token: int, length: int) -> None:
+        """After the step's read-back: what it accepted, and the committed `length`."""
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Device tensors a step updates in place (restored after warm-up and capture)."""
+        return []

@@ -1,0 +1,132 @@
+"""The proposer a DraftConfig builds, its tree sized for this machine where it is "auto".
+
+The family builds its drafter first (its own module's parts), then the tuner sizes its tree
+over them, so a drafter is loaded once whatever is measured: a family that declares `sizes`
+has each measured against plain decoding (autotune.choose_size); EAGLE's tree is sized each
+step by the live rule (live_tree.py) from the tuner's prior, or chosen once where static steps
+run; Medusa's is a prefix of its ordered tree; a draft model's a chain. Where no size beats
+plain decoding the proposer is None (eagle+pld: prompt lookup alone), and the log says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..decoding.cost_curve import head_seconds
+from ..speculation import families  # noqa: F401  (importing them registers them)
+from ..speculation.config import FAMILIES, DraftConfig, weights_key
+from ..speculation.live_tree import LiveSizing
+
+
+def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, log=None):
+    """The proposer `config` asks for, for the loaded target `model` (None for plain decoding).
+    `vocab="auto"` resolves to the shipped drafter's own default head."""
+    family = FAMILIES[config.method]
+    if config.total_tokens != "auto":
+        return family.build(model, config, model_name, tokenizer, log)
+    if tokenizer is None:
+        raise ValueError("total_tokens='auto' needs the model's tokenizer")
+    if family.sizes:
+        from .autotune import choose_size
+
+        size = choose_size(model, tokenizer, f"{model_name}|{family.name}|{config}", family.sizes,
+                           lambda n: family.build(model, replace(config, total_tokens=n), model_name,
+                                                  tokenizer, None), log=log)
+        if not size:
+            if log:
+                log(f"{family.name}: decoding plainly")
+            return None
+        return family.build(model, replace(config, total_tokens=size), model_name, tokenizer, log)
+    tune = _TUNED.get(family.name)
+    if tune is None:
+        return family.build(model, config, model_name, tokenizer, log)
+    return tune(model, config, model_name, tokenizer, log)
+
+
+def _tuned_eagle(model, config: DraftConfig, model_name: str, tokenizer, log):
+    """EAGLE-2's tree over the config's drafter: sized each step by the live rule, the tuner's
+    choice its prior; where an Engine runs static steps (a GPU), chosen once by their costs."""
+    from ..decoding.generate import static_by_default
+    from ..speculation.families.eagle import drafts_statically
+    from ..speculation.families.eagle_family import eagle_parts, tree_proposer
+    from ..speculation.families.hybrid import EagleLookupProposer
+    from ..speculation.families.pld import PromptLookupProposer
+    from .autotune import choose_static_tree, keep_calibration, tree_choice
+
+    parts = eagle_parts(model, config, model_name, log)
+    kind = EagleLookupProposer if config.method == "eagle+pld" else None
+    key = f"{model_name}|{weights_key(parts.path)}|{parts.head.name}|{parts.dtype}"
+    depth = config.depth
+    if static_by_default(model) and drafts_statically(parts.head):
+        depth, total = choose_static_tree(model, parts.drafter, parts.head, tokenizer, depth=depth,
+                                          top_k=config.top_k, key=key, log=log)
+        if not total:            # measured: no tree beats plain decoding on this device
+            if config.method == "eagle+pld":
+                if log:
+                    log("eagle+pld: drafting with prompt lookup alone")
+                return PromptLookupProposer(device=model.device)
+            if log:
+                log("eagle: decoding plainly")
+            return None
+        return tree_proposer(parts, config, depth, total, kind=kind)
+    # Elsewhere each step sizes its tree: the tuner's choice is the prior, never a verdict;
+    # depth and the sizing's `most` are the largest tree a step drafts.
+    chosen, forward = tree_choice(model, parts.drafter, parts.head, tokenizer, depth=depth, top_k=config.top_k,
+                                  key=key, log=log)
+    sizing = sizing_prior(model, chosen, forward, depth)
+    keep_calibration(sizing, key)
+    return tree_proposer(parts, config, depth, sizing.most, sizing, kind=kind)
+
+
+def _tuned_medusa(model, config: DraftConfig, model_name: str, tokenizer, log):
+    """Medusa's heads with the prefix of their ordered tree that pays most here."""
+    from ..speculation.families.medusa import MedusaProposer, medusa_parts
+    from .autotune import choose_medusa_tree
+
+    heads, head, path = medusa_parts(model, config, model_name, log)
+    choices, total = choose_medusa_tree(model, heads, head, tokenizer,
+                                        key=f"{model_name}|medusa|{weights_key(path)}|{head.name}", log=log)
+    if not total:
+        if log:
+            log("medusa: decoding plainly")
+        return None
+    return MedusaProposer(model, heads, head, choices=choices, total_tokens=total)
+
+
+def _tuned_draft_model(model, config: DraftConfig, model_name: str, tokenizer, log):
+    """A draft model's chain of the length that pays most here, the draft loaded once."""
+    from ..speculation.families.draft_model import DraftModelProposer, draft_model_parts
+    from .autotune import CHAIN_LENGTHS, choose_size
+
+    draft, head = draft_model_parts(model, config, model_name, tokenizer, log)
+    length = choose_size(model, tokenizer, f"{model_name}|model|{config.draft_model}|{draft.weights}|{head.name}",
+                         CHAIN_LENGTHS, lambda n: DraftModelProposer(draft, head, depth=n, top_k=1, total_tokens=n),
+                         log=log)
+    if not length:
+        if log:
+            log("model: decoding plainly")
+        return None
+    return DraftModelProposer(draft, head, depth=length, top_k=1, total_tokens=length)
+
+
+_TUNED = {"eagle": _tuned_eagle, "eagle3": _tuned_eagle, "eagle+pld": _tuned_eagle, "medusa": _tuned_medusa,
+          "model": _tuned_draft_model}
+
+
+def sizing_prior(model, chosen: dict, forward: dict[int, float], most_depth: int) -> LiveSizing:
+    """A LiveSizing for `model` from the tuner's cached choice (autotune.choose_tree's entry)
+    and forward curve: its tree, measured speedup and drafting time a level as the priors, and
+    a second pass of the LM head timed now (milliseconds)."""
+    table = chosen.get("table", {})
+    total = int(chosen["total_tokens"])
+    levels = [row["draft_s"] / (row["depth"] + 1) for row in table.values() if row.get("draft_s")]
+    draft_level = sorted(levels)[len(levels) // 2] if levels else 0.0
+    # The largest tree a step drafts: where the curve's forward reaches 2.5 plain steps (no
+    # drafter's 1 + sum of chances pays more rows on a CPU), at most 32 nodes.
+    base = forward[min(forward)]
+    most = max([n for n in forward if forward[n] <= 2.5 * base] + [3])
+    most = max(2, min(32, most - 1, 2 * max(total, 4)))
+    head_rows = model.verify_head_rows
+    head_pass = head_seconds(model, [head_rows], repeats=3)[head_rows]
+    return LiveSizing(forward, draft_level, float(chosen.get("measured_speedup", 1.0)), total,
+                      most_depth, most, head_pass, head_rows)
