@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import vocabspec
-from vocabspec.speculation.live_tree import PROBE_EVERY, Calibration, LiveCosts, LiveSizing, path_rows
+from vocabspec.speculation.live_tree import (MOST_PROBE_EVERY, PROBE_EVERY, Calibration, LiveCosts, LiveSizing,
+                                            path_rows)
 from vocabspec.speculation.tree import TreeBuilder
 
 PROMPTS = ["Explain how a bicycle's gears make it easier to ride uphill.",
@@ -62,6 +63,41 @@ def test_a_verdict_that_drafting_loses_is_probed_again():
         sizing.observe([1])           # a plain step (the rule drafted nothing) or a probe's root
     drafted = [i for i, plan in enumerate(plans) if plan != (0, 0)]
     assert drafted and all(b - a == PROBE_EVERY for a, b in zip(drafted, drafted[1:])), plans
+
+
+def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
+    """Where no tree pays, each probe doubles the plain steps before the next (to
+    MOST_PROBE_EVERY); a probe whose tree pays brings the wait back to PROBE_EVERY."""
+    builder = TreeBuilder(1, 1, 1)
+    builder.add_children([0], torch.tensor([[5]]), torch.tensor([[-0.05]]))
+    sure = builder.build()                   # one node the drafter is 95% sure of
+    sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, total=0, most_depth=2, most=4)
+
+    def probes(draft_seconds, count):
+        """(plain steps before each probe, the wait set after it) for `count` probes."""
+        gaps, waits, plain = [], [], 0
+        while len(gaps) < count:
+            depth, _ = sizing.plan()
+            if not depth:
+                plain += 1
+                sizing.observe([1])
+                continue
+            gaps.append(plain)
+            plain = 0
+            sizing.choose(sure, 1, draft_seconds)
+            waits.append(sizing.probe_every)
+            sizing.observe([1])
+        return gaps, waits
+
+    # Drafting that takes a second never pays: the waits double to the cap, and are kept
+    # (a probe whose kept tree is the root alone counts as one of the plain steps).
+    gaps, waits = probes(1.0, 6)
+    assert waits == [2 * PROBE_EVERY, 4 * PROBE_EVERY, MOST_PROBE_EVERY, MOST_PROBE_EVERY, MOST_PROBE_EVERY,
+                     MOST_PROBE_EVERY]
+    assert gaps[0] == PROBE_EVERY and all(wait - 1 <= gap <= wait for wait, gap in zip(waits, gaps[1:])), gaps
+    # Free drafting of a likely node pays: the wait is PROBE_EVERY again.
+    _, waits = probes(0.0, 1)
+    assert waits == [PROBE_EVERY]
 
 
 def test_calibration_follows_the_outcomes():

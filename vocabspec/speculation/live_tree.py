@@ -7,9 +7,10 @@ Each step:
 
 - Before drafting: draft only where drafting has been paying, the expected speed of the last
   drafted steps against plain decoding's (a running mean started from the tuner's measured
-  speedup). Where it has not been paying, every PROBE_EVERY-th step drafts anyway, so a
-  verdict reached on a busy machine, or on a stretch the drafter could not guess, is tried
-  again.
+  speedup). Where it has not been paying, a step drafts anyway after PROBE_EVERY plain
+  ones, so a verdict reached on a busy machine, or on a stretch the drafter could not guess,
+  is tried again; each probe that does not pay doubles that wait, up to MOST_PROBE_EVERY
+  steps (where no tree pays on this machine probes cost little), and one that pays resets it.
 - While drafting: the tree grows a level only while that level may pay (`TreeStop`): its
   frontier's summed calibrated chances, a bound on what the level's nodes can add, reach what
   the level's drafting and a row's forward cost at the rate the last steps expected. A sure
@@ -49,7 +50,8 @@ from .tree import Tree
 
 BINS = 10                 # confidence bins per depth
 PRIOR_WEIGHT = 4.0        # the raw confidence counts as this many observations of a bin
-PROBE_EVERY = 8           # plain steps between drafted probes where drafting has not paid
+PROBE_EVERY = 8           # plain steps between drafted probes where drafting has not paid,
+MOST_PROBE_EVERY = 64     # doubled by each probe that does not pay, up to this
 WEIGHT = 0.1              # running means' weight of the latest step
 ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly
 MIN_SAMPLES = 8           # steps at a size before its own correction counts
@@ -196,6 +198,8 @@ class LiveSizing:
         self.rate = prior_speedup / self.costs(1)   # expected tokens a second of the trees kept
         self.total = max(1, min(total or 3, most))      # the nodes a step drafts to choose from
         self.plain_steps = 0
+        self.probe_every = PROBE_EVERY          # plain steps before a probe, while drafting does not pay
+        self._probing = False                   # whether this step drafts as a probe
         self.stop: TreeStop | None = None       # where this step's tree stops growing
         self.tree: Tree | None = None           # the tree verified this step (drafted nodes)
         self.extra_rows = 0                     # rows grafted onto it (prompt lookup's path)
@@ -222,8 +226,8 @@ class LiveSizing:
 
     def drafts(self) -> bool:
         """Whether the next step drafts: where drafting has been paying, and every
-        PROBE_EVERY-th step where it has not."""
-        return self.advantage >= 1.0 or self.plain_steps >= PROBE_EVERY
+        `probe_every`-th step where it has not."""
+        return self.advantage >= 1.0 or self.plain_steps >= self.probe_every
 
     def plan(self) -> tuple[int, int]:
         """The tree to draft this step, (depth, nodes kept to choose from), and where it stops
@@ -233,6 +237,7 @@ class LiveSizing:
         if not self.drafts():
             return 0, 0
         self.plain_steps = 0
+        self._probing = self.advantage < 1.0
         costs = self.costs
         row = (costs(1 + self.total) - costs(1)) / self.total
         self.stop = TreeStop(self.calibration.table(), self.rate * (costs.draft_level + row))
@@ -266,6 +271,9 @@ class LiveSizing:
         rate = gain / (gain / best_rate + draft_seconds)
         self.rate += WEIGHT * (rate - self.rate)
         self.total = max(2, min(self.most, best_m + 1))
+        if self._probing:        # a probe that paid resets the wait; one that did not doubles it
+            paid = rate * costs(1) >= 1.0
+            self.probe_every = PROBE_EVERY if paid else min(MOST_PROBE_EVERY, 2 * self.probe_every)
         self.advantage += ADVANTAGE_WEIGHT * (rate * costs(1) - self.advantage)
         if self.keep_sizes:
             first = max((math.exp(values[row]) for row in order if depths[row] == 1), default=0.0)
