@@ -48,6 +48,38 @@ def test_live_sizes_give_plain_decodings_tokens(plain, prior):
     assert sum(accepted) >= 10, accepted
 
 
+def test_a_dormant_drafter_reads_only_the_tail_and_gives_plain_decodings_tokens(plain):
+    """Where drafting has not paid for long the drafter reads only the prompt's last
+    DORMANT_CONTEXT tokens and, before a probe, the last ones since: its cache holds far fewer
+    than the context, and greedy output is still plain decoding's."""
+    lm, sizing = live_model(0.5)
+    proposer = lm.engine.proposer
+    reads = []
+    read = proposer.backend.read
+    proposer.backend.read = lambda tokens, rows, **kw: (reads.append(len(tokens)), read(tokens, rows, **kw))[1]
+    prompt = PROMPTS[0]
+    awake = lm.generate(prompt, max_new_tokens=40, chat=True)
+    assert max(reads) > proposer.DORMANT_CONTEXT        # not dormant: the whole prompt is read
+    # As after probes that did not pay: the longest wait, no advantage, none of it waited yet.
+    sizing.probe_every, sizing.advantage, sizing.plain_steps = MOST_PROBE_EVERY, 0.0, 0
+    assert sizing.dormant
+    reads.clear()
+    got = lm.generate(prompt, max_new_tokens=40, chat=True)
+    assert got.tokens == plain.generate(prompt, max_new_tokens=40, chat=True).tokens == awake.tokens
+    # the prompt's tail alone, and nothing since (no probe came within 40 tokens); a read
+    # before it holds what the last request left unread, into the cache the prompt resets
+    assert reads[-1] == proposer.DORMANT_CONTEXT == max(reads) == proposer.cache.length, reads
+    for _ in range(MOST_PROBE_EVERY + 1):              # a probe's read: the last tokens alone
+        proposer.observe([5], torch.zeros(1, got_width(proposer)), 6)
+    proposer.propose(6)
+    assert reads[-1] == proposer.DORMANT_CONTEXT and proposer.cache.length == 2 * proposer.DORMANT_CONTEXT
+
+
+def got_width(proposer) -> int:
+    """The width of the target's rows the proposer's drafter reads (its taps' too)."""
+    return (len(proposer.taps) + 1) * proposer.target.args.dim
+
+
 def test_a_sampled_request_keeps_the_fixed_tree(plain):
     lm, sizing = live_model(1.2)
     lm.generate(PROMPTS[0], max_new_tokens=16, chat=True, temperature=0.8, seed=3)

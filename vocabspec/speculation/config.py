@@ -13,7 +13,7 @@ the registry; the tuner (tuning/proposers.py) sizes a family's tree after its dr
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 

@@ -11,6 +11,8 @@ Each step:
   ones, so a verdict reached on a busy machine, or on a stretch the drafter could not guess,
   is tried again; each probe that does not pay doubles that wait, up to MOST_PROBE_EVERY
   steps (where no tree pays on this machine probes cost little), and one that pays resets it.
+  At that longest wait the rule is `dormant`: the drafter reads only the last tokens before a
+  probe (and of a prompt), so a drafter that does not pay here costs close to nothing.
 - While drafting: the tree grows a level only while that level may pay (`TreeStop`): its
   frontier's summed calibrated chances, a bound on what the level's nodes can add, reach what
   the level's drafting and a row's forward cost at the rate the last steps expected. A sure
@@ -228,6 +230,12 @@ class LiveSizing:
         """Whether the next step drafts: where drafting has been paying, and every
         `probe_every`-th step where it has not."""
         return self.advantage >= 1.0 or self.plain_steps >= self.probe_every
+
+    @property
+    def dormant(self) -> bool:
+        """Whether drafting has not paid for long: probes have waited their longest and the
+        last did not pay. The proposer then keeps its drafter's context short (`EagleProposer`)."""
+        return self.advantage < 1.0 and self.probe_every >= MOST_PROBE_EVERY
 
     def plan(self) -> tuple[int, int]:
         """The tree to draft this step, (depth, nodes kept to choose from), and where it stops

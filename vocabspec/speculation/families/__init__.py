@@ -4,4 +4,5 @@ lookup (pld.py), the two together (hybrid.py), Medusa (medusa.py) and an indepen
 model (draft_model.py). They import only the core (speculation/'s own modules and vocab/) and
 the engine; importing this package registers them all."""
 
-from . import draft_model, eagle_family, hybrid, medusa, pld  # noqa: F401  (their registrations)
+# In the order --draft lists them.
+from . import eagle_family, pld, hybrid, medusa, draft_model  # noqa: F401,I001  (their registrations)

@@ -495,10 +495,17 @@ class EagleProposer(HeadTimedDrafting, Proposer):
     The drafter reads accepted tokens when it next drafts, all since its last tree in one read
     (or every READ_AFTER tokens): in a full batch most steps draft nothing, and a read a step
     per request cost as much as a tenth of the step. On the native engine a row's state does
-    not depend on how many rows a read holds, so the trees are the same either way."""
+    not depend on how many rows a read holds, so the trees are the same either way.
+
+    Where the live rule is dormant (drafting has not paid for long, live_tree.py) the drafter
+    reads only the last DORMANT_CONTEXT tokens of a prompt and before each probe: its context
+    is then that tail (its positions follow its own cache), which costs a probe some accepted
+    tokens and spares every other step the drafter's read. Greedy output is the same either
+    way; a sampled request (no live rule) always reads everything."""
 
     phases = ("layer", "native")
     READ_AFTER = 64
+    DORMANT_CONTEXT = 32
 
     def __init__(self, drafter: EagleDrafter, head=None, depth: int = 6, top_k: int = 10,
                  total_tokens: int = 60):
@@ -576,7 +583,10 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self.head.see_tokens(prompt_ids + [first_token], reset=True)
         # Not timed: the pass over the prompt belongs with the prefill, outside the drafting
         # time ("total") that the breakdown's parts must add up to.
-        self.backend.read(prompt_ids[1:] + [first_token], prompt_hidden, timed=False)
+        read, rows = prompt_ids[1:] + [first_token], prompt_hidden
+        if self._dormant():
+            read, rows = read[-self.DORMANT_CONTEXT:], rows[-self.DORMANT_CONTEXT:]
+        self.backend.read(read, rows, timed=False)
         if self.cache is not self._host_cache:     # a captured step reads this very tensor
             if self._state_buffer is None:
                 self._state_buffer = torch.empty_like(self.last_state)
@@ -588,9 +598,26 @@ class EagleProposer(HeadTimedDrafting, Proposer):
             self.sizing.observe(accepted)
         self.head.see_tokens(accepted + [next_token])
         self._unread.append((accepted[1:] + [next_token], hidden))
+        if self._dormant():
+            self._forget_unread_beyond(self.DORMANT_CONTEXT)
         if sum(len(read) for read, _ in self._unread) >= self.READ_AFTER:
             self._read_unread()
         self.timings["total"] += time.perf_counter() - start
+
+    def _dormant(self) -> bool:
+        return self.sizing is not None and self.size_live and self.sizing.dormant
+
+    def _forget_unread_beyond(self, keep: int) -> None:
+        """Keep only the last `keep` unread tokens (and their rows)."""
+        excess = sum(len(read) for read, _ in self._unread) - keep
+        while excess > 0:
+            read, rows = self._unread[0]
+            if len(read) <= excess:
+                self._unread.pop(0)
+                excess -= len(read)
+            else:
+                self._unread[0] = (read[excess:], rows[excess:])
+                excess = 0
 
     def _features(self, rows: torch.Tensor) -> torch.Tensor:
         """The drafter's input features from the target's rows (see generate.Proposer)."""
