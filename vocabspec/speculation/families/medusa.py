@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import Family, default_vocab, head_files, register
+from ..config import BUNDLED_DRAFTERS, Family, default_vocab, head_files, register
 from ..vocab.heads import FullVocab, HeadTimedDrafting, float_rows, int8_rows, make_draft_vocab
 from ...engine.linear import Linear
 from ..proposer import Proposer, StaticDrafting
@@ -329,7 +329,7 @@ class MedusaStaticDrafting(StaticDrafting):
 
 
 def bundled_medusa_dir(model_name: str) -> Path | None:
-    path = Path(__file__).parents[1] / "drafters" / model_name / "medusa"
+    path = BUNDLED_DRAFTERS / model_name / "medusa"
     return path if (path / "config.json").exists() else None
 
 
