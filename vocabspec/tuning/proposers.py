@@ -24,10 +24,10 @@ def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, l
     family = FAMILIES[config.method]
     if config.total_tokens != "auto":
         return family.build(model, config, model_name, tokenizer, log)
-    if tokenizer is None:
-        raise ValueError("total_tokens='auto' needs the model's tokenizer")
     if family.sizes:
         from .autotune import choose_size
+
+        _need_tokenizer(tokenizer)
 
         size = choose_size(model, tokenizer, f"{model_name}|{family.name}|{config}", family.sizes,
                            lambda n: family.build(model, replace(config, total_tokens=n), model_name,
@@ -43,6 +43,13 @@ def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, l
     return tune(model, config, model_name, tokenizer, log)
 
 
+def _need_tokenizer(tokenizer) -> None:
+    """The tuner times generations: a tree chosen for this machine needs the model's tokenizer
+    (checked once the drafter exists, so a missing drafter is what a config without one hears)."""
+    if tokenizer is None:
+        raise ValueError("total_tokens='auto' needs the model's tokenizer")
+
+
 def _tuned_eagle(model, config: DraftConfig, model_name: str, tokenizer, log):
     """EAGLE-2's tree over the config's drafter: sized each step by the live rule, the tuner's
     choice its prior; where an Engine runs static steps (a GPU), chosen once by their costs."""
@@ -54,6 +61,7 @@ def _tuned_eagle(model, config: DraftConfig, model_name: str, tokenizer, log):
     from .autotune import choose_static_tree, keep_calibration, tree_choice
 
     parts = eagle_parts(model, config, model_name, log)
+    _need_tokenizer(tokenizer)
     kind = EagleLookupProposer if config.method == "eagle+pld" else None
     key = f"{model_name}|{weights_key(parts.path)}|{parts.head.name}|{parts.dtype}"
     depth = config.depth
@@ -84,6 +92,7 @@ def _tuned_medusa(model, config: DraftConfig, model_name: str, tokenizer, log):
     from .autotune import choose_medusa_tree
 
     heads, head, path = medusa_parts(model, config, model_name, log)
+    _need_tokenizer(tokenizer)
     choices, total = choose_medusa_tree(model, heads, head, tokenizer,
                                         key=f"{model_name}|medusa|{weights_key(path)}|{head.name}", log=log)
     if not total:
@@ -99,6 +108,7 @@ def _tuned_draft_model(model, config: DraftConfig, model_name: str, tokenizer, l
     from .autotune import CHAIN_LENGTHS, choose_size
 
     draft, head = draft_model_parts(model, config, model_name, tokenizer, log)
+    _need_tokenizer(tokenizer)
     length = choose_size(model, tokenizer, f"{model_name}|model|{config.draft_model}|{draft.weights}|{head.name}",
                          CHAIN_LENGTHS, lambda n: DraftModelProposer(draft, head, depth=n, top_k=1, total_tokens=n),
                          log=log)
