@@ -127,9 +127,13 @@ def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
     assert waits == [2 * PROBE_EVERY, 4 * PROBE_EVERY, MOST_PROBE_EVERY, MOST_PROBE_EVERY, MOST_PROBE_EVERY,
                      MOST_PROBE_EVERY]
     assert gaps[0] == PROBE_EVERY and all(wait - 1 <= gap <= wait for wait, gap in zip(waits, gaps[1:])), gaps
-    # Free drafting of a likely node pays: the wait is PROBE_EVERY again.
-    _, waits = probes(0.0, 1)
-    assert waits == [PROBE_EVERY]
+    # Free drafting of a likely node pays: the wait is PROBE_EVERY again (a fresh rule at the
+    # longest wait, its calibration and costs untouched by the probes above).
+    sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, total=0, most_depth=2, most=4)
+    sizing.probe_every = sizing.plain_steps = MOST_PROBE_EVERY
+    assert sizing.plan()[0]
+    sizing.choose(sure, 1, 0.0)
+    assert sizing.probe_every == PROBE_EVERY
 
 
 def test_calibration_follows_the_outcomes():
