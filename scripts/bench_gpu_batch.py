@@ -4,7 +4,7 @@ same model at several batch sizes, and the server at many concurrent clients aga
 
 1. The batch job: --prompts requests (the package's prompts, cycled, as chat) of up to
    --new-tokens greedy tokens each, in --weights on torch's kernels with inexact answers allowed
-   (decoding/batched_decoding.py: one CUDA graph a step for every request's row), run as
+   (engine/torch_backend.py: one CUDA graph a step for every request's row), run as
    `generate --input` runs them (serving/batch_job.run_job); answer tokens a second over the
    job's time, every prefill and graph capture included, and how many of a sample of answers
    served alone again differ; then the same job on the row-invariant kernels (--backend triton,
@@ -105,7 +105,7 @@ def batch_job(lm, texts: list[str], options: BenchOptions, alone: int = 0) -> di
     return {"requests": len(requests), "answers": result.answers, "failed": result.failed,
             "failures": result.failures[:3], "answer_tokens": result.tokens,
             "seconds": round(result.seconds, 2), "answer_tok_s": round(result.tokens / result.seconds, 1),
-            "slots": len(batch.slots), "batched_rows": batch.batched is not None, "engine": stats,
+            "slots": len(batch.slots), "batched_rows": batch.together, "engine": stats,
             "alone_checked": result.alone_checked, "alone_differ": result.alone_differ,
             **(compared_alone(lm, texts, kept, options) if alone else {})}
 
@@ -151,7 +151,7 @@ def server(lm, options: BenchOptions, deadline: float) -> dict:
     def work(base_url, batch):
         if time.perf_counter() > deadline:
             return {"skipped": "the budget is spent"}
-        return {"slots": len(batch.slots), "batched_rows": batch.batched is not None,
+        return {"slots": len(batch.slots), "batched_rows": batch.together,
                 **sweep(base_url, options.model, prompts, list(options.clients), options.requests_per_client,
                         options.new_tokens, {"temperature": 0.0}, chat, stats=batch.stats,
                         log=lambda line: print(f"[server: {line}]", file=sys.stderr, flush=True))}

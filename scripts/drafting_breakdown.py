@@ -81,20 +81,20 @@ def drafters(model, tmp: Path):
     a = model.args
     kind = "q8i" if native.has_int8() else "bf16"
     eagle2 = EagleDrafter.random(model, seed=1, dtype=torch.bfloat16)
-    eagle2.use_native(kind)
+    eagle2.pack(kind)
     config = Eagle3Config(dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
                           intermediate_size=a.intermediate_size, n_layers=1, norm_eps=a.norm_eps,
                           rope_base=a.rope_base, draft_vocab_size=32000,
                           aux_layers=(2, a.n_layers // 2, a.n_layers - 3), target_dim=a.dim)
     Eagle3Drafter.random(model, config, seed=2, dtype=torch.bfloat16).save(tmp / "eagle3", layout="speculators")
     eagle3 = Eagle3Drafter.load(tmp / "eagle3", model, dtype=torch.bfloat16)
-    eagle3.use_native(kind)
+    eagle3.pack(kind)
     return eagle2, eagle3
 
 
 def heads(model, eagle3) -> dict:
     """Every draft head, by the name the table gives it."""
-    packed = model.native.head_weight
+    packed = model.packed_head
     g = torch.Generator().manual_seed(0)
     ranked = torch.randperm(model.args.vocab_size, generator=g)       # which rows: time does not care
     out = {"EAGLE-2": {"full 128k": FullVocab(packed)}, "EAGLE-3": {}}
@@ -111,7 +111,7 @@ def heads(model, eagle3) -> dict:
     out["EAGLE-3"]["own 32k"] = own
     for size in (16384, 8192):
         out["EAGLE-3"][f"own, FR {size // 1024}k"] = StaticSubset.of_rows(
-            eagle3.native_pack(eagle3.lm_head.weight[:size]), eagle3.draft_ids[:size], f"fr:{size}")
+            eagle3.runtime.pack_rows(eagle3.lm_head.weight[:size]), eagle3.draft_ids[:size], f"fr:{size}")
     return out
 
 
@@ -142,7 +142,7 @@ def main():
     verify = forward_seconds(model, [n], context=CONTEXT, repeats=args.repeats)[n]
     for family, by_name in table.items():
         drafter = keys[family]
-        fc, stack = drafter.native
+        stack = drafter.runtime.stack
         cache = drafter.new_cache(CONTEXT + 128)
         for name, head in by_name.items():
             spec = head if isinstance(head, SpecVocab) else None

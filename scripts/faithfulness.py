@@ -90,9 +90,8 @@ def main():
 
 def logits_of(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        _, logits = model(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(len(ids) + 8),
-                          all_logits=True)
-    return logits
+        hidden, _ = model.tree_forward(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(len(ids) + 8))
+    return model.lm_head(hidden)
 
 
 if __name__ == "__main__":

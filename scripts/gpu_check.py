@@ -462,7 +462,7 @@ def drafting_cost(layers: int, steps: int = 20) -> dict:
         form = proposer.static_form(512)
         with torch.inference_mode():
             cache = DeviceKVCache(args.n_layers, args.n_kv_heads, args.head_dim, 512, model.dtype, model.device)
-            hidden, _ = model(torch.arange(100, device=DEVICE), torch.arange(100, device=DEVICE), cache)
+            hidden, _ = model.tree_forward(torch.arange(100, device=DEVICE), torch.arange(100, device=DEVICE), cache)
             cache.commit()
             proposer.reset(list(range(100)), hidden, 7)
             root = torch.tensor([7], device=DEVICE)

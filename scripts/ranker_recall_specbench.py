@@ -116,7 +116,8 @@ def main():
                 answer = lm.engine.generate(ids, GenerationConfig(max_new_tokens=args.new_tokens)).tokens
             tokens = torch.tensor(ids + answer)
             cache = target.new_cache(len(tokens) + 1)
-            hidden, logits = target(tokens, torch.arange(len(tokens)), cache, all_logits=True)
+            hidden, _ = target.tree_forward(tokens, torch.arange(len(tokens)), cache)
+            logits = target.lm_head(hidden)
             states = draft_states(drafter, tokens, features_of(target, hidden))
             # states[i] drafts token i + 2, which the target chose from logits[i + 1]. Drafting
             # starts at the second answer token (the first comes from the prefill).

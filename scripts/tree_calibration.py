@@ -50,7 +50,7 @@ def record_steps(args) -> list[dict]:
               total_tokens=args.total)
     # The reference growth from Python (the native one drafts the same tree node for node): its
     # builder keeps every drafted node's value for the replay.
-    lm.engine.proposer.backend = drafter_module.TorchEagleDrafting(lm.engine.proposer)
+    lm.engine.proposer.drafting = drafter_module.TorchEagleDrafting(lm.engine.proposer)
     steps = []
     questions = load_questions(args.questions, args.per_category)[:args.limit or None]
     for number, question in enumerate(questions):

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 from vocabspec.engine.loading import load_model
 from vocabspec.engine.model import ModelArgs, Transformer
 from vocabspec.engine.tokenizer import load_tokenizer
+from vocabspec.engine.torch_backend import TorchBackend
 
 # Two threads a test process, or the cores' share of each where pytest-xdist runs several. The
 # native engine's largest team is OpenMP's maximum at its first call: fixed first, at every core,
@@ -106,7 +107,30 @@ def tiny_args(arch: str, **overrides) -> ModelArgs:
     return ModelArgs(**base)
 
 
-def tiny_model(arch: str, seed: int = 0, **overrides) -> Transformer:
+def forward(model, tokens, positions, cache, tree_mask=None, logits_rows=None, all_logits=False, taps=(),
+            parents=None):
+    """The reference model's one-sequence forward (model.Transformer.forward: its arguments and
+    its (hidden, logits[, tapped])) on a backend too: its `tree_forward`, or a StepRows of one
+    tree where `parents` are given, and its LM head over the rows asked for."""
+    if isinstance(model, Transformer):
+        return model(tokens, positions, cache, tree_mask=tree_mask, logits_rows=logits_rows, all_logits=all_logits,
+                     taps=taps, parents=parents)
+    if parents is not None:
+        rows = model.run(tokens, cache, taps, parents)
+        hidden, tapped = rows.hidden, rows.tapped
+    else:
+        hidden, tapped = model.tree_forward(tokens, positions, cache, tree_mask, taps)
+    if all_logits:
+        logits = model.lm_head(hidden)
+    elif logits_rows is not None:
+        logits = model.lm_head(hidden[logits_rows]) if len(logits_rows) else None
+    else:
+        logits = model.lm_head(hidden[-1:])
+    return (hidden, logits, tapped) if taps else (hidden, logits)
+
+
+def tiny_module(arch: str, seed: int = 0, **overrides) -> Transformer:
+    """A tiny random reference model (the module)."""
     torch.manual_seed(seed)
     model = Transformer(tiny_args(arch, **overrides))
     with torch.no_grad():
@@ -118,11 +142,17 @@ def tiny_model(arch: str, seed: int = 0, **overrides) -> Transformer:
     return model.eval().requires_grad_(False)
 
 
+def tiny_model(arch: str, seed: int = 0, **overrides) -> TorchBackend:
+    """A tiny random model on torch's kernels (its module: `.module`)."""
+    return TorchBackend(tiny_module(arch, seed, **overrides))
+
+
 def tiny_native(arch: str, seed: int, weights: str = "f32", scale: float = 0.3, **overrides):
-    """A random model whose shapes the native engine takes (widths multiples of 32), on torch
-    (the reference) and on the native engine: (reference, native). scale: the weights' (a
-    smaller one spreads the next-token distributions)."""
+    """A random model whose shapes the native engine takes (widths multiples of 32), on torch's
+    backend (the reference) and on the native engine: (reference, native). scale: the weights'
+    (a smaller one spreads the next-token distributions)."""
     from vocabspec.engine import formats
+    from vocabspec.engine.native_backend import NativeBackend
 
     shapes = dict(vocab_size=200, dim=64, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=96)
     args = tiny_args(arch, **{**shapes, **overrides})
@@ -133,11 +163,8 @@ def tiny_native(arch: str, seed: int, weights: str = "f32", scale: float = 0.3, 
             p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if name.endswith("norm.weight")
                     else torch.randn_like(p) * scale)
     reference.eval().requires_grad_(False)
-    fast = Transformer(args)
-    fast.load_state_dict(reference.state_dict())
-    fast.eval().requires_grad_(False)
-    fast.use_native(formats.pack_module_weights(fast, weights), weights)
-    return reference, fast
+    norms = {name: p for name, p in reference.named_parameters() if name.endswith("norm.weight")}
+    return TorchBackend(reference), NativeBackend(args, formats.pack_module_weights(reference, weights), norms, weights)
 
 
 @pytest.fixture(autouse=True)

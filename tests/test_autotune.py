@@ -176,7 +176,7 @@ def test_static_tree_of_m_nodes_accepts_what_the_largest_trees_ranks_say(torch_s
     generation = engines[16].stream(ids, config)
     for _ in generation:
         pass
-    decoder, proposer = generation.decoder, engines[16].proposer
+    decoder, proposer = generation.generation.proposer.decoder, engines[16].proposer
 
     def state():
         return ([t.clone() for t in decoder._state()], decoder.cache.bound, proposer.cache.bound,

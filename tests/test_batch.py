@@ -20,6 +20,7 @@ import vocabspec
 from vocabspec.decoding.batch import BatchEngine, BatchLimits, Busy, Engine, Stopped
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.engine.loading import load_model
+from vocabspec.engine.step_rows import StepRows
 from vocabspec.speculation.sampling import SamplingParams
 from vocabspec.speculation.tree import chain
 
@@ -31,7 +32,7 @@ FORMATS = ["gguf", "gguf-a8", "bf16", "f32"]
 def committed(model, context: list[int], max_len: int):
     cache = model.new_cache(max_len)
     with torch.inference_mode():
-        model(torch.tensor(context), torch.arange(len(context)), cache)
+        model.tree_forward(torch.tensor(context), torch.arange(len(context)), cache)
     cache.commit()
     return cache
 
@@ -59,19 +60,25 @@ def test_batched_rows_have_the_bits_of_each_sequence_alone(name, weights):
             tree = chain(int(torch.randint(vocab, (1,), generator=g)), [])
             items.append((tree.tokens, tree.positions(length), cache, None))
     taps = (1, model.args.n_layers // 2)            # a fused-feature drafter's layers, too
+
+    def step(order):
+        rows = StepRows(taps=taps)
+        for tokens, positions, cache, parents in order:
+            rows.add(tokens, cache, parents, positions)
+        model.forward(rows)
+        for span in rows.spans:
+            span.cache.discard()
+        return [(rows.hidden_of(span), rows.tapped_of(span, taps)[0]) for span in rows.spans]
+
     with torch.inference_mode():
-        together, tapped = model.forward_batch(items, taps)
-        for _, _, cache, _ in items:
+        together = step(items)
+        for (tokens, positions, cache, parents), (rows, layers) in zip(items, together):
+            alone = model.run(tokens, cache, taps, parents)
             cache.discard()
-        for (tokens, positions, cache, parents), rows, layers in zip(items, together, tapped):
-            alone, _, alone_layers = model(tokens, positions, cache, parents=parents, logits_rows=[], taps=taps)
-            cache.discard()
-            assert torch.equal(alone, rows), (name, weights, tokens.numel())
-            assert torch.equal(alone_layers, layers), (name, weights, tokens.numel())
+            assert torch.equal(alone.hidden, rows), (name, weights, tokens.numel())
+            assert torch.equal(alone.tapped, layers), (name, weights, tokens.numel())
         # And in another order, beside other items: still the same bits.
-        again = model.forward_batch(items[::-1])
-        for (_, _, cache, _), rows, want in zip(items[::-1], again, together[::-1]):
-            cache.discard()
+        for (rows, _), (want, _) in zip(step(items[::-1]), together[::-1]):
             assert torch.equal(rows, want)
 
 
@@ -99,7 +106,7 @@ def requests():
 @pytest.mark.parametrize("method", ["eagle", "pld"])
 def test_continuous_batching_gives_each_request_its_tokens_alone(lms, method):
     lm = lms[method]
-    batch = BatchEngine(lm.engine, lambda: vocabspec.tuning.proposers.make_proposer(
+    batch = BatchEngine(lm.engine.model, lm.tokenizer, lambda: vocabspec.tuning.proposers.make_proposer(
         lm.engine.model, lm.draft, "smollm2", tokenizer=lm.tokenizer),
         BatchLimits(max_batch=3, window=1024, tree_rows=8))
     try:
@@ -130,9 +137,9 @@ def test_a_single_request_is_a_batch_of_one(lms):
     lm = lms["eagle"]
     ids = lm.encode_prompt(PROMPTS[0], chat=True)
     config = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
-    before = lm.engine.solo.steps
+    before = lm.engine.steps
     result = lm.engine.generate(ids, config)
-    assert lm.engine.solo.steps - before == len(result.steps)
+    assert lm.engine.steps - before == len(result.steps)
     assert all(step.tree_size > 0 for step in result.steps)
     # Each step's verification time holds its target forward's, timed on its own.
     assert all(0 < step.forward_seconds < step.verify_seconds for step in result.steps)
@@ -146,7 +153,7 @@ def test_a_single_request_is_a_batch_of_one(lms):
 
 def test_a_cancelled_request_frees_its_slot_and_a_full_engine_refuses(lms):
     lm = lms["pld"]
-    batch = BatchEngine(lm.engine, None, BatchLimits(max_batch=1, max_waiting=1, window=512))
+    batch = BatchEngine(lm.engine.model, lm.tokenizer, None, BatchLimits(max_batch=1, max_waiting=1, window=512))
     try:
         ids = lm.encode_prompt("Tell me a long story about a lighthouse.", chat=True)
         config = GenerationConfig(max_new_tokens=400, stop_on_eos=False)
@@ -222,7 +229,7 @@ def test_the_draft_budget_follows_the_cost_curve(lms):
     from vocabspec.decoding.cost_curve import Costs
 
     lm = lms["eagle"]
-    batch = BatchEngine(lm.engine, lambda: vocabspec.tuning.proposers.make_proposer(
+    batch = BatchEngine(lm.engine.model, lm.tokenizer, lambda: vocabspec.tuning.proposers.make_proposer(
         lm.engine.model, lm.draft, "smollm2", tokenizer=lm.tokenizer), BatchLimits(max_batch=3, window=1024),
         thread=False)
     assert batch.costs is not None and batch.costs(1) > 0      # measured on this machine
@@ -261,7 +268,7 @@ def test_a_request_whose_drafting_fails_ends_alone():
 
     _, model = tiny_native("llama", seed=3)
     drafter = EagleDrafter.random(model, seed=2)
-    drafter.use_native("f32")
+    drafter.pack("f32")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 30, 4)]
     config = GenerationConfig(max_new_tokens=20)
@@ -281,7 +288,7 @@ def test_a_request_whose_drafting_fails_ends_alone():
         bad = prompts[1]
 
         def make():
-            proposer = EagleProposer(drafter, FullVocab(model.native.head_weight), depth=3, top_k=4, total_tokens=8)
+            proposer = EagleProposer(drafter, FullVocab(model.packed_head), depth=3, top_k=4, total_tokens=8)
             propose, reset = proposer.propose, proposer.reset
             state = {"bad": False, "trees": 0}
 
@@ -297,7 +304,7 @@ def test_a_request_whose_drafting_fails_ends_alone():
             proposer.reset, proposer.propose = reset_watching, propose_or_break
             return proposer
 
-        batch = BatchEngine(Engine(model), make, BatchLimits(max_batch=3, window=256, tree_rows=27), thread=False)
+        batch = BatchEngine(model, None, make, BatchLimits(max_batch=3, window=256, tree_rows=27), thread=False)
         requests = [batch.submit(p, config) for p in prompts]
         batch.run(until=lambda: all(r.done.is_set() for r in requests))
         batch.close()
@@ -328,7 +335,7 @@ def test_a_request_that_cannot_start_ends_alone(monkeypatch):
         return make_generator(seed, device)
 
     monkeypatch.setattr(generate, "make_generator", breaking)
-    batch = BatchEngine(Engine(model), None, BatchLimits(max_batch=3, window=256), thread=False)
+    batch = BatchEngine(model, None, None, BatchLimits(max_batch=3, window=256), thread=False)
     requests = [batch.submit(p, c) for p, c in zip(prompts, configs)]
     batch.run(until=lambda: all(r.done.is_set() for r in requests))
     with pytest.raises(RuntimeError, match="no generator"):
@@ -348,18 +355,18 @@ def test_a_loop_that_fails_answers_every_request_and_stops():
     from conftest import tiny_native
 
     _, model = tiny_native("llama", seed=3)
-    batch = BatchEngine(Engine(model), None, BatchLimits(max_batch=1, max_waiting=4, window=256), thread=False)
-    admit = batch._admit
+    batch = BatchEngine(model, None, None, BatchLimits(max_batch=1, max_waiting=4, window=256), thread=False)
+    take = batch._take_waiting
     admissions = []
 
-    def admit_then_break():
+    def take_then_break():
         admissions.append(len(admissions))
         if len(admissions) == 1:
-            return admit()                  # the first request takes the slot
+            return take()                   # the first request takes the slot
         batch.waiting.get_nowait()          # the next leaves the queue and sits in no slot...
         raise SystemError("the loop broke")  # ...as the loop fails
 
-    batch._admit = admit_then_break
+    batch._take_waiting = take_then_break
     config = GenerationConfig(max_new_tokens=50, stop_on_eos=False)
     requests = [batch.submit([5, 6, 7], config) for _ in range(3)]
     with pytest.raises(SystemError, match="the loop broke"):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import tiny_model, forward
 from vocabspec.engine.batched import SlotCache, forward_rows, greedy_answers, pad_rows
 from vocabspec.speculation.families.eagle3 import Eagle3Drafter
 from vocabspec.training.eagle3_batched import batch_loss, length_batches, target_features
@@ -15,7 +15,7 @@ from vocabspec.training.eagle3_train import StepAttention, sequence_loss
 
 def greedy_alone(model, prompt, new):
     cache = model.new_cache(256)
-    _, logits = model(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+    _, logits = forward(model, torch.tensor(prompt), torch.arange(len(prompt)), cache)
     cache.commit()
     out = []
     for _ in range(new):
@@ -23,7 +23,7 @@ def greedy_alone(model, prompt, new):
         out.append(token)
         if token in model.args.eos_token_ids:
             break
-        _, logits = model(torch.tensor([token]), torch.tensor([len(prompt) + len(out) - 1]), cache)
+        _, logits = forward(model, torch.tensor([token]), torch.tensor([len(prompt) + len(out) - 1]), cache)
         cache.commit()
     return out
 
@@ -49,7 +49,7 @@ def test_batched_rows_are_each_sequences_own(arch):
         positions += 1
     for b, prompt in enumerate(prompts):
         whole = prompt + follow[b]
-        alone, _ = model(torch.tensor(whole), torch.arange(len(whole)), model.new_cache(32), all_logits=True)
+        alone, _ = forward(model, torch.tensor(whole), torch.arange(len(whole)), model.new_cache(32), all_logits=True)
         torch.testing.assert_close(prefill[b, :len(prompt)], alone[:len(prompt)], rtol=1e-4, atol=1e-4)
         for t in range(3):
             torch.testing.assert_close(steps[t][b], alone[len(prompt) + t], rtol=1e-4, atol=1e-4)
@@ -98,7 +98,7 @@ def test_a_batch_loss_is_the_sequences_own_loss():
     short_seq = torch.randint(0, 97, (15,), generator=gen).tolist()
     taps = drafter.taps
     one = target_features(target, [long_seq], taps)
-    ref_hidden, _, ref_tapped = target(torch.tensor(long_seq), torch.arange(24), target.new_cache(32),
+    ref_hidden, _, ref_tapped = forward(target, torch.tensor(long_seq), torch.arange(24), target.new_cache(32),
                                        all_logits=True, taps=taps)
     torch.testing.assert_close(one["hidden"][0], ref_hidden, rtol=1e-5, atol=1e-5)
     candidates = one["chosen"][0][:, None]

@@ -1,5 +1,5 @@
-"""The batch engine's plain-decoding requests on torch's kernels as rows of one forward
-(decoding/batched_decoding.py), in float32 on the CPU: every greedy answer is the one plain
+"""The batch engine's requests on torch's kernels as rows of one forward over a slot table
+(torch_backend.py, engine/batched.py), in float32 on the CPU: every greedy answer is the one plain
 decoding of the request alone gives; every seeded sampled answer the one serving it alone
 draws, and the draws follow the target's distribution; slots are sized from free memory, a
 request that cannot fit is refused, and `generate --input --backend torch --allow-inexact`
@@ -19,6 +19,7 @@ import torch
 
 from conftest import tiny_model
 from vocabspec.engine import batched, kernels
+from vocabspec.engine.kernel_backend import KernelBackend
 from vocabspec.decoding.batch import BatchEngine, BatchLimits, Engine
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.speculation.families.pld import PromptLookupProposer
@@ -41,28 +42,27 @@ def test_greedy_and_seeded_answers_are_each_requests_alone(arch):
     configs = [GenerationConfig(max_new_tokens=n) for n in (8, 3, 10)] + [
         GenerationConfig(max_new_tokens=8, sampling=SamplingParams(temperature=t, top_k=k, top_p=p, seed=s))
         for t, k, p, s in ((1.3, 20, 1.0, 2), (1.0, 0, 0.9, 3), (0.7, 1, 1.0, 4))]
-    batch = BatchEngine(engine, None, BatchLimits(max_batch=3, window=64), thread=False)
-    assert batch.batched is not None and len(batch.slots) == 3
+    batch = BatchEngine(model, None, None, BatchLimits(max_batch=3, window=64), allow_inexact=True, thread=False)
+    assert batch.together and len(batch.slots) == 3
     together = batch.generate(prompts, configs)
     alone = [engine.generate(p, c) for p, c in zip(prompts, configs)]
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     assert [r.stop_reason for r in together] == [r.stop_reason for r in alone]
-    assert batch.batched.steps == batch.steps and batch.rows > 2 * batch.steps   # rows shared steps
+    assert batch.rows > 2 * batch.steps   # rows shared steps
     # top_k=1 sampling is greedy decoding, whatever its seed.
     greedy = engine.generate(prompts[5], GenerationConfig(max_new_tokens=8))
     assert together[5].tokens == greedy.tokens
 
 
-def test_greedy_rows_a_step_ahead_end_and_refill_as_alone():
-    """All greedy: steps run a step ahead of the host's reading. Answers ending at
-    end-of-sequence tokens and at their lengths (one of a single token), slots refilled, rows
-    wasted on ended requests: each answer the request's alone, and so when a sampled request
-    joins the greedy ones mid-run (the step ahead read first, steps then one at a time)."""
+def test_greedy_rows_end_and_refill_as_alone():
+    """All greedy: answers ending at end-of-sequence tokens and at their lengths (one of a
+    single token), slots refilled: each answer the request's alone, and so when a sampled
+    request joins the greedy ones mid-run."""
     model = tiny_model("llama", seed=2, eos_token_ids=[5, 9, 11, 20, 33])
     engine = Engine(model, allow_inexact=True)
     prompts = prompts_of([3, 17, 9, 30, 5, 12, 8, 4], seed=1)
     configs = [GenerationConfig(max_new_tokens=n) for n in (12, 3, 20, 7, 1, 9, 15, 2)]
-    batch = BatchEngine(engine, None, BatchLimits(max_batch=4, window=64), thread=False)
+    batch = BatchEngine(model, None, None, BatchLimits(max_batch=4, window=64), allow_inexact=True, thread=False)
     for configs in (configs, configs[:5] + [GenerationConfig(max_new_tokens=9, sampling=SamplingParams(
             temperature=1.0, seed=3))] + configs[6:]):
         together = batch.generate(prompts, configs)
@@ -76,14 +76,13 @@ def test_sampled_first_tokens_follow_the_targets_distribution():
     together: their first tokens' frequencies match the target's probabilities (total variation
     within what 400 draws allow)."""
     model = tiny_model("llama", seed=7)
-    engine = Engine(model, allow_inexact=True)
     prompt = prompts_of([6], seed=3)[0]
     params = SamplingParams(temperature=2.0, seed=0)
     configs = [GenerationConfig(max_new_tokens=1, sampling=SamplingParams(temperature=2.0, seed=s))
                for s in range(400)]
-    batch = BatchEngine(engine, None, BatchLimits(max_batch=400, window=16), thread=False)
+    batch = BatchEngine(model, None, None, BatchLimits(max_batch=400, window=16), allow_inexact=True, thread=False)
     firsts = [r.tokens[0] for r in batch.generate([prompt] * 400, configs)]
-    _, logits = model(torch.tensor(prompt), torch.arange(len(prompt)), model.new_cache(16))
+    _, logits = model.module(torch.tensor(prompt), torch.arange(len(prompt)), model.new_cache(16))
     probs = target_probs(logits, params)[0]
     counts = torch.bincount(torch.tensor(firsts), minlength=probs.numel()).float() / 400
     assert 0.5 * float((counts - probs).abs().sum()) < 0.2
@@ -99,7 +98,7 @@ def test_slots_fit_free_memory_and_a_request_that_cannot_fit_is_refused(monkeypa
     engine = Engine(model, allow_inexact=True)
     per_slot = batched.SlotCache.bytes_per_slot(model, 32)
     monkeypatch.setattr(batched, "free_memory", lambda device: 4 * per_slot + 1)
-    batch = BatchEngine(engine, None, BatchLimits(max_batch=8, window=32), thread=False)
+    batch = BatchEngine(model, None, None, BatchLimits(max_batch=8, window=32), allow_inexact=True, thread=False)
     assert len(batch.slots) == 2
     prompts, config = prompts_of([4, 7, 5, 9, 3], seed=1), GenerationConfig(max_new_tokens=6)
     assert [r.tokens for r in batch.generate(prompts, config)] == \
@@ -108,19 +107,18 @@ def test_slots_fit_free_memory_and_a_request_that_cannot_fit_is_refused(monkeypa
         batch.submit(list(range(6, 26)), GenerationConfig(max_new_tokens=20))
     monkeypatch.setattr(batched, "free_memory", lambda device: per_slot)
     with pytest.raises(ValueError, match=r"a slot of 32 positions needs .* MiB free on cpu holds none"):
-        BatchEngine(engine, None, BatchLimits(max_batch=8, window=32), thread=False)
+        BatchEngine(model, None, None, BatchLimits(max_batch=8, window=32), allow_inexact=True, thread=False)
     monkeypatch.undo()
-    assert BatchEngine(Engine(model), None, BatchLimits(max_batch=2, window=32), thread=False).batched is None
+    assert not BatchEngine(model, None, None, BatchLimits(max_batch=2, window=32), thread=False).together
 
-    drafting = Engine(model, proposer=PromptLookupProposer(), allow_inexact=True)
-    mixed = BatchEngine(drafting, PromptLookupProposer, BatchLimits(max_batch=4, window=64, tree_rows=16),
-                        thread=False)
+    mixed = BatchEngine(model, None, PromptLookupProposer, BatchLimits(max_batch=4, window=64, tree_rows=16),
+                        allow_inexact=True, thread=False)
     looped = [p * 3 for p in prompts_of([4, 5], seed=6)]           # something to look up
     requests = [mixed.submit(p, GenerationConfig(max_new_tokens=10), draft=d)
                 for p, d in zip(looped + looped, (True, True, False, False))]
     while not all(r.done.is_set() for r in requests):
         mixed.run_once()
-    assert mixed.drafted > 0 and mixed.batched.steps > 0
+    assert mixed.drafted > 0 and mixed.together and mixed.rows > mixed.steps
     assert [r.wait().tokens for r in requests[2:]] == \
         [engine.generate(p, GenerationConfig(max_new_tokens=10)).tokens for p in looped]
 
@@ -130,12 +128,12 @@ def test_generate_input_on_torch_runs_rows_together_and_records_the_alone_check(
     through batched rows, and the job's record and summary say how many answers served alone
     again differ (none, in float32)."""
     from vocabspec.cli import main
-    from vocabspec.decoding import batched_decoding
+    from vocabspec.engine.torch_backend import TorchBackend
 
     rows = []
-    step = batched_decoding.BatchedDecoding.step
-    monkeypatch.setattr(batched_decoding.BatchedDecoding, "step",
-                        lambda self, running: rows.append(len(running)) or step(self, running))
+    step = TorchBackend._forward_slots
+    monkeypatch.setattr(TorchBackend, "_forward_slots",
+                        lambda self, step_rows, table: rows.append(len(step_rows.spans)) or step(self, step_rows, table))
     source, out = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
     items = [{"prompt": "Say hi."}, {"prompt": "Count to three.", "temperature": 0.8, "seed": 5}]
     source.write_text("".join(json.dumps(item) + "\n" for item in items))
@@ -184,7 +182,7 @@ def test_the_server_on_torch_steps_concurrent_requests_as_rows_together():
         http.stop(10)
         app.state.server.batch.close()
     assert [reply.status_code for reply in replies] == [200] * 4
-    assert app.state.server.batch.batched.steps > 0
+    assert app.state.server.batch.together and app.state.server.batch.rows > app.state.server.batch.steps
     assert [reply.json()["choices"][0]["message"]["content"] for reply in replies] == \
         [lm.generate(text, chat=True, max_new_tokens=10).text for text in texts]
 
@@ -197,53 +195,51 @@ def test_on_the_row_invariant_kernels_rows_are_each_requests_alone_bit_for_bit()
     """The row-invariant kernels, a tiny Gemma 3 whose one layer slides over 6 positions: three
     prompts prefilled together into slots out of order (padded to the longest), then decode
     steps of all three rows, every row's logits the bits of its request's own forward alone."""
-    model = tiny_model("gemma3", seed=4, n_layers=1, vocab_size=32, intermediate_size=32)
-    model.use_kernels()
+    model = KernelBackend(tiny_model("gemma3", seed=4, n_layers=1, vocab_size=32, intermediate_size=32).module)
     prompts = prompts_of([3, 11, 8], seed=2, vocab=32)
     cache = batched.SlotCache(model, slots=4, window=24)
     slots = torch.tensor([2, 0, 3])
     logits = batched.prefill_slots(model, cache, prompts, slots=slots)
-    step = batched.DecodeStep(model, cache)
+    step = batched.DecodeStep(model, cache, head=False)
     alone = [model.new_cache(24) for _ in prompts]
     tokens, positions = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
     for i, prompt in enumerate(prompts):
-        _, own = model(torch.tensor(prompt), torch.arange(len(prompt)), alone[i])
+        own = model.lm_head(model.tree_forward(torch.tensor(prompt), torch.arange(len(prompt)), alone[i])[0][-1:])
         alone[i].commit()
         assert torch.equal(logits[i], own[0]), f"prompt {i}"
         tokens[slots[i]], positions[slots[i]] = int(own[0].argmax()), len(prompt)
     for _ in range(2):
-        greedy, logits = step.with_logits(tokens, positions, int(positions.max()) + 1)
+        logits = model.lm_head(step(tokens, positions, int(positions.max()) + 1))
         for i, slot in enumerate(slots.tolist()):
-            _, own = model(tokens[slot:slot + 1], positions[slot:slot + 1], alone[i])
+            own = model.lm_head(model.tree_forward(tokens[slot:slot + 1], positions[slot:slot + 1], alone[i])[0])
             alone[i].commit()
             assert torch.equal(logits[slot], own[0]), f"prompt {i}"
-        tokens, positions = greedy.clone(), positions + 1
+        tokens, positions = logits.argmax(-1), positions + 1
 
 
 @needs_kernels
 def test_on_the_row_invariant_kernels_the_batch_steps_rows_exactly_without_allow_inexact():
     """`--backend triton`'s kernels, no --allow-inexact: plain requests step as batched rows (two
-    slots, four requests of different lengths, refilled as answers end; greedy ones a step ahead
-    of the host, then beside sampled ones), and every answer, greedy or seeded sampling, its
-    logprobs included, is the one plain decoding of the request alone gives, bit for bit. Asked
-    for batched rows on torch's kernels without --allow-inexact, the engine refuses."""
-    model = tiny_model("llama", seed=3, n_layers=1, vocab_size=32, intermediate_size=32)
-    model.use_kernels()
+    slots, four requests of different lengths, refilled as answers end, greedy beside sampled),
+    and every answer, greedy or seeded sampling, its logprobs included, is the one plain decoding
+    of the request alone gives, bit for bit. Asked for batched rows on torch's kernels without
+    --allow-inexact, the engine refuses."""
+    model = KernelBackend(tiny_model("llama", seed=3, n_layers=1, vocab_size=32, intermediate_size=32).module)
     engine = Engine(model)
     prompts = prompts_of([3, 11, 7, 9], seed=0, vocab=32)
     configs = [GenerationConfig(max_new_tokens=8), GenerationConfig(max_new_tokens=3),
                GenerationConfig(max_new_tokens=6, sampling=SamplingParams(temperature=1.3, top_k=20, seed=2)),
                GenerationConfig(max_new_tokens=5, logprobs=2)]
-    batch = BatchEngine(engine, None, BatchLimits(max_batch=2, window=32), thread=False)
-    assert batch.batched is not None and batch.batched.exact and len(batch.slots) == 2
+    batch = BatchEngine(model, None, None, BatchLimits(max_batch=2, window=32), thread=False)
+    assert batch.together and model.exact and len(batch.slots) == 2
     together = batch.generate(prompts, configs)
     alone = [engine.generate(p, c) for p, c in zip(prompts, configs)]     # plain decoding, alone
     assert [(r.tokens, r.stop_reason) for r in together] == [(r.tokens, r.stop_reason) for r in alone]
     assert together[3].logprobs == alone[3].logprobs
-    assert batch.batched.steps == batch.steps and batch.rows > batch.steps   # rows shared steps
+    assert batch.rows > batch.steps   # rows shared steps
 
     with pytest.raises(ValueError, match="round each row differently.*--backend triton"):
-        BatchEngine(Engine(tiny_model("llama", seed=4)), None, BatchLimits(max_batch=2, window=32, batched=True),
+        BatchEngine(tiny_model("llama", seed=4), None, None, BatchLimits(max_batch=2, window=32, batched=True),
                     thread=False)
 
 
@@ -262,17 +258,16 @@ def test_on_the_row_invariant_kernels_a_tree_in_a_slot_has_the_bits_of_its_forwa
     write = kernels.head_norm_rope_cache
     monkeypatch.setattr(kernels, "head_norm_rope_cache", lambda *a, **kw: fused.append(a[0].shape[0]) or
                         write(*a, **kw))
-    model = tiny_model("gemma3", seed=4, n_layers=1, vocab_size=32, intermediate_size=32)
-    model.use_kernels()
+    model = KernelBackend(tiny_model("gemma3", seed=4, n_layers=1, vocab_size=32, intermediate_size=32).module)
     cache = batched.SlotCache(model, slots=3, window=24)
     plain = prompts_of([4, 9], seed=1, vocab=32)
     logits = batched.prefill_slots(model, cache, plain, slots=torch.tensor([0, 2]))
     drafted, own = batched.SlotSequence(cache, 1), model.new_cache(24)
     prompt = torch.tensor(prompts_of([7], seed=3, vocab=32)[0])
     for where in (drafted, own):
-        h, _ = model(prompt, torch.arange(7), where)
+        h, _ = model.tree_forward(prompt, torch.arange(7), where)
         where.commit()
-    assert torch.equal(h, model(prompt, torch.arange(7), model.new_cache(24))[0])
+    assert torch.equal(h, model.tree_forward(prompt, torch.arange(7), model.new_cache(24))[0])
     tokens, positions = logits.argmax(-1), torch.tensor([4, 9])
     tree_tokens, parents = torch.tensor([5, 7, 9, 11, 13]), torch.tensor([-1, 0, 0, 1, 2])
     depths = torch.tensor([0, 1, 1, 2, 2])
@@ -281,7 +276,7 @@ def test_on_the_row_invariant_kernels_a_tree_in_a_slot_has_the_bits_of_its_forwa
         mask = ancestor_mask(parents) if parents.numel() > 1 else None
         tree = batched.SlotTree(model, drafted, tree_tokens, depths + drafted.length, mask)
         hidden = batched.forward_with_trees(model, cache, tokens, positions, torch.tensor([0, 2]), [tree])
-        alone, _ = model(tree_tokens, depths + own.length, own, parents=parents if mask is not None else None)
+        alone, _ = model.tree_forward(tree_tokens, depths + own.length, own, mask)
         assert torch.equal(hidden[2:], alone)
         for where in (drafted, own):
             where.commit(path)
@@ -303,12 +298,12 @@ def _each_answer_is_its_own_alone(batch, engine, plain, prompts, configs, drafts
 
 
 def _on(backend, model, **engine):
-    """An Engine over `model` on `backend`: the row-invariant kernels (exact batched rows), or
-    torch's with inexact answers allowed (which batched rows need there)."""
+    """(the model, an Engine over it) on `backend`: the row-invariant kernels (exact batched
+    rows), or torch's with inexact answers allowed (which batched rows need there)."""
     if backend == "kernels":
-        model.use_kernels()
-        return Engine(model, **engine)
-    return Engine(model, allow_inexact=True, **engine)
+        model = KernelBackend(model.module)
+        return model, Engine(model, **engine)
+    return model, Engine(model, allow_inexact=True, **engine)
 
 
 backends = [pytest.param("kernels", marks=needs_kernels), "torch"]
@@ -324,15 +319,13 @@ def test_drafted_trees_join_the_batched_step(monkeypatch, backend, arch):
     alone, the greedy ones plain decoding's: on `--backend triton`'s kernels bit for bit, on
     torch's (float32, `TreeRowsOnTorch`) because these rows round alike; Gemma's sliding window
     of 6 is passed by the tree rows."""
-    from vocabspec.decoding import batched_decoding
-
     shapes = []         # per step with trees: (plain rows, tree rows)
-    forward = batched_decoding.forward_with_trees
-    monkeypatch.setattr(batched_decoding, "forward_with_trees", lambda model, cache, tokens, *rest, **kw:
-                        shapes.append((tokens.numel(), sum(t.rows for t in rest[2]))) or
-                        forward(model, cache, tokens, *rest, **kw))
+    forward = batched.forward_with_trees
+    monkeypatch.setattr(batched, "forward_with_trees", lambda model, cache, tokens, *rest, **kw:
+                        shapes.append((sum(t.rows == 1 for t in rest[2]), sum(t.rows for t in rest[2] if t.rows > 1)))
+                        or forward(model, cache, tokens, *rest, **kw))
     model = tiny_model(arch, seed=3, n_layers=1, vocab_size=32, intermediate_size=32, max_seq_len=40)
-    engine = _on(backend, model, proposer=PromptLookupProposer(num_draft=4))
+    model, engine = _on(backend, model, proposer=PromptLookupProposer(num_draft=4))
     plain = Engine(model)
     prompts = [p * 3 for p in prompts_of([3, 4, 2, 3, 4], seed=0, vocab=32)]       # something to look up
     configs = [GenerationConfig(max_new_tokens=7), GenerationConfig(max_new_tokens=2),
@@ -340,12 +333,13 @@ def test_drafted_trees_join_the_batched_step(monkeypatch, backend, arch):
                GenerationConfig(max_new_tokens=5, sampling=SamplingParams(temperature=1.3, top_k=20, seed=2)),
                GenerationConfig(max_new_tokens=3, sampling=SamplingParams(temperature=0.8, seed=5))]
     drafts = [False, False, True, True, False]
-    batch = BatchEngine(engine, lambda: PromptLookupProposer(num_draft=4),
-                        BatchLimits(max_batch=2, window=40, tree_rows=12), thread=False)
-    assert batch.batched is not None and len(batch.slots) == 2
+    batch = BatchEngine(model, None, lambda: PromptLookupProposer(num_draft=4),
+                        BatchLimits(max_batch=2, window=40, tree_rows=12), allow_inexact=engine.allow_inexact,
+                        thread=False)
+    assert batch.together and len(batch.slots) == 2
     together = _each_answer_is_its_own_alone(batch, engine, plain, prompts, configs, drafts)
     assert together[2].tokens == plain.generate(prompts[2], configs[2]).tokens
-    assert batch.drafted > 0 and batch.batched.tree_steps == len(shapes) > 0
+    assert batch.drafted > 0
     assert any(rows and tree_rows > 1 for rows, tree_rows in shapes)     # a tree beside plain rows
 
 
@@ -362,12 +356,13 @@ def test_eagle_trees_with_taps_join_the_batched_step(backend):
     def make():
         return EagleProposer(drafter, depth=2, top_k=2, total_tokens=4)
 
-    engine = _on(backend, model, proposer=make())
+    model, engine = _on(backend, model, proposer=make())
     plain = Engine(model)
     prompts = prompts_of([5, 4, 6], seed=0, vocab=32)
     configs = [GenerationConfig(max_new_tokens=3), GenerationConfig(max_new_tokens=2),
                GenerationConfig(max_new_tokens=3, sampling=SamplingParams(temperature=1.3, seed=2))]
     drafts = [True, False, True]
-    batch = BatchEngine(engine, make, BatchLimits(max_batch=3, window=32, tree_rows=12), thread=False)
+    batch = BatchEngine(model, None, make, BatchLimits(max_batch=3, window=32, tree_rows=12),
+                        allow_inexact=engine.allow_inexact, thread=False)
     _each_answer_is_its_own_alone(batch, engine, plain, prompts, configs, drafts)
-    assert batch.drafted > 0 and batch.batched.tree_rows > batch.batched.tree_steps > 0
+    assert batch.together and batch.drafted > 0 and batch.rows > batch.steps

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
-from vocabspec.decoding.generate import GenerationConfig, prefill
+from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.decoding.batch import Engine
 from vocabspec.engine.loading import load_model
 from vocabspec.speculation.families.pld import PromptLookupProposer
 
-from conftest import spec_bench_prompts
+from conftest import spec_bench_prompts, forward
 
 NEW_TOKENS = 32
 
@@ -32,9 +32,9 @@ def vanilla_logits_at(model, prompt_ids, generated, index):
     """The logits vanilla decoding computed for generated[index]: prefill, then one-token steps."""
     cache = model.new_cache()
     with torch.inference_mode():
-        _, logits = prefill(model, cache, prompt_ids)
+        [(_, logits)] = model.prefill([(prompt_ids, cache, ())])
         for position, token in enumerate(generated[:index]):
-            _, logits = model(torch.tensor([token]), torch.tensor([len(prompt_ids) + position]), cache)
+            _, logits = forward(model, torch.tensor([token]), torch.tensor([len(prompt_ids) + position]), cache)
             cache.commit()
     return logits[0].float()
 

@@ -22,7 +22,7 @@ def test_low_bit_copy_drafts_losslessly(real_model):
     default format here), with a KV cache of its own."""
     target = loaded(real_model.name, "f32")
     draft = real_model.model
-    packed = draft.native.head_weight if draft.native is not None else None
+    packed = draft.packed_head
     trim = make_draft_vocab("trim:8k", draft.head_weight, bundled_drafter_dir(real_model.name),
                             packed_head=packed)
     shapes = {"chain": dict(depth=4, top_k=1, total_tokens=4), "tree": dict(depth=3, top_k=3, total_tokens=6)}

@@ -27,7 +27,7 @@ import vocabspec
 from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter, is_eagle3
 from vocabspec.engine.files import cache_dir
 
-from conftest import tiny_native
+from conftest import tiny_native, forward
 
 SPECULATORS = ["speculators==0.9.0", "hs-connectors==0.9.0"]      # installed without their pins
 SPECULATORS_NEEDS = ["loguru", "pydantic-settings", "datasets<=5.1.0"]
@@ -77,7 +77,7 @@ def test_speculators_checkpoint_gives_the_packages_draft_logits(speculators_pyth
     for native in (False, True):       # torch's kernels, then the native engine's
         drafter = Eagle3Drafter.load(tmp_path / "checkpoint", target, dtype=torch.float32)
         if native:
-            drafter.use_native("f32")
+            drafter.pack("f32")
         check_draft_logits(drafter, ref, target, exact_fc=not native)
     # Its draft vocabulary maps through d2t to the target's ids.
     state = load_file(str(tmp_path / "checkpoint" / "model.safetensors"))
@@ -205,7 +205,7 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
         for _ in range(count):
             ids = torch.randint(200, (20,), generator=generator)
             with torch.inference_mode():
-                hidden, _, tapped = target(ids, torch.arange(20), target.new_cache(20), logits_rows=[],
+                hidden, _, tapped = forward(target, ids, torch.arange(20), target.new_cache(20), logits_rows=[],
                                            taps=taps)
                 candidates = torch.topk(target.lm_head(hidden), 8, dim=-1).indices
             shard["tokens"].append(ids.int())
@@ -302,7 +302,7 @@ def test_training_time_test_loss_on_a_gpu_is_the_cpus():
     for _ in range(3):
         ids = torch.randint(200, (16,), generator=generator)
         with torch.inference_mode():
-            hidden, _, tapped = target(ids, torch.arange(16), target.new_cache(16), logits_rows=[], taps=(1, 3, 5))
+            hidden, _, tapped = forward(target, ids, torch.arange(16), target.new_cache(16), logits_rows=[], taps=(1, 3, 5))
             candidates = torch.topk(target.lm_head(hidden), 4, dim=-1).indices
         rows.append((ids.int(), hidden.clone(), candidates.int(), tapped.clone()))
     with torch.no_grad():

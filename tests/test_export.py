@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+
+from conftest import forward
 from safetensors.torch import load_file
 
 from vocabspec.cli import main
@@ -86,7 +88,7 @@ def test_exported_drafter_matches_eagle_reference(smollm2, tmp_path):
     state = {k: v.float() for k, v in load_file(str(out / "model.safetensors")).items()}
     missing, unexpected = reference.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) == {"embed_tokens.weight"}
-    reference.embed_tokens.weight.data = target.native.embed_weight.dequantize()    # the packed embedding's values
+    reference.embed_tokens.weight.data = target.embed_weight.dequantize()    # the packed embedding's values
     # EAGLE's reference hard-codes RoPE base 10000; an engine reads the base from the config.
     head_dim = config["head_dim"]
     for layer in reference.layers:
@@ -98,7 +100,7 @@ def test_exported_drafter_matches_eagle_reference(smollm2, tmp_path):
     tokens = torch.tensor(tokens)
     assert len(tokens) > 100
     with torch.inference_mode():
-        hidden, _ = target(tokens, torch.arange(len(tokens)), target.new_cache(len(tokens)))
+        hidden, _ = forward(target, tokens, torch.arange(len(tokens)), target.new_cache(len(tokens)))
         features = features_of(target, hidden)
         ours = draft_states(EagleDrafter.load(out, target, dtype=torch.float32), tokens, features)
         theirs = reference(features[:-1][None], tokens[1:][None])[0]
@@ -117,10 +119,10 @@ def test_drafters_ship_as_q8_0_groups_the_engine_drafts_with_unchanged(smollm2, 
     tensors = load_file(str(tmp_path / "q8" / "model.safetensors"))
     assert tensors["fc.weight"].dtype == torch.int8 and tensors["fc.weight_scale"].dtype == torch.float16
     again = EagleDrafter.load(tmp_path / "q8", model)
-    drafter.use_native("q8i")
-    again.use_native("q8i")
-    for ours, theirs in zip(drafter.native[1].keep + [{"fc": drafter.native[0]}],
-                            again.native[1].keep + [{"fc": again.native[0]}]):
+    drafter.pack("q8i")
+    again.pack("q8i")
+    for ours, theirs in zip(drafter.runtime.stack.keep + [{"fc": drafter.runtime.fc}],
+                            again.runtime.stack.keep + [{"fc": again.runtime.fc}]):
         for name, packed in ours.items():
             if isinstance(packed, PackedWeight):
                 assert torch.equal(packed.data, theirs[name].data) and packed.type == theirs[name].type

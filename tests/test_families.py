@@ -10,6 +10,9 @@ import json
 import pytest
 import torch
 
+from conftest import forward
+
+
 transformers = pytest.importorskip("transformers")
 
 from vocabspec.decoding.generate import GenerationConfig  # noqa: E402
@@ -68,7 +71,7 @@ def test_family_matches_transformers(family, backend, tmp_path):
     ids = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want = reference(ids[None]).logits[0].float()
-        _, got = ours(ids, torch.arange(120), ours.new_cache(256), all_logits=True)
+        _, got = forward(ours, ids, torch.arange(120), ours.new_cache(256), all_logits=True)
     assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max()), family
     prompt = ids[:20].tolist()
     out = Engine(ours).generate(prompt, GenerationConfig(max_new_tokens=24, stop_on_eos=False)).tokens
@@ -91,7 +94,7 @@ def test_llama_saved_the_older_way(tmp_path):
     ids = torch.arange(5, 105)
     with torch.inference_mode():
         want = reference(ids[None]).logits[0]
-        _, got = ours(ids, torch.arange(100), ours.new_cache(128), all_logits=True)
+        _, got = forward(ours, ids, torch.arange(100), ours.new_cache(128), all_logits=True)
     assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max())
 
 
@@ -185,11 +188,11 @@ def test_a_family_that_differs_in_features_is_one_table_row(backend, tmp_path, m
     monkeypatch.setitem(loading.HF_ARCHS, "llama", "llama-gelu")
     reference = save_tiny("llama3", tmp_path, hidden_act="gelu_pytorch_tanh")
     ours, _ = load_model(str(tmp_path), weights="f32", backend=backend)
-    assert ours.args.arch == "llama-gelu" and ours.layers[0].mlp.gelu
+    assert ours.args.arch == "llama-gelu" and ours.args.features.gelu
     ids = torch.randint(0, 300, (80,), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         want = reference(ids[None]).logits[0].float()
-        _, got = ours(ids, torch.arange(80), ours.new_cache(128), all_logits=True)
+        _, got = forward(ours, ids, torch.arange(80), ours.new_cache(128), all_logits=True)
     assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max())
     monkeypatch.setitem(loading.HF_ARCHS, "llama", "llama")     # without the row: refused
     with pytest.raises(ModelLoadError, match="activation"):

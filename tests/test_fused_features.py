@@ -14,21 +14,22 @@ from vocabspec.speculation.families.eagle import draft_states, features_of
 from vocabspec.training.train import (OnlineFeatures, TrainConfig, extract_features, load_shards, online_sets,
                              train_drafter)
 
-from conftest import tiny_model
+from conftest import tiny_model, forward
 
 
 def test_taps_are_the_outputs_of_those_layers():
     model = tiny_model("gemma3")
     ids = torch.randint(model.args.vocab_size, (10,))
     cache = model.new_cache(16)
-    hidden, _, tapped = model(ids, torch.arange(10), cache, taps=(0, 2))
+    hidden, _, tapped = forward(model, ids, torch.arange(10), cache, taps=(0, 2))
     assert torch.equal(tapped[:, -model.args.dim:], hidden)          # layer 2 is the last
     # Layer 0's output: the same model cut after its first layer.
-    model.layers, kept = model.layers[:1], model.layers
+    module = model.module
+    module.layers, kept = module.layers[:1], module.layers
     try:
-        first, _ = model(ids, torch.arange(10), model.new_cache(16))
+        first, _ = forward(model, ids, torch.arange(10), model.new_cache(16))
     finally:
-        model.layers = kept
+        module.layers = kept
     assert torch.allclose(tapped[:, :model.args.dim], first, atol=1e-5)
 
 
@@ -76,13 +77,13 @@ def test_engine_feeds_the_drafter_the_tapped_rows_of_accepted_tokens(smollm2):
     ids = smollm2.prompt_ids("List three facts about the Moon.")
     out = engine.generate(ids, GenerationConfig(max_new_tokens=24, stop_on_eos=False))
     assert max(s.accept_length for s in out.steps) > 1      # some steps accepted a path
-    committed = engine.cache.length
+    committed = engine.slots[0].cache.length
     reference = Engine(model, smollm2.tokenizer).generate(
         ids, GenerationConfig(max_new_tokens=40, stop_on_eos=False)).tokens
     assert reference[:len(out.tokens)] == out.tokens
     text = torch.tensor((ids + reference)[:committed + 1])
     with torch.inference_mode():
-        hidden, _, tapped = model(text[:-1], torch.arange(committed), model.new_cache(committed),
+        hidden, _, tapped = forward(model, text[:-1], torch.arange(committed), model.new_cache(committed),
                                   logits_rows=torch.tensor([], dtype=torch.long), taps=(1, 14))
         inputs = drafter.input_features(features_of(model, hidden), tapped)
         # draft_states pairs input i with token i + 1: the last token needs no input of its own.
@@ -109,7 +110,7 @@ def test_batched_requests_feed_their_drafters_the_tapped_rows(smollm2):
     prompts = [smollm2.prompt_ids(p) for p in ("List three facts about the Moon.", "Why is the sky blue?",
                                                 "Name two rivers in Europe.")]
     config = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
-    batch = BatchEngine(Engine(model, smollm2.tokenizer), tapped_proposer,
+    batch = BatchEngine(model, smollm2.tokenizer, tapped_proposer,
                         BatchLimits(max_batch=3, window=512, tree_rows=64))
     try:
         together = [request.wait(120) for request in [batch.submit(ids, config) for ids in prompts]]
@@ -132,7 +133,7 @@ def test_training_reads_taps_from_the_shards(tmp_path):
     extract_features(cfg, model, {"train": sequences, "heldout": sequences[:2]})
     tokens, hidden, _, tapped = load_shards(cfg, "train")[0]
     with torch.inference_mode():
-        _, _, expected = model(tokens.long(), torch.arange(16), model.new_cache(16), taps=(1, 2))
+        _, _, expected = forward(model, tokens.long(), torch.arange(16), model.new_cache(16), taps=(1, 2))
     assert torch.equal(tapped, expected.to(torch.bfloat16))
     drafter = train_drafter(cfg, model, log=lambda _: None)
     assert drafter.taps == (1, 2) and drafter.fuse.weight.abs().sum() > 0
@@ -145,7 +146,7 @@ def test_training_reads_taps_from_the_shards(tmp_path):
                      model, {"train": sequences})
     tokens, _, _, tapped = load_shards(TrainConfig(out=str(tmp_path), taps="0"), "train")[0]
     with torch.inference_mode():
-        _, _, expected = model(tokens.long(), torch.arange(16), model.new_cache(16), taps=(0,))
+        _, _, expected = forward(model, tokens.long(), torch.arange(16), model.new_cache(16), taps=(0,))
     assert torch.equal(tapped, expected.to(torch.bfloat16))
 
 
@@ -204,7 +205,7 @@ def test_bad_taps_and_depths_are_refused_clearly(tmp_path):
     model = tiny_model("llama")
     ids = torch.arange(4)
     with pytest.raises(ValueError, match="layers 0 to 2"):
-        model(ids, torch.arange(4), model.new_cache(8), taps=(3,))
+        forward(model, ids, torch.arange(4), model.new_cache(8), taps=(3,))
     with pytest.raises(ValueError, match="layer indices"):
         parse_taps("1;2")
     with pytest.raises(ValueError, match="fuse layers 0 to 1"):

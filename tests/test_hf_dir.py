@@ -4,6 +4,9 @@ transformers on small random Llama and Gemma 3 checkpoints."""
 import pytest
 import torch
 
+from conftest import forward
+
+
 transformers = pytest.importorskip("transformers")
 
 from vocabspec.engine.loading import ModelLoadError, load_model  # noqa: E402
@@ -35,7 +38,7 @@ def test_hf_directory_matches_transformers(arch, tmp_path):
     ours, _ = load_model(str(tmp_path))
     ids = torch.randint(0, 101, (30,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        _, logits = ours(ids, torch.arange(30), ours.new_cache(), all_logits=True)
+        _, logits = forward(ours, ids, torch.arange(30), ours.new_cache(), all_logits=True)
         ref = reference(ids[None]).logits[0]
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
 

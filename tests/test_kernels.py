@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vocabspec.engine import kernels, native     # (conftest.py chooses Triton's interpreter on a CPU)
+from vocabspec.engine.kernel_backend import KernelBackend
 
 pytestmark = pytest.mark.skipif(not kernels.available()[0], reason=kernels.available()[1])
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,8 +94,7 @@ def test_a_model_on_the_kernels_is_exact():
     from vocabspec.decoding.batch import Engine
 
     reference, _ = tiny_native("gemma3", seed=2, n_layers=2)   # a sliding layer and a global one
-    model = reference.to(DEVICE)
-    model.use_kernels()
+    model = KernelBackend(reference.module.to(DEVICE))
     assert model.exact
     context = torch.randint(0, 200, (10,), generator=torch.Generator().manual_seed(0)).tolist()
     assert_trees_match_one_token_forwards(model, context, [5], 200)
@@ -163,14 +163,14 @@ def test_fusion_launches_fewer_kernels_a_layer():
     Llama's layer drops its two norms, the activation, the product, both residual adds, rotary
     and the cache writes: 5 kernels, from 18 (12 before rotary and the cache write joined the
     QKV projection); Gemma's 10, from 27 (23)."""
-    from conftest import tiny_model
+    from conftest import tiny_module
     from vocabspec.engine.launches import layer_launches
 
     counts = {}
     for arch in ("llama", "gemma3"):
-        model = tiny_model(arch, seed=2, n_layers=1).to(DEVICE)
+        module = tiny_module(arch, seed=2, n_layers=1).to(DEVICE)
         for fused in (False, True):
-            model.use_kernels(fused=fused)
+            model = KernelBackend(module, fused=fused)
             counts[arch, fused] = layer_launches(model, torch.tensor([3], device=DEVICE),
                                                  torch.tensor([0], device=DEVICE), model.new_cache(8))
             print(f"{arch} layer, {'fused' if fused else 'unfused'}: {counts[arch, fused]}")
@@ -190,14 +190,13 @@ def test_static_steps_on_the_kernels_are_plain_decoding():
     tokens of the general loop and of plain decoding, with no --allow-inexact."""
     from test_native import assert_trees_match_one_token_forwards
 
-    from conftest import tiny_model
+    from conftest import tiny_module
     from vocabspec.engine.kv_cache import DeviceKVCache
     from vocabspec.decoding.batch import Engine
     from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
     from vocabspec.decoding.generate import GenerationConfig
 
-    model = tiny_model("llama", seed=2, n_layers=1).to(DEVICE)
-    model.use_kernels()
+    model = KernelBackend(tiny_module("llama", seed=2, n_layers=1).to(DEVICE))
     args = model.args
     cache = DeviceKVCache(args.n_layers, args.n_kv_heads, args.head_dim, 64, model.dtype, model.device)
     context = torch.randint(0, args.vocab_size, (10,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -211,7 +210,7 @@ def test_static_steps_on_the_kernels_are_plain_decoding():
     loop = Engine(model, proposer=proposer, static=False).generate(context, config).tokens
     engine = Engine(model, proposer=proposer, static=True)
     static = engine.generate(context, config).tokens
-    assert engine.static and engine.decoders
+    assert engine.static and engine.model.decoders
     assert static == loop == plain
 
 
@@ -219,13 +218,12 @@ def test_static_steps_on_the_kernels_keep_accepted_drafts():
     """Prompt lookup's static steps on the kernels where its drafts are accepted (a one-layer
     Gemma with a sliding window of 6 whose answer repeats a token): the accepted path is moved
     in the device cache and the answer is still plain decoding's, in fewer steps."""
-    from conftest import tiny_model
+    from conftest import tiny_module
     from vocabspec.decoding.batch import Engine
     from vocabspec.decoding.generate import GenerationConfig
     from vocabspec.speculation.families.pld import PromptLookupProposer
 
-    model = tiny_model("gemma3", seed=2, n_layers=1).to(DEVICE)
-    model.use_kernels()
+    model = KernelBackend(tiny_module("gemma3", seed=2, n_layers=1).to(DEVICE))
     context = torch.randint(0, 90, (10,), generator=torch.Generator().manual_seed(0)).tolist()
     config = GenerationConfig(max_new_tokens=7)
     plain = Engine(model, static=False).generate(context, config)
@@ -341,11 +339,10 @@ def test_the_static_tuner_times_the_static_steps_on_the_kernels(monkeypatch):
     plain decoding alike, never torch's attention."""
     import vocabspec.engine.model as model_module
     import vocabspec.tuning.autotune as autotune
-    from conftest import tiny_model
+    from conftest import tiny_module
     from vocabspec.speculation.families.eagle import EagleDrafter
 
-    model = tiny_model("llama", seed=2, n_layers=1).to(DEVICE)
-    model.use_kernels()
+    model = KernelBackend(tiny_module("llama", seed=2, n_layers=1).to(DEVICE))
     monkeypatch.setattr(autotune, "STEP_REPEATS", 1)
 
     def torch_attention(*_):

@@ -55,8 +55,8 @@ def test_a_dormant_drafter_reads_only_the_tail_and_gives_plain_decodings_tokens(
     lm, sizing = live_model(0.5)
     proposer = lm.engine.proposer
     reads = []
-    read = proposer.backend.read
-    proposer.backend.read = lambda tokens, rows, **kw: (reads.append(len(tokens)), read(tokens, rows, **kw))[1]
+    read = proposer.drafting.read
+    proposer.drafting.read = lambda tokens, rows, **kw: (reads.append(len(tokens)), read(tokens, rows, **kw))[1]
     prompt = PROMPTS[0]
     awake = lm.generate(prompt, max_new_tokens=40, chat=True)
     assert max(reads) > proposer.DORMANT_CONTEXT        # not dormant: the whole prompt is read

@@ -18,7 +18,7 @@ from vocabspec.decoding.batch import Engine
 from vocabspec.speculation.families.hybrid import EagleLookupProposer
 from vocabspec.speculation.families.pld import PromptLookupProposer
 
-from conftest import loaded, spec_bench_prompts
+from conftest import loaded, spec_bench_prompts, forward
 
 NEW_TOKENS = {"smollm2": 24, "gemma3": 16}
 # Smaller trees for Gemma keep the 262k-row draft head affordable in CI.
@@ -27,8 +27,8 @@ TREE = {"smollm2": dict(depth=4, top_k=6, total_tokens=24), "gemma3": dict(depth
 
 def proposers(target):
     drafter = EagleDrafter.random(target.model, seed=1)
-    if target.model.native is not None:
-        drafter.use_native()
+    if target.model.drafter_format is not None:
+        drafter.pack("bf16")
     found = {
         "eagle-random": EagleProposer(drafter, **TREE[target.name]),
         "pld": PromptLookupProposer(),
@@ -36,7 +36,7 @@ def proposers(target):
     files = bundled_drafter_dir(target.name)
     assert files is not None, f"no trained drafter bundled for {target.name}"
     trained = native_drafter(EagleDrafter.load(files, target.model))
-    packed = target.model.native.head_weight if target.model.native is not None else None
+    packed = target.model.packed_head
     for vocab in ("full", "fr:8k", "trim:8k", "spec:1024"):
         head = make_draft_vocab(vocab, target.model.head_weight, files, packed_head=packed)
         found[f"eagle-trained-{vocab}"] = EagleProposer(trained, head=head, **TREE[target.name])
@@ -52,8 +52,8 @@ def proposers(target):
 
 def native_drafter(drafter):
     """The drafter on the native engine when its target is there (as vocabspec.load does)."""
-    if drafter.target.native is not None:
-        drafter.use_native()
+    if drafter.target.drafter_format is not None:
+        drafter.pack("bf16")
     return drafter
 
 
@@ -63,13 +63,13 @@ def test_greedy_lossless_in_every_format(real_model, weights):
 
     if real_model.model.weights == weights:
         pytest.skip("the default format runs the whole suite below")
-    if weights == "gguf-a8" and not (real_model.model.native is not None and has_int8()):
+    if weights == "gguf-a8" and not (real_model.model.drafter_format is not None and has_int8()):
         pytest.skip("gguf-a8 needs the native engine with 8-bit dot products")
     model = loaded(real_model.name, weights)
     assert model.model.exact
     files = bundled_drafter_dir(real_model.name)
     trained = native_drafter(EagleDrafter.load(files, model.model))
-    packed = model.model.native.head_weight if model.model.native is not None else None
+    packed = model.model.packed_head
     vocabs = ("full", "fr:8k", "trim:8k", "spec:1024")
     heads = [make_draft_vocab(v, model.model.head_weight, files, packed_head=packed) for v in vocabs]
     config = GenerationConfig(max_new_tokens=NEW_TOKENS[real_model.name])
@@ -211,7 +211,7 @@ def test_logprobs_unchanged_by_speculation(real_model):
     model = real_model.model
     cache = model.new_cache(len(ids) + len(plain.tokens))
     with torch.inference_mode():
-        _, logits = model(torch.tensor(ids + plain.tokens[:-1]), torch.arange(len(ids) + len(plain.tokens) - 1),
+        _, logits = forward(model, torch.tensor(ids + plain.tokens[:-1]), torch.arange(len(ids) + len(plain.tokens) - 1),
                           cache, all_logits=True)[:2]
     forced = torch.log_softmax(logits[len(ids) - 1:].float(), -1)
     for row, entry in zip(forced, plain.logprobs):

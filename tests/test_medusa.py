@@ -21,7 +21,7 @@ NEW_TOKENS = {"smollm2": 32, "gemma3": 24}
 
 def shipped_proposer(target, vocab: str, total_tokens: int = 24) -> MedusaProposer:
     heads = MedusaHeads.load(bundled_medusa_dir(target.name), target.model.args)
-    packed = target.model.native.head_weight if target.model.native is not None else None
+    packed = target.model.packed_head
     head = make_draft_vocab(vocab, target.model.head_weight, bundled_drafter_dir(target.name),
                             packed_head=packed)
     return MedusaProposer(target.model, heads, head, total_tokens=total_tokens)

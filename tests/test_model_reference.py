@@ -4,6 +4,8 @@ engine with float32 weights (the same values as transformers' dequantization).""
 import pytest
 import torch
 
+from conftest import forward
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -49,7 +51,7 @@ def test_logits_match_transformers(real_model, ours, reference):
     model = ours
     cache = model.new_cache()
     with torch.inference_mode():
-        _, logits = model(ids, torch.arange(700), cache, all_logits=True)
+        _, logits = forward(model, ids, torch.arange(700), cache, all_logits=True)
         ref = reference(ids[None]).logits[0].float()
     diff = (logits - ref).abs().max().item()
     scale = ref.abs().max().item()

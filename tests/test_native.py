@@ -29,7 +29,7 @@ from vocabspec.engine.loading import bundled_gguf, load_model
 from vocabspec.engine.model import ModelArgs
 from vocabspec.speculation.tree import TreeBuilder
 
-from conftest import tiny_args, tiny_native
+from conftest import tiny_args, tiny_native, forward
 
 pytestmark = pytest.mark.skipif(not native.available()[0], reason=native.available()[1])
 
@@ -73,7 +73,7 @@ def test_a_second_load_maps_the_pack_the_first_built(tmp_path, monkeypatch):
     second, _ = load_model("smollm2", weights="gguf-a8" if int8() else "gguf")
     assert packs[0].stat().st_mtime_ns == built and second.args == first.args
     for name in ("wq", "w_down"):
-        a, b = first.native.stack.keep[3][name], second.native.stack.keep[3][name]
+        a, b = first.stack.keep[3][name], second.stack.keep[3][name]
         assert torch.equal(a.data, b.data) and a.int8_acts != b.int8_acts or not int8()
     for arch in ("gemma3", "qwen2"):            # features with flags set survive JSON too
         args = tiny_args(arch)
@@ -194,16 +194,16 @@ def assert_trees_match_one_token_forwards(model, context: list[int], sizes, voca
     model's)."""
     cache = model.new_cache(len(context) + 80) if cache is None else cache
     with torch.inference_mode():
-        model(torch.tensor(context), torch.arange(len(context)), cache)
+        forward(model, torch.tensor(context), torch.arange(len(context)), cache)
         cache.commit()
         base = cache.used
         for size in sizes:
             tree = random_tree(vocab, size, seed + size)
-            hidden, logits = model(tree.tokens, tree.positions(base), cache,
+            hidden, logits = forward(model, tree.tokens, tree.positions(base), cache,
                                    tree_mask=tree.attention_mask(), all_logits=True)
             cache.discard()
             # The same tree given by its parents (visibility built natively): the same bits.
-            by_parents, _ = model(tree.tokens, tree.positions(base), cache, parents=tree.parents,
+            by_parents, _ = forward(model, tree.tokens, tree.positions(base), cache, parents=tree.parents,
                                   logits_rows=[])
             cache.discard()
             assert torch.equal(by_parents, hidden), f"tree of {size}: parents and mask disagree"
@@ -211,7 +211,7 @@ def assert_trees_match_one_token_forwards(model, context: list[int], sizes, voca
             for path in tree.leaf_paths().tolist():
                 path = [i for i in path if i >= 0]
                 for step, node in enumerate(path):
-                    h, lg = model(tree.tokens[node:node + 1], torch.tensor([base + step]), cache,
+                    h, lg = forward(model, tree.tokens[node:node + 1], torch.tensor([base + step]), cache,
                                   all_logits=True)
                     cache.commit()
                     if node not in checked:
@@ -269,8 +269,8 @@ def test_tiny_models_trees_and_reference(arch, weights):
     if weights == "f32":
         ids = torch.tensor(context)
         with torch.inference_mode():
-            _, want = reference(ids, torch.arange(20), reference.new_cache(), all_logits=True)
-            _, got = fast(ids, torch.arange(20), fast.new_cache(), all_logits=True)
+            _, want = forward(reference, ids, torch.arange(20), reference.new_cache(), all_logits=True)
+            _, got = forward(fast, ids, torch.arange(20), fast.new_cache(), all_logits=True)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -281,8 +281,8 @@ def test_native_and_torch_agree_on_the_real_models(real_model):
     reference, _ = load_model(name, backend="torch")
     ids = real_model.prompt_ids("Describe a sunrise over the sea.")
     with torch.inference_mode():
-        _, want = reference(torch.tensor(ids), torch.arange(len(ids)), reference.new_cache(), all_logits=True)
-        _, got = fast(torch.tensor(ids), torch.arange(len(ids)), fast.new_cache(), all_logits=True)
+        _, want = forward(reference, torch.tensor(ids), torch.arange(len(ids)), reference.new_cache(), all_logits=True)
+        _, got = forward(fast, torch.tensor(ids), torch.arange(len(ids)), fast.new_cache(), all_logits=True)
     assert (got - want).abs().max() < 2e-3
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -291,7 +291,7 @@ def test_bad_visibility_is_refused():
     _, fast = tiny_native("llama", seed=0)
     cache = fast.new_cache()
     with pytest.raises(ValueError, match="ancestors|position"):
-        fast(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1]), cache,
+        forward(fast, torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1]), cache,
              tree_mask=torch.ones(3, 3, dtype=torch.bool).tril())
 
 
@@ -329,8 +329,8 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
     g = torch.Generator().manual_seed(0)
     if family == "eagle":
         drafter = EagleDrafter.random(target, seed=1)
-        drafter.use_native("f32")
-        packed = target.native.head_weight
+        drafter.pack("f32")
+        packed = target.packed_head
         setups = [(drafter, FullVocab(packed)),
                   (drafter, StaticSubset(packed, torch.randperm(200, generator=g)[:80], name="fr:80"))]
     else:
@@ -342,16 +342,16 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
         for variant in (config, replace(config, norm_before_residual=True, norm_output=True, n_layers=2)):
             drafter = Eagle3Drafter.random(target, variant, seed=1, dtype=torch.float32)
             drafter.draft_ids.copy_(torch.randperm(200, generator=g)[:150])
-            drafter.use_native("f32")
+            drafter.pack("f32")
             setups += [(drafter, drafter.draft_head("full"))]
         keep = torch.randperm(150, generator=g)[:60]     # a subset of its rows, as fr:N and trim:N are
-        setups += [(drafter, StaticSubset.of_rows(drafter.native_pack(drafter.lm_head.weight[keep]),
+        setups += [(drafter, StaticSubset.of_rows(drafter.runtime.pack_rows(drafter.lm_head.weight[keep]),
                                                   drafter.draft_ids[keep], "fr:60"))]
     stopped_early = 0
     for drafter, head in setups:
         width = (len(drafter.taps) + 1) * a.dim      # the target's rows the drafter reads
         proposer = EagleProposer(drafter, head=head, depth=4, top_k=5, total_tokens=12)
-        assert isinstance(proposer.backend, NativeEagleDrafting)
+        assert isinstance(proposer.drafting, NativeEagleDrafting)
         reference_backend = TorchEagleDrafting(proposer)     # the same proposer's state, grown from Python
         context = torch.randint(0, 200, (30,), generator=g).tolist()
         proposer.reset(context, torch.randn(30, width, generator=g), context[-1])
@@ -360,13 +360,13 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
                                                        STOPS):
                 proposer.depth, proposer.top_k, proposer.total_tokens = depth, top_k, total
                 shape = (proposer.depth, proposer.total_tokens)
-                fast = proposer.backend.grow(7, *shape, stop)
+                fast = proposer.drafting.grow(7, *shape, stop)
                 fast_levels = stop.levels if stop is not None else None
                 reference = reference_backend.grow(7, *shape, stop)
                 if stop is not None:
                     # the levels drafted, which price a level: alike, and never below the kept depth
                     assert fast_levels == stop.levels and fast.max_depth <= stop.levels <= depth + 1
-                    stopped_early += fast.max_depth < proposer.backend.grow(7, *shape).max_depth
+                    stopped_early += fast.max_depth < proposer.drafting.grow(7, *shape).max_depth
                 assert torch.equal(fast.tokens, reference.tokens), (head.name, step, depth, top_k, total, stop)
                 assert torch.equal(fast.parents, reference.parents)
                 assert fast.children == reference.children and torch.equal(fast.ranks, reference.ranks)
@@ -379,7 +379,7 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
 
 def test_one_call_greedy_verification_accepts_what_the_torch_verifier_accepts():
     from vocabspec.speculation.tree import chain, graft
-    from vocabspec.engine.model import HEAD_ROWS
+    from vocabspec.engine.backend import HEAD_ROWS
     from vocabspec.speculation.verify import greedy_verdict
 
     _, model = tiny_native("llama", seed=5)
@@ -387,15 +387,15 @@ def test_one_call_greedy_verification_accepts_what_the_torch_verifier_accepts():
     context = torch.randint(0, 200, (12,), generator=g).tolist()
     cache = model.new_cache()
     with torch.inference_mode():
-        _, logits = model(torch.tensor(context), torch.arange(12), cache)
+        _, logits = forward(model, torch.tensor(context), torch.arange(12), cache)
         cache.commit()
         greedy, probe = [], model.new_cache()          # plain decoding's next six tokens
-        model(torch.tensor(context), torch.arange(12), probe)
+        forward(model, torch.tensor(context), torch.arange(12), probe)
         probe.commit()
         token = int(logits[0].argmax())
         for i in range(6):
             greedy.append(token)
-            _, lg = model(torch.tensor([token]), torch.tensor([12 + i]), probe)
+            _, lg = forward(model, torch.tensor([token]), torch.tensor([12 + i]), probe)
             probe.commit()
             token = int(lg[0].argmax())
         greedy.append(token)
@@ -407,10 +407,10 @@ def test_one_call_greedy_verification_accepts_what_the_torch_verifier_accepts():
             tree.tokens[0] = greedy[0]
             path = right + [int(torch.randint(0, 200, (1,), generator=g))]
             tree = graft(tree, torch.tensor(path), torch.tensor(len(path))).compact()
-            hidden, _ = model(tree.tokens, tree.positions(12), cache, parents=tree.parents, logits_rows=[])
+            hidden, _ = forward(model, tree.tokens, tree.positions(12), cache, parents=tree.parents, logits_rows=[])
             cache.discard()
             for rows in (1, 2, HEAD_ROWS):
-                path, following = model.native.verify_greedy(hidden, tree.tokens, tree.parents, rows)
+                path, following = model.verify_greedy_trees(hidden, [(tree.tokens, tree.parents)], rows)[0]
                 want = greedy_verdict(tree, model.lm_head(hidden))
                 assert (path, following) == (want.path, want.next_token)
                 accepted = tree.tokens[path].tolist()
@@ -464,9 +464,9 @@ def test_thread_count_changes_no_bits():
             assert native.threads() == threads or threads == 0
             cache = model.new_cache(120)
             with torch.inference_mode():
-                model(context, torch.arange(60), cache)
+                forward(model, context, torch.arange(60), cache)
                 cache.commit()
-                results.append(model(tree.tokens, tree.positions(60), cache, tree_mask=tree.attention_mask(),
+                results.append(forward(model, tree.tokens, tree.positions(60), cache, tree_mask=tree.attention_mask(),
                                      all_logits=True))
     finally:
         native.set_threads(0)

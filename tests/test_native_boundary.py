@@ -22,40 +22,43 @@ def target():
 
 def native_drafter(target):
     drafter = EagleDrafter.random(target, seed=1)
-    drafter.use_native("f32")
+    drafter.pack("f32")
     from vocabspec.speculation.vocab.heads import FullVocab
 
-    proposer = EagleProposer(drafter, head=FullVocab(target.native.head_weight), depth=3, top_k=4, total_tokens=8)
-    return proposer.backend.native, drafter.new_cache(64)
+    proposer = EagleProposer(drafter, head=FullVocab(target.packed_head), depth=3, top_k=4, total_tokens=8)
+    return proposer.drafting.native, drafter.new_cache(64)
 
 
 def test_target_calls_refuse_out_of_range_values(target):
-    nm = target.native
     with pytest.raises(ValueError, match="token id 200 is outside"):
-        nm.embed(torch.tensor([3, 200]))
+        target.embed_tokens(torch.tensor([3, 200]))
     with pytest.raises(ValueError, match="token id -1 is outside"):
-        nm.embed(torch.tensor([-1]))
+        target.embed_tokens(torch.tensor([-1]))
+
+    def verify(hidden, tokens, parents):
+        return target.verify_greedy_trees(hidden, [(tokens, parents)])[0]
+
     hidden = torch.randn(3, target.args.dim)
     tokens = torch.tensor([5, 6, 7])
     with pytest.raises(ValueError, match="row 2's parent 2 is not an earlier row"):
-        nm.verify_greedy(hidden, tokens, torch.tensor([-1, 0, 2]))
+        verify(hidden, tokens, torch.tensor([-1, 0, 2]))
     with pytest.raises(ValueError, match="row 1's parent -1"):
-        nm.verify_greedy(hidden, tokens, torch.tensor([-1, -1, 0]))
+        verify(hidden, tokens, torch.tensor([-1, -1, 0]))
     with pytest.raises(ValueError, match="root"):
-        nm.verify_greedy(hidden, tokens, torch.tensor([0, 0, 1]))
+        verify(hidden, tokens, torch.tensor([0, 0, 1]))
     with pytest.raises(ValueError, match="3 tokens, 2 parents"):
-        nm.verify_greedy(hidden, tokens, torch.tensor([-1, 0]))
+        verify(hidden, tokens, torch.tensor([-1, 0]))
     with pytest.raises(ValueError, match=r"rows of 64 floats, not \(3, 32\)"):
-        nm.verify_greedy(hidden[:, :32], tokens, torch.tensor([-1, 0, 1]))
-    assert nm.verify_greedy(hidden, tokens, torch.tensor([-1, 0, 1]))[0][0] == 0   # the well-formed call runs
+        verify(hidden[:, :32], tokens, torch.tensor([-1, 0, 1]))
+    assert verify(hidden, tokens, torch.tensor([-1, 0, 1]))[0][0] == 0   # the well-formed call runs
     cache = target.new_cache(512)          # more slots than the RoPE tables' 256 positions
     x = torch.randn(2, target.args.dim)
     with pytest.raises(ValueError, match=r"position 300 is outside \[0, 256\)"):
-        target.native.stack.forward(x.clone(), torch.tensor([300, 301]), cache.keys, cache.values, 300, 0)
+        target.stack.forward(x.clone(), torch.tensor([300, 301]), cache.keys, cache.values, 300, 0)
     with pytest.raises(ValueError, match="committed length must be an integer >= 0, not -3"):
-        target.native.stack.forward(x.clone(), torch.tensor([0, 1]), cache.keys, cache.values, -3, 0)
+        target.stack.forward(x.clone(), torch.tensor([0, 1]), cache.keys, cache.values, -3, 0)
     with pytest.raises(ValueError, match="host memory, not a tensor on meta"):     # its address is 0
-        target.native.stack.forward(x.to("meta"), torch.tensor([0, 1]), cache.keys, cache.values, 0, 0)
+        target.stack.forward(x.to("meta"), torch.tensor([0, 1]), cache.keys, cache.values, 0, 0)
     with pytest.raises(ValueError, match="kept pending slot"):
         native.cache_keep(cache.keys, cache.values, 10, [0, cache.values.shape[-2]])
     with pytest.raises(ValueError, match="must increase"):
@@ -84,13 +87,13 @@ def test_drafter_calls_refuse_out_of_range_values(target):
 
 def test_a_native_drafter_whose_head_ids_leave_the_embedding_is_refused(target):
     drafter = EagleDrafter.random(target, seed=1)
-    drafter.use_native("f32")
-    fc, stack = drafter.native
-    head = target.native.head_weight
+    drafter.pack("f32")
+    fc, stack = drafter.runtime.fc, drafter.runtime.stack
+    head = target.packed_head
     bad = torch.arange(head.rows)
     bad[7] = 5000
     with pytest.raises(ValueError, match="target id 5000 is outside"):
-        native.NativeDrafter(fc, stack, head, bad, target.native.embed_weight, None,
+        native.NativeDrafter(fc, stack, head, bad, target.embed_weight, None,
                              target.norm.weight, 1e-6)
 
 
@@ -185,11 +188,11 @@ def test_the_attention_scratch_holds_the_largest_team_whatever_torchs_thread_cou
         native.set_threads(1)
         _, model = tiny_native("llama", seed=7, n_layers=2)
         ids = torch.randint(6, 200, (40,), generator=torch.Generator().manual_seed(0))
-        reference = model(ids, torch.arange(40), model.new_cache(64))[0]
+        reference = model.tree_forward(ids, torch.arange(40), model.new_cache(64))[0]
         _, fresh = tiny_native("llama", seed=7, n_layers=2)       # its scratch sized under one thread
         native.set_threads(2)
-        hidden = fresh(ids, torch.arange(40), fresh.new_cache(64))[0]
-        stack = ctypes.byref(fresh.native.stack.stack)
+        hidden = fresh.tree_forward(ids, torch.arange(40), fresh.new_cache(64))[0]
+        stack = ctypes.byref(fresh.stack.stack)
         sized_at_one = native.library().vs_attention_scratch(stack)
         torch.set_num_threads(2)
         assert native.library().vs_attention_scratch(stack) == sized_at_one

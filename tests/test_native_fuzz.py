@@ -29,8 +29,9 @@ import time
 import pytest
 import torch
 
-from conftest import tiny_native
+from conftest import tiny_native, forward
 from vocabspec.engine import native
+from vocabspec.engine.step_rows import StepRows
 from vocabspec.decoding.batch import BatchEngine, BatchLimits, Engine
 from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer, NativeEagleDrafting
@@ -121,9 +122,9 @@ def draw_proposer(rng: random.Random, g: torch.Generator, model, favoured: list[
         degrade(drafter.fc.weight, style, g)
         if style == "ties":
             drafter.fc.bias.zero_()
-        drafter.use_native(kind)
+        drafter.pack(kind)
         ids = draft_ids(rng, g, favoured) if rng.random() < 0.6 else None
-        packed = model.native.head_weight
+        packed = model.packed_head
         head = FullVocab(packed) if ids is None else StaticSubset(packed, ids, name=f"fr:{ids.numel()}")
         what = f"eagle2 head={'full' if ids is None else ids.numel()}"
     else:
@@ -144,18 +145,18 @@ def draw_proposer(rng: random.Random, g: torch.Generator, model, favoured: list[
             drafter.embed = torch.nn.Embedding(VOCAB, a.dim)
             drafter.embed.weight.data.copy_(torch.randn(VOCAB, a.dim, generator=g))
         degrade(drafter.lm_head.weight, style, g)
-        drafter.use_native(kind)
+        drafter.pack(kind)
         rows = drafter.draft_ids.numel()
         if rng.random() < 0.7:
             head = drafter.draft_head("full")
         else:                                 # a subset of its rows, as fr:N and trim:N are
             keep = torch.randperm(rows, generator=g)[:rng.randint(1, rows)]
-            head = StaticSubset.of_rows(drafter.native_pack(drafter.lm_head.weight[keep]),
+            head = StaticSubset.of_rows(drafter.runtime.pack_rows(drafter.lm_head.weight[keep]),
                                         drafter.draft_ids[keep], f"fr:{keep.numel()}")
         what = (f"eagle3 taps={taps} vocab={rows}{' d2t' if mapped else ''} head={head.size} "
                 f"layers={config.n_layers} own_embed={drafter.embed is not None}")
     proposer = EagleProposer(drafter, head=head, depth=depth, top_k=top_k, total_tokens=total)
-    assert isinstance(proposer.backend, NativeEagleDrafting), what
+    assert isinstance(proposer.drafting, NativeEagleDrafting), what
     return proposer, f"{what} {kind} weights={style} tree=({depth}, {top_k}, {total})"
 
 
@@ -213,7 +214,7 @@ def test_batched_rows_have_the_bits_of_each_sequence_alone():
             cache = model.new_cache(WINDOW)
             if length:
                 with torch.inference_mode():
-                    model(torch.randint(0, VOCAB, (length,), generator=g), torch.arange(length), cache,
+                    forward(model, torch.randint(0, VOCAB, (length,), generator=g), torch.arange(length), cache,
                           logits_rows=[])
                 cache.commit()
             shape = rng.choice(["tree", "row", "causal"]) if rows > 1 else "row"
@@ -225,12 +226,16 @@ def test_batched_rows_have_the_bits_of_each_sequence_alone():
                 items.append((torch.randint(0, VOCAB, (rows,), generator=g),
                               torch.arange(length, length + rows), cache, None))
         with torch.inference_mode():
-            out = model.forward_batch(items, taps)
-            together, tapped = out if taps else (out, [None] * len(items))
+            step = StepRows(taps=taps)
+            for tokens, positions, cache, parents in items:
+                step.add(tokens, cache, parents, positions)
+            model.forward(step)
+            together = [step.hidden_of(span) for span in step.spans]
+            tapped = [step.tapped_of(span, taps)[0] if taps else None for span in step.spans]
             for _, _, cache, _ in items:
                 cache.discard()
             for index, ((tokens, positions, cache, parents), rows, layers) in enumerate(zip(items, together, tapped)):
-                alone = model(tokens, positions, cache, parents=parents, logits_rows=[], taps=taps)
+                alone = forward(model, tokens, positions, cache, parents=parents, logits_rows=[], taps=taps)
                 cache.discard()
                 where = f"seed {seed}: sequence {index} of {len(items)} ({cache.length} cached, {tokens.numel()} rows)"
                 assert torch.equal(alone[0], rows), where
@@ -256,7 +261,7 @@ def test_the_batch_engine_with_random_drafters_gives_each_request_its_plain_toke
         favoured = [t for *_, want in requests for t in want]
         drawn = [draw_proposer(rng, g, model, favoured) for _ in range(slots)]
         made = iter(drawn)
-        batch = BatchEngine(Engine(model), lambda: next(made)[0],
+        batch = BatchEngine(model, None, lambda: next(made)[0],
                             BatchLimits(max_batch=slots, max_waiting=len(requests), window=WINDOW,
                                         tree_rows=slots * (MAX_TOTAL_TOKENS + 1)), thread=False)
         try:

@@ -44,9 +44,9 @@ def test_an_8b_wide_file_runs_from_its_blocks_in_its_own_size(target):
     model, path = target
     from vocabspec.engine.formats import PackedWeight
 
-    types = {w.type for layer in model.native.stack.keep for w in layer.values() if isinstance(w, PackedWeight)}
-    assert types == {"Q4_K", "Q6_K"} and model.native.head_weight.type == "Q6_K"
-    assert model.native.embed_weight.type == "Q4_K"            # the embedding stays quantized
+    types = {w.type for layer in model.stack.keep for w in layer.values() if isinstance(w, PackedWeight)}
+    assert types == {"Q4_K", "Q6_K"} and model.packed_head.type == "Q6_K"
+    assert model.embed_weight.type == "Q4_K"            # the embedding stays quantized
     size = path.stat().st_size
     assert 0.97 * size < model.memory.weights < 1.04 * size     # the pack: the file's size
     assert model.memory.kv == 2 * 2 * 8 * 128 * 2 * 512          # layers x (k, v) x heads x dim x half x tokens
@@ -57,14 +57,14 @@ def drafters(model):
     a = model.args
     g = torch.Generator().manual_seed(0)
     eagle2 = EagleDrafter.random(model, seed=1, dtype=torch.bfloat16)
-    eagle2.use_native("q8i" if native.has_int8() else "bf16")
-    head = model.native.head_weight
+    eagle2.pack("q8i" if native.has_int8() else "bf16")
+    head = model.packed_head
     subset = StaticSubset(head, torch.randperm(a.vocab_size, generator=g)[:32768], name="fr:32k")
     config = Eagle3Config(dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
                           intermediate_size=a.intermediate_size, n_layers=1, norm_eps=a.norm_eps,
                           rope_base=a.rope_base, draft_vocab_size=32000, aux_layers=(1, 2), target_dim=a.dim)
     eagle3 = Eagle3Drafter.random(model, config, seed=2, dtype=torch.bfloat16)
-    eagle3.use_native("q8i" if native.has_int8() else "bf16")
+    eagle3.pack("q8i" if native.has_int8() else "bf16")
     return {"eagle-full": EagleProposer(eagle2, head=FullVocab(head), **TREE),
             "eagle-fr:32k": EagleProposer(eagle2, head=subset, **TREE),
             "eagle3": EagleProposer(eagle3, head=eagle3.draft_head("full"), **TREE),

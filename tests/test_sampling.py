@@ -32,7 +32,7 @@ from vocabspec.speculation.tree import chain
 from vocabspec.speculation.vocab.token_map import successor_lists
 from vocabspec.speculation.verify import verify_sampling
 
-from conftest import tiny_model, tiny_native
+from conftest import tiny_model, tiny_native, forward
 
 VOCAB = 8
 
@@ -56,26 +56,26 @@ def eagle_drafter(model, seed: int, dtype=None) -> EagleDrafter:
     """A random drafter, on the native engine with its target (then it drafts whole trees in
     one call, native.NativeDrafter) unless asked for another dtype."""
     drafter = EagleDrafter.random(model, seed=seed, dtype=dtype)
-    if model.native is not None and dtype is None:
-        drafter.use_native("f32")
+    if model.drafter_format is not None and dtype is None:
+        drafter.pack("f32")
     return drafter
 
 
 def full_head(model) -> FullVocab:
-    return FullVocab(model.native.head_weight if model.native is not None else model.embed.weight)
+    return FullVocab(model.scoring_head if model.packed_head is not None else model.embed.weight)
 
 
 def exact_two_token_distribution(model, prompt, params):
     cache = model.new_cache()
     with torch.inference_mode():
-        _, logits = model(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+        _, logits = forward(model, torch.tensor(prompt), torch.arange(len(prompt)), cache)
         cache.commit()
         p1 = target_probs(logits, params)[0]
         joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
         for a in range(VOCAB):
             if p1[a] == 0:
                 continue
-            _, l2 = model(torch.tensor([a]), torch.tensor([len(prompt)]), cache)
+            _, l2 = forward(model, torch.tensor([a]), torch.tensor([len(prompt)]), cache)
             cache.discard()
             joint[a] = p1[a].double() * target_probs(l2, params)[0].double()
     return joint.flatten()
@@ -235,7 +235,7 @@ def exact_joint(model, prompt, params, length):
         cache = model.new_cache()
         ids = prompt + list(prefix)
         with torch.inference_mode():
-            _, logits = model(torch.tensor(ids), torch.arange(len(ids)), cache)
+            _, logits = forward(model, torch.tensor(ids), torch.arange(len(ids)), cache)
         q = target_probs(logits, params)[0].double()
         for t in range(DEEP_VOCAB):
             if q[t] > 0:
@@ -261,8 +261,8 @@ def deep_proposer(kind: str, model):
                               intermediate_size=a.intermediate_size, n_layers=1, norm_eps=1e-6,
                               rope_base=10000.0, draft_vocab_size=3, aux_layers=(1, 2, 3), target_dim=a.dim)
         drafter = Eagle3Drafter.random(model, config, seed=4, dtype=torch.float32)
-        if model.native is not None:     # as the product drafts with a native target: natively
-            drafter.use_native("f32")
+        if model.drafter_format is not None:     # as the product drafts with a native target: natively
+            drafter.pack("f32")
         return EagleProposer(drafter, head=drafter.draft_head("full"), depth=1, top_k=2, total_tokens=4)
     # depth=1: one expansion below the root's children, so trees reach depth 2.
     return EagleProposer(eagle_drafter(model, seed=2), head=full_head(model), depth=1, top_k=2, total_tokens=4)

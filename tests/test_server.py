@@ -792,15 +792,15 @@ def test_a_300mb_chunked_body_gets_413_and_the_server_memory_stays_flat(served):
 # client waiting for ever).
 DYING_LOOP = """
 from vocabspec.decoding.batch import BatchEngine
-admit = BatchEngine._admit
+take = BatchEngine._take_waiting
 
-def admit_or_die(self):
+def take_or_die(self):
     if any(slot.generation is not None for slot in self.slots) and not self.waiting.empty():
         self.waiting.get_nowait()
         raise SystemError("the loop broke")
-    admit(self)
+    return take(self)
 
-BatchEngine._admit = admit_or_die
+BatchEngine._take_waiting = take_or_die
 """
 
 

@@ -174,7 +174,7 @@ def paths(tree_tokens, parents, ranks=None) -> dict[tuple[int, ...], int]:
 def test_static_tree_keeps_the_dynamic_trees_nodes(smollm2):
     model = smollm2.model
     drafter = EagleDrafter.load(bundled_drafter_dir("smollm2"), model)
-    drafter.use_native()
+    drafter.pack("bf16")
     ids = smollm2.prompt_ids("Write a short story about a lighthouse keeper.")
     for depth, top_k, total in ((1, 3, 3), (3, 4, 10), (5, 6, 24)):
         proposer = EagleProposer(drafter, depth=depth, top_k=top_k, total_tokens=total)

@@ -8,7 +8,7 @@ import torch
 from vocabspec.speculation.families.eagle import EagleDrafter
 from vocabspec.training.train import TrainConfig, _atomic_save, sequence_loss, train_drafter
 
-from conftest import tiny_model
+from conftest import tiny_model, forward
 
 
 def fake_shards(model, directory, count=6, length=24, seed=0):
@@ -19,7 +19,7 @@ def fake_shards(model, directory, count=6, length=24, seed=0):
             ids = torch.randint(model.args.vocab_size, (length,), generator=generator)
             cache = model.new_cache(length)
             with torch.inference_mode():
-                hidden, _ = model(ids, torch.arange(length), cache)
+                hidden, _ = forward(model, ids, torch.arange(length), cache)
                 candidates = torch.topk(model.lm_head(hidden), 8, dim=-1).indices
             shard["tokens"].append(ids.int())
             shard["hidden"].append(hidden.to(torch.bfloat16))
@@ -136,7 +136,7 @@ def test_held_out_agreement_at_step_k_follows_the_unrolled_chain():
     tokens = torch.randint(6, (40,), generator=generator)
     hidden = torch.randn(40, model.args.dim, generator=generator)
     with torch.no_grad():
-        candidates = torch.topk(F.linear(features_of(model, hidden), model.embed.weight), 3).indices
+        candidates = torch.topk(F.linear(features_of(model, hidden), model.head_weight), 3).indices
     _, info = sequence_loss(drafter, tokens, hidden, candidates,
                             TrainConfig(unroll=3, full_vocab_loss=True, noise=0.0),
                             torch.ones(model.args.dim))
@@ -282,7 +282,7 @@ def test_runtime_features_are_the_states_one_token_decoding_gives():
     cache, rows, taps_rows = native.new_cache(32), [], []
     with torch.inference_mode():
         for i, token in enumerate(ids):
-            h, _, t = native(torch.tensor([token]), torch.tensor([i]), cache, logits_rows=[], taps=(1, 2))
+            h, _, t = forward(native, torch.tensor([token]), torch.tensor([i]), cache, logits_rows=[], taps=(1, 2))
             cache.commit()
             rows.append(h), taps_rows.append(t)
     assert torch.equal(hidden, torch.cat(rows).to(torch.bfloat16))
@@ -325,7 +325,7 @@ def test_ranker_training_starts_from_a_given_ranker(tmp_path):
     fake_shards(model, tmp_path, count=4)
     cfg = TrainConfig(out=str(tmp_path))
     drafter = EagleDrafter.random(model).float()
-    start = svd_init(model.embed.weight, 3)
+    start = svd_init(model.head_weight, 3)
     down, _, metrics = train_ranker(drafter, load_shards(cfg, "train"), load_shards(cfg, "heldout"),
                                     rank=3, lr=1e-2, positions=6, init=start, log=lambda _: None)
     assert metrics["warm_start"]
@@ -344,7 +344,7 @@ def test_joint_ranker_loss_adds_the_rankers_distillation_to_the_token_loss():
     hidden = torch.randn(12, model.args.dim)
     candidates = torch.topk(model.lm_head(features_of(model, hidden)), 5, dim=-1).indices
     std = torch.ones(model.args.dim)
-    ranker = svd_init(model.embed.weight, 3)
+    ranker = svd_init(model.head_weight, 3)
     cfg = dict(negatives=0, noise=0.0, ranker_positions=100)
     plain, _ = sequence_loss(drafter, tokens, hidden, candidates, TrainConfig(**cfg), std)
     joint, info = sequence_loss(drafter, tokens, hidden, candidates,

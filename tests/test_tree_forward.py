@@ -6,17 +6,17 @@ import torch
 
 from vocabspec.speculation.tree import TreeBuilder
 
-from conftest import tiny_model
+from conftest import tiny_model, forward
 
 
 def sequential_logits(model, context, path_tokens):
     """Logits after each of path_tokens, fed one at a time after context."""
     cache = model.new_cache()
-    model(torch.tensor(context), torch.arange(len(context)), cache)
+    forward(model, torch.tensor(context), torch.arange(len(context)), cache)
     cache.commit()
     rows = []
     for token in path_tokens:
-        _, logits = model(torch.tensor([token]), torch.tensor([cache.length]), cache)
+        _, logits = forward(model, torch.tensor([token]), torch.tensor([cache.length]), cache)
         cache.commit()
         rows.append(logits[0])
     return torch.stack(rows), cache
@@ -36,9 +36,9 @@ def random_tree(vocab, seed, top_k=3, depth=3, total=12):
 
 def check_tree_against_sequential(model, context, tree, atol):
     cache = model.new_cache()
-    model(torch.tensor(context), torch.arange(len(context)), cache)
+    forward(model, torch.tensor(context), torch.arange(len(context)), cache)
     cache.commit()
-    _, tree_logits = model(tree.tokens, tree.positions(cache.length), cache,
+    _, tree_logits = forward(model, tree.tokens, tree.positions(cache.length), cache,
                            tree_mask=tree.attention_mask(), all_logits=True)
     for path in tree.leaf_paths().tolist():
         path = [i for i in path if i >= 0]
@@ -49,7 +49,7 @@ def check_tree_against_sequential(model, context, tree, atol):
     path = [i for i in path if i >= 0]
     cache.commit(torch.tensor(path))
     seq_logits, seq_cache = sequential_logits(model, context, tree.tokens[path].tolist() + [5])
-    _, after = model(torch.tensor([5]), torch.tensor([cache.length]), cache)
+    _, after = forward(model, torch.tensor([5]), torch.tensor([cache.length]), cache)
     torch.testing.assert_close(after[0], seq_logits[-1], atol=atol, rtol=0)
     assert cache.length == seq_cache.length - 1
 
@@ -72,7 +72,7 @@ def test_cache_overflow_is_refused():
     model = tiny_model("llama", max_seq_len=16)
     cache = model.new_cache()
     with pytest.raises(ValueError, match="max_seq_len|cache"):
-        model(torch.arange(20), torch.arange(20), cache)
+        forward(model, torch.arange(20), torch.arange(20), cache)
 
 
 @pytest.mark.parametrize("head_rows", [1, 3, 100])
@@ -82,10 +82,10 @@ def test_tree_logits_scores_the_likely_path_first_and_the_rest_when_reached(head
     model = tiny_model("llama", 3)
     context = list(range(3, 14))
     cache = model.new_cache()
-    model(torch.tensor(context), torch.arange(len(context)), cache)
+    forward(model, torch.tensor(context), torch.arange(len(context)), cache)
     cache.commit()
     tree = random_tree(97, 3)
-    hidden, every = model(tree.tokens, tree.positions(cache.length), cache,
+    hidden, every = forward(model, tree.tokens, tree.positions(cache.length), cache,
                           tree_mask=tree.attention_mask(), all_logits=True)
     scored = []
     head = lambda rows: scored.append(rows.shape[0]) or model.lm_head(rows)  # noqa: E731

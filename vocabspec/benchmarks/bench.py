@@ -312,7 +312,7 @@ def _previous_run(out: Path, settings: dict, questions: list[dict], methods) -> 
 def summarise(cfg: BenchConfig, runs, target, mismatches, copy) -> dict:
     categories = [c for c in CATEGORY_ORDER if c in runs[0].stats] + \
         sorted(c for c in runs[0].stats if c not in CATEGORY_ORDER)
-    target_params = sum(p.numel() for p in target.parameters())
+    target_params = target.args.matrix_parameters
     methods = {}
     for run in runs:
         per_cat = {}

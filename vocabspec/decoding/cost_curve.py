@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from ..engine.step_rows import StepRows
+
 
 def forward_seconds(model, sizes, context: int = 256, repeats: int = 5,
                     bar=None) -> dict[int, float]:
@@ -30,18 +32,15 @@ def forward_seconds(model, sizes, context: int = 256, repeats: int = 5,
     runs: dict[int, list[float]] = {n: [] for n in sizes}
     with torch.inference_mode():
         ids = torch.randint(model.args.vocab_size, (context,), device=device)
-        model(ids, torch.arange(context, device=device), cache)
+        model.run(ids, cache)
         cache.commit()
-        trees = {}
-        for n in sizes:
-            trees[n] = (torch.randint(model.args.vocab_size, (n + 1,), device=device),
-                        torch.arange(context, context + n + 1, device=device),
-                        torch.ones(n + 1, n + 1, dtype=torch.bool, device=device).tril())
+        trees = {n: (torch.randint(model.args.vocab_size, (n + 1,), device=device), torch.arange(-1, n, device=device))
+                 for n in sizes}
         for round_ in range(repeats + 1):          # the first round warms up
-            for n, (tokens, positions, mask) in trees.items():
+            for n, (tokens, parents) in trees.items():
                 start = time.perf_counter()
-                hidden, _ = model(tokens, positions, cache, tree_mask=mask, logits_rows=[])
-                model.lm_head(hidden[:model.verify_head_rows])   # what verification scores at first
+                hidden = model.run(tokens, cache, parents=parents).hidden
+                model.lm_head(hidden[:model.head_rows])   # what verification scores at first
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 if round_:
@@ -58,17 +57,16 @@ def head_seconds(model, sizes, repeats: int = 5) -> dict[int, float]:
     device = model.device
     runs: dict[int, list[float]] = {n: [] for n in sizes}
     with torch.inference_mode():
-        hidden = torch.randn(max(sizes), model.args.dim, device=device)
-        root = (torch.zeros(1, dtype=torch.long), torch.full((1,), -1, dtype=torch.long))
+        roots = StepRows()
+        for _ in range(max(sizes)):
+            roots.add(torch.zeros(1, dtype=torch.long, device=device), None, positions=torch.zeros(1))
+        roots.hidden = torch.randn(max(sizes), model.args.dim, device=device)
         for round_ in range(repeats + 1):          # the first round warms up
             for n in sizes:
                 start = time.perf_counter()
-                if model.native is not None:
-                    model.native.verify_greedy_trees(hidden[:n], [root] * n)
-                else:
-                    model.lm_head(hidden[:n]).argmax(-1)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
+                model.verify_greedy(roots, roots.spans[:n])
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
                 if round_:
                     runs[n].append(time.perf_counter() - start)
     return {n: statistics.median(times) for n, times in runs.items()}
@@ -110,7 +108,7 @@ class Costs:
             head = head_seconds(model, sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n < heads} | {heads}),
                                 repeats=3)
         return cls({n + 1: s for n, s in forward_seconds(model, sizes, repeats=3).items()}, head,
-                   model.verify_head_rows)
+                   model.head_rows)
 
     def head_pass(self) -> float:
         """Seconds of one more pass of the head over a tree's next rows (a path that leaves

@@ -1,31 +1,31 @@
 """One request's generation: prompt -> prefill -> (draft -> verify -> commit)* -> text.
 
-A `Generation` holds a request's state and its parts of a step: `start` (prefill, the first
-token), `propose` (the tree to verify), `finish` (verify, commit, tell the proposer, emit).
-`step_together` is the step: every running request's tree through the target in one forward.
-The loop that takes those steps, for one request or many, is batch.py's. Vanilla decoding is
-the same step with no proposer (the root alone), so every method shares prefill, stopping
-rules, streaming and statistics. A proposer (EAGLE drafter, prompt lookup) only has to turn
-the committed context into a `Tree` and to hear back which tokens were accepted. A request
-whose forwards run outside, one row among many requests' (batched_decoding.py), keeps the rest
-of this: `start_outside` and `take` choose, record and emit its tokens.
+A `Generation` holds a request's state and its parts of a step, whatever runs the target:
+`start` (the first token from the prefill's last logits, the proposer's start), `propose` (the
+tree to verify, or the root alone), `span` (its rows in the step's `StepRows`) and `finish`
+(verify, commit, tell the proposer, emit). The loop that runs those steps, for one request or
+many, is batch.py's: every step is proposals -> StepRows -> the backend's forward -> greedy
+verification -> each request's `finish`. Vanilla decoding is the same step with no proposer (the
+root alone), so every method shares prefill, stopping rules, streaming and statistics. A
+proposer (EAGLE drafter, prompt lookup) only has to turn the committed context into a `Tree`
+and to hear back which tokens were accepted. A generation never knows its engine: what every
+request of an engine shares (the backend, the tokenizer, the end-of-sequence ids) is a `Target`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
-from ..engine.model import Transformer
-from ..speculation.sampling import SamplingParams, greedy_token, make_generator, sample, target_probs
+from ..engine.backend import Backend
+from ..engine.step_rows import RowSpan, StepRows
 from ..engine.tokenizer import Tokenizer
-from ..engine.kv_cache import KVCache
+from ..speculation.proposer import DraftingFailed, Proposer
+from ..speculation.sampling import SamplingParams, greedy_token, make_generator, sample, target_probs
 from ..speculation.tree import Tree, chain
 from ..speculation.verify import TreeLogits, Verdict, greedy_verdict, verify_sampling
-from ..speculation.proposer import PREFILL_CHUNK, DraftingFailed, Proposer
 
 
 @dataclass
@@ -97,7 +97,7 @@ class GenerationResult:
     steps: list[StepRecord] = field(default_factory=list)
     stop_reason: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)   # one per token, if asked
-    engine: str = ""         # what ran the target, and why (Transformer.engine)
+    engine: str = ""         # what ran the target, and why (Backend.engine)
     eos_token: int = -1      # the end-of-sequence token that ended it (stop_reason "eos")
 
     @property
@@ -126,99 +126,39 @@ class GenerationResult:
         }
 
 
-def prefill(model: Transformer, cache, prompt_ids: list[int],
-            taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """Commit the prompt to the cache; return its hidden states (after the `taps` layers'
-    outputs, see `Proposer`) and the last row's logits."""
-    tokens = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
-    hidden = []
-    for start in range(0, len(prompt_ids), PREFILL_CHUNK):
-        chunk = tokens[start:start + PREFILL_CHUNK]
-        positions = torch.arange(start, start + chunk.numel(), device=model.device)
-        h, logits, *tapped = model(chunk, positions, cache, taps=taps)
-        cache.commit()
-        hidden.append(proposer_rows(h, tapped))
-    return torch.cat(hidden), logits
+@dataclass(frozen=True)
+class Target:
+    """What every request of an engine decodes with: the backend that runs the model, its
+    tokenizer (None: no text) and the tokens that end a generation."""
+    model: Backend
+    tokenizer: Tokenizer | None = None
+    eos_ids: frozenset = frozenset()
+
+    @classmethod
+    def of(cls, model: Backend, tokenizer: Tokenizer | None = None) -> "Target":
+        eos = set(model.args.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        return cls(model, tokenizer, frozenset(eos))
 
 
-def proposer_rows(hidden: torch.Tensor, tapped: list[torch.Tensor], rows=None) -> torch.Tensor:
-    """The rows a proposer reads (see `Proposer`): `rows` of the last layer's hidden states,
-    after the tapped layers' outputs when there are any."""
-    if rows is not None:
-        hidden, tapped = hidden[rows], [t[rows] for t in tapped]
+def proposer_rows(rows: StepRows, span: RowSpan, taps: tuple[int, ...], path: list[int]) -> torch.Tensor:
+    """The rows a proposer reads (see `Proposer`) at the span's rows `path`: its drafter's
+    tapped layers' outputs, then the last layer's hidden states."""
+    index = torch.tensor(path, dtype=torch.long, device=rows.hidden.device)
+    hidden = rows.hidden_of(span)[index]
+    tapped = [t[index] for t in rows.tapped_of(span, taps)]
     return torch.cat([*tapped, hidden], dim=-1) if tapped else hidden
 
 
-def step_together(model, generations: list["Generation"], drafts: list[bool]) -> list[tuple]:
-    """One step of several generations, the one step every loop takes (a single request is a
-    batch of one): each proposes (its tree, or the root alone where it does not draft), one
-    forward runs every tree (`forward_batch`, with the union of their drafters' taps), the greedy
-    ones on the native engine are verified in one call, and each then verifies the rest,
-    commits and emits. Returns (tree, the text it shows or the exception that ended it) per
-    generation; one whose proposal failed gets (None, its error) and joins no forward.
-
-    A proposer that fails (raises, or drafts a malformed tree) ends its own request before the
-    shared forward, and the others step on: a broken drafter must not end every request beside
-    it. An interrupt is not such a failure: it ends the whole step."""
-    outcomes: list[tuple | None] = [None] * len(generations)
-    live, trees = [], []
-    for index, (generation, draft) in enumerate(zip(generations, drafts)):
-        try:
-            trees.append(generation.propose(draft))
-            live.append(index)
-        except Exception as exc:
-            outcomes[index] = (None, exc)
-    if live:
-        stepped = _step_trees(model, [generations[i] for i in live], trees)
-        for index, outcome in zip(live, stepped):
-            outcomes[index] = outcome
-    return outcomes
-
-
-def _step_trees(model, generations: list["Generation"], trees: list[Tree]) -> list[tuple]:
-    """`step_together` past the proposals: each generation's tree through one forward, then
-    verified, committed and emitted."""
-    t1 = time.perf_counter()
-    taps = tuple(sorted({t for generation in generations for t in generation.taps}))
-    out = model.forward_batch([(tree.tokens, tree.positions(g.cache.length), g.cache,
-                                tree.parents if tree.size else None)
-                               for g, tree in zip(generations, trees)], taps)
-    hidden, tapped = out if taps else (out, None)
-    forwarded = time.perf_counter()
-    greedy = [i for i, generation in enumerate(generations) if generation.native_greedy]
-    verdicts = {}
-    if greedy:
-        found = model.native.verify_greedy_trees(torch.cat([hidden[i] for i in greedy]),
-                                                 [(trees[i].tokens, trees[i].parents) for i in greedy])
-        verdicts = {i: Verdict(path, following) for i, (path, following) in zip(greedy, found)}
-    outcomes = []
-    for index, (generation, tree) in enumerate(zip(generations, trees)):
-        try:
-            rows = own_taps(tapped[index] if taps else None, taps, generation.taps)
-            outcomes.append((tree, generation.finish(tree, hidden[index], rows, t1, verdicts.get(index),
-                                                     forwarded)))
-        except BaseException as exc:
-            outcomes.append((tree, exc))
-    return outcomes
-
-
-def own_taps(rows: torch.Tensor | None, taps: tuple[int, ...], wanted: tuple[int, ...]) -> list[torch.Tensor]:
-    """The tapped outputs a generation reads (its drafter's layers `wanted`, in its order) from
-    its `rows` of a forward over the union `taps`: the list `Generation.finish` takes ([]
-    without taps)."""
-    if not wanted:
-        return []
-    dim = rows.shape[-1] // len(taps)
-    if tuple(wanted) == taps:
-        return [rows]
-    return [torch.cat([rows[:, taps.index(t) * dim:(taps.index(t) + 1) * dim] for t in wanted], dim=-1)]
-
-
 class TextStream:
-    """Incremental detokenisation that never emits half a UTF-8 character."""
+    """Incremental detokenisation that never emits half a UTF-8 character. live=False: nobody
+    reads the text before the end, so it is decoded once then (decoding the answer so far at
+    every step costs more than a step's Python)."""
 
-    def __init__(self, tokenizer: Tokenizer | None):
+    def __init__(self, tokenizer: Tokenizer | None, live: bool = True):
         self.tokenizer = tokenizer
+        self.live = live
         self.text = ""
 
     def update(self, tokens: list[int]) -> str:
@@ -232,7 +172,7 @@ class TextStream:
         return delta
 
 
-def require_exact(model: Transformer, allow_inexact: bool = False) -> None:
+def require_exact(model: Backend, allow_inexact: bool = False) -> None:
     """Refuse speculative decoding where it could differ from plain decoding, unless asked.
 
     Speculative output equals plain decoding's only where a tree forward gives each row the
@@ -248,7 +188,7 @@ def require_exact(model: Transformer, allow_inexact: bool = False) -> None:
         "(allow_inexact=True) to accept that")
 
 
-def static_by_default(model: Transformer) -> bool:
+def static_by_default(model: Backend) -> bool:
     """Whether an Engine runs greedy steps as static, capturable steps unless told: on CUDA,
     where CUDA graphs pay (on torch's kernels and on the row-invariant ones alike); on the CPU
     the eager steps score fewer rows."""
@@ -256,79 +196,53 @@ def static_by_default(model: Transformer) -> bool:
 
 
 class Generation:
-    """One request's decoding. Iterating yields text deltas as tokens are committed; `.result`
-    holds the outcome. A step is `propose` (the tree to verify), the target's forward over it
-    (alone, or beside other requests' trees in one batch: batch.py), then `finish`; iterating
-    runs those steps for this request alone. `cache` and `proposer` are the engine's unless a
-    batch gives the request its own."""
+    """One request's decoding (module docstring); `result` holds the outcome. `cache` is the
+    request's KV cache (its slot's, or the one its backend gives it: `Backend.prepare`);
+    `proposer` drafts its trees (None: plain decoding). stream: whether its text is read as it
+    comes (`TextStream.live`)."""
 
-    def __init__(self, engine: "Engine", prompt_ids: list[int], config: GenerationConfig,
-                 cache: KVCache | None = None, proposer: Proposer | None = None, stream: bool = True,
-                 outside: bool = False):
-        self.engine = engine
+    def __init__(self, target: Target, prompt_ids: list[int], config: GenerationConfig, cache,
+                 proposer: Proposer | None = None, stream: bool = True):
+        self.target = target
         self.prompt_ids = prompt_ids
         self.config = config
-        self._cache = cache      # None: the engine's, made when first used (static steps bring their own)
-        # outside: the caller runs its forwards, one row a step (`start_outside`, `take`), and
-        # keeps its keys and values; it drafts nothing.
-        self.outside = outside
-        self.proposer = None if outside else engine.proposer if cache is None else proposer
-        self.result = GenerationResult(prompt_tokens=len(prompt_ids), engine=engine.model.engine)
-        self.text = TextStream(engine.tokenizer)
+        self.cache = cache
+        self.proposer = proposer
+        self.result = GenerationResult(prompt_tokens=len(prompt_ids), engine=target.model.engine)
+        self.text = TextStream(target.tokenizer, live=stream)
         self.streamed = ""      # text already yielded; never retracted
-        # stream=False: nobody reads the text before the end, so it is decoded once then
-        # (decoding the answer so far at every step costs more than a step's Python).
-        self.stream = stream
         params = config.sampling
-        self.generator = None if params.greedy else make_generator(params.seed, engine.model.device)
-        # Greedy on the native engine without logprobs: verification is one native call.
-        self.native_greedy = engine.model.native is not None and params.greedy and config.logprobs is None
-        self.taps = self.proposer.taps if self.proposer is not None else ()
-        self.tree_room = (self.proposer.max_tree_tokens if self.proposer is not None else 0) + 1
-        self.token = -1          # the last sampled token: the next tree's root
+        self.generator = None if params.greedy else make_generator(params.seed, target.model.device)
+        self.token = -1          # the last chosen token: the next tree's root
         self.started = 0.0
-        # Greedy steps of fixed shapes, one read-back each (static_step.py), for the engine's
-        # own request where the engine runs them (`Engine.static`): the loop's device form.
-        self.static = (engine.static and cache is None and not outside and params.greedy
-                       and config.logprobs is None)
-        self.decoder = None      # the static steps' decoder, where they run
+        self._t0 = 0.0
 
     @property
-    def cache(self) -> KVCache:
-        return self.engine.cache if self._cache is None else self._cache
+    def taps(self) -> tuple[int, ...]:
+        """The target layers whose outputs its proposer reads."""
+        return self.proposer.taps if self.proposer is not None else ()
 
-    @cache.setter
-    def cache(self, cache: KVCache) -> None:
-        self._cache = cache
+    @property
+    def tree_room(self) -> int:
+        """Rows the largest step takes (the root and the proposer's largest tree)."""
+        return (self.proposer.max_tree_tokens if self.proposer is not None else 0) + 1
 
-    def __iter__(self) -> Iterator[str]:
-        # The engine's one-slot batch steps it on this thread (batch.py: the one loop). Each
-        # step holds the model's lock; between steps (while the caller reads a delta) a batch's
-        # thread or another engine may run theirs.
-        return self.engine.solo.run_alone(self)
+    @property
+    def verifies_greedily(self) -> bool:
+        """Whether the backend verifies its trees (`Backend.verify_greedy`): greedy, and no
+        logprobs to read from every row."""
+        return self.config.sampling.greedy and self.config.logprobs is None
 
     # ---------------------------------------------------------------- steps
 
-    def start(self) -> str:
-        """Prefill, the first token, the proposer's start; the text that token shows. Static
-        steps prefill their decoder's own cache (`static`)."""
-        if not self.started:
-            self.started = time.perf_counter()
-        proposer, taps = self.proposer, self.taps
-        if proposer is not None and proposer.static:
-            proposer.static_form(None)
-        if self.static:
-            room = len(self.prompt_ids) + self.config.max_new_tokens + self.tree_room
-            self.decoder = self.engine.static_decoder(room)
-            self.cache = self.decoder.cache
-            rows = self.decoder.enter()
-            if proposer is not None:
-                self.tree_room = rows
-            taps = self.decoder.taps
-        self.cache.reset()
-        logits, self.token = self._prefill(self.started, self.generator, taps)
-        if self.static:
-            self.decoder.start(self.token)
+    def start(self, prompt_rows: torch.Tensor, logits: torch.Tensor) -> str:
+        """After the prompt's prefill (`prompt_rows`: what the proposer reads of it; `logits`:
+        its last row's): the first token, the proposer's start; the text that token shows."""
+        self.token = self._pick(logits[0])
+        self.result.prefill_seconds = time.perf_counter() - self.started
+        if self.proposer is not None:
+            self.proposer.size_live = self.config.sampling.greedy
+            self.proposer.reset(self.prompt_ids, prompt_rows, self.token)
         return self._emit([self.token], [logits[0]])
 
     @property
@@ -349,11 +263,18 @@ class Generation:
         if draft and self.can_draft:
             try:
                 tree = self.proposer.propose(self.token)
-                self._check_tree(tree)
+                if not self.proposer.drafts_on_device:
+                    self._check_tree(tree)
             except Exception as exc:
                 raise DraftingFailed(f"drafting failed ({type(self.proposer).__name__}): {exc}") from exc
             return tree
-        return chain(self.token, [], device=self.engine.model.device)
+        return chain(self.token, [], device=self.target.model.device)
+
+    def span(self, rows: StepRows, tree: Tree, owner=None) -> RowSpan:
+        """The tree's rows in the step: after the cache's committed tokens, a root alone as
+        one causal row."""
+        return rows.add(tree.tokens, self.cache, tree.parents if tree.size else None,
+                        tree.positions(self.cache.used), owner=owner)
 
     def _check_tree(self, tree: Tree) -> None:
         """ValueError unless a proposed tree on the host can be verified: rooted at the token
@@ -371,7 +292,7 @@ class Generation:
                              f"has room for {room} rows, and each needs a parent")
         # On lists (a fifth of the tensor checks' cost, about 10 us a step); the tensor checks
         # name what is wrong.
-        tokens, parents, vocab = tree.tokens.tolist(), tree.parents.tolist(), self.engine.model.args.vocab_size
+        tokens, parents, vocab = tree.tokens.tolist(), tree.parents.tolist(), self.target.model.args.vocab_size
         if tokens[0] != self.token:
             raise ValueError(f"the tree's root is {tokens[0]}, not the step's token {self.token}")
         if min(tokens) < 0 or max(tokens) >= vocab:
@@ -379,93 +300,49 @@ class Generation:
         if parents[0] != -1 or not all(0 <= parent < row for row, parent in enumerate(parents[1:], 1)):
             check_parents("the drafted tree", tree.parents)
 
-    def finish(self, tree: Tree, hidden: torch.Tensor, tapped: list[torch.Tensor], t1: float,
-               verdict: Verdict | None = None, forwarded: float | None = None) -> str:
-        """Verify the step's tree from its rows' hidden states (or take `verdict`, greedy
-        verification already done for a batch), commit the accepted path, tell the proposer,
-        emit; the text the step shows. t1: when the forward began; forwarded: when it ended."""
-        model, cache, proposer = self.engine.model, self.cache, self.proposer
-        logits = None
-        if verdict is None:
-            if self.native_greedy:      # the LM head, the argmax walk: one native call
-                verdict = Verdict(*model.native.verify_greedy(hidden, tree.tokens, tree.parents))
-            elif self.config.sampling.greedy:       # every row scored: verify_greedy's tensor form
-                logits = model.lm_head(hidden)
-                verdict = greedy_verdict(tree, logits)
-            else:
-                logits = TreeLogits(model.lm_head, hidden, tree, model.verify_head_rows)
-                verdict = verify_sampling(tree, logits, self.config.sampling, self.generator)
-        cache.commit(verdict.path)
+    def finish(self, rows: StepRows, span: RowSpan, tree: Tree, t1: float, forwarded: float) -> str:
+        """Verify the step's tree from its rows (or take the backend's greedy verdict, or a
+        step the backend ran whole: `span.settled`), commit the accepted path, tell the
+        proposer, emit; the text the step shows. t1: when the forward began; forwarded: when
+        it ended."""
+        if span.settled is not None:
+            accepted, ranks, size = span.settled
+            self.result.steps.append(StepRecord(len(accepted), size, t1 - self._t0, forwarded - t1, ranks))
+            self.token = span.next_token
+            return self._emit(accepted[1:] + [self.token])
+        verdict, logits = self._verdict(rows, span, tree)
+        self.cache.commit(verdict.path)
         t2 = time.perf_counter()
         tokens = tree.tokens.tolist()
         accepted = [tokens[node] for node in verdict.path]
-        if proposer is not None:
-            path = torch.tensor(verdict.path, dtype=torch.long, device=model.device)
-            proposer.observe(accepted, proposer_rows(hidden, tapped, path), verdict.next_token)
+        if self.proposer is not None:
+            self.proposer.observe(accepted, proposer_rows(rows, span, self.taps, verdict.path), verdict.next_token)
         t3 = time.perf_counter()
         ranks = tuple(tree.ranks[verdict.path[1:]].tolist()) if tree.ranks is not None and len(verdict.path) > 1 else ()
-        self.result.steps.append(StepRecord(len(verdict.path), tree.size,
-                                            (t1 - self._t0) + (t3 - t2), t2 - t1, ranks,
-                                            forward_seconds=(forwarded or t1) - t1,
-                                            deepest_row=verdict.path[-1]))
+        self.result.steps.append(StepRecord(len(verdict.path), tree.size, (t1 - self._t0) + (t3 - t2), t2 - t1,
+                                            ranks, forward_seconds=forwarded - t1, deepest_row=verdict.path[-1]))
         self.token = verdict.next_token
         # Each emitted token's distribution is the target's row at its parent node (verification
         # has read every one of these rows already).
-        rows = None if logits is None else [logits[node] for node in verdict.path]
-        return self._emit(accepted[1:] + [self.token], rows)
+        emitted = None if logits is None else [logits[node] for node in verdict.path]
+        return self._emit(accepted[1:] + [self.token], emitted)
 
-    def step_static(self) -> str:
-        """One static step (static_step.py): device work only, one read-back; the text it shows."""
-        t0 = time.perf_counter()
-        accepted, self.token, ranks, size = self.decoder.step(self.can_draft)
-        if self.decoder.drafting is not None:
-            self.decoder.drafting.after(accepted, self.token, self.decoder.length)
-        # A step is one launch (a CUDA graph): all of it counts as verification.
-        self.result.steps.append(StepRecord(len(accepted), size, 0.0, time.perf_counter() - t0, ranks))
-        return self._emit(accepted[1:] + [self.token])
+    def _verdict(self, rows: StepRows, span: RowSpan, tree: Tree):
+        """(the step's Verdict, the logits it read (None where the backend verified))."""
+        model, hidden = self.target.model, rows.hidden_of(span)
+        if span.path is not None:
+            return Verdict(span.path, span.next_token), None
+        if self.config.sampling.greedy:       # every row scored: logprobs read them all
+            logits = model.lm_head(hidden)
+            return greedy_verdict(tree, logits), logits
+        logits = TreeLogits(model.lm_head, hidden, tree, model.head_rows)
+        return verify_sampling(tree, logits, self.config.sampling, self.generator), logits
 
-    def start_outside(self, token: int, logits: torch.Tensor) -> str:
-        """`start` for a request whose prompt the caller ran beside others' (a batch's slot
-        cache: batched_decoding.py): its first token from the prompt's last `logits` (vocab,)
-        (`take`'s rule); the text it shows."""
-        if not self.started:
-            self.started = time.perf_counter()
-        self.token = self._choose(token, logits)
-        self.result.prefill_seconds = time.perf_counter() - self.started
-        return self._emit([self.token], [logits])
-
-    @property
-    def reads_logits(self) -> bool:
-        """Whether `take` reads its row's logits (to sample, or for logprobs); else the
-        caller's argmax is all it needs."""
-        return not self.config.sampling.greedy or self.config.logprobs is not None
-
-    def take(self, token: int, logits: torch.Tensor | None, seconds: float) -> str:
-        """A plain-decoding step whose forward the caller ran over many requests' rows
-        (batched_decoding.py): the next token is `token` for a greedy request (the caller's
-        argmax of the row's `logits`, the first on ties as `greedy_token`), else drawn from
-        `logits` (vocab,) with this request's settings and generator, the draw serving it alone
-        makes (`logits` may be None where not `reads_logits`). Recorded as a step of `seconds`,
-        all of it the shared forward's; the text it shows."""
-        self.token = self._choose(token, logits)
-        self.result.steps.append(StepRecord(1, 0, 0.0, seconds, forward_seconds=seconds))
-        return self._emit([self.token], [logits])
-
-    def _choose(self, token: int, logits: torch.Tensor) -> int:
+    def _pick(self, logits: torch.Tensor) -> int:
         params = self.config.sampling
-        return token if params.greedy else self._pick(logits, params, self.generator)
-
-    def _prefill(self, start: float, generator, taps) -> tuple[torch.Tensor, int]:
-        """Run the prompt, pick the first token and start the proposer on the prompt's states;
-        (the prompt's last logits, that token)."""
-        engine, result = self.engine, self.result
-        hidden, logits = prefill(engine.model, self.cache, self.prompt_ids, taps)
-        token = self._pick(logits[0], self.config.sampling, generator)
-        result.prefill_seconds = time.perf_counter() - start
-        if self.proposer is not None:
-            self.proposer.size_live = self.config.sampling.greedy
-            self.proposer.reset(self.prompt_ids, hidden, token)
-        return logits, token
+        if params.greedy:
+            return greedy_token(logits)
+        return sample(target_probs(logits[None], params)[0], self.generator)
 
     def _stopped(self) -> bool:
         """Whether the generation ends here: a stop condition met, cancelled, or out of time."""
@@ -481,18 +358,13 @@ class Generation:
         self._decode_text(final=True)
         return True
 
-    def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> int:
-        if params.greedy:
-            return greedy_token(logits)
-        return sample(target_probs(logits[None], params)[0], generator)
-
     def _emit(self, new_tokens: list[int], rows=None) -> str:
         """Append tokens to the output one at a time, stopping at EOS, max_new_tokens or a stop
         string exactly where one-token decoding would stop, even inside a multi-token step.
         rows[i]: the target's logits new_tokens[i] was chosen from (for config.logprobs)."""
         result, config = self.result, self.config
         for index, token in enumerate(new_tokens):
-            if config.stop_on_eos and token in self.engine.eos_ids:
+            if config.stop_on_eos and token in self.target.eos_ids:
                 result.stop_reason, result.eos_token = "eos", token
                 break
             result.tokens.append(token)
@@ -517,7 +389,7 @@ class Generation:
     def _decode_text(self, final: bool) -> None:
         """result.text: the answer so far, decoded at each step where it streams and once at
         the end otherwise (with stop strings it is decoded token by token, to find them)."""
-        if not self.config.stop and (self.stream or final):
+        if not self.config.stop and (self.text.live or final):
             self.text.update(self.result.tokens)
         self.result.text = self.text.text
 

@@ -22,6 +22,12 @@ float32 ties apart on torch's kernels (not row-invariant), exactly on the row-in
 (--backend triton: each row's keys listed on the device, model.DeviceKernelPlan; the argmax
 taken in the LM head's kernel, Transformer.greedy_tokens). Sampling
 takes the eager steps (generate.py), as does the native CPU engine, which keeps its own cache.
+
+`StaticBackend` is how the loop runs them: the backend of an `Engine` with static steps, over
+torch's backend (or the row-invariant kernels'). A greedy request gets a decoder's cache and a
+`StaticProposal` in place of its proposer (`prepare`); its step's span is its root, and the
+backend's `forward` runs the whole step on the device and hands the loop what was accepted
+(`RowSpan.settled`). Other requests (sampling, logprobs) step through the backend it wraps.
 """
 
 from __future__ import annotations
@@ -32,8 +38,11 @@ import os
 
 import torch
 
+from ..engine.backend import Backend
 from ..engine.kv_cache import DeviceKVCache
-from ..speculation.tree import chain
+from ..engine.step_rows import RowSpan, StepRows
+from ..speculation.proposer import Proposer
+from ..speculation.tree import Tree, chain
 from ..speculation.verify import verify_greedy
 
 log = logging.getLogger(__name__)
@@ -59,6 +68,7 @@ class StaticDecoder:
         self.capture = model.device.type == "cuda" and os.environ.get("VOCABSPEC_CUDA_GRAPHS", "1") != "0"
         self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_failures: dict[tuple[bool, int], str] = {}
+        self.draft_next = False  # whether the next step drafts (its request's StaticProposal says)
 
     @property
     def length(self) -> int:
@@ -67,7 +77,7 @@ class StaticDecoder:
         return self.cache.bound
 
     def start(self, token: int) -> None:
-        """After the prompt has run through `self.cache` (generate.prefill): its first token."""
+        """After the prompt has run through `self.cache` (Backend.prefill): its first token."""
         self.root.fill_(token)
 
     def enter(self) -> int:
@@ -107,8 +117,7 @@ class StaticDecoder:
         model, cache, drafting = self.model, self.cache, self.drafting
         tree = drafting.propose(self.root) if draft else chain(self.root, self.root[:0])
         mask = tree.attention_mask()
-        hidden, _, *tapped = model(tree.tokens, tree.depths + cache.length, cache,
-                                   tree_mask=mask, logits_rows=[], taps=self.taps)
+        hidden, tapped = model.tree_forward(tree.tokens, tree.depths + cache.length, cache, mask, self.taps)
         # Greedy verification reads each row's argmax only: on the fused kernels the LM head's
         # kernel takes it, and the logits are never stored.
         best = model.greedy_tokens(hidden)
@@ -121,7 +130,7 @@ class StaticDecoder:
             # What the drafter reads: each accepted token's successor, the next token last.
             at_end = torch.arange(path.numel(), device=path.device) == count - 1
             reads = torch.where(at_end, bonus, accepted.roll(-1))
-            rows = torch.cat([*[t[path] for t in tapped], hidden[path]], dim=-1) if tapped else hidden[path]
+            rows = torch.cat([tapped[path], hidden[path]], dim=-1) if tapped is not None else hidden[path]
             drafting.observe(reads, rows, count)
         self.root.copy_(bonus)
         ranks = tree.ranks[path] if tree.ranks is not None else torch.full_like(path, -1)
@@ -161,6 +170,120 @@ class StaticDecoder:
         graph, out = self.graphs[key]
         graph.replay()
         return out
+
+
+class StaticProposal(Proposer):
+    """A greedy request's proposer on static steps: its drafting happens inside the decoder's
+    step, so a proposal is the root alone, marked to draft; the request's own proposer (if any)
+    drafts in its static form."""
+
+    drafts_on_device = True
+
+    def __init__(self, decoder: StaticDecoder, proposer: Proposer | None):
+        self.decoder, self.proposer = decoder, proposer
+        self.taps = decoder.taps
+        self.max_tree_tokens = decoder.enter() - 1
+
+    def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
+        if self.proposer is not None:
+            self.proposer.size_live = self.size_live
+            self.proposer.reset(prompt_ids, prompt_hidden, first_token)
+        self.decoder.start(first_token)
+
+    def propose(self, root_token: int) -> Tree:
+        self.decoder.draft_next = True
+        return chain(root_token, [], device=self.decoder.root.device)
+
+    def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
+        pass        # the decoder's step told the drafting (`StaticDrafting.observe`, `after`)
+
+
+class StaticBackend(Backend):
+    """Greedy steps as static steps over `inner` (torch's backend, or the row-invariant
+    kernels'), for one `proposer` (module docstring); every other request steps through
+    `inner`. The decoders keep a cache each, by size (`decoder`)."""
+
+    def __init__(self, inner: Backend, proposer: Proposer | None):
+        if not inner.device_steps:
+            raise ValueError("static steps run on torch's kernels (a GPU's path); the native "
+                             "engine keeps its own cache: load with backend='torch'")
+        super().__init__(inner.args)
+        self.inner, self.proposer, self.lock = inner, proposer, inner.lock
+        self.decoders: dict[int, StaticDecoder] = {}
+        self.exact, self.memory, self.engine, self.weights = inner.exact, inner.memory, inner.engine, inner.weights
+        self.head_rows = inner.head_rows
+        self.device, self.dtype, self.rope, self.norm = inner.device, inner.dtype, inner.rope, inner.norm
+
+    def decoder(self, tokens: int) -> StaticDecoder:
+        """The decoder with room for `tokens`, its cache's slots rounded up to a power of two
+        (from 256) so that a few sizes, and their CUDA graphs, serve every request."""
+        size = 256
+        while size < tokens:
+            size *= 2
+        size = min(size, self.args.max_seq_len)
+        if size not in self.decoders:
+            self.decoders[size] = StaticDecoder(self.inner, self.proposer, size)
+        return self.decoders[size]
+
+    def prepare(self, generation) -> None:
+        """A greedy request without logprobs runs static steps: a decoder's cache and a
+        StaticProposal (its proposer drafting in its static form); any other leaves the static
+        form for the general loop's."""
+        proposer = generation.proposer
+        if proposer is not None and proposer.static:
+            proposer.static_form(None)
+        if not generation.verifies_greedily:
+            return
+        room = len(generation.prompt_ids) + generation.config.max_new_tokens + generation.tree_room
+        decoder = self.decoder(room)
+        generation.proposer = StaticProposal(decoder, proposer)
+        generation.cache = decoder.cache
+
+    def prefill(self, prompts):
+        return self.inner.prefill(prompts)
+
+    def forward(self, rows: StepRows) -> StepRows:
+        """A static request's step whole (its span the root; what it accepted `settled`), or
+        `inner`'s forward."""
+        span = rows.spans[0]
+        decoder = next((d for d in self.decoders.values() if d.cache is span.cache), None)
+        if decoder is None or len(rows.spans) > 1:
+            return self.inner.forward(rows)
+        draft, decoder.draft_next = decoder.draft_next, False
+        accepted, token, ranks, size = decoder.step(draft)
+        if decoder.drafting is not None:
+            decoder.drafting.after(accepted, token, decoder.length)
+        span.next_token, span.settled = token, (accepted, ranks, size)
+        return rows
+
+    def verify_greedy(self, rows: StepRows, spans: list[RowSpan]) -> None:
+        self.inner.verify_greedy(rows, [span for span in spans if span.settled is None])
+
+    # What drafters and verification read: the model `inner` runs.
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.inner.head_weight
+
+    def new_cache(self, max_len: int | None = None):
+        return self.inner.new_cache(max_len)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner.embed_tokens(tokens)
+
+    def embedding_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner.embedding_rows(tokens)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.lm_head(hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.greedy_tokens(hidden)
+
+    def tree_forward(self, tokens, positions, cache, tree_mask=None, taps: tuple[int, ...] = ()):
+        return self.inner.tree_forward(tokens, positions, cache, tree_mask, taps)
+
+    def together(self, allow_inexact: bool) -> bool:
+        return False
 
 
 @contextlib.contextmanager

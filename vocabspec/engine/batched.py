@@ -12,7 +12,7 @@ so a slot wastes at most its unused tail, a step's attention reads each slot's k
 strided batched product with no page table, and a finished sequence's slot is refilled by
 moving the live ones down (`compact`), never by a gather at every step. The number of slots
 is sized from the device's free memory (`SlotCache.fitting`). The batch engine's plain-decoding
-requests step here too (decoding/batched_decoding.py), each request in a slot of its own, and
+requests step here too (torch_backend.py: a batch of rows together), each request in a slot of its own, and
 so do drafted requests, a slot each as their KV cache (`SlotSequence`), their trees rows of the
 same forward (`SlotTree`, `forward_with_trees`).
 
@@ -21,9 +21,11 @@ the row's own slot, masked to its own positions. torch's kernels do not promise 
 gets the same bits whatever the other rows are, so answers from here are the target's greedy
 answers up to that rounding (training data, batch jobs with --allow-inexact).
 
-On the row-invariant kernels (`Transformer.use_kernels`, `--backend triton`) the rows are
-exact: each layer is the model's own `Block`, the same fused kernels a one-request forward
-runs, over the slot table as one cache (`SlotRows`: `storage` and a `Visibility` whose slots
+This is the slot machinery of torch's backends (torch_backend.py, kernel_backend.py): each
+function takes the backend, whose `block` runs a layer, `slot_forward` a step over the table
+and `slot_visibility` what a tree's rows see. On the row-invariant kernels (`KernelBackend`,
+`--backend triton`) the rows are exact: each layer is the same fused kernels a one-request
+forward runs, over the slot table as one cache (`SlotRows`: `storage` and a `Visibility` whose slots
 and base put each row's keys and reads in its own slot): the QKV projection writes each row's
 key and value into its slot (kernels.qkv_rope_cache), and kernels.attention reduces a row's
 keys in position order in fixed chunks whatever else is in the call. A row here then has the
@@ -34,7 +36,6 @@ alike.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import time
@@ -45,29 +46,26 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
-from .model import CustomAttention, KernelPlan, Transformer, Visibility, apply_rope
-
-# kernels.attention addresses a key as (group * T + slot) * head_dim in 32-bit integers: on the
-# kernels a layer's table (every slot's keys) stays within that.
-KERNEL_TABLE_ELEMENTS = 2**31 - 1
+from .model import CustomAttention, apply_rope
 
 
 class SlotCache:
     """Keys and values of `slots` sequences of up to `window` positions, per layer."""
 
-    def __init__(self, model: Transformer, slots: int, window: int):
+    def __init__(self, model, slots: int, window: int):
         a = model.args
         shape = (slots, a.n_kv_heads, window, a.head_dim)
         kw = {"dtype": model.dtype, "device": model.device}
         self.keys = [torch.zeros(shape, **kw) for _ in range(a.n_layers)]
         self.values = [torch.zeros(shape, **kw) for _ in range(a.n_layers)]
         self.slots, self.window = slots, window
-        if model.kernels and slots * a.n_kv_heads * window * a.head_dim > KERNEL_TABLE_ELEMENTS:
-            raise ValueError(f"{slots} slots of {window} positions pass the {KERNEL_TABLE_ELEMENTS} "
-                             "elements a layer's keys may hold on the row-invariant kernels")
+        most = model.slot_elements
+        if most is not None and slots * a.n_kv_heads * window * a.head_dim > most:
+            raise ValueError(f"{slots} slots of {window} positions pass the {most} "
+                             f"elements a layer's keys may hold on {model.engine}")
 
     @staticmethod
-    def bytes_per_slot(model: Transformer, window: int) -> int:
+    def bytes_per_slot(model, window: int) -> int:
         a = model.args
         return 2 * a.n_layers * a.n_kv_heads * window * a.head_dim * model.dtype.itemsize
 
@@ -86,15 +84,15 @@ class SlotCache:
         return slots * (self.keys[0].shape[1] * self.window)
 
     @classmethod
-    def fitting(cls, model: Transformer, window: int, most: int, memory_share: float = 0.5) -> "SlotCache":
+    def fitting(cls, model, window: int, most: int, memory_share: float = 0.5) -> "SlotCache":
         """As many slots as `memory_share` of the device's free memory holds (at most `most`):
         the rest is for activations. ValueError where not even one fits."""
         per_slot = cls.bytes_per_slot(model, window)
         free = free_memory(model.device)
         slots = min(most, int(free * memory_share) // per_slot)
-        if model.kernels:
+        if model.slot_elements is not None:
             a = model.args
-            slots = min(slots, KERNEL_TABLE_ELEMENTS // (a.n_kv_heads * window * a.head_dim))
+            slots = min(slots, model.slot_elements // (a.n_kv_heads * window * a.head_dim))
         if slots < 1:
             raise ValueError(f"a slot of {window} positions needs {per_slot / 2**20:.0f} MiB of cache; "
                              f"{memory_share:.0%} of the {free / 2**20:.0f} MiB free on {model.device} "
@@ -151,68 +149,6 @@ def _attend_cached(q, keys, values, positions, scale, window):
     return out.view(b, heads, 1, dim)
 
 
-class SlotRows:
-    """One forward's rows over a SlotCache on the row-invariant kernels, each row (N of them) at
-    its position in its slot: the cache the model's `Attention` writes its keys and values into
-    and reads them from (`storage`; `write` where the projection is not fused), and what each
-    row sees (`visibility`: a Visibility per kind of layer), as a forward over a KVCache of
-    its own has them.
-
-    Row r's slot starts at `base` in the table (SlotCache.storage); its key goes to the slot
-    `base + place` (its position, for a plain row) and it reads its slot's positions 0 to its
-    own (prefix = position + 1, from its base): the list a forward of its request alone gives
-    the same row (its cache's positions 0 to its own), reduced in the same chunks by the same
-    fused kernels: the same bits.
-
-    After those plain rows come the `trees` (SlotTree), each drafted request's rows: written at
-    their places in its slot (after its committed keys, as into its own KVCache), they see the
-    keys a forward of the request alone shows them (its KernelPlan's visibility, from its slot's
-    base)."""
-
-    def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor,
-                 places: torch.Tensor | None = None, trees: list["SlotTree"] = ()):
-        self.cache, self.slots, self.positions = cache, slots, positions
-        self.places = places = positions if places is None else places     # where each row's keys go
-        self.trees = list(trees)
-        self.plain = slots.numel() - sum(tree.rows for tree in self.trees)
-        device = slots.device
-        base = cache.base(slots)
-        # Plain rows: their slot's positions up to their own, no further list. Trees: their
-        # KernelPlan's lists side by side. Built with fixed shapes from device values alone (a
-        # captured decode step builds them).
-        none = torch.zeros(self.plain, dtype=torch.int32, device=device)
-        prefix, xoff, xend = [(positions[:self.plain] + 1).to(torch.int32)], [none], [none]
-        extra, listed = [torch.zeros(1, dtype=torch.int32, device=device)], 1
-        for tree in self.trees:
-            seen = tree.seen
-            n = tree.rows
-            ends = seen.xoff[1:n + 1] if seen.xend is None else seen.xend
-            prefix.append(seen.prefix.to(torch.int32))
-            xoff.append((seen.xoff[:n] + listed).to(torch.int32))
-            xend.append((ends + listed).to(torch.int32))
-            extra.append(seen.extra.to(torch.int32))
-            listed += seen.extra.numel()
-        one = len(prefix) == 1
-        self.seen = Visibility(prefix[0] if one else torch.cat(prefix), xoff[0] if one else torch.cat(xoff),
-                               extra[0] if one else torch.cat(extra), positions,
-                               xend=xend[0] if one else torch.cat(xend), slots=base + places, base=base)
-
-    def storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache.storage(layer)
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """k, v (1, kv heads, N, head dim): row r's into its slot at its place; the layer's
-        `storage` (as a KVCache's `write` returns its layer, batched (1, ...))."""
-        self.cache.keys[layer][self.slots, :, self.places] = k[0].transpose(0, 1)
-        self.cache.values[layer][self.slots, :, self.places] = v[0].transpose(0, 1)
-        keys, values = self.storage(layer)
-        return keys[None], values[None]
-
-    def visibility(self, window: int) -> Visibility:
-        """What each row sees in a layer sliding over `window` positions (0: a global layer)."""
-        return dataclasses.replace(self.seen, window=window) if window else self.seen
-
-
 class SlotSequence(KVCache):
     """Slot `slot` of a SlotCache seen as one request's KVCache (the torch layout's rules): its
     committed keys at [0, length), a forward's new ones pending after them, `commit` keeping
@@ -263,15 +199,14 @@ class SlotTree:
     the sliding layers' window added as the plan adds it). On torch's kernels (`seen` None) its
     rows see what `tree_mask` (ancestors, None for a root alone) shows (`TreeRowsOnTorch`)."""
 
-    def __init__(self, model: Transformer, sequence: SlotSequence, tokens: torch.Tensor,
+    def __init__(self, model, sequence: SlotSequence, tokens: torch.Tensor,
                  positions: torch.Tensor, tree_mask: torch.Tensor | None):
         if sequence.pending:
             raise ValueError("a tree goes after committed keys: commit first")
         sequence.check_room(tokens.numel())
         self.sequence, self.slot, self.tokens, self.positions = sequence, sequence.slot, tokens, positions
         self.rows, self.tree_mask = tokens.numel(), tree_mask
-        self.seen = (KernelPlan(model.args, sequence, positions, tree_mask, model.rope).masks["global"][0]
-                     if model.kernels else None)
+        self.seen = model.slot_visibility(sequence, positions, tree_mask)
 
     def places(self) -> torch.Tensor:
         start = self.sequence.length
@@ -344,11 +279,11 @@ class TreeRowsOnTorch(CustomAttention):
         return out.transpose(0, 1)[None]
 
 
-def _forward_with_trees_on_torch(model: Transformer, cache: SlotCache, tokens: torch.Tensor,
+def forward_with_trees_on_torch(model, cache: SlotCache, tokens: torch.Tensor,
                                  positions: torch.Tensor, slots: torch.Tensor, trees: list[SlotTree],
                                  taps: tuple[int, ...]):
-    """`forward_with_trees` on torch's kernels, its rows laid out as `TreeRowsOnTorch` takes
-    them and its outputs returned in `forward_with_trees`' order."""
+    """`forward_with_trees` on torch's kernels (TorchBackend.slot_forward), its rows laid out
+    as `TreeRowsOnTorch` takes them and its outputs returned in `forward_with_trees`' order."""
     device = tokens.device
     b = max([int(slots.max()) + 1 if slots.numel() else 0, *(tree.slot + 1 for tree in trees)])
     slot_tokens = torch.zeros(b, dtype=torch.long, device=device)       # an idle slot's row feeds 0 at 0
@@ -363,7 +298,7 @@ def _forward_with_trees_on_torch(model: Transformer, cache: SlotCache, tokens: t
     context = max([int(positions.max()) + 1 if positions.numel() else 1,
                    *(tree.sequence.length + 1 for tree in trees)])
     rows = TreeRowsOnTorch(cache, b, live, all_positions, trees, context=context)
-    out = _blocks_over_slots(model, model.embed_tokens(all_tokens), all_positions, rows, taps)
+    out = blocks_over_slots(model, model.embed_tokens(all_tokens), all_positions, rows, taps)
     order, first = [slots], b
     for tree in trees:
         order += [torch.tensor([tree.slot], device=device), torch.arange(first, first + tree.rows - 1, device=device)]
@@ -372,32 +307,19 @@ def _forward_with_trees_on_torch(model: Transformer, cache: SlotCache, tokens: t
     return (out[0][order], out[1][order]) if taps else out[order]
 
 
-def _forward_rows_on_kernels(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor,
-                             cache: SlotCache, slots: torch.Tensor, taps: tuple[int, ...]):
-    """`forward_rows` on the row-invariant kernels: the rows (B, n) flattened, each layer the
-    model's own Block over `SlotRows` (sequence b's rows in slot slots[b])."""
-    b, n = tokens.shape
-    flat = positions.reshape(-1)
-    rows = SlotRows(cache, slots[:, None].expand(-1, n).reshape(-1), flat)
-    out = _blocks_over_slots(model, model.embed_tokens(tokens.reshape(-1)), flat, rows, taps)
-    if taps:
-        return out[0].view(b, n, -1), out[1].view(b, n, -1)
-    return out.view(b, n, -1)
-
-
-def _blocks_over_slots(model: Transformer, x: torch.Tensor, positions: torch.Tensor, rows: SlotRows,
-                       taps: tuple[int, ...]):
+def blocks_over_slots(model, x: torch.Tensor, positions: torch.Tensor, rows, taps: tuple[int, ...]):
     """The model's layers over flat rows x (N, dim) at `positions` (N,) written and read through
-    `rows`; the hidden states (N, dim), and with `taps` those layers' outputs (N, taps * dim)."""
+    `rows` (TreeRowsOnTorch, or kernel_backend.SlotRows), each layer the backend's `block`; the
+    hidden states (N, dim), and with `taps` those layers' outputs (N, taps * dim)."""
     args = model.args
     rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in model.rope.items()}
     attend = {0: rows.visibility(0)}
     if args.sliding_window is not None:
         attend[args.sliding_window] = rows.visibility(args.sliding_window)
     tapped = []
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(model.module.layers):
         cos, sin = rope["local" if args.is_sliding(i) and "local" in rope else "global"]
-        x = block(x, cos, sin, rows, attend[args.sliding_window if args.is_sliding(i) else 0], 0)
+        x = model.block(block, x, cos, sin, rows, attend[args.sliding_window if args.is_sliding(i) else 0])
         if i in taps:
             tapped.append(x)
     if taps:
@@ -405,35 +327,23 @@ def _blocks_over_slots(model: Transformer, x: torch.Tensor, positions: torch.Ten
     return x
 
 
-def forward_with_trees(model: Transformer, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
+def forward_with_trees(model, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
                        slots: torch.Tensor, trees: list[SlotTree], taps: tuple[int, ...] = ()):
     """One forward of plain rows (tokens, positions, slots: (P,),
     each a request's next token at its position in its slot) and drafted requests' trees
-    (`SlotTree`), every row through each weight once. Each tree's rows are left in its slot
-    after its committed keys (its request's cache commits the accepted path). Returns the
-    hidden states before the final norm of all P + sum(tree rows) rows in that order (N, dim),
-    and with `taps` those layers' outputs (N, len(taps) * dim). On the row-invariant kernels every
-    row has the bits of its token in a forward of its request alone (its tree's, for a drafted
-    request); on torch's kernels, up to rounding (`TreeRowsOnTorch`)."""
-    if not model.kernels:
-        out = _forward_with_trees_on_torch(model, cache, tokens, positions, slots, trees, taps)
-        for tree in trees:
-            tree.sequence.advance(tree.rows)
-        return out
-    device = tokens.device
-    all_tokens = torch.cat([tokens, *(tree.tokens for tree in trees)])
-    all_positions = torch.cat([positions, *(tree.positions for tree in trees)])
-    all_slots = torch.cat([slots, *(torch.full((tree.rows,), tree.slot, dtype=torch.long, device=device)
-                                    for tree in trees)])
-    places = torch.cat([positions, *(tree.places() for tree in trees)])
-    rows = SlotRows(cache, all_slots, all_positions, places, trees)
-    out = _blocks_over_slots(model, model.embed_tokens(all_tokens), all_positions, rows, taps)
+    (`SlotTree`), every row through each weight once (the backend's `slot_forward`). Each tree's
+    rows are left in its slot after its committed keys (its request's cache commits the accepted
+    path). Returns the hidden states before the final norm of all P + sum(tree rows) rows in
+    that order (N, dim), and with `taps` those layers' outputs (N, len(taps) * dim). On the
+    row-invariant kernels every row has the bits of its token in a forward of its request alone
+    (its tree's, for a drafted request); on torch's kernels, up to rounding (`TreeRowsOnTorch`)."""
+    out = model.slot_forward(cache, tokens, positions, slots, trees, taps)
     for tree in trees:
         tree.sequence.advance(tree.rows)
     return out
 
 
-def forward_rows(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor,
+def forward_rows(model, tokens: torch.Tensor, positions: torch.Tensor,
                  cache: SlotCache | None = None, first_slot: int = 0, context: int = 0,
                  taps: tuple[int, ...] = (), slots: torch.Tensor | None = None):
     """Hidden states before the final norm (B, n, dim) of B sequences' rows.
@@ -447,20 +357,22 @@ def forward_rows(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
       is never asked).
     With `taps`, also those layers' outputs side by side (B, n, len(taps) * dim).
     On the row-invariant kernels with a cache each row has the bits of its token in a forward
-    of its sequence alone (`SlotRows`); `context` is then not needed."""
+    of its sequence alone (kernel_backend.SlotRows); `context` is then not needed. The
+    backend's `rows_forward` runs it."""
+    return model.rows_forward(tokens, positions, cache, first_slot, context, taps, slots)
+
+
+def forward_rows_on_torch(model, tokens: torch.Tensor, positions: torch.Tensor, cache: SlotCache | None,
+                          first_slot: int, context: int, taps: tuple[int, ...], slots: torch.Tensor | None):
+    """`forward_rows` on torch's kernels (TorchBackend.rows_forward)."""
     args = model.args
     b, n = tokens.shape
-    if model.kernels and cache is not None:
-        decode = n == 1 and context > 0
-        if decode or slots is None:
-            slots = torch.arange(b, device=tokens.device) + (0 if decode else first_slot)
-        return _forward_rows_on_kernels(model, tokens, positions, cache, slots, taps)
     decode = cache is not None and n == 1 and context > 0
     x = model.embed_tokens(tokens)
     rope = {kind: tuple(t[positions].unsqueeze(1) for t in tables)          # (B, 1, n, D)
             for kind, tables in model.rope.items()}
     tapped = []
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(model.module.layers):
         cos, sin = rope["local" if args.is_sliding(i) and "local" in rope else "global"]
         window = args.sliding_window if args.is_sliding(i) else 0
         attn = block.attn
@@ -504,7 +416,7 @@ def pad_rows(sequences: list[list[int]], device, pad: int = 0) -> tuple[torch.Te
     return rows.to(device), lengths.to(device)
 
 
-def prefill_slots(model: Transformer, cache: SlotCache, prompts: list[list[int]],
+def prefill_slots(model, cache: SlotCache, prompts: list[list[int]],
                   slots: torch.Tensor | None = None, first_slot: int = 0) -> torch.Tensor:
     """Run the prompts into their slots (`slots`, or first_slot onwards) in one padded forward;
     the logits (B, vocab) of each prompt's last row, whose successor is its first new token."""
@@ -532,14 +444,16 @@ def prefill_groups(lengths: list[int], most_tokens: int) -> list[int]:
 
 
 class DecodeStep:
-    """The next greedy token of the first `rows` slots, one row each: on a GPU every slot steps,
-    captured as a CUDA graph per context length (rounded up to `bucket`, so a few graphs serve
-    a whole run; on the row-invariant kernels one graph), since a small model's eager step is
-    bound by launching its few hundred kernels, not by the device; elsewhere eagerly, the live
-    slots only."""
+    """A step of the first `rows` slots, one row each (each its slot's next token at its
+    position): on a GPU every slot steps, captured as a CUDA graph per context length (rounded
+    up to `bucket`, so a few graphs serve a whole run; one graph where the backend's attention
+    reads each row's slot up to its own position whatever the context, `context_bound` False),
+    since a small model's eager step is bound by launching its few hundred kernels, not by the
+    device; elsewhere eagerly, the live slots only. Its output: each row's greedy token (`head`),
+    or its hidden state (the batch's plain rows, verified by the loop)."""
 
-    def __init__(self, model: Transformer, cache: SlotCache, bucket: int = 128):
-        self.model, self.cache, self.bucket = model, cache, bucket
+    def __init__(self, model, cache: SlotCache, bucket: int = 128, head: bool = True):
+        self.model, self.cache, self.bucket, self.head = model, cache, bucket, head
         self.graphed = model.device.type == "cuda"
         if self.graphed:
             n = cache.slots
@@ -548,9 +462,8 @@ class DecodeStep:
             self.graphs, self.pool = {}, torch.cuda.graph_pool_handle()
 
     def _step(self, tokens, positions, context):
-        hidden = forward_rows(self.model, tokens, positions, self.cache, context=context)
-        logits = self.model.lm_head(hidden[:, 0])
-        return logits.argmax(-1), logits
+        hidden = forward_rows(self.model, tokens, positions, self.cache, context=context)[:, 0]
+        return self.model.greedy_tokens(hidden) if self.head else hidden
 
     def _capture(self, context: int):
         # The warm-up run writes the keys and values the step will write: harmless.
@@ -568,19 +481,12 @@ class DecodeStep:
         return self.cache.slots if self.graphed else live
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, context: int) -> torch.Tensor:
-        """tokens, positions: (rows,), the slots' last tokens and their positions."""
-        return self.with_logits(tokens, positions, context)[0].clone()
-
-    def with_logits(self, tokens: torch.Tensor, positions: torch.Tensor,
-                    context: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next greedy tokens (rows,) and the logits (rows, vocab) they are the argmax of,
-        for a caller that samples some rows: on a GPU both are the graph's own outputs, valid
-        until the next step (the logits are made on the way to the argmax either way)."""
+        """tokens, positions: (rows,), the slots' last tokens and their positions; `context`
+        bounds every row's position + 1. On a GPU the output is the graph's own, valid until
+        the next step."""
         if not self.graphed:
             return self._step(tokens[:, None], positions[:, None], context)
-        # On the row-invariant kernels each row's attention ends at its own position, whatever
-        # `context` says: one graph serves every context.
-        bucket = self.cache.window if self.model.kernels else self.bucket
+        bucket = self.bucket if self.model.context_bound else self.cache.window
         context = min(self.cache.window, -(-context // bucket) * bucket)
         self.tokens[:, 0].copy_(tokens)
         self.positions[:, 0].copy_(positions)
@@ -597,7 +503,7 @@ class DecodeStep:
 
 
 @torch.inference_mode()
-def greedy_answers(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
+def greedy_answers(model, prompts: list[list[int]], max_new_tokens: int,
                    eos_ids: list[int], slots: int = 1024, prefill_tokens: int = 65536,
                    check_every: int = 16, refill_below: float = 0.75, deadline: float | None = None,
                    progress=None) -> list:
@@ -641,7 +547,7 @@ class _GreedyBatch:
     slots count as finished), and its answer so far; the prompts not yet admitted, shortest
     first; the answers done."""
 
-    def __init__(self, model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
+    def __init__(self, model, prompts: list[list[int]], max_new_tokens: int, eos_ids: list[int],
                  window: int, slots: int):
         device = model.device
         self.model, self.prompts, self.max_new_tokens, self.window = model, prompts, max_new_tokens, window
@@ -684,7 +590,7 @@ class _GreedyBatch:
         finished, produced = self.finished, self.produced
         context = min(max(self.host_position) + 1, window)
         b = self.decode.rows(len(self.live))
-        token = self.decode(self.last[:b], self.position[:b], context)
+        token = self.decode(self.last[:b], self.position[:b], context).clone()
         rows = torch.arange(b, device=self.model.device)
         col = produced[:b].clamp(max=max_new_tokens - 1)
         self.out[rows, col] = torch.where(finished[:b], self.out[rows, col], token)

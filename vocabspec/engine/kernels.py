@@ -554,7 +554,7 @@ def dot_is_row_invariant(device, dtype: torch.dtype) -> bool:
     any row count from 1 to DOT_CHECK_ROWS, on `device` in `dtype`: checked by running it (on
     DOT_CHECK_SHAPES) the first time a (device, dtype) is asked, the answer kept for the process.
     False off a GPU and under the interpreter (see `_use_dot`): the multiply-add kernel then
-    serves. Ask before capturing a CUDA graph (Transformer.use_kernels does): a check cannot
+    serves. Ask before capturing a CUDA graph (KernelBackend does, when it is built): a check cannot
     run inside one."""
     device = torch.device(device)
     if triton is None or interpreted() or device.type != "cuda":

@@ -73,24 +73,24 @@ class _FirstLayerDone(Exception):
 @torch.inference_mode()
 def layer_launches(model, tokens: torch.Tensor, positions: torch.Tensor, cache, **forward) -> dict:
     """{"triton": row-invariant kernel launches, "torch": torch's operations} in the first
-    layer of `model(tokens, positions, cache, **forward)`. The forward stops after that layer:
-    the cache counts no new token (its first layer's slots past the committed ones are
-    written)."""
+    layer of `model.tree_forward(tokens, positions, cache, **forward)` (kernel_backend's: it runs
+    each layer through its `block`). The forward stops after that layer: the cache counts no new token (its
+    first layer's slots past the committed ones are written)."""
     ops = _TorchOps()
     marks = {}
+    block = model.block
 
-    def done(*_):
+    def first_layer(*args):
+        marks["start"] = (kernels.launches(), ops.count)
+        block(*args)
         marks["end"] = (kernels.launches(), ops.count)
         raise _FirstLayerDone
-    layer = model.layers[0]
-    before = layer.register_forward_pre_hook(lambda *_: marks.update(start=(kernels.launches(), ops.count)))
-    after = layer.register_forward_hook(done)
+    model.block = first_layer
     try:
         with _kernels_uncounted(ops), ops:
-            model(tokens, positions, cache, **forward)
+            model.tree_forward(tokens, positions, cache, **forward)
     except _FirstLayerDone:
         pass
     finally:
-        before.remove()
-        after.remove()
+        del model.block
     return {"triton": marks["end"][0] - marks["start"][0], "torch": marks["end"][1] - marks["start"][1]}

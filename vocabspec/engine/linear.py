@@ -75,24 +75,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same checkpoint keys) computed by `linear`, or by the
-    row-invariant kernel (kernels.linear) once `row_invariant` is set."""
+    """nn.Linear (same parameters, same checkpoint keys) computed by `linear`."""
 
-    row_invariant = False
-
-    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ bias); with `norm` (an RMSNorm) x is normed first, with `residual` it is
-        added to the result: on the row-invariant kernel both inside the one kernel."""
-        if self.row_invariant:
-            from .kernels import linear as fixed_order
-
-            rows = x.reshape(-1, x.shape[-1])
-            y = fixed_order(rows, self.weight, self.bias, norm=norm.weight if norm is not None else None,
-                            eps=norm.eps if norm is not None else 0.0,
-                            residual=residual.reshape(rows.shape[0], -1) if residual is not None else None)
-            return y.view(*x.shape[:-1], -1)
-        if norm is not None:
-            x = norm(x)
-        y = linear(x, self.weight, self.bias)
-        return y if residual is None else residual + y
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

@@ -20,9 +20,12 @@ import numpy as np
 import torch
 
 from . import native
+from .backend import Backend
 from .files import cache_dir
 from .formats import FORMATS, llama_rope_rows, pack_float, pack_module_weights
 from .model import ARCH_FEATURES, ModelArgs, Transformer, uninitialized
+from .native_backend import NativeBackend
+from .torch_backend import TorchBackend
 
 BUNDLED = ("smollm2", "gemma3")
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -451,7 +454,7 @@ def choose_backend(device: torch.device, backend: str = "auto") -> tuple[str, st
 
 
 def load_model(model: str, weights: str = "auto", device: str | torch.device = "cpu",
-               max_seq_len: int | None = None, backend: str = "auto", log=None) -> tuple[Transformer, Path]:
+               max_seq_len: int | None = None, backend: str = "auto", log=None) -> tuple[Backend, Path]:
     """Build the target model from a bundled name, GGUF file or HF directory.
 
     weights: the run-time format (formats.py); "auto" is the fastest exact one here
@@ -491,43 +494,58 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
     need = memory_need(args, weights, engine, gguf)
     if device.type == "cpu":
         check_fits(path, need)
-    with torch.device("meta"), uninitialized():
-        net = Transformer(args)
-    if gguf is not None and engine == "native":
-        for name, tensor in gguf.norms.items():
-            adopt(net, name, tensor)
-        net.init_rope(device)
+    if engine == "native":
+        model = native_backend(gguf, state, path, args, weights, log)
+    else:
+        model = torch_backend(gguf, state, path, args, weights, device, backend, why)
+    model.memory = need
+    return model, path
+
+
+def native_backend(gguf: GGUFModel | None, state: dict | None, path: Path, args: ModelArgs, weights: str,
+                   log=None) -> NativeBackend:
+    """The native engine over a GGUF's own blocks (packed once, memory-mapped), its matrices as
+    f32 or bf16 weights, or a Hugging Face directory's floats packed so."""
+    if gguf is not None:
         if weights.startswith("gguf"):
             packed = gguf.packed(int8_acts=weights == "gguf-a8", log=log)
         else:
             packed = {name: pack_float(gguf.dequantized(name, torch.float32), weights, bias=gguf.biases.get(name))
                       for name in gguf.matrices}
             packed.setdefault("head", packed["embed"])
-        net.use_native(packed, weights)
+        return NativeBackend(args, packed, gguf.norms, weights)
+    with torch.device("meta"), uninitialized():
+        net = Transformer(args)
+    assign_state(net, state, path, torch.device("cpu"))
+    norms = {name: p for name, p in net.named_parameters() if name.endswith("norm.weight")}
+    return NativeBackend(args, pack_module_weights(net, weights), norms, weights)
+
+
+def torch_backend(gguf: GGUFModel | None, state: dict | None, path: Path, args: ModelArgs, weights: str,
+                  device: torch.device, backend: str, why: str) -> TorchBackend:
+    """The reference model on `device` in the run dtype (bf16 computes in bfloat16), read tensor
+    by tensor, on torch's kernels or (backend "triton") the row-invariant ones."""
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    with torch.device("meta"), uninitialized():
+        net = Transformer(args)
+    if gguf is not None:
+        gguf_floats(gguf, net, dtype, device)
     else:
-        dtype = torch.bfloat16 if weights == "bf16" and engine != "native" else torch.float32
-        if gguf is not None:
-            gguf_floats(gguf, net, dtype, device)
-        else:
-            assign_state(net, state, path, device)
-        net.init_rope(device)
-        if engine == "native":
-            net.use_native(pack_module_weights(net, weights), weights)
-        elif dtype != torch.float32:
-            net.to(dtype=dtype)
-        elif device.type == "cuda":
-            # float32 means float32: TF32 would round matmul inputs to 10 mantissa bits, and a tree
-            # forward would then differ from one-token decoding far beyond float32 rounding.
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
+        assign_state(net, state, path, device)
+    net.init_rope(device)
+    if dtype != torch.float32:
+        net.to(dtype=dtype)
+    elif device.type == "cuda":
+        # float32 means float32: TF32 would round matmul inputs to 10 mantissa bits, and a tree
+        # forward would then differ from one-token decoding far beyond float32 rounding.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     net.eval().requires_grad_(False)
-    net.memory = need
     if backend == "triton":
-        net.use_kernels()
-    net.engine = f"the native CPU engine ({native.isa()})" if engine == "native" else \
-        f"row-invariant Triton kernels on {device.type}" if backend == "triton" else \
-        f"torch's kernels on {device.type} (native engine not used: {why})"
-    return net, path
+        from .kernel_backend import KernelBackend       # imports Triton: only where it runs
+
+        return KernelBackend(net)
+    return TorchBackend(net, f"torch's kernels on {device.type} (native engine not used: {why})")
 
 
 def assign_state(net: Transformer, state: dict, path: Path, device: torch.device) -> None:
@@ -589,9 +607,8 @@ class MemoryNeed:
 
 
 def memory_need(args: ModelArgs, weights: str, engine: str, gguf: GGUFModel | None) -> MemoryNeed:
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    count = args.n_layers * (q * args.dim * 2 + kv * args.dim * 2 + 3 * args.dim * args.intermediate_size) + \
-        args.vocab_size * args.dim * (1 if args.tied_embeddings else 2)
+    kv = args.n_kv_heads * args.head_dim
+    count = args.matrix_parameters
     if weights.startswith("gguf") and gguf is not None:
         size = gguf.packed_bytes()
     else:

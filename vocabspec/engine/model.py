@@ -10,16 +10,15 @@ Gemma 3 differs from Llama in: scaled embeddings, RMSNorm around both sub-blocks
 GELU-tanh MLP, a query scale of query_pre_attn_scalar**-0.5, and sliding-window layers with
 their own RoPE base (every `sliding_window_pattern`-th layer is global).
 
-The modules below are the reference, run by torch on any device. On a CPU the same model runs
-on the native engine (`use_native`, native.c), which gives every row the same bits whatever the
-number of rows in the forward, over weights in any of the formats of formats.py.
+The modules below are the reference, run by torch on any device (torch_backend.TorchBackend
+runs them; kernel_backend.KernelBackend runs their weights on the row-invariant Triton kernels).
+On a CPU the native engine (native_backend.NativeBackend) runs the same architecture from the
+model file's own weights, with no module of this file built.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -29,9 +28,6 @@ import torch.nn.functional as F
 
 from .kv_cache import DeviceKVCache, KVCache, ancestor_mask
 from .linear import Linear, linear
-
-
-HEAD_ROWS = 4   # rows torch's kernels send through the LM head at a time (verify.TreeLogits)
 
 
 @dataclass(frozen=True)
@@ -112,6 +108,19 @@ class ModelArgs:
     def qk_norm(self) -> bool:
         return self.features.qk_norm
 
+    @property
+    def matrix_parameters(self) -> int:
+        """The weights of its matrices: every layer's projections, the embedding, an untied head."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return self.n_layers * (q * self.dim * 2 + kv * self.dim * 2 + 3 * self.dim * self.intermediate_size) + \
+            self.vocab_size * self.dim * (1 if self.tied_embeddings else 2)
+
+    @property
+    def attn_scale(self) -> float:
+        """Queries' scale: query_pre_attn_scalar ** -0.5 where the family says so, else head_dim's."""
+        scalar = self.query_pre_attn_scalar if self.features.query_scalar else None
+        return (scalar or self.head_dim) ** -0.5
+
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends to the last `sliding_window` positions only: per layer_types
         where given; else Gemma 3's pattern (every sliding_window_pattern-th layer global), or
@@ -128,18 +137,12 @@ class ModelArgs:
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. Gemma's (1 + w) is already folded into the weight."""
 
-    row_invariant = False      # kernels.rms_norm instead (Transformer.use_kernels)
-
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_invariant:
-            from .kernels import rms_norm
-
-            return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         x32 = x.float()
         if x.is_cuda:      # one kernel instead of six: CUDA steps are bound by kernel count
             return F.rms_norm(x32, (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
@@ -200,38 +203,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        scalar = args.query_pre_attn_scalar if args.features.query_scalar else None
-        self.scale = (scalar or args.head_dim) ** -0.5
-        # On the row-invariant kernels (Transformer.use_kernels): rotary and the cache write in
-        # the QKV projection's kernel, or with query/key norms in one kernel after it.
-        self.fused = False
+        self.scale = args.attn_scale
 
-    def forward(self, x, cos, sin, cache: KVCache, mask, key_start: int, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None):
-        """Attention over `x` (n, dim), normed first by `norm` where given, its output projection
-        added to `residual` where given (Linear.forward: on the kernels, inside the projections)."""
-        n = x.shape[0]
-        args = self.args
-        if self.fused and isinstance(mask, Visibility):
-            from .kernels import attention, head_norm_rope_cache, qkv_rope_cache
-
-            keys, values = cache.storage(self.layer)
-            if self.q_norm is None:
-                q = qkv_rope_cache(x.reshape(n, -1), self.wqkv.weight, self.wqkv.bias, cos, sin, mask.slots, keys,
-                                   values, args.n_heads, norm=norm.weight if norm is not None else None,
-                                   eps=norm.eps if norm is not None else 0.0)
-            else:       # the query/key norms need whole heads: a second kernel after the projection
-                q = head_norm_rope_cache(self.wqkv(x, norm=norm).reshape(n, -1), self.q_norm.weight,
-                                         self.k_norm.weight, self.q_norm.eps, cos, sin, mask.slots, keys, values,
-                                         args.n_heads)
-            out = attention(q, keys, values, mask.prefix, mask.xoff, mask.extra, self.scale, mask.positions,
-                            mask.window, mask.xend, base=mask.base)
-            return self.wo(out.reshape(n, self.q_size), residual=residual)
-        qkv = self.wqkv(x, norm=norm)
+    def rotate(self, qkv: torch.Tensor, cos, sin, norm=None):
+        """Queries, keys and values (1, heads, n, head_dim) from the projection `qkv` (n, q + 2 kv
+        widths), queries and keys normed (where the family norms them, by `norm(module, x)`,
+        the module's own forward by default) and rotated."""
+        n, args = qkv.shape[0], self.args
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
-            q = self.q_norm(q.view(n, args.n_heads, args.head_dim))
-            k = self.k_norm(k.view(n, args.n_kv_heads, args.head_dim))
+            norm = norm or (lambda module, x: module(x))
+            q = norm(self.q_norm, q.reshape(n, args.n_heads, args.head_dim))
+            k = norm(self.k_norm, k.reshape(n, args.n_kv_heads, args.head_dim))
             q = apply_rope(q.transpose(0, 1).unsqueeze(0), cos, sin)
             k = apply_rope(k.transpose(0, 1).unsqueeze(0), cos, sin)
         else:
@@ -240,22 +223,22 @@ class Attention(nn.Module):
             qk = qkv[:, :self.q_size + self.kv_size].view(n, args.n_heads + args.n_kv_heads, args.head_dim)
             qk = apply_rope(qk.transpose(0, 1).unsqueeze(0), cos, sin)
             q, k = qk[:, :args.n_heads], qk[:, args.n_heads:]
-        v = v.view(n, args.n_kv_heads, args.head_dim).transpose(0, 1).unsqueeze(0)
-        keys, values = cache.write(self.layer, k, v)
-        if isinstance(mask, Visibility):     # row-invariant kernels (Transformer.use_kernels)
-            from .kernels import attention
+        return q, k, v.view(n, args.n_kv_heads, args.head_dim).transpose(0, 1).unsqueeze(0)
 
-            out = attention(q[0].transpose(0, 1), keys[0], values[0], mask.prefix, mask.xoff, mask.extra,
-                            self.scale, mask.positions, mask.window, mask.xend, base=mask.base)
-            return self.wo(out.reshape(n, self.q_size), residual=residual)
+    def forward(self, x, cos, sin, cache: KVCache, mask, key_start: int):
+        """Attention over `x` (n, dim): its keys and values written to `cache`; `mask` what
+        each row sees (a boolean mask, None for all, or a CustomAttention)."""
+        n = x.shape[0]
+        q, k, v = self.rotate(self.wqkv(x), cos, sin)
+        keys, values = cache.write(self.layer, k, v)
         if isinstance(mask, CustomAttention):
             out = mask.attend(q, keys, values, self.scale)
-            return self.wo(out.squeeze(0).transpose(0, 1).reshape(n, self.q_size), residual=residual)
-        if key_start:
-            keys, values = keys[:, :, key_start:], values[:, :, key_start:]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=args.n_kv_heads != args.n_heads)
-        return self.wo(out.squeeze(0).transpose(0, 1).reshape(n, self.q_size), residual=residual)
+        else:
+            if key_start:
+                keys, values = keys[:, :, key_start:], values[:, :, key_start:]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=self.args.n_kv_heads != self.args.n_heads)
+        return self.wo(out.squeeze(0).transpose(0, 1).reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
@@ -265,22 +248,11 @@ class MLP(nn.Module):
         self.w_gate_up = Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.w_down = Linear(args.intermediate_size, args.dim, bias=False)
         self.gelu = args.features.gelu
-        self.fused = False     # the gated up projection as one kernel (Transformer.use_kernels)
 
-    def forward(self, x, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
-        """The MLP of `x`, normed first by `norm` where given, added to `residual` where given."""
-        if self.fused:
-            from .kernels import GELU, SILU, gated_linear
-
-            h = gated_linear(x.reshape(-1, x.shape[-1]), self.w_gate_up.weight, GELU if self.gelu else SILU,
-                             norm=norm.weight if norm is not None else None,
-                             eps=norm.eps if norm is not None else 0.0)
-            return self.w_down(h.view(*x.shape[:-1], -1), residual=residual)
-        if norm is not None:
-            x = norm(x)
+    def forward(self, x):
         gate, up = self.w_gate_up(x).split(self.hidden, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.w_down(gate * up, residual=residual)
+        return self.w_down(gate * up)
 
 
 class Block(nn.Module):
@@ -297,28 +269,17 @@ class Block(nn.Module):
             self.post_mlp_norm = RMSNorm(args.dim, args.norm_eps)
         else:
             self.post_attn_norm = self.post_mlp_norm = None
-        # On the row-invariant kernels (Transformer.use_kernels): each norm computed inside the
-        # projection that reads it, and each residual added in the epilogue of the projection
-        # before it where no norm comes between: fewer kernels a layer.
-        self.fused = False
 
     def forward(self, x, cos, sin, cache, mask, key_start):
-        if self.fused:
-            summed = self.post_attn_norm is None
-            h = self.attn(x, cos, sin, cache, mask, key_start, norm=self.attn_norm, residual=x if summed else None)
-            return self.after_attention(x, h, summed)
         return self.after_attention(x, self.attn(self.attn_norm(x), cos, sin, cache, mask, key_start))
 
-    def after_attention(self, x, h, summed: bool = False):
-        """The rest of the layer once attention's output `h` is known (with `summed`, h is x plus
-        it already): its residual and the MLP's (batched.forward_rows computes attention its own
-        way and shares this)."""
+    def after_attention(self, x, h):
+        """The rest of the layer once attention's output `h` is known: its residual and the
+        MLP's (batched.forward_rows computes attention its own way and shares this)."""
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
-        x = h if summed else x + h
-        if self.fused and self.post_mlp_norm is None:
-            return self.mlp(x, norm=self.mlp_norm, residual=x)
-        h = self.mlp(x, norm=self.mlp_norm) if self.fused else self.mlp(self.mlp_norm(x))
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         return x + h
@@ -334,21 +295,6 @@ class CustomAttention:
         raise NotImplementedError
 
 
-@dataclass
-class Visibility:
-    """What each new row attends to, as the row-invariant kernels read it (native.visibility's
-    prefix, xoff, extra, on the device), and the sliding window where a layer has one. The
-    slots are a cache's `storage` (a KVCache's layer; batched.SlotRows' table of many)."""
-    prefix: torch.Tensor
-    xoff: torch.Tensor
-    extra: torch.Tensor
-    positions: torch.Tensor
-    window: int = 0
-    xend: torch.Tensor | None = None     # where each row's extra slots end (None: xoff[1:])
-    slots: torch.Tensor | None = None    # where each row's key and value are written
-    base: torch.Tensor | None = None     # where each row's slots begin (None: at 0)
-
-
 class LayerPlan:
     """What a forward's layers read, per kind of layer (global or sliding): RoPE rows in `rows`,
     (mask, first key) in `masks`; a subclass builds them for its attention."""
@@ -361,46 +307,6 @@ class LayerPlan:
         cos, sin = self.rows[kind if kind in self.rows else "global"]
         mask, key_start = self.masks[kind]
         return cos, sin, mask, key_start
-
-
-class KernelPlan(LayerPlan):
-    """RoPE rows and visibility for one forward on the row-invariant kernels: the keys each row
-    sees as slot lists in position order, so that a tree's row and its path's one-token row
-    reduce over the same keys in the same order, and the slot each row's key is written to."""
-
-    def __init__(self, args: ModelArgs, cache: KVCache, positions: torch.Tensor,
-                 tree_mask: torch.Tensor | None, rope: dict):
-        from .native import visibility
-
-        self.rows = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in rope.items()}
-        prefix, xoff, extra = (t.to(positions.device) for t in
-                               visibility(cache.length, cache.pending, positions.cpu(),
-                                          tree_mask.cpu() if tree_mask is not None else None))
-        slots = torch.arange(cache.used, cache.used + positions.shape[0], device=positions.device)
-        seen = Visibility(prefix, xoff, extra, positions, slots=slots)
-        self.masks = {"global": (seen, 0)}
-        if args.sliding_window is not None:
-            self.masks["local"] = (dataclasses.replace(seen, window=args.sliding_window), 0)
-
-
-class DeviceKernelPlan(LayerPlan):
-    """KernelPlan over a DeviceKVCache, built on the device with fixed shapes (a static step's):
-    row r sees the committed slots [0, length), then the pending and new slots it sees, listed
-    in slot order (position order: a tree's ancestors precede it) in its row of a (n, pending +
-    n) table. A tree's row and its path's one-token row see the same keys in the same order, as
-    in KernelPlan."""
-
-    def __init__(self, args: ModelArgs, cache: DeviceKVCache, positions: torch.Tensor,
-                 tree_mask: torch.Tensor | None, rope: dict):
-        n = positions.shape[0]
-        self.rows = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in rope.items()}
-        fresh, count = cache.fresh_visibility(n, tree_mask)
-        xoff = torch.arange(n, device=positions.device) * fresh.shape[1]
-        prefix = cache.length.expand(n)
-        seen = Visibility(prefix, xoff, fresh.reshape(-1), positions, xend=xoff + count, slots=cache.slots)
-        self.masks = {"global": (seen, 0)}
-        if args.sliding_window is not None:
-            self.masks["local"] = (dataclasses.replace(seen, window=args.sliding_window), 0)
 
 
 class AttentionPlan(LayerPlan):
@@ -461,38 +367,6 @@ class DevicePlan(LayerPlan):
             self.masks["local"] = (mask & near, 0)
 
 
-def norm_weight(module) -> torch.Tensor | None:
-    """A norm's weight as the native engine reads it (None where the module is no norm)."""
-    return module.weight.detach().float().contiguous() if isinstance(module, RMSNorm) else None
-
-
-def norm_tensors(block: Block) -> dict:
-    """A block's norm weights as the native engine reads them (None where the block has none)."""
-    return {"attn_norm": norm_weight(block.attn_norm), "mlp_norm": norm_weight(block.mlp_norm),
-            "post_attn_norm": norm_weight(block.post_attn_norm), "post_mlp_norm": norm_weight(block.post_mlp_norm),
-            "q_norm": norm_weight(block.attn.q_norm), "k_norm": norm_weight(block.attn.k_norm)}
-
-
-def native_stack(args: ModelArgs, blocks, packed: dict, rope: dict, first: dict | None = None,
-                 kv_half: bool = False):
-    """Decoder blocks as a native.NativeStack over `packed` projections (`layers.{i}.{name}`);
-    `first`: what the first layer's description takes instead (EAGLE-3's norms); kv_half: its
-    caches hold halves."""
-    from .native import NativeStack
-
-    layers = []
-    for i, block in enumerate(blocks):
-        kind = "local" if args.is_sliding(i) and "local" in rope else "global"
-        cos, sin = rope[kind]
-        spec = {name: packed[f"layers.{i}.{name}"]
-                for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
-        spec.update(norm_tensors(block), cos=cos, sin=sin,
-                    window=args.sliding_window if args.is_sliding(i) else 0)
-        layers.append(spec | (first or {}) if i == 0 else spec)
-    return NativeStack(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size,
-                       args.norm_eps, blocks[0].attn.scale, args.features.gelu, layers, kv_half)
-
-
 @contextmanager
 def uninitialized():
     """Linear layers and embeddings built inside get no random initialization: for a model built
@@ -506,7 +380,21 @@ def uninitialized():
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
+def reference_rope(args: ModelArgs, device: torch.device | str = "cpu") -> dict:
+    """The RoPE tables of a model of `args`: "global", and "local" where sliding layers rotate
+    their own way (a base, and no scaling, of their own: Gemma 3)."""
+    rope = {"global": tuple(t.to(device) for t in rope_tables(
+        args.head_dim, args.rope_base, args.max_seq_len, args.rope_scaling))}
+    if any(args.is_sliding(i) for i in range(args.n_layers)):
+        local = (args.rope_local_base, None) if args.features.local_rope else (args.rope_base, args.rope_scaling)
+        rope["local"] = tuple(t.to(device) for t in rope_tables(args.head_dim, local[0], args.max_seq_len, local[1]))
+    return rope
+
+
 class Transformer(nn.Module):
+    """The reference model: embedding, decoder blocks, final norm, LM head (tied: the
+    embedding), run by torch on any device. It holds no engine state: a backend runs it."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -519,30 +407,13 @@ class Transformer(nn.Module):
         self.rope = {}
         if not self.norm.weight.is_meta:    # built on meta, the loader makes them (init_rope)
             self.init_rope(self.norm.weight.device)
-        self.native = None       # native.NativeModel once `use_native` has run
-        self.memory = None       # loading.MemoryNeed: what its weights and a context's cache take
-        self.kernels = False     # the row-invariant kernels (kernels.py) once `use_kernels` has run
-        self.fused_head = False  # the final norm inside the LM head's kernel (use_kernels)
-        # Held by whoever runs a step (a generation, a batch's thread): a model's scratch
-        # buffers and native state serve one caller at a time.
-        self.lock = threading.RLock()
-        self._float_head = None
-        self.engine = "torch's kernels"   # what runs it, and why (loading.load_model says)
 
     def init_rope(self, device: torch.device) -> None:
         """The RoPE tables on `device` (a model built on the meta device gets real ones here)."""
-        args = self.args
-        self.rope = {"global": tuple(t.to(device) for t in rope_tables(
-            args.head_dim, args.rope_base, args.max_seq_len, args.rope_scaling))}
-        if any(args.is_sliding(i) for i in range(args.n_layers)):
-            # Sliding layers may have a base (and no scaling) of their own (Gemma 3).
-            local = (args.rope_local_base, None) if args.features.local_rope else (args.rope_base, args.rope_scaling)
-            self.rope["local"] = tuple(t.to(device) for t in rope_tables(
-                args.head_dim, local[0], args.max_seq_len, local[1]))
+        self.rope = reference_rope(self.args, device)
 
     @property
     def device(self) -> torch.device:
-        # The final norm: always materialized (on the native engine the matrices never are).
         return self.norm.weight.device
 
     @property
@@ -554,79 +425,7 @@ class Transformer(nn.Module):
         self.init_rope(self.device)
         return out
 
-    @property
-    def weights(self) -> str:
-        """The run-time weight format: gguf, bf16 or f32 on the native engine; torch-float32 or
-        torch-bfloat16 on torch's kernels."""
-        if self.native is not None:
-            return self.native.weights
-        return "torch-" + str(self.dtype).removeprefix("torch.")
-
-    @property
-    def exact(self) -> bool:
-        """Whether a forward gives every row the bits a one-token forward gives it (the native
-        engine, by construction). torch's kernels do not promise it; in float32 their tree and
-        one-token results differ in the last bits only."""
-        return self.native is not None or self.kernels
-
-    def use_kernels(self, fused: bool = True) -> None:
-        """Compute every matmul, norm and attention with the row-invariant kernels (kernels.py):
-        a tree's rows then get the bits of one-token decoding on a GPU, in any dtype. fused:
-        norms inside the projections after them, the MLP's activation inside its up
-        projection, residuals inside the projections before them (Block.fused), rotary and the
-        cache write inside the QKV projection, or with query/key norms in one kernel after it
-        (Attention.fused)."""
-        from .kernels import available, dot_is_row_invariant
-
-        ok, why = available()
-        if not ok:
-            raise ValueError(f"the row-invariant kernels cannot run here: {why}")
-        if self.native is not None:
-            raise ValueError("the native engine is row-invariant already; the kernels are for torch's path")
-        for module in self.modules():
-            if isinstance(module, (Linear, RMSNorm)):
-                module.row_invariant = True
-            if isinstance(module, (Block, MLP, Attention)):
-                module.fused = fused
-        self.kernels = True
-        self.fused_head = fused
-        # Which linear kernel runs here is decided now, once, not inside a captured step.
-        dot_is_row_invariant(self.device, self.dtype)
-
-    def use_native(self, packed: dict, weights: str) -> None:
-        """Run on the native CPU engine with `packed` weights (a GGUF pack (packed_file.py) or formats.pack_module_weights)."""
-        from .native import NativeModel
-
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            raise ValueError("the native engine runs float32 activations on the CPU")
-        # A GGUF's formats keep keys and values as halves, as llama.cpp does by default: a
-        # batched or long-context step reads its caches more than its weights. f32 and bf16
-        # keep floats.
-        stack = native_stack(self.args, self.layers, packed, self.rope, kv_half=weights.startswith("gguf"))
-        self.native = NativeModel(stack, packed["embed"], packed["head"], self.norm.weight,
-                                  self.args.norm_eps, self.embed_scale, weights)
-        # The packed copies are what runs: the float projections would only hold memory.
-        for block in self.layers:
-            for linear_ in (block.attn.wqkv, block.attn.wo, block.mlp.w_gate_up, block.mlp.w_down):
-                linear_.weight = nn.Parameter(torch.empty(0, device=self.device), requires_grad=False)
-
-    @property
-    def verify_head_rows(self) -> int:
-        """Rows sampling verification sends through the LM head at a time (verify.TreeLogits): the
-        native engine's row tile, where they cost about one row's pass over the head's weights."""
-        return self.native.head_rows if self.native is not None else HEAD_ROWS
-
-    def new_cache(self, max_len: int | None = None) -> KVCache:
-        args = self.args
-        if self.native is not None:
-            return KVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_len or args.max_seq_len,
-                           self.native.stack.kv_dtype, self.device, layout="native")
-        return KVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_len or args.max_seq_len,
-                       self.dtype, self.device)
-
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
-            return self.native.embed(tokens)
         x = self.embed(tokens)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -634,70 +433,12 @@ class Transformer(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from pre-norm hidden states (rows, dim) -> (rows, vocab), in float32."""
-        if self.native is not None:
-            return self.native.head(hidden)
-        if self.kernels:
-            from .kernels import linear as fixed_order
-
-            if self.fused_head:         # the final norm inside the head's kernel
-                return fixed_order(hidden, self.head_weight, norm=self.norm.weight, eps=self.norm.eps).float()
-            return fixed_order(self.norm(hidden), self.head_weight).float()
         return linear(self.norm(hidden), self.head_weight).float()
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Each row's argmax of its logits (int64, the first index on ties) from pre-norm hidden
-        states (rows, dim): on the fused kernels taken inside the LM head's kernel, the logits
-        never stored (kernels.linear_argmax: the same index as lm_head's argmax, the same bits
-        being compared); elsewhere lm_head's argmax."""
-        if self.native is None and self.kernels and self.fused_head:
-            from .kernels import linear_argmax
-
-            return linear_argmax(hidden, self.head_weight, norm=self.norm.weight, eps=self.norm.eps)
-        return self.lm_head(hidden).argmax(-1)
 
     @property
     def head_weight(self) -> torch.Tensor:
-        """The LM head's weight: the embedding's, or an untied head's. On the native engine the
-        head lives packed; this is its float32 copy, made when first asked for (training and
-        SpecVocab's exact head read it: vocabulary x width floats, 2 GB for Llama 3 8B)."""
-        if self.native is not None:
-            if self._float_head is None:
-                self._float_head = self.native.head_weight.dequantize()
-            return self._float_head
+        """The LM head's weight: the embedding's, or an untied head's."""
         return self.embed.weight if self.output is None else self.output.weight
-
-    def _check_taps(self, taps: tuple[int, ...]) -> None:
-        if any(not 0 <= t < self.args.n_layers for t in taps):
-            raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
-
-    def forward_batch(self, items: list[tuple[torch.Tensor, torch.Tensor, KVCache, torch.Tensor | None]],
-                      taps: tuple[int, ...] = ()):
-        """Rows of several sequences, each item (tokens (n,), positions (n,), its cache, parents
-        or None) going after its cache's committed tokens as a tree (see `forward`) or causally,
-        and left pending there. Returns each item's hidden states (n, dim) before the final norm,
-        and with `taps` also each item's tapped layer outputs (n, len(taps) * dim), as `forward`
-        gives them: (hidden states, tapped). On the native engine the items share one call and
-        every row gets the bits it gets in a forward of its own item; on torch's kernels they
-        run in turn."""
-        for tokens, _, cache, _ in items:
-            if cache.pending:
-                raise ValueError("a batched forward goes after committed tokens: commit first")
-            if cache.length + tokens.numel() > self.args.max_seq_len:
-                raise ValueError(f"positions up to {cache.length + tokens.numel() - 1} are beyond "
-                                 f"max_seq_len {self.args.max_seq_len}")
-        self._check_taps(taps)
-        if self.native is None or len(items) == 1:    # one item: `forward` itself, a little leaner
-            outs = [self(tokens, positions, cache, parents=parents, logits_rows=[], taps=taps)
-                    for tokens, positions, cache, parents in items]
-            hidden = [out[0] for out in outs]
-            return (hidden, [out[2] for out in outs]) if taps else hidden
-        sizes = [tokens.numel() for tokens, *_ in items]
-        x = self.embed_tokens(torch.cat([tokens for tokens, *_ in items]))
-        tapped = self.native.stack.forward_rows(x, [(cache.keys, cache.values, cache.length, parents, n)
-                                                    for (_, _, cache, parents), n in zip(items, sizes)], taps)
-        for (_, _, cache, _), n in zip(items, sizes):
-            cache.advance(n)
-        return (list(x.split(sizes)), list(tapped.split(sizes))) if taps else list(x.split(sizes))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None,
@@ -722,39 +463,29 @@ class Transformer(nn.Module):
         if cache.used + n > self.args.max_seq_len:
             raise ValueError(f"positions up to {cache.used + n - 1} are beyond "
                              f"max_seq_len {self.args.max_seq_len}")
-        self._check_taps(taps)
+        if any(not 0 <= t < self.args.n_layers for t in taps):
+            raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
         cache.check_room(n)
+        if parents is not None:
+            if cache.pending:
+                raise ValueError("a tree given by its parents sees every cached token: commit first")
+            tree_mask = ancestor_mask(parents)
         x = self.embed_tokens(tokens)
-        device_cache = isinstance(cache, DeviceKVCache)
-        if device_cache and self.native is not None:
-            raise ValueError("the native engine keeps its own cache: a device cache is for torch's kernels")
-        if self.native is not None:
-            tapped = self.native.stack.forward(x, positions, cache.keys, cache.values, cache.length,
-                                               cache.pending, tree_mask, taps, parents=parents)
-            tapped = list(tapped.split(self.args.dim, dim=-1)) if taps else []
-        else:
-            if parents is not None:
-                if cache.pending:
-                    raise ValueError("a tree given by its parents sees every cached token: commit first")
-                tree_mask = ancestor_mask(parents)
-            if self.kernels:
-                plan_type = DeviceKernelPlan if device_cache else KernelPlan
-            else:
-                plan_type = DevicePlan if device_cache else AttentionPlan
-            plan = plan_type(self.args, cache, positions, tree_mask, self.rope)
-            tapped = []
-            for i, layer in enumerate(self.layers):
-                cos, sin, mask, key_start = plan.for_layer(self.args, i)
-                x = layer(x, cos, sin, cache, mask, key_start)
-                if i in taps:
-                    tapped.append(x)
+        plan = (DevicePlan if isinstance(cache, DeviceKVCache) else AttentionPlan)(
+            self.args, cache, positions, tree_mask, self.rope)
+        tapped = []
+        for i, layer in enumerate(self.layers):
+            cos, sin, mask, key_start = plan.for_layer(self.args, i)
+            x = layer(x, cos, sin, cache, mask, key_start)
+            if i in taps:
+                tapped.append(x)
         cache.advance(n)
-        if all_logits:
-            logits = self.lm_head(x)
-        elif logits_rows is not None:
-            logits = self.lm_head(x[logits_rows]) if len(logits_rows) else None
-        else:
-            logits = self.lm_head(x[-1:])
-        if taps:
-            return x, logits, torch.cat(tapped, dim=-1)
-        return x, logits
+        return (x, self.logits(x, logits_rows, all_logits), *([torch.cat(tapped, dim=-1)] if taps else []))
+
+    def logits(self, x: torch.Tensor, rows: torch.Tensor | None, every: bool) -> torch.Tensor | None:
+        """`forward`'s logits: every row's, those of `rows` (None where empty), or the last's."""
+        if every:
+            return self.lm_head(x)
+        if rows is not None:
+            return self.lm_head(x[rows]) if len(rows) else None
+        return self.lm_head(x[-1:])

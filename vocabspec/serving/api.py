@@ -78,14 +78,14 @@ class LanguageModel:
         model does; built on first use, kept for later calls with the same settings. `thread`:
         steps on a background thread of its own, else on the thread that calls its `run` or
         `generate` (the fast choice on a CPU: see batch.py)."""
-        limits = limits or BatchLimits(window=min(BatchLimits.window, self.engine.model.args.max_seq_len))
+        engine = self.engine
+        limits = limits or BatchLimits(window=min(BatchLimits.window, engine.model.args.max_seq_len))
         if self._batch is None or self._batch.limits != limits or (self._batch.thread is not None) != thread:
             if self._batch is not None:
                 self._batch.close()
-            proposer = self.engine.proposer
-            make = None if proposer is None else \
-                (lambda: make_proposer(self.engine.model, self.draft, self.name, tokenizer=self.tokenizer))
-            self._batch = BatchEngine(self.engine, make, limits, thread=thread)
+            make = None if engine.proposer is None else \
+                (lambda: make_proposer(engine.loaded, self.draft, self.name, tokenizer=self.tokenizer))
+            self._batch = BatchEngine(engine.loaded, self.tokenizer, make, limits, engine.allow_inexact, thread=thread)
         return self._batch
 
     def generate_batch(self, prompts: list, chat: bool = False, limits: BatchLimits | None = None,

@@ -4,7 +4,7 @@ resumed.
 
 The requests run on the batch engine (decoding/batch.py), each answer exactly what the
 request gets alone; on torch's kernels with inexact answers allowed, the plain-decoding ones
-step as rows of one forward (batched_decoding.py), each answer the request's up to rounding,
+step as rows of one forward (torch_backend.py), each answer the request's up to rounding,
 and the job then serves a sample of its answers alone again and counts those that differ
 (`check_alone`: in the summary and the record). Its JSON line (`index`: the request's place among the file's requests,
 counting from 0) is written and flushed the moment the request ends, in finish order, or held
@@ -304,7 +304,7 @@ class JobResult:
     accepted: int = 0                 # tokens those steps committed
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)
-    # Where answers may differ from serving alone (batched_decoding.py): how many of a sample
+    # Where answers may differ from serving alone (rows together on torch_backend.py): how many of a sample
     # were served alone again, and how many of those differ; None where they cannot differ.
     alone_checked: int | None = None
     alone_differ: int = 0
@@ -347,7 +347,7 @@ def run_job(lm, requests: list[dict], pending: list[int], defaults: dict, chat: 
         batch, answered = decode_requests(lm, prepared, max_batch, progress, lines, result)
     result.seconds = time.perf_counter() - started
     progress.end()
-    if prepared and batch.batched is not None and not batch.batched.exact and answered:
+    if prepared and batch.together and not batch.model.exact and answered:
         result.alone_checked, result.alone_differ = check_alone(lm, answered)
         answers.note("alone_check", {"answers": result.alone_checked, "differ": result.alone_differ,
                                      "of": len(answered)})
@@ -390,7 +390,7 @@ def prepare_requests(lm, requests: list[dict], pending: list[int], defaults: dic
         try:
             ids = request_ids(lm, item, settings, chat)
             config = lm._config(**settings)
-            lm.engine.check_prompt(ids, config)
+            lm.engine.check(ids, config)
         except Exception as exc:                  # noqa: BLE001 - recorded on its line
             lines.fail(index, exc)
             continue

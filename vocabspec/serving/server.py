@@ -4,7 +4,7 @@
 Requests decode together (batch.py): up to `max_batch` at once, each in a slot with its own KV
 cache of `window` tokens, joining and leaving between steps; each answer is exactly the one it
 gets served alone (on torch's kernels with --allow-inexact, plain-decoding requests step as rows
-of one forward, each answer its own up to rounding: batched_decoding.py). More requests wait in
+of one forward, each answer its own up to rounding: torch_backend.py). More requests wait in
 a bounded queue (503 when it is full). A streaming client that disconnects cancels its
 generation at the next step, freeing its slot. Requests are bounded in size, in max_tokens and
 in generation time.

@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 
 from .tree import Tree
-
-PREFILL_CHUNK = 512     # prompt tokens a prefill forward takes at once (and a proposer's read)
+from ..engine.backend import PREFILL_CHUNK  # noqa: F401  (the proposers' reads chunk prompts alike)
 
 
 class Proposer:
@@ -34,6 +33,9 @@ class Proposer:
     # greedy request's only, set by its Generation; a sampled request's trees must not depend
     # on timing, so that its seed gives the same tokens in a batch and alone.
     size_live: bool = True
+    # Whether its drafting runs inside the backend's step (static steps): a proposal is then
+    # the root alone, with nothing to check on the host.
+    drafts_on_device: bool = False
 
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
         raise NotImplementedError

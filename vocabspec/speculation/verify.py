@@ -24,7 +24,7 @@ import torch
 
 from .sampling import SamplingParams, target_probs
 from ..engine.kv_cache import ancestor_mask
-from ..engine.model import HEAD_ROWS
+from ..engine.backend import HEAD_ROWS
 from .tree import Tree
 
 
@@ -84,7 +84,7 @@ def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Ten
 
     tokens, parents (the root's -1 or itself), depths: (rows,); logits: (rows, vocab), row i
     the scores of the token after node i, or each row's argmax (rows,) taken already
-    (Transformer.greedy_tokens); max_depth: a bound on the tree's depth (default rows - 1);
+    (Backend.greedy_tokens); max_depth: a bound on the tree's depth (default rows - 1);
     valid: rows that hold a draft (a padded path's padding is rejected); mask: the tree's
     ancestor mask (`ancestor_mask`; built here where not given). path holds
     the accepted rows by depth, padded to max_depth + 1; length counts the root and the

@@ -25,7 +25,7 @@ import time
 import torch
 
 from ..engine.batched import forward_rows, pad_rows
-from ..engine.model import Transformer
+from ..engine.backend import Backend
 from ..speculation.families.eagle3 import Eagle3Drafter
 from .eagle3_train import LABELS, agreement, batch_loss
 
@@ -46,7 +46,7 @@ def length_batches(sequences: list[list[int]], tokens: int, seed: int) -> list[l
 
 
 @torch.no_grad()
-def target_features(target: Transformer, sequences: list[list[int]], taps: tuple[int, ...],
+def target_features(target: Backend, sequences: list[list[int]], taps: tuple[int, ...],
                     head_rows: int = 8192) -> dict:
     """One batch's features: tokens (B, L) right-padded and their lengths (B,), the last
     layer's states (B, L, dim) before the final norm, the tapped layers' (B, L, taps x dim),
@@ -68,7 +68,7 @@ def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(target: Transformer, drafters: dict[str, tuple[Eagle3Drafter, str]],
+def train(target: Backend, drafters: dict[str, tuple[Eagle3Drafter, str]],
           sequences: list[list[int]], heldout: list[list[int]], *, tokens_per_batch: int = 32768,
           steps: int = 3, decay: float = 0.8, lr: float = 1e-3, warmup: int = 40, grad_clip: float = 0.5,
           seed: int = 0, deadline: float | None = None, snapshot_tokens: tuple[int, ...] = (),

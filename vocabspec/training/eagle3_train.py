@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -31,12 +30,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..speculation.families.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layers
-from ..engine.model import CustomAttention, Transformer
+from ..engine.backend import Backend
+from ..engine.model import CustomAttention
 
 LABELS = ("soft", "hard")
 
 
-def draft_vocabulary(spec: str, target: Transformer, files: Path | None) -> torch.Tensor:
+def draft_vocabulary(spec: str, target: Backend, files: Path | None) -> torch.Tensor:
     """The draft vocabulary's target ids, from a bundled token map (fr:N or trim:N)."""
     from ..speculation.vocab.heads import parse_draft_vocab
     from ..speculation.vocab.token_map import load_token_map
@@ -53,7 +53,7 @@ def draft_vocabulary(spec: str, target: Transformer, files: Path | None) -> torc
     return ids[:size].clone()
 
 
-def new_drafter(target: Transformer, ids: torch.Tensor, seed: int) -> Eagle3Drafter:
+def new_drafter(target: Backend, ids: torch.Tensor, seed: int) -> Eagle3Drafter:
     a = target.args
     config = Eagle3Config(dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
                           intermediate_size=a.intermediate_size, n_layers=1, norm_eps=a.norm_eps,
@@ -68,7 +68,7 @@ def new_drafter(target: Transformer, ids: torch.Tensor, seed: int) -> Eagle3Draf
     return drafter
 
 
-def drafter_from_checkpoint(path: Path, target: Transformer) -> Eagle3Drafter:
+def drafter_from_checkpoint(path: Path, target: Backend) -> Eagle3Drafter:
     """The drafter a training checkpoint (OUT/checkpoint-eagle3.pt) holds, as `train` left it
     at that step: for measuring a run part of the way through its data."""
     from ..speculation.config import bundled_drafter_dir
@@ -245,7 +245,7 @@ def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> di
     return agreement(drafter, [one_sequence(on_device(row, device)) for row in heldout[:limit]], steps)
 
 
-def train(cfg, target: Transformer, split: dict | None = None, log=print) -> Eagle3Drafter:
+def train(cfg, target: Backend, split: dict | None = None, log=print) -> Eagle3Drafter:
     from .train import _atomic_save, _lr, epoch_batch, parse_token_counts, resumable, training_sets
 
     out = Path(cfg.out)
@@ -293,7 +293,7 @@ def train(cfg, target: Transformer, split: dict | None = None, log=print) -> Eag
     return drafter
 
 
-def _starting_drafter(cfg, target: Transformer) -> Eagle3Drafter:
+def _starting_drafter(cfg, target: Backend) -> Eagle3Drafter:
     """--init's drafter, else a new one over cfg.draft_vocab's vocabulary; ValueError where its
     taps are not the ones the features hold."""
     from ..speculation.config import bundled_drafter_dir
@@ -364,7 +364,7 @@ class _Run:
                 log(f"kept the drafter after {self.trained} tokens (step {self.step}) in {kept.name}")
 
 
-def train_and_save(cfg, target: Transformer, split: dict, report: dict, ship: bool, log) -> None:
+def train_and_save(cfg, target: Backend, split: dict, report: dict, ship: bool, log) -> None:
     """EAGLE-3's trainer (train.train_eagle with --recipe eagle3): train, measure, save to
     `cfg.out`/drafter in speculators' layout."""
     from .train import training_sets

@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..speculation.families.medusa import MedusaHeads
-from ..engine.model import Transformer
+from ..engine.backend import Backend
 from .train import ship_dir, training_sets
 
 HEAD_DECAY = 0.8
 
 
-def _batch(target: Transformer, sequence, n_heads: int, positions: int, negatives: int,
+def _batch(target: Backend, sequence, n_heads: int, positions: int, negatives: int,
            generator: torch.Generator):
     """(features (P, dim), labels (heads, P) as candidate indices, candidate ids) for one
     sequence; None if it is too short."""
@@ -60,7 +60,7 @@ def head_loss(heads: MedusaHeads, head_weight: torch.Tensor, features, labels, i
 
 
 @torch.no_grad()
-def accuracy(heads: MedusaHeads, target: Transformer, sequences, limit: int = 16,
+def accuracy(heads: MedusaHeads, target: Backend, sequences, limit: int = 16,
              positions: int = 256) -> dict:
     """Each head's top-1 and top-10 accuracy over the whole vocabulary, on the first
     `positions` positions of `limit` held-out sequences."""
@@ -84,7 +84,7 @@ def accuracy(heads: MedusaHeads, target: Transformer, sequences, limit: int = 16
             "top10": [round(float(h) / max(count, 1), 4) for h in hits10], "positions": count}
 
 
-def train_medusa(cfg, target: Transformer, train_set, heldout, log=print) -> tuple[MedusaHeads, dict]:
+def train_medusa(cfg, target: Backend, train_set, heldout, log=print) -> tuple[MedusaHeads, dict]:
     """Heads trained from zero blocks on `train_set` (train.load_shards' sequences)."""
     if not train_set:
         raise ValueError("no training features: run the features stage")
@@ -132,7 +132,7 @@ def train_medusa(cfg, target: Transformer, train_set, heldout, log=print) -> tup
     return heads, report
 
 
-def train_and_save(cfg, target: Transformer, split: dict, report: dict, ship: bool, log) -> None:
+def train_and_save(cfg, target: Backend, split: dict, report: dict, ship: bool, log) -> None:
     """The Medusa family's trainer (config.Family.trainer): train the heads on the feature
     shards, save them to `cfg.out`/medusa, and with `ship` into the package."""
     heads, figures = train_medusa(cfg, target, *training_sets(cfg, split), log=log)

@@ -44,7 +44,7 @@ from tqdm import tqdm
 from ..engine.files import load_torch_file
 from .answers import read_answers, target_fingerprint, write_answers
 from ..speculation.families.eagle import EagleDrafter, checked_taps, draft_states, features_of
-from ..engine.model import Transformer
+from ..engine.backend import Backend
 from ..engine.prompts import encode_conversation
 from ..speculation.vocab.heads import load_ranker, save_ranker
 from .ranker import distillation_loss, starting_ranker, teacher
@@ -407,16 +407,15 @@ def _shard_plan(sequences: list[list[int]], shard_tokens: int) -> list[tuple[int
 
 
 @torch.inference_mode()
-def _features(model: Transformer, cache, ids: list[int], top: int, taps: tuple[int, ...] = ()):
+def _features(model: Backend, cache, ids: list[int], top: int, taps: tuple[int, ...] = ()):
     cache.reset()
     tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
     positions = torch.arange(len(ids), device=model.device)
-    hidden, _, *tapped = model(tokens, positions, cache, logits_rows=torch.tensor([], dtype=torch.long),
-                               taps=taps)
+    hidden, tapped = model.tree_forward(tokens, positions, cache, taps=taps)
     cache.discard()
     candidates = torch.cat([torch.topk(model.lm_head(rows), top, dim=-1).indices
                             for rows in hidden.split(256)])
-    tapped = tapped[0].to(torch.bfloat16).cpu() if taps else None
+    tapped = tapped.to(torch.bfloat16).cpu() if taps else None
     return hidden.to(torch.bfloat16).cpu(), candidates.to(torch.int32).cpu(), tapped
 
 
@@ -456,7 +455,7 @@ def _shard_matches(path: Path, sequences: list[list[int]], taps: tuple[int, ...]
     return len(tokens) == len(sequences) and all(t.tolist() == s for t, s in zip(tokens, sequences))
 
 
-def extract_features(cfg: TrainConfig, model: Transformer, split: dict) -> list[Path]:
+def extract_features(cfg: TrainConfig, model: Backend, split: dict) -> list[Path]:
     """Write shards `features/{heldout,train,distill}-NNNNN.pt`; existing shards are kept."""
     directory = Path(cfg.out) / "features"
     directory.mkdir(parents=True, exist_ok=True)
@@ -506,7 +505,7 @@ def load_shards(cfg: TrainConfig, part: str) -> list[tuple]:
 
 # ---------------------------------------------------------------------------- 3. train
 
-def feature_std(target: Transformer, sequences, limit: int = 64) -> torch.Tensor:
+def feature_std(target: Backend, sequences, limit: int = 64) -> torch.Tensor:
     """Per-dimension std of the features. A few dimensions are far larger than the rest;
     regressing and adding noise in units of each dimension's std keeps them from drowning
     the others."""
@@ -646,7 +645,7 @@ class OnlineFeatures:
     twenty million tokens would take about 90 GB of disk, and `load_shards` holds every shard
     in memory."""
 
-    def __init__(self, extractor: Transformer, sequences: list[list[int]], cfg: TrainConfig):
+    def __init__(self, extractor: Backend, sequences: list[list[int]], cfg: TrainConfig):
         self.extractor = extractor
         self.sequences = [s for s in sequences if len(s) >= MIN_TOKENS]
         self.top = cfg.top_candidates
@@ -665,7 +664,7 @@ class OnlineFeatures:
         return torch.tensor(ids, dtype=torch.int32), hidden, candidates, tapped
 
 
-def online_sets(cfg: TrainConfig, extractor: Transformer, split: dict) -> tuple:
+def online_sets(cfg: TrainConfig, extractor: Backend, split: dict) -> tuple:
     """`training_sets`' pair for `split` with online features: the training and distilled
     sequences as drawn, the held-out ones computed now (every evaluation reads them)."""
     return (OnlineFeatures(extractor, split["train"] + split.get("distill", []), cfg),
@@ -685,7 +684,7 @@ def training_sets(cfg: TrainConfig, split: dict | None) -> tuple:
     return train_set, load_shards(cfg, "heldout")
 
 
-def train_drafter(cfg: TrainConfig, target: Transformer, split: dict | None = None, log=print) -> EagleDrafter:
+def train_drafter(cfg: TrainConfig, target: Backend, split: dict | None = None, log=print) -> EagleDrafter:
     out = Path(cfg.out)
     train_set, heldout = training_sets(cfg, split)
     torch.manual_seed(cfg.seed)
@@ -755,7 +754,7 @@ def epoch_batch(cfg: TrainConfig, step: int, steps_per_epoch: int, size: int) ->
     return order[index * cfg.accumulate:(index + 1) * cfg.accumulate]
 
 
-def _starting_drafter(cfg: TrainConfig, target: Transformer, std: torch.Tensor) -> EagleDrafter:
+def _starting_drafter(cfg: TrainConfig, target: Backend, std: torch.Tensor) -> EagleDrafter:
     """The drafter training starts from: --init's, grown to cfg.layers and given the taps it
     lacks (ValueError where it has other taps or more layers), else a random one whose fc is
     scaled to the features' std."""
@@ -807,7 +806,7 @@ def _measured(cfg: TrainConfig, drafter: EagleDrafter, ranker, heldout, step: in
     return metrics
 
 
-def _start_ranker(cfg: TrainConfig, target: Transformer) -> tuple[torch.Tensor, torch.Tensor]:
+def _start_ranker(cfg: TrainConfig, target: Backend) -> tuple[torch.Tensor, torch.Tensor]:
     """SpecVocab's ranker (down, vocab) in float32, as trainable tensors."""
     head = target.head_weight
     init = load_ranker(cfg.ranker_init, head) if cfg.ranker_init else None
@@ -817,7 +816,7 @@ def _start_ranker(cfg: TrainConfig, target: Transformer) -> tuple[torch.Tensor, 
 
 # ---------------------------------------------------------------------------- the pipeline
 
-def measure_tau(drafter: EagleDrafter, target: Transformer, prompts: list[list[int]],
+def measure_tau(drafter: EagleDrafter, target: Backend, prompts: list[list[int]],
                 max_new_tokens: int = 64) -> float:
     """Mean accepted length (bonus token counted) of greedy EAGLE-2 decoding on a few prompts."""
     from ..speculation.families.eagle import EagleProposer
@@ -929,7 +928,7 @@ def default_eagle3_taps(n_layers: int) -> tuple[int, ...]:
     return tuple(sorted({i - 1 for i in default_aux_layers(n_layers) if i < n_layers}))
 
 
-def train_eagle(cfg: TrainConfig, target: Transformer, split: dict, report: dict, ship: bool, log) -> None:
+def train_eagle(cfg: TrainConfig, target: Backend, split: dict, report: dict, ship: bool, log) -> None:
     """The EAGLE family's trainer (config.Family.trainer): train the drafter on the feature
     shards, measure it, save it to `cfg.out`/drafter, and with `ship` into the package."""
     out = Path(cfg.out)

@@ -482,7 +482,7 @@ def calibrate_static(model, drafter, head, prompts, depth: int, top_k: int, size
             generation = engine.stream(ids, config)
             for _ in generation:
                 pass
-            result, decoder = generation.result, generation.decoder
+            result, decoder = generation.result, generation.generation.proposer.decoder
             steps += result.steps
             loop.append((result.seconds - result.prefill_seconds
                          - sum(s.verify_seconds for s in result.steps)) / max(len(result.steps), 1))

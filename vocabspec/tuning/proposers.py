@@ -136,7 +136,7 @@ def sizing_prior(model, chosen: dict, forward: dict[int, float], most_depth: int
     base = forward[min(forward)]
     most = max([n for n in forward if forward[n] <= 2.5 * base] + [3])
     most = max(2, min(32, most - 1, 2 * max(total, 4)))
-    head_rows = model.verify_head_rows
+    head_rows = model.head_rows
     head_pass = head_seconds(model, [head_rows], repeats=3)[head_rows]
     return LiveSizing(forward, draft_level, float(chosen.get("measured_speedup", 1.0)), total,
                       most_depth, most, head_pass, head_rows)

@@ -26,7 +26,6 @@ import torch
 from ..config import Family, head_files, register
 from ..vocab.heads import FullVocab, HeadTimedDrafting, make_draft_vocab
 from ..proposer import PREFILL_CHUNK, Proposer
-from ...engine.model import Transformer
 from ..tree import Tree, TreeBuilder
 
 
@@ -48,8 +47,7 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_args, draft_a
                                  "target's tokenizer")
 
 
-def load_draft_model(spec: str, target: Transformer, target_tokenizer=None, weights: str = "auto",
-                     room: int = 256) -> Transformer:
+def load_draft_model(spec: str, target, target_tokenizer=None, weights: str = "auto", room: int = 256):
     """The draft model `spec` (bundled name, GGUF file or HF directory) in `weights` (formats.py;
     auto: the fastest exact format here), positioned as far as the target plus `room` for trees."""
     from ...engine.loading import load_model
@@ -69,14 +67,14 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
     taps: tuple[int, ...] = ()
     phases = ("model",)
 
-    def __init__(self, draft: Transformer, head=None, depth: int = 6, top_k: int = 1,
+    def __init__(self, draft, head=None, depth: int = 6, top_k: int = 1,
                  total_tokens: int = 6):
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise ValueError(f"need depth >= 1, top_k >= 1, total_tokens >= 1; got "
                              f"{depth}, {top_k}, {total_tokens}")
         self.draft = draft
         if head is None:
-            head = FullVocab(draft.native.head_weight if draft.native is not None else draft.head_weight)
+            head = FullVocab(draft.scoring_head)
         self.head = head
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_tree_tokens = total_tokens
@@ -109,9 +107,8 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
         with torch.inference_mode():
             for start in range(0, len(prompt_ids), PREFILL_CHUNK):
                 chunk = prompt_ids[start:start + PREFILL_CHUNK]
-                self.draft(torch.tensor(chunk, dtype=torch.long, device=device),
-                           torch.arange(start, start + len(chunk), device=device), self.cache,
-                           logits_rows=[])
+                self.draft.tree_forward(torch.tensor(chunk, dtype=torch.long, device=device),
+                                        torch.arange(start, start + len(chunk), device=device), self.cache)
                 self.cache.commit()
         self.todo = []
         self.slot_of = {}
@@ -150,7 +147,7 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
         """The draft's normalised last-layer states for `tokens` (pending until committed)."""
         start = time.perf_counter()
         ids = torch.tensor(tokens, dtype=torch.long, device=self.draft.device)
-        hidden, _ = self.draft(ids, positions, self.cache, tree_mask=mask, logits_rows=[])
+        hidden, _ = self.draft.tree_forward(ids, positions, self.cache, mask)
         states = self.draft.norm(hidden)
         if self.head.sync:
             torch.cuda.synchronize()
@@ -199,11 +196,10 @@ def draft_model_parts(model, config, model_name: str, tokenizer=None, log=None):
     if log:
         log(f"draft model: {config.draft_model} ({draft.weights}) drafting for the target ({model.weights})")
     vocab = "full" if config.vocab == "auto" else config.vocab
-    packed = draft.native.head_weight if draft.native is not None else None
     # Token maps are the target's (the draft shares its tokenizer): VocabTrim's counts the
     # target's own generated text.
     head = make_draft_vocab(vocab, draft.head_weight, head_files(config, model_name), config.token_map,
-                            None, packed_head=packed)
+                            None, packed_head=draft.packed_head)
     return draft, head
 
 

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from ..vocab.heads import FullVocab, HeadTimedDrafting
 from ...engine.kv_cache import DeviceKVCache, KVCache
 from ...engine.linear import Linear
-from ...engine.model import ARCH_FEATURES, Block, CustomAttention, ModelArgs, Transformer
+from ...engine.backend import Backend
+from ...engine.model import ARCH_FEATURES, Block, CustomAttention, ModelArgs
 from ..proposer import Proposer, StaticDrafting
 from ..tree import Tree, TreeBuilder, chain, flatten
 
@@ -107,7 +108,7 @@ def bf16_supported(device: torch.device) -> bool:
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def draft_dtype(target: "Transformer", requested: str = "auto") -> torch.dtype:
+def draft_dtype(target: Backend, requested: str = "auto") -> torch.dtype:
     """The dtype drafting computes in. "auto": bfloat16 for a float32 target where the hardware
     has fast bfloat16 matmuls (the drafter is memory-bound like decoding, and its draft head
     is the target's head: half the bytes, about half the time), else the target's dtype."""
@@ -136,7 +137,7 @@ def attention_mask(cache, n: int, tree_mask, device):
     return None
 
 
-def randomized(drafter: nn.Module, target: Transformer, seed: int, dtype: torch.dtype | None) -> nn.Module:
+def randomized(drafter: nn.Module, target: Backend, seed: int, dtype: torch.dtype | None) -> nn.Module:
     """`drafter` untrained: norms at 1, matrices drawn with variance 1 / inputs, the rest 0; on
     the target's device, in `dtype` (default: the target's), frozen."""
     generator = torch.Generator().manual_seed(seed)
@@ -152,7 +153,7 @@ def randomized(drafter: nn.Module, target: Transformer, seed: int, dtype: torch.
 
 
 class EagleDrafter(nn.Module):
-    def __init__(self, target: Transformer, input_norm: bool = False, taps: tuple[int, ...] = (),
+    def __init__(self, target: Backend, input_norm: bool = False, taps: tuple[int, ...] = (),
                  n_layers: int = 1):
         super().__init__()
         if n_layers < 1:
@@ -173,41 +174,33 @@ class EagleDrafter(nn.Module):
             self.layers[0].attn_norm = nn.Identity()
         # Shared with the target, never trained: not registered as parameters.
         self.__dict__["target"] = target
-        self.__dict__["native"] = None     # (fc, layers) on the native engine: `use_native`
+        # How it runs: torch's modules, or packed on the native engine beside its target (`pack`).
+        self.__dict__["runtime"] = TorchLayers(self)
 
-    def use_native(self, kind: str = "bf16") -> None:
-        """Draft on the native CPU engine: fc and the layers as `kind` weights (bf16 holds a
-        bfloat16 checkpoint exactly), float32 activations, a native KV cache. What is drafted
-        changes by rounding only; verification is untouched."""
-        from ...engine.formats import block_biases, block_linears, pack_float, quantize_q8
-        from ...engine.model import native_stack
+    def pack(self, kind: str) -> None:
+        """Draft on the native CPU engine beside a target there: fc and the layers as `kind`
+        weights (bf16 holds a bfloat16 checkpoint exactly; q8i: Q8_0 groups beside 8-bit
+        activations), float32 activations, a native KV cache. What is drafted changes by
+        rounding only; verification is untouched."""
+        from ...engine.formats import block_biases, block_linears
 
         if self.fuse is not None:
             raise ValueError("drafters with taps draft on torch's kernels")
-        pack = (lambda w, bias=None: quantize_q8(w, bias)) if kind == "q8i" else \
-            (lambda w, bias=None: pack_float(w, kind, bias))
+        pack = packer(kind, self.target)
         biases = block_biases(self.args, self.layers)
         packed = {name: pack(w, bias=biases.get(name))
                   for name, w in block_linears(self.args, self.layers).items()}
-        self.__dict__["native"] = (pack(self.fc.weight, bias=self.fc.bias),
-                                   native_stack(self.args, self.layers, packed, self.target.rope))
+        self.__dict__["runtime"] = PackedLayers(self, pack(self.fc.weight, bias=self.fc.bias),
+                                                packed_stack(self.args, self.layers, packed, self.target.rope))
 
     def native_drafter(self, head):
         """Its reads and trees as native calls (native.NativeDrafter), where it and its draft
         head run on the native engine (a full or fixed-subset head over the target's packed
         rows); None elsewhere."""
-        from ...engine.native import NativeDrafter
-
-        ids = packed_head_ids(head)
-        if self.native is None or self.target.native is None or ids is False:
-            return None
-        fc, stack = self.native
-        t = self.target
-        return NativeDrafter(fc, stack, head.weight, ids, t.native.embed_weight, t.native.embed_scale,
-                             t.native.norm, t.args.norm_eps)
+        return self.runtime.native_drafter(head)
 
     @classmethod
-    def random(cls, target: Transformer, seed: int = 0, input_norm: bool = False,
+    def random(cls, target: Backend, seed: int = 0, input_norm: bool = False,
                dtype: torch.dtype | None = None, taps: tuple[int, ...] = (),
                n_layers: int = 1) -> "EagleDrafter":
         """An untrained drafter (tests, and measuring the engine's overhead)."""
@@ -252,12 +245,10 @@ class EagleDrafter(nn.Module):
 
     def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
         """Predicted next features (n, dim) for (token, feature) pairs."""
-        if self.native is not None:
-            fc, stack = self.native
-            x = fc.matmul(torch.cat([self.target.embed_tokens(tokens).float(), features.float()], dim=-1))
-            stack.forward(x, positions, cache.keys, cache.values, cache.length, cache.pending, tree_mask)
-            cache.advance(tokens.shape[0])
-            return x
+        return self.runtime.forward(tokens, features, positions, cache, tree_mask)
+
+    def torch_forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
+        """`forward` on torch's modules."""
         dtype = self.fc.weight.dtype
         x = self.fc(torch.cat([self.target.embed_tokens(tokens).to(dtype), features.to(dtype)], dim=-1))
         cos, sin = self.target.rope["global"]
@@ -290,10 +281,7 @@ class EagleDrafter(nn.Module):
         if on_device:
             return DeviceKVCache(len(self.layers), a.n_kv_heads, a.head_dim, max_len,
                                  self.fc.weight.dtype, self.fc.weight.device)
-        if self.native is not None:
-            return KVCache(len(self.layers), a.n_kv_heads, a.head_dim, max_len, torch.float32,
-                           self.fc.weight.device, layout="native")
-        return KVCache(len(self.layers), a.n_kv_heads, a.head_dim, max_len, self.fc.weight.dtype, self.fc.weight.device)
+        return self.runtime.new_cache(len(self.layers), a, max_len)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -346,7 +334,7 @@ class EagleDrafter(nn.Module):
         return state
 
     @classmethod
-    def load(cls, directory: str | Path, target: Transformer,
+    def load(cls, directory: str | Path, target: Backend,
              dtype: torch.dtype | None = None) -> "EagleDrafter":
         """A checkpoint for `target`, computing in `dtype` (default: the target's)."""
         from safetensors.torch import load_file
@@ -425,7 +413,7 @@ def unpack_q8_0(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def checked_taps(taps, target: Transformer) -> tuple[int, ...]:
+def checked_taps(taps, target: Backend) -> tuple[int, ...]:
     """`taps` in order, if a drafter for `target` can fuse them."""
     if any(isinstance(t, bool) or not isinstance(t, int) for t in taps):
         raise DrafterMismatch(f"taps {list(taps)}: layer indices are integers")
@@ -438,6 +426,90 @@ def checked_taps(taps, target: Transformer) -> tuple[int, ...]:
 
 def _cat(*tensors):
     return None if any(t is None for t in tensors) else torch.cat(tensors)
+
+
+# ---------------------------------------------------------------- how a drafter runs
+
+def packer(kind: str, target):
+    """pack(weight, bias=None) -> a formats.PackedWeight in `kind` (q8i: Q8_0 groups beside
+    8-bit activations; bf16 or f32), for a drafter beside `target` on the native engine."""
+    from ...engine.formats import pack_float, quantize_q8
+
+    if target.drafter_format is None:
+        raise ValueError(f"a drafter packs its weights to draft beside a target on the native engine; this "
+                         f"target runs on {target.engine}")
+    if kind == "q8i":
+        return lambda w, bias=None: quantize_q8(w.float(), bias)
+    return lambda w, bias=None: pack_float(w, kind, bias)
+
+
+def packed_stack(args: ModelArgs, layers, packed: dict, rope: dict, first: dict | None = None):
+    """A drafter's decoder layers (model.Block modules) as a native stack over `packed`."""
+    from ...engine.native_backend import block_norms, native_stack
+
+    return native_stack(args, block_norms(layers), packed, rope, first)
+
+
+class TorchLayers:
+    """An EAGLE drafter run by torch's modules (any device, the drafter's dtype)."""
+
+    packed = False
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def forward(self, tokens, features, positions, cache, tree_mask=None):
+        return self.drafter.torch_forward(tokens, features, positions, cache, tree_mask)
+
+    def new_cache(self, layers: int, a: ModelArgs, max_len: int) -> KVCache:
+        w = self.drafter.fc.weight
+        return KVCache(layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
+
+    def native_drafter(self, head):
+        return None
+
+    def tree_drafting(self, proposer):
+        """How `proposer` reads and grows trees with this drafter (its `drafting`)."""
+        return TorchEagleDrafting(proposer)
+
+
+class PackedLayers(TorchLayers):
+    """An EAGLE-2 drafter packed on the native engine (`EagleDrafter.pack`): fc a packed
+    matrix, the layers a native stack, float32 activations, a native-layout cache."""
+
+    packed = True
+
+    def __init__(self, drafter, fc, stack):
+        super().__init__(drafter)
+        self.fc, self.stack = fc, stack
+
+    def forward(self, tokens, features, positions, cache, tree_mask=None):
+        x = self.fc.matmul(torch.cat([self.drafter.target.embed_tokens(tokens).float(), features.float()], dim=-1))
+        self.stack.forward(x, positions, cache.keys, cache.values, cache.length, cache.pending, tree_mask)
+        cache.advance(tokens.shape[0])
+        return x
+
+    def new_cache(self, layers: int, a: ModelArgs, max_len: int) -> KVCache:
+        return KVCache(layers, a.n_kv_heads, a.head_dim, max_len, torch.float32, self.drafter.fc.weight.device,
+                       layout="native")
+
+    def native_drafter(self, head):
+        """A NativeDrafter over the target's packed embedding, norm and `head`'s packed rows
+        (None for a head that is not packed, or not of fixed rows)."""
+        from ...engine.native import NativeDrafter
+
+        ids = packed_head_ids(head)
+        if ids is False:
+            return None
+        t = self.drafter.target
+        return NativeDrafter(self.fc, self.stack, head.weight, ids, t.embed_weight, t.embed_scale, t.norm.weight,
+                             t.args.norm_eps)
+
+    def tree_drafting(self, proposer):
+        """One native call a read and a tree (NativeEagleDrafting) where its head is packed and a
+        level drafts at most 64 children a node; torch's loop over the packed layers elsewhere."""
+        calls = self.native_drafter(proposer.head) if proposer.top_k <= 64 else None
+        return NativeEagleDrafting(proposer, calls) if calls is not None else TorchEagleDrafting(proposer)
 
 
 # ---------------------------------------------------------------- whole sequences (training)
@@ -461,7 +533,7 @@ def draft_states(drafter: EagleDrafter, tokens: torch.Tensor, features: torch.Te
     return drafter(tokens[1:], features[:-1], positions, _NoCache())
 
 
-def features_of(target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
+def features_of(target: Backend, hidden: torch.Tensor) -> torch.Tensor:
     """The drafter's features: stored hidden states through the target's final norm."""
     return target.norm(hidden.float())
 
@@ -525,8 +597,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self._last_state = None
         self._unread: list[tuple[list[int], torch.Tensor]] = []   # accepted, not yet read
         self.device = self.target.device
-        native = drafter.native_drafter(self.head) if top_k <= 64 else None
-        self.backend = NativeEagleDrafting(self, native) if native is not None else TorchEagleDrafting(self)
+        self.drafting = drafter.runtime.tree_drafting(self)
         # The live tree-size rule (live_tree.py), where the tree is chosen per step: depth and
         # total_tokens are then the largest tree a step drafts. None: every step this tree.
         self.sizing = None
@@ -542,7 +613,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         extra = self.head.down.numel() + self.head.vocab_t.numel() if hasattr(self.head, "down") else 0
         return layer + self.head.size * self.target.args.dim + extra
 
-    def _layer(self, *args, **kwargs) -> torch.Tensor:
+    def step_layer(self, *args, **kwargs) -> torch.Tensor:
         start = time.perf_counter()
         out = self.drafter(*args, **kwargs)
         if self.head.sync:
@@ -550,30 +621,30 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self.timings["layer"] += time.perf_counter() - start
         return out
 
-    def _run(self, tokens: list[int], features: torch.Tensor, timed: bool = True) -> torch.Tensor:
+    def read_forward(self, tokens: list[int], features: torch.Tensor, timed: bool = True) -> torch.Tensor:
         device = self.target.device
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
         positions = torch.arange(len(tokens), device=device) + self.cache.length
-        out = (self._layer if timed else self.drafter)(ids, features, positions, self.cache)
+        out = (self.step_layer if timed else self.drafter)(ids, features, positions, self.cache)
         self.cache.commit()
         return out
 
     @property
     def last_state(self) -> torch.Tensor:
         """The drafter's state after the last accepted token (read now if it was waiting)."""
-        self._read_unread()
+        self.read_pending()
         return self._last_state
 
     @last_state.setter
     def last_state(self, state: torch.Tensor) -> None:
         self._last_state = state
 
-    def _read_unread(self) -> None:
+    def read_pending(self) -> None:
         if self._unread:
             tokens = [t for read, _ in self._unread for t in read]
             rows = torch.cat([rows for _, rows in self._unread]) if len(self._unread) > 1 else self._unread[0][1]
             self._unread = []
-            self.backend.read(tokens, rows)
+            self.drafting.read(tokens, rows)
 
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
         if self.sizing is not None:
@@ -586,7 +657,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         read, rows = prompt_ids[1:] + [first_token], prompt_hidden
         if self._dormant():
             read, rows = read[-self.DORMANT_CONTEXT:], rows[-self.DORMANT_CONTEXT:]
-        self.backend.read(read, rows, timed=False)
+        self.drafting.read(read, rows, timed=False)
         if self.cache is not self._host_cache:     # a captured step reads this very tensor
             if self._state_buffer is None:
                 self._state_buffer = torch.empty_like(self.last_state)
@@ -601,7 +672,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         if self._dormant():
             self._forget_unread_beyond(self.DORMANT_CONTEXT)
         if sum(len(read) for read, _ in self._unread) >= self.READ_AFTER:
-            self._read_unread()
+            self.read_pending()
         self.timings["total"] += time.perf_counter() - start
 
     def _dormant(self) -> bool:
@@ -619,11 +690,11 @@ class EagleProposer(HeadTimedDrafting, Proposer):
                 self._unread[0] = (read[excess:], rows[excess:])
                 excess = 0
 
-    def _features(self, rows: torch.Tensor) -> torch.Tensor:
+    def features(self, rows: torch.Tensor) -> torch.Tensor:
         """The drafter's input features from the target's rows (see generate.Proposer)."""
         return self.drafter.input_rows(rows)
 
-    def _top_k(self, states: torch.Tensor, tokens: list[int], level: int):
+    def top_tokens(self, states: torch.Tensor, tokens: list[int], level: int):
         """Each row's top tokens; `tokens`: the token each row has just read, `level`: the
         rows' tree level (0: the root)."""
         return self.head.top_k(self.drafter.head_input(states), self.top_k, tokens, level)
@@ -632,11 +703,11 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         start = time.perf_counter()
         sizing = self.sizing if self.size_live else None
         if sizing is None:
-            tree = self.backend.grow(root_token, self.depth, self.total_tokens)
+            tree = self.drafting.grow(root_token, self.depth, self.total_tokens)
         else:
             depth, total = sizing.plan()
             if depth:
-                tree = self.backend.grow(root_token, depth, total, sizing.stop)
+                tree = self.drafting.grow(root_token, depth, total, sizing.stop)
                 tree = sizing.choose(tree, sizing.stop.levels, time.perf_counter() - start)
             else:
                 tree = chain(root_token, [], device=self.target.device)
@@ -654,11 +725,11 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         return drafts_statically(self.head)
 
     def static_form(self, max_len: int | None) -> "EagleStaticDrafting | None":
-        self._read_unread()             # into the cache it was meant for
+        self.read_pending()             # into the cache it was meant for
         if max_len is None:
             self.cache = self._host_cache
             return None
-        if isinstance(self.backend, NativeEagleDrafting) or self.drafter.native is not None:
+        if self.drafter.runtime.packed:
             raise ValueError("static steps run on torch's kernels: this drafter drafts natively")
         if max_len not in self._static_forms:
             cache = self.drafter.new_cache(max_len + self.depth * self.top_k + 1, on_device=True)
@@ -677,15 +748,15 @@ class TorchEagleDrafting:
 
     def read(self, tokens: list[int], hidden: torch.Tensor, timed: bool = True) -> None:
         p = self.proposer
-        p.last_state = p._run(tokens, p._features(hidden), timed)[-1:]
+        p.last_state = p.read_forward(tokens, p.features(hidden), timed)[-1:]
 
     def grow(self, root_token: int, depth: int, total_tokens: int, stop=None) -> Tree:
         """EAGLE-2's tree (the native drafter's `vs_eagle_tree` follows it node for node);
         `stop`: where it may stop growing (TreeBuilder.grow)."""
         p = self.proposer
-        p._read_unread()                 # the accepted tokens since the last tree, first
+        p.read_pending()                 # the accepted tokens since the last tree, first
         builder = TreeBuilder(root_token, p.top_k, total_tokens)
-        tokens, log_probs = p._top_k(p.last_state, [root_token], 0)
+        tokens, log_probs = p.top_tokens(p.last_state, [root_token], 0)
         builder.add_children([0], tokens, log_probs)
         # Each expanded node's drafter state feeds its children; its pending KV slot lets
         # descendants attend to it.
@@ -698,9 +769,9 @@ class TorchEagleDrafting:
             ids = torch.tensor(read, dtype=torch.long, device=device)
             features = torch.stack([state_of[builder.parent[n]] for n in frontier])
             positions = torch.tensor([base - 1 + builder.depth[n] for n in frontier], device=device)
-            states = p._layer(ids, features, positions, p.cache, tree_mask=mask)
+            states = p.step_layer(ids, features, positions, p.cache, tree_mask=mask)
             state_of.update(zip(frontier, states))
-            return p._top_k(states, read, level)
+            return p.top_tokens(states, read, level)
 
         builder.grow(depth, expand, lambda: p.cache.pending, device, stop)
         p.cache.discard()
@@ -725,7 +796,7 @@ class NativeEagleDrafting:
             p.timings["native"] += time.perf_counter() - start
 
     def grow(self, root_token: int, depth: int, total_tokens: int, stop=None) -> Tree:
-        self.proposer._read_unread()     # the accepted tokens since the last tree, first
+        self.proposer.read_pending()     # the accepted tokens since the last tree, first
         p, start = self.proposer, time.perf_counter()
         cache = p.cache
         tokens, parents, ranks, values = self.native.tree(cache.keys, cache.values, cache.length, root_token,
@@ -760,7 +831,7 @@ class EagleStaticDrafting(StaticDrafting):
         are left past the committed slots."""
         cache, p = self.cache, self.proposer
         positions = torch.arange(reads.numel(), device=reads.device) + cache.length
-        states = p.drafter(reads, p._features(rows), positions, cache)
+        states = p.drafter(reads, p.features(rows), positions, cache)
         cache.keep(torch.arange(reads.numel(), device=reads.device), count)
         p.last_state.copy_(states.index_select(0, (count - 1).view(1)))
 
@@ -774,7 +845,7 @@ class EagleStaticDrafting(StaticDrafting):
         p, cache = self.proposer, self.cache
         start = time.perf_counter()
         k, device = p.top_k, p.target.device
-        ids, log_probs = p._top_k(p.last_state, None, 0)
+        ids, log_probs = p.top_tokens(p.last_state, None, 0)
         tokens, values = [ids[0]], [log_probs[0]]
         parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
         depths = [torch.ones(k, dtype=torch.long, device=device)]
@@ -787,8 +858,8 @@ class EagleStaticDrafting(StaticDrafting):
         for level in range(1, p.depth + 1):
             read = torch.cat(tokens)[front]
             positions = torch.full((k,), level - 1, dtype=torch.long, device=device) + cache.length
-            states = p._layer(read, features, positions, cache, tree_mask=torch.cat([visible, eye], dim=1))
-            ids, log_probs = p._top_k(states, None, level)            # (k, k)
+            states = p.step_layer(read, features, positions, cache, tree_mask=torch.cat([visible, eye], dim=1))
+            ids, log_probs = p.top_tokens(states, None, level)            # (k, k)
             layer_values = (front_values[:, None] + log_probs).flatten()
             tokens.append(ids.flatten())
             values.append(layer_values)

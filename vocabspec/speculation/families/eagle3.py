@@ -24,7 +24,7 @@ output and i the output of layer i - 1 (the input of layer i); by default [2, N/
 The embedding is the checkpoint's where it has one, else the target's table (unscaled, as
 both read it). Drafting runs on torch's kernels, on any device, or where the target runs on
 the native CPU engine, on it: a read and a whole tree one native call each, as EAGLE-2's
-(`use_native`). It only chooses what is drafted, so the target's verification keeps the
+(`pack`). It only chooses what is drafted, so the target's verification keeps the
 output exactly the target's own.
 """
 
@@ -37,10 +37,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .eagle import DrafterMismatch, attention_mask, packed_head_ids, randomized, unpack_q8_0
+from .eagle import (DrafterMismatch, PackedLayers, TorchLayers, attention_mask, packed_head_ids, packed_stack,
+                    packer, randomized, unpack_q8_0)
 from ...engine.kv_cache import DeviceKVCache, KVCache
 from ...engine.linear import Linear
-from ...engine.model import Block, ModelArgs, RMSNorm, Transformer, rope_tables
+from ...engine.model import Block, ModelArgs, RMSNorm, rope_tables
 
 LAYOUTS = ("speculators", "sglang")
 
@@ -90,7 +91,7 @@ def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
     return (2, n_layers // 2, n_layers - 3)
 
 
-def read_config(config: dict, target: Transformer) -> tuple[str, Eagle3Config]:
+def read_config(config: dict, target) -> tuple[str, Eagle3Config]:
     """(layout, config) of an EAGLE-3 checkpoint's config.json for `target`."""
     n = target.args.n_layers
     if config.get("speculators_model_type") == "eagle3":
@@ -154,7 +155,7 @@ class Eagle3Drafter(nn.Module):
     drafter.EagleProposer drafts with (forward, input_rows, head_input, new_cache, taps,
     native_drafter)."""
 
-    def __init__(self, target: Transformer, config: Eagle3Config):
+    def __init__(self, target, config: Eagle3Config):
         super().__init__()
         ta = target.args
         if config.target_dim != ta.dim:
@@ -201,39 +202,34 @@ class Eagle3Drafter(nn.Module):
         cos, sin = rope_tables(a.head_dim, a.rope_base, a.max_seq_len + 256, a.rope_scaling)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        # On the native engine (`use_native`): (fc, stack), the packing of its weights, and
-        # its own embedding packed (None: the target's).
-        self.__dict__["native"] = None
-        self.__dict__["native_pack"] = None
-        self.__dict__["native_embed"] = None
+        # How it runs: torch's modules, or packed on the native engine beside its target (`pack`).
+        self.__dict__["runtime"] = Eagle3TorchLayers(self)
 
     # ------------------------------------------------------------ the native engine
 
-    def use_native(self, kind: str = "bf16") -> None:
-        """Draft on the native CPU engine (as drafter.EagleDrafter.use_native): fc, the layers
-        and the draft head as `kind` weights (q8i: GGUF's Q8_0 groups beside 8-bit
-        activations), float32 activations, a native KV cache. What is drafted changes by
+    def pack(self, kind: str) -> None:
+        """Draft on the native CPU engine beside a target there (as eagle.EagleDrafter.pack):
+        fc, the layers and the draft head as `kind` weights (q8i: GGUF's Q8_0 groups beside
+        8-bit activations), float32 activations, a native KV cache. What is drafted changes by
         rounding only; verification is untouched."""
-        from ...engine.formats import block_biases, block_linears, pack_float, quantize_q8
-        from ...engine.model import native_stack, norm_weight
+        from ...engine.formats import block_biases, block_linears, pack_float
 
         c, a = self.config, self.args
         if not self.native_fits:
             raise ValueError("EAGLE-3 drafters that norm fc's inputs (fc_norm, norm_before_fc) draft on "
                              "torch's kernels")
-        pack = (lambda w, bias=None: quantize_q8(w.float(), bias)) if kind == "q8i" else \
-            (lambda w, bias=None: pack_float(w, kind, bias))
+        pack = packer(kind, self.target)
         biases = block_biases(a, self.layers)
         packed = {name: pack(w, bias=biases.get(name)) for name, w in block_linears(a, self.layers).items()}
         rope = {"global": tuple(t.float().contiguous() for t in
                                 rope_tables(a.head_dim, a.rope_base, a.max_seq_len + 256, a.rope_scaling))}
-        first = {"attn_norm": norm_weight(self.embed_norm), "hidden_norm": norm_weight(self.hidden_norm),
+        first = {"attn_norm": self.embed_norm.weight.detach().float().contiguous(),
+                 "hidden_norm": self.hidden_norm.weight.detach().float().contiguous(),
                  "norm_residual": c.norm_before_residual}
         fc_bias = None if self.fc.bias is None else self.fc.bias.detach().float()
-        self.__dict__["native"] = (pack(self._fc_over_rows(), bias=fc_bias),
-                                   native_stack(a, self.layers, packed, rope, first))
-        self.__dict__["native_pack"] = pack
-        self.__dict__["native_embed"] = None if self.embed is None else pack_float(self.embed.weight, "bf16")
+        embed = None if self.embed is None else pack_float(self.embed.weight, "bf16")
+        self.__dict__["runtime"] = Eagle3PackedLayers(self, pack(self._fc_over_rows(), bias=fc_bias),
+                                                      packed_stack(a, self.layers, packed, rope, first), pack, embed)
 
     @property
     def native_fits(self) -> bool:
@@ -256,32 +252,23 @@ class Eagle3Drafter(nn.Module):
     def native_drafter(self, head):
         """Its reads and trees as native calls (native.NativeDrafter) where it drafts on the
         native engine and `head` is packed; None elsewhere."""
-        from ...engine.native import NativeDrafter
-
-        ids = packed_head_ids(head)
-        embed = self.native_embed or (self.target.native.embed_weight if self.target.native else None)
-        if self.native is None or ids is False or embed is None:
-            return None
-        fc, stack = self.native
-        norm = self.norm.weight
-        return NativeDrafter(fc, stack, head.weight, ids, embed, None, None, self.args.norm_eps, fused=True,
-                             head_norm=None if self.config.norm_output else norm,
-                             out_norm=norm if self.config.norm_output else None)
+        return self.runtime.native_drafter(head)
 
     # ------------------------------------------------------------ running
 
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The rows of its embedding: the checkpoint's, or the target's table as it is."""
         if self.embed is not None:
             return self.embed(tokens)
-        if self.target.native is not None:        # its float table is not in memory
-            return self.target.native.embed(tokens, scaled=False)
-        return self.target.embed(tokens)
+        return self.target.embedding_rows(tokens)
 
     def input_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Fused features from the target's rows at positions it has run: its tapped layer
         outputs side by side (`taps` order), then its last layer's hidden state."""
-        if self.native is not None:
-            return self.native[0].matmul(rows)
+        return self.runtime.input_rows(rows)
+
+    def torch_input_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """`input_rows` on torch's modules."""
         dim, n = self.target.args.dim, self.target.args.n_layers
         parts = {t + 1: rows[:, k * dim:(k + 1) * dim] for k, t in enumerate(self.taps)}
         parts[n] = rows[:, -dim:]
@@ -301,13 +288,10 @@ class Eagle3Drafter(nn.Module):
     def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
         """The layers' outputs (n, dim) for (token, feature) pairs: what the head scores (after
         `head_input`) and what a draft step below reads as its feature."""
-        if self.native is not None:
-            x = features.float().contiguous().clone()
-            embeds = self.embedding(tokens).float().contiguous()
-            self.native[1].forward(x, positions, cache.keys, cache.values, cache.length, cache.pending,
-                                   tree_mask, embeds=embeds)
-            cache.advance(tokens.shape[0])
-            return self.norm(x) if self.config.norm_output else x
+        return self.runtime.forward(tokens, features, positions, cache, tree_mask)
+
+    def torch_forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
+        """`forward` on torch's modules."""
         dtype = self.fc.weight.dtype
         embeds, features = self.embedding(tokens).to(dtype), features.to(dtype)
         mask = attention_mask(cache, tokens.shape[0], tree_mask, tokens.device)
@@ -326,9 +310,7 @@ class Eagle3Drafter(nn.Module):
         a, w = self.args, self.fc.weight
         if on_device:
             return DeviceKVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
-        if self.native is not None:
-            return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, torch.float32, w.device, layout="native")
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
+        return self.runtime.new_cache(a.n_layers, a, max_len)
 
     def narrowed(self, spec: str, files: Path | None = None,
                  token_map: str | Path | None = None) -> "Eagle3Drafter":
@@ -336,7 +318,7 @@ class Eagle3Drafter(nn.Module):
         its own: the same drafts from a smaller head, to ship or export."""
         from dataclasses import replace
 
-        if self.native is not None:
+        if self.runtime.packed:
             raise ValueError("narrow a drafter before it drafts natively")
         head = self.draft_head(spec, files, token_map)
         narrow = Eagle3Drafter(self.target, replace(self.config, draft_vocab_size=head.size))
@@ -356,7 +338,7 @@ class Eagle3Drafter(nn.Module):
 
         kind, size = parse_draft_vocab(spec)
         rows, ids = self.lm_head.weight, self.draft_ids
-        pack = self.native_pack or (lambda w: w)       # natively: the rows packed as the layers
+        pack = self.runtime.pack_rows       # natively: the rows packed as the layers
         if kind == "full":
             return StaticSubset.of_rows(pack(rows), ids, name=f"eagle3:{ids.numel()}")
         if kind == "spec":
@@ -378,7 +360,7 @@ class Eagle3Drafter(nn.Module):
     # ------------------------------------------------------------ checkpoints
 
     @classmethod
-    def random(cls, target: Transformer, config: Eagle3Config, seed: int = 0,
+    def random(cls, target, config: Eagle3Config, seed: int = 0,
                dtype: torch.dtype | None = None) -> "Eagle3Drafter":
         """An untrained drafter (tests); its draft vocabulary: the target's first ids."""
         return randomized(cls(target, config), target, seed, dtype)
@@ -474,7 +456,7 @@ class Eagle3Drafter(nn.Module):
         (directory / "config.json").write_text(json.dumps(self.config_in(layout, extra), indent=2))
 
     @classmethod
-    def load(cls, directory: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> "Eagle3Drafter":
+    def load(cls, directory: str | Path, target, dtype: torch.dtype | None = None) -> "Eagle3Drafter":
         """A checkpoint in either layout, for `target`, computing in `dtype` (default: the
         target's, float32 for a quantized one)."""
         from safetensors.torch import load_file
@@ -541,3 +523,49 @@ class Eagle3Drafter(nn.Module):
         dtype = dtype or (target.dtype if target.dtype in (torch.float32, torch.bfloat16, torch.float16)
                           else torch.float32)
         return drafter.to(device=target.device, dtype=dtype).eval().requires_grad_(False)
+
+
+class Eagle3TorchLayers(TorchLayers):
+    """An EAGLE-3 drafter run by torch's modules."""
+
+    def input_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.drafter.torch_input_rows(rows)
+
+    def pack_rows(self, weight: torch.Tensor):
+        return weight
+
+
+class Eagle3PackedLayers(PackedLayers):
+    """An EAGLE-3 drafter packed on the native engine (`Eagle3Drafter.pack`): fc over the
+    target's rows in the engine's order, the layers a native stack whose first layer reads the
+    embeddings, its head's rows packed as the layers (`pack_rows`), its own embedding packed
+    (None: the target's)."""
+
+    def __init__(self, drafter, fc, stack, pack, embed):
+        super().__init__(drafter, fc, stack)
+        self.pack_rows, self.embed = pack, embed
+
+    def input_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.fc.matmul(rows)
+
+    def forward(self, tokens, features, positions, cache, tree_mask=None):
+        d = self.drafter
+        x = features.float().contiguous().clone()
+        embeds = d.embedding(tokens).float().contiguous()
+        self.stack.forward(x, positions, cache.keys, cache.values, cache.length, cache.pending, tree_mask,
+                           embeds=embeds)
+        cache.advance(tokens.shape[0])
+        return d.norm(x) if d.config.norm_output else x
+
+    def native_drafter(self, head):
+        from ...engine.native import NativeDrafter
+
+        ids = packed_head_ids(head)
+        if ids is False:
+            return None
+        d = self.drafter
+        embed = self.embed or d.target.embed_weight
+        norm = d.norm.weight
+        return NativeDrafter(self.fc, self.stack, head.weight, ids, embed, None, None, d.args.norm_eps, fused=True,
+                             head_norm=None if d.config.norm_output else norm,
+                             out_norm=norm if d.config.norm_output else None)

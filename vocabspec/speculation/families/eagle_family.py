@@ -48,9 +48,9 @@ def eagle_parts(model, config: DraftConfig, model_name: str, log=None) -> EagleP
         drafter = Eagle3Drafter.load(path, model, dtype=dtype)
         if config.ranker is not None:
             raise ValueError("--ranker applies to SpecVocab heads, which EAGLE-3 drafters do not take")
-        if model.native is not None and drafter.native_fits:
+        if model.drafter_format is not None and drafter.native_fits:
             _native_draft_dtype(config)
-            drafter.use_native("q8i" if model.weights == "gguf-a8" else "bf16")
+            drafter.pack(model.drafter_format)
         vocab = default_vocab(Path(path)) if config.vocab == "auto" else config.vocab
         return EagleParts(drafter, drafter.draft_head(vocab, files, config.token_map), path, dtype)
     drafter = EagleDrafter.random(model, dtype=dtype) if path == "random" else \
@@ -58,15 +58,14 @@ def eagle_parts(model, config: DraftConfig, model_name: str, log=None) -> EagleP
     vocab = default_vocab(files) if config.vocab == "auto" else config.vocab
     if config.vocab == "auto" and log:
         log(f"draft vocabulary: {vocab} (the drafter's default; --draft-vocab to choose)")
-    # On the native engine the drafter drafts natively too, and the full and static draft
-    # heads score with the target's own head in its run-time format.
+    # Beside a target on the native engine the drafter drafts natively too (in the format the
+    # target names), and the full and static draft heads score with the target's own head in
+    # its run-time format.
     packed_head = None
-    if model.native is not None and not drafter.taps:
+    if model.drafter_format is not None and not drafter.taps:
         _native_draft_dtype(config)
-        # With 8-bit activations the drafter's weights go to Q8_0 groups too (lossy, for the
-        # drafter only: it changes what is drafted, never what is accepted).
-        drafter.use_native("q8i" if model.weights == "gguf-a8" else "bf16")
-        packed_head = model.native.head_weight
+        drafter.pack(model.drafter_format)
+        packed_head = model.packed_head
     head = make_draft_vocab(vocab, model.head_weight, files, config.token_map, config.ranker,
                             dtype=dtype, packed_head=packed_head)
     return EagleParts(drafter, head, path, dtype)

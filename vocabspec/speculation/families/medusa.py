@@ -350,9 +350,8 @@ def medusa_parts(model, config, model_name: str, log=None):
         vocab = "full" if path == "random" else default_vocab(Path(path))
         if log:
             log(f"draft vocabulary: {vocab} (the Medusa heads' default; --draft-vocab to choose)")
-    packed = model.native.head_weight if model.native is not None else None
     head = make_draft_vocab(vocab, model.head_weight, head_files(config, model_name), config.token_map,
-                            config.ranker, packed_head=packed)
+                            config.ranker, packed_head=model.packed_head)
     return heads, head, path
 
 

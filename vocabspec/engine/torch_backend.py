@@ -1,0 +1,178 @@
+"""torch's backend: the reference `Transformer` (model.py) on torch's kernels, any device.
+
+A step's spans run a forward each over their own KV caches, or, where a batch runs its requests'
+rows together (`caches(together=True)`: a GPU's batches), as rows of one forward over per-slot
+caches (batched.py): every span a tree or a prompt's chunk in its slot, and a step of plain
+rows alone one captured decode step on a GPU. torch's kernels round a row differently with
+other rows beside it (SDPA's and the matmuls' reduction order follows the row count), so this
+backend is not exact: drafting on it needs inexact answers allowed, and so do rows together.
+`KernelBackend` (kernel_backend.py) is the same model on the row-invariant kernels, exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import Backend
+from .kv_cache import KVCache, ancestor_mask
+from .model import Transformer
+from .step_rows import StepRows
+
+
+class TorchBackend(Backend):
+    """`module` (a Transformer, its weights loaded) on torch's kernels; `engine`: what runs it,
+    and why (loading.load_model says)."""
+
+    slot_elements: int | None = None    # the most elements a layer's slot table may hold (None: any)
+    context_bound = True    # a decode step's attention reads its slots up to the step's context
+    device_steps = True
+
+    def __init__(self, module: Transformer, engine: str = ""):
+        super().__init__(module.args)
+        self.module = module
+        self.engine = engine or f"torch's kernels on {module.device.type}"
+        self.decodes = {}       # batched.DecodeStep by slot table: a step of plain rows on a GPU
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.module.dtype
+
+    @property
+    def rope(self) -> dict:
+        return self.module.rope
+
+    @property
+    def norm(self) -> torch.nn.Module:
+        return self.module.norm
+
+    @property
+    def weights(self) -> str:
+        return "torch-" + str(self.dtype).removeprefix("torch.")
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.module.head_weight
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        a = self.args
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len or a.max_seq_len, self.dtype, self.device)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.module.embed_tokens(tokens)
+
+    def embedding_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.module.embed(tokens)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.module.lm_head(hidden)
+
+    # ------------------------------------------------------------ a forward
+
+    def tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, tree_mask=None,
+                     taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One sequence's rows after `cache` (a KVCache, or a static step's DeviceKVCache):
+        causal, or as `tree_mask` (n, pending + n) shows them; (hidden states, tapped outputs
+        or None)."""
+        hidden, _, *tapped = self.module(tokens, positions, cache, tree_mask=tree_mask, logits_rows=[], taps=taps)
+        return hidden, tapped[0] if taps else None
+
+    def block(self, block, x, cos, sin, cache, mask) -> torch.Tensor:
+        """One decoder layer over rows `x` (batched.py runs a slot table's layers through it)."""
+        return block(x, cos, sin, cache, mask, 0)
+
+    def slot_visibility(self, sequence, positions: torch.Tensor, tree_mask):
+        """What a span's rows see in its slot, as this backend's slot layers read it (None:
+        `tree_mask` as it is)."""
+        return None
+
+    def slot_forward(self, cache, tokens, positions, slots, trees, taps):
+        """batched.forward_with_trees' forward on this backend."""
+        from .batched import forward_with_trees_on_torch
+
+        return forward_with_trees_on_torch(self, cache, tokens, positions, slots, trees, taps)
+
+    def rows_forward(self, tokens, positions, cache, first_slot, context, taps, slots):
+        """batched.forward_rows on this backend."""
+        from .batched import forward_rows_on_torch
+
+        return forward_rows_on_torch(self, tokens, positions, cache, first_slot, context, taps, slots)
+
+    def forward(self, rows: StepRows) -> StepRows:
+        from .batched import SlotSequence
+
+        tables = {id(span.cache.table) if isinstance(span.cache, SlotSequence) else None for span in rows.spans}
+        if len(tables) == 1 and None not in tables:
+            return self._forward_slots(rows, rows.spans[0].cache.table)
+        hidden, tapped = [], []
+        for span in rows.spans:
+            mask = ancestor_mask(span.parents) if span.parents is not None else None
+            h, t = self.tree_forward(span.tokens, span.positions, span.cache, mask, rows.taps)
+            hidden.append(h)
+            tapped.append(t)
+        one = len(hidden) == 1
+        return rows.set_outputs(hidden[0] if one else torch.cat(hidden),
+                                (tapped[0] if one else torch.cat(tapped)) if rows.taps else None)
+
+    # ------------------------------------------------------------ rows together, over slots
+
+    def together(self, allow_inexact: bool) -> bool:
+        """Whether a batch runs its requests as rows of one forward by default: where inexact
+        answers are allowed (torch rounds a row differently beside other rows)."""
+        return allow_inexact
+
+    def check_together(self, allow_inexact: bool) -> None:
+        if not allow_inexact:
+            raise ValueError(f"batched rows on {self.engine} round each row differently with "
+                             "other rows beside it, so an answer could differ from serving it alone: "
+                             "run on the row-invariant kernels (--backend triton), or allow inexact "
+                             "answers (--allow-inexact, allow_inexact=True)")
+
+    def caches(self, count: int, window: int, together: bool = False) -> list:
+        """With `together`, one slot table of as many slots of `window` tokens as half the free
+        memory holds (at most `count`), each slot a request's cache (batched.SlotSequence)."""
+        if not together:
+            return super().caches(count, window)
+        from .batched import DecodeStep, SlotCache, SlotSequence
+
+        table = SlotCache.fitting(self, window, count)
+        if self.device.type == "cuda":
+            self.decodes[id(table)] = DecodeStep(self, table, head=False)
+        return [SlotSequence(table, slot) for slot in range(table.slots)]
+
+    def _forward_slots(self, rows: StepRows, table) -> StepRows:
+        """Every span as rows of one forward over the slot table: a step of plain rows alone
+        as one decode step (a CUDA graph on a GPU), else each span a tree (`SlotTree`) of
+        `forward_with_trees` (a causal chunk as the chain it is)."""
+        from .batched import SlotTree, forward_with_trees
+
+        spans, device = rows.spans, self.device
+        decode = self.decodes.get(id(table))
+        if decode is not None and not rows.taps and all(span.rows == 1 for span in spans):
+            return rows.set_outputs(self._decode_step(decode, spans), None)
+        trees = []
+        for span in spans:
+            mask = ancestor_mask(span.parents) if span.parents is not None else \
+                torch.ones(span.rows, span.rows, dtype=torch.bool, device=device).tril() if span.rows > 1 else None
+            trees.append(SlotTree(self, span.cache, span.tokens.to(device), span.positions.to(device), mask))
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        out = forward_with_trees(self, table, none, none, none, trees, rows.taps)
+        return rows.set_outputs(*(out if rows.taps else (out, None)))
+
+    def _decode_step(self, decode, spans) -> torch.Tensor:
+        """Plain rows alone as one captured decode step over the first slots (an idle slot's row
+        feeds token 0 at position 0 into its own slot only); each span's hidden state."""
+        slots = [span.cache.slot for span in spans]
+        rows = decode.rows(max(slots) + 1)
+        tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
+        positions = torch.zeros(rows, dtype=torch.long, device=self.device)
+        at = torch.tensor(slots, device=self.device)
+        tokens[at] = torch.cat([span.tokens for span in spans]).to(self.device)
+        positions[at] = torch.tensor([span.cache.length for span in spans], device=self.device)
+        hidden = decode(tokens, positions, max(span.cache.length for span in spans) + 1)[at]
+        for span in spans:
+            span.cache.advance(1)
+        return hidden
