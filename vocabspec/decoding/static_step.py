@@ -198,21 +198,21 @@ class StaticProposal(Proposer):
         pass        # the decoder's step told the drafting (`StaticDrafting.observe`, `after`)
 
 
-class StaticBackend(Backend):
+class StaticBackend:
     """Greedy steps as static steps over `inner` (torch's backend, or the row-invariant
-    kernels'), for one `proposer` (module docstring); every other request steps through
-    `inner`. The decoders keep a cache each, by size (`decoder`)."""
+    kernels'), for one `proposer` (module docstring): a Backend whose `prepare`, `forward` and
+    `verify_greedy` are its own, everything else `inner`'s (the model it runs: its head, cache,
+    prefill). The decoders keep a cache each, by size (`decoder`)."""
 
     def __init__(self, inner: Backend, proposer: Proposer | None):
         if not inner.device_steps:
             raise ValueError("static steps run on torch's kernels (a GPU's path); the native "
                              "engine keeps its own cache: load with backend='torch'")
-        super().__init__(inner.args)
-        self.inner, self.proposer, self.lock = inner, proposer, inner.lock
+        self.inner, self.proposer = inner, proposer
         self.decoders: dict[int, StaticDecoder] = {}
-        self.exact, self.memory, self.engine, self.weights = inner.exact, inner.memory, inner.engine, inner.weights
-        self.head_rows = inner.head_rows
-        self.device, self.dtype, self.rope, self.norm = inner.device, inner.dtype, inner.rope, inner.norm
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
     def decoder(self, tokens: int) -> StaticDecoder:
         """The decoder with room for `tokens`, its cache's slots rounded up to a power of two
@@ -220,7 +220,7 @@ class StaticBackend(Backend):
         size = 256
         while size < tokens:
             size *= 2
-        size = min(size, self.args.max_seq_len)
+        size = min(size, self.inner.args.max_seq_len)
         if size not in self.decoders:
             self.decoders[size] = StaticDecoder(self.inner, self.proposer, size)
         return self.decoders[size]
@@ -239,9 +239,6 @@ class StaticBackend(Backend):
         generation.proposer = StaticProposal(decoder, proposer)
         generation.cache = decoder.cache
 
-    def prefill(self, prompts):
-        return self.inner.prefill(prompts)
-
     def forward(self, rows: StepRows) -> StepRows:
         """A static request's step whole (its span the root; what it accepted `settled`), or
         `inner`'s forward."""
@@ -258,29 +255,6 @@ class StaticBackend(Backend):
 
     def verify_greedy(self, rows: StepRows, spans: list[RowSpan]) -> None:
         self.inner.verify_greedy(rows, [span for span in spans if span.settled is None])
-
-    # What drafters and verification read: the model `inner` runs.
-    @property
-    def head_weight(self) -> torch.Tensor:
-        return self.inner.head_weight
-
-    def new_cache(self, max_len: int | None = None):
-        return self.inner.new_cache(max_len)
-
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.inner.embed_tokens(tokens)
-
-    def embedding_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.inner.embedding_rows(tokens)
-
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.inner.lm_head(hidden)
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.inner.greedy_tokens(hidden)
-
-    def tree_forward(self, tokens, positions, cache, tree_mask=None, taps: tuple[int, ...] = ()):
-        return self.inner.tree_forward(tokens, positions, cache, tree_mask, taps)
 
     def together(self, allow_inexact: bool) -> bool:
         return False
