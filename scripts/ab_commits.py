@@ -7,8 +7,11 @@ call's own `seconds` (decoding, the model already loaded) gives its tokens per s
 runs every prompt on both commits, the order swapped each round. Printed: per model and
 method, the ratio HEAD / BASE of tokens per second (the geometric mean over the calls) and each
 call's ratio. 4 held-out code prompts x 2 rounds x 128 tokens by default: what BENCHMARKS pins.
+With --llamacpp, llama.cpp's own llama-completion (scripts/llamacpp.py) answers every prompt in
+the same interleaving, and each commit's speed is given against it too (geometric means of the
+per-prompt ratios): the ratio to llama.cpp before and after, in one run.
 
-    python scripts/ab_commits.py --base a0623c9 --models smollm2,gemma3 --methods none,eagle
+    python scripts/ab_commits.py --base a0623c9 --models smollm2,gemma3 --methods none,eagle --llamacpp
 """
 
 from __future__ import annotations
@@ -55,6 +58,25 @@ def run(checkout: Path, model: str, method: str, prompt: str, tokens: int, threa
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def llamacpp_peer(model: str, threads: int | None):
+    """A callable prompt -> (tokens, seconds) running llama.cpp's llama-completion on the text
+    `run` sends (the model's chat template for SmolLM2), the same GGUF file."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from llamacpp import LlamaCppTool
+    from vocabspec.engine.loading import resolve_model_path
+    from vocabspec.engine.tokenizer import load_tokenizer
+
+    path = resolve_model_path(model)
+    tokenizer = load_tokenizer(path)
+    tool = LlamaCppTool(path, tokenizer, threads or os.cpu_count(), lookup=False)
+
+    def generate(prompt: str, tokens: int) -> tuple[int, float]:
+        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if model == "smollm2" else \
+            tokenizer.encode(f"Question: {prompt}\n\nAnswer:")
+        return tool.generate(ids, tokens)
+    return generate
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="a0623c9", help="the earlier commit")
@@ -66,6 +88,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--llamacpp", action="store_true", help="llama.cpp's llama-completion in the same run")
     parser.add_argument("--out", type=Path, default=None, help="write the calls and ratios as JSON")
     args = parser.parse_args()
     home = Path(os.environ.get("VOCABSPEC_CACHE", Path.home() / ".cache" / "vocabspec"))
@@ -74,14 +97,18 @@ def main():
     texts = prompts(args.category, args.prompts)
     calls, summary = [], {}
     for model in args.models.split(","):
+        peer = llamacpp_peer(model, args.threads) if args.llamacpp else None
         for method in args.methods.split(","):
             for name in checkouts:                  # warm-up: build, pack and tune outside the timing
                 run(checkouts[name], model, method, texts[0], 8, args.threads)
-            ratios = []
+            ratios, against = [], {"base": [], "head": []}
             for round_ in range(args.rounds):
                 for index, prompt in enumerate(texts):
                     order = ["base", "head"] if (round_ + index) % 2 == 0 else ["head", "base"]
                     speed = {}
+                    if peer is not None:
+                        tokens, seconds = peer(prompt, args.max_new_tokens)
+                        speed["llama.cpp"] = tokens / seconds
                     for name in order:
                         out = run(checkouts[name], model, method, prompt, args.max_new_tokens, args.threads)
                         speed[name] = out["new_tokens"] / out["seconds"]
@@ -89,16 +116,28 @@ def main():
                                       "commit": name, "tokens": out["new_tokens"], "seconds": out["seconds"],
                                       "mean_accept_len": out.get("mean_accept_len")})
                     ratios.append(speed["head"] / speed["base"])
+                    for name in against if peer is not None else ():
+                        against[name].append(speed[name] / speed["llama.cpp"])
                     print(f"{model} {method} round {round_} prompt {index}: head {speed['head']:.1f}, "
-                          f"base {speed['base']:.1f} tok/s ({ratios[-1]:.3f})", flush=True)
-            mean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+                          f"base {speed['base']:.1f}" + (f", llama.cpp {speed['llama.cpp']:.1f}" if peer else "") +
+                          f" tok/s ({ratios[-1]:.3f})", flush=True)
+            mean = geometric_mean(ratios)
             summary[f"{model} {method}"] = round(mean, 3)
             print(f"== {model} {method}: HEAD / {args.base} = {mean:.3f} "
                   f"(calls {min(ratios):.3f} .. {max(ratios):.3f})", flush=True)
+            if peer is not None:
+                for name in against:
+                    summary[f"{model} {method} {name} / llama.cpp"] = round(geometric_mean(against[name]), 3)
+                print(f"== {model} {method} against llama.cpp: base {geometric_mean(against['base']):.3f}x, "
+                      f"head {geometric_mean(against['head']):.3f}x", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"base": args.base, "head": args.head, "ratios": summary, "calls": calls},
                                        indent=1))
     print(json.dumps(summary))
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 if __name__ == "__main__":
