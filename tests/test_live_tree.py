@@ -241,3 +241,32 @@ def test_a_tree_stops_growing_where_its_frontier_cannot_pay():
     assert not stop.pays([1, 1], log[:2])            # the raw prior's bins: 0.35 + 0.15 < 0.55
     assert stop.pays([1, 1, 1], log[:3])             # and a sure node's 0.95
     assert stop.pays([7], [log[3]]) and not stop.pays([7], [log[4]])   # depth 7: depth 2's bins
+
+
+def test_a_probe_is_charged_the_read_steady_drafting_makes_not_its_catch_up():
+    """The drafter's reads follow a line a + b n (LiveCosts.read); a probe after a long run of
+    plain steps reads all their tokens at once, but what it gained is set against the read a
+    step of steady drafting makes (of the tokens it expects to accept): the same probe with a
+    catch-up twenty times its steady read still pays, where charging the catch-up would not."""
+    costs = LiveCosts(CURVE, 0.0003)
+    for tokens in (1, 2, 4, 8, 16, 40):
+        costs.read_took(tokens, 0.00025 + 0.000035 * tokens)
+    assert costs.read(2) == pytest.approx(0.00032, rel=0.02)
+    assert costs.read(40) == pytest.approx(0.00165, rel=0.02)
+    builder = TreeBuilder(1, 1, 1)
+    builder.add_children([0], torch.tensor([[5]]), torch.tensor([[-0.05]]))
+    sure = builder.build()                   # one node the drafter is 95% sure of
+    paid = {}
+    for name, read_seconds in (("steady", 0.0004), ("catch-up", 0.008)):
+        sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, total=0, most_depth=2, most=4)
+        sizing.probe_every = sizing.plain_steps = 2 * PROBE_EVERY
+        assert sizing.plan()[0]
+        sizing.choose(sure, 1, 0.0002, read_seconds, 2 if name == "steady" else 40)
+        paid[name] = sizing.probe_every == PROBE_EVERY
+    assert paid == {"steady": True, "catch-up": True}
+    # Charged whole, the catch-up read would have sunk the probe.
+    sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, total=0, most_depth=2, most=4)
+    sizing.probe_every = sizing.plain_steps = 2 * PROBE_EVERY
+    sizing.plan()
+    sizing.choose(sure, 1, 0.0002 + 0.008)
+    assert sizing.probe_every == 4 * PROBE_EVERY

@@ -23,7 +23,11 @@ Each step:
   (1 + sum of the first m chances) / (c(1 + m) + a second head pass's chance times its cost),
   m = 0 (the root alone) included. The drafting is spent by then, so it does not enter this
   choice; it enters the rate the step gained, which sets the next step's stop, room (m + 1
-  nodes) and whether drafting pays.
+  nodes) and whether drafting pays. What a drafted step costs is its tree's growth plus the
+  drafter's read of the tokens it accepts, as a step of steady drafting reads them (the read
+  of the expected accepted tokens, from the reads' running cost line): a probe after a run of
+  plain steps reads them all at once, a catch-up that steady drafting would not pay, and
+  charging it to the probe would keep a drafter that pays from ever being tried again.
 - After verification: each verified node's outcome (on the accepted path or not) trains the
   calibration, a count per depth and confidence bin, starting from the drafter's raw
   confidence as a prior of PRIOR_WEIGHT observations, or from the counts an earlier run kept
@@ -32,7 +36,8 @@ Each step:
 Costs: c(rows) is the tuner's measured forward curve times a running scale (every step's time,
 from one verification to the next less its drafting, over the curve's at its rows, so a busy
 spell raises every size alike and a quiet one lowers them again), times a per-size correction
-once that size has MIN_SAMPLES steps; a drafting level's time is a running mean too.
+once that size has MIN_SAMPLES steps; a drafting level's time is a running mean too, and so is
+the drafter's read of n accepted tokens, a line a + b n fitted to the reads it made.
 
 Exactness does not depend on any of it: any tree of the drafted nodes verifies exactly, and
 greedy verification gives plain decoding's tokens whatever its size. A sampled request keeps
@@ -143,7 +148,8 @@ class TreeStop:
 class LiveCosts:
     """c(rows): a step's forward and verification over `rows` rows, now: the tuner's curve
     times the machine's running scale, times a size's own correction once it has MIN_SAMPLES
-    steps (both running means of log ratios); and a drafting level's time, a running mean."""
+    steps (both running means of log ratios); a drafting level's time, a running mean; and the
+    drafter's read of n tokens (`read`), a line fitted to its reads with the same weight."""
 
     def __init__(self, forward: dict[int, float], draft_level: float, head_pass: float = 0.0,
                  head_rows: int = 1 << 30):
@@ -153,6 +159,7 @@ class LiveCosts:
         self.log_scale = 0.0
         self.residual: dict[int, tuple[float, int]] = {}     # rows -> (log correction, steps)
         self.draft_level = draft_level
+        self._reads = [0.0] * 5         # running sums of 1, n, t, n n, n t over the reads
 
     def prior(self, rows: int) -> float:
         """The tuner's curve at `rows`, linear between its sizes and beyond its largest."""
@@ -170,6 +177,24 @@ class LiveCosts:
 
     def __call__(self, rows: int) -> float:
         return self.prior(rows) * math.exp(self.log_scale + self._correction(rows))
+
+    def read(self, tokens: float) -> float:
+        """Seconds the drafter's read of `tokens` tokens takes: the fitted line, or while its
+        reads have all been of one length, their mean time per token."""
+        ones, n, t, nn, nt = self._reads
+        if not ones:
+            return 0.0
+        spread = ones * nn - n * n
+        if spread <= 1e-9 * ones * ones:
+            return t / n * tokens if n else 0.0
+        slope = max(0.0, (ones * nt - n * t) / spread)
+        return max(0.0, (t - slope * n) / ones + slope * tokens)
+
+    def read_took(self, tokens: int, seconds: float) -> None:
+        """The drafter read `tokens` tokens in `seconds`."""
+        if tokens > 0 and seconds > 0.0:
+            for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+                self._reads[i] += WEIGHT * (value - self._reads[i])
 
     def step(self, rows: int, seconds: float) -> None:
         """A step's forward and verification over `rows` rows took `seconds`."""
@@ -257,12 +282,16 @@ class LiveSizing:
 
     # ---- after drafting
 
-    def choose(self, tree: Tree, drafted_levels: int, draft_seconds: float) -> Tree:
+    def choose(self, tree: Tree, drafted_levels: int, grow_seconds: float, read_seconds: float = 0.0,
+               read_tokens: int = 0) -> Tree:
         """The best tree of `tree`'s drafts (see the module docstring), and the running means
-        of drafting's cost, rate and advantage updated."""
-        self._draft_seconds = draft_seconds
+        of drafting's costs, rate and advantage updated. `grow_seconds`: the tree's growth over
+        `drafted_levels` levels; `read_seconds`: the drafter's read of `read_tokens` accepted
+        tokens before it."""
+        self._draft_seconds = grow_seconds + read_seconds
+        self.costs.read_took(read_tokens, read_seconds)
         if drafted_levels:
-            level = draft_seconds / drafted_levels
+            level = grow_seconds / drafted_levels
             self.costs.draft_level += WEIGHT * (level - self.costs.draft_level)
         ranks, values, depths = tree.ranks.tolist(), tree.values.tolist(), tree.depths.tolist()
         order = sorted(range(1, len(ranks)), key=ranks.__getitem__)
@@ -274,9 +303,10 @@ class LiveSizing:
             if rate > best_rate:
                 best_m, best_rate = m, rate
         # The drafting is spent and does not enter the choice; it does enter what this step
-        # gained, which sets the next step's rate, room and whether drafting pays.
+        # gained, which sets the next step's rate, room and whether drafting pays: its growth,
+        # and the read of the tokens it accepts as steady drafting would read them.
         gain = 1.0 + sum(chances[:best_m])
-        rate = gain / (gain / best_rate + draft_seconds)
+        rate = gain / (gain / best_rate + grow_seconds + costs.read(gain))
         self.rate += WEIGHT * (rate - self.rate)
         self.total = max(2, min(self.most, best_m + 1))
         if self._probing:        # a probe that paid resets the wait; one that did not doubles it

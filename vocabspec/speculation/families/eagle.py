@@ -707,8 +707,11 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         else:
             depth, total = sizing.plan()
             if depth:
+                tokens = sum(len(read) for read, _ in self._unread)
+                self.read_pending()             # timed apart: see live_tree.LiveSizing.choose
+                grown = time.perf_counter()
                 tree = self.drafting.grow(root_token, depth, total, sizing.stop)
-                tree = sizing.choose(tree, sizing.stop.levels, time.perf_counter() - start)
+                tree = sizing.choose(tree, sizing.stop.levels, time.perf_counter() - grown, grown - start, tokens)
             else:
                 tree = chain(root_token, [], device=self.target.device)
         self.timings["total"] += time.perf_counter() - start
