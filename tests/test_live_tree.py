@@ -64,8 +64,21 @@ def test_a_dormant_drafter_reads_only_the_tail_and_gives_plain_decodings_tokens(
     sizing.probe_every, sizing.advantage, sizing.plain_steps = MOST_PROBE_EVERY, 0.0, 0
     assert sizing.dormant
     reads.clear()
-    got = lm.generate(prompt, max_new_tokens=40, chat=True)
+    tapped = []                 # per forward of a step: the taps it computed
+    forward = lm.engine.model.forward
+    lm.engine.model.forward = lambda rows: (tapped.append(rows.taps), forward(rows))[1]
+    try:
+        got = lm.generate(prompt, max_new_tokens=40, chat=True)
+    finally:
+        del lm.engine.model.forward
     assert got.tokens == plain.generate(prompt, max_new_tokens=40, chat=True).tokens == awake.tokens
+    # The prefill's forward computed them (the drafter reads the prompt's tail), and so did the
+    # first step's (a request's first step is a probe); later steps' only within
+    # DORMANT_CONTEXT steps of the next probe (MOST_PROBE_EVERY steps after that one).
+    prefill, steps = tapped[0], tapped[1:]
+    first = MOST_PROBE_EVERY - proposer.DORMANT_CONTEXT
+    assert proposer.taps and prefill == proposer.taps and len(steps) == len(got.steps) > first + 1, tapped
+    assert steps == [proposer.taps] + [()] * first + [proposer.taps] * (len(steps) - first - 1), steps
     # the prompt's tail alone, and nothing since (no probe came within 40 tokens); a read
     # before it holds what the last request left unread, into the cache the prompt resets
     assert reads[-1] == proposer.DORMANT_CONTEXT == max(reads) == proposer.cache.length, reads
@@ -134,6 +147,24 @@ def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
     assert sizing.plan()[0]
     sizing.choose(sure, 1, 0.0)
     assert sizing.probe_every == PROBE_EVERY
+
+
+def test_an_extra_rows_cost_follows_what_drafted_steps_show():
+    """Where drafted steps show their extra rows costing twice the curve's (a forward between the
+    drafter's calls), the slope learns it within a few steps: c(4) then asks for the rows' true
+    cost, c(1) what plain steps show; a busy spell after scales both, leaving the slope."""
+    costs = LiveCosts(CURVE, 0.0003)
+    one, extra = CURVE[2], CURVE[4] - CURVE[2]
+    for _ in range(20):
+        costs.step(1, one)
+        costs.step(4, one + 2 * extra)
+    assert costs(1) == pytest.approx(one, rel=0.05)
+    assert costs(4) == pytest.approx(one + 2 * extra, rel=0.05)
+    slope = costs.slope
+    for _ in range(60):
+        costs.step(1, 3 * one)
+    assert costs(1) == pytest.approx(3 * one, rel=0.05) and costs.slope == slope
+    assert costs(4) == pytest.approx(3 * (one + 2 * extra), rel=0.05)
 
 
 def test_calibration_follows_the_outcomes():

@@ -429,7 +429,7 @@ class BatchEngine:
                 trees[slot.generation.span(rows, tree, owner=slot)] = tree
         if not rows.spans:
             return
-        rows.taps = tuple(sorted({t for span in rows.spans for t in span.owner.generation.taps}))
+        rows.taps = tuple(sorted({t for span in rows.spans for t in span.owner.generation.step_taps}))
         t1 = time.perf_counter()
         self.model.forward(rows)
         forwarded = time.perf_counter()

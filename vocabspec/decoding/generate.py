@@ -145,10 +145,12 @@ class Target:
 def proposer_rows(rows: StepRows, span: RowSpan, taps: tuple[int, ...], path: list[int]) -> torch.Tensor:
     """The rows a proposer reads (see `Proposer`) at the span's rows `path`: its drafter's
     tapped layers' outputs, then the last layer's hidden states."""
-    index = torch.tensor(path, dtype=torch.long, device=rows.hidden.device)
-    hidden = rows.hidden_of(span)[index]
-    tapped = [t[index] for t in rows.tapped_of(span, taps)]
-    return torch.cat([*tapped, hidden], dim=-1) if tapped else hidden
+    hidden, tapped = rows.hidden_of(span), rows.tapped_of(span, taps)
+    if path[-1] == len(path) - 1:       # the first rows (a root alone, a chain's path): a slice
+        pick = slice(0, len(path))
+    else:
+        pick = torch.tensor(path, dtype=torch.long, device=rows.hidden.device)
+    return torch.cat([*(t[pick] for t in tapped), hidden[pick]], dim=-1) if tapped else hidden[pick]
 
 
 class TextStream:
@@ -216,11 +218,17 @@ class Generation:
         self.token = -1          # the last chosen token: the next tree's root
         self.started = 0.0
         self._t0 = 0.0
+        self.reads_rows = False  # whether this step's rows go to the proposer (its `reads_rows`)
 
     @property
     def taps(self) -> tuple[int, ...]:
         """The target layers whose outputs its proposer reads."""
         return self.proposer.taps if self.proposer is not None else ()
+
+    @property
+    def step_taps(self) -> tuple[int, ...]:
+        """The taps this step's forward computes for it: none where its proposer reads no rows."""
+        return self.taps if self.reads_rows else ()
 
     @property
     def tree_room(self) -> int:
@@ -258,8 +266,10 @@ class Generation:
 
     def propose(self, draft: bool = True) -> Tree:
         """The tree the next step verifies: the proposer's, or the root alone (plain decoding,
-        `draft=False`, or no room for a tree)."""
+        `draft=False`, or no room for a tree). Asks first whether the proposer reads the step's
+        rows (what it reads decides that, not the step's drafting)."""
         self._t0 = time.perf_counter()
+        self.reads_rows = self.proposer is not None and self.proposer.reads_rows()
         if draft and self.can_draft:
             try:
                 tree = self.proposer.propose(self.token)
@@ -316,7 +326,8 @@ class Generation:
         tokens = tree.tokens.tolist()
         accepted = [tokens[node] for node in verdict.path]
         if self.proposer is not None:
-            self.proposer.observe(accepted, proposer_rows(rows, span, self.taps, verdict.path), verdict.next_token)
+            read = proposer_rows(rows, span, self.taps, verdict.path) if self.reads_rows else None
+            self.proposer.observe(accepted, read, verdict.next_token)
         t3 = time.perf_counter()
         ranks = tuple(tree.ranks[verdict.path[1:]].tolist()) if tree.ranks is not None and len(verdict.path) > 1 else ()
         self.result.steps.append(StepRecord(len(verdict.path), tree.size, (t1 - self._t0) + (t3 - t2), t2 - t1,

@@ -11,6 +11,7 @@ Each step:
   ones, so a verdict reached on a busy machine, or on a stretch the drafter could not guess,
   is tried again; each probe that does not pay doubles that wait, up to MOST_PROBE_EVERY
   steps (where no tree pays on this machine probes cost little), and one that pays resets it.
+  A request's first step is a probe too.
   At that longest wait the rule is `dormant`: the drafter reads only the last tokens before a
   probe (and of a prompt), so a drafter that does not pay here costs close to nothing.
 - While drafting: the tree grows a level only while that level may pay (`TreeStop`): its
@@ -33,11 +34,12 @@ Each step:
   confidence as a prior of PRIOR_WEIGHT observations, or from the counts an earlier run kept
   in the tuner's cache (autotune.keep_calibration); the step's time updates the costs.
 
-Costs: c(rows) is the tuner's measured forward curve times a running scale (every step's time,
-from one verification to the next less its drafting, over the curve's at its rows, so a busy
-spell raises every size alike and a quiet one lowers them again), times a per-size correction
-once that size has MIN_SAMPLES steps; a drafting level's time is a running mean too, and so is
-the drafter's read of n accepted tokens, a line a + b n fitted to the reads it made.
+Costs: c(rows) is the tuner's measured forward curve, its extra rows' cost times a running
+slope (what drafted steps show an extra row costs inside decoding, against the curve's), times
+a running scale (every step's time, from one verification to the next less its drafting, over
+the model's at its rows, so a busy spell raises every size alike and a quiet one lowers them
+again); a drafting level's time is a running mean too, and so is the drafter's read of n
+accepted tokens, a line a + b n fitted to the reads it made.
 
 Exactness does not depend on any of it: any tree of the drafted nodes verifies exactly, and
 greedy verification gives plain decoding's tokens whatever its size. A sampled request keeps
@@ -61,11 +63,10 @@ PROBE_EVERY = 8           # plain steps between drafted probes where drafting ha
 MOST_PROBE_EVERY = 64     # doubled by each probe that does not pay, up to this
 WEIGHT = 0.1              # running means' weight of the latest step
 ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly
-MIN_SAMPLES = 8           # steps at a size before its own correction counts
 KEEP_SEEN = 200.0         # observations a bin keeps from a previous run's calibration
 SAVE_EVERY = 256          # outcomes learned between saves of the calibration
-SHAPE_WEIGHT = 0.02       # a size's correction's: slower than the machine's scale, so that a
-                          # busy spell moves the scale (every size), not one size's shape
+SLOPE_WEIGHT = 0.2        # the slope's: a drafted step is rarer than a plain one
+MOST_SLOPE = 4.0          # the slope stays within [1 / this, this] times the curve's
 
 
 def confidence_bin(value: float, bins: int) -> int:
@@ -146,10 +147,15 @@ class TreeStop:
 
 
 class LiveCosts:
-    """c(rows): a step's forward and verification over `rows` rows, now: the tuner's curve
-    times the machine's running scale, times a size's own correction once it has MIN_SAMPLES
-    steps (both running means of log ratios); a drafting level's time, a running mean; and the
-    drafter's read of n tokens (`read`), a line fitted to its reads with the same weight."""
+    """c(rows): a step's forward and verification over `rows` rows, now. The tuner's curve
+    gives its shape, timed on forwards back to back; inside decoding, between the drafter's
+    calls, an extra row has been measured to cost up to twice the curve's. So c(rows) is the
+    curve's one-row cost plus `slope` times its extra rows' cost, all times the machine's
+    running scale: the scale a running mean of every step's log ratio (a busy spell raises
+    every size alike, a quiet one lowers them again), the slope a running mean of what each
+    step of more than one row showed its extra rows to cost. A drafting level's time is a
+    running mean, and so is the drafter's read of n tokens (`read`), a line fitted to its
+    reads."""
 
     def __init__(self, forward: dict[int, float], draft_level: float, head_pass: float = 0.0,
                  head_rows: int = 1 << 30):
@@ -157,7 +163,7 @@ class LiveCosts:
         self.rows = sorted(forward)
         self.curve = [forward[n] for n in self.rows]
         self.log_scale = 0.0
-        self.residual: dict[int, tuple[float, int]] = {}     # rows -> (log correction, steps)
+        self.slope = 1.0
         self.draft_level = draft_level
         self._reads = [0.0] * 5         # running sums of 1, n, t, n n, n t over the reads
 
@@ -171,12 +177,12 @@ class LiveCosts:
                 return ys[i - 1] + (ys[i] - ys[i - 1]) * (rows - xs[i - 1]) / (xs[i] - xs[i - 1])
         return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (rows - xs[-1])
 
-    def _correction(self, rows: int) -> float:
-        log_ratio, steps = self.residual.get(rows, (0.0, 0))
-        return log_ratio if steps >= MIN_SAMPLES else 0.0
+    def _shape(self, rows: int) -> float:
+        one = self.prior(1)
+        return one + self.slope * (self.prior(rows) - one)
 
     def __call__(self, rows: int) -> float:
-        return self.prior(rows) * math.exp(self.log_scale + self._correction(rows))
+        return self._shape(rows) * math.exp(self.log_scale)
 
     def read(self, tokens: float) -> float:
         """Seconds the drafter's read of `tokens` tokens takes: the fitted line, or while its
@@ -200,12 +206,11 @@ class LiveCosts:
         """A step's forward and verification over `rows` rows took `seconds`."""
         if seconds <= 0.0:
             return
-        log_ratio = math.log(seconds / self.prior(rows))
-        # The scale follows the machine (every size alike), the residual this size's shape.
-        self.log_scale += WEIGHT * (log_ratio - self._correction(rows) - self.log_scale)
-        residual, steps = self.residual.get(rows, (0.0, 0))
-        residual += SHAPE_WEIGHT * (log_ratio - self.log_scale - residual)
-        self.residual[rows] = (residual, steps + 1)
+        self.log_scale += WEIGHT * (math.log(seconds / self._shape(rows)) - self.log_scale)
+        extra = self.prior(rows) - self.prior(1)
+        if extra > 0.0:
+            shown = (seconds / math.exp(self.log_scale) - self.prior(1)) / extra
+            self.slope += SLOPE_WEIGHT * (min(MOST_SLOPE, max(1 / MOST_SLOPE, shown)) - self.slope)
 
 
 class LiveSizing:
@@ -240,8 +245,11 @@ class LiveSizing:
     # ---- before drafting
 
     def start(self) -> None:
-        """A new request: its first step's time would hold its prefill."""
+        """A new request: its first step's time would hold its prefill, and where drafting has
+        not been paying its first step is a probe (a new prompt is a new stretch of text: what
+        the drafter guesses there is worth one probe, not a wait the last prompt set)."""
         self._observed, self.tree, self.extra_rows, self._draft_seconds = None, None, 0, 0.0
+        self.plain_steps = max(self.plain_steps, self.probe_every)
         if self._unsaved >= SAVE_EVERY:
             self.save()
 

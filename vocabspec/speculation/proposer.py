@@ -43,8 +43,15 @@ class Proposer:
     def propose(self, root_token: int) -> Tree:
         raise NotImplementedError
 
-    def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
+    def observe(self, accepted: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
+        """The step accepted `accepted` (the root first) and chose `next_token` after them;
+        `hidden`: the target's rows at the accepted tokens (None where `reads_rows` said no)."""
         raise NotImplementedError
+
+    def reads_rows(self) -> bool:
+        """Whether the next step's rows are read (`observe`'s `hidden`): where they are not, the
+        step computes no tapped outputs for this proposer and gathers none."""
+        return True
 
     def static_form(self, max_len: int | None) -> "StaticDrafting | None":
         """Draft for static steps (static_step.py) over a target cache of `max_len` slots: the

@@ -115,6 +115,9 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
         self.tree = None
         self.root_state = None
 
+    def reads_rows(self) -> bool:
+        return False           # the draft model reads the tokens, not the target's states
+
     def observe(self, accepted, hidden, next_token) -> None:
         start = time.perf_counter()
         self.head.see_tokens(list(accepted) + [next_token])

@@ -643,13 +643,13 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         if self._unread:
             tokens = [t for read, _ in self._unread for t in read]
             rows = torch.cat([rows for _, rows in self._unread]) if len(self._unread) > 1 else self._unread[0][1]
-            self._unread = []
+            self._unread, self._unread_tokens = [], 0
             self.drafting.read(tokens, rows)
 
     def reset(self, prompt_ids: list[int], prompt_hidden: torch.Tensor, first_token: int) -> None:
         if self.sizing is not None:
             self.sizing.start()
-        self._unread = []
+        self._unread, self._unread_tokens = [], 0
         self.cache.reset()
         self.head.see_tokens(prompt_ids + [first_token], reset=True)
         # Not timed: the pass over the prompt belongs with the prefill, outside the drafting
@@ -663,31 +663,43 @@ class EagleProposer(HeadTimedDrafting, Proposer):
                 self._state_buffer = torch.empty_like(self.last_state)
             self.last_state = self._state_buffer.copy_(self.last_state)
 
-    def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
+    def observe(self, accepted: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
         start = time.perf_counter()
         if self.sizing is not None and self.size_live:
             self.sizing.observe(accepted)
         self.head.see_tokens(accepted + [next_token])
-        self._unread.append((accepted[1:] + [next_token], hidden))
-        if self._dormant():
-            self._forget_unread_beyond(self.DORMANT_CONTEXT)
-        if sum(len(read) for read, _ in self._unread) >= self.READ_AFTER:
-            self.read_pending()
+        if hidden is None:      # rows it did not ask for (`reads_rows`): its context restarts after them
+            self._unread, self._unread_tokens = [], 0
+        else:
+            self._unread.append((accepted[1:] + [next_token], hidden))
+            self._unread_tokens += len(accepted)
+            if self._dormant():
+                self._forget_unread_beyond(self.DORMANT_CONTEXT)
+            if self._unread_tokens >= self.READ_AFTER:
+                self.read_pending()
         self.timings["total"] += time.perf_counter() - start
+
+    def reads_rows(self) -> bool:
+        """Every step's, but where dormant: then the last DORMANT_CONTEXT before a probe only."""
+        if not self._dormant():
+            return True
+        return self.sizing.plain_steps + self.DORMANT_CONTEXT >= self.sizing.probe_every
 
     def _dormant(self) -> bool:
         return self.sizing is not None and self.size_live and self.sizing.dormant
 
     def _forget_unread_beyond(self, keep: int) -> None:
         """Keep only the last `keep` unread tokens (and their rows)."""
-        excess = sum(len(read) for read, _ in self._unread) - keep
+        excess = self._unread_tokens - keep
         while excess > 0:
             read, rows = self._unread[0]
             if len(read) <= excess:
                 self._unread.pop(0)
                 excess -= len(read)
+                self._unread_tokens -= len(read)
             else:
                 self._unread[0] = (read[excess:], rows[excess:])
+                self._unread_tokens -= excess
                 excess = 0
 
     def features(self, rows: torch.Tensor) -> torch.Tensor:

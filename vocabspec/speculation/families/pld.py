@@ -47,6 +47,9 @@ class PromptLookupProposer(Proposer):
         if self._static:
             self._stage()
 
+    def reads_rows(self) -> bool:
+        return False
+
     def observe(self, accepted, hidden, next_token) -> None:
         self.context.extend(accepted[1:] + [next_token])
         if self.drafted:
