@@ -87,3 +87,28 @@ def test_command_line_names_the_draft_model():
     for bad in ("model", "model:", "medusa2"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["generate", "--draft", bad, "hello"])
+
+
+def test_a_draft_models_chain_sized_live_gives_plain_decodings_tokens(smollm2):
+    """The live rule sizing a draft model's chain each step (the 8-bit copy drafting for the
+    float32 target): greedy output is plain decoding's; the rule drafted, its chains were cut
+    where their calibrated chances stopped paying (more than one length kept), drafts were
+    accepted, and steps that drafted nothing left the draft's catch-up to the next probe."""
+    from vocabspec.speculation.live_tree import LiveSizing
+
+    target = loaded("smollm2", "f32")
+    proposer = DraftModelProposer(smollm2.model, depth=6, top_k=1, total_tokens=6)
+    curve = {n: 0.010 + 0.001 * n for n in range(1, 10)}     # a float32 step; a row on top of it
+    sizing = LiveSizing(curve, draft_level=0.001, prior_speedup=1.5, total=3, most_depth=6, most=6)
+    sizing.keep_sizes = True
+    proposer.sizing = sizing
+    config = GenerationConfig(max_new_tokens=48)
+    vanilla, live = Engine(target.model, target.tokenizer), Engine(target.model, target.tokenizer, proposer)
+    accepted = 0
+    for _, text in spec_bench_prompts()[::5]:
+        ids = target.prompt_ids(text[:600])
+        out = live.generate(ids, config)
+        assert out.tokens == vanilla.generate(ids, config).tokens
+        accepted += sum(step.accept_length - 1 for step in out.steps)
+    sizes = [size for _, size in sizing.sizes]
+    assert sizes and len(set(sizes)) > 1 and accepted > 10, (sizes, accepted)

@@ -23,18 +23,22 @@ def plain():
     return vocabspec.load("smollm2", max_seq_len=1024)
 
 
-def live_model(prior_speedup: float):
+def live_model(prior_speedup: float, fixed_costs: bool = False):
+    """SmolLM2 drafting with its rule over CURVE; fixed_costs: the costs stay CURVE's, whatever
+    this machine's steps take (what the rule then does depends on its logic, not on the host)."""
     lm = vocabspec.load("smollm2", draft="eagle", depth=4, total_tokens=8, max_seq_len=1024)
     sizing = LiveSizing(CURVE, draft_level=0.0003, prior_speedup=prior_speedup, total=3,
                         most_depth=4, most=8)
     sizing.keep_sizes = True
+    if fixed_costs:
+        sizing.costs.step = sizing.costs.read_took = sizing.costs.level_took = lambda *_: None
     lm.engine.proposer.sizing = sizing
     return lm, sizing
 
 
 @pytest.mark.parametrize("prior", [1.2, 0.5], ids=["drafting-prior", "busy-verdict"])
 def test_live_sizes_give_plain_decodings_tokens(plain, prior):
-    lm, sizing = live_model(prior)
+    lm, sizing = live_model(prior, fixed_costs=True)
     accepted = []
     for prompt in PROMPTS:
         want = plain.generate(prompt, max_new_tokens=48, chat=True).tokens
@@ -301,3 +305,20 @@ def test_a_probe_is_charged_the_read_steady_drafting_makes_not_its_catch_up():
     sizing.plan()
     sizing.choose(sure, 1, 0.0002 + 0.008)
     assert sizing.probe_every == 4 * PROBE_EVERY
+
+
+def test_a_grafted_paths_tokens_are_kept_while_their_measured_chances_pay():
+    """Prompt lookup's path on the tree is scored by its own acceptance: while its tokens are
+    right the whole path pays for its rows; once paths are wrong after their first two tokens,
+    only those two are kept (their chances measured per position)."""
+    sizing = LiveSizing(CURVE, 0.0003, prior_speedup=1.5, total=3, most_depth=4, most=8)
+    for _ in range(40):
+        sizing.path.learn(6, 6)
+    assert sizing.path_rows(6) == 6
+    for _ in range(400):
+        sizing.path.learn(6, 2)
+    assert sizing.path_rows(6) == 2
+    chances = sizing.path.chances(4)
+    assert chances[0] > 0.95 and chances[1] > 0.95 and chances[2] < 0.1 and chances[3] <= chances[2]
+    row = sizing.costs(6) - sizing.costs(5)
+    assert chances[2] < sizing.rate * row < chances[1]      # the third token no longer pays its row

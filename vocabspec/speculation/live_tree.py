@@ -59,6 +59,7 @@ from .tree import Tree
 
 BINS = 10                 # confidence bins per depth
 PRIOR_WEIGHT = 4.0        # the raw confidence counts as this many observations of a bin
+PATH_PRIOR = 0.5          # a grafted path's token's chance before any was verified
 PROBE_EVERY = 8           # plain steps between drafted probes where drafting has not paid,
 MOST_PROBE_EVERY = 64     # doubled by each probe that does not pay, up to this
 WEIGHT = 0.1              # running means' weight of the latest step
@@ -121,6 +122,35 @@ class Calibration:
                 if n > 0 and 0 <= h <= n:
                     scale = min(1.0, KEEP_SEEN / n)
                     self.hits[d][b], self.seen[d][b] = h * scale, n * scale
+
+
+class PathChances:
+    """P(a grafted path's i-th token is right, those before it right too): prompt lookup's path
+    on EAGLE's tree, scored by its own measured acceptance, not by a drafter's confidence. Per
+    position, the steps whose path reached it and those where it was right, from a prior of
+    PRIOR_WEIGHT observations at PATH_PRIOR."""
+
+    def __init__(self):
+        self.hits: list[float] = []
+        self.seen: list[float] = []
+
+    def chances(self, length: int) -> list[float]:
+        """The chance that the path's first 1, 2, ..., `length` tokens are all right."""
+        out, chance = [], 1.0
+        for i in range(length):
+            hits, seen = (self.hits[i], self.seen[i]) if i < len(self.seen) else (0.0, 0.0)
+            chance *= (hits + PRIOR_WEIGHT * PATH_PRIOR) / (seen + PRIOR_WEIGHT)
+            out.append(chance)
+        return out
+
+    def learn(self, length: int, followed: int) -> None:
+        """A verified path of `length` tokens whose first `followed` were right."""
+        while len(self.seen) < length:
+            self.hits.append(0.0)
+            self.seen.append(0.0)
+        for i in range(min(followed + 1, length)):
+            self.seen[i] += 1
+            self.hits[i] += i < followed
 
 
 class TreeStop:
@@ -196,6 +226,10 @@ class LiveCosts:
         slope = max(0.0, (ones * nt - n * t) / spread)
         return max(0.0, (t - slope * n) / ones + slope * tokens)
 
+    def level_took(self, seconds: float) -> None:
+        """A drafting level took `seconds`."""
+        self.draft_level += WEIGHT * (seconds - self.draft_level)
+
     def read_took(self, tokens: int, seconds: float) -> None:
         """The drafter read `tokens` tokens in `seconds`."""
         if tokens > 0 and seconds > 0.0:
@@ -241,6 +275,7 @@ class LiveSizing:
         self.keep_sizes = False
         self.persist = None
         self._unsaved = 0
+        self.path = PathChances()               # a grafted path's tokens' measured chances
 
     # ---- before drafting
 
@@ -288,6 +323,17 @@ class LiveSizing:
         """The next proposal's drafted rows, as far as known before drafting (a batch's budget)."""
         return self.total if self.drafts() else 0
 
+    def path_rows(self, length: int) -> int:
+        """How many of a grafted path's `length` tokens to verify: while each one's chance to be
+        right with those before it (`path`, measured) pays for its row at the rule's rate, the
+        rows counted after the tree this step may keep."""
+        costs, rows, kept = self.costs, 1 + (self.total if self.drafts() else 0), 0
+        for chance in self.path.chances(length):
+            if chance < self.rate * (costs(rows + 1) - costs(rows)):
+                break
+            rows, kept = rows + 1, kept + 1
+        return kept
+
     # ---- after drafting
 
     def choose(self, tree: Tree, drafted_levels: int, grow_seconds: float, read_seconds: float = 0.0,
@@ -299,8 +345,7 @@ class LiveSizing:
         self._draft_seconds = grow_seconds + read_seconds
         self.costs.read_took(read_tokens, read_seconds)
         if drafted_levels:
-            level = grow_seconds / drafted_levels
-            self.costs.draft_level += WEIGHT * (level - self.costs.draft_level)
+            self.costs.level_took(grow_seconds / drafted_levels)
         ranks, values, depths = tree.ranks.tolist(), tree.values.tolist(), tree.depths.tolist()
         order = sorted(range(1, len(ranks)), key=ranks.__getitem__)
         chance = self.calibration.chance

@@ -277,6 +277,36 @@ def keep_calibration(sizing, key: str) -> None:
     atexit.register(lambda: alive() is not None and alive().save())
 
 
+def _forward_key(model) -> str:
+    """The forward curve's cache key: its time depends on the model's shapes, not on its
+    weights or drafter; a plain step's forward (0 drafted) is timed too, the live rule weighing
+    every tree against it."""
+    args = model.args
+    shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
+            f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
+    return _cache_key(model, f"forward|{shape}|v10")
+
+
+def forward_curve(model, log=None) -> dict[int, float]:
+    """Rows verified -> seconds of the forward (cost_curve.forward_seconds), timed once per
+    model shape and machine and cached with the trees' choices."""
+    from ..engine.files import cache_dir
+
+    path, key = cache_dir() / "autotune.json", _forward_key(model)
+    known = _load(path)
+    _retime_if_busy(path, known, (key,), log)
+    if key not in known:
+        mark = LoadMark()
+        with tqdm(total=(FORWARD_REPEATS + 1) * (len(CANDIDATE_SIZES) + 1), desc="forward curve", unit="run",
+                  disable=log is None, leave=False) as bar:
+            timed = forward_seconds(model, (0,) + tuple(CANDIDATE_SIZES), repeats=FORWARD_REPEATS, bar=bar)
+        known = _load(path)
+        known[key] = {str(n): t for n, t in timed.items()}
+        _store(path, known)
+        _mark_busy(path, (key,), mark.others())
+    return {int(n) + 1: t for n, t in known[key].items()}
+
+
 def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
                 log=None) -> tuple[int, int]:
     """(depth, total_tokens) for this machine, depth at most the one given; (0, 0) where no tree
@@ -292,37 +322,29 @@ def tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
     sizing rule (live_tree.py) starts from both."""
     from ..engine.files import cache_dir
 
+    forward = forward_curve(model, log)
     path = cache_dir() / "autotune.json"
     known = _load(path)
     full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v16")
-    # The forward's time depends on the model's shapes, not on its weights or drafter.
-    args = model.args
-    shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
-            f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
-    # A plain step's forward (0 drafted) too: the live rule weighs every tree against it.
-    forward_key = _cache_key(model, f"forward|{shape}|v10")
-    _retime_if_busy(path, known, (full_key, forward_key), log)
-    if full_key not in known or forward_key not in known:
+    _retime_if_busy(path, known, (full_key,), log)
+    if full_key not in known:
         if log:
             log("choosing the draft tree size for this machine (once; cached)...")
         mark = LoadMark()
         # Minutes on a small CPU: show where it is (no bar when the caller asked for silence).
-        work = len(calibration_depths(depth)) * len(CALIBRATION_QUESTIONS)
-        if forward_key not in known:
-            work += (FORWARD_REPEATS + 1) * (len(CANDIDATE_SIZES) + 1)
-        with tqdm(total=work, desc="autotune", unit="run", disable=log is None, leave=False) as bar:
-            if forward_key not in known:
-                timed = forward_seconds(model, (0,) + tuple(CANDIDATE_SIZES), repeats=FORWARD_REPEATS, bar=bar)
-                known[forward_key] = {str(n): t for n, t in timed.items()}
-            forwards = {int(n): t for n, t in known[forward_key].items()}
-            known[full_key] = calibrate(model, tokenizer, drafter, head, depth, top_k, forwards, bar)
+        with tqdm(total=len(calibration_depths(depth)) * len(CALIBRATION_QUESTIONS), desc="autotune", unit="run",
+                  disable=log is None, leave=False) as bar:
+            chosen = calibrate(model, tokenizer, drafter, head, depth, top_k, {n - 1: t for n, t in forward.items()},
+                               bar)
+        known = _load(path)
+        known[full_key] = chosen
         _store(path, known)
-        _mark_busy(path, (full_key, forward_key), mark.others())
+        _mark_busy(path, (full_key,), mark.others())
     chosen = known[full_key]
     if log and not chosen["total_tokens"]:
         log(f"no draft tree beat plain decoding when this machine was timed (the best measured "
             f"{chosen.get('measured_speedup', 0):.2f}x)")
-    return chosen, {int(n) + 1: t for n, t in known[forward_key].items()}
+    return chosen, forward
 
 
 # ---------------------------------------------------------------- measured sizes: Medusa's tree, a chain
@@ -424,8 +446,12 @@ def choose_medusa_tree(model, heads, head, tokenizer, key: str, log=None):
 def choose_size(model, tokenizer, key: str, sizes, make, log=None) -> int:
     """The size among `sizes` whose proposer (`make(size)`) decodes fastest on this machine,
     measured against plain decoding side by side (the smallest within TOLERANCE of the best);
-    0 where none beats plain decoding. What a family's `sizes` ask for (config.Family), and a
-    draft model's chain length."""
+    0 where none beats plain decoding. What a family's `sizes` ask for (config.Family)."""
+    return int(size_choice(model, tokenizer, key, sizes, make, log)["size"])
+
+
+def size_choice(model, tokenizer, key: str, sizes, make, log=None) -> dict:
+    """What `choose_size` chose ("size") and measured ("measured_speedup": size -> speedup)."""
     def compute():
         speedups = measured_speedups(model, tokenizer, {n: make(n) for n in sizes},
                                      _calibration_prompts(tokenizer)[:2])
@@ -434,9 +460,9 @@ def choose_size(model, tokenizer, key: str, sizes, make, log=None) -> int:
 
     chosen = _cached(f"{key}|size|v2", model, compute, log)
     if log and not chosen["size"]:
-        log(f"no draft size beats plain decoding on this machine (the best measured "
+        log(f"no draft size beats plain decoding when this machine was timed (the best measured "
             f"{max(chosen['measured_speedup'].values()):.2f}x)")
-    return int(chosen["size"])
+    return chosen
 
 
 # ---------------------------------------------------------------- static steps (a GPU's path)

@@ -4,8 +4,9 @@ The family builds its drafter first (its own module's parts), then the tuner siz
 over them, so a drafter is loaded once whatever is measured: a family that declares `sizes`
 has each measured against plain decoding (autotune.choose_size); EAGLE's tree is sized each
 step by the live rule (live_tree.py) from the tuner's prior, or chosen once where static steps
-run; Medusa's is a prefix of its ordered tree; a draft model's a chain. Where no size beats
-plain decoding the proposer is None (eagle+pld: prompt lookup alone), and the log says so.
+run, and so is a draft model's chain (the length that paid most when timed its prior); Medusa's
+is a prefix of its ordered tree. Where no size beats plain decoding (Medusa, a family's
+`sizes`, static steps) the proposer is None (eagle+pld: prompt lookup alone), and the log says so.
 """
 
 from __future__ import annotations
@@ -103,20 +104,27 @@ def _tuned_medusa(model, config: DraftConfig, model_name: str, tokenizer, log):
 
 
 def _tuned_draft_model(model, config: DraftConfig, model_name: str, tokenizer, log):
-    """A draft model's chain of the length that pays most here, the draft loaded once."""
+    """A draft model's chain sized each step by the live rule (live_tree.py), the chain length
+    that paid most when the machine was timed its prior, the draft loaded once."""
+    from ..decoding.cost_curve import forward_seconds
     from ..speculation.families.draft_model import DraftModelProposer, draft_model_parts
-    from .autotune import CHAIN_LENGTHS, choose_size
+    from .autotune import CHAIN_LENGTHS, forward_curve, keep_calibration, size_choice
 
     draft, head = draft_model_parts(model, config, model_name, tokenizer, log)
     _need_tokenizer(tokenizer)
-    length = choose_size(model, tokenizer, f"{model_name}|model|{config.draft_model}|{draft.weights}|{head.name}",
-                         CHAIN_LENGTHS, lambda n: DraftModelProposer(draft, head, depth=n, top_k=1, total_tokens=n),
-                         log=log)
-    if not length:
-        if log:
-            log("model: decoding plainly")
-        return None
-    return DraftModelProposer(draft, head, depth=length, top_k=1, total_tokens=length)
+    key = f"{model_name}|model|{config.draft_model}|{draft.weights}|{head.name}"
+    chosen = size_choice(model, tokenizer, key, CHAIN_LENGTHS,
+                         lambda n: DraftModelProposer(draft, head, depth=n, top_k=1, total_tokens=n), log=log)
+    most = max(CHAIN_LENGTHS)
+    # A drafting level is one forward of the draft over the chain's one row (its head's pass).
+    level = forward_seconds(draft, [0], repeats=3)[0]
+    speedups = chosen["measured_speedup"].values()
+    sizing = live_sizing(model, forward_curve(model, log), level, max(speedups, default=1.0), int(chosen["size"]),
+                         most, most)
+    keep_calibration(sizing, key)
+    proposer = DraftModelProposer(draft, head, depth=most, top_k=1, total_tokens=sizing.most)
+    proposer.sizing = sizing
+    return proposer
 
 
 _TUNED = {"eagle": _tuned_eagle, "eagle3": _tuned_eagle, "eagle+pld": _tuned_eagle, "medusa": _tuned_medusa,
@@ -131,12 +139,20 @@ def sizing_prior(model, chosen: dict, forward: dict[int, float], most_depth: int
     total = int(chosen["total_tokens"])
     levels = [row["draft_s"] / (row["depth"] + 1) for row in table.values() if row.get("draft_s")]
     draft_level = sorted(levels)[len(levels) // 2] if levels else 0.0
-    # The largest tree a step drafts: where the curve's forward reaches 2.5 plain steps (no
-    # drafter's 1 + sum of chances pays more rows on a CPU), at most 32 nodes.
+    return live_sizing(model, forward, draft_level, float(chosen.get("measured_speedup", 1.0)), total, most_depth,
+                       2 * max(total, 4))
+
+
+def live_sizing(model, forward: dict[int, float], draft_level: float, speedup: float, total: int,
+                most_depth: int, most: int) -> LiveSizing:
+    """The live rule for a proposer over `model`: the forward curve, a drafting level's seconds,
+    the measured speedup of its tuned tree of `total` nodes as priors, and a second pass of the
+    LM head timed now (milliseconds). Its largest tree: `most_depth` levels, and at most `most`
+    nodes, where the curve's forward stays within 2.5 plain steps (no drafter's 1 + sum of
+    chances pays more rows on a CPU), 32 at most."""
     base = forward[min(forward)]
-    most = max([n for n in forward if forward[n] <= 2.5 * base] + [3])
-    most = max(2, min(32, most - 1, 2 * max(total, 4)))
+    within = max([n for n in forward if forward[n] <= 2.5 * base] + [3])
+    most = max(2, min(32, within - 1, most))
     head_rows = model.head_rows
     head_pass = head_seconds(model, [head_rows], repeats=3)[head_rows]
-    return LiveSizing(forward, draft_level, float(chosen.get("measured_speedup", 1.0)), total,
-                      most_depth, most, head_pass, head_rows)
+    return LiveSizing(forward, draft_level, speedup, total, most_depth, most, head_pass, head_rows)

@@ -26,7 +26,7 @@ import torch
 from ..config import Family, head_files, register
 from ..vocab.heads import FullVocab, HeadTimedDrafting, make_draft_vocab
 from ..proposer import PREFILL_CHUNK, Proposer
-from ..tree import Tree, TreeBuilder
+from ..tree import Tree, TreeBuilder, chain
 
 
 class DraftModelMismatch(ValueError):
@@ -62,7 +62,13 @@ def load_draft_model(spec: str, target, target_tokenizer=None, weights: str = "a
 
 class DraftModelProposer(HeadTimedDrafting, Proposer):
     """Grows a draft tree (a chain with top_k = 1) with an independent draft model. Timings: the
-    draft's forwards ("model"), its head's phases, the tree (the rest)."""
+    draft's forwards ("model"), its head's phases, the tree (the rest).
+
+    With `sizing` (live_tree.LiveSizing) each step's tree is sized live, as EAGLE's: drafted only
+    where drafting pays (and at its probes), a level grown only while its frontier's calibrated
+    chances pay for it (the draft's forward a level), and cut to the nodes that pay; `depth` and
+    `total_tokens` are then the largest tree a step drafts. A step that drafts nothing leaves
+    the draft's catch-up (the text it has not run) to the next that does."""
 
     taps: tuple[int, ...] = ()
     phases = ("model",)
@@ -84,6 +90,7 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
         self.tree: Tree | None = None
         self.root_state = None            # the draft's state at this step's root, once run
         self.device = draft.device
+        self.sizing = None                # the live rule (live_tree.py), where trees are sized each step
         self.reset_timings()
 
     @property
@@ -99,7 +106,14 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
         """The draft's layers and the rows of its head (its embedding is a lookup)."""
         return _layer_parameters(self.draft.args) + self.head.size * self.draft.args.dim
 
+    def next_tree_tokens(self) -> int:
+        if self.sizing is not None and self.size_live:
+            return self.sizing.next_size()
+        return self.max_tree_tokens
+
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
+        if self.sizing is not None:
+            self.sizing.start()
         self.cache.reset()
         self.head.see_tokens(list(prompt_ids) + [first_token], reset=True)
         # Not timed: the draft's pass over the prompt belongs with the prefill (as EAGLE's).
@@ -120,6 +134,8 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
 
     def observe(self, accepted, hidden, next_token) -> None:
         start = time.perf_counter()
+        if self.sizing is not None and self.size_live:
+            self.sizing.observe(accepted)
         self.head.see_tokens(list(accepted) + [next_token])
         if self.root_state is None:       # no proposal this step (near the window's end)
             self.todo += list(accepted)
@@ -159,17 +175,45 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
 
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
-        device = self.draft.device
+        sizing = self.sizing if self.sizing is not None and self.size_live else None
+        depth, total = (self.depth, self.total_tokens) if sizing is None else sizing.plan()
+        if not depth:                     # the root alone: the draft catches up when it next drafts
+            self.timings["total"] += time.perf_counter() - start
+            return chain(root_token, [], device=self.draft.device)
         self.cache.discard()              # a proposal asked for again (autotune) starts over
-        if self.root_state is None:
-            # The committed text not yet run, and the root: all of it is the target's output.
-            run = self.todo + [root_token]
-            base = self.cache.length
-            self.root_state = self._forward(run, torch.arange(base, base + len(run), device=device))[-1:]
-            self.cache.commit()
-            self.todo = []
+        caught_up = self._catch_up(root_token)
+        grown = time.perf_counter()
+        tree = self._grow(root_token, depth, total, sizing.stop if sizing is not None else None)
+        if sizing is not None:
+            drafted = tree
+            tree = sizing.choose(tree, sizing.stop.levels, time.perf_counter() - grown, grown - start, caught_up)
+            if tree is not drafted:       # nodes cut: the kept ones renumbered, in order
+                ranks = drafted.ranks.tolist()
+                row_of = {row: i for i, row in enumerate(
+                    [0] + [row for row in range(1, len(ranks)) if ranks[row] < tree.size])}
+                self.slot_of = {row_of[node]: slot for node, slot in self.slot_of.items() if node in row_of}
+        self.tree = tree
+        self.timings["total"] += time.perf_counter() - start
+        return tree
+
+    def _catch_up(self, root_token: int) -> int:
+        """The committed text the draft has not run, and the root (all of it the target's
+        output), through the draft: its state at the root. The tokens it ran."""
+        if self.root_state is not None:
+            return 0
+        run = self.todo + [root_token]
+        base = self.cache.length
+        self.root_state = self._forward(run, torch.arange(base, base + len(run), device=self.draft.device))[-1:]
+        self.cache.commit()
+        self.todo = []
+        return len(run)
+
+    def _grow(self, root_token: int, depth: int, total: int, stop) -> Tree:
+        """The tree from the root's state: `depth` levels at most (fewer where `stop` says),
+        the best `total` nodes kept; `slot_of` set to the pending slot of each node the draft ran."""
+        device = self.draft.device
         base = self.cache.length          # the root sits at base - 1; depth d at base - 1 + d
-        builder = TreeBuilder(root_token, self.top_k, self.total_tokens)
+        builder = TreeBuilder(root_token, self.top_k, total)
         tokens, log_probs = self.head.top_k(self.root_state, self.top_k, [root_token], 0)
         builder.add_children([0], tokens, log_probs)
 
@@ -178,12 +222,10 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
             positions = torch.tensor([base - 1 + builder.depth[n] for n in frontier], device=device)
             return self.head.top_k(self._forward(read, positions, mask), self.top_k, read, level)
 
-        slot_of = builder.grow(self.depth - 1, expand, lambda: self.cache.pending, device)
+        slot_of = builder.grow(depth - 1, expand, lambda: self.cache.pending, device, stop)
         tree = builder.build(device)
         # Keyed by the tree's node indices (the builder numbers nodes otherwise), kept nodes only.
         self.slot_of = {builder.flat_index[n]: slot for n, slot in slot_of.items() if n in builder.flat_index}
-        self.tree = tree
-        self.timings["total"] += time.perf_counter() - start
         return tree
 
 

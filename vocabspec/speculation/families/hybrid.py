@@ -8,7 +8,9 @@ unchanged and needs nothing from the drafter (greedy follows the target's argmax
 tries each node's children as deterministic candidates), so the union of both drafts stays
 lossless. The grafted path costs up to `num_draft` more tokens in the target's forward, and
 only where it leaves the drafter's tree; its length adapts as prompt lookup's own does (see
-pld.py), to what the lookup path got accepted.
+pld.py), to what the lookup path got accepted. Where the live rule sizes the tree
+(live_tree.py) the path is scored by its own measured acceptance too: only the tokens whose
+chance to be right (measured per position of past paths) pays for their rows are verified.
 
 Copy mode: while the answer is copying (the last step accepted at least `copy_after` tokens
 of the lookup path), the next step proposes the lookup path alone and skips the drafter's
@@ -57,13 +59,19 @@ class EagleLookupProposer(EagleProposer):
         self._follow(accepted)
 
     def _follow(self, accepted: list[int]) -> None:
-        """Copy mode on when the step accepted at least `copy_after` tokens of the path."""
+        """Copy mode on when the step accepted at least `copy_after` tokens of the path; the
+        path's outcome learned where the live rule scores it."""
         followed = 0
         for drafted, token in zip(self._chain, accepted[1:]):
             if drafted != token:
                 break
             followed += 1
         self._copying = followed >= self.copy_after
+        if self._chain and self._sizing() is not None:
+            self.sizing.path.learn(len(self._chain), followed)
+
+    def _sizing(self):
+        return self.sizing if self.sizing is not None and self.size_live else None
 
     def next_tree_tokens(self) -> int:
         """The next proposal's drafts at most: the lookup path (a cheap lookup) plus, outside
@@ -75,6 +83,8 @@ class EagleLookupProposer(EagleProposer):
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
         self._chain = self.lookup.draft()
+        if self._sizing() is not None:          # the path's tokens that pay for their rows
+            self._chain = self.lookup.drafted = self._chain[:self.sizing.path_rows(len(self._chain))]
         if self._copying and self._chain:
             self.copy_steps += 1
             self.grafted += len(self._chain)
