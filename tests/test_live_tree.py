@@ -15,7 +15,7 @@ from vocabspec.speculation.tree import TreeBuilder
 
 PROMPTS = ["Explain how a bicycle's gears make it easier to ride uphill.",
            "Translate to French: The weather is lovely today and we will walk to the river."]
-CURVE = {n: 0.004 + 0.0004 * n for n in range(2, 34)}       # rows -> seconds, a CPU's shape
+CURVE = {n: 0.004 + 0.0004 * n for n in range(1, 34)}       # rows -> seconds, a CPU's shape
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,9 @@ def test_a_dormant_drafter_reads_only_the_tail_and_gives_plain_decodings_tokens(
     prefill, steps = tapped[0], tapped[1:]
     first = MOST_PROBE_EVERY - proposer.DORMANT_CONTEXT
     assert proposer.taps and prefill == proposer.taps and len(steps) == len(got.steps) > first + 1, tapped
-    assert steps == [proposer.taps] + [()] * first + [proposer.taps] * (len(steps) - first - 1), steps
+    again = steps.index(proposer.taps, 1)     # (the probe's own step counts as plain where it kept no node)
+    assert steps[0] == proposer.taps and again in (first, first + 1), steps
+    assert not any(steps[1:again]) and all(t == proposer.taps for t in steps[again:]), steps
     # the prompt's tail alone, and nothing since (no probe came within 40 tokens); a read
     # before it holds what the last request left unread, into the cache the prompt resets
     assert reads[-1] == proposer.DORMANT_CONTEXT == max(reads) == proposer.cache.length, reads
@@ -105,18 +107,23 @@ def test_a_sampled_request_keeps_the_fixed_tree(plain):
 
 
 def test_a_verdict_that_drafting_loses_is_probed_again():
+    """A rule that starts from "drafting loses" still probes, again and again: its probes (the
+    root alone, nothing gained) wait longer each time, never past MOST_PROBE_EVERY steps."""
     sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, total=0, most_depth=4, most=8)
     plans = []
-    for _ in range(3 * (PROBE_EVERY + 1)):
+    for _ in range(4 * MOST_PROBE_EVERY):
         plans.append(sizing.plan())
         sizing.observe([1])           # a plain step (the rule drafted nothing) or a probe's root
     drafted = [i for i, plan in enumerate(plans) if plan != (0, 0)]
-    assert drafted and all(b - a == PROBE_EVERY for a, b in zip(drafted, drafted[1:])), plans
+    gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+    assert drafted[0] == PROBE_EVERY and len(drafted) >= 5, drafted
+    assert gaps == sorted(gaps) and gaps[0] == 2 * PROBE_EVERY and gaps[-1] == MOST_PROBE_EVERY, gaps
 
 
 def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
     """Where no tree pays, each probe doubles the plain steps before the next (to
-    MOST_PROBE_EVERY); a probe whose tree pays brings the wait back to PROBE_EVERY."""
+    MOST_PROBE_EVERY); a probe whose tree paid (what it accepted, at what its rows and drafting
+    cost) brings the wait back to PROBE_EVERY."""
     builder = TreeBuilder(1, 1, 1)
     builder.add_children([0], torch.tensor([[5]]), torch.tensor([[-0.05]]))
     sure = builder.build()                   # one node the drafter is 95% sure of
@@ -134,8 +141,8 @@ def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
             gaps.append(plain)
             plain = 0
             sizing.choose(sure, 1, draft_seconds)
-            waits.append(sizing.probe_every)
             sizing.observe([1])
+            waits.append(sizing.probe_every)
         return gaps, waits
 
     # Drafting that takes a second never pays: the waits double to the cap, and are kept
@@ -144,13 +151,16 @@ def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
     assert waits == [2 * PROBE_EVERY, 4 * PROBE_EVERY, MOST_PROBE_EVERY, MOST_PROBE_EVERY, MOST_PROBE_EVERY,
                      MOST_PROBE_EVERY]
     assert gaps[0] == PROBE_EVERY and all(wait - 1 <= gap <= wait for wait, gap in zip(waits, gaps[1:])), gaps
-    # Free drafting of a likely node pays: the wait is PROBE_EVERY again (a fresh rule at the
-    # longest wait, its calibration and costs untouched by the probes above).
-    sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, total=0, most_depth=2, most=4)
-    sizing.probe_every = sizing.plain_steps = MOST_PROBE_EVERY
-    assert sizing.plan()[0]
-    sizing.choose(sure, 1, 0.0)
-    assert sizing.probe_every == PROBE_EVERY
+    # Free drafting of a likely node that is accepted pays: the wait is PROBE_EVERY again (a
+    # fresh rule at the longest wait, its calibration and costs untouched by the probes above);
+    # the same probe whose node is wrong did not pay.
+    for accepted, wait in (([1, 5], PROBE_EVERY), ([1], 2 * MOST_PROBE_EVERY)):
+        sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, total=0, most_depth=2, most=4)
+        sizing.probe_every = sizing.plain_steps = MOST_PROBE_EVERY
+        assert sizing.plan()[0]
+        sizing.choose(sure, 1, 0.0)
+        sizing.observe(accepted)
+        assert sizing.probe_every == min(wait, MOST_PROBE_EVERY), accepted
 
 
 def test_an_extra_rows_cost_follows_what_drafted_steps_show():
@@ -281,7 +291,7 @@ def test_a_tree_stops_growing_where_its_frontier_cannot_pay():
 def test_a_probe_is_charged_the_read_steady_drafting_makes_not_its_catch_up():
     """The drafter's reads follow a line a + b n (LiveCosts.read); a probe after a long run of
     plain steps reads all their tokens at once, but what it gained is set against the read a
-    step of steady drafting makes (of the tokens it expects to accept): the same probe with a
+    step of steady drafting makes (of the tokens it accepted): the same probe with a
     catch-up twenty times its steady read still pays, where charging the catch-up would not."""
     costs = LiveCosts(CURVE, 0.0003)
     for tokens in (1, 2, 4, 8, 16, 40):
@@ -297,6 +307,7 @@ def test_a_probe_is_charged_the_read_steady_drafting_makes_not_its_catch_up():
         sizing.probe_every = sizing.plain_steps = 2 * PROBE_EVERY
         assert sizing.plan()[0]
         sizing.choose(sure, 1, 0.0002, read_seconds, 2 if name == "steady" else 40)
+        sizing.observe([1, 5])               # its node accepted
         paid[name] = sizing.probe_every == PROBE_EVERY
     assert paid == {"steady": True, "catch-up": True}
     # Charged whole, the catch-up read would have sunk the probe.
@@ -304,6 +315,7 @@ def test_a_probe_is_charged_the_read_steady_drafting_makes_not_its_catch_up():
     sizing.probe_every = sizing.plain_steps = 2 * PROBE_EVERY
     sizing.plan()
     sizing.choose(sure, 1, 0.0002 + 0.008)
+    sizing.observe([1, 5])
     assert sizing.probe_every == 4 * PROBE_EVERY
 
 

@@ -5,9 +5,9 @@ The tuner (autotune.py) measures once which tree decodes fastest; that choice is
 as the machine was quiet when it ran, and one tree serves every prompt. Here it is a prior.
 Each step:
 
-- Before drafting: draft only where drafting has been paying, the expected speed of the last
-  drafted steps against plain decoding's (a running mean started from the tuner's measured
-  speedup). Where it has not been paying, a step drafts anyway after PROBE_EVERY plain
+- Before drafting: draft only where drafting has been paying, the measured speed of the last
+  drafted steps against plain decoding's (tokens accepted over the step's time and its
+  drafting; a running mean started from the tuner's measured speedup). Where it has not been paying, a step drafts anyway after PROBE_EVERY plain
   ones, so a verdict reached on a busy machine, or on a stretch the drafter could not guess,
   is tried again; each probe that does not pay doubles that wait, up to MOST_PROBE_EVERY
   steps (where no tree pays on this machine probes cost little), and one that pays resets it.
@@ -23,16 +23,18 @@ Each step:
   accepted path. The tree kept is the m that maximises expected tokens per second,
   (1 + sum of the first m chances) / (c(1 + m) + a second head pass's chance times its cost),
   m = 0 (the root alone) included. The drafting is spent by then, so it does not enter this
-  choice; it enters the rate the step gained, which sets the next step's stop, room (m + 1
-  nodes) and whether drafting pays. What a drafted step costs is its tree's growth plus the
-  drafter's read of the tokens it accepts, as a step of steady drafting reads them (the read
-  of the expected accepted tokens, from the reads' running cost line): a probe after a run of
-  plain steps reads them all at once, a catch-up that steady drafting would not pay, and
-  charging it to the probe would keep a drafter that pays from ever being tried again.
+  choice; it enters the rate the step expects, which sets the next step's stop and room
+  (m + 1 nodes). What a drafted step costs is its tree's growth plus the drafter's read of
+  the tokens it accepts, as a step of steady drafting reads them (from the reads' running
+  cost line): a probe after a run of plain steps reads them all at once, a catch-up that
+  steady drafting would not pay, and charging it to the probe would keep a drafter that pays
+  from ever being tried again.
 - After verification: each verified node's outcome (on the accepted path or not) trains the
   calibration, a count per depth and confidence bin, starting from the drafter's raw
   confidence as a prior of PRIOR_WEIGHT observations, or from the counts an earlier run kept
-  in the tuner's cache (autotune.keep_calibration); the step's time updates the costs.
+  in the tuner's cache (autotune.keep_calibration); the step's time updates the costs; and a
+  drafted step's measured speed (what it accepted over its time and drafting) against a plain
+  step's moves the advantage that decides whether drafting pays, and a probe's wait.
 
 Costs: c(rows) is the tuner's measured forward curve, its extra rows' cost times a running
 slope (what drafted steps show an extra row costs inside decoding, against the curve's), times
@@ -260,12 +262,14 @@ class LiveSizing:
         self.costs = LiveCosts(forward, draft_level, head_pass, head_rows)
         self.calibration = Calibration(most_depth)
         self.most_depth, self.most = most_depth, most
-        self.advantage = prior_speedup          # expected drafting speed over plain's, running
+        self.advantage = prior_speedup          # drafted steps' speed over plain's, running
         self.rate = prior_speedup / self.costs(1)   # expected tokens a second of the trees kept
         self.total = max(1, min(total or 3, most))      # the nodes a step drafts to choose from
         self.plain_steps = 0
         self.probe_every = PROBE_EVERY          # plain steps before a probe, while drafting does not pay
         self._probing = False                   # whether this step drafts as a probe
+        self._drafting = False                  # whether this step drafted (`plan` said so)
+        self._grow_seconds = 0.0
         self.stop: TreeStop | None = None       # where this step's tree stops growing
         self.tree: Tree | None = None           # the tree verified this step (drafted nodes)
         self.extra_rows = 0                     # rows grafted onto it (prompt lookup's path)
@@ -314,6 +318,7 @@ class LiveSizing:
             return 0, 0
         self.plain_steps = 0
         self._probing = self.advantage < 1.0
+        self._drafting = True
         costs = self.costs
         row = (costs(1 + self.total) - costs(1)) / self.total
         self.stop = TreeStop(self.calibration.table(), self.rate * (costs.draft_level + row))
@@ -339,10 +344,10 @@ class LiveSizing:
     def choose(self, tree: Tree, drafted_levels: int, grow_seconds: float, read_seconds: float = 0.0,
                read_tokens: int = 0) -> Tree:
         """The best tree of `tree`'s drafts (see the module docstring), and the running means
-        of drafting's costs, rate and advantage updated. `grow_seconds`: the tree's growth over
+        of drafting's costs and rate updated. `grow_seconds`: the tree's growth over
         `drafted_levels` levels; `read_seconds`: the drafter's read of `read_tokens` accepted
         tokens before it."""
-        self._draft_seconds = grow_seconds + read_seconds
+        self._draft_seconds, self._grow_seconds = grow_seconds + read_seconds, grow_seconds
         self.costs.read_took(read_tokens, read_seconds)
         if drafted_levels:
             self.costs.level_took(grow_seconds / drafted_levels)
@@ -355,17 +360,13 @@ class LiveSizing:
         for m, rate in enumerate(self._rates(order, chances, 0.0), 1):
             if rate > best_rate:
                 best_m, best_rate = m, rate
-        # The drafting is spent and does not enter the choice; it does enter what this step
-        # gained, which sets the next step's rate, room and whether drafting pays: its growth,
-        # and the read of the tokens it accepts as steady drafting would read them.
+        # The drafting is spent and does not enter the choice; it does enter the rate the step
+        # expects, which sets the next step's stop and room: its growth, and the read of the
+        # tokens it accepts as steady drafting would read them.
         gain = 1.0 + sum(chances[:best_m])
         rate = gain / (gain / best_rate + grow_seconds + costs.read(gain))
         self.rate += WEIGHT * (rate - self.rate)
         self.total = max(2, min(self.most, best_m + 1))
-        if self._probing:        # a probe that paid resets the wait; one that did not doubles it
-            paid = rate * costs(1) >= 1.0
-            self.probe_every = PROBE_EVERY if paid else min(MOST_PROBE_EVERY, 2 * self.probe_every)
-        self.advantage += ADVANTAGE_WEIGHT * (rate * costs(1) - self.advantage)
         if self.keep_sizes:
             first = max((math.exp(values[row]) for row in order if depths[row] == 1), default=0.0)
             self.sizes.append((first, best_m))
@@ -394,12 +395,25 @@ class LiveSizing:
     def observe(self, accepted: list[int]) -> None:
         """The step verified (its accepted tokens, the root first): outcomes and costs. A
         step's cost is the time since the last step's verification less its drafting: the
-        forward, verification and the loop's own work, whether the step drafted or not."""
+        forward, verification and the loop's own work, whether the step drafted or not. A
+        drafted step's speed, what it accepted over what it costs (its rows' c, its growth, and
+        the read of what it accepted as steady drafting reads it) against a plain step's, is
+        what sets whether drafting pays: this prompt's acceptance, not the calibration's
+        average."""
         now = time.perf_counter()
         tree = self.tree
         rows = 1 + (tree.size if tree is not None else 0) + self.extra_rows
-        if self._observed is not None:
-            self.costs.step(rows, now - self._observed - self._draft_seconds)
+        step = now - self._observed - self._draft_seconds if self._observed is not None else None
+        if step is not None:
+            self.costs.step(rows, step)
+        if self._drafting:       # what it accepted, at what its rows and drafting cost now
+            costs = self.costs
+            speed = len(accepted) / (costs(rows) + self._grow_seconds + costs.read(len(accepted))) * costs(1)
+            if self._probing:    # a probe that paid resets the wait; one that did not doubles it
+                self.probe_every = PROBE_EVERY if speed > 1.0 else min(MOST_PROBE_EVERY, 2 * self.probe_every)
+            # A probe moves it quickly; a step of steady drafting, one outcome of many, less.
+            self.advantage += (ADVANTAGE_WEIGHT if self._probing else WEIGHT) * (speed - self.advantage)
+            self._drafting, self._grow_seconds = False, 0.0
         if tree is not None and tree.size:
             self.plain_steps = 0
             on_path = path_rows(tree, accepted)
