@@ -152,15 +152,23 @@ def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
                      MOST_PROBE_EVERY]
     assert gaps[0] == PROBE_EVERY and all(wait - 1 <= gap <= wait for wait, gap in zip(waits, gaps[1:])), gaps
     # Free drafting of a likely node that is accepted pays: the wait is PROBE_EVERY again (a
-    # fresh rule at the longest wait, its calibration and costs untouched by the probes above);
-    # the same probe whose node is wrong did not pay.
-    for accepted, wait in (([1, 5], PROBE_EVERY), ([1], 2 * MOST_PROBE_EVERY)):
-        sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, total=0, most_depth=2, most=4)
-        sizing.probe_every = sizing.plain_steps = MOST_PROBE_EVERY
+    # fresh rule at the longest wait, its calibration and costs untouched by the probes above).
+    # Where this request's sure nodes keep being wrong, its probes stop paying: what it accepted
+    # of what it expected scales what the next expects, and the waits grow again.
+    sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, total=0, most_depth=2, most=4)
+    sizing.probe_every = sizing.plain_steps = MOST_PROBE_EVERY
+    assert sizing.plan()[0]
+    sizing.choose(sure, 1, 0.002)           # drafting that pays only where the node is right
+    sizing.observe([1, 5])
+    assert sizing.probe_every == PROBE_EVERY
+    waits = []
+    for _ in range(6):
+        sizing.plain_steps = sizing.probe_every
         assert sizing.plan()[0]
-        sizing.choose(sure, 1, 0.0)
-        sizing.observe(accepted)
-        assert sizing.probe_every == min(wait, MOST_PROBE_EVERY), accepted
+        sizing.choose(sure, 1, 0.002)
+        sizing.observe([1])
+        waits.append(sizing.probe_every)
+    assert waits[-1] > waits[0] and waits[-1] >= 4 * PROBE_EVERY, waits
 
 
 def test_an_extra_rows_cost_follows_what_drafted_steps_show():

@@ -5,9 +5,9 @@ The tuner (autotune.py) measures once which tree decodes fastest; that choice is
 as the machine was quiet when it ran, and one tree serves every prompt. Here it is a prior.
 Each step:
 
-- Before drafting: draft only where drafting has been paying, the measured speed of the last
-  drafted steps against plain decoding's (tokens accepted over the step's time and its
-  drafting; a running mean started from the tuner's measured speedup). Where it has not been paying, a step drafts anyway after PROBE_EVERY plain
+- Before drafting: draft only where drafting has been paying, the speed of the last drafted
+  steps against plain decoding's (the tokens each expects, scaled by this request's accepted
+  over expected, over its costs; a running mean started from the tuner's measured speedup). Where it has not been paying, a step drafts anyway after PROBE_EVERY plain
   ones, so a verdict reached on a busy machine, or on a stretch the drafter could not guess,
   is tried again; each probe that does not pay doubles that wait, up to MOST_PROBE_EVERY
   steps (where no tree pays on this machine probes cost little), and one that pays resets it.
@@ -33,8 +33,9 @@ Each step:
   calibration, a count per depth and confidence bin, starting from the drafter's raw
   confidence as a prior of PRIOR_WEIGHT observations, or from the counts an earlier run kept
   in the tuner's cache (autotune.keep_calibration); the step's time updates the costs; and a
-  drafted step's measured speed (what it accepted over its time and drafting) against a plain
-  step's moves the advantage that decides whether drafting pays, and a probe's wait.
+  drafted step's speed against a plain step's (its expected drafts scaled by this request's
+  accepted over expected) moves the advantage that decides whether drafting pays, and a
+  probe's wait.
 
 Costs: c(rows) is the tuner's measured forward curve, its extra rows' cost times a running
 slope (what drafted steps show an extra row costs inside decoding, against the curve's), times
@@ -62,6 +63,7 @@ from .tree import Tree
 BINS = 10                 # confidence bins per depth
 PRIOR_WEIGHT = 4.0        # the raw confidence counts as this many observations of a bin
 PATH_PRIOR = 0.5          # a grafted path's token's chance before any was verified
+REQUEST_PRIOR = 2.0       # drafts a request's acceptance ratio starts from, as if accepted as expected
 PROBE_EVERY = 8           # plain steps between drafted probes where drafting has not paid,
 MOST_PROBE_EVERY = 64     # doubled by each probe that does not pay, up to this
 WEIGHT = 0.1              # running means' weight of the latest step
@@ -270,6 +272,8 @@ class LiveSizing:
         self._probing = False                   # whether this step drafts as a probe
         self._drafting = False                  # whether this step drafted (`plan` said so)
         self._grow_seconds = 0.0
+        self._expected = 0.0                    # the drafts this step's tree expects accepted
+        self._request = [0.0, 0.0]              # this request's drafts accepted, and expected
         self.stop: TreeStop | None = None       # where this step's tree stops growing
         self.tree: Tree | None = None           # the tree verified this step (drafted nodes)
         self.extra_rows = 0                     # rows grafted onto it (prompt lookup's path)
@@ -289,6 +293,7 @@ class LiveSizing:
         the drafter guesses there is worth one probe, not a wait the last prompt set)."""
         self._observed, self.tree, self.extra_rows, self._draft_seconds = None, None, 0, 0.0
         self.plain_steps = max(self.plain_steps, self.probe_every)
+        self._request = [0.0, 0.0]
         if self._unsaved >= SAVE_EVERY:
             self.save()
 
@@ -363,7 +368,8 @@ class LiveSizing:
         # The drafting is spent and does not enter the choice; it does enter the rate the step
         # expects, which sets the next step's stop and room: its growth, and the read of the
         # tokens it accepts as steady drafting would read them.
-        gain = 1.0 + sum(chances[:best_m])
+        self._expected = sum(chances[:best_m])
+        gain = 1.0 + self._expected
         rate = gain / (gain / best_rate + grow_seconds + costs.read(gain))
         self.rate += WEIGHT * (rate - self.rate)
         self.total = max(2, min(self.most, best_m + 1))
@@ -396,19 +402,23 @@ class LiveSizing:
         """The step verified (its accepted tokens, the root first): outcomes and costs. A
         step's cost is the time since the last step's verification less its drafting: the
         forward, verification and the loop's own work, whether the step drafted or not. A
-        drafted step's speed, what it accepted over what it costs (its rows' c, its growth, and
-        the read of what it accepted as steady drafting reads it) against a plain step's, is
-        what sets whether drafting pays: this prompt's acceptance, not the calibration's
-        average."""
+        drafted step's speed against a plain step's sets whether drafting pays: the drafts its
+        tree's calibrated chances expect, scaled by what this request's drafted steps have
+        accepted of what they expected (the calibration is every prompt's; a prompt the drafter
+        guesses well or badly shows in its own steps), over what its rows, its growth and the
+        read of its tokens cost now."""
         now = time.perf_counter()
         tree = self.tree
         rows = 1 + (tree.size if tree is not None else 0) + self.extra_rows
         step = now - self._observed - self._draft_seconds if self._observed is not None else None
         if step is not None:
             self.costs.step(rows, step)
-        if self._drafting:       # what it accepted, at what its rows and drafting cost now
-            costs = self.costs
-            speed = len(accepted) / (costs(rows) + self._grow_seconds + costs.read(len(accepted))) * costs(1)
+        if self._drafting:       # what it expects, as this request has been accepting, at what it costs now
+            costs, request = self.costs, self._request
+            request[0] += len(accepted) - 1
+            request[1] += self._expected
+            gain = 1.0 + self._expected * (request[0] + REQUEST_PRIOR) / (request[1] + REQUEST_PRIOR)
+            speed = gain / (costs(rows) + self._grow_seconds + costs.read(gain)) * costs(1)
             if self._probing:    # a probe that paid resets the wait; one that did not doubles it
                 self.probe_every = PROBE_EVERY if speed > 1.0 else min(MOST_PROBE_EVERY, 2 * self.probe_every)
             # A probe moves it quickly; a step of steady drafting, one outcome of many, less.
