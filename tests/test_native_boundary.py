@@ -3,6 +3,7 @@ in native.py, and a wrong one raises ValueError naming it (the call never reache
 would read or write outside a buffer). Bad drafter checkpoints are refused when they load,
 naming the field."""
 
+import ctypes
 import json
 
 import pytest
@@ -200,3 +201,19 @@ def test_the_attention_scratch_holds_the_largest_team_whatever_torchs_thread_cou
         torch.set_num_threads(threads)
         native.set_threads(0)
     assert torch.equal(hidden, reference)
+
+
+@pytest.mark.parametrize("name, first, second", [("Weight", "type", "data"), ("Rows", "n", "ntaps"),
+                                                 ("VerifyRequest", "norm", "head"), ("ReadRequest", "drafter", "stack")])
+def test_a_struct_mirror_that_disagrees_with_the_header_stops_the_load(monkeypatch, name, first, second):
+    """native.py's ctypes mirrors are checked against native.h's layout: a mirror with two
+    fields swapped is refused, naming the ABI."""
+    lib = native.library()
+    native.check_abi(lib)                       # the real mirrors agree
+    fields = list(getattr(native, name)._fields_)
+    names = [field[0] for field in fields]
+    i, j = names.index(first), names.index(second)
+    fields[i], fields[j] = fields[j], fields[i]
+    monkeypatch.setattr(native, name, type(name, (ctypes.Structure,), {"_fields_": fields}))
+    with pytest.raises(RuntimeError, match="disagree on the ABI"):
+        native.check_abi(lib)

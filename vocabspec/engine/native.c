@@ -95,6 +95,14 @@ int64_t vs_abi(int64_t *out, int64_t cap) {
         offsetof(vs_tree_stop, min_gain), offsetof(vs_tree_stop, levels),
         sizeof(vs_tree_request), offsetof(vs_tree_request, length), offsetof(vs_tree_request, root),
         offsetof(vs_tree_request, stop), offsetof(vs_tree_request, node_values), offsetof(vs_tree_request, att),
+        sizeof(vs_rows), offsetof(vs_rows, ntaps), offsetof(vs_rows, pos), offsetof(vs_rows, taps),
+        offsetof(vs_rows, keys), offsetof(vs_rows, values), offsetof(vs_rows, embeds), offsetof(vs_rows, tapped),
+        sizeof(vs_verify_request), offsetof(vs_verify_request, head), offsetof(vs_verify_request, offsets),
+        offsetof(vs_verify_request, paths), offsetof(vs_verify_request, work), offsetof(vs_verify_request, ntrees),
+        offsetof(vs_verify_request, head_rows), offsetof(vs_verify_request, eps),
+        sizeof(vs_read_request), offsetof(vs_read_request, stack), offsetof(vs_read_request, keys),
+        offsetof(vs_read_request, length), offsetof(vs_read_request, n), offsetof(vs_read_request, tokens),
+        offsetof(vs_read_request, state), offsetof(vs_read_request, att),
     };
     const int64_t n = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < n && i < cap; i++) out[i] = v[i];
@@ -508,15 +516,14 @@ ALWAYS void mlp_residual(const vs_stack *s, const vs_layer *L, int64_t l, float 
    sequences share a call; each row's arithmetic is the same whatever shares it). A cache holds,
    per layer, keys (n_kv x max_len/16 x head_dim x 16: blocks of 16 keys with each dimension's 16
    values together, so scores read 16 keys a vector, and a block's vectors follow each other) and
-   values (n_kv x max_len x head_dim), floats or halves (kv_half); keys[r], values[r] are row r's, whose
-   new key and value go to slot slot[r]. taps: layer indices whose outputs are copied to tapped
-   (n x ntaps*dim, side by side). embeds: n x dim, the rows' token embeddings, read by a layer
-   with hidden_norm (NULL when none has one). */
-void vs_stack_forward_rows(const vs_stack *s, float *x, const float *embeds, int64_t n, const int32_t *pos,
-                           const int32_t *prefix,
-                           const int32_t *xoff, const int32_t *extra, void *const *keys, void *const *values,
-                           const int32_t *slot, float *work, float *scratch, const int32_t *taps, int64_t ntaps,
-                           float *tapped) {
+   values (n_kv x max_len x head_dim), floats or halves (kv_half). The rows: native.h's vs_rows. */
+void vs_stack_forward_rows(const vs_stack *s, float *x, const vs_rows *rows, float *work, float *scratch) {
+    const int64_t n = rows->n, ntaps = rows->ntaps;
+    const int32_t *pos = rows->pos, *prefix = rows->prefix, *xoff = rows->xoff, *extra = rows->extra;
+    const int32_t *slot = rows->slot, *taps = rows->taps;
+    void *const *keys = rows->keys, *const *values = rows->values;
+    const float *embeds = rows->embeds;
+    float *tapped = rows->tapped;
     const int64_t dim = s->dim, H = s->n_heads, G = s->n_kv, D = s->head_dim, I = s->hidden;
     const int64_t qs = H * D, kvs = G * D;
     float *h = work;              /* n x dim (2 dim with hidden_norm): normed input of a sub-block */
@@ -562,17 +569,18 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, const float *embeds, int
     vs_threads_observe(threads, cpu, wall_now() - started);
 }
 
-/* vs_stack_forward_rows for rows of one sequence: one cache, new slots start .. start + n - 1. */
-void vs_stack_forward(const vs_stack *s, float *x, const float *embeds, int64_t n, const int32_t *pos,
-                      const int32_t *prefix, const int32_t *xoff, const int32_t *extra, void *keys,
-                      void *values, int64_t start, float *work, float *scratch, const int32_t *taps,
-                      int64_t ntaps, float *tapped) {
-    void **rows = malloc(2 * (size_t)n * sizeof(void *));
+/* vs_stack_forward_rows for n rows of one sequence, no taps: one cache, new slots start ..
+   start + n - 1 (the drafter's reads and tree levels). */
+static void forward_one_cache(const vs_stack *s, float *x, const float *embeds, int64_t n, const int32_t *pos,
+                              const int32_t *prefix, const int32_t *xoff, const int32_t *extra, void *keys,
+                              void *values, int64_t start, float *work, float *scratch) {
+    void **caches = malloc(2 * (size_t)n * sizeof(void *));
     int32_t *slot = malloc((size_t)n * sizeof(int32_t));
-    for (int64_t r = 0; r < n; r++) rows[r] = keys, rows[n + r] = values, slot[r] = (int32_t)(start + r);
-    vs_stack_forward_rows(s, x, embeds, n, pos, prefix, xoff, extra, rows, rows + n, slot, work, scratch, taps,
-                          ntaps, tapped);
-    free(rows);
+    for (int64_t r = 0; r < n; r++) caches[r] = keys, caches[n + r] = values, slot[r] = (int32_t)(start + r);
+    const vs_rows rows = {.n = n, .pos = pos, .prefix = prefix, .xoff = xoff, .extra = extra, .slot = slot,
+                          .keys = caches, .values = caches + n, .embeds = embeds};
+    vs_stack_forward_rows(s, x, &rows, work, scratch);
+    free(caches);
     free(slot);
 }
 
@@ -724,17 +732,18 @@ static void head_argmax(const float *norm, float eps, const vs_weight *w, const 
     free(at);
 }
 
-/* Greedy verification of `ntrees` trees, tree t's rows being rows offsets[t] .. offsets[t+1] of
-   hidden (their last hidden states) with tokens and parents (tree-local, -1 for the root): from
-   each root, follow the child carrying the target's argmax while there is one. The LM head
-   scores rows as they are reached, in batches along the likeliest path (a node, its first child,
-   that child's first child, up to head_rows rows: about one row's pass over the head's weights;
-   a first batch is filled up with the tree's other rows), every tree's first batch in one pass. Writes each tree's accepted nodes to paths (at its
-   offset, root first), their count to counts[t] and the target's token after them to next[t].
-   work: ntrees * head_rows x dim floats. */
-void vs_verify_greedy(const float *norm, float eps, const vs_weight *w, const float *hidden, int64_t ntrees,
-                      const int64_t *offsets, const int64_t *tokens, const int64_t *parents, int64_t head_rows,
-                      int64_t *paths, int64_t *counts, int64_t *next, float *work) {
+/* Greedy verification (native.h's vs_verify_request): from each root, follow the child carrying
+   the target's argmax while there is one. The LM head scores rows as they are reached, in
+   batches along the likeliest path (a node, its first child, that child's first child, up to
+   head_rows rows: about one row's pass over the head's weights; a first batch is filled up with
+   the tree's other rows), every tree's first batch in one pass. */
+void vs_verify_greedy(const vs_verify_request *r) {
+    const float *norm = r->norm, *hidden = r->hidden;
+    const float eps = r->eps;
+    const vs_weight *w = r->head;
+    const int64_t ntrees = r->ntrees, *offsets = r->offsets, *tokens = r->tokens, *parents = r->parents;
+    int64_t head_rows = r->head_rows, *paths = r->paths, *counts = r->counts, *next = r->next;
+    float *work = r->work;
     const int64_t n = offsets[ntrees];
     int64_t *best = malloc((size_t)n * sizeof(int64_t)), *first = malloc((size_t)n * sizeof(int64_t));
     int64_t *rows = malloc((size_t)(ntrees * 64 > 64 ? ntrees * 64 : 64) * sizeof(int64_t));
@@ -819,13 +828,13 @@ static void drafter_states(const vs_drafter *d, const vs_stack *s, float *x, int
         for (int64_t i = 0; i < n; i++) rmsnorm_row(x + i * s->dim, d->out_norm, x + i * s->dim, s->dim, s->eps);
 }
 
-/* The drafter reads n committed rows (tokens and the target's rows at the tokens before them:
-   EAGLE-2 its hidden states, n x dim; EAGLE-3 its tapped rows, n x fc.cols) into its cache
-   after `length` slots, causally; state: the last row's state (dim floats), the predicted
-   feature the next draft starts from. scratch: see below. */
-void vs_drafter_read(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
-                     const int64_t *tokens, const float *hidden, int64_t n, float *state, float *scratch,
-                     float *work, float *att) {
+/* The drafter reads n committed rows (native.h's vs_read_request). */
+void vs_drafter_read(const vs_read_request *r) {
+    const vs_drafter *d = r->drafter;
+    const vs_stack *s = r->stack;
+    const int64_t n = r->n, length = r->length, *tokens = r->tokens;
+    const float *hidden = r->hidden;
+    float *scratch = r->scratch, *work = r->work, *att = r->att;
     const int64_t dim = d->fc.rows;
     float *pair = scratch, *x = pair + n * 2 * dim;
     int32_t *pos = (int32_t *)(x + n * dim), *prefix = pos + n, *xoff = prefix + n, *extra = xoff + n + 1;
@@ -839,10 +848,10 @@ void vs_drafter_read(const vs_drafter *d, const vs_stack *s, void *keys, void *v
     for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)(length + i), prefix[i] = (int32_t)(length + i + 1), xoff[i] = 0;
     xoff[n] = 0;
     extra[0] = 0;
-    vs_stack_forward(s, x, d->fused ? pair : NULL, n, pos, prefix, xoff, extra, keys, values, length, work, att,
-                     NULL, 0, NULL);
+    forward_one_cache(s, x, d->fused ? pair : NULL, n, pos, prefix, xoff, extra, r->keys, r->values, length, work,
+                      att);
     drafter_states(d, s, x + (n - 1) * dim, 1);
-    memcpy(state, x + (n - 1) * dim, dim * sizeof(float));
+    memcpy(r->state, x + (n - 1) * dim, dim * sizeof(float));
 }
 
 /* Floats of scratch vs_drafter_read needs for n rows. */
@@ -1013,8 +1022,8 @@ static void eagle_tree_expand(const vs_drafter *d, const vs_stack *s, eagle_tree
         for (int32_t a = t->par[node]; a > 0; a = t->par[a]) t->extra[--at] = (int32_t)(length + t->slot[a]);
         t->xoff[r + 1] = t->xoff[r] + t->dep[node];
     }
-    vs_stack_forward(s, t->next_states, d->fused ? t->pair : NULL, m, t->pos, t->prefix, t->xoff, t->extra, keys,
-                     values, length + t->pending, work, att, NULL, 0, NULL);
+    forward_one_cache(s, t->next_states, d->fused ? t->pair : NULL, m, t->pos, t->prefix, t->xoff, t->extra, keys,
+                      values, length + t->pending, work, att);
     drafter_states(d, s, t->next_states, m);
     for (int64_t r = 0; r < m; r++) t->slot[t->front[r]] = (int32_t)(t->pending + r), t->row_of[t->front[r]] = (int32_t)r;
     t->pending += m;

@@ -94,25 +94,66 @@ void vs_threads_observe(int n, double cpu, double wall);
 /* layers */
 int64_t vs_stack_work(const vs_stack *s, int64_t n);
 int64_t vs_attention_scratch(const vs_stack *s);
-void vs_stack_forward_rows(const vs_stack *s, float *x, const float *embeds, int64_t n, const int32_t *pos,
-                           const int32_t *prefix, const int32_t *xoff, const int32_t *extra, void *const *keys,
-                           void *const *values, const int32_t *slot, float *work, float *scratch,
-                           const int32_t *taps, int64_t ntaps, float *tapped);
-void vs_stack_forward(const vs_stack *s, float *x, const float *embeds, int64_t n, const int32_t *pos,
-                      const int32_t *prefix, const int32_t *xoff, const int32_t *extra, void *keys, void *values,
-                      int64_t start, float *work, float *scratch, const int32_t *taps, int64_t ntaps, float *tapped);
+
+/* The rows of one vs_stack_forward_rows call, of one sequence or several: row r at position
+   pos[r] sees what prefix/xoff/extra say (the visibility drawn above) and writes its key and
+   value to slot slot[r] of the cache keys[r], values[r]. embeds: n x dim, the rows' token
+   embeddings, read by a layer with hidden_norm (NULL when none has one). taps: the layers whose
+   outputs are copied to tapped (n x ntaps*dim, side by side); ntaps 0: none. */
+typedef struct {
+    int64_t n, ntaps;
+    const int32_t *pos, *prefix, *xoff, *extra, *slot, *taps;
+    void *const *keys;
+    void *const *values;
+    const float *embeds;
+    float *tapped;
+} vs_rows;
+
+/* x (rows->n x dim) through every layer, in place. work: vs_stack_work floats; scratch:
+   vs_attention_scratch floats a thread. */
+void vs_stack_forward_rows(const vs_stack *s, float *x, const vs_rows *rows, float *work, float *scratch);
 
 /* speculative steps */
 void vs_tree_visibility(const int64_t *parents, int64_t n, int64_t start, int64_t base, int32_t *pos,
                         int32_t *prefix, int32_t *xoff, int32_t *extra);
 void vs_cache_keep(void *keys, void *values, int64_t layers, int64_t n_kv, int64_t head_dim, int64_t T,
                    int64_t length, const int64_t *keep, int64_t nkeep, int64_t half);
-void vs_verify_greedy(const float *norm, float eps, const vs_weight *w, const float *hidden, int64_t ntrees,
-                      const int64_t *offsets, const int64_t *tokens, const int64_t *parents, int64_t head_rows,
-                      int64_t *paths, int64_t *counts, int64_t *next, float *work);
-void vs_drafter_read(const vs_drafter *d, const vs_stack *s, void *keys, void *values, int64_t length,
-                     const int64_t *tokens, const float *hidden, int64_t n, float *state, float *scratch,
-                     float *work, float *att);
+
+/* Greedy verification of ntrees trees (vs_verify_greedy): tree t's rows are rows offsets[t] ..
+   offsets[t+1] of hidden (their last hidden states, head->cols wide), with tokens and parents
+   (tree-local, -1 for the root); the head scores rows through norm (eps) head_rows at a time.
+   Out: each tree's accepted rows in paths (at its offset, root first), their count in counts[t],
+   the target's token after them in next[t]. work: ntrees * head_rows x head->cols floats. */
+typedef struct {
+    const float *norm;
+    const vs_weight *head;
+    const float *hidden;
+    const int64_t *offsets, *tokens, *parents;
+    int64_t *paths, *counts, *next;
+    float *work;
+    int64_t ntrees, head_rows;
+    float eps;
+    int32_t pad;
+} vs_verify_request;
+
+void vs_verify_greedy(const vs_verify_request *r);
+
+/* The drafter reads n committed rows (vs_drafter_read): tokens, and the target's rows at the
+   tokens before them (EAGLE-2: its hidden states, n x dim; EAGLE-3: its tapped rows, n x
+   fc.cols), into its cache (keys, values) after `length` slots, causally. Out: state, the last
+   row's state (dim floats). scratch: vs_drafter_read_scratch floats; work, att: as
+   vs_stack_forward_rows's for n rows. */
+typedef struct {
+    const vs_drafter *drafter;
+    const vs_stack *stack;
+    void *keys, *values;
+    int64_t length, n;
+    const int64_t *tokens;
+    const float *hidden;
+    float *state, *scratch, *work, *att;
+} vs_read_request;
+
+void vs_drafter_read(const vs_read_request *r);
 int64_t vs_drafter_read_scratch(const vs_drafter *d, int64_t n);
 int64_t vs_tree_capacity(int64_t top_k, int64_t depth);
 /* When EAGLE-2's tree stops growing (the live tree-size rule, live_tree.py): the next level is
@@ -131,7 +172,7 @@ typedef struct {
 /* One EAGLE-2 tree (vs_eagle_tree): the drafter and its stack, its cache of `length` committed
    slots, its output at the root (`state`, the root token `root`), the tree's shape and stop;
    out: the kept tree; scratch: head_logits (top_k x head rows floats), work/att (as
-   vs_stack_forward for top_k rows). */
+   vs_stack_forward_rows for top_k rows). */
 typedef struct {
     const vs_drafter *drafter;
     const vs_stack *stack;

@@ -86,6 +86,28 @@ class TreeRequest(ctypes.Structure):
     del p, i64
 
 
+class Rows(ctypes.Structure):
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    _fields_ = [("n", i64), ("ntaps", i64), ("pos", p), ("prefix", p), ("xoff", p), ("extra", p), ("slot", p),
+                ("taps", p), ("keys", p), ("values", p), ("embeds", p), ("tapped", p)]
+    del p, i64
+
+
+class VerifyRequest(ctypes.Structure):
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    _fields_ = [("norm", p), ("head", p), ("hidden", p), ("offsets", p), ("tokens", p), ("parents", p),
+                ("paths", p), ("counts", p), ("next", p), ("work", p), ("ntrees", i64), ("head_rows", i64),
+                ("eps", ctypes.c_float), ("pad", ctypes.c_int32)]
+    del p, i64
+
+
+class ReadRequest(ctypes.Structure):
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    _fields_ = [("drafter", p), ("stack", p), ("keys", p), ("values", p), ("length", i64), ("n", i64),
+                ("tokens", p), ("hidden", p), ("state", p), ("scratch", p), ("work", p), ("att", p)]
+    del p, i64
+
+
 class Drafter(ctypes.Structure):
     _fields_ = [("fc", Weight), ("head", Weight), ("embed", Weight), ("head_ids", ctypes.c_void_p),
                 ("norm", ctypes.c_void_p), ("head_norm", ctypes.c_void_p), ("out_norm", ctypes.c_void_p),
@@ -244,9 +266,15 @@ def check_abi(lib) -> None:
                                                                             "eps", "fused")),
             ctypes.sizeof(TreeStop), *(getattr(TreeStop, f).offset for f in ("depths", "bins", "min_gain", "levels")),
             ctypes.sizeof(TreeRequest), *(getattr(TreeRequest, f).offset for f in ("length", "root", "stop",
-                                                                                    "node_values", "att"))]
-    got = (ctypes.c_int64 * 64)()
-    n = lib.vs_abi(got, 64)
+                                                                                    "node_values", "att")),
+            ctypes.sizeof(Rows), *(getattr(Rows, f).offset for f in ("ntaps", "pos", "taps", "keys", "values",
+                                                                      "embeds", "tapped")),
+            ctypes.sizeof(VerifyRequest), *(getattr(VerifyRequest, f).offset for f in (
+                "head", "offsets", "paths", "work", "ntrees", "head_rows", "eps")),
+            ctypes.sizeof(ReadRequest), *(getattr(ReadRequest, f).offset for f in (
+                "stack", "keys", "length", "n", "tokens", "state", "att"))]
+    got = (ctypes.c_int64 * 128)()
+    n = lib.vs_abi(got, 128)
     if n != len(want) or list(got[:n]) != want:
         first = next((i for i in range(min(n, len(want))) if got[i] != want[i]), min(n, len(want)))
         raise RuntimeError(f"native.h and native.py disagree on the ABI's structs (entry {first} of vs_abi: "
@@ -272,13 +300,11 @@ def _declare(lib):
     lib.vs_stack_work.restype = i64
     lib.vs_attention_scratch.argtypes = [ctypes.POINTER(Stack)]
     lib.vs_attention_scratch.restype = i64
-    lib.vs_stack_forward.argtypes = [ctypes.POINTER(Stack), p, p, i64, p, p, p, p, p, p, i64, p, p, p, i64, p]
     lib.vs_tree_visibility.argtypes = [p, i64, i64, i64, p, p, p, p]
     lib.vs_cache_keep.argtypes = [p, p, i64, i64, i64, i64, i64, p, i64, i64]
-    lib.vs_stack_forward_rows.argtypes = [ctypes.POINTER(Stack), p, p, i64, p, p, p, p, p, p, p, p, p, p, i64, p]
-    lib.vs_verify_greedy.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p, p, i64, p, p, p, p]
-    lib.vs_drafter_read.argtypes = [ctypes.POINTER(Drafter), ctypes.POINTER(Stack), p, p, i64, p, p, i64, p,
-                                    p, p, p]
+    lib.vs_stack_forward_rows.argtypes = [ctypes.POINTER(Stack), p, ctypes.POINTER(Rows), p, p]
+    lib.vs_verify_greedy.argtypes = [ctypes.POINTER(VerifyRequest)]
+    lib.vs_drafter_read.argtypes = [ctypes.POINTER(ReadRequest)]
     lib.vs_drafter_read_scratch.argtypes = [ctypes.POINTER(Drafter), i64]
     lib.vs_drafter_read_scratch.restype = i64
     lib.vs_tree_capacity.argtypes = [i64, i64]
@@ -525,7 +551,6 @@ class NativeStack:
         causally. `embeds` (n, dim): the rows' token embeddings, for a stack whose first layer
         reads them (EAGLE-3's). Returns the `taps` layers' outputs side by side (n,
         len(taps) * dim), or None."""
-        lib = library()
         n = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dim:
             raise ValueError("native forward needs contiguous float32 rows of the model width")
@@ -546,16 +571,10 @@ class NativeStack:
                 raise ValueError(f"{n} rows need {n} positions")
             prefix, xoff, extra = visibility(length, pending, positions, tree_mask)
             pos32 = positions.to(torch.int32).contiguous()
-        check_range("position", pos32, 0, self.positions)
-        self.reserve(n, slots)
-        tapped = torch.empty(n, len(taps) * self.dim) if taps else None
-        tap_ids = torch.tensor(taps, dtype=torch.int32) if taps else None
-        lib.vs_stack_forward(ctypes.byref(self.stack), ptr(x), ptr(embeds if self.reads_embeds else None),
-                             n, pos32.data_ptr(),
-                             prefix.data_ptr(), xoff.data_ptr(), extra.data_ptr(), keys.data_ptr(),
-                             values.data_ptr(), length + pending, self.work.data_ptr(),
-                             self.scratch.data_ptr(), ptr(tap_ids), len(taps), ptr(tapped))
-        return tapped
+        slot = torch.arange(length + pending, length + pending + n, dtype=torch.int32)
+        return self._run(x, pos32, prefix, xoff, extra, torch.full((n,), keys.data_ptr(), dtype=torch.int64),
+                         torch.full((n,), values.data_ptr(), dtype=torch.int64), slot, slots, taps,
+                         embeds if self.reads_embeds else None)
 
     def forward_rows(self, x: torch.Tensor, parts: list[tuple], taps: tuple[int, ...] = ()) -> torch.Tensor | None:
         """Rows of several sequences in one call, each part over a cache of its own: parts are
@@ -563,7 +582,6 @@ class NativeStack:
         a part's rows go after its `length` committed slots as a tree (`parents`, see
         `forward`) or causally. Every row gets the bits it gets in a call of its own part.
         Returns the taps' outputs as `forward` does."""
-        lib = library()
         n = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dim:
             raise ValueError("native forward needs contiguous float32 rows of the model width")
@@ -601,15 +619,23 @@ class NativeStack:
             slot += range(length, length + rows)
         pos32, prefix, xoff, extra, slot = (torch.tensor(t, dtype=torch.int32)
                                             for t in (pos, prefix, xoff, extra or [0], slot))
-        check_range("position", pos32, 0, self.positions)
         keys_at, values_at = torch.tensor(keys_at, dtype=torch.int64), torch.tensor(values_at, dtype=torch.int64)
+        return self._run(x, pos32, prefix, xoff, extra, keys_at, values_at, slot, slots, taps, None)
+
+    def _run(self, x, pos32, prefix, xoff, extra, keys_at, values_at, slot, slots: int, taps: tuple[int, ...],
+             embeds) -> torch.Tensor | None:
+        """The one native call (`vs_stack_forward_rows`) over rows whose visibility, caches
+        (each row's keys and values addresses) and slots are built."""
+        n = x.shape[0]
+        check_range("position", pos32, 0, self.positions)
         self.reserve(n, slots)
         tapped = torch.empty(n, len(taps) * self.dim) if taps else None
         tap_ids = torch.tensor(taps, dtype=torch.int32) if taps else None
-        lib.vs_stack_forward_rows(ctypes.byref(self.stack), x.data_ptr(), None, n, pos32.data_ptr(), prefix.data_ptr(),
-                                  xoff.data_ptr(), extra.data_ptr(), keys_at.data_ptr(), values_at.data_ptr(),
-                                  slot.data_ptr(), self.work.data_ptr(), self.scratch.data_ptr(), ptr(tap_ids),
-                                  len(taps), ptr(tapped))
+        rows = Rows(n=n, ntaps=len(taps), pos=pos32.data_ptr(), prefix=prefix.data_ptr(), xoff=xoff.data_ptr(),
+                    extra=extra.data_ptr(), slot=slot.data_ptr(), taps=ptr(tap_ids), keys=keys_at.data_ptr(),
+                    values=values_at.data_ptr(), embeds=ptr(embeds), tapped=ptr(tapped))
+        library().vs_stack_forward_rows(ctypes.byref(self.stack), ptr(x), ctypes.byref(rows),
+                                        self.work.data_ptr(), self.scratch.data_ptr())
         return tapped
 
 
@@ -697,9 +723,11 @@ class NativeDrafter:
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         self.stack.reserve(n, slots)
-        lib.vs_drafter_read(ctypes.byref(self.struct), ctypes.byref(self.stack.stack), keys.data_ptr(),
-                            values.data_ptr(), length, ids.data_ptr(), hidden.data_ptr(), n, self.state.data_ptr(),
-                            self._scratch.data_ptr(), self.stack.work.data_ptr(), self.stack.scratch.data_ptr())
+        request = ReadRequest(drafter=ctypes.addressof(self.struct), stack=ctypes.addressof(self.stack.stack),
+                              keys=keys.data_ptr(), values=values.data_ptr(), length=length, n=n, tokens=ids.data_ptr(),
+                              hidden=hidden.data_ptr(), state=self.state.data_ptr(), scratch=self._scratch.data_ptr(),
+                              work=self.stack.work.data_ptr(), att=self.stack.scratch.data_ptr())
+        lib.vs_drafter_read(ctypes.byref(request))
 
     def tree(self, keys: torch.Tensor, values: torch.Tensor, length: int, root: int, top_k: int, depth: int,
              total_tokens: int, stop=None) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:

@@ -3,8 +3,8 @@
 
 The loader hands it every matrix packed (a GGUF's own blocks, memory-mapped, or floats packed
 as f32 or bf16) and the norms as float32 tensors named as the reference model names its
-parameters. A step's spans run in one call (`vs_stack_forward`, or `vs_stack_forward_rows` for
-several), each row in one fixed order, so a tree's rows and a batch's have the bits each gets in
+parameters. A step's spans run in one call (`vs_stack_forward_rows`, its rows one `vs_rows`
+struct), each row in one fixed order, so a tree's rows and a batch's have the bits each gets in
 a one-token forward of its own request; greedy verification of every greedy span is one call
 too (`vs_verify_greedy`), scoring rows as its walk reaches them.
 """
@@ -19,7 +19,7 @@ import torch
 from .backend import Backend
 from .kv_cache import KVCache
 from .model import ModelArgs, RMSNorm, reference_rope
-from .native import NativeStack, check_parents, check_range, isa, library
+from .native import NativeStack, VerifyRequest, check_parents, check_range, isa, library
 from .step_rows import RowSpan, StepRows
 
 LAYER_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "attn.q_norm", "attn.k_norm")
@@ -145,8 +145,8 @@ class NativeBackend(Backend):
             self._work = torch.empty(floats, dtype=torch.float32)
 
     def forward(self, rows: StepRows) -> StepRows:
-        """One native call over every span: a lone span through `vs_stack_forward`, several
-        through `vs_stack_forward_rows` (every row the bits of a call of its own span)."""
+        """One native call over every span: a lone span through `NativeStack.forward`, several
+        through its `forward_rows` (every row the bits of a call of its own span)."""
         spans, taps = rows.spans, rows.taps
         x = self.embed_tokens(torch.cat([span.tokens for span in spans]) if len(spans) > 1 else spans[0].tokens)
         if len(spans) == 1:
@@ -200,9 +200,11 @@ class NativeBackend(Backend):
         self._reserve(head_rows * len(trees) * hidden.shape[1])
         paths = torch.empty(int(offsets[-1]), dtype=torch.int64)
         counts, following = torch.empty(len(trees), dtype=torch.int64), torch.empty(len(trees), dtype=torch.int64)
-        library().vs_verify_greedy(self.norm.weight.data_ptr(), self.args.norm_eps, ctypes.byref(self._head_struct),
-                                   hidden.data_ptr(), len(trees), offsets.data_ptr(), tokens.data_ptr(),
-                                   parents.data_ptr(), head_rows, paths.data_ptr(), counts.data_ptr(),
-                                   following.data_ptr(), self._work.data_ptr())
+        request = VerifyRequest(norm=self.norm.weight.data_ptr(), head=ctypes.addressof(self._head_struct),
+                                hidden=hidden.data_ptr(), offsets=offsets.data_ptr(), tokens=tokens.data_ptr(),
+                                parents=parents.data_ptr(), paths=paths.data_ptr(), counts=counts.data_ptr(),
+                                next=following.data_ptr(), work=self._work.data_ptr(), ntrees=len(trees),
+                                head_rows=head_rows, eps=self.args.norm_eps)
+        library().vs_verify_greedy(ctypes.byref(request))
         paths, counts, following = paths.tolist(), counts.tolist(), following.tolist()
         return [(paths[start:start + count], nxt) for start, count, nxt in zip(offsets.tolist(), counts, following)]
