@@ -91,6 +91,26 @@ def _token_list(text: str) -> str:
     return text
 
 
+def field_option(parser: argparse.ArgumentParser, config: type, name: str, kind, text: str,
+                 flag: str | None = None, **extra) -> None:
+    """The dataclass `config`'s field `name` as an option (--NAME, or `flag`): its default is
+    the field's, declared once, in the dataclass. `kind` parses it (bool: an on/off flag; None:
+    the text as given); `extra`: more of add_argument's keywords (metavar, choices, dest)."""
+    from dataclasses import MISSING, fields
+
+    found = next((f for f in fields(config) if f.name == name), None)
+    if found is None:
+        raise AttributeError(f"{config.__name__} has no field {name!r}")
+    default = found.default if found.default is not MISSING else found.default_factory()
+    flag = flag or "--" + name.replace("_", "-")
+    if kind is bool:
+        if default:
+            raise ValueError(f"{config.__name__}.{name}: an on/off option's field defaults to off")
+        parser.add_argument(flag, action="store_true", help=text, **extra)
+    else:
+        parser.add_argument(flag, type=kind, default=default, help=text, **extra)
+
+
 def add_weight_args(parser: argparse.ArgumentParser) -> None:
     from .engine.formats import FORMATS
 
@@ -124,39 +144,34 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def add_draft_args(parser: argparse.ArgumentParser, method: bool = True) -> None:
     """The fields of config.DraftConfig (the bench names its methods instead of --draft)."""
-    if method:
-        from .speculation.config import FAMILIES
+    from .speculation.config import FAMILIES, DraftConfig
 
+    def option(name, kind, text, **extra):
+        field_option(parser, DraftConfig, name, kind, text, **extra)
+
+    if method:
         parser.add_argument("--draft", default="none", type=_draft_method, metavar="METHOD",
                             help="proposer: " + ", ".join(f"{f.display} ({f.summary})"
                                                           for f in FAMILIES.values()))
-        parser.add_argument("--draft-weights", default="auto",
-                            help="the draft model's weight format (--draft model:NAME): auto (the "
-                                 "fastest here: with a float32 or bfloat16 target, its own 8-bit copy), "
-                                 "gguf, gguf-a8, bf16 or f32")
-        parser.add_argument("--draft-vocab", default="auto",
-                            help="drafter LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), "
-                                 "spec:K[,context=C][,successors=S][,levels=L] (SpecVocab: K "
-                                 "candidates, C of them (default K/2) tokens already in the text, S "
-                                 "(default 16) usual successors of each drafted token, the root's "
-                                 "candidates serving L tree levels (default: all)); auto: the head "
-                                 "the shipped drafter names as fastest for its model")
-        parser.add_argument("--token-map", default=None, help="token map file for fr:N / trim:N "
-                                                              "(default: the drafter's own)")
-        parser.add_argument("--ranker", default=None, help="ranker file for spec:K (default: the drafter's own)")
-        parser.add_argument("--draft-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                            help="what the drafter computes in on torch's kernels (auto: bfloat16 for "
-                                 "a float32 target on hardware with fast bfloat16); verification always "
-                                 "uses the target's weights and kernels")
-    parser.add_argument("--draft-path", default=None,
-                        help="EAGLE drafter or Medusa heads directory (default: the bundled one; "
-                             "'random' for an untrained one)")
-    parser.add_argument("--depth", type=_tree_depth, default=6,
-                        help="tree expansion steps (with --total-tokens auto: the deepest tried)")
-    parser.add_argument("--tree-top-k", type=_tree_top_k, default=10, help="children per expanded node")
-    parser.add_argument("--total-tokens", type=_total_tokens, default="auto",
-                        help="drafted tokens verified per step, or 'auto': tree size and depth chosen by "
-                             "timing this machine (cached)")
+        option("draft_weights", None, "the draft model's weight format (--draft model:NAME): auto (the fastest "
+               "here: with a float32 or bfloat16 target, its own 8-bit copy), gguf, gguf-a8, bf16 or f32")
+        option("vocab", None, "drafter LM head: full, fr:N (FR-Spec), trim:N (VocabTrim), "
+               "spec:K[,context=C][,successors=S][,levels=L] (SpecVocab: K candidates, C of them (default "
+               "K/2) tokens already in the text, S (default 16) usual successors of each drafted token, the "
+               "root's candidates serving L tree levels (default: all)); auto: the head the shipped drafter "
+               "names as fastest for its model", flag="--draft-vocab")
+        option("token_map", None, "token map file for fr:N / trim:N (default: the drafter's own)")
+        option("ranker", None, "ranker file for spec:K (default: the drafter's own)")
+        option("dtype", None, "what the drafter computes in on torch's kernels (auto: bfloat16 for a float32 "
+               "target on hardware with fast bfloat16); verification always uses the target's weights and "
+               "kernels", flag="--draft-dtype", choices=("auto", "float32", "bfloat16"))
+    option("path", None, "EAGLE drafter or Medusa heads directory (default: the bundled one; 'random' for an "
+           "untrained one)", flag="--draft-path")
+    option("depth", _tree_depth, "tree expansion steps (with --total-tokens auto: the deepest tried)")
+    option("top_k", _tree_top_k, "children per expanded node", flag="--tree-top-k")
+    option("total_tokens", _total_tokens, "drafted tokens verified per step, or 'auto': each step's tree sized "
+           "from the drafter's confidence and this machine's measured costs, a timing of the machine (cached) "
+           "its starting point")
 
 
 def _draft_method(text: str) -> str:
@@ -358,11 +373,14 @@ def _batch_job_options(gen: argparse.ArgumentParser) -> None:
 
 def _sampling_options(gen: argparse.ArgumentParser) -> None:
     """generate's answer length, sampling and stop strings (a request of --input may set its own)."""
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="tokens to generate at most")
-    gen.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=_float, default=1.0, help="nucleus sampling mass (1: off)")
-    gen.add_argument("--top-k", type=_non_negative_int, default=0, help="sample among the k likeliest (0: off)")
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    from .decoding.generate import GenerationConfig
+    from .speculation.sampling import SamplingParams
+
+    field_option(gen, GenerationConfig, "max_new_tokens", _positive_int, "tokens to generate at most")
+    field_option(gen, SamplingParams, "temperature", _float, "0 = greedy")
+    field_option(gen, SamplingParams, "top_p", _float, "nucleus sampling mass (1: off)")
+    field_option(gen, SamplingParams, "top_k", _non_negative_int, "sample among the k likeliest (0: off)")
+    field_option(gen, SamplingParams, "seed", int, "sampling seed (default: random)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -372,23 +390,18 @@ def _train_options(sub) -> None:
 
     train = sub.add_parser("train", help="train a drafter for a model (data, features, training); "
                                          "--drafter names its family")
-    defaults = TrainConfig()
     _model_name_option(train)
     train.add_argument("--out", default=None, help="work directory (default runs/train-MODEL)")
     train.add_argument("--stages", default="data,features,train",
                        help="comma-separated subset of data,features,train")
     trainable = [f for f in FAMILIES.values() if f.trainable]
-    train.add_argument("--drafter", default=defaults.drafter, choices=tuple(f.name for f in trainable),
-                       help="what to train: " + ", ".join(f"{f.name} ({f.summary})" for f in trainable))
+    field_option(train, TrainConfig, "drafter", None, "what to train: " + ", ".join(
+        f"{f.name} ({f.summary})" for f in trainable), choices=tuple(f.name for f in trainable))
     train.add_argument("--ship", action="store_true",
                        help="copy the trained drafter (bfloat16; Medusa heads: 8-bit rows) into the "
                             "package as the bundled default")
     for name, kind, text, extra in TRAIN_OPTIONS:
-        flag = "--" + name.replace("_", "-")
-        if kind is bool:
-            train.add_argument(flag, action="store_true", help=text, **extra)
-        else:
-            train.add_argument(flag, type=kind, default=getattr(defaults, name), help=text, **extra)
+        field_option(train, TrainConfig, name, kind, text, **extra)
     _threads_option(train)
 
 
@@ -461,18 +474,20 @@ def _bench_options(sub) -> None:
 
 
 def _serve_options(sub) -> None:
+    from .serving.server import ServerLimits
+
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming)")
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=_positive_int, default=8000, help="port to listen on")
-    serve.add_argument("--max-tokens-cap", type=_positive_int, default=2048,
-                       help="largest max_tokens a request may ask for")
-    serve.add_argument("--max-seconds", type=_float, default=300.0, help="generation time per request")
-    serve.add_argument("--max-queue", type=_positive_int, default=64, help="requests waiting or running")
-    serve.add_argument("--max-batch", type=_positive_int, default=8,
-                       help="requests decoding at once (continuous batching; each answer exactly as alone, "
-                            "or up to rounding with --allow-inexact on torch's kernels; there and on "
-                            "--backend triton the slots the device's free memory holds cap it)")
+    for name, kind, text in (
+            ("max_tokens_cap", _positive_int, "largest max_tokens a request may ask for"),
+            ("max_seconds", _float, "generation time per request"),
+            ("max_queue", _positive_int, "requests waiting or running"),
+            ("max_batch", _positive_int, "requests decoding at once (continuous batching; each answer exactly as "
+             "alone, or up to rounding with --allow-inexact on torch's kernels; there and on --backend triton "
+             "the slots the device's free memory holds cap it)")):
+        field_option(serve, ServerLimits, name, kind, text)
     serve.add_argument("--kv-tokens", type=_positive_int, default=None,
                        help="KV cache budget in tokens over the decoding requests (default: max-batch x "
                             "the model window, capped at 4096 each); a request's prompt and answer fit "
@@ -482,16 +497,15 @@ def _serve_options(sub) -> None:
 
 def _access_options(serve: argparse.ArgumentParser) -> None:
     """Who may use the server (serving/guards.py), and whether it serves its API's docs."""
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on every /v1/ route (401 without it); "
-                            f"default: ${API_KEY_VARIABLE} if set, else no key")
-    serve.add_argument("--allowed-origins", type=_origins, default=(),
-                       help="comma-separated web origins (e.g. https://app.example) allowed to call the "
-                            "server from a browser, with CORS headers for them; '*' for any (default: "
-                            "none, and a request a page sends gets 403)")
-    serve.add_argument("--docs", action="store_true",
-                       help="serve the API's /docs page and /openapi.json (the page loads Swagger UI's "
-                            "scripts from a CDN)")
+    from .serving.server import ServerLimits
+
+    field_option(serve, ServerLimits, "api_key", None, "require 'Authorization: Bearer KEY' on every /v1/ route "
+                 f"(401 without it); default: ${API_KEY_VARIABLE} if set, else no key")
+    field_option(serve, ServerLimits, "allowed_origins", _origins, "comma-separated web origins (e.g. "
+                 "https://app.example) allowed to call the server from a browser, with CORS headers for them; "
+                 "'*' for any (default: none, and a request a page sends gets 403)")
+    field_option(serve, ServerLimits, "docs", bool, "serve the API's /docs page and /openapi.json (the page "
+                 "loads Swagger UI's scripts from a CDN)")
 
 
 def _export_options(sub) -> None:
