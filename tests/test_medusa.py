@@ -102,3 +102,40 @@ def test_medusa_method_names_and_refusals():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="no Medusa heads are bundled"):
         make_proposer(model, DraftConfig(method="medusa"), "tiny")
+
+
+def test_medusa_sized_live_gives_plain_decodings_tokens(real_model):
+    """With the live rule (live_tree.py) each step keeps the best of the drafted nodes by their
+    path values, at more than one size, and greedy output is still plain decoding's; the kept
+    nodes are a tree (each one's parent kept) ranked as valued."""
+    from vocabspec.speculation.live_tree import LiveSizing
+
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS[real_model.name])
+    vanilla = Engine(real_model.model, real_model.tokenizer)
+    proposer = shipped_proposer(real_model, "full", total_tokens=len(MEDUSA_63))
+    curve = {n: 0.004 + 0.0004 * n for n in range(1, 34)}      # fixed costs: the rule, not the host
+    proposer.sizing = sizing = LiveSizing(curve, draft_level=0.0003, prior_speedup=1.2, total=3,
+                                          most_depth=4, most=16)
+    sizing.costs.step = sizing.costs.read_took = sizing.costs.level_took = lambda *_: None
+    sizing.keep_sizes = True
+    engine = Engine(real_model.model, real_model.tokenizer, proposer)
+    accepted = 0
+    for _, text in spec_bench_prompts()[:4]:
+        ids = real_model.prompt_ids(text[:1200])
+        out = engine.generate(ids, config)
+        assert out.tokens == vanilla.generate(ids, config).tokens
+        accepted += sum(step.accept_length - 1 for step in out.steps)
+    sizes = [size for _, size in sizing.sizes]
+    assert len(set(sizes)) > 1 and max(sizes) <= 16, sizes
+    assert accepted > 0
+    layout = proposer.layout(16)
+    log_probs = -torch.rand(4, 10).sort(dim=1).values          # each head's candidates best first
+    tree = layout.valued_tree(7, torch.arange(40).view(4, 10) + 100, log_probs)
+    values = tree.values.tolist()
+    best_values = sorted(values[1:], reverse=True)
+    for m in (1, 5, 11):
+        kept = tree.best(m)
+        parents, kept_values = kept.parents.tolist(), kept.values.tolist()
+        assert kept.size == m and all(parents[n] < n for n in range(1, m + 1))
+        assert all(kept_values[n] <= kept_values[parents[n]] for n in range(1, m + 1))
+        assert sorted(kept_values[1:], reverse=True) == best_values[:m]

@@ -415,11 +415,12 @@ def _cached(key: str, model, compute, log):
 
 
 def choose_medusa_tree(model, heads, head, tokenizer, key: str, log=None):
-    """(choices, size) for Medusa on this machine: the published 63-node tree's nodes ordered by
-    how often verification accepted each on the calibration answers (a node is accepted only
+    """(choices, chosen) for Medusa on this machine: the published 63-node tree's nodes ordered
+    by how often verification accepted each on the calibration answers (a node is accepted only
     with its parent, so every prefix of that order is a tree, and it maximises the expected
-    accepted length at its size), then the prefix size that decodes fastest, measured; size 0
-    where none beats plain decoding."""
+    accepted length at its size), then what `size_choice` chose of its prefixes: the size that
+    decodes fastest, measured ("size", 0 where none beats plain decoding), and each size's
+    measured speedup."""
     from ..speculation.families.medusa import MEDUSA_63, MedusaProposer
 
     def compute():
@@ -438,9 +439,9 @@ def choose_medusa_tree(model, heads, head, tokenizer, key: str, log=None):
 
     ordered = _cached(f"{key}|medusa-order|v1", model, compute, log)
     choices = [tuple(c) for c in ordered["choices"]]
-    size = choose_size(model, tokenizer, f"{key}|medusa", MEDUSA_SIZES,
-                       lambda m: MedusaProposer(model, heads, head, choices, total_tokens=m), log)
-    return choices, size
+    chosen = size_choice(model, tokenizer, f"{key}|medusa", MEDUSA_SIZES,
+                         lambda m: MedusaProposer(model, heads, head, choices, total_tokens=m), log)
+    return choices, chosen
 
 
 def choose_size(model, tokenizer, key: str, sizes, make, log=None) -> int:

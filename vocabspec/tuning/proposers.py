@@ -4,9 +4,10 @@ The family builds its drafter first (its own module's parts), then the tuner siz
 over them, so a drafter is loaded once whatever is measured: a family that declares `sizes`
 has each measured against plain decoding (autotune.choose_size); EAGLE's tree is sized each
 step by the live rule (live_tree.py) from the tuner's prior, or chosen once where static steps
-run, and so is a draft model's chain (the length that paid most when timed its prior); Medusa's
-is a prefix of its ordered tree. Where no size beats plain decoding (Medusa, a family's
-`sizes`, static steps) the proposer is None (eagle+pld: prompt lookup alone), and the log says so.
+run, and so are a draft model's chain (the length that paid most when timed its prior) and
+Medusa's tree (the best of its ordered nodes each step; a prefix of that order where static
+steps run). Where no size beats plain decoding (a family's `sizes`, static steps) the
+proposer is None (eagle+pld: prompt lookup alone), and the log says so.
 """
 
 from __future__ import annotations
@@ -88,19 +89,33 @@ def _tuned_eagle(model, config: DraftConfig, model_name: str, tokenizer, log):
 
 
 def _tuned_medusa(model, config: DraftConfig, model_name: str, tokenizer, log):
-    """Medusa's heads with the prefix of their ordered tree that pays most here."""
+    """Medusa's heads, their tree's nodes in the order verification accepted them: sized each
+    step by the live rule (live_tree.py), the prefix that paid most when the machine was timed
+    its prior; where an Engine runs static steps (a GPU), that prefix, or plain decoding where
+    none paid."""
+    from ..decoding.generate import static_by_default
     from ..speculation.families.medusa import MedusaProposer, medusa_parts
-    from .autotune import choose_medusa_tree
+    from .autotune import choose_medusa_tree, forward_curve, keep_calibration
 
     heads, head, path = medusa_parts(model, config, model_name, log)
     _need_tokenizer(tokenizer)
-    choices, total = choose_medusa_tree(model, heads, head, tokenizer,
-                                        key=f"{model_name}|medusa|{weights_key(path)}|{head.name}", log=log)
-    if not total:
-        if log:
-            log("medusa: decoding plainly")
-        return None
-    return MedusaProposer(model, heads, head, choices=choices, total_tokens=total)
+    key = f"{model_name}|medusa|{weights_key(path)}|{head.name}"
+    choices, chosen = choose_medusa_tree(model, heads, head, tokenizer, key=key, log=log)
+    total = int(chosen["size"])
+    if static_by_default(model):
+        if not total:
+            if log:
+                log("medusa: decoding plainly")
+            return None
+        return MedusaProposer(model, heads, head, choices=choices, total_tokens=total)
+    # A sampled request keeps a fixed tree: the tuned prefix, or the rule's own start where none paid.
+    proposer = MedusaProposer(model, heads, head, choices=choices, total_tokens=total or 3)
+    most = len(choices)
+    sizing = live_sizing(model, forward_curve(model, log), proposer.level_seconds(),
+                         max(chosen["measured_speedup"].values(), default=1.0), total, max(map(len, choices)), most)
+    keep_calibration(sizing, key)
+    proposer.sizing = sizing
+    return proposer
 
 
 def _tuned_draft_model(model, config: DraftConfig, model_name: str, tokenizer, log):

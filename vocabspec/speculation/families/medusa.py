@@ -16,6 +16,10 @@ head d's i_d-th best token below the node (i1, ..., i(d-1)). The tree is Medusa'
 63-node choice (`MEDUSA_63`) or its first m nodes in an order measured here (autotune.py,
 `choose_medusa_tree`): nodes by how often verification accepted them, which maximises the
 expected accepted length of every prefix.
+
+Where the tree is sized live (`sizing`, live_tree.py; eager greedy steps), each step drafts the
+first `most` of those nodes, values each by its path's summed head log-probabilities, and keeps
+the best m by value that pay for their rows at this machine's costs (none: a plain step).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from ..vocab.heads import FullVocab, HeadTimedDrafting, float_rows, int8_rows, m
 from ...engine.linear import Linear
 from ..proposer import Proposer, StaticDrafting
 from ...engine.kv_cache import ancestor_mask
-from ..tree import Tree
+from ..tree import Tree, chain
 
 # Medusa's published tree for its 7B models (FasterDecoding/Medusa, medusa_choices.py,
 # mc_sim_7b_63): each entry is a path of top-k indices, one per head, best first.
@@ -205,6 +209,25 @@ class TreeLayout:
         tokens = torch.cat([root.view(1), ids[self.heads, self.picks]])
         return Tree(tokens, self.parents, self.depths, self.max_depth, mask=self.mask, ranks=self.ranks)
 
+    def valued_tree(self, root: int, ids: torch.Tensor, log_probs: torch.Tensor) -> Tree:
+        """The tree with each node's value, its path's summed log-probabilities (host work), and
+        its rank by value (ties: shallower, then earlier): a node's value is at most its
+        parent's, so the best m by value are a tree, as EAGLE-2's."""
+        picked = log_probs[self.heads, self.picks].double().cpu().tolist()
+        parents = self.parents.tolist()
+        values = [0.0] * len(parents)
+        for node in range(1, len(parents)):
+            values[node] = values[parents[node]] + picked[node - 1]
+        depths = self.depths.tolist()
+        order = sorted(range(1, len(parents)), key=lambda n: (-values[n], depths[n], n))
+        ranks = [-1] * len(parents)
+        for rank, node in enumerate(order):
+            ranks[node] = rank
+        tokens = torch.cat([torch.tensor([root], device=ids.device), ids[self.heads, self.picks]])
+        return Tree(tokens, self.parents, self.depths, self.max_depth, mask=self.mask,
+                    ranks=torch.tensor(ranks, dtype=torch.long, device=self.parents.device),
+                    values=torch.tensor(values, dtype=torch.float64))
+
 
 class MedusaProposer(HeadTimedDrafting, Proposer):
     """Drafts Medusa's static tree from the target's feature at the last accepted token.
@@ -231,6 +254,7 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
         self._feature_buffer = None
         self._layouts: dict[int, TreeLayout] = {}
         self.device = target.device
+        self.sizing = None                # the live rule (live_tree.py), where trees are sized each step
         self.reset_timings()
 
     @property
@@ -239,20 +263,53 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
 
     @property
     def tree_shape(self) -> tuple[int, int]:
+        """(depth, nodes) of its largest tree: sized live, the first `most` choices'."""
+        if self.sizing is not None:
+            most = min(self.sizing.most, len(self.choices))
+            return max(len(c) for c in self.choices[:most]), most
         return self.depth, self.total_tokens
 
-    def layout(self) -> TreeLayout:
-        if self.total_tokens not in self._layouts:
-            self._layouts[self.total_tokens] = TreeLayout(self.choices[:self.total_tokens], self.target.device)
-        return self._layouts[self.total_tokens]
+    def layout(self, size: int | None = None) -> TreeLayout:
+        """The tree of the first `size` choices (default: total_tokens)."""
+        size = self.total_tokens if size is None else size
+        if size not in self._layouts:
+            self._layouts[size] = TreeLayout(self.choices[:size], self.target.device)
+        return self._layouts[size]
+
+    def _live(self):
+        """The live rule where this request's trees are sized each step (greedy, eager)."""
+        return self.sizing if self.sizing is not None and self.size_live and not self._static else None
+
+    def next_tree_tokens(self) -> int:
+        sizing = self._live()
+        return sizing.next_size() if sizing is not None else self.max_tree_tokens
 
     draft_forwards = 1      # drafting passes per step: the heads run once
+
+    def level_seconds(self, repeats: int = 5) -> float:
+        """Seconds of drafting's one pass (the heads and their LM head), the median of a few
+        on a zero feature: the live rule's prior for a drafting level (its cost is the same
+        for any feature)."""
+        feature, self.feature = self.feature, torch.zeros(1, self.target.args.dim, dtype=self.target.dtype,
+                                                           device=self.target.device)
+        times = []
+        try:
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self._candidates([0] * self.heads.n_heads)
+                times.append(time.perf_counter() - start)
+        finally:
+            self.feature = feature
+            self.reset_timings()
+        return sorted(times)[len(times) // 2]
 
     def draft_parameters(self) -> int:
         blocks = sum(p.numel() for p in self.heads.parameters())
         return blocks + self.heads.n_heads * self.head.size * self.target.args.dim
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
+        if self._live() is not None:
+            self.sizing.start()
         self.head.see_tokens(list(prompt_ids) + [first_token], reset=True)
         self.feature = prompt_hidden[-1:]
         if self._static:            # a captured step reads this very tensor
@@ -261,25 +318,36 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
             self.feature = self._feature_buffer.copy_(self.feature)
 
     def observe(self, accepted, hidden, next_token) -> None:
+        if self._live() is not None:
+            self.sizing.observe(accepted)
         self.head.see_tokens(list(accepted) + [next_token])
         self.feature = hidden[-1:]
 
-    def _candidates(self, root_tokens) -> torch.Tensor:
-        """(heads, TOP_K) token ids: each head's best candidates, best first."""
+    def _candidates(self, root_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """(heads, TOP_K) token ids, each head's best candidates, best first, and their
+        log-probabilities."""
         start = time.perf_counter()
         states = self.heads(self.target.norm(self.feature.float()))[:, 0]      # (heads, dim)
         if self.head.sync:
             torch.cuda.synchronize()
         self.timings["blocks"] += time.perf_counter() - start
         # Row k is head k + 1's: SpecVocab shares one candidate set per level (its `level`).
-        ids, _ = self.head.top_k(states, TOP_K, root_tokens, 0)
-        return ids
+        return self.head.top_k(states, TOP_K, root_tokens, 0)
 
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
         device = self.target.device
-        ids = self._candidates([root_token] * self.heads.n_heads)
-        tree = self.layout().tree(torch.tensor(root_token, device=device), ids.to(device))
+        sizing = self._live()
+        if sizing is not None and not sizing.plan()[0]:       # the rule drafts nothing this step
+            self.timings["total"] += time.perf_counter() - start
+            return chain(root_token, [], device=device)
+        ids, log_probs = self._candidates([root_token] * self.heads.n_heads)
+        if sizing is None:
+            tree = self.layout().tree(torch.tensor(root_token, device=device), ids.to(device))
+        else:       # every node costs the one pass: the rule keeps the best that pay for their rows
+            drafted = self.layout(min(sizing.most, len(self.choices))).valued_tree(root_token, ids.to(device),
+                                                                                   log_probs)
+            tree = sizing.choose(drafted, 1, time.perf_counter() - start)
         self.timings["total"] += time.perf_counter() - start
         return tree
 
@@ -314,7 +382,7 @@ class MedusaStaticDrafting(StaticDrafting):
     def propose(self, root: torch.Tensor) -> Tree:
         p = self.proposer
         start = time.perf_counter()
-        tree = p.layout().tree(root, p._candidates(None))
+        tree = p.layout().tree(root, p._candidates(None)[0])
         p.timings["total"] += time.perf_counter() - start
         return tree
 
