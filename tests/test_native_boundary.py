@@ -204,7 +204,8 @@ def test_the_attention_scratch_holds_the_largest_team_whatever_torchs_thread_cou
 
 
 @pytest.mark.parametrize("name, first, second", [("Weight", "type", "data"), ("Rows", "n", "ntaps"),
-                                                 ("VerifyRequest", "norm", "head"), ("ReadRequest", "drafter", "stack")])
+                                                 ("VerifyRequest", "norm", "head"), ("ReadRequest", "drafter", "stack"),
+                                                 ("Cache", "layers", "n_kv")])
 def test_a_struct_mirror_that_disagrees_with_the_header_stops_the_load(monkeypatch, name, first, second):
     """native.py's ctypes mirrors are checked against native.h's layout: a mirror with two
     fields swapped is refused, naming the ABI."""

@@ -103,6 +103,8 @@ int64_t vs_abi(int64_t *out, int64_t cap) {
         sizeof(vs_read_request), offsetof(vs_read_request, stack), offsetof(vs_read_request, keys),
         offsetof(vs_read_request, length), offsetof(vs_read_request, n), offsetof(vs_read_request, tokens),
         offsetof(vs_read_request, state), offsetof(vs_read_request, att),
+        sizeof(vs_cache), offsetof(vs_cache, values), offsetof(vs_cache, layers), offsetof(vs_cache, slots),
+        offsetof(vs_cache, half),
     };
     const int64_t n = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < n && i < cap; i++) out[i] = v[i];
@@ -662,14 +664,12 @@ void vs_tree_visibility(const int64_t *parents, int64_t n, int64_t start, int64_
     }
 }
 
-/* Keep the pending slots keep[0..nkeep) (increasing, relative to `length`) of every layer's
-   keys (layers x n_kv x T/16 x head_dim x 16) and values (layers x n_kv x T x head_dim), packed right
-   after the committed `length`. */
-void vs_cache_keep(void *keys, void *values, int64_t layers, int64_t n_kv, int64_t head_dim, int64_t T,
-                   int64_t length, const int64_t *keep, int64_t nkeep, int64_t half) {
-    const int64_t size = half ? 2 : 4;    /* bytes an element */
-    for (int64_t g = 0; g < layers * n_kv; g++) {
-        char *k = (char *)keys + g * head_dim * T * size, *v = (char *)values + g * T * head_dim * size;
+/* Keep the pending slots keep[0..nkeep) of every layer (native.h). */
+void vs_cache_keep(const vs_cache *c, int64_t length, const int64_t *keep, int64_t nkeep) {
+    const int64_t size = c->half ? 2 : 4;    /* bytes an element */
+    const int64_t head_dim = c->head_dim, T = c->slots;
+    for (int64_t g = 0; g < c->layers * c->n_kv; g++) {
+        char *k = (char *)c->keys + g * head_dim * T * size, *v = (char *)c->values + g * T * head_dim * size;
         for (int64_t j = 0; j < nkeep; j++) {
             const int64_t src = length + keep[j], dst = length + j;
             if (src == dst) continue;

@@ -116,8 +116,17 @@ void vs_stack_forward_rows(const vs_stack *s, float *x, const vs_rows *rows, flo
 /* speculative steps */
 void vs_tree_visibility(const int64_t *parents, int64_t n, int64_t start, int64_t base, int32_t *pos,
                         int32_t *prefix, int32_t *xoff, int32_t *extra);
-void vs_cache_keep(void *keys, void *values, int64_t layers, int64_t n_kv, int64_t head_dim, int64_t T,
-                   int64_t length, const int64_t *keep, int64_t nkeep, int64_t half);
+
+/* One sequence's cache in the layout drawn above: keys (layers x n_kv x slots/16 x head_dim x 16)
+   and values (layers x n_kv x slots x head_dim), IEEE halves (half) or floats. */
+typedef struct {
+    void *keys, *values;
+    int64_t layers, n_kv, head_dim, slots, half;
+} vs_cache;
+
+/* Keep the pending slots keep[0..nkeep) (increasing, relative to `length`), packed right after
+   the committed `length`. */
+void vs_cache_keep(const vs_cache *c, int64_t length, const int64_t *keep, int64_t nkeep);
 
 /* Greedy verification of ntrees trees (vs_verify_greedy): tree t's rows are rows offsets[t] ..
    offsets[t+1] of hidden (their last hidden states, head->cols wide), with tokens and parents

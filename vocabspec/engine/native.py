@@ -108,6 +108,12 @@ class ReadRequest(ctypes.Structure):
     del p, i64
 
 
+class Cache(ctypes.Structure):
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("layers", ctypes.c_int64),
+                ("n_kv", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("slots", ctypes.c_int64),
+                ("half", ctypes.c_int64)]
+
+
 class Drafter(ctypes.Structure):
     _fields_ = [("fc", Weight), ("head", Weight), ("embed", Weight), ("head_ids", ctypes.c_void_p),
                 ("norm", ctypes.c_void_p), ("head_norm", ctypes.c_void_p), ("out_norm", ctypes.c_void_p),
@@ -272,7 +278,8 @@ def check_abi(lib) -> None:
             ctypes.sizeof(VerifyRequest), *(getattr(VerifyRequest, f).offset for f in (
                 "head", "offsets", "paths", "work", "ntrees", "head_rows", "eps")),
             ctypes.sizeof(ReadRequest), *(getattr(ReadRequest, f).offset for f in (
-                "stack", "keys", "length", "n", "tokens", "state", "att"))]
+                "stack", "keys", "length", "n", "tokens", "state", "att")),
+            ctypes.sizeof(Cache), *(getattr(Cache, f).offset for f in ("values", "layers", "slots", "half"))]
     got = (ctypes.c_int64 * 128)()
     n = lib.vs_abi(got, 128)
     if n != len(want) or list(got[:n]) != want:
@@ -301,7 +308,7 @@ def _declare(lib):
     lib.vs_attention_scratch.argtypes = [ctypes.POINTER(Stack)]
     lib.vs_attention_scratch.restype = i64
     lib.vs_tree_visibility.argtypes = [p, i64, i64, i64, p, p, p, p]
-    lib.vs_cache_keep.argtypes = [p, p, i64, i64, i64, i64, i64, p, i64, i64]
+    lib.vs_cache_keep.argtypes = [ctypes.POINTER(Cache), i64, p, i64]
     lib.vs_stack_forward_rows.argtypes = [ctypes.POINTER(Stack), p, ctypes.POINTER(Rows), p, p]
     lib.vs_verify_greedy.argtypes = [ctypes.POINTER(VerifyRequest)]
     lib.vs_drafter_read.argtypes = [ctypes.POINTER(ReadRequest)]
@@ -652,8 +659,9 @@ def cache_keep(keys: torch.Tensor, values: torch.Tensor, length: int, keep: list
     check_range("kept pending slot", kept, 0, slots - length)
     if kept.numel() > 1 and not bool((kept[1:] > kept[:-1]).all()):
         raise ValueError(f"kept pending slots must increase: {keep}")
-    library().vs_cache_keep(keys.data_ptr(), values.data_ptr(), layers, n_kv, head_dim, slots, length,
-                            kept.data_ptr(), len(keep), int(keys.dtype == torch.float16))
+    cache = Cache(keys=keys.data_ptr(), values=values.data_ptr(), layers=layers, n_kv=n_kv, head_dim=head_dim,
+                  slots=slots, half=int(keys.dtype == torch.float16))
+    library().vs_cache_keep(ctypes.byref(cache), length, kept.data_ptr(), len(keep))
 
 
 class NativeDrafter:
