@@ -146,7 +146,7 @@ def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
         return gaps, waits
 
     # Drafting that takes a second never pays: the waits double to the cap, and are kept
-    # (a probe whose kept tree is the root alone counts as one of the plain steps).
+    # (a probe verifies its best node, so it restarts the count of plain steps).
     gaps, waits = probes(1.0, 6)
     assert waits == [2 * PROBE_EVERY, 4 * PROBE_EVERY, MOST_PROBE_EVERY, MOST_PROBE_EVERY, MOST_PROBE_EVERY,
                      MOST_PROBE_EVERY]
@@ -169,6 +169,26 @@ def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
         sizing.observe([1])
         waits.append(sizing.probe_every)
     assert waits[-1] > waits[0] and waits[-1] >= 4 * PROBE_EVERY, waits
+
+
+def test_a_probe_verifies_its_best_node_even_where_none_pays():
+    """A probe whose nodes the calibration says will not pay for their rows still verifies its
+    best one, so that what it measures can move: the node's outcome trains the calibration,
+    while a step of steady drafting keeps the root alone."""
+    builder = TreeBuilder(1, 2, 2)
+    builder.add_children([0], torch.tensor([[5, 6]]), torch.tensor([[-3.0, -4.0]]))
+    unlikely = builder.build()               # two nodes the drafter gives 5% and 2%
+    sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, total=0, most_depth=2, most=4)
+    sizing.plain_steps = sizing.probe_every
+    assert sizing.plan()[0] and sizing._probing
+    kept = sizing.choose(unlikely, 1, 0.001)
+    assert kept.size == 1 and kept.tokens.tolist() == [1, 5]
+    before = sizing.calibration.chance(1, -3.0)
+    sizing.observe([1, 5])                   # the node was right
+    assert sizing.calibration.chance(1, -3.0) > before
+    steady = LiveSizing(CURVE, 0.0003, prior_speedup=2.0, total=0, most_depth=2, most=4)
+    assert steady.plan()[0] and not steady._probing      # steady drafting: the root alone pays best
+    assert steady.choose(unlikely, 1, 0.001).size == 0
 
 
 def test_an_extra_rows_cost_follows_what_drafted_steps_show():

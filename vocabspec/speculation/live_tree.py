@@ -11,7 +11,8 @@ Each step:
   ones, so a verdict reached on a busy machine, or on a stretch the drafter could not guess,
   is tried again; each probe that does not pay doubles that wait, up to MOST_PROBE_EVERY
   steps (where no tree pays on this machine probes cost little), and one that pays resets it.
-  A request's first step is a probe too.
+  A request's first step is a probe too. A probe verifies at least its best node, so that
+  what it measures (this request's acceptance, the calibration) can move.
   At that longest wait the rule is `dormant`: the drafter reads only the last tokens before a
   probe (and of a prompt), so a drafter that does not pay here costs close to nothing.
 - While drafting: the tree grows a level only while that level may pay (`TreeStop`): its
@@ -365,6 +366,10 @@ class LiveSizing:
         for m, rate in enumerate(self._rates(order, chances, 0.0), 1):
             if rate > best_rate:
                 best_m, best_rate = m, rate
+        if self._probing and not best_m and order:
+            # A probe verifies at least its best node: one that verifies nothing measures
+            # nothing, and neither this request's acceptance nor the calibration could move.
+            best_m, best_rate = 1, self._rates(order[:1], chances[:1], 0.0)[0]
         # The drafting is spent and does not enter the choice; it does enter the rate the step
         # expects, which sets the next step's stop and room: its growth, and the read of the
         # tokens it accepts as steady drafting would read them.
