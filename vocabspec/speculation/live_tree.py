@@ -7,10 +7,11 @@ Each step:
 
 - Before drafting: draft only where drafting has been paying, the speed of the last drafted
   steps against plain decoding's (the tokens each expects, scaled by this request's accepted
-  over expected, over its costs; a running mean started from the tuner's measured speedup). Where it has not been paying, a step drafts anyway after PROBE_EVERY plain
-  ones, so a verdict reached on a busy machine, or on a stretch the drafter could not guess,
-  is tried again; each probe that does not pay doubles that wait, up to MOST_PROBE_EVERY
-  steps (where no tree pays on this machine probes cost little), and one that pays resets it.
+  over expected, over its costs; a running mean started from the tuner's measured speedup).
+  Where it has not been paying, a step drafts anyway after PROBE_EVERY plain ones, so a
+  verdict reached on a busy machine, or on a stretch the drafter could not guess, is tried
+  again; each probe that does not pay doubles that wait, up to MOST_PROBE_EVERY steps (where
+  no tree pays on this machine probes cost little), and one that pays resets it.
   A request's first step is a probe too. A probe verifies at least its best node, so that
   what it measures (this request's acceptance, the calibration) can move.
   At that longest wait the rule is `dormant`: the drafter reads only the last tokens before a
@@ -362,14 +363,15 @@ class LiveSizing:
         chance = self.calibration.chance
         chances = [chance(depths[row], values[row]) for row in order]
         costs = self.costs
+        rates = self._rates(order, chances, 0.0)
         best_m, best_rate = 0, 1.0 / costs(1 + self.extra_rows)
-        for m, rate in enumerate(self._rates(order, chances, 0.0), 1):
+        for m, rate in enumerate(rates, 1):
             if rate > best_rate:
                 best_m, best_rate = m, rate
         if self._probing and not best_m and order:
             # A probe verifies at least its best node: one that verifies nothing measures
             # nothing, and neither this request's acceptance nor the calibration could move.
-            best_m, best_rate = 1, self._rates(order[:1], chances[:1], 0.0)[0]
+            best_m, best_rate = 1, rates[0]
         # The drafting is spent and does not enter the choice; it does enter the rate the step
         # expects, which sets the next step's stop and room: its growth, and the read of the
         # tokens it accepts as steady drafting would read them.

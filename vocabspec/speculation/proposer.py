@@ -33,6 +33,9 @@ class Proposer:
     # greedy request's only, set by its Generation; a sampled request's trees must not depend
     # on timing, so that its seed gives the same tokens in a batch and alone.
     size_live: bool = True
+    # Its live tree-size rule (live_tree.LiveSizing), where its trees are sized each step: its
+    # depth and tree size are then the largest tree a step drafts. None: every step one tree.
+    sizing = None
     # Whether its drafting runs inside the backend's step (static steps): a proposal is then
     # the root alone, with nothing to check on the host.
     drafts_on_device: bool = False
@@ -62,10 +65,16 @@ class Proposer:
             raise ValueError(f"{type(self).__name__} does not draft in static steps")
         return None
 
+    def live_sizing(self):
+        """The live rule where this request's trees are sized each step (a greedy request's
+        only, `size_live`), else None."""
+        return self.sizing if self.size_live else None
+
     def next_tree_tokens(self) -> int:
         """The drafted tokens of the next proposal, where it can say so cheaply (the batch's
-        draft budget); else the most a proposal holds."""
-        return self.max_tree_tokens
+        draft budget: the live rule's next size); else the most a proposal holds."""
+        live = self.live_sizing()
+        return live.next_size() if live is not None else self.max_tree_tokens
 
     def time_breakdown(self) -> dict[str, float]:
         """Seconds spent drafting since `reset_timings`, by phase (the benchmark's breakdown)."""

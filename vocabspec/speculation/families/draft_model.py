@@ -90,7 +90,6 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
         self.tree: Tree | None = None
         self.root_state = None            # the draft's state at this step's root, once run
         self.device = draft.device
-        self.sizing = None                # the live rule (live_tree.py), where trees are sized each step
         self.reset_timings()
 
     @property
@@ -105,11 +104,6 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
     def draft_parameters(self) -> int:
         """The draft's layers and the rows of its head (its embedding is a lookup)."""
         return _layer_parameters(self.draft.args) + self.head.size * self.draft.args.dim
-
-    def next_tree_tokens(self) -> int:
-        if self.sizing is not None and self.size_live:
-            return self.sizing.next_size()
-        return self.max_tree_tokens
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         if self.sizing is not None:
@@ -134,7 +128,7 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
 
     def observe(self, accepted, hidden, next_token) -> None:
         start = time.perf_counter()
-        if self.sizing is not None and self.size_live:
+        if self.live_sizing() is not None:
             self.sizing.observe(accepted)
         self.head.see_tokens(list(accepted) + [next_token])
         if self.root_state is None:       # no proposal this step (near the window's end)
@@ -175,7 +169,7 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
 
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
-        sizing = self.sizing if self.sizing is not None and self.size_live else None
+        sizing = self.live_sizing()
         depth, total = (self.depth, self.total_tokens) if sizing is None else sizing.plan()
         if not depth:                     # the root alone: the draft catches up when it next drafts
             self.timings["total"] += time.perf_counter() - start

@@ -598,9 +598,6 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self._unread: list[tuple[list[int], torch.Tensor]] = []   # accepted, not yet read
         self.device = self.target.device
         self.drafting = drafter.runtime.tree_drafting(self)
-        # The live tree-size rule (live_tree.py), where the tree is chosen per step: depth and
-        # total_tokens are then the largest tree a step drafts. None: every step this tree.
-        self.sizing = None
         self.reset_timings()
 
     @property
@@ -665,7 +662,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
 
     def observe(self, accepted: list[int], hidden: torch.Tensor | None, next_token: int) -> None:
         start = time.perf_counter()
-        if self.sizing is not None and self.size_live:
+        if self.live_sizing() is not None:
             self.sizing.observe(accepted)
         self.head.see_tokens(accepted + [next_token])
         if hidden is None:      # rows it did not ask for (`reads_rows`): its context restarts after them
@@ -686,7 +683,8 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         return self.sizing.plain_steps + self.DORMANT_CONTEXT >= self.sizing.probe_every
 
     def _dormant(self) -> bool:
-        return self.sizing is not None and self.size_live and self.sizing.dormant
+        live = self.live_sizing()
+        return live is not None and live.dormant
 
     def _forget_unread_beyond(self, keep: int) -> None:
         """Keep only the last `keep` unread tokens (and their rows)."""
@@ -713,7 +711,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
 
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
-        sizing = self.sizing if self.size_live else None
+        sizing = self.live_sizing()
         if sizing is None:
             tree = self.drafting.grow(root_token, self.depth, self.total_tokens)
         else:
@@ -728,11 +726,6 @@ class EagleProposer(HeadTimedDrafting, Proposer):
                 tree = chain(root_token, [], device=self.target.device)
         self.timings["total"] += time.perf_counter() - start
         return tree
-
-    def next_tree_tokens(self) -> int:
-        if self.sizing is not None and self.size_live:
-            return self.sizing.next_size()
-        return self.max_tree_tokens
 
     @property
     def static(self) -> bool:

@@ -67,11 +67,8 @@ class EagleLookupProposer(EagleProposer):
                 break
             followed += 1
         self._copying = followed >= self.copy_after
-        if self._chain and self._sizing() is not None:
+        if self._chain and self.live_sizing() is not None:
             self.sizing.path.learn(len(self._chain), followed)
-
-    def _sizing(self):
-        return self.sizing if self.sizing is not None and self.size_live else None
 
     def next_tree_tokens(self) -> int:
         """The next proposal's drafts at most: the lookup path (a cheap lookup) plus, outside
@@ -83,14 +80,14 @@ class EagleLookupProposer(EagleProposer):
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
         self._chain = self.lookup.draft()
-        if self._sizing() is not None:          # the path's tokens that pay for their rows
+        if self.live_sizing() is not None:      # the path's tokens that pay for their rows
             self._chain = self.lookup.drafted = self._chain[:self.sizing.path_rows(len(self._chain))]
         if self._copying and self._chain:
             self.copy_steps += 1
             self.grafted += len(self._chain)
             tree = chain(root_token, self._chain, device=self.target.device)
             self._count_lookup(time.perf_counter() - start)
-            if self.sizing is not None and self.size_live:     # a step the rule did not size: its cost alone
+            if self.live_sizing() is not None:      # a step the rule did not size: its cost alone
                 self.sizing.tree, self.sizing.extra_rows = None, len(self._chain)
             return tree
         looked_up = time.perf_counter() - start

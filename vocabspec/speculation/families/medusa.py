@@ -254,7 +254,6 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
         self._feature_buffer = None
         self._layouts: dict[int, TreeLayout] = {}
         self.device = target.device
-        self.sizing = None                # the live rule (live_tree.py), where trees are sized each step
         self.reset_timings()
 
     @property
@@ -276,13 +275,9 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
             self._layouts[size] = TreeLayout(self.choices[:size], self.target.device)
         return self._layouts[size]
 
-    def _live(self):
-        """The live rule where this request's trees are sized each step (greedy, eager)."""
-        return self.sizing if self.sizing is not None and self.size_live and not self._static else None
-
-    def next_tree_tokens(self) -> int:
-        sizing = self._live()
-        return sizing.next_size() if sizing is not None else self.max_tree_tokens
+    def live_sizing(self):
+        """As every proposer's, but never for static steps (their tree is the fixed layout)."""
+        return None if self._static else super().live_sizing()
 
     draft_forwards = 1      # drafting passes per step: the heads run once
 
@@ -308,7 +303,7 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
         return blocks + self.heads.n_heads * self.head.size * self.target.args.dim
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
-        if self._live() is not None:
+        if self.live_sizing() is not None:
             self.sizing.start()
         self.head.see_tokens(list(prompt_ids) + [first_token], reset=True)
         self.feature = prompt_hidden[-1:]
@@ -318,7 +313,7 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
             self.feature = self._feature_buffer.copy_(self.feature)
 
     def observe(self, accepted, hidden, next_token) -> None:
-        if self._live() is not None:
+        if self.live_sizing() is not None:
             self.sizing.observe(accepted)
         self.head.see_tokens(list(accepted) + [next_token])
         self.feature = hidden[-1:]
@@ -337,7 +332,7 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
         device = self.target.device
-        sizing = self._live()
+        sizing = self.live_sizing()
         if sizing is not None and not sizing.plan()[0]:       # the rule drafts nothing this step
             self.timings["total"] += time.perf_counter() - start
             return chain(root_token, [], device=device)
