@@ -142,3 +142,18 @@ def test_live_vs_static_reads_one_question_a_category_and_the_heldout_prompts():
     assert len([c for c in categories if not c.startswith("heldout")]) == 13
     assert len([c for c in categories if c.startswith("heldout")]) == 8
     assert len(set(categories)) == len(categories)
+
+
+def test_native_variants_script_times_each_variant_in_turn():
+    # Two labels of the default build: the script's turns and table, without a second compile.
+    done = subprocess.run([sys.executable, str(SCRIPTS / "native_variants.py"), "--model", "smollm2",
+                           "--rounds", "1", "--repeats", "1", "--sizes", "0,3", "--variant", "a=", "--variant", "b="],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(result["forward_ms_by_rows"]) == {"a", "b"}
+    assert all(set(row) == {"1", "4"} and all(ms > 0 for ms in row.values())
+               for row in result["forward_ms_by_rows"].values())
+    refused = subprocess.run([sys.executable, str(SCRIPTS / "native_variants.py"), "--variant", "a=-DX=1"],
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "at least two" in refused.stderr

@@ -65,6 +65,21 @@ ALWAYS void group_scale(const int T, const uint8_t *rec, const int g, vf d, vf d
     }
 }
 
+/* An 8-bit tile of several rows reads its blocks' records once and in order, and computes long
+   enough on each that the hardware's prefetcher falls behind: every record waits on memory.
+   Asking for the lines VS_PF bytes ahead (into L2) keeps the stream moving: on Zen 4, SmolLM2's
+   and Gemma's 2- to 8-row forwards took 11-22% less time. A lone row streams at the
+   prefetcher's pace, and asking there too slowed a 1B model's token by a third; float tiles ran
+   slower with it as well. A prefetch never faults, past a weight's end included, and changes
+   no bit. VS_PF=0: none. */
+#ifndef VS_PF
+#define VS_PF 16384
+#endif
+ALWAYS void prefetch_ahead(const uint8_t *p, const int64_t bytes) {
+#pragma GCC unroll 4
+    for (int64_t at = 0; VS_PF > 0 && at < bytes; at += 64) __builtin_prefetch(p + VS_PF + at, 0, 2);
+}
+
 ALWAYS vi iq4_table(void) {
     int8_t t[64];
     for (int i = 0; i < 64; i++) t[i] = (int8_t)(kvalues_iq4nl[i % 16] + 128);
@@ -279,6 +294,7 @@ ALWAYS void qtile_a8(const int T, const int MR, const int NR, const vs_weight *w
             }
             hi0[v] = t_hi(T) ? vi_load(rec[v] + 64 * t_lo(T)) : vi_zero();
             hi1[v] = t_hi(T) == 2 ? vi_load(rec[v] + 64 * t_lo(T) + 64) : vi_zero();
+            if (MR > 1) prefetch_ahead(rec[v], t_code_bytes(T) + t_scale_bytes(T));
         }
         const int8_t *xq = a->q + m0 * K + u * 32;
 #pragma GCC unroll 2
