@@ -14,30 +14,25 @@ in turn, medians over rounds).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import platform
-import shutil
 import statistics
 
 import torch
 
+from vocabspec.benchmarks.bench import _machine
 from vocabspec.decoding.cost_curve import forward_seconds
 from vocabspec.engine import native
 from vocabspec.engine.loading import load_model
 
 
 def build(defines: str):
-    """The library of one variant, declared and ABI-checked as the engine's own is."""
+    """The library of one variant, loaded as the engine loads its own (native.load_build)."""
     os.environ["VOCABSPEC_NATIVE_DEFINES"] = defines
     try:
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        lib = native._declare(ctypes.CDLL(str(native._build(compiler))))
+        return native.load_build()
     finally:
         os.environ.pop("VOCABSPEC_NATIVE_DEFINES")
-    native.check_abi(lib)
-    return lib
 
 
 def main() -> None:
@@ -70,7 +65,7 @@ def main() -> None:
     first = next(iter(medians.values()))
     for label, row in medians.items():
         print(f"{label:>12}: " + "  ".join(f"{rows} rows {t:.2f} ms ({t / first[rows]:.2f})" for rows, t in row.items()))
-    print(json.dumps({"model": args.model, "weights": args.weights, "machine": platform.processor() or platform.machine(),
+    print(json.dumps({"model": args.model, "weights": args.weights, "machine": _machine(),
                       "rounds": args.rounds, "variants": variants, "forward_ms_by_rows": medians}))
 
 

@@ -332,18 +332,26 @@ def library():
     if _error is not None:
         raise RuntimeError(_error)
     try:
-        isa()
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            raise RuntimeError("the native engine is compiled on first use and needs a C compiler (cc)")
-        if sanitized():
-            _check_sanitizer_runtime()
-        lib = _declare(ctypes.CDLL(str(_build(compiler))))
-        check_abi(lib)
+        lib = load_build()
     except (RuntimeError, OSError) as exc:
         _error = f"native CPU engine unavailable: {exc}"
         raise RuntimeError(_error) from exc
     _lib = lib
+    return lib
+
+
+def load_build():
+    """A fresh load of the library this process's flags build (VOCABSPEC_NATIVE_DEFINES
+    included), compiled where not yet cached, declared and checked against native.h: what
+    `library()` loads once, and what scripts/native_variants.py loads once per variant."""
+    isa()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("the native engine is compiled on first use and needs a C compiler (cc)")
+    if sanitized():
+        _check_sanitizer_runtime()
+    lib = _declare(ctypes.CDLL(str(_build(compiler))))
+    check_abi(lib)
     return lib
 
 
