@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import vocabspec
-from vocabspec.speculation.live_tree import (MOST_PROBE_EVERY, PROBE_EVERY, Calibration, LiveCosts, LiveSizing,
-                                            path_rows)
+from vocabspec.speculation.live_tree import (KEEP_DRAFTING, MOST_PROBE_EVERY, PROBE_EVERY, Calibration, LiveCosts,
+                                            LiveSizing, path_rows)
 from vocabspec.speculation.tree import TreeBuilder
 
 PROMPTS = ["Explain how a bicycle's gears make it easier to ride uphill.",
@@ -362,3 +362,29 @@ def test_a_grafted_paths_tokens_are_kept_while_their_measured_chances_pay():
     assert chances[0] > 0.95 and chances[1] > 0.95 and chances[2] < 0.1 and chances[3] <= chances[2]
     row = sizing.costs(6) - sizing.costs(5)
     assert chances[2] < sizing.rate * row < chances[1]      # the third token no longer pays its row
+
+
+def test_a_drafting_stretch_outlasts_a_dip_and_a_plain_step_does_not_start_one():
+    """A stretch of drafting starts where the advantage reaches plain decoding's speed and goes
+    on while it stays above KEEP_DRAFTING (one step's speed is a noisy sample); below that the
+    next step is plain, and from plain steps only an advantage of 1 (or a probe) drafts again.
+    A step of a stretch that keeps the root alone (no node pays) lowers the advantage only a
+    little: it was one step."""
+    builder = TreeBuilder(1, 2, 2)
+    builder.add_children([0], torch.tensor([[5, 6]]), torch.tensor([[-3.0, -4.0]]))
+    unlikely = builder.build()
+    sizing = LiveSizing(CURVE, 0.0003, prior_speedup=1.05, total=3, most_depth=2, most=4)
+    assert sizing.plan()[0] and not sizing._probing
+    assert sizing.choose(unlikely, 1, 0.0005).size == 0
+    sizing.observe([1])
+    assert sizing.stretch and 1.0 < sizing.advantage < 1.05 and sizing.drafts()
+    sizing.advantage = (KEEP_DRAFTING + 1.0) / 2
+    assert sizing.drafts() and not sizing.dormant
+    sizing.advantage = KEEP_DRAFTING - 0.01
+    assert sizing.plan() == (0, 0)
+    sizing.observe([1])                      # a plain step ends the stretch
+    assert not sizing.stretch
+    sizing.advantage = (KEEP_DRAFTING + 1.0) / 2
+    assert not sizing.drafts()
+    sizing.advantage = 1.0
+    assert sizing.drafts()

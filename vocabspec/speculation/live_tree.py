@@ -8,6 +8,11 @@ Each step:
 - Before drafting: draft only where drafting has been paying, the speed of the last drafted
   steps against plain decoding's (the tokens each expects, scaled by this request's accepted
   over expected, over its costs; a running mean started from the tuner's measured speedup).
+  A stretch of drafting starts where that speed reaches plain's and stops only below
+  KEEP_DRAFTING of it, its steps weighed lightly (STEADY_WEIGHT): one step's speed swings
+  with its drafter's confidence (a step that keeps the root alone still paid its drafting),
+  and a gate that turned on the last few steps' mean spent half a prompt the drafter guesses
+  well decoding plainly, waiting for probes.
   Where it has not been paying, a step drafts anyway after PROBE_EVERY plain ones, so a
   verdict reached on a busy machine, or on a stretch the drafter could not guess, is tried
   again; each probe that does not pay doubles that wait, up to MOST_PROBE_EVERY steps (where
@@ -69,9 +74,13 @@ REQUEST_PRIOR = 2.0       # drafts a request's acceptance ratio starts from, as 
 PROBE_EVERY = 8           # plain steps between drafted probes where drafting has not paid,
 MOST_PROBE_EVERY = 64     # doubled by each probe that does not pay, up to this
 WEIGHT = 0.1              # running means' weight of the latest step
-ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly
+ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly,
+STEADY_WEIGHT = 0.04      # a step of a drafting stretch slowly (one step is a noisy sample)
+KEEP_DRAFTING = 0.93      # a stretch stops where the advantage falls below this; starts at 1
 KEEP_SEEN = 200.0         # observations a bin keeps from a previous run's calibration
-SAVE_EVERY = 256          # outcomes learned between saves of the calibration
+SAVE_EVERY = 4096         # outcomes learned between saves of the calibration (and one at exit):
+                          # a save rewrites the tuner's cache, milliseconds a small model's step
+                          # should not pay every other request
 SLOPE_WEIGHT = 0.2        # the slope's: a drafted step is rarer than a plain one
 MOST_SLOPE = 4.0          # the slope stays within [1 / this, this] times the curve's
 
@@ -89,9 +98,11 @@ class Calibration:
     def __init__(self, max_depth: int):
         self.hits = [[0.0] * BINS for _ in range(max_depth + 1)]
         self.seen = [[0.0] * BINS for _ in range(max_depth + 1)]
+        # Every bin's chance, kept current as bins learn: each step reads them all (`table`).
+        self.chances = [[self._bin_chance(d, b) for b in range(BINS)] for d in range(max_depth + 1)]
 
     def chance(self, depth: int, value: float) -> float:
-        return self._bin_chance(min(depth, len(self.seen) - 1), confidence_bin(value, BINS))
+        return self.chances[min(depth, len(self.seen) - 1)][confidence_bin(value, BINS)]
 
     def _bin_chance(self, depth: int, b: int) -> float:
         prior = (b + 0.5) / BINS
@@ -102,11 +113,11 @@ class Calibration:
             depth, b = min(depth, len(self.seen) - 1), confidence_bin(value, BINS)
             self.seen[depth][b] += 1
             self.hits[depth][b] += hit
+            self.chances[depth][b] = self._bin_chance(depth, b)
 
     def table(self) -> torch.Tensor:
         """(depths, BINS) float64: every bin's chance, what TreeStop reads."""
-        return torch.tensor([[self._bin_chance(d, b) for b in range(BINS)] for d in range(len(self.seen))],
-                            dtype=torch.float64)
+        return torch.tensor(self.chances, dtype=torch.float64)
 
     def state(self) -> dict:
         """The counts, as the tuner's cache keeps them (autotune.calibration_cache)."""
@@ -128,6 +139,7 @@ class Calibration:
                 if n > 0 and 0 <= h <= n:
                     scale = min(1.0, KEEP_SEEN / n)
                     self.hits[d][b], self.seen[d][b] = h * scale, n * scale
+                    self.chances[d][b] = self._bin_chance(d, b)
 
 
 class PathChances:
@@ -267,6 +279,7 @@ class LiveSizing:
         self.calibration = Calibration(most_depth)
         self.most_depth, self.most = most_depth, most
         self.advantage = prior_speedup          # drafted steps' speed over plain's, running
+        self.stretch = False                    # whether the last step drafted as a stretch's step
         self.rate = prior_speedup / self.costs(1)   # expected tokens a second of the trees kept
         self.total = max(1, min(total or 3, most))      # the nodes a step drafts to choose from
         self.plain_steps = 0
@@ -305,16 +318,22 @@ class LiveSizing:
             self.persist(self.calibration.state())
         self._unsaved = 0
 
+    @property
+    def paying(self) -> bool:
+        """Whether drafting pays: its advantage reaches plain decoding's speed, or, within a
+        stretch of drafting, has not fallen below KEEP_DRAFTING of it."""
+        return self.advantage >= (KEEP_DRAFTING if self.stretch else 1.0)
+
     def drafts(self) -> bool:
         """Whether the next step drafts: where drafting has been paying, and every
         `probe_every`-th step where it has not."""
-        return self.advantage >= 1.0 or self.plain_steps >= self.probe_every
+        return self.paying or self.plain_steps >= self.probe_every
 
     @property
     def dormant(self) -> bool:
         """Whether drafting has not paid for long: probes have waited their longest and the
         last did not pay. The proposer then keeps its drafter's context short (`EagleProposer`)."""
-        return self.advantage < 1.0 and self.probe_every >= MOST_PROBE_EVERY
+        return not self.paying and self.probe_every >= MOST_PROBE_EVERY
 
     def plan(self) -> tuple[int, int]:
         """The tree to draft this step, (depth, nodes kept to choose from), and where it stops
@@ -324,7 +343,7 @@ class LiveSizing:
         if not self.drafts():
             return 0, 0
         self.plain_steps = 0
-        self._probing = self.advantage < 1.0
+        self._probing = not self.paying
         self._drafting = True
         costs = self.costs
         row = (costs(1 + self.total) - costs(1)) / self.total
@@ -429,8 +448,11 @@ class LiveSizing:
             if self._probing:    # a probe that paid resets the wait; one that did not doubles it
                 self.probe_every = PROBE_EVERY if speed > 1.0 else min(MOST_PROBE_EVERY, 2 * self.probe_every)
             # A probe moves it quickly; a step of steady drafting, one outcome of many, less.
-            self.advantage += (ADVANTAGE_WEIGHT if self._probing else WEIGHT) * (speed - self.advantage)
+            self.advantage += (ADVANTAGE_WEIGHT if self._probing else STEADY_WEIGHT) * (speed - self.advantage)
+            self.stretch = not self._probing or self.advantage >= 1.0
             self._drafting, self._grow_seconds = False, 0.0
+        else:
+            self.stretch = False
         if tree is not None and tree.size:
             self.plain_steps = 0
             on_path = path_rows(tree, accepted)
