@@ -314,6 +314,27 @@ def test_a_tree_stops_growing_where_its_frontier_cannot_pay():
     assert not stop.pays([1, 1], log[:2])            # the raw prior's bins: 0.35 + 0.15 < 0.55
     assert stop.pays([1, 1, 1], log[:3])             # and a sure node's 0.95
     assert stop.pays([7], [log[3]]) and not stop.pays([7], [log[4]])   # depth 7: depth 2's bins
+    # A tree as large as it keeps: each node adds only what its chance exceeds the node it would
+    # push out (0.65 at depth 1): 0.95 - 0.65 = 0.3 < 0.55, and a less likely node adds nothing.
+    assert not stop.pays([1, 1, 1], log[:3], displaced=(1, log[3]))
+    assert stop.pays([1, 1], [log[2], log[2]], displaced=(1, log[3]))     # 2 x 0.3
+    assert not stop.pays([1, 1, 1, 1], [log[2], log[4], log[4], log[4]], displaced=(1, log[3]))
+
+
+def test_a_full_trees_cut_node_is_the_one_its_build_would_drop_first():
+    """TreeBuilder.cut_node: the total_tokens-th node of build()'s ranking (value, then the
+    shallower, then the earlier drafted), None while the tree holds no more nodes than it keeps."""
+    builder = TreeBuilder(1, 3, 3)
+    builder.add_children([0], torch.tensor([[5, 6, 7]]), torch.tensor([[-0.1, -0.5, -0.5]]))
+    assert builder.cut_node() == (1, -0.5)
+    builder = TreeBuilder(1, 3, 4)
+    builder.add_children([0], torch.tensor([[5, 6, 7]]), torch.tensor([[-0.1, -0.5, -0.5]]))
+    assert builder.cut_node() is None
+    builder.add_children([1], torch.tensor([[8, 9, 10]]), torch.tensor([[-0.4, -1.0, -2.0]]))
+    depth, value = builder.cut_node()           # -0.1, -0.5 (id 2), -0.5 (id 3), then -0.5 at depth 2
+    assert depth == 2 and value == pytest.approx(-0.5)
+    kept = builder.build()
+    assert kept.depths.tolist()[1:].count(2) == 1 and kept.size == 4
 
 
 def test_a_probe_is_charged_the_read_steady_drafting_makes_not_its_catch_up():

@@ -1082,18 +1082,53 @@ static int64_t eagle_tree_write(const eagle_tree *t, int64_t kept, int64_t root,
     return rows;
 }
 
-/* Whether the next level may pay (vs_tree_stop; NULL: every level is drafted): the m frontier
-   nodes' summed chances bound what their children can add, a child's chance never above its
-   parent's. Summed in frontier order, as live_tree.TreeStop sums them. */
-static int eagle_tree_level_pays(const vs_tree_stop *stop, const eagle_tree *t, int64_t m) {
+/* A node's calibrated chance to be on the accepted path (live_tree.Calibration's bin). */
+static double stop_chance(const vs_tree_stop *stop, int32_t node_depth, double value) {
+    const int64_t depth = node_depth < stop->depths ? node_depth : stop->depths - 1;
+    int64_t bin = (int64_t)(exp(value) * (double)stop->bins);
+    if (bin > stop->bins - 1) bin = stop->bins - 1;
+    return stop->chance[depth * stop->bins + bin];
+}
+
+/* Of a tree holding more than total_tokens nodes, the one ranked total_tokens-th (by_rank's
+   order: -value, depth, id), which a new node kept would push out. eagle_tree_next_front has
+   sorted the values. */
+static int32_t eagle_tree_cut_node(const eagle_tree *t, int64_t total_tokens) {
+    const double cutoff = t->sorted[total_tokens - 1];
+    int64_t ahead = 0;
+    for (int64_t i = 1; i < t->count; i++) ahead += t->val[i] > cutoff;
+    /* Nodes valued at the cutoff, in (depth, id) order: the (total_tokens - 1 - ahead)-th. */
+    int32_t last = -1;
+    for (int64_t skip = total_tokens - 1 - ahead; ; skip--) {
+        int32_t next = -1;
+        for (int32_t i = 1; i < t->count; i++) {
+            if (t->val[i] != cutoff) continue;
+            if (last >= 0 && (t->dep[i] < t->dep[last] || (t->dep[i] == t->dep[last] && i <= last))) continue;
+            if (next < 0 || t->dep[i] < t->dep[next] || (t->dep[i] == t->dep[next] && i < next)) next = i;
+        }
+        if (skip == 0 || next < 0) return next;
+        last = next;
+    }
+}
+
+/* Whether the next level may pay (vs_tree_stop; NULL: every level is drafted). A child's chance
+   is never above its parent's, and siblings' chances sum to at most their parent's (one of
+   them at most is on the path): the m frontier nodes' summed chances bound what their children
+   can add. Where the tree already holds total_tokens nodes, a child kept pushes out the node
+   ranked last, so each frontier node can add at most its chance less that node's. Summed in
+   frontier order, as live_tree.TreeStop sums them. */
+static int eagle_tree_level_pays(const vs_tree_stop *stop, const eagle_tree *t, int64_t m, int64_t total_tokens) {
     if (stop == NULL) return 1;
+    double displaced = 0.0;
+    if (t->count - 1 >= total_tokens) {
+        const int32_t cut = eagle_tree_cut_node(t, total_tokens);
+        displaced = stop_chance(stop, t->dep[cut], t->val[cut]);
+    }
     double gain = 0.0;
     for (int64_t r = 0; r < m; r++) {
         const int32_t node = t->front[r];
-        const int64_t depth = t->dep[node] < stop->depths ? t->dep[node] : stop->depths - 1;
-        int64_t bin = (int64_t)(exp(t->val[node]) * (double)stop->bins);
-        if (bin > stop->bins - 1) bin = stop->bins - 1;
-        gain += stop->chance[depth * stop->bins + bin];
+        const double more = stop_chance(stop, t->dep[node], t->val[node]) - displaced;
+        if (more > 0.0) gain += more;
     }
     return gain >= stop->min_gain;
 }
@@ -1131,7 +1166,7 @@ int64_t vs_eagle_tree(const vs_tree_request *r) {
         if (stop) stop->levels = level + 1;
         if (level == depth) break;
         const int64_t m = eagle_tree_next_front(&t, top_k, total_tokens, newest_lo);
-        if (m == 0 || !eagle_tree_level_pays(stop, &t, m)) break;
+        if (m == 0 || !eagle_tree_level_pays(stop, &t, m, total_tokens)) break;
         eagle_tree_expand(d, s, &t, m, r->keys, r->values, r->length, r->work, r->att);
     }
     const int64_t kept = eagle_tree_place(&t, depth, total_tokens);

@@ -22,9 +22,11 @@ Each step:
   At that longest wait the rule is `dormant`: the drafter reads only the last tokens before a
   probe (and of a prompt), so a drafter that does not pay here costs close to nothing.
 - While drafting: the tree grows a level only while that level may pay (`TreeStop`): its
-  frontier's summed calibrated chances, a bound on what the level's nodes can add, reach what
-  the level's drafting and a row's forward cost at the rate the last steps expected. A sure
-  drafter drafts deep, a lost one stops after its first level.
+  frontier's summed calibrated chances, each less the chance of the node a new one would push
+  out of a tree already as large as it keeps (a bound on what the level's nodes can add),
+  reach what the level's drafting and a row's forward cost at the rate the last steps
+  expected. A sure drafter drafts deep, a lost one stops after its first level, and a level
+  that could only trade a kept node for one about as likely is not drafted.
 - After drafting (a tree of up to `most` nodes): its nodes in value order (EAGLE-2's
   reranking: the best m nodes are a tree), each with its calibrated chance to be on the
   accepted path. The tree kept is the m that maximises expected tokens per second,
@@ -59,6 +61,7 @@ gives the same tokens in a batch and alone.
 
 from __future__ import annotations
 
+import array
 import bisect
 import math
 import time
@@ -98,8 +101,11 @@ class Calibration:
     def __init__(self, max_depth: int):
         self.hits = [[0.0] * BINS for _ in range(max_depth + 1)]
         self.seen = [[0.0] * BINS for _ in range(max_depth + 1)]
-        # Every bin's chance, kept current as bins learn: each step reads them all (`table`).
+        # Every bin's chance, kept current as bins learn: each step reads them all (`table`, a
+        # tensor over the same memory, made once).
         self.chances = [[self._bin_chance(d, b) for b in range(BINS)] for d in range(max_depth + 1)]
+        self._flat = array.array("d", [chance for row in self.chances for chance in row])
+        self._table = torch.frombuffer(self._flat, dtype=torch.float64).view(max_depth + 1, BINS)
 
     def chance(self, depth: int, value: float) -> float:
         return self.chances[min(depth, len(self.seen) - 1)][confidence_bin(value, BINS)]
@@ -113,11 +119,15 @@ class Calibration:
             depth, b = min(depth, len(self.seen) - 1), confidence_bin(value, BINS)
             self.seen[depth][b] += 1
             self.hits[depth][b] += hit
-            self.chances[depth][b] = self._bin_chance(depth, b)
+            self._set(depth, b)
+
+    def _set(self, depth: int, b: int) -> None:
+        self.chances[depth][b] = self._flat[depth * BINS + b] = self._bin_chance(depth, b)
 
     def table(self) -> torch.Tensor:
-        """(depths, BINS) float64: every bin's chance, what TreeStop reads."""
-        return torch.tensor(self.chances, dtype=torch.float64)
+        """(depths, BINS) float64: every bin's chance, what TreeStop reads; it follows what the
+        bins learn (a step's tree has grown before its outcomes are learnt)."""
+        return self._table
 
     def state(self) -> dict:
         """The counts, as the tuner's cache keeps them (autotune.calibration_cache)."""
@@ -139,7 +149,7 @@ class Calibration:
                 if n > 0 and 0 <= h <= n:
                     scale = min(1.0, KEEP_SEEN / n)
                     self.hits[d][b], self.seen[d][b] = h * scale, n * scale
-                    self.chances[d][b] = self._bin_chance(d, b)
+                    self._set(d, b)
 
 
 class PathChances:
@@ -173,24 +183,33 @@ class PathChances:
 
 class TreeStop:
     """Where a step's EAGLE-2 tree stops growing (native.h's vs_tree_stop): the next level is
-    drafted only while its frontier's summed chances to be on the accepted path (a bound on
-    what the level's nodes can add: a child's chance is never above its parent's) reach
-    `min_gain` expected tokens, what the level's drafting and a row cost at the rule's rate.
-    The tree's builder sets `levels`: the levels it drafted, the root's children counted."""
+    drafted only while what its nodes can add reaches `min_gain` expected tokens, what the
+    level's drafting and a row cost at the rule's rate. A child's chance to be on the accepted
+    path is never above its parent's, and siblings' chances sum to at most their parent's, so
+    the frontier's summed chances bound it; where the tree already holds the nodes it keeps, a
+    child kept pushes out the last of them, and each frontier node can add at most its chance
+    less that node's. The tree's builder sets `levels`: the levels it drafted, the root's
+    children counted."""
 
     def __init__(self, table: torch.Tensor, min_gain: float):
         self.table, self.min_gain = table, min_gain
         self.levels = 0
         self._rows = None                   # the table on the host, read where Python grows the tree
 
-    def pays(self, depths: list[int], values: list[float]) -> bool:
+    def pays(self, depths: list[int], values: list[float], displaced: tuple[int, float] | None = None) -> bool:
         """Whether the frontier of these nodes (depths, values, in frontier order) is worth a
-        level; summed in that order, as native.c's eagle_tree_level_pays sums it."""
+        level, `displaced` the (depth, value) of the node a new one would push out (None: room
+        is left); summed in that order, as native.c's eagle_tree_level_pays sums it."""
         if self._rows is None:
             self._rows = self.table.tolist()
-        bins, gain = len(self._rows[0]), 0.0
+        rows = self._rows
+        bins, last = len(rows[0]), len(rows) - 1
+        floor = rows[min(displaced[0], last)][confidence_bin(displaced[1], bins)] if displaced else 0.0
+        gain = 0.0
         for depth, value in zip(depths, values):
-            gain += self._rows[min(depth, len(self._rows) - 1)][confidence_bin(value, bins)]
+            more = rows[min(depth, last)][confidence_bin(value, bins)] - floor
+            if more > 0.0:
+                gain += more
         return gain >= self.min_gain
 
 

@@ -114,14 +114,15 @@ class Tree:
         same row order. Needs ranks on the host."""
         if size >= self.size:
             return self
-        ranks, parents = self.ranks.tolist(), self.parents.tolist()
+        ranks, parents, depths = self.ranks.tolist(), self.parents.tolist(), self.depths.tolist()
         rows = [0] + [row for row in range(1, len(ranks)) if ranks[row] < size]
         row_of = {row: i for i, row in enumerate(rows)}       # on lists: a step's host work
         index = torch.tensor(rows, dtype=torch.long)
-        return Tree.from_parents(self.tokens[index.to(self.tokens.device)],
-                                 torch.tensor([-1] + [row_of[parents[row]] for row in rows[1:]], dtype=torch.long),
-                                 [ranks[row] for row in rows[1:]],
-                                 self.values[index] if self.values is not None else None)
+        device = self.tokens.device
+        on_device = index.to(device)
+        kept_parents = torch.tensor([-1] + [row_of[parents[row]] for row in rows[1:]], dtype=torch.long, device=device)
+        return Tree(self.tokens[on_device], kept_parents, self.depths[on_device], max(depths[row] for row in rows),
+                    ranks=self.ranks[on_device], values=self.values[index] if self.values is not None else None)
 
 
 # A path's parents and depths by its rows and device, shared by every chain of that length (a
@@ -271,12 +272,21 @@ class TreeBuilder:
         cutoff = sorted(self.value[1:], reverse=True)[self.total_tokens - 1]
         return [node for node in chosen if self.value[node] > cutoff]
 
+    def cut_node(self) -> tuple[int, float] | None:
+        """(depth, value) of the node ranked total_tokens-th, which a new node kept would push
+        out (build()'s order); None while the tree holds no more than total_tokens nodes."""
+        if len(self.value) - 1 < self.total_tokens:
+            return None
+        ranked = sorted(range(1, len(self.value)), key=lambda i: (-self.value[i], self.depth[i], i))
+        cut = ranked[self.total_tokens - 1]
+        return self.depth[cut], self.value[cut]
+
     def grow(self, levels: int, expand, pending, device: torch.device | None = None, stop=None) -> dict[int, int]:
         """Grow the tree level by level, at most `levels` times, as a drafter with its own KV
         cache does (EAGLE's drafter, a draft model): `expand(level, frontier, mask)` runs the
         frontier's nodes (mask: `frontier_mask`'s, over `pending()` slots before them) and
         returns each row's top children (tokens, log_probs). `stop` (live_tree.TreeStop, or
-        None): a level is drafted only where `stop.pays(its frontier's depths, values)`; its
+        None): a level is drafted only where `stop.pays(its frontier's depths, values, cut_node())`; its
         `levels` is set to the levels drafted, the root's children counted. Returns the
         pending slot of every expanded node."""
         slot_of: dict[int, int] = {}
@@ -285,7 +295,8 @@ class TreeBuilder:
         for level in range(1, levels + 1):
             frontier = self.frontier()
             if not frontier or (stop is not None and not stop.pays([self.depth[n] for n in frontier],
-                                                                   [self.value[n] for n in frontier])):
+                                                                   [self.value[n] for n in frontier],
+                                                                   self.cut_node())):
                 break
             n_pending = pending()
             mask = self.frontier_mask(frontier, slot_of, n_pending, device)
