@@ -1033,13 +1033,18 @@ static void eagle_tree_expand(const vs_drafter *d, const vs_stack *s, eagle_tree
     t->next_states = swap;
 }
 
+/* Every drafted node into t->order, in by_rank's order (the kept tree's ranking). */
+static void eagle_tree_rank(eagle_tree *t) {
+    for (int32_t i = 0; i < t->count - 1; i++) t->order[i] = i + 1;
+    qsort(t->order, t->count - 1, sizeof(int32_t), by_rank);
+}
+
 /* Keep the best total_tokens (their count returned; row_of: each one's value rank) and place them
    depth by depth (flat: each node's place; order + kept: the kept nodes in place order). */
 static int64_t eagle_tree_place(eagle_tree *t, int64_t depth, int64_t total_tokens) {
     const int64_t count = t->count;
     int64_t kept = count - 1 < total_tokens ? count - 1 : total_tokens;
-    for (int32_t i = 0; i < count - 1; i++) t->order[i] = i + 1;
-    qsort(t->order, count - 1, sizeof(int32_t), by_rank);
+    eagle_tree_rank(t);
     for (int64_t i = 0; i < count; i++) t->flat[i] = -1;
     for (int64_t r = 0; r < kept; r++) t->row_of[t->order[r]] = (int32_t)r;   /* value rank */
     t->flat[0] = 0;
@@ -1091,24 +1096,11 @@ static double stop_chance(const vs_tree_stop *stop, int32_t node_depth, double v
 }
 
 /* Of a tree holding more than total_tokens nodes, the one ranked total_tokens-th (by_rank's
-   order: -value, depth, id), which a new node kept would push out. eagle_tree_next_front has
-   sorted the values. */
-static int32_t eagle_tree_cut_node(const eagle_tree *t, int64_t total_tokens) {
-    const double cutoff = t->sorted[total_tokens - 1];
-    int64_t ahead = 0;
-    for (int64_t i = 1; i < t->count; i++) ahead += t->val[i] > cutoff;
-    /* Nodes valued at the cutoff, in (depth, id) order: the (total_tokens - 1 - ahead)-th. */
-    int32_t last = -1;
-    for (int64_t skip = total_tokens - 1 - ahead; ; skip--) {
-        int32_t next = -1;
-        for (int32_t i = 1; i < t->count; i++) {
-            if (t->val[i] != cutoff) continue;
-            if (last >= 0 && (t->dep[i] < t->dep[last] || (t->dep[i] == t->dep[last] && i <= last))) continue;
-            if (next < 0 || t->dep[i] < t->dep[next] || (t->dep[i] == t->dep[next] && i < next)) next = i;
-        }
-        if (skip == 0 || next < 0) return next;
-        last = next;
-    }
+   order, as eagle_tree_place keeps them), which a new node kept would push out. Sorts into
+   t->order, free once eagle_tree_next_front has chosen the frontier. */
+static int32_t eagle_tree_cut_node(eagle_tree *t, int64_t total_tokens) {
+    eagle_tree_rank(t);
+    return t->order[total_tokens - 1];
 }
 
 /* Whether the next level may pay (vs_tree_stop; NULL: every level is drafted). A child's chance
@@ -1117,7 +1109,7 @@ static int32_t eagle_tree_cut_node(const eagle_tree *t, int64_t total_tokens) {
    can add. Where the tree already holds total_tokens nodes, a child kept pushes out the node
    ranked last, so each frontier node can add at most its chance less that node's. Summed in
    frontier order, as live_tree.TreeStop sums them. */
-static int eagle_tree_level_pays(const vs_tree_stop *stop, const eagle_tree *t, int64_t m, int64_t total_tokens) {
+static int eagle_tree_level_pays(const vs_tree_stop *stop, eagle_tree *t, int64_t m, int64_t total_tokens) {
     if (stop == NULL) return 1;
     double displaced = 0.0;
     if (t->count - 1 >= total_tokens) {

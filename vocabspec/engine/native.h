@@ -169,7 +169,8 @@ int64_t vs_tree_capacity(int64_t top_k, int64_t depth);
    drafted only while its frontier's summed chances to be on the accepted path, chance[depth *
    bins + bin] with bin = min(bins - 1, (int)(exp(value) * bins)) and depth capped at depths - 1,
    each less the chance of the node ranked total_tokens-th where the tree holds more (a child
-   kept pushes it out; a node's negative remainder counts 0), reach min_gain (expected tokens: what a level's drafting and rows cost, at the rule's rate).
+   kept pushes it out; a node's negative remainder counts 0), reach min_gain (expected tokens:
+   what a level's drafting and rows cost, at the rule's rate).
    levels (written by vs_eagle_tree): the levels it drafted, the root's children counted, so the
    rule prices a level by what was drafted, not by the depth it kept. */
 typedef struct {

@@ -101,14 +101,13 @@ class Calibration:
     def __init__(self, max_depth: int):
         self.hits = [[0.0] * BINS for _ in range(max_depth + 1)]
         self.seen = [[0.0] * BINS for _ in range(max_depth + 1)]
-        # Every bin's chance, kept current as bins learn: each step reads them all (`table`, a
-        # tensor over the same memory, made once).
-        self.chances = [[self._bin_chance(d, b) for b in range(BINS)] for d in range(max_depth + 1)]
-        self._flat = array.array("d", [chance for row in self.chances for chance in row])
+        # Every bin's chance (depth by depth), kept current as bins learn: each step reads them
+        # all (`table`, a tensor over the same memory, made once).
+        self._flat = array.array("d", [self._bin_chance(d, b) for d in range(max_depth + 1) for b in range(BINS)])
         self._table = torch.frombuffer(self._flat, dtype=torch.float64).view(max_depth + 1, BINS)
 
     def chance(self, depth: int, value: float) -> float:
-        return self.chances[min(depth, len(self.seen) - 1)][confidence_bin(value, BINS)]
+        return self._flat[min(depth, len(self.seen) - 1) * BINS + confidence_bin(value, BINS)]
 
     def _bin_chance(self, depth: int, b: int) -> float:
         prior = (b + 0.5) / BINS
@@ -122,7 +121,7 @@ class Calibration:
             self._set(depth, b)
 
     def _set(self, depth: int, b: int) -> None:
-        self.chances[depth][b] = self._flat[depth * BINS + b] = self._bin_chance(depth, b)
+        self._flat[depth * BINS + b] = self._bin_chance(depth, b)
 
     def table(self) -> torch.Tensor:
         """(depths, BINS) float64: every bin's chance, what TreeStop reads; it follows what the
@@ -202,15 +201,17 @@ class TreeStop:
         is left); summed in that order, as native.c's eagle_tree_level_pays sums it."""
         if self._rows is None:
             self._rows = self.table.tolist()
-        rows = self._rows
-        bins, last = len(rows[0]), len(rows) - 1
-        floor = rows[min(displaced[0], last)][confidence_bin(displaced[1], bins)] if displaced else 0.0
+        floor = self._chance(*displaced) if displaced else 0.0
         gain = 0.0
         for depth, value in zip(depths, values):
-            more = rows[min(depth, last)][confidence_bin(value, bins)] - floor
+            more = self._chance(depth, value) - floor
             if more > 0.0:
                 gain += more
         return gain >= self.min_gain
+
+    def _chance(self, depth: int, value: float) -> float:
+        rows = self._rows
+        return rows[min(depth, len(rows) - 1)][confidence_bin(value, len(rows[0]))]
 
 
 class LiveCosts:

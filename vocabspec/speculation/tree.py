@@ -277,18 +277,23 @@ class TreeBuilder:
         out (build()'s order); None while the tree holds no more than total_tokens nodes."""
         if len(self.value) - 1 < self.total_tokens:
             return None
-        ranked = sorted(range(1, len(self.value)), key=lambda i: (-self.value[i], self.depth[i], i))
-        cut = ranked[self.total_tokens - 1]
+        cut = self._ranked()[self.total_tokens - 1]
         return self.depth[cut], self.value[cut]
+
+    def _ranked(self) -> list[int]:
+        """The drafted nodes, most valuable first; on equal value the shallower node, then the
+        earlier drafted. A child's value never exceeds its parent's, so every node's parent
+        ranks before it: the first n are a tree."""
+        return sorted(range(1, len(self.token)), key=lambda i: (-self.value[i], self.depth[i], i))
 
     def grow(self, levels: int, expand, pending, device: torch.device | None = None, stop=None) -> dict[int, int]:
         """Grow the tree level by level, at most `levels` times, as a drafter with its own KV
         cache does (EAGLE's drafter, a draft model): `expand(level, frontier, mask)` runs the
         frontier's nodes (mask: `frontier_mask`'s, over `pending()` slots before them) and
         returns each row's top children (tokens, log_probs). `stop` (live_tree.TreeStop, or
-        None): a level is drafted only where `stop.pays(its frontier's depths, values, cut_node())`; its
-        `levels` is set to the levels drafted, the root's children counted. Returns the
-        pending slot of every expanded node."""
+        None): a level is drafted only where `stop.pays(its frontier's depths, values,
+        cut_node())`; its `levels` is set to the levels drafted, the root's children counted.
+        Returns the pending slot of every expanded node."""
         slot_of: dict[int, int] = {}
         if stop is not None:
             stop.levels = 1                 # the root's children, drafted before the tree grows
@@ -324,10 +329,7 @@ class TreeBuilder:
 
     def build(self, device: torch.device | None = None) -> Tree:
         """Rerank all drafted nodes, keep the best total_tokens, flatten depth by depth."""
-        candidates = list(range(1, len(self.token)))
-        # Higher value first; on equal value the shallower node, then the earlier drafted. A
-        # child's value never exceeds its parent's, so every kept node's parent is kept too.
-        candidates.sort(key=lambda i: (-self.value[i], self.depth[i], i))
+        candidates = self._ranked()           # every kept node's parent kept too
         rank_of = {node: r for r, node in enumerate(candidates[: self.total_tokens])}
         by_depth: dict[int, list[int]] = {}
         for node in candidates[: self.total_tokens]:
