@@ -22,7 +22,7 @@ from vocabspec.engine.prompts import encode_conversation
 from vocabspec.engine.tokenizer import load_tokenizer
 from vocabspec.speculation.families.eagle3 import Eagle3Drafter
 from vocabspec.speculation.config import bundled_eagle3_dir
-from vocabspec.training.eagle3_batched import target_features
+from vocabspec.training.eagle3_train import target_features
 from vocabspec.training.eagle3_train import StepAttention, StepKeys
 
 

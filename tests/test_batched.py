@@ -1,5 +1,5 @@
 """Many sequences in one forward (engine/batched.py) and EAGLE-3 trained a batch at a time
-(training/eagle3_batched.py, eagle3_device.py), on torch's CPU kernels: each sequence's rows
+(training/eagle3_train.py's train_batched, eagle3_device.py), on torch's CPU kernels: each sequence's rows
 get what a forward of its own gives them, and a batch's loss is the one-sequence loss."""
 
 import numpy as np
@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_model, forward
 from vocabspec.engine.batched import SlotCache, forward_rows, greedy_answers, pad_rows
 from vocabspec.speculation.families.eagle3 import Eagle3Drafter
-from vocabspec.training.eagle3_batched import batch_loss, length_batches, target_features
+from vocabspec.training.eagle3_train import batch_loss, length_batches, target_features
 from vocabspec.training.eagle3_train import StepAttention, sequence_loss
 
 

@@ -13,7 +13,7 @@ so the GPU machine needs neither the ShareGPT package nor a tokenizer. `run` the
    `--self-prompts N` first draws up to N prompts the target writes itself (self_prompts.py) on
    the device, answered with the rest or after `--answers`' ones: data past ShareGPT's supply;
 2. trains one EAGLE-3 drafter per label kind asked for (soft: the target's distribution over
-   the draft vocabulary; hard: its choice) on the same batches (eagle3_batched.train), each
+   the draft vocabulary; hard: its choice) on the same batches (eagle3_train.train_batched), each
    starting from `--init` (a committed drafter: the run continues it) or afresh;
 3. writes each drafter in the form the engine drafts with (speculators' layout, Q8_0 groups)
    and report.json: the scaling points (held-out agreement after so many tokens), timings.
@@ -102,8 +102,7 @@ def read_answers(paths: list[Path]) -> tuple[list[list[int]], list[list[int]]]:
 def run(args) -> dict:
     from ..engine.loading import load_model
     from ..speculation.config import bundled_drafter_dir
-    from .eagle3_batched import train
-    from .eagle3_train import draft_vocabulary
+    from .eagle3_train import draft_vocabulary, train_batched
 
     started = time.perf_counter()
     deadline = started + args.budget_s
@@ -143,10 +142,10 @@ def run(args) -> dict:
         f"{len(heldout)} held out")
     ids = draft_vocabulary(args.draft_vocab, target, bundled_drafter_dir(args.recipe_model))
     drafters = starting_drafters(args, target, ids)
-    points = train(target, drafters, sequences, heldout, tokens_per_batch=args.tokens_per_batch,
-                   lr=args.lr, seed=args.seed, deadline=deadline - args.save_s,
-                   snapshot_tokens=tuple(int(float(x) * 1e6) for x in args.snapshot_m.split(",") if x),
-                   log=log)
+    points = train_batched(target, drafters, sequences, heldout, tokens_per_batch=args.tokens_per_batch,
+                           lr=args.lr, seed=args.seed, deadline=deadline - args.save_s,
+                           snapshot_tokens=tuple(int(float(x) * 1e6) for x in args.snapshot_m.split(",") if x),
+                           log=log)
     report["points"] = points
     report["seconds"] = round(time.perf_counter() - started, 1)
     save_drafters(args, out, drafters, points, report["device"])

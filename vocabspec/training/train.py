@@ -628,11 +628,12 @@ def resumable(checkpoint: Path, cfg: TrainConfig, log=print) -> dict | None:
     return None
 
 
-def _lr(step: int, total: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then a cosine down to a tenth of the peak at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 class OnlineFeatures:
@@ -709,7 +710,7 @@ def train_drafter(cfg: TrainConfig, target: Backend, split: dict | None = None, 
     while step < total:
         batch = epoch_batch(cfg, step, steps_per_epoch, len(train_set))
         for group in optimizer.param_groups:
-            group["lr"] = _lr(step, total, cfg) * group["lr_scale"]
+            group["lr"] = learning_rate(step, total, cfg.lr, cfg.warmup_steps) * group["lr_scale"]
         optimizer.zero_grad(set_to_none=True)
         stats = []
         for i in batch:
