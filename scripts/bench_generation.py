@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     lm = load(args.model)
-    config = TrainConfig(model=args.model, conversations=64, distill_start=5449, self_distill=args.prompts)
+    config = TrainConfig.of(model=args.model, conversations=64, distill_start=5449, self_distill=args.prompts)
     prompts = _distill_prompts(config, lm.tokenizer)
     batches = [int(b) for b in args.batches.split(",")]
     rows = {}

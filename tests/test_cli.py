@@ -183,16 +183,37 @@ def test_train_options_are_declared_once_from_train_config():
     with its field's default; only --model, --out (default: from --model) and --drafter (its
     choices: the trainable families) are declared apart."""
     from vocabspec.cli import TRAIN_OPTIONS, build_parser
-    from vocabspec.training.train import TrainConfig
+    from vocabspec.training.config import TrainConfig
 
     defaults = TrainConfig()
     train = build_parser()._subparsers._group_actions[0].choices["train"]
     actions = {action.dest: action for action in train._actions}
     names = [name for name, *_ in TRAIN_OPTIONS]
     assert len(names) == len(set(names)) == len(set(names) & set(actions))
-    assert {name: actions[name].default for name in names} == {name: getattr(defaults, name) for name in names}
-    fields = set(TrainConfig.__dataclass_fields__)
+    assert {name: actions[name].default for name in names} == {name: defaults.settings()[name] for name in names}
+    fields = set(TrainConfig.options())
     assert {dest for dest in actions if dest in fields} - set(names) == {"model", "out", "drafter"}
+
+
+def test_train_settings_are_grouped_by_concern_and_named_as_their_options():
+    """TrainConfig keeps each concern's settings in its own dataclass; `of` routes settings by
+    option name (prefixed groups included) and refuses a name no option has; an attribute set
+    by a flat name is refused, not silently added; a record from before the split reads as the
+    same run's settings."""
+    from vocabspec.training.config import TrainConfig
+    from vocabspec.training.train import _run_identity
+
+    cfg = TrainConfig.of(lr=3e-3, ranker_lr=1e-2, medusa_heads=2, conversations=10, taps="1,2")
+    assert (cfg.optim.lr, cfg.ranker.lr, cfg.medusa.heads, cfg.data.conversations, cfg.features.taps) == \
+        (3e-3, 1e-2, 2, 10, "1,2")
+    assert cfg.but(lr=1.0).optim.lr == 1.0 and cfg.optim.lr == 3e-3
+    with pytest.raises(TypeError, match="lr_peak"):
+        TrainConfig.of(lr_peak=1.0)
+    with pytest.raises(AttributeError):
+        cfg.generate_answers = True
+    flat = cfg.settings()
+    assert TrainConfig.settings_of(cfg.record()) == flat and TrainConfig.of(**flat) == cfg
+    assert _run_identity(flat) == _run_identity(cfg.record()) != _run_identity(cfg.but(lr=1.0).record())
 
 
 def test_serve_options_reach_the_server(monkeypatch):

@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import venv
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -215,7 +214,7 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
         _atomic_save(shard, tmp_path / "features" / f"{part}-00000.pt")
     torch.save(torch.randperm(200, generator=generator), tmp_path / "token_map_trim.pt")
     monkeypatch.setattr(drafting_config, "bundled_drafter_dir", lambda name: tmp_path)
-    cfg = TrainConfig(out=str(tmp_path), drafter="eagle3", taps="1,3,4", draft_vocab="trim:150", epochs=6,
+    cfg = TrainConfig.of(out=str(tmp_path), drafter="eagle3", taps="1,3,4", draft_vocab="trim:150", epochs=6,
                       accumulate=2, lr=3e-3, warmup_steps=2, checkpoint_every=6, max_steps=6,
                       snapshot_tokens="100,1M")
     reference = eagle3_train.new_drafter(target, eagle3_train.draft_vocabulary("trim:150", target, tmp_path), 0)
@@ -239,13 +238,13 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
     kept = torch.load(tmp_path / "checkpoint-eagle3-at-100.pt")
     assert (kept["step"], kept["tokens"]) == (3, 120) and not list(tmp_path.glob("*-at-1M.pt"))
     eagle3_train.drafter_from_checkpoint(tmp_path / "checkpoint-eagle3-at-100.pt", target)
-    cfg.max_steps = 12                                     # resumes at step 6, not from scratch
+    cfg.optim.max_steps = 12                                     # resumes at step 6, not from scratch
     logs = []
     resumed = eagle3_train.train(cfg, target, log=logs.append)
     assert any("resuming from step 6" in line for line in logs)
     assert mean_loss(resumed) < mean_loss(drafter) < before
     report = {}
-    cfg.max_steps = 12
+    cfg.optim.max_steps = 12
     eagle3_train.train_and_save(cfg, target, {}, report, ship=False, log=lambda *_: None)
     assert {"top1_step1", "top1_step2", "top1_step3"} <= set(report)
     loaded = Eagle3Drafter.load(tmp_path / "drafter", target)
@@ -263,10 +262,10 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
         eagle3_train.train_and_save(cfg, target, {}, {}, ship=True, log=lambda *_: None)
     # The same shards serve an EAGLE-2 run (no taps: the last layer's states only), not other taps.
     from vocabspec.training.train import load_shards
-    untapped = load_shards(TrainConfig(out=str(tmp_path), taps=""), "train")
+    untapped = load_shards(TrainConfig.of(out=str(tmp_path), taps=""), "train")
     assert len(untapped) == 8 and all(tp is None for *_, tp in untapped)
     with pytest.raises(ValueError, match="holds taps"):
-        load_shards(TrainConfig(out=str(tmp_path), taps="1,2,4"), "train")
+        load_shards(TrainConfig.of(out=str(tmp_path), taps="1,2,4"), "train")
 
 
 def test_a_training_device_is_checked_before_any_work_and_a_run_resumes_on_another():
@@ -274,19 +273,19 @@ def test_a_training_device_is_checked_before_any_work_and_a_run_resumes_on_anoth
 
     for bad in ("tpu", "gpu0"):
         with pytest.raises(ValueError, match="cpu, cuda or cuda:N"):
-            check_device(TrainConfig(drafter="eagle3", device=bad), ("data", "train"))
+            check_device(TrainConfig.of(drafter="eagle3", device=bad), ("data", "train"))
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA device"):
-            check_device(TrainConfig(drafter="eagle3", device="cuda:99"), ("train",))
+            check_device(TrainConfig.of(drafter="eagle3", device="cuda:99"), ("train",))
         with pytest.raises(ValueError, match="trains --drafter eagle3"):
-            check_device(TrainConfig(drafter="eagle", device="cuda"), ("data", "train"))
-        check_device(TrainConfig(drafter="eagle", device="cuda"), ("data", "features"))
+            check_device(TrainConfig.of(drafter="eagle", device="cuda"), ("data", "train"))
+        check_device(TrainConfig.of(drafter="eagle", device="cuda"), ("data", "features"))
     else:
         with pytest.raises(ValueError, match="no CUDA device"):
-            check_device(TrainConfig(drafter="eagle3", device="cuda"), ("train",))
-    check_device(TrainConfig(drafter="eagle", device="cpu"), ("train",))
+            check_device(TrainConfig.of(drafter="eagle3", device="cuda"), ("train",))
+    check_device(TrainConfig.of(drafter="eagle", device="cpu"), ("train",))
     # A checkpoint written on one device resumes on another: the device is not the run's identity.
-    assert _run_identity(asdict(TrainConfig(device="cpu"))) == _run_identity(asdict(TrainConfig(device="cuda")))
+    assert _run_identity(TrainConfig.of(device="cpu").record()) == _run_identity(TrainConfig.of(device="cuda").record())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

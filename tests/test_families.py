@@ -135,7 +135,7 @@ def test_drafting_pipeline_for_each_family(family, tmp_path):
     sequences = [p + a for p, a in zip(prompts, answers)]
 
     run = tmp_path / "run"
-    cfg = TrainConfig(out=str(run), max_len=64, top_candidates=8, negatives=16, epochs=40,
+    cfg = TrainConfig.of(out=str(run), max_len=64, top_candidates=8, negatives=16, epochs=40,
                       max_steps=24, accumulate=2, lr=3e-3, warmup_steps=2, noise=0.0,
                       checkpoint_every=12)
     extract_features(cfg, model, {"train": sequences[2:], "heldout": sequences[:2]})

@@ -127,7 +127,7 @@ def test_batched_requests_feed_their_drafters_the_tapped_rows(smollm2):
 def test_training_reads_taps_from_the_shards(tmp_path):
     model = tiny_model("llama", vocab_size=40, n_layers=4)
     sequences = [[(7 * i + j) % 40 for j in range(16)] for i in range(6)]
-    cfg = TrainConfig(out=str(tmp_path), taps="1,2", top_candidates=4, max_len=32, epochs=2,
+    cfg = TrainConfig.of(out=str(tmp_path), taps="1,2", top_candidates=4, max_len=32, epochs=2,
                       accumulate=2, lr=3e-3, warmup_steps=1, checkpoint_every=3, noise=0.0,
                       negatives=4)
     extract_features(cfg, model, {"train": sequences, "heldout": sequences[:2]})
@@ -138,13 +138,13 @@ def test_training_reads_taps_from_the_shards(tmp_path):
     drafter = train_drafter(cfg, model, log=lambda _: None)
     assert drafter.taps == (1, 2) and drafter.fuse.weight.abs().sum() > 0
     # The shards serve a run without taps (the last layer's states only); not other taps.
-    assert load_shards(TrainConfig(out=str(tmp_path)), "train")[0][3] is None
+    assert load_shards(TrainConfig.of(out=str(tmp_path)), "train")[0][3] is None
     with pytest.raises(ValueError, match="taps"):
-        load_shards(TrainConfig(out=str(tmp_path), taps="0"), "train")
+        load_shards(TrainConfig.of(out=str(tmp_path), taps="0"), "train")
     # An extraction for other taps rebuilds them.
-    extract_features(TrainConfig(out=str(tmp_path), taps="0", top_candidates=4, max_len=32),
+    extract_features(TrainConfig.of(out=str(tmp_path), taps="0", top_candidates=4, max_len=32),
                      model, {"train": sequences})
-    tokens, _, _, tapped = load_shards(TrainConfig(out=str(tmp_path), taps="0"), "train")[0]
+    tokens, _, _, tapped = load_shards(TrainConfig.of(out=str(tmp_path), taps="0"), "train")[0]
     with torch.inference_mode():
         _, _, expected = forward(model, tokens.long(), torch.arange(16), model.new_cache(16), taps=(0,))
     assert torch.equal(tapped, expected.to(torch.bfloat16))
@@ -153,12 +153,11 @@ def test_training_reads_taps_from_the_shards(tmp_path):
 def test_online_features_are_the_shards_rows_and_train_the_same_drafter(tmp_path):
     """Features computed as training draws each sequence are the shards' rows bit for bit, so
     a run on them trains the very drafter a run on shards does."""
-    from dataclasses import replace
 
     model = tiny_model("llama", vocab_size=40, n_layers=4)
     sequences = [[(7 * i + j) % 40 for j in range(10 + i)] for i in range(6)] + [[3, 4]]
     split = {"train": sequences, "heldout": sequences[:2]}
-    cfg = TrainConfig(out=str(tmp_path / "shards"), taps="1,2", top_candidates=4, max_len=32, epochs=2,
+    cfg = TrainConfig.of(out=str(tmp_path / "shards"), taps="1,2", top_candidates=4, max_len=32, epochs=2,
                       accumulate=2, lr=3e-3, warmup_steps=1, checkpoint_every=3, noise=0.0, negatives=4)
     extract_features(cfg, model, split)
     shards, online = load_shards(cfg, "train"), OnlineFeatures(model, sequences, cfg)
@@ -166,7 +165,7 @@ def test_online_features_are_the_shards_rows_and_train_the_same_drafter(tmp_path
     for computed, stored in zip(online[:], shards):
         assert all(torch.equal(a, b) for a, b in zip(computed, stored))
     from_shards = train_drafter(cfg, model, log=lambda _: None)
-    online_cfg = replace(cfg, out=str(tmp_path / "online"), online_features=True)
+    online_cfg = cfg.but(out=str(tmp_path / "online"), online_features=True)
     from_online = train_drafter(online_cfg, model, {**split, "features": online_sets(online_cfg, model, split)},
                                 log=lambda _: None)
     assert not (tmp_path / "online" / "features").exists()
@@ -209,7 +208,7 @@ def test_bad_taps_and_depths_are_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match="layer indices"):
         parse_taps("1;2")
     with pytest.raises(ValueError, match="fuse layers 0 to 1"):
-        extract_features(TrainConfig(out=str(tmp_path), taps="2"), model, {"train": [[1, 2, 3]]})
+        extract_features(TrainConfig.of(out=str(tmp_path), taps="2"), model, {"train": [[1, 2, 3]]})
     with pytest.raises(DrafterMismatch, match="at least one layer"):
         EagleDrafter(model, n_layers=0)
     drafter = EagleDrafter.random(model, n_layers=2)

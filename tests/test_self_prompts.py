@@ -41,10 +41,10 @@ def test_prompts_that_do_not_fit_are_dropped_and_kinds_keep_their_order(smollm2,
     ids = self_prompt_ids(smollm2.tokenizer, texts, 128)
     assert len(ids) == 1 and smollm2.tokenizer.decode(ids[0]).count("sort a list") == 1
     monkeypatch.setattr(self_prompts, "sample_user_prompts", lambda *a, **k: texts[:1])
-    cfg = TrainConfig(conversations=10, heldout=2, self_distill=2, later_turns=1, max_len=1024,
+    cfg = TrainConfig.of(conversations=10, heldout=2, self_distill=2, later_turns=1, max_len=1024,
                       distill_new_tokens=128)
     before = _distill_prompts(cfg, smollm2.tokenizer, smollm2.path)
-    cfg.self_prompts = 1
+    cfg.data.self_prompts = 1
     after = _distill_prompts(cfg, smollm2.tokenizer, smollm2.path)
     assert after[:3] == before and after[3:] == ids
 

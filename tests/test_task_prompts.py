@@ -51,23 +51,23 @@ def test_code_requests_ask_about_an_answers_code_block():
 
 
 def test_task_prompts_come_after_the_sharegpt_prompts(smollm2):
-    cfg = TrainConfig(conversations=10, heldout=2, self_distill=3, max_len=1024,
+    cfg = TrainConfig.of(conversations=10, heldout=2, self_distill=3, max_len=1024,
                       distill_new_tokens=128)
     plain = _distill_prompts(cfg, smollm2.tokenizer)
-    cfg.task_prompts = 4
+    cfg.data.task_prompts = 4
     mixed = _distill_prompts(cfg, smollm2.tokenizer)
     assert len(plain) == 3 and mixed[:3] == plain and len(mixed) == 7
     texts = [smollm2.tokenizer.decode(ids) for ids in mixed[3:]]
     assert "Summarize: " in texts[0] and "to English: " in texts[1]
     assert "Answer from the passage above: " in texts[2]
-    assert all(len(ids) <= cfg.max_len - cfg.distill_new_tokens for ids in mixed)
+    assert all(len(ids) <= cfg.data.max_len - cfg.data.distill_new_tokens for ids in mixed)
 
 
 def test_later_turns_come_last_with_the_conversation_so_far(smollm2):
-    cfg = TrainConfig(conversations=10, heldout=2, self_distill=3, task_prompts=2, max_len=1024,
+    cfg = TrainConfig.of(conversations=10, heldout=2, self_distill=3, task_prompts=2, max_len=1024,
                       distill_new_tokens=128)
     before = _distill_prompts(cfg, smollm2.tokenizer)
-    cfg.later_turns = 3
+    cfg.data.later_turns = 3
     after = _distill_prompts(cfg, smollm2.tokenizer)
     assert after[:5] == before and len(after) == 8
     for ids in after[5:]:
@@ -77,36 +77,36 @@ def test_later_turns_come_last_with_the_conversation_so_far(smollm2):
     from vocabspec.training.train import _later_turn_ids
     two = [("a", [("user", "Hi"), ("assistant", "Hello"), ("user", "How are you?"), ("assistant", "Fine"),
                   ("user", "Good")]), ("b", [("user", "Only one turn")])]
-    assert len(_later_turn_ids(TrainConfig(later_turns=2), smollm2.tokenizer, two, 512)) == 2
+    assert len(_later_turn_ids(TrainConfig.of(later_turns=2), smollm2.tokenizer, two, 512)) == 2
     with pytest.raises(ValueError, match="only 2 later turns"):
-        _later_turn_ids(TrainConfig(later_turns=3), smollm2.tokenizer, two, 512)
-    fresh = _later_turn_ids(TrainConfig(later_turns=1, later_turns_start=1), smollm2.tokenizer, two, 512)
-    assert fresh == _later_turn_ids(TrainConfig(later_turns=2), smollm2.tokenizer, two, 512)[1:]
+        _later_turn_ids(TrainConfig.of(later_turns=3), smollm2.tokenizer, two, 512)
+    fresh = _later_turn_ids(TrainConfig.of(later_turns=1, later_turns_start=1), smollm2.tokenizer, two, 512)
+    assert fresh == _later_turn_ids(TrainConfig.of(later_turns=2), smollm2.tokenizer, two, 512)[1:]
     with pytest.raises(ValueError, match="only 2 later turns"):     # the skipped ones count
-        _later_turn_ids(TrainConfig(later_turns=2, later_turns_start=1), smollm2.tokenizer, two, 512)
+        _later_turn_ids(TrainConfig.of(later_turns=2, later_turns_start=1), smollm2.tokenizer, two, 512)
     with pytest.raises(ValueError, match="only 0 later turns"):       # none fits 8 tokens
-        _later_turn_ids(TrainConfig(later_turns=1), smollm2.tokenizer, two, 8)
+        _later_turn_ids(TrainConfig.of(later_turns=1), smollm2.tokenizer, two, 8)
 
 
 def test_training_split_follows_the_settings_it_was_made_with(smollm2, tmp_path):
     from vocabspec.training.train import prepare_sequences
 
-    cfg = TrainConfig(out=str(tmp_path), conversations=3, heldout=2, max_len=256)
+    cfg = TrainConfig.of(out=str(tmp_path), conversations=3, heldout=2, max_len=256)
     first = prepare_sequences(cfg, smollm2.tokenizer)
     assert len(first["train"]) == 3 and len(first["heldout"]) == 2
     assert prepare_sequences(cfg, smollm2.tokenizer)["train"] == first["train"]   # read back
-    cfg.conversations = 5             # asking for more must not return the stale split
+    cfg.data.conversations = 5             # asking for more must not return the stale split
     grown = prepare_sequences(cfg, smollm2.tokenizer)
     assert len(grown["train"]) == 5 and grown["train"][:3] == first["train"]
     assert grown["heldout"] == first["heldout"]
 
 
 def test_a_fixed_distill_start_keeps_the_prompts_while_the_training_set_grows(smollm2):
-    small = TrainConfig(conversations=10, heldout=2, self_distill=3, max_len=1024,
+    small = TrainConfig.of(conversations=10, heldout=2, self_distill=3, max_len=1024,
                         distill_new_tokens=128)
-    grown = TrainConfig(conversations=30, distill_start=10, heldout=2, self_distill=3,
+    grown = TrainConfig.of(conversations=30, distill_start=10, heldout=2, self_distill=3,
                         max_len=1024, distill_new_tokens=128)
     prompts = _distill_prompts(small, smollm2.tokenizer)
     assert _distill_prompts(grown, smollm2.tokenizer) == prompts
-    grown.distill_start = -1          # the default moves past all 30 training conversations
+    grown.data.distill_start = -1          # the default moves past all 30 training conversations
     assert _distill_prompts(grown, smollm2.tokenizer) != prompts

@@ -35,9 +35,9 @@ def test_candidate_loss_equals_full_loss_when_candidates_cover_vocab(tmp_path):
     candidates = torch.arange(40).repeat(12, 1)      # every token is a candidate
     std = torch.ones(model.args.dim)
     sampled, info = sequence_loss(drafter, tokens, hidden, candidates,
-                                  TrainConfig(negatives=0, noise=0.0), std)
+                                  TrainConfig.of(negatives=0, noise=0.0), std)
     full, _ = sequence_loss(drafter, tokens, hidden, candidates,
-                            TrainConfig(full_vocab_loss=True, noise=0.0), std)
+                            TrainConfig.of(full_vocab_loss=True, noise=0.0), std)
     assert info["candidates"] == 40
     assert torch.allclose(sampled, full, atol=1e-5)
 
@@ -51,7 +51,7 @@ def test_bfloat16_training_keeps_the_teacher_in_float32():
     drafter = EagleDrafter.random(model).float().requires_grad_(True)      # as training has it
     tokens, hidden = torch.randint(40, (12,)), torch.randn(12, model.args.dim)
     candidates, std = torch.arange(40).repeat(12, 1), torch.ones(model.args.dim)
-    cfg = TrainConfig(negatives=0, noise=0.0, train_dtype="bfloat16")
+    cfg = TrainConfig.of(negatives=0, noise=0.0, train_dtype="bfloat16")
     exact = sequence_loss(drafter, tokens, hidden, candidates, cfg, std)[0].detach()
     seen = []
     handle = drafter.fc.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
@@ -60,22 +60,22 @@ def test_bfloat16_training_keeps_the_teacher_in_float32():
     handle.remove()
     assert seen == [torch.bfloat16] and fast.dtype == torch.float32
     assert abs(fast.item() - exact.item()) < 0.02 * abs(exact.item())
-    with training_precision(TrainConfig()):                    # float32: nothing changes
+    with training_precision(TrainConfig.of()):                    # float32: nothing changes
         assert torch.equal(sequence_loss(drafter, tokens, hidden, candidates, cfg, std)[0].detach(), exact)
     with pytest.raises(ValueError, match="train_dtype"):
-        training_precision(TrainConfig(train_dtype="float16"))
+        training_precision(TrainConfig.of(train_dtype="float16"))
 
 
 def test_training_lowers_loss_and_resumes(tmp_path):
     model = tiny_model("gemma3", vocab_size=50)
     fake_shards(model, tmp_path)
-    cfg = TrainConfig(out=str(tmp_path), epochs=30, accumulate=2, lr=3e-3, warmup_steps=2,
+    cfg = TrainConfig.of(out=str(tmp_path), epochs=30, accumulate=2, lr=3e-3, warmup_steps=2,
                       checkpoint_every=5, max_steps=10, noise=0.0, negatives=8)
     logs = []
     train_drafter(cfg, model, log=logs.append)
     first = torch.load(tmp_path / "checkpoint.pt")["history"]
     assert [h["step"] for h in first] == [5, 10]
-    cfg.max_steps = 40
+    cfg.optim.max_steps = 40
     drafter = train_drafter(cfg, model, log=logs.append)
     assert any("resuming from step 10" in line for line in logs)
     history = torch.load(tmp_path / "checkpoint.pt")["history"]
@@ -89,7 +89,7 @@ def test_training_lowers_loss_and_resumes(tmp_path):
     assert torch.equal(again.fc.weight, drafter.fc.weight)
     # A second round from this drafter, with other settings, starts afresh from it and keeps
     # the first round's checkpoint.
-    second = TrainConfig(out=str(tmp_path), epochs=30, accumulate=2, lr=1e-3, warmup_steps=2,
+    second = TrainConfig.of(out=str(tmp_path), epochs=30, accumulate=2, lr=1e-3, warmup_steps=2,
                          checkpoint_every=5, max_steps=5, noise=0.0, negatives=8, unroll=2,
                          init=str(tmp_path / "drafter"))
     train_drafter(second, model, log=logs.append)
@@ -110,8 +110,8 @@ def test_unrolled_loss_adds_a_step_on_predicted_features():
     candidates = torch.arange(40).repeat(12, 1)
     std = torch.ones(model.args.dim)
     cfg = dict(negatives=0, noise=0.0)
-    _, one = sequence_loss(drafter, tokens, hidden, candidates, TrainConfig(unroll=1, **cfg), std)
-    _, two = sequence_loss(drafter, tokens, hidden, candidates, TrainConfig(unroll=2, **cfg), std)
+    _, one = sequence_loss(drafter, tokens, hidden, candidates, TrainConfig.of(unroll=1, **cfg), std)
+    _, two = sequence_loss(drafter, tokens, hidden, candidates, TrainConfig.of(unroll=2, **cfg), std)
     # Step 2 by hand: feature i replaced by the drafter's prediction of it.
     with torch.no_grad():
         features = features_of(model, hidden)
@@ -138,7 +138,7 @@ def test_held_out_agreement_at_step_k_follows_the_unrolled_chain():
     with torch.no_grad():
         candidates = torch.topk(F.linear(features_of(model, hidden), model.head_weight), 3).indices
     _, info = sequence_loss(drafter, tokens, hidden, candidates,
-                            TrainConfig(unroll=3, full_vocab_loss=True, noise=0.0),
+                            TrainConfig.of(unroll=3, full_vocab_loss=True, noise=0.0),
                             torch.ones(model.args.dim))
     held_out = evaluate(drafter, [(tokens, hidden, candidates, None)], steps=3)
     expected = [info["accuracy"], info["accuracy_step2"], info["accuracy_step3"]]
@@ -163,7 +163,7 @@ def test_self_distilled_answers_are_the_engines_greedy_answers_with_their_end(tm
     prompts = [encode_conversation(lm.tokenizer, [("user", text)], answer_open=True)
                for text in ("Say hi.", "Name a colour.", "Write a long poem about the sea.")]
     done, out = {"prompts": [], "sequences": []}, tmp_path / "distilled.pt"
-    name = _generate_answers(TrainConfig(distill_new_tokens=24, distill_batch=2), resolve_model_path("smollm2"),
+    name = _generate_answers(TrainConfig.of(distill_new_tokens=24, distill_batch=2), resolve_model_path("smollm2"),
                              prompts, done, out)
     assert "batch engine" in name and torch.load(out) == done
     ended = 0
@@ -193,20 +193,20 @@ def test_self_distillation_resumes_per_prompt_and_grows_without_redoing(tmp_path
 
     pool = [[1, 2], [3], [4, 5, 6], [7], [8, 9]]
     monkeypatch.setattr(train, "_generate_answers", fake_generate)
-    monkeypatch.setattr(train, "_distill_prompts", lambda cfg, tok, path=None: pool[:cfg.self_distill])
-    cfg = TrainConfig(out=str(tmp_path), self_distill=3)
+    monkeypatch.setattr(train, "_distill_prompts", lambda cfg, tok, path=None: pool[:cfg.data.self_distill])
+    cfg = TrainConfig.of(out=str(tmp_path), self_distill=3)
     first = train.distill_sequences(cfg, None, tmp_path / "model.gguf")
     assert first == [[3, 99], [1, 2, 99], [4, 5, 6, 99]]      # shortest prompts first
-    cfg.self_distill = 5
+    cfg.data.self_distill = 5
     grown = train.distill_sequences(cfg, None, tmp_path / "model.gguf")
     assert calls[1] == [(7,), (8, 9)]                           # only the new prompts
     assert grown[:3] == first and grown[3:] == [[7, 99], [8, 9, 99]]
-    cfg.self_distill = 2                                        # fewer: nothing generated
+    cfg.data.self_distill = 2                                        # fewer: nothing generated
     assert train.distill_sequences(cfg, None, tmp_path / "model.gguf") == [[3, 99], [1, 2, 99]]
     assert len(calls) == 2
     # The first file format (a count of prompts done) is read back by prompt prefixes.
     _atomic_save({"sequences": [[3, 99], [1, 2, 99]], "prompts": 2}, tmp_path / "distilled.pt")
-    cfg.self_distill = 3
+    cfg.data.self_distill = 3
     assert train.distill_sequences(cfg, None, tmp_path / "model.gguf") == first
     assert calls[2] == [(4, 5, 6)]
 
@@ -227,20 +227,20 @@ def test_answer_archive_carries_answers_to_another_work_directory(tmp_path, monk
 
     pool = [[1, 2], [3], [4, 5, 6], [7]]
     monkeypatch.setattr(train, "_generate_answers", fake_generate)
-    monkeypatch.setattr(train, "_distill_prompts", lambda cfg, tok, path=None: pool[:cfg.self_distill])
+    monkeypatch.setattr(train, "_distill_prompts", lambda cfg, tok, path=None: pool[:cfg.data.self_distill])
     model_file, archive = tmp_path / "model.gguf", tmp_path / "archive"
     model_file.write_bytes(b"weights of one target")
-    first = TrainConfig(out=str(tmp_path / "machine-a"), self_distill=3, answers=str(archive))
+    first = TrainConfig.of(out=str(tmp_path / "machine-a"), self_distill=3, answers=str(archive))
     # With an archive, answers it lacks are generated only when asked for: hours, never silently.
     with pytest.raises(ValueError, match="3 of 3 answers .* --generate-answers"):
         train.distill_sequences(first, None, model_file)
     assert not generated
-    first.generate_answers = True
+    first.data.generate_answers = True
     sequences = train.distill_sequences(first, None, model_file)
     assert len(generated) == 3 and len(list(archive.glob("*.safetensors"))) == 1
     # Another machine, more prompts: the archived answers come first (in prompt order), only
     # the prompt the archive lacks is generated, and the archive gains a file with its answer.
-    second = TrainConfig(out=str(tmp_path / "machine-b"), self_distill=4, answers=str(archive),
+    second = TrainConfig.of(out=str(tmp_path / "machine-b"), self_distill=4, answers=str(archive),
                          generate_answers=True)
     assert train.distill_sequences(second, None, model_file) == [[1, 2, 99, 98], [3, 99, 98], [4, 5, 6, 99, 98],
                                                                    [7, 99, 98]]
@@ -294,7 +294,7 @@ def test_feature_shards_of_a_grown_sequence_list_are_rebuilt(tmp_path):
     from vocabspec.training.train import extract_features, load_shards
 
     model = tiny_model("llama", vocab_size=40)
-    cfg = TrainConfig(out=str(tmp_path), shard_tokens=20, top_candidates=4, max_len=64)
+    cfg = TrainConfig.of(out=str(tmp_path), shard_tokens=20, top_candidates=4, max_len=64)
     sequences = [[i % 40 for i in range(start, start + 12)] for start in range(5)]
     extract_features(cfg, model, {"distill": sequences[:3]})     # shards (0, 2), (2, 3)
     extract_features(cfg, model, {"distill": sequences})         # shards (0, 2), (2, 4), (4, 5)
@@ -309,7 +309,7 @@ def test_ranker_distillation_lowers_its_loss_on_sampled_positions(tmp_path):
 
     model = tiny_model("llama", vocab_size=60)
     fake_shards(model, tmp_path, count=8)
-    cfg = TrainConfig(out=str(tmp_path))
+    cfg = TrainConfig.of(out=str(tmp_path))
     drafter = EagleDrafter.random(model).float()
     _, _, metrics = train_ranker(drafter, load_shards(cfg, "train"), load_shards(cfg, "heldout"),
                                  rank=4, epochs=25, lr=1e-2, positions=6, log=lambda _: None)
@@ -323,7 +323,7 @@ def test_ranker_training_starts_from_a_given_ranker(tmp_path):
 
     model = tiny_model("llama", vocab_size=60)
     fake_shards(model, tmp_path, count=4)
-    cfg = TrainConfig(out=str(tmp_path))
+    cfg = TrainConfig.of(out=str(tmp_path))
     drafter = EagleDrafter.random(model).float()
     start = svd_init(model.head_weight, 3)
     down, _, metrics = train_ranker(drafter, load_shards(cfg, "train"), load_shards(cfg, "heldout"),
@@ -346,9 +346,9 @@ def test_joint_ranker_loss_adds_the_rankers_distillation_to_the_token_loss():
     std = torch.ones(model.args.dim)
     ranker = svd_init(model.head_weight, 3)
     cfg = dict(negatives=0, noise=0.0, ranker_positions=100)
-    plain, _ = sequence_loss(drafter, tokens, hidden, candidates, TrainConfig(**cfg), std)
+    plain, _ = sequence_loss(drafter, tokens, hidden, candidates, TrainConfig.of(**cfg), std)
     joint, info = sequence_loss(drafter, tokens, hidden, candidates,
-                                TrainConfig(ranker_weight=0.5, **cfg), std, ranker=ranker)
+                                TrainConfig.of(ranker_weight=0.5, **cfg), std, ranker=ranker)
     with torch.no_grad():     # by hand: every position of the one step
         features = features_of(model, hidden)
         states = draft_states(drafter, tokens, features)
@@ -367,13 +367,13 @@ def test_joint_ranker_loss_adds_the_rankers_distillation_to_the_token_loss():
 def test_joint_ranker_training_lowers_its_loss_resumes_and_keeps_the_ranker(tmp_path):
     model = tiny_model("llama", vocab_size=60)
     fake_shards(model, tmp_path, count=8)
-    cfg = TrainConfig(out=str(tmp_path), epochs=30, accumulate=2, lr=3e-3, warmup_steps=2,
+    cfg = TrainConfig.of(out=str(tmp_path), epochs=30, accumulate=2, lr=3e-3, warmup_steps=2,
                       checkpoint_every=5, max_steps=5, noise=0.0, negatives=8,
                       ranker_weight=1.0, ranker_rank=4, ranker_positions=8, ranker_lr=1e-2)
     logs = []
     train_drafter(cfg, model, log=logs.append)
     saved = torch.load(tmp_path / "checkpoint.pt")["ranker"]
-    cfg.max_steps = 40
+    cfg.optim.max_steps = 40
     drafter = train_drafter(cfg, model, log=logs.append)
     assert any("resuming from step 5" in line for line in logs)
     history = torch.load(tmp_path / "checkpoint.pt")["history"]
@@ -416,10 +416,10 @@ def test_recipes_keep_their_answers_and_generate_what_is_missing(model):
     rounds = 0
     for argv in recipe_commands(root / "recipes" / f"{model}.sh"):
         args = parser.parse_args(["train", *argv])
-        cfg = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__ if hasattr(args, k)})
-        if cfg.self_distill or cfg.task_prompts:
-            assert cfg.answers and cfg.generate_answers, f"a self-distilling round that would fail: {argv}"
-            assert not (root / cfg.answers).is_relative_to(root / "data"), cfg.answers
+        cfg = TrainConfig.of(**{k: getattr(args, k) for k in TrainConfig.options() if hasattr(args, k)})
+        if cfg.data.self_distill or cfg.data.task_prompts:
+            assert cfg.data.answers and cfg.data.generate_answers, f"a self-distilling round that would fail: {argv}"
+            assert not (root / cfg.data.answers).is_relative_to(root / "data"), cfg.data.answers
             rounds += 1
     assert rounds >= 3
 
@@ -431,7 +431,7 @@ def test_medusa_trainer_trains_and_saves_heads(tmp_path):
 
     model = tiny_model("llama", vocab_size=50)
     fake_shards(model, tmp_path)
-    cfg = TrainConfig(out=str(tmp_path), drafter="medusa", medusa_heads=2, medusa_positions=8,
+    cfg = TrainConfig.of(out=str(tmp_path), drafter="medusa", medusa_heads=2, medusa_positions=8,
                       epochs=2, max_steps=6, lr=3e-3, warmup_steps=1, negatives=4)
     report, logs = {}, []
     trainer_of("medusa")(cfg, model, {}, report, False, logs.append)

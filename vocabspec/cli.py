@@ -386,7 +386,7 @@ def _sampling_options(gen: argparse.ArgumentParser) -> None:
 
 def _train_options(sub) -> None:
     from .speculation.config import FAMILIES
-    from .training.train import TrainConfig
+    from .training.config import TrainConfig
 
     train = sub.add_parser("train", help="train a drafter for a model (data, features, training); "
                                          "--drafter names its family")
@@ -400,8 +400,10 @@ def _train_options(sub) -> None:
     train.add_argument("--ship", action="store_true",
                        help="copy the trained drafter (bfloat16; Medusa heads: 8-bit rows) into the "
                             "package as the bundled default")
+    options = TrainConfig.options()
     for name, kind, text, extra in TRAIN_OPTIONS:
-        field_option(train, TrainConfig, name, kind, text, **extra)
+        holder, attribute, _ = options[name]
+        field_option(train, holder, attribute, kind, text, flag="--" + name.replace("_", "-"), dest=name, **extra)
     _threads_option(train)
 
 
@@ -691,7 +693,7 @@ def cmd_ranker(args) -> int:
     if draft_path is None:
         raise ValueError(f"no drafter bundled for {args.model}: pass --draft-path")
     drafter = EagleDrafter.load(draft_path, target).float()
-    cfg = TrainConfig(model=args.model, out=args.features or f"runs/train-{args.model}",
+    cfg = TrainConfig.of(model=args.model, out=args.features or f"runs/train-{args.model}",
                       taps=",".join(map(str, drafter.taps)))
     # The target's own answers (self-distillation) are what the drafter meets when drafting.
     train_set = load_shards(cfg, "train") + load_shards(cfg, "distill")
@@ -723,9 +725,9 @@ def cmd_train(args) -> int:
     parse_token_counts(args.snapshot_tokens)          # before hours of data and features
     if args.ttt_decay <= 0:
         raise ValueError(f"--ttt-decay weighs step k's loss by its k-th power: a positive number, not {args.ttt_decay}")
-    fields = {k: getattr(args, k) for k in TrainConfig.__dataclass_fields__ if hasattr(args, k)}
+    fields = {k: getattr(args, k) for k in TrainConfig.options() if hasattr(args, k)}
     fields["out"] = args.out or f"runs/train-{args.model}"
-    run(TrainConfig(**fields), stages=stages, ship=args.ship)
+    run(TrainConfig.of(**fields), stages=stages, ship=args.ship)
     return 0
 
 

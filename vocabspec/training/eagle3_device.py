@@ -54,7 +54,7 @@ def export_prompts(model: str, out: Path, recipe: dict) -> dict:
     from ..engine.tokenizer import load_tokenizer
     from .train import TrainConfig, _distill_prompts, prepare_sequences
 
-    cfg = TrainConfig(model=model, drafter="eagle3", out=str(out.parent / (out.stem + "-work")), **recipe)
+    cfg = TrainConfig.of(model=model, drafter="eagle3", out=str(out.parent / (out.stem + "-work")), **recipe)
     tokenizer = load_tokenizer(resolve_model_path(model))
     split = prepare_sequences(cfg, tokenizer)
     parts = {"prompts": _distill_prompts(cfg, tokenizer), "conversations": split["train"],

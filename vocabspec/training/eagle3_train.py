@@ -34,7 +34,6 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -45,6 +44,7 @@ from ..speculation.families.eagle3 import Eagle3Config, Eagle3Drafter, default_a
 from ..engine.backend import Backend
 from ..engine.batched import forward_rows, pad_rows
 from ..engine.model import CustomAttention
+from .config import TrainConfig
 from .train import learning_rate
 
 LABELS = ("soft", "hard")
@@ -88,7 +88,7 @@ def drafter_from_checkpoint(path: Path, target: Backend) -> Eagle3Drafter:
     from ..speculation.config import bundled_drafter_dir
 
     state = torch.load(path, map_location="cpu")
-    config = state["config"]
+    config = TrainConfig.settings_of(state["config"])
     drafter = new_drafter(target, draft_vocabulary(config["draft_vocab"], target,
                                                    bundled_drafter_dir(config["model"])), config["seed"])
     drafter.load_state_dict(state["drafter"])
@@ -267,25 +267,25 @@ def train(cfg, target: Backend, split: dict | None = None, log=print) -> Eagle3D
     torch.manual_seed(cfg.seed)
     drafter = _starting_drafter(cfg, target)
     drafter.train().requires_grad_(True)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                   betas=(0.9, 0.95))
-    steps_per_epoch = math.ceil(len(train_set) / cfg.accumulate)
-    total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or steps_per_epoch * cfg.epochs)
+    steps_per_epoch = math.ceil(len(train_set) / cfg.optim.accumulate)
+    total = min(steps_per_epoch * cfg.optim.epochs, cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs)
     run = _Run(cfg, drafter, optimizer)
     checkpoint = out / "checkpoint-eagle3.pt"
-    snapshots = parse_token_counts(cfg.snapshot_tokens)
+    snapshots = parse_token_counts(cfg.eagle3.snapshot_tokens)
     run.resume(resumable(checkpoint, cfg, log), total, log)
     run.started, tokens_seen = time.perf_counter(), 0
     bar = tqdm(total=total, initial=run.step, desc="training (EAGLE-3)", unit="step")
     while run.step < total:
         batch = epoch_batch(cfg, run.step, steps_per_epoch, len(train_set))
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(run.step, total, cfg.lr, cfg.warmup_steps)
+            group["lr"] = learning_rate(run.step, total, cfg.optim.lr, cfg.optim.warmup_steps)
         optimizer.zero_grad(set_to_none=True)
         stats, tokens = _accumulated(cfg, drafter, train_set, batch)
         tokens_seen += tokens
         run.trained += tokens
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         run.step += 1
         run.keep_snapshots(snapshots, out, log)
@@ -294,9 +294,9 @@ def train(cfg, target: Backend, split: dict | None = None, log=print) -> Eagle3D
             bar.set_postfix(loss=f"{mean['loss']:.3f}", acc1=f"{mean['acc1']:.3f}",
                             tok_s=f"{tokens_seen / (time.perf_counter() - run.started):.0f}")
         bar.update(1)
-        if run.step % cfg.checkpoint_every == 0 or run.step == total:
+        if run.step % cfg.optim.checkpoint_every == 0 or run.step == total:
             drafter.eval()
-            metrics = {"step": run.step, **evaluate(drafter, heldout, cfg.ttt_steps)}
+            metrics = {"step": run.step, **evaluate(drafter, heldout, cfg.eagle3.ttt_steps)}
             drafter.train()
             run.history.append(metrics)
             log(json.dumps(metrics))
@@ -308,17 +308,17 @@ def train(cfg, target: Backend, split: dict | None = None, log=print) -> Eagle3D
 
 
 def _starting_drafter(cfg, target: Backend) -> Eagle3Drafter:
-    """--init's drafter, else a new one over cfg.draft_vocab's vocabulary; ValueError where its
+    """--init's drafter, else a new one over cfg.eagle3.draft_vocab's vocabulary; ValueError where its
     taps are not the ones the features hold."""
     from ..speculation.config import bundled_drafter_dir
     from .train import parse_taps
 
-    ids = draft_vocabulary(cfg.draft_vocab, target, bundled_drafter_dir(cfg.model))
+    ids = draft_vocabulary(cfg.eagle3.draft_vocab, target, bundled_drafter_dir(cfg.model))
     drafter = Eagle3Drafter.load(cfg.init, target, dtype=torch.float32) if cfg.init else \
         new_drafter(target, ids, cfg.seed)
-    if tuple(parse_taps(cfg.taps)) != drafter.taps:
+    if tuple(parse_taps(cfg.features.taps)) != drafter.taps:
         raise ValueError(f"the drafter fuses the target's taps {list(drafter.taps)}; the features hold "
-                         f"{cfg.taps or 'none'}: run the features stage with --taps "
+                         f"{cfg.features.taps or 'none'}: run the features stage with --taps "
                          f"{','.join(map(str, drafter.taps))}")
     return drafter
 
@@ -332,8 +332,8 @@ def _accumulated(cfg, drafter: Eagle3Drafter, train_set, batch: list[int]) -> tu
     for i in batch:
         tokens, hidden, candidates, tapped = on_device(train_set[i], drafter.draft_ids.device)
         with training_precision(cfg):
-            loss, info = sequence_loss(drafter, tokens, hidden, candidates, tapped, cfg.ttt_steps,
-                                       cfg.ttt_decay, cfg.labels)
+            loss, info = sequence_loss(drafter, tokens, hidden, candidates, tapped, cfg.eagle3.ttt_steps,
+                                       cfg.eagle3.ttt_decay, cfg.eagle3.labels)
         if loss is None:
             continue
         (loss / len(batch)).backward()
@@ -364,7 +364,7 @@ class _Run:
 
     def state(self, with_optimizer=True) -> dict:
         return {"drafter": self.drafter.state_dict(), "step": self.step, "history": self.history,
-                "config": asdict(self.cfg), "seconds": self.seconds_before + time.perf_counter() - self.started,
+                "config": self.cfg.record(), "seconds": self.seconds_before + time.perf_counter() - self.started,
                 "tokens": self.trained, **({"optimizer": self.optimizer.state_dict()} if with_optimizer else {})}
 
     def keep_snapshots(self, snapshots: dict, out: Path, log) -> None:
@@ -389,7 +389,7 @@ def train_and_save(cfg, target: Backend, split: dict, report: dict, ship: bool, 
     started = time.perf_counter()
     drafter = train(cfg, target, split, log=log)
     report["train_seconds"] = round(drafter.train_seconds or time.perf_counter() - started, 1)
-    report.update(evaluate(drafter, training_sets(cfg, split)[1], max(2, cfg.ttt_steps)))
+    report.update(evaluate(drafter, training_sets(cfg, split)[1], max(2, cfg.eagle3.ttt_steps)))
     log(json.dumps({k: v for k, v in report.items() if k != "config"}))
     # In the form the engine drafts with and the shipped drafters take (Q8_0 groups), as the
     # device recipe writes its own: what is measured is what would be committed.

@@ -90,12 +90,12 @@ def train_medusa(cfg, target: Backend, train_set, heldout, log=print) -> tuple[M
         raise ValueError("no training features: run the features stage")
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
-    heads = MedusaHeads.zeros(target.args.dim, cfg.medusa_heads).float().train().requires_grad_(True)
+    heads = MedusaHeads.zeros(target.args.dim, cfg.medusa.heads).float().train().requires_grad_(True)
     head_weight = target.head_weight.detach().float()
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    total = len(train_set) * cfg.epochs
-    if cfg.max_steps:
-        total = min(total, cfg.max_steps)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    total = len(train_set) * cfg.optim.epochs
+    if cfg.optim.max_steps:
+        total = min(total, cfg.optim.max_steps)
     order = list(range(len(train_set)))
     rng = random.Random(cfg.seed)
     step, history, start = 0, [], time.perf_counter()
@@ -105,20 +105,20 @@ def train_medusa(cfg, target: Backend, train_set, heldout, log=print) -> tuple[M
             for index in order:
                 if step >= total:
                     break
-                batch = _batch(target, train_set[index], heads.n_heads, cfg.medusa_positions,
-                               cfg.negatives, generator)
+                batch = _batch(target, train_set[index], heads.n_heads, cfg.medusa.positions,
+                               cfg.eagle.negatives, generator)
                 step += 1
                 bar.update()
                 if batch is None:
                     continue
-                lr = cfg.lr * min(1.0, step / max(1, cfg.warmup_steps)) * \
+                lr = cfg.optim.lr * min(1.0, step / max(1, cfg.optim.warmup_steps)) * \
                     0.5 * (1 + math.cos(math.pi * step / total))
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 loss = head_loss(heads, head_weight, *batch)
                 optimizer.zero_grad()
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(heads.parameters(), cfg.grad_clip)
+                torch.nn.utils.clip_grad_norm_(heads.parameters(), cfg.optim.grad_clip)
                 optimizer.step()
                 history.append(float(loss.detach()))
                 if step % 50 == 0:

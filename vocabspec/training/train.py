@@ -34,7 +34,6 @@ import math
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -49,83 +48,7 @@ from ..engine.prompts import encode_conversation
 from ..speculation.vocab.heads import load_ranker, save_ranker
 from .ranker import distillation_loss, starting_ranker, teacher
 from .ranker import recall as ranker_recall
-
-
-@dataclass
-class TrainConfig:
-    model: str = "smollm2"
-    out: str = "runs/train-smollm2"
-    conversations: int = 1200       # training conversations (after the held-out ones)
-    heldout: int = 48
-    max_len: int = 1024             # tokens per sequence (longer conversations are cut)
-    feature_dtype: str = "auto"     # target dtype for feature extraction on torch's kernels; auto:
-                                    # bfloat16 where the device has fast bfloat16 matmuls (AVX-512
-                                    # bf16), else float32; runtime: the engine and format a user
-                                    # decodes with, whose states the drafter reads at inference
-    shard_tokens: int = 65536
-    top_candidates: int = 32        # target top ids stored per position
-    negatives: int = 1024           # random negatives added to each sequence's candidate set
-    full_vocab_loss: bool = False   # exact cross-entropy over the whole vocabulary instead
-    epochs: int = 2
-    lr: float = 1e-3
-    warmup_steps: int = 40
-    accumulate: int = 2             # sequences per optimizer step
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    cls_weight: float = 0.1         # EAGLE's weight of the token loss
-    noise: float = 0.2              # uniform noise on input features, in units of each dim's std
-    checkpoint_every: int = 200     # optimizer steps
-    seed: int = 0
-    max_steps: int = 0              # stop early (0: run all epochs)
-    self_distill: int = 0           # ShareGPT prompts the target answers itself (0: none)
-    distill_start: int = -1         # those prompts come after this many training conversations
-                                    # (-1: after all of them); fixing it lets --conversations
-                                    # grow without asking for new answers
-    task_prompts: int = 0           # and task-style prompts built from ShareGPT text (task_prompts.py)
-    later_turns: int = 0            # and later user turns of ShareGPT conversations, the turns
-                                    # before them (ShareGPT's answers too) as their context
-    later_turns_start: int = 0      # those later turns come after the first this many (the ones
-                                    # an earlier run answered: a continued run's fresh slice)
-    self_prompts: int = 0           # and user prompts the target writes itself (self_prompts.py),
-                                    # at most this many: the seeds from self_prompts_start on
-    self_prompts_start: int = 0
-    distill_new_tokens: int = 256   # tokens per self-distilled answer, at most
-    answers: str = ""               # answer archive directory (answers.py): its answers are
-                                    # used instead of generating them, new ones are added to it
-    generate_answers: bool = False  # with an archive: generate the answers it lacks (without
-                                    # this a run that would generate any refuses, saying how many)
-    distill_batch: int = 32         # answers the batch engine decodes together
-    unroll: int = 1                 # drafting steps trained per position (1: EAGLE's loss)
-    init: str = ""                  # drafter directory to start from (default: random start)
-    ranker_weight: float = 0.0      # SpecVocab's ranker trained jointly: its loss's weight
-                                    # against the token loss (the paper's lambda, 0.1); 0: no ranker
-    ranker_init: str = ""           # ranker file to start from (default: the head's truncated SVD)
-    ranker_rank: int = 0            # d' (0: d/16)
-    ranker_positions: int = 128     # positions per sequence and step in the ranker's loss
-    ranker_lr: float = 2e-3
-    layers: int = 1                 # drafter layers (EAGLE: 1); layers beyond --init's start
-                                    # as the identity
-    taps: str = ""                  # target layers fused into the drafter's input, EAGLE-3's
-                                    # way (e.g. "1,14"; empty: the last layer's feature alone)
-    drafter: str = "eagle"          # what to train: a trainable drafting family (eagle, eagle3, medusa)
-    ttt_steps: int = 3              # eagle3: draft steps trained per position (training-time test)
-    ttt_decay: float = 1.0          # eagle3: step k's loss weighs ttt_decay**k (normalized; EAGLE-3's code: 0.8)
-    labels: str = "soft"            # eagle3: soft (the target's distribution over the draft
-                                    # vocabulary) or hard (the target's choice)
-    draft_vocab: str = "trim:8k"    # eagle3: the draft vocabulary (a bundled token map's first N)
-    medusa_heads: int = 4           # Medusa heads (tokens t+2 .. t+K+1)
-    medusa_positions: int = 256     # positions sampled per sequence and step (Medusa)
-    archive_sequences: int = 0      # also train on this many prompt + answer sequences taken
-                                    # from the answer archive (--answers) as they are
-    train_dtype: str = "float32"    # the drafter's matmuls in training: float32, or bfloat16
-                                    # under autocast (float32 weights and optimizer), or auto:
-                                    # bfloat16 where the CPU has fast bfloat16 matmuls
-    snapshot_tokens: str = ""       # eagle3: keep the run as it stood after these many training
-                                    # tokens (e.g. "1.9M,5.7M"): checkpoint-eagle3-at-1.9M.pt, ...
-    online_features: bool = False   # compute each sequence's features as training draws it
-                                    # (OnlineFeatures) instead of storing feature shards
-    device: str = "cpu"             # where answers are generated, features computed and an
-                                    # EAGLE-3 drafter trained (cpu, cuda, cuda:N): the same recipe
+from .config import TrainConfig
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -143,22 +66,23 @@ def prepare_sequences(cfg: TrainConfig, tokenizer) -> dict:
     out = Path(cfg.out) / "sequences.pt"
     # A split made with other settings is made again (the feature stage then rebuilds only the
     # shards whose sequences changed); files without settings predate this check.
-    settings = {k: getattr(cfg, k) for k in ("conversations", "heldout", "max_len", "seed")}
+    settings = {"conversations": cfg.data.conversations, "heldout": cfg.data.heldout, "max_len": cfg.data.max_len,
+                "seed": cfg.seed}
     if out.exists():
         split = torch.load(out)
         if split.get("settings") == settings:
             return split
     conversations = list(iter_conversations())
     random.Random(cfg.seed).shuffle(conversations)
-    wanted = cfg.heldout + cfg.conversations
+    wanted = cfg.data.heldout + cfg.data.conversations
     if len(conversations) < wanted:
         raise ValueError(f"ShareGPT has {len(conversations)} usable conversations, {wanted} asked for")
     split = {"heldout": [], "train": [], "heldout_ids": [], "train_ids": [], "heldout_prompts": [],
              "settings": settings}
     for index, (conv_id, turns) in enumerate(tqdm(conversations[:wanted], desc="tokenizing",
                                                   unit="conv")):
-        ids = encode_conversation(tokenizer, turns, answer_open=False, example=False)[:cfg.max_len]
-        part = "heldout" if index < cfg.heldout else "train"
+        ids = encode_conversation(tokenizer, turns, answer_open=False, example=False)[:cfg.data.max_len]
+        part = "heldout" if index < cfg.data.heldout else "train"
         split[part].append(ids)
         split[part + "_ids"].append(conv_id)
         if part == "heldout":
@@ -170,42 +94,42 @@ def prepare_sequences(cfg: TrainConfig, tokenizer) -> dict:
 
 def _distill_prompts(cfg: TrainConfig, tokenizer, model_path: Path | None = None) -> list[list[int]]:
     """First user turns of ShareGPT conversations that are not held-out ones (nor training
-    ones, unless `cfg.distill_start` is below `cfg.conversations`), then `cfg.task_prompts`
-    task-style prompts, then `cfg.later_turns` later turns of the same conversations, then up
-    to `cfg.self_prompts` prompts the target at `model_path` writes (each kind after the ones
+    ones, unless `cfg.data.distill_start` is below `cfg.data.conversations`), then `cfg.data.task_prompts`
+    task-style prompts, then `cfg.data.later_turns` later turns of the same conversations, then up
+    to `cfg.data.self_prompts` prompts the target at `model_path` writes (each kind after the ones
     before, so that asking for more of a later kind keeps the earlier answers and their
     feature shards)."""
     from .sharegpt import iter_conversations
 
     conversations = list(iter_conversations())
     random.Random(cfg.seed).shuffle(conversations)
-    room = cfg.max_len - cfg.distill_new_tokens
-    start = cfg.conversations if cfg.distill_start < 0 else cfg.distill_start
+    room = cfg.data.max_len - cfg.data.distill_new_tokens
+    start = cfg.data.conversations if cfg.data.distill_start < 0 else cfg.data.distill_start
     prompts = []
-    for _, turns in conversations[cfg.heldout + start:]:
-        if len(prompts) == cfg.self_distill:
+    for _, turns in conversations[cfg.data.heldout + start:]:
+        if len(prompts) == cfg.data.self_distill:
             break
         ids = encode_conversation(tokenizer, turns[:1], answer_open=True)
         if len(ids) <= room:          # a cut prompt would lose its chat template's frame
             prompts.append(ids)
-    if len(prompts) < cfg.self_distill:
+    if len(prompts) < cfg.data.self_distill:
         raise ValueError(f"ShareGPT has only {len(prompts)} unused prompts of at most {room} "
-                         f"tokens, {cfg.self_distill} asked for")
-    return (prompts + _task_prompt_ids(cfg, tokenizer, conversations[cfg.heldout:], room)
-            + _later_turn_ids(cfg, tokenizer, conversations[cfg.heldout + start:], room)
+                         f"tokens, {cfg.data.self_distill} asked for")
+    return (prompts + _task_prompt_ids(cfg, tokenizer, conversations[cfg.data.heldout:], room)
+            + _later_turn_ids(cfg, tokenizer, conversations[cfg.data.heldout + start:], room)
             + _self_prompt_ids(cfg, tokenizer, model_path, room))
 
 
 def _self_prompt_ids(cfg: TrainConfig, tokenizer, model_path: Path | None, room: int) -> list[list[int]]:
     from .self_prompts import sample_user_prompts, self_prompt_ids
 
-    if not cfg.self_prompts:
+    if not cfg.data.self_prompts:
         return []
     if model_path is None:
         raise ValueError("prompts the target writes (self_prompts) are sampled from the target, "
                          "which this step does not load: use `vocabspec train`")
-    texts = sample_user_prompts(model_path, cfg.self_prompts_start, cfg.self_prompts, device=cfg.device,
-                                batch=cfg.distill_batch, cache=Path(cfg.out) / "self-prompts.json")
+    texts = sample_user_prompts(model_path, cfg.data.self_prompts_start, cfg.data.self_prompts, device=cfg.device,
+                                batch=cfg.data.distill_batch, cache=Path(cfg.out) / "self-prompts.json")
     return self_prompt_ids(tokenizer, texts, room)
 
 
@@ -216,19 +140,19 @@ def _later_turn_ids(cfg: TrainConfig, tokenizer, conversations: list, room: int)
     prompts, skipped = [], 0
     for _, turns in conversations:
         for end in range(2, len(turns)):
-            if len(prompts) == cfg.later_turns:
+            if len(prompts) == cfg.data.later_turns:
                 return prompts
             if turns[end][0] == "user" and turns[end - 1][0] == "assistant":
                 ids = encode_conversation(tokenizer, turns[:end + 1], answer_open=True)
                 if len(ids) > room:
                     break                       # the later turns are longer still
-                if skipped < cfg.later_turns_start:
+                if skipped < cfg.data.later_turns_start:
                     skipped += 1
                 else:
                     prompts.append(ids)
-    if len(prompts) < cfg.later_turns:
+    if len(prompts) < cfg.data.later_turns:
         raise ValueError(f"ShareGPT has only {skipped + len(prompts)} later turns whose conversation "
-                         f"so far fits {room} tokens, {cfg.later_turns_start} + {cfg.later_turns} "
+                         f"so far fits {room} tokens, {cfg.data.later_turns_start} + {cfg.data.later_turns} "
                          "asked for")
     return prompts
 
@@ -236,15 +160,15 @@ def _later_turn_ids(cfg: TrainConfig, tokenizer, conversations: list, room: int)
 def _task_prompt_ids(cfg: TrainConfig, tokenizer, conversations: list, room: int) -> list[list[int]]:
     from .task_prompts import task_prompts
 
-    if not cfg.task_prompts:
+    if not cfg.data.task_prompts:
         return []
     # Twice as many candidates as needed, since some are too long once tokenized.
-    texts = task_prompts(conversations, 2 * cfg.task_prompts)
+    texts = task_prompts(conversations, 2 * cfg.data.task_prompts)
     encoded = (encode_conversation(tokenizer, [("user", text)], answer_open=True) for text in texts)
-    prompts = [ids for ids in encoded if len(ids) <= room][:cfg.task_prompts]
-    if len(prompts) < cfg.task_prompts:
+    prompts = [ids for ids in encoded if len(ids) <= room][:cfg.data.task_prompts]
+    if len(prompts) < cfg.data.task_prompts:
         raise ValueError(f"ShareGPT gave only {len(prompts)} task prompts of at most {room} "
-                         f"tokens, {cfg.task_prompts} asked for")
+                         f"tokens, {cfg.data.task_prompts} asked for")
     return prompts
 
 
@@ -260,13 +184,13 @@ def _fast_dtype(name: str, device: str = "cpu") -> torch.dtype:
 
 def training_precision(cfg: TrainConfig):
     """The context a training step's forward runs in on `cfg.device`: autocast to bfloat16 for
-    `cfg.train_dtype` bfloat16 (the weights, gradients and optimizer stay float32; on a CPU with
+    `cfg.optim.train_dtype` bfloat16 (the weights, gradients and optimizer stay float32; on a CPU with
     AVX-512 bf16 the step takes about half the time), else nothing."""
     import contextlib
 
-    if cfg.train_dtype not in ("float32", "bfloat16", "auto"):
-        raise ValueError(f"train_dtype is float32, bfloat16 or auto, not {cfg.train_dtype!r}")
-    if _fast_dtype(cfg.train_dtype, cfg.device) == torch.bfloat16:
+    if cfg.optim.train_dtype not in ("float32", "bfloat16", "auto"):
+        raise ValueError(f"train_dtype is float32, bfloat16 or auto, not {cfg.optim.train_dtype!r}")
+    if _fast_dtype(cfg.optim.train_dtype, cfg.device) == torch.bfloat16:
         return torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -297,7 +221,7 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
     Generation runs on the batch engine (`_generate_answers`). Answers are kept per prompt and
     the file is rewritten as they come, so an interrupted run resumes where it stopped and a
     later run asking for more prompts generates only the new ones (they come after the old
-    answers, so the old feature shards stay valid). With `cfg.answers`, the
+    answers, so the old feature shards stay valid). With `cfg.data.answers`, the
     archive's answers (answers.py) come first, and whatever this work directory holds that the
     archive lacks is added to it.
     """
@@ -306,9 +230,9 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
     done = _load_distilled(out, prompts)
     finished = {tuple(p) for p in done["prompts"]}
     archived = {}
-    if cfg.answers:
+    if cfg.data.answers:
         fingerprint = target_fingerprint(model_path)
-        archived = read_answers(Path(cfg.answers), fingerprint, cfg.distill_new_tokens)
+        archived = read_answers(Path(cfg.data.answers), fingerprint, cfg.data.distill_new_tokens)
         taken = [p for p in prompts if tuple(p) not in finished and tuple(p) in archived]
         for prompt in taken:
             done["prompts"].append(prompt)
@@ -317,20 +241,20 @@ def distill_sequences(cfg: TrainConfig, tokenizer, model_path: Path) -> list[lis
         if taken:
             _atomic_save(done, out)
     todo = sorted((p for p in prompts if tuple(p) not in finished), key=len)
-    if cfg.answers:
+    if cfg.data.answers:
         print(f"self-distillation: {len(prompts) - len(todo)} of {len(prompts)} answers from the "
               f"archive and this work directory, {len(todo)} to generate")
-        if todo and not cfg.generate_answers:
+        if todo and not cfg.data.generate_answers:
             raise ValueError(f"{len(todo)} of {len(prompts)} answers are neither in the archive "
-                             f"{cfg.answers} nor in {cfg.out}: generating them takes the target "
+                             f"{cfg.data.answers} nor in {cfg.out}: generating them takes the target "
                              "hours on a CPU; pass --generate-answers to do it (they join the archive)")
     generator = "this work directory's earlier run"
     if todo:
         generator = _generate_answers(cfg, model_path, todo, done, out)
-    if cfg.answers:
+    if cfg.data.answers:
         new = [(p, s) for p, s in zip(done["prompts"], done["sequences"]) if tuple(p) not in archived]
-        written = write_answers(Path(cfg.answers), [p for p, _ in new], [s for _, s in new],
-                                fingerprint, cfg.distill_new_tokens, generator)
+        written = write_answers(Path(cfg.data.answers), [p for p, _ in new], [s for _, s in new],
+                                fingerprint, cfg.data.distill_new_tokens, generator)
         if written:
             print(f"archived {written}")   # its name counts the answers, repeats stored once
     wanted = {tuple(p) for p in prompts}
@@ -349,7 +273,7 @@ def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]],
     """The target's greedy answers to `todo`, appended to `done` as they finish (saved to `out`
     every SAVE_SECONDS, so an interrupted run loses at most those minutes: the file holds every
     answer so far, and at millions of tokens writing it takes seconds). They come from the
-    batch engine (batch.py) in the run-time format a user decodes with: `cfg.distill_batch`
+    batch engine (batch.py) in the run-time format a user decodes with: `cfg.data.distill_batch`
     requests decode together, each exactly as it would alone, so an answer does not depend on
     the batch, and it is the text the drafter will meet. An answer keeps the end-of-sequence
     token that ended it; a base model's ends at its stop string. Returns the generator's name."""
@@ -359,14 +283,14 @@ def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]],
     from ..engine.prompts import stop_strings
 
     lm = load(str(model_path), device=cfg.device)
-    config = GenerationConfig(max_new_tokens=cfg.distill_new_tokens, stop=stop_strings(lm.tokenizer))
-    window = min(max(map(len, todo)) + cfg.distill_new_tokens + 1, lm.engine.model.args.max_seq_len)
-    batch = lm.batch(BatchLimits(max_batch=cfg.distill_batch, max_waiting=2 * cfg.distill_batch, window=window))
+    config = GenerationConfig(max_new_tokens=cfg.data.distill_new_tokens, stop=stop_strings(lm.tokenizer))
+    window = min(max(map(len, todo)) + cfg.data.distill_new_tokens + 1, lm.engine.model.args.max_seq_len)
+    batch = lm.batch(BatchLimits(max_batch=cfg.data.distill_batch, max_waiting=2 * cfg.data.distill_batch, window=window))
     bar = tqdm(total=len(todo), desc="self-distillation", unit="answer")
     queue, running, unsaved, generated, started = list(reversed(todo)), [], 0, 0, time.perf_counter()
     saved = started
     while queue or running:
-        while queue and len(running) < 2 * cfg.distill_batch:
+        while queue and len(running) < 2 * cfg.data.distill_batch:
             prompt = queue.pop()
             running.append((prompt, batch.submit(prompt, config)))
         batch.run_once()
@@ -459,12 +383,12 @@ def extract_features(cfg: TrainConfig, model: Backend, split: dict) -> list[Path
     """Write shards `features/{heldout,train,distill}-NNNNN.pt`; existing shards are kept."""
     directory = Path(cfg.out) / "features"
     directory.mkdir(parents=True, exist_ok=True)
-    cache = model.new_cache(cfg.max_len)
-    taps = checked_taps(parse_taps(cfg.taps), model)
+    cache = model.new_cache(cfg.data.max_len)
+    taps = checked_taps(parse_taps(cfg.features.taps), model)
     paths = []
     for part in ("heldout", "train", "distill"):
         sequences = split.get(part, [])
-        plan = _shard_plan(sequences, cfg.shard_tokens)
+        plan = _shard_plan(sequences, cfg.features.shard_tokens)
         todo = [(n, a, b) for n, (a, b) in enumerate(plan)
                 if not _shard_matches(directory / f"{part}-{n:05d}.pt", sequences[a:b], taps)]
         for stale in sorted(directory.glob(f"{part}-*.pt"))[len(plan):]:
@@ -475,7 +399,7 @@ def extract_features(cfg: TrainConfig, model: Backend, split: dict) -> list[Path
             for n, a, b in todo:
                 shard = {"tokens": [], "hidden": [], "candidates": [], "taps": list(taps), "tapped": []}
                 for ids in sequences[a:b]:
-                    hidden, candidates, tapped = _features(model, cache, ids, cfg.top_candidates, taps)
+                    hidden, candidates, tapped = _features(model, cache, ids, cfg.features.top_candidates, taps)
                     shard["tokens"].append(torch.tensor(ids, dtype=torch.int32))
                     shard["hidden"].append(hidden)
                     shard["candidates"].append(candidates)
@@ -492,7 +416,7 @@ def load_shards(cfg: TrainConfig, part: str) -> list[tuple]:
     """(tokens, hidden, candidates, tapped) per sequence; tapped is None in shards without taps
     and in a run without them."""
     sequences = []
-    taps = parse_taps(cfg.taps)
+    taps = parse_taps(cfg.features.taps)
     for path in sorted((Path(cfg.out) / "features").glob(f"{part}-*.pt")):
         shard = load_torch_file(path)
         if taps and tuple(shard.get("taps", ())) != taps:
@@ -518,23 +442,23 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
                   ranker: tuple[torch.Tensor, torch.Tensor] | None = None,
                   tapped: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The loss of one sequence; `ranker` (down, vocab) adds the ranker's distillation loss on
-    `cfg.ranker_positions` positions of each step; `tapped`: the target's tapped layer outputs,
+    `cfg.ranker.positions` positions of each step; `tapped`: the target's tapped layer outputs,
     for a drafter with taps."""
     target = drafter.target
     tokens = tokens.long()
     features = features_of(target, hidden)
     inputs = features
-    if cfg.noise > 0 and generator is not None:
-        inputs = features + (torch.rand(features.shape, generator=generator) * 2 - 1) * (cfg.noise * std)
+    if cfg.eagle.noise > 0 and generator is not None:
+        inputs = features + (torch.rand(features.shape, generator=generator) * 2 - 1) * (cfg.eagle.noise * std)
     inputs = drafter.input_features(inputs, tapped)
     wanted = features[1:]
     head = target.head_weight
-    if cfg.full_vocab_loss:
+    if cfg.eagle.full_vocab_loss:
         rows = head
     else:
         pool = [candidates[1:].reshape(-1).long()]
-        if cfg.negatives:
-            pool.append(torch.randint(head.shape[0], (cfg.negatives,), generator=generator))
+        if cfg.eagle.negatives:
+            pool.append(torch.randint(head.shape[0], (cfg.eagle.negatives,), generator=generator))
         rows = head[torch.unique(torch.cat(pool))]
     with torch.no_grad(), torch.autocast("cpu", enabled=False):     # the teacher in float32
         target_probs = F.softmax(F.linear(wanted, rows).float(), dim=-1)
@@ -542,7 +466,7 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
             ranker_ids, ranker_probs = teacher(target, wanted, candidates[1:].long())
     regression = classification = ranking = 0.0
     info = {}
-    steps = min(cfg.unroll, tokens.shape[0] - 2)
+    steps = min(cfg.eagle.unroll, tokens.shape[0] - 2)
     for step in range(steps):
         predicted = draft_states(drafter, tokens, inputs)    # row i predicts features[i + 1]
         # Row i of step k has read k predicted features in a chain; the first k rows have not.
@@ -553,14 +477,14 @@ def sequence_loss(drafter: EagleDrafter, tokens, hidden, candidates, cfg: TrainC
         regression = regression + step_regression / steps
         classification = classification + step_classification / steps
         if ranker is not None:
-            picked = torch.randperm(mine.shape[0], generator=generator)[:cfg.ranker_positions]
+            picked = torch.randperm(mine.shape[0], generator=generator)[:cfg.ranker.positions]
             ranking = ranking + distillation_loss(mine[picked], *ranker, ranker_ids[step:][picked],
                                                   ranker_probs[step:][picked]) / steps
         with torch.no_grad():
             accuracy = (draft_log_probs.argmax(-1) == target_probs[step:].argmax(-1)).float().mean()
         info["accuracy" if step == 0 else f"accuracy_step{step + 1}"] = float(accuracy)
         inputs = torch.cat([inputs[:1], predicted])
-    loss = regression + cfg.cls_weight * (classification + cfg.ranker_weight * ranking)
+    loss = regression + cfg.eagle.cls_weight * (classification + cfg.ranker.weight * ranking)
     if ranker is not None:
         info["ranker"] = float(ranking.detach())
     return loss, {"regression": float(regression.detach()),
@@ -609,7 +533,7 @@ def _scale_fc_to_inputs(drafter: EagleDrafter, feature_std: torch.Tensor) -> Non
 
 def _run_identity(config: dict) -> dict:
     """The settings that make two training runs the same run (resumable from each other)."""
-    return {k: v for k, v in config.items()
+    return {k: v for k, v in TrainConfig.settings_of(config).items()
             if k not in ("max_steps", "checkpoint_every", "out", "answers", "generate_answers",
                          "online_features", "snapshot_tokens", "device")}
 
@@ -620,7 +544,7 @@ def resumable(checkpoint: Path, cfg: TrainConfig, log=print) -> dict | None:
     if not checkpoint.exists():
         return None
     state = torch.load(checkpoint, map_location="cpu")
-    if _run_identity(state["config"]) == _run_identity(asdict(cfg)):
+    if _run_identity(state["config"]) == _run_identity(cfg.record()):
         return state
     kept = checkpoint.with_name(f"{checkpoint.stem}-{time.strftime('%Y%m%d-%H%M%S')}.pt")
     checkpoint.replace(kept)
@@ -649,8 +573,8 @@ class OnlineFeatures:
     def __init__(self, extractor: Backend, sequences: list[list[int]], cfg: TrainConfig):
         self.extractor = extractor
         self.sequences = [s for s in sequences if len(s) >= MIN_TOKENS]
-        self.top = cfg.top_candidates
-        self.taps = checked_taps(parse_taps(cfg.taps), extractor)
+        self.top = cfg.features.top_candidates
+        self.taps = checked_taps(parse_taps(cfg.features.taps), extractor)
         self.cache = extractor.new_cache(max(map(len, self.sequences), default=1))
 
     def __len__(self) -> int:
@@ -691,15 +615,15 @@ def train_drafter(cfg: TrainConfig, target: Backend, split: dict | None = None, 
     torch.manual_seed(cfg.seed)
     std = feature_std(target, train_set)
     drafter = _starting_drafter(cfg, target, std).float().train().requires_grad_(True)
-    ranker = _start_ranker(cfg, target) if cfg.ranker_weight > 0 else None
+    ranker = _start_ranker(cfg, target) if cfg.ranker.weight > 0 else None
     groups = [{"params": list(drafter.parameters()), "lr_scale": 1.0}]
     if ranker is not None:
-        groups.append({"params": list(ranker), "lr_scale": cfg.ranker_lr / cfg.lr, "weight_decay": 0.0})
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    steps_per_epoch = math.ceil(len(train_set) / cfg.accumulate)
-    total = steps_per_epoch * cfg.epochs
-    if cfg.max_steps:
-        total = min(total, cfg.max_steps)
+        groups.append({"params": list(ranker), "lr_scale": cfg.ranker.lr / cfg.optim.lr, "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
+    steps_per_epoch = math.ceil(len(train_set) / cfg.optim.accumulate)
+    total = steps_per_epoch * cfg.optim.epochs
+    if cfg.optim.max_steps:
+        total = min(total, cfg.optim.max_steps)
     checkpoint = out / "checkpoint.pt"
     step, history, seconds_before = _resumed(resumable(checkpoint, cfg, log), drafter, ranker, optimizer,
                                              total, log)
@@ -710,7 +634,7 @@ def train_drafter(cfg: TrainConfig, target: Backend, split: dict | None = None, 
     while step < total:
         batch = epoch_batch(cfg, step, steps_per_epoch, len(train_set))
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, total, cfg.lr, cfg.warmup_steps) * group["lr_scale"]
+            group["lr"] = learning_rate(step, total, cfg.optim.lr, cfg.optim.warmup_steps) * group["lr_scale"]
         optimizer.zero_grad(set_to_none=True)
         stats = []
         for i in batch:
@@ -721,9 +645,9 @@ def train_drafter(cfg: TrainConfig, target: Backend, split: dict | None = None, 
             (loss / len(batch)).backward()
             stats.append(info)
             tokens_seen += tokens.numel()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.optim.grad_clip)
         if ranker is not None:
-            torch.nn.utils.clip_grad_norm_(ranker, cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(ranker, cfg.optim.grad_clip)
         optimizer.step()
         step += 1
         mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
@@ -731,12 +655,12 @@ def train_drafter(cfg: TrainConfig, target: Backend, split: dict | None = None, 
                         reg=f"{mean['regression']:.3f}",
                         tok_s=f"{tokens_seen / (time.perf_counter() - started):.0f}")
         bar.update(1)
-        if step % cfg.checkpoint_every == 0 or step == total:
+        if step % cfg.optim.checkpoint_every == 0 or step == total:
             history.append(_measured(cfg, drafter, ranker, heldout, step, mean))
             log(json.dumps(history[-1]))
             _atomic_save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
                           "ranker": [t.detach() for t in ranker] if ranker is not None else None,
-                          "step": step, "history": history, "config": asdict(cfg),
+                          "step": step, "history": history, "config": cfg.record(),
                           "seconds": seconds_before + time.perf_counter() - started}, checkpoint)
     bar.close()
     drafter.eval().requires_grad_(False)
@@ -748,18 +672,18 @@ def train_drafter(cfg: TrainConfig, target: Backend, split: dict | None = None, 
 
 def epoch_batch(cfg: TrainConfig, step: int, steps_per_epoch: int, size: int) -> list[int]:
     """The indices of the training sequences optimizer step `step` reads: the step's share
-    (cfg.accumulate of them) of its epoch's seeded shuffle of `size` sequences."""
+    (cfg.optim.accumulate of them) of its epoch's seeded shuffle of `size` sequences."""
     epoch, index = divmod(step, steps_per_epoch)
     order = list(range(size))
     random.Random(cfg.seed + epoch).shuffle(order)
-    return order[index * cfg.accumulate:(index + 1) * cfg.accumulate]
+    return order[index * cfg.optim.accumulate:(index + 1) * cfg.optim.accumulate]
 
 
 def _starting_drafter(cfg: TrainConfig, target: Backend, std: torch.Tensor) -> EagleDrafter:
-    """The drafter training starts from: --init's, grown to cfg.layers and given the taps it
+    """The drafter training starts from: --init's, grown to cfg.eagle.layers and given the taps it
     lacks (ValueError where it has other taps or more layers), else a random one whose fc is
     scaled to the features' std."""
-    taps = parse_taps(cfg.taps)
+    taps = parse_taps(cfg.features.taps)
     if cfg.init:
         drafter = EagleDrafter.load(cfg.init, target)
         if drafter.taps != taps:
@@ -767,13 +691,13 @@ def _starting_drafter(cfg: TrainConfig, target: Backend, std: torch.Tensor) -> E
                 raise ValueError(f"--init {cfg.init} fuses layers {list(drafter.taps)}, this run "
                                  f"asks for {list(taps)}")
             drafter.add_taps(taps)
-        if len(drafter.layers) > cfg.layers:
+        if len(drafter.layers) > cfg.eagle.layers:
             raise ValueError(f"--init {cfg.init} has {len(drafter.layers)} layers, this run "
-                             f"asks for {cfg.layers}")
-        while len(drafter.layers) < cfg.layers:
+                             f"asks for {cfg.eagle.layers}")
+        while len(drafter.layers) < cfg.eagle.layers:
             drafter.add_layer()
     else:
-        drafter = EagleDrafter.random(target, seed=cfg.seed, n_layers=cfg.layers)
+        drafter = EagleDrafter.random(target, seed=cfg.seed, n_layers=cfg.eagle.layers)
         _scale_fc_to_inputs(drafter, std)
         if taps:                # fc's start is scaled to the last-layer feature it first sees
             drafter.add_taps(taps)
@@ -800,7 +724,7 @@ def _measured(cfg: TrainConfig, drafter: EagleDrafter, ranker, heldout, step: in
     """A checkpoint's metrics: the training batch's means and the held-out figures (the
     ranker's recall too where one trains)."""
     drafter.eval()
-    metrics = {"step": step, "train": mean, **evaluate(drafter, heldout, steps=max(2, cfg.unroll))}
+    metrics = {"step": step, "train": mean, **evaluate(drafter, heldout, steps=max(2, cfg.eagle.unroll))}
     if ranker is not None:
         metrics["ranker"] = ranker_recall(drafter, *(t.detach() for t in ranker), heldout[:16])
     drafter.train()
@@ -810,8 +734,8 @@ def _measured(cfg: TrainConfig, drafter: EagleDrafter, ranker, heldout, step: in
 def _start_ranker(cfg: TrainConfig, target: Backend) -> tuple[torch.Tensor, torch.Tensor]:
     """SpecVocab's ranker (down, vocab) in float32, as trainable tensors."""
     head = target.head_weight
-    init = load_ranker(cfg.ranker_init, head) if cfg.ranker_init else None
-    rank = cfg.ranker_rank or (init[0].shape[0] if init else max(1, target.args.dim // 16))
+    init = load_ranker(cfg.ranker.init, head) if cfg.ranker.init else None
+    rank = cfg.ranker.rank or (init[0].shape[0] if init else max(1, target.args.dim // 16))
     return tuple(t.requires_grad_(True) for t in starting_ranker(head, rank, init))
 
 
@@ -861,34 +785,34 @@ def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = Fal
     check_device(cfg, stages)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    report: dict = {"config": asdict(cfg)}
+    (out / "config.json").write_text(json.dumps(cfg.record(), indent=2))
+    report: dict = {"config": cfg.record()}
     model_path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(model_path)
     t0 = time.perf_counter()
     split = prepare_sequences(cfg, tokenizer)
     report["train_sequences"] = len(split["train"])
     report["train_tokens"] = split["train_tokens"]
-    if cfg.self_distill or cfg.task_prompts or cfg.later_turns or cfg.self_prompts:
+    if cfg.data.self_distill or cfg.data.task_prompts or cfg.data.later_turns or cfg.data.self_prompts:
         split["distill"] = distill_sequences(cfg, tokenizer, model_path)
         report["distill_sequences"] = len(split["distill"])
         report["distill_tokens"] = sum(map(len, split["distill"]))
         report["distill_seconds"] = round(time.perf_counter() - t0, 1)
-    if cfg.archive_sequences:
+    if cfg.data.archive_sequences:
         split["distill"] = split.get("distill", []) + archive_sequences(cfg, model_path)
-        report["archive_sequences"] = cfg.archive_sequences
+        report["archive_sequences"] = cfg.data.archive_sequences
     if "features" in stages or "train" in stages:
-        if cfg.feature_dtype == "runtime":   # the states drafting reads (kept in bfloat16)
-            extractor, _ = load_model(cfg.model, max_seq_len=cfg.max_len + 8, device=cfg.device)
+        if cfg.features.feature_dtype == "runtime":   # the states drafting reads (kept in bfloat16)
+            extractor, _ = load_model(cfg.model, max_seq_len=cfg.data.max_len + 8, device=cfg.device)
         else:
-            fast = {torch.float32: "f32", torch.bfloat16: "bf16"}[_fast_dtype(cfg.feature_dtype, cfg.device)]
-            extractor, _ = load_model(cfg.model, weights=fast, backend="torch", max_seq_len=cfg.max_len + 8,
+            fast = {torch.float32: "f32", torch.bfloat16: "bf16"}[_fast_dtype(cfg.features.feature_dtype, cfg.device)]
+            extractor, _ = load_model(cfg.model, weights=fast, backend="torch", max_seq_len=cfg.data.max_len + 8,
                                       device=cfg.device)
-        if cfg.drafter == "eagle3" and not cfg.taps:     # EAGLE-3's fused layers, unless named
-            cfg.taps = ",".join(map(str, default_eagle3_taps(extractor.args.n_layers)))
-            (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-            report["config"] = asdict(cfg)
-        if cfg.online_features:     # computed as training draws them: kept for the train stage
+        if cfg.drafter == "eagle3" and not cfg.features.taps:     # EAGLE-3's fused layers, unless named
+            cfg.features.taps = ",".join(map(str, default_eagle3_taps(extractor.args.n_layers)))
+            (out / "config.json").write_text(json.dumps(cfg.record(), indent=2))
+            report["config"] = cfg.record()
+        if cfg.features.online_features:     # computed as training draws them: kept for the train stage
             split["features"] = online_sets(cfg, extractor, split)
         else:
             t1 = time.perf_counter()
@@ -938,7 +862,7 @@ def train_eagle(cfg: TrainConfig, target: Backend, split: dict, report: dict, sh
     seconds = drafter.train_seconds
     report["train_seconds"] = round(time.perf_counter() - t2 if seconds is None else seconds, 1)
     heldout = training_sets(cfg, split)[1]
-    final = evaluate(drafter, heldout, steps=max(2, cfg.unroll))
+    final = evaluate(drafter, heldout, steps=max(2, cfg.eagle.unroll))
     report.update(final)
     report["tau_heldout_prompts"] = round(measure_tau(drafter, target,
                                                       split["heldout_prompts"][:4]), 3)
@@ -964,13 +888,13 @@ def train_eagle(cfg: TrainConfig, target: Backend, split: dict, report: dict, sh
 
 
 def archive_sequences(cfg: TrainConfig, model_path: Path) -> list[list[int]]:
-    """The first `cfg.archive_sequences` prompt + answer sequences of the answer archive, in
+    """The first `cfg.data.archive_sequences` prompt + answer sequences of the answer archive, in
     its files' order, cut at max_len."""
-    if not cfg.answers:
+    if not cfg.data.answers:
         raise ValueError("--archive-sequences reads the answer archive: pass --answers DIR")
-    archived = list(read_answers(Path(cfg.answers), target_fingerprint(model_path),
-                                 cfg.distill_new_tokens).values())
-    if len(archived) < cfg.archive_sequences:
-        raise ValueError(f"the archive {cfg.answers} holds {len(archived)} answers, "
-                         f"{cfg.archive_sequences} asked for")
-    return [s[:cfg.max_len] for s in archived[:cfg.archive_sequences]]
+    archived = list(read_answers(Path(cfg.data.answers), target_fingerprint(model_path),
+                                 cfg.data.distill_new_tokens).values())
+    if len(archived) < cfg.data.archive_sequences:
+        raise ValueError(f"the archive {cfg.data.answers} holds {len(archived)} answers, "
+                         f"{cfg.data.archive_sequences} asked for")
+    return [s[:cfg.data.max_len] for s in archived[:cfg.data.archive_sequences]]
