@@ -1,24 +1,24 @@
 """The GPU check: exactness, read-backs, CUDA graphs and speed on one CUDA device, in minutes.
 
 1. Exactness: on the Spec-Bench category prompts, greedy EAGLE-2 (full head and FR-Spec 32k,
-   and FR 32k with prompt lookup's path grafted on), prompt lookup and plain decoding as static
-   steps captured as CUDA graphs (static_step.py), against plain decoding, in float32 (TF32
+   and FR 32k with prompt lookup's path grafted on), prompt lookup and plain decoding as graph
+   steps captured as CUDA graphs (graph_step.py), against plain decoding, in float32 (TF32
    off; must be 0 mismatches) and bfloat16 (torch's kernels are not row-count invariant
    there: mismatches are counted and reported).
 2. Read-backs: every way a tensor reaches the host is counted over a generation: at most one
    a step.
 3. Speed: tokens/s of each method, float32 and bfloat16, SmolLM2; plain decoding and EAGLE-2
-   (FR 32k) also with capture off (eager static steps), so the graphs' share is visible.
+   (FR 32k) also with capture off (eager graph steps), so the graphs' share is visible.
 4. Drafting cost on a random model shaped like Llama-3-8B (128k vocabulary): an EAGLE-2 5x48
    draft with FR-Spec's 32k head against the full head, captured and eager.
-5. The tree for this device: EAGLE-2 FR 32k also runs at the (depth, size) that the static-step
-   tuner (autotune.choose_static_tree) picks on its own calibration prompts, not these; its
+5. The tree for this device: EAGLE-2 FR 32k also runs at the (depth, size) that the graph-step
+   tuner (autotune.choose_graph_tree) picks on its own calibration prompts, not these; its
    table (step milliseconds and tau by depth and size) is reported, per dtype.
 6. Profile: one float32 step of plain decoding and of EAGLE-2 FR 32k under torch.profiler,
    captured and eager; the kernels that take the device's time, and a trace of each.
-7. Exact and fast (exact_bf16): bfloat16 plain decoding as torch's captured static step against
-   the row-invariant kernels' captured static step (--backend triton), and EAGLE-2 FR 32k on the
-   kernels at the tree the static-step tuner picks for them: tok/s, and mismatches against plain
+7. Exact and fast (exact_bf16): bfloat16 plain decoding as torch's captured graph step against
+   the row-invariant kernels' captured graph step (--backend triton), and EAGLE-2 FR 32k on the
+   kernels at the tree the graph-step tuner picks for them: tok/s, and mismatches against plain
    decoding on the kernels (0 for an exact method) and, for torch's step, how far torch's
    kernels drift from them.
 8. The linear kernels (linear): microseconds of cuBLAS (F.linear), the row-invariant multiply-add
@@ -28,7 +28,7 @@
    head's) against their unfused launches, attention with multiply-adds and on tensor cores,
    and SmolLM2's launches a layer on the kernels, unfused and fused.
 
-Every static-step engine is warmed, graphs captured and kernels compiled, on the prompts'
+Every graph-step engine is warmed, graphs captured and kernels compiled, on the prompts'
 cache sizes before it is timed. Writes report.md and run.json to the folder given.
 
     python scripts/gpu_check.py --gguf /tmp/smollm2.gguf --prompts prompts.json --out OUT
@@ -62,7 +62,7 @@ from vocabspec.engine.loading import load_model  # noqa: E402
 from vocabspec.engine.model import ModelArgs, Transformer  # noqa: E402
 from vocabspec.speculation.families.pld import PromptLookupProposer  # noqa: E402
 from vocabspec.engine.prompts import encode_conversation  # noqa: E402
-from vocabspec.decoding.static_step import capture_graph, count_read_backs  # noqa: E402
+from vocabspec.decoding.graph_step import capture_graph, count_read_backs  # noqa: E402
 from vocabspec.speculation.vocab.token_map import load_token_map  # noqa: E402
 from vocabspec.engine.tokenizer import load_tokenizer  # noqa: E402
 
@@ -102,15 +102,15 @@ def methods(model, tuned: tuple[int, int] | None = None) -> dict:
 
 
 def tune(model, tokenizer) -> dict:
-    """The static-step tuner's choice for EAGLE-2 FR 32k on this device and dtype, measured
+    """The graph-step tuner's choice for EAGLE-2 FR 32k on this device and dtype, measured
     afresh this run (its own key), with its table."""
     drafter, _, fr = drafter_and_heads(model)
-    return autotune.static_tree_choice(model, drafter, fr, tokenizer, depth=6, top_k=8,
+    return autotune.graph_tree_choice(model, drafter, fr, tokenizer, depth=6, top_k=8,
                                        key=f"gpu_check {RUN}|fr:32k|{model.weights}")
 
 
 def warm(engines: dict, ids: list[list[int]], config: GenerationConfig) -> None:
-    """Each engine run on the shortest, a middle and the longest prompt with `config`: the static
+    """Each engine run on the shortest, a middle and the longest prompt with `config`: the graph
     decoders (one per cache size) those prompts need are made, their graphs captured and their
     kernels compiled before anything is timed."""
     by_length = sorted(ids, key=len)
@@ -132,10 +132,10 @@ def graph_rows(engines: dict, rows: dict) -> None:
 
 
 def make_engines(model, tokenizer, graphs: bool, warmup_ids: list[int], only=None, tuned=None) -> dict:
-    """Static-step engines per method (with the tuner's tree too where `tuned` names one), their
+    """Graph-step engines per method (with the tuner's tree too where `tuned` names one), their
     decoders made (and graphs captured) on `warmup_ids` while CUDA graphs are on or off as asked."""
     os.environ["VOCABSPEC_CUDA_GRAPHS"] = "1" if graphs else "0"
-    engines = {name: Engine(model, tokenizer, proposer, allow_inexact=True, static=True)
+    engines = {name: Engine(model, tokenizer, proposer, allow_inexact=True, graphs=True)
                for name, proposer in methods(model, tuned).items() if only is None or name in only}
     for engine in engines.values():                      # warm-up: decoders, graphs
         engine.generate(warmup_ids, GenerationConfig(max_new_tokens=8))
@@ -211,14 +211,14 @@ def check_kernels(path: Path, prompts: list[str], weights: str, new_tokens: int,
     proposers = {"plain": None, "pld": PromptLookupProposer(device=model.device),
                  "eagle2+fr:32k 4x16": EagleProposer(drafter, head=fr, depth=4, top_k=8, total_tokens=16),
                  "eagle2+fr:32k+pld 4x16": EagleLookupProposer(drafter, head=fr, depth=4, top_k=8, total_tokens=16)}
-    engines = {name: Engine(model, tokenizer, proposer, static=False) for name, proposer in proposers.items()}
+    engines = {name: Engine(model, tokenizer, proposer, graphs=False) for name, proposer in proposers.items()}
     for engine in engines.values():                                  # warm-up: compiles the kernels
         engine.generate(ids[0], GenerationConfig(max_new_tokens=4))
     return timed_rows(engines, ids, GenerationConfig(max_new_tokens=new_tokens), budget_s)
 
 
 def check_exact(path: Path, prompts: list[str], new_tokens: int, budget_s: float) -> dict:
-    """bfloat16 static steps, captured: plain decoding and EAGLE-2 FR 32k at the tuner's tree on
+    """bfloat16 graph steps, captured: plain decoding and EAGLE-2 FR 32k at the tuner's tree on
     the row-invariant kernels (mismatches against the first: exact means 0), and plain decoding
     on torch's kernels (its mismatches: where torch's rounding leads elsewhere)."""
     exact, _ = load_model(str(path), weights="bf16", device=DEVICE, backend="triton")
@@ -232,9 +232,9 @@ def check_exact(path: Path, prompts: list[str], new_tokens: int, budget_s: float
     depth, total = chosen["depth"], chosen["total_tokens"]
     tuned = EagleProposer(drafter, head=fr, depth=depth, top_k=8, total_tokens=total)
     label = "tuned" if record["total_tokens"] else "the tuner's best, slower than plain there"
-    engines = {"exact plain": Engine(exact, tokenizer, None, static=True),
-               f"exact eagle2+fr:32k {depth}x{total} ({label})": Engine(exact, tokenizer, tuned, static=True),
-               "torch plain": Engine(fast, tokenizer, None, static=True, allow_inexact=True)}
+    engines = {"exact plain": Engine(exact, tokenizer, None, graphs=True),
+               f"exact eagle2+fr:32k {depth}x{total} ({label})": Engine(exact, tokenizer, tuned, graphs=True),
+               "torch plain": Engine(fast, tokenizer, None, graphs=True, allow_inexact=True)}
     config = GenerationConfig(max_new_tokens=new_tokens)
     warm(engines, ids, config)
     rows = timed_rows(engines, ids, config, budget_s)
@@ -425,7 +425,7 @@ def read_backs(path: Path, prompt: str) -> dict:
     ids = encode_conversation(tokenizer, [("user", prompt)], answer_open=True)
     out = {}
     for name, proposer in methods(model).items():
-        engine = Engine(model, tokenizer, proposer, static=True, allow_inexact=True)
+        engine = Engine(model, tokenizer, proposer, graphs=True, allow_inexact=True)
         config = GenerationConfig(max_new_tokens=32, stop_on_eos=False)
         engine.generate(ids, config)
         with count_read_backs() as counts:
@@ -459,7 +459,7 @@ def drafting_cost(layers: int, steps: int = 20) -> dict:
 
     for name, head in heads.items():
         proposer = EagleProposer(drafter, head=head, depth=5, top_k=8, total_tokens=48)
-        form = proposer.static_form(512)
+        form = proposer.graph_form(512)
         with torch.inference_mode():
             cache = DeviceKVCache(args.n_layers, args.n_kv_heads, args.head_dim, 512, model.dtype, model.device)
             hidden, _ = model.tree_forward(torch.arange(100, device=DEVICE), torch.arange(100, device=DEVICE), cache)
@@ -481,7 +481,7 @@ SECTIONS = ("read_backs", "f32", "drafting", "bf16", "profile", "triton_f32", "t
 def report(run: dict, prompts: int, new_tokens: int) -> str:
     lines = [f"# GPU check: {run['device']}, torch {run['torch']}, {run['date']}", "",
              f"SmolLM2-135M-Instruct, up to {prompts} Spec-Bench prompts (column 'prompts': how many ran in the time given), {new_tokens} new tokens, greedy, "
-             "static steps (one read-back each) replayed as CUDA graphs unless marked eager; "
+             "graph steps (one read-back each) replayed as CUDA graphs unless marked eager; "
              "mismatches against plain decoding in the same dtype.", "",
              "| dtype | method | prompts | tok/s | speedup | tau | mismatches | graphs | capture failures |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -505,7 +505,7 @@ def report(run: dict, prompts: int, new_tokens: int) -> str:
             lines += [f"| {name} | {row['prompts']} | {row['tokens_per_s']} | {row['speedup']}x | {row['tau']} | "
                       f"{row['mismatches'] if name != 'plain' else '-'} |" for name, row in run[section].items()]
     if "exact_bf16" in run:
-        lines += ["", "Exact and fast, bfloat16, static steps captured as CUDA graphs: the row-invariant kernels "
+        lines += ["", "Exact and fast, bfloat16, graph steps captured as CUDA graphs: the row-invariant kernels "
                   "(exact: mismatches against their plain decoding must be 0) and torch's kernels (their "
                   f"mismatches: where torch's rounding leads elsewhere); tuner: {json.dumps(run['exact_bf16'].get('tuner'))}", "",
                   "| method | prompts | tok/s | speedup | tau | mismatches | graphs | capture failures |",
@@ -541,11 +541,11 @@ def report(run: dict, prompts: int, new_tokens: int) -> str:
 
 
 def tuner_lines(weights: str, tuner: dict) -> list[str]:
-    """The static-step tuner's table as markdown: step ms (tau) by depth and tree size."""
+    """The graph-step tuner's table as markdown: step ms (tau) by depth and tree size."""
     keys = [k.split("/") for k in tuner["step_ms"]]
     depths = sorted({int(d) for d, _ in keys})
     sizes = sorted({int(m) for _, m in keys})
-    lines = [f"Static-step tuner, {weights}, EAGLE-2 FR 32k, top_k 8 (its own calibration prompts): "
+    lines = [f"Graph-step tuner, {weights}, EAGLE-2 FR 32k, top_k 8 (its own calibration prompts): "
              f"chose {tuner['chosen']}, measured {tuner['measured_speedup']}x plain decoding; plain "
              f"step {tuner['plain_step_ms']} ms, loop {tuner['loop_ms']} ms a step. Step ms (tau):", "",
              "| depth | " + " | ".join(str(m) for m in sizes) + " |",

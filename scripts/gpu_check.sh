@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check in one command (under 8 minutes on one H100/H200 with its default sections):
 # exactness in float32 and bfloat16, read-backs a step, speed of plain decoding and the main
-# methods (EAGLE-2 also at the static-step tuner's tree, with its table), drafting cost on a
+# methods (EAGLE-2 also at the graph-step tuner's tree, with its table), drafting cost on a
 # Llama-3-8B-shaped model, a profile of one step, the row-invariant Triton kernels (--backend
-# triton: exact without --allow-inexact, in float32 and bfloat16), their captured static steps
+# triton: exact without --allow-inexact, in float32 and bfloat16), their captured graph steps
 # against torch's in bfloat16, and the linear kernels' microbenchmark and row-invariance
 # decision; report.md, run.json and the traces go to OUT.
 #   bash scripts/gpu_check.sh OUT SMOLLM2_GGUF [PROMPTS_JSON] [gpu_check.py options...]

@@ -33,7 +33,7 @@ torch.set_num_threads(int(os.environ.get("VOCABSPEC_TEST_THREADS",
 
 # The files whose tests take longest, started first so that pytest-xdist's workers (whole files
 # each) end together instead of one finishing a long file alone.
-LONGEST_FILES = ("test_lossless.py", "test_bf16.py", "test_sampling.py", "test_native.py", "test_static_step.py",
+LONGEST_FILES = ("test_lossless.py", "test_bf16.py", "test_sampling.py", "test_native.py", "test_graph_step.py",
                  "test_cli.py", "test_kernels.py", "test_scripts.py", "test_batch.py")
 
 

@@ -137,17 +137,17 @@ def test_timing_every_size_leaves_the_proposals_unchanged():
     assert set(timer.draft_seconds()) == {1, 2, 5, 12}
 
 
-# ---------------------------------------------------------------- static steps (a GPU's path), on the CPU
+# ---------------------------------------------------------------- graph steps (a GPU's path), on the CPU
 
 @pytest.fixture(scope="module")
 def torch_smollm2():
     from conftest import loaded
 
-    return loaded("smollm2", "f32", "torch")      # torch's kernels: inexact, static steps run
+    return loaded("smollm2", "f32", "torch")      # torch's kernels: inexact, graph steps run
 
 
-def test_static_tree_of_m_nodes_accepts_what_the_largest_trees_ranks_say(torch_smollm2):
-    """A static tree of m nodes is the drafted nodes of value rank < m: on the same prompt the
+def test_graph_tree_of_m_nodes_accepts_what_the_largest_trees_ranks_say(torch_smollm2):
+    """A graph tree of m nodes is the drafted nodes of value rank < m: on the same prompt the
     first step at each size accepts exactly what the largest tree's accepted ranks predict. And
     timing a step in place leaves the decoder, its caches and the drafter as they were."""
     from vocabspec.tuning.autotune import step_seconds
@@ -162,7 +162,7 @@ def test_static_tree_of_m_nodes_accepts_what_the_largest_trees_ranks_say(torch_s
     drafter = EagleDrafter.load(bundled_drafter_dir("smollm2"), model)
     config = GenerationConfig(max_new_tokens=4, stop_on_eos=False)
     engines = {m: Engine(model, None, EagleProposer(drafter, depth=3, top_k=4, total_tokens=m),
-                         allow_inexact=True, static=True) for m in sizes}
+                         allow_inexact=True, graphs=True) for m in sizes}
     gained = 0
     for _, text in spec_bench_prompts()[::4]:
         ids = torch_smollm2.prompt_ids(text[:400])
@@ -188,24 +188,24 @@ def test_static_tree_of_m_nodes_accepts_what_the_largest_trees_ranks_say(torch_s
     assert all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and before[1:] == after[1:]
 
 
-def test_static_tree_choice_is_measured_on_static_steps_and_cached(torch_smollm2, tmp_path, monkeypatch):
+def test_graph_tree_choice_is_measured_on_graph_steps_and_cached(torch_smollm2, tmp_path, monkeypatch):
     import json
 
     import vocabspec.tuning.autotune as autotune
-    from vocabspec.tuning.autotune import choose_static_tree, pick
+    from vocabspec.tuning.autotune import choose_graph_tree, pick
     from vocabspec.speculation.vocab.heads import StaticSubset
     from vocabspec.speculation.families.eagle import EagleDrafter
     from vocabspec.speculation.config import bundled_drafter_dir
 
     monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(autotune, "STATIC_SIZES", (2, 4))          # a quick calibration
+    monkeypatch.setattr(autotune, "GRAPH_SIZES", (2, 4))          # a quick calibration
     monkeypatch.setattr(autotune, "STEP_REPEATS", 2)
     monkeypatch.setattr(autotune, "CALIBRATION_NEW_TOKENS", 8)
     monkeypatch.setattr(autotune, "CALIBRATION_QUESTIONS", autotune.CALIBRATION_QUESTIONS[:2])
     model = torch_smollm2.model
     drafter = EagleDrafter.load(bundled_drafter_dir("smollm2"), model)
     head = StaticSubset(model.head_weight, torch.arange(8000), name="fr")
-    depth, total = choose_static_tree(model, drafter, head, torch_smollm2.tokenizer, depth=2, top_k=4,
+    depth, total = choose_graph_tree(model, drafter, head, torch_smollm2.tokenizer, depth=2, top_k=4,
                                       key="test|static")
     known = json.loads((tmp_path / "autotune.json").read_text())
     (key, entry), = known.items()
@@ -219,13 +219,13 @@ def test_static_tree_choice_is_measured_on_static_steps_and_cached(torch_smollm2
     want = (best["depth"], best["total_tokens"]) if entry["measured_speedup"] >= 1 else (0, 0)
     assert entry["measured_speedup"] > 0 and (depth, total) == want
     (tmp_path / "autotune.json").write_text(json.dumps({key: {**entry, "total_tokens": 7}}))
-    assert choose_static_tree(model, drafter, head, torch_smollm2.tokenizer, depth=2, top_k=4,
+    assert choose_graph_tree(model, drafter, head, torch_smollm2.tokenizer, depth=2, top_k=4,
                               key="test|static")[1] == 7
 
 
-def test_inexact_engines_tune_and_static_ones_tune_by_static_steps(torch_smollm2, tmp_path, monkeypatch):
+def test_inexact_engines_tune_and_graph_ones_tune_by_graph_steps(torch_smollm2, tmp_path, monkeypatch):
     """On torch's kernels (inexact, allowed by the caller) the tuner's own engines run too; and
-    where an Engine would run static steps (CUDA), EAGLE's tree is chosen by the static tuner."""
+    where an Engine would run graph steps (CUDA), EAGLE's tree is chosen by the graph tuner."""
     import vocabspec.tuning.autotune as autotune
     import vocabspec.decoding.generate as generate
     from vocabspec.speculation.vocab.heads import FullVocab
@@ -249,8 +249,8 @@ def test_inexact_engines_tune_and_static_ones_tune_by_static_steps(torch_smollm2
         calls.append((depth, top_k))
         return 2, 5
 
-    monkeypatch.setattr(autotune, "choose_static_tree", static_tuner)
-    monkeypatch.setattr(generate, "static_by_default", lambda model: True)
+    monkeypatch.setattr(autotune, "choose_graph_tree", static_tuner)
+    monkeypatch.setattr(generate, "graphs_by_default", lambda model: True)
     proposer = make_proposer(model, DraftConfig(method="eagle", vocab="full", depth=3, top_k=4),
                              "smollm2", torch_smollm2.tokenizer)
     assert calls == [(3, 4)] and (proposer.depth, proposer.total_tokens) == (2, 5)

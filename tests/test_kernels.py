@@ -182,11 +182,11 @@ def test_fusion_launches_fewer_kernels_a_layer():
     assert counts["gemma3", True] == {"triton": 8, "torch": 2}
 
 
-def test_static_steps_on_the_kernels_are_plain_decoding():
-    """Static steps (static_step.py, a device cache: CUDA graphs on a GPU, eager here) on the
+def test_graph_steps_on_the_kernels_are_plain_decoding():
+    """Graph steps (graph_step.py, a device cache: CUDA graphs on a GPU, eager here) on the
     kernels: a tree forward over the device cache gives each row the bits of its path's one-token
     forwards, the head's argmax taken in its kernel is the logits' argmax, and greedy EAGLE-2's
-    static steps (rotary and the cache write in QKV's kernel, the argmax in the head's) emit the
+    graph steps (rotary and the cache write in QKV's kernel, the argmax in the head's) emit the
     tokens of the general loop and of plain decoding, with no --allow-inexact."""
     from test_native import assert_trees_match_one_token_forwards
 
@@ -204,18 +204,18 @@ def test_static_steps_on_the_kernels_are_plain_decoding():
     hidden = torch.randn(3, args.dim, generator=torch.Generator().manual_seed(1)).to(DEVICE, model.dtype)
     assert torch.equal(model.greedy_tokens(hidden), model.lm_head(hidden).argmax(-1))   # the steps' head
     config = GenerationConfig(max_new_tokens=6)
-    plain = Engine(model, static=False).generate(context, config).tokens
+    plain = Engine(model, graphs=False).generate(context, config).tokens
     assert len(set(plain)) > 2                   # the answer is no repeated token
     proposer = EagleProposer(EagleDrafter.random(model, seed=1), depth=2, top_k=2, total_tokens=4)
-    loop = Engine(model, proposer=proposer, static=False).generate(context, config).tokens
-    engine = Engine(model, proposer=proposer, static=True)
+    loop = Engine(model, proposer=proposer, graphs=False).generate(context, config).tokens
+    engine = Engine(model, proposer=proposer, graphs=True)
     static = engine.generate(context, config).tokens
-    assert engine.static and engine.model.decoders
+    assert engine.graphs and engine.model.decoders
     assert static == loop == plain
 
 
-def test_static_steps_on_the_kernels_keep_accepted_drafts():
-    """Prompt lookup's static steps on the kernels where its drafts are accepted (a one-layer
+def test_graph_steps_on_the_kernels_keep_accepted_drafts():
+    """Prompt lookup's graph steps on the kernels where its drafts are accepted (a one-layer
     Gemma with a sliding window of 6 whose answer repeats a token): the accepted path is moved
     in the device cache and the answer is still plain decoding's, in fewer steps."""
     from conftest import tiny_module
@@ -226,8 +226,8 @@ def test_static_steps_on_the_kernels_keep_accepted_drafts():
     model = KernelBackend(tiny_module("gemma3", seed=2, n_layers=1).to(DEVICE))
     context = torch.randint(0, 90, (10,), generator=torch.Generator().manual_seed(0)).tolist()
     config = GenerationConfig(max_new_tokens=7)
-    plain = Engine(model, static=False).generate(context, config)
-    static = Engine(model, proposer=PromptLookupProposer(num_draft=3), static=True).generate(context, config)
+    plain = Engine(model, graphs=False).generate(context, config)
+    static = Engine(model, proposer=PromptLookupProposer(num_draft=3), graphs=True).generate(context, config)
     assert static.tokens == plain.tokens
     assert len(static.steps) < len(plain.steps)
 
@@ -332,10 +332,10 @@ def test_linear_argmax_is_torch_argmax_of_the_linear_ties_included(dtype):
     assert torch.equal(kernels.linear_argmax(x, weight, use_dot=True), dot)
 
 
-def test_the_static_tuner_times_the_static_steps_on_the_kernels(monkeypatch):
-    """Where the model runs on the kernels (--backend triton) the static tuner
-    (autotune.calibrate_static, what choose_static_tree picks from) times the steps a GPU would
-    replay: static steps on the kernels over a device cache (model.DeviceKernelPlan), trees and
+def test_the_graph_tuner_times_the_graph_steps_on_the_kernels(monkeypatch):
+    """Where the model runs on the kernels (--backend triton) the graph tuner
+    (autotune.calibrate_graph, what choose_graph_tree picks from) times the steps a GPU would
+    replay: graph steps on the kernels over a device cache (model.DeviceKernelPlan), trees and
     plain decoding alike, never torch's attention."""
     import vocabspec.engine.model as model_module
     import vocabspec.tuning.autotune as autotune
@@ -357,7 +357,7 @@ def test_the_static_tuner_times_the_static_steps_on_the_kernels(monkeypatch):
         return seconds
     monkeypatch.setattr(autotune, "step_seconds", counted)
     context = torch.randint(0, 90, (8,), generator=torch.Generator().manual_seed(0)).tolist()
-    table = autotune.calibrate_static(model, EagleDrafter.random(model, seed=1), None, [context], depth=1,
+    table = autotune.calibrate_graph(model, EagleDrafter.random(model, seed=1), None, [context], depth=1,
                                       top_k=2, sizes=(2,), new_tokens=2)
     assert set(table["table"]) == {"1/2"} and table["plain_step_s"] > 0
     # Two runs each (a warm-up, one timed), each a layer's 5 kernels and the head's 2 at least.

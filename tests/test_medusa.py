@@ -1,6 +1,6 @@
 """Medusa: the shipped heads draft the published tree and greedy output stays plain decoding's,
-with every draft head (full, FR-Spec, VocabTrim, SpecVocab) (the static loop's Medusa is in
-test_static_step.py); the tree is built as the choices say; bad checkpoints and trees are
+with every draft head (full, FR-Spec, VocabTrim, SpecVocab) (graph steps' Medusa is in
+test_graph_step.py); the tree is built as the choices say; bad checkpoints and trees are
 refused by name. Sampling is checked in test_sampling.py."""
 
 import pytest

@@ -15,8 +15,8 @@ over a slot table (torch_backend.py).
 
 A single request (`Engine.stream`, `Engine.generate`) is a batch of one: an `Engine` is a
 one-slot `BatchEngine` stepped on the caller's thread, drafting at every step its proposer can.
-On CUDA that request's greedy steps run as static steps captured as CUDA graphs: its backend is
-then a `StaticBackend` (static_step.py).
+On CUDA that request's greedy steps run as graph steps captured as CUDA graphs: its backend is
+then a `GraphBackend` (graph_step.py).
 
 The steps run on one thread: the engine's own (`thread=True`), or the caller's, through `run`
 (`thread=False`). The second is the fast one on a CPU: OpenMP (libgomp) throttles a parallel
@@ -64,7 +64,7 @@ from ..engine.backend import Backend
 from ..engine.step_rows import StepRows
 from ..engine.tokenizer import Tokenizer
 from .cost_curve import Costs
-from .generate import Generation, GenerationConfig, GenerationResult, Target, require_exact, static_by_default
+from .generate import Generation, GenerationConfig, GenerationResult, Target, require_exact, graphs_by_default
 from ..speculation.proposer import Proposer
 
 
@@ -163,7 +163,7 @@ GAIN_WEIGHT = 0.1         # the running means' weight of the latest drafted step
 
 class Slot:
     """A place for one request: its KV cache of `window` tokens (made when first used where not
-    given: a request on static steps uses its decoder's instead), the proposer built for it, and
+    given: a request on graph steps uses its decoder's instead), the proposer built for it, and
     the running means the cost rule reads."""
 
     def __init__(self, model: Backend, window: int, proposer, cache=None):
@@ -569,23 +569,23 @@ class Engine(BatchEngine):
     the user chose: the cost rule weighs trees against other requests' rows, and there are
     none). Its cache is made when first needed (a cache of the whole context window is the
     largest allocation a request makes: 1 GB for an 8B model at 8k tokens in bfloat16). Greedy
-    steps run as static steps captured as CUDA graphs (`static`; None: on CUDA, for proposers
-    that can: prompt lookup, Medusa, EAGLE without SpecVocab; static_step.py)."""
+    steps run as graph steps captured as CUDA graphs (`graphs`; None: on CUDA, for proposers
+    that can: prompt lookup, Medusa, EAGLE without SpecVocab; graph_step.py)."""
 
     def __init__(self, model: Backend, tokenizer: Tokenizer | None = None, proposer: Proposer | None = None,
-                 allow_inexact: bool = False, static: bool | None = None):
-        if static is None:
-            static = static_by_default(model) and (proposer is None or proposer.static)
-        self.loaded = model         # the backend as loaded (static steps wrap it)
-        if static:
-            from .static_step import StaticBackend
+                 allow_inexact: bool = False, graphs: bool | None = None):
+        if graphs is None:
+            graphs = graphs_by_default(model) and (proposer is None or proposer.graphs)
+        self.loaded = model         # the backend as loaded (graph steps wrap it)
+        if graphs:
+            from .graph_step import GraphBackend
 
-            model = StaticBackend(model, proposer)
+            model = GraphBackend(model, proposer)
         # Rows capped at the window (no tree outgrows it: `Generation.can_draft`), not by cost.
         limits = BatchLimits(max_batch=1, max_waiting=1, window=model.args.max_seq_len,
                              tree_rows=model.args.max_seq_len, batched=False)
         super().__init__(model, tokenizer, lambda: proposer, limits, allow_inexact, thread=False, allocate=False)
-        self.static = static
+        self.graphs = graphs
 
     @property
     def proposer(self) -> Proposer | None:

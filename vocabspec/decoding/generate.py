@@ -82,7 +82,7 @@ class StepRecord:
     verify_seconds: float    # the target's forward over the tree, verification and the commit
     path_ranks: tuple[int, ...] = ()   # value ranks of the accepted drafts (see Tree.ranks)
     forward_seconds: float = 0.0       # of verify_seconds, the target's forward alone (a batch's
-                                       # shared forward, whole; 0 for a static step's one launch)
+                                       # shared forward, whole; 0 for a graph step's one launch)
     deepest_row: int = 0               # the accepted path's last tree row (past the LM head's
                                        # first pass: verification scored more rows in a second)
 
@@ -190,8 +190,8 @@ def require_exact(model: Backend, allow_inexact: bool = False) -> None:
         "(allow_inexact=True) to accept that")
 
 
-def static_by_default(model: Backend) -> bool:
-    """Whether an Engine runs greedy steps as static, capturable steps unless told: on CUDA,
+def graphs_by_default(model: Backend) -> bool:
+    """Whether an Engine runs greedy steps as graph steps (fixed shapes, capturable) unless told: on CUDA,
     where CUDA graphs pay (on torch's kernels and on the row-invariant ones alike); on the CPU
     the eager steps score fewer rows."""
     return model.device.type == "cuda"

@@ -7,7 +7,7 @@ A `Backend` is chosen when the model loads (loading.load_model) and never asked 
 - `TorchBackend` (torch_backend.py): the flag-free reference `Transformer` on torch's kernels,
   any device; `KernelBackend` the same weights on the row-invariant Triton kernels (exact on a
   GPU); either over slot caches when a batch runs its requests as rows of one forward;
-- `StaticBackend` (decoding/static_step.py): greedy steps captured as CUDA graphs.
+- `GraphBackend` (decoding/graph_step.py): greedy steps captured as CUDA graphs.
 
 Each takes a step's rows (`StepRows`) through `forward`, fills in greedy verdicts with
 `verify_greedy`, and offers what drafters and verification read: the embedding, the LM head,
@@ -61,7 +61,7 @@ class Backend:
     head_rows = HEAD_ROWS
     packed_head = None
     drafter_format: str | None = None
-    device_steps = False    # whether its forwards run over a device cache (static steps)
+    device_steps = False    # whether its forwards run over a device cache (graph steps)
 
     def __init__(self, args):
         self.args = args
@@ -204,7 +204,7 @@ class Backend:
 
     def prepare(self, generation) -> None:
         """Before a request's prefill: give it the cache and proposer this backend steps it with
-        where they are its own (the static decoder's, for a greedy request); nothing here."""
+        where they are its own (the graph decoder's, for a greedy request); nothing here."""
 
     def describe(self) -> str:
         return f"{self.weights} weights on {self.engine}"

@@ -7,7 +7,7 @@ each residual in the epilogue of the projection before it where no norm comes be
 and the cache write inside the QKV projection, or with query/key norms in one kernel after it)
 or not (one kernel per operation, for timing the fusions). What each row attends to is a
 `Visibility`: the keys it sees as slot lists in position order (`KernelPlan` over a KVCache,
-`DeviceKernelPlan` over a static step's device cache, `SlotRows` over a batch's slot table),
+`DeviceKernelPlan` over a graph step's device cache, `SlotRows` over a batch's slot table),
 so that a tree's row and its path's one-token row reduce over the same keys in the same order.
 Greedy verification takes each row's argmax inside the LM head's kernel (`linear_argmax`).
 """
@@ -67,7 +67,7 @@ class KernelPlan(LayerPlan):
 
 
 class DeviceKernelPlan(LayerPlan):
-    """KernelPlan over a DeviceKVCache, built on the device with fixed shapes (a static step's):
+    """KernelPlan over a DeviceKVCache, built on the device with fixed shapes (a graph step's):
     row r sees the committed slots [0, length), then the pending and new slots it sees, listed
     in slot order (position order: a tree's ancestors precede it) in its row of a (n, pending +
     n) table. A tree's row and its path's one-token row see the same keys in the same order, as

@@ -35,7 +35,7 @@ that keeps each row's argmax, not its logits (greedy steps need no more). launch
 what a layer launches.
 
 No kernel is compiled per row count (M is never specialized on), so a CUDA graph per tree size
-replays kernels compiled once (static_step.py). They run on a GPU, and on a CPU under Triton's
+replays kernels compiled once (graph_step.py). They run on a GPU, and on a CPU under Triton's
 interpreter (TRITON_INTERPRET=1, set before triton is imported), where the tests check them on
 tiny shapes.
 """

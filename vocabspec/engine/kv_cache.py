@@ -16,7 +16,7 @@ slots are rounded up to whole blocks.
 device-computed slots (`index_copy_`), attention reads every slot under a mask built on the
 device, and keeping a path copies a fixed number of slots. A step over it has the same shapes
 every time and never asks the device for a value: what a CUDA graph can capture (gpt-fast's
-static cache, with EAGLE's tree on top).
+graph cache, with EAGLE's tree on top).
 """
 
 from __future__ import annotations

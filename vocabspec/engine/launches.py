@@ -18,7 +18,7 @@ torch's operations:
       cache write in one kernel after QKV's              8 +  2 = 10
       (its post-norms keep two residual adds apart)
 
-A whole greedy static step (static_step.py) on a one-layer tiny Llama, plain decoding: 6 + 62
+A whole greedy graph step (graph_step.py) on a one-layer tiny Llama, plain decoding: 6 + 62
 before rotary and the cache write joined QKV's kernel and the argmax the head's, 7 + 54 after
 (the head: its kernel, torch's float and argmax before; its kernel and the tiles' reduction
 after, no logits stored). Each further layer: 12 before, 5 after.

@@ -43,7 +43,7 @@ class RowSpan:
     # and the target's token after them.
     path: list[int] | None = None
     next_token: int = -1
-    # Set by a backend whose forward ran the whole step on the device (the static decoder):
+    # Set by a backend whose forward ran the whole step on the device (the graph decoder):
     # the accepted tokens, their value ranks and the drafts verified, the cache committed and
     # the proposer told already.
     settled: tuple | None = None

@@ -74,7 +74,7 @@ class TorchBackend(Backend):
 
     def tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, tree_mask=None,
                      taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One sequence's rows after `cache` (a KVCache, or a static step's DeviceKVCache):
+        """One sequence's rows after `cache` (a KVCache, or a graph step's DeviceKVCache):
         causal, or as `tree_mask` (n, pending + n) shows them; (hidden states, tapped outputs
         or None)."""
         hidden, _, *tapped = self.module(tokens, positions, cache, tree_mask=tree_mask, logits_rows=[], taps=taps)

@@ -1,5 +1,5 @@
-"""What the loop asks of a proposer (`Proposer`), and of its drafting in static steps
-(`StaticDrafting`): the core's one interface between the decoding loop and every drafting
+"""What the loop asks of a proposer (`Proposer`), and of its drafting in graph steps
+(`GraphDrafting`): the core's one interface between the decoding loop and every drafting
 family. A proposer turns the committed context into a `Tree` and hears back which tokens were
 accepted; the loop never asks which family it is."""
 
@@ -12,7 +12,7 @@ from ..engine.backend import PREFILL_CHUNK  # noqa: F401  (the proposers' reads 
 
 
 class Proposer:
-    """What the engine, the batch, static steps and the benchmark ask of a proposer; every
+    """What the engine, the batch, graph steps and the benchmark ask of a proposer; every
     proposer derives from it. A proposer implements `reset`, `propose` and `observe`; the rest
     have defaults that mean "not this proposer's concern".
 
@@ -24,7 +24,7 @@ class Proposer:
     max_tree_tokens: int
     taps: tuple[int, ...] = ()
     timing_sync: bool = False   # time each phase after waiting for the device (a breakdown's cost)
-    static: bool = False        # drafts greedy steps of fixed shapes: `static_form` returns its drafting
+    graphs: bool = False        # drafts greedy steps of fixed shapes: `graph_form` returns its drafting
     head = None                 # its draft head (vocab/heads.py), if it drafts through one
     cache = None                # its own KV cache, if it keeps one
     draft_forwards: int | None = None   # drafting passes a step, where not its tree's depth + 1
@@ -36,7 +36,7 @@ class Proposer:
     # Its live tree-size rule (live_tree.LiveSizing), where its trees are sized each step: its
     # depth and tree size are then the largest tree a step drafts. None: every step one tree.
     sizing = None
-    # Whether its drafting runs inside the backend's step (static steps): a proposal is then
+    # Whether its drafting runs inside the backend's step (graph steps): a proposal is then
     # the root alone, with nothing to check on the host.
     drafts_on_device: bool = False
 
@@ -56,13 +56,13 @@ class Proposer:
         step computes no tapped outputs for this proposer and gathers none."""
         return True
 
-    def static_form(self, max_len: int | None) -> "StaticDrafting | None":
-        """Draft for static steps (static_step.py) over a target cache of `max_len` slots: the
+    def graph_form(self, max_len: int | None) -> "GraphDrafting | None":
+        """Draft for graph steps (graph_step.py) over a target cache of `max_len` slots: the
         proposer keeps its state where those steps read it and returns its drafting in their
         form; None: back to the general loop (returns None). The tensors a form's steps read
         are made once for a size: a captured step holds them."""
         if max_len is not None:
-            raise ValueError(f"{type(self).__name__} does not draft in static steps")
+            raise ValueError(f"{type(self).__name__} does not draft in graph steps")
         return None
 
     def live_sizing(self):
@@ -93,9 +93,9 @@ class DraftingFailed(RuntimeError):
     ends with it, and the requests beside it step on."""
 
 
-class StaticDrafting:
-    """A proposer's drafting as static steps run it (static_step.py), returned by
-    `Proposer.static_form`: device work of fixed shapes, with no read-back inside a step."""
+class GraphDrafting:
+    """A proposer's drafting as graph steps run it (graph_step.py), returned by
+    `Proposer.graph_form`: device work of fixed shapes, with no read-back inside a step."""
 
     cache = None                # the drafter's own DeviceKVCache, if it keeps one
 

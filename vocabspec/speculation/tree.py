@@ -3,7 +3,7 @@ tree.
 
 A `Tree` is a handful of tensors on the model's device: tokens, parents and depths, flattened
 with the root (the last sampled token, not yet in the target's cache) at row 0, -1 as its
-parent and every other node's parent at a smaller row. Static steps (static_step.py) build,
+parent and every other node's parent at a smaller row. Graph steps (graph_step.py) build,
 graft and verify it as device work of fixed shapes that a CUDA graph holds; what only the host
 needs, each node's children in row order (sampling verification tries them so) and a node's
 path, is derived from the tensors when asked. A fixed-shape tree may carry rows that hold no
@@ -133,7 +133,7 @@ _PATH_SHAPES: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] 
 def chain(root: int | torch.Tensor, tokens: list[int] | torch.Tensor, count: torch.Tensor | None = None,
           device: torch.device | None = None) -> Tree:
     """A single path after the root (prompt lookup's; no tokens: the root alone, plain
-    decoding's step). For static steps `tokens` is a device tensor (k,) of which the first
+    decoding's step). For graph steps `tokens` is a device tensor (k,) of which the first
     `count` (0-dim) are drafts and the rest padding that verification rejects."""
     if count is None and isinstance(root, int) and isinstance(tokens, list):     # from the host
         device = torch.device("cpu") if device is None else torch.device(device)

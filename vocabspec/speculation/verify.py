@@ -4,7 +4,7 @@ Greedy: follow the tree while a child carries the target's argmax; the bonus tok
 argmax at the last accepted node. The output is the target's own greedy sequence.
 `verify_greedy` does it as device work on fixed shapes (a node is accepted when its token is
 its parent's argmax and its parent is accepted), the one torch verifier of the eager loop and
-of the captured static steps alike; the native engine has its own one-call verifier.
+of the captured graph steps alike; the native engine has its own one-call verifier.
 
 Sampling: the drafts are deterministic (top-k of the drafter), so at each node the children
 are tried in draft order; child x is accepted with probability p(x) under the processed

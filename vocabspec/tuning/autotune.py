@@ -29,11 +29,11 @@ processes kept busy meanwhile, where that was more than a quiet machine's, besid
 (autotune-busy.json): such an entry is timed again by the first call that finds the machine
 quiet (machine_load.py). The tree chosen is the live rule's prior (live_tree.py), not a verdict.
 
-Where greedy decoding runs as static steps (on CUDA: static_step.py, captured as CUDA graphs),
-a step's cost is one replayed graph, not a forward plus drafting timed apart, and static trees
-keep every level's top_k rows. `choose_static_tree` times that very step at each (depth, size)
+Where greedy decoding runs as graph steps (on CUDA: graph_step.py, captured as CUDA graphs),
+a step's cost is one replayed graph, not a forward plus drafting timed apart, and graph trees
+keep every level's top_k rows. `choose_graph_tree` times that very step at each (depth, size)
 in place (rewound after each run, so that one decoder serves every size) beside plain
-decoding's step on the same decoder, and takes tau from the static steps' own ranks. On an
+decoding's step on the same decoder, and takes tau from the graph steps' own ranks. On an
 H100 in float32 a prompt-lookup step of 11 rows replayed in 1.5x plain decoding's 2.36 ms, in
 bfloat16 1.15x (docs/bench/gpu): the size that pays depends on the dtype as much as the device.
 """
@@ -188,13 +188,13 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
             "measured_speedup": round(ratio, 3), "table": table}
 
 
-def confirm(model, tokenizer, proposer, prompts, rounds: int = CONFIRM_ROUNDS, static: bool | None = None) -> float:
+def confirm(model, tokenizer, proposer, prompts, rounds: int = CONFIRM_ROUNDS, graphs: bool | None = None) -> float:
     """The chosen tree's speed over plain decoding's, from real generations side by side. The
     prediction leaves out what a step costs besides the forward and the drafting (the head's
     later rows, bookkeeping): on a CPU where plain decoding is fast, a tree predicted 1.13x
     faster decoded at 0.81x (SmolLM2, 8-bit activations, 2026-11-26). Several rounds: where
     drafting gains 5-10%, one round's median landed either side of 1 on a shared machine."""
-    return measured_speedups(model, tokenizer, {"tree": proposer}, prompts * rounds, static)["tree"]
+    return measured_speedups(model, tokenizer, {"tree": proposer}, prompts * rounds, graphs)["tree"]
 
 
 def _cache_key(model, key: str) -> str:
@@ -353,7 +353,7 @@ MEDUSA_SIZES = (4, 8, 12, 16, 24, 32, 48, 63)
 CHAIN_LENGTHS = (1, 2, 3, 4, 5, 6, 8)
 
 
-def measured_speedups(model, tokenizer, proposers: dict, prompts, static: bool | None = None) -> dict:
+def measured_speedups(model, tokenizer, proposers: dict, prompts, graphs: bool | None = None) -> dict:
     """Each proposer's decoding speed over plain decoding's, from real generations of the
     calibration prompts taken in turn (plain, then each proposer, prompt by prompt), so that
     drift on a shared machine hits all alike: the median over prompts of each prompt's ratio,
@@ -366,8 +366,8 @@ def measured_speedups(model, tokenizer, proposers: dict, prompts, static: bool |
     from ..decoding.batch import Engine
 
     # The tuner only measures: whether inexact drafting may run is the caller's Engine's to say.
-    engines = {"plain": Engine(model, tokenizer, static=static)}
-    engines.update({key: Engine(model, tokenizer, p, allow_inexact=True, static=static)
+    engines = {"plain": Engine(model, tokenizer, graphs=graphs)}
+    engines.update({key: Engine(model, tokenizer, p, allow_inexact=True, graphs=graphs)
                     for key, p in proposers.items()})
     config = GenerationConfig(max_new_tokens=CALIBRATION_NEW_TOKENS)
     ratios = {key: [] for key in proposers}
@@ -466,15 +466,15 @@ def size_choice(model, tokenizer, key: str, sizes, make, log=None) -> dict:
     return chosen
 
 
-# ---------------------------------------------------------------- static steps (a GPU's path)
+# ---------------------------------------------------------------- graph steps (a GPU's path)
 
-STATIC_SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+GRAPH_SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 STEP_REPEATS = 10
 
 
 def step_seconds(decoder, draft: bool, repeats: int | None = None) -> float:
-    """Median seconds of one static step of `decoder` run in place and rewound after each run
-    (static_step.StaticDecoder.rewound): the device's work and the one read-back. The first
+    """Median seconds of one graph step of `decoder` run in place and rewound after each run
+    (graph_step.GraphDecoder.rewound): the device's work and the one read-back. The first
     run, which captures the step's CUDA graph (or warms up), is not counted."""
     times = []
     with torch.inference_mode():          # a step updates inference tensors in place
@@ -487,23 +487,23 @@ def step_seconds(decoder, draft: bool, repeats: int | None = None) -> float:
     return statistics.median(times)
 
 
-def calibrate_static(model, drafter, head, prompts, depth: int, top_k: int, sizes=None,
+def calibrate_graph(model, drafter, head, prompts, depth: int, top_k: int, sizes=None,
                      new_tokens: int | None = None, bar=None) -> dict:
-    """The table `choose_static_tree` picks from: per depth, one static generation of each
+    """The table `choose_graph_tree` picks from: per depth, one graph generation of each
     prompt with the largest tree gives tau at every size (the accepted nodes' ranks), and its
     last decoder times the step at every size and plain decoding's step. `loop_s`: the
     generation loop's own time per step (text, bookkeeping), added to every step alike."""
-    from ..speculation.families.eagle import EagleProposer, static_tree_rows
+    from ..speculation.families.eagle import EagleProposer, graph_tree_rows
     from ..decoding.generate import GenerationConfig
     from ..decoding.batch import Engine
 
-    sizes = sizes or STATIC_SIZES
+    sizes = sizes or GRAPH_SIZES
     config = GenerationConfig(max_new_tokens=new_tokens or CALIBRATION_NEW_TOKENS)
     table, plain, loop = {}, [], []
     for d in calibration_depths(depth):
         proposer = EagleProposer(drafter, head=head, depth=d, top_k=top_k, total_tokens=max(sizes))
-        largest = static_tree_rows(d, top_k, max(sizes)) - 1       # a level drafts top_k rows at most
-        engine = Engine(model, None, proposer, allow_inexact=True, static=True)
+        largest = graph_tree_rows(d, top_k, max(sizes)) - 1       # a level drafts top_k rows at most
+        engine = Engine(model, None, proposer, allow_inexact=True, graphs=True)
         steps, decoder = [], None
         for ids in prompts:
             generation = engine.stream(ids, config)
@@ -530,20 +530,20 @@ def calibrate_static(model, drafter, head, prompts, depth: int, top_k: int, size
             "plain_tokens_per_s": round(1 / (plain_s + loop_s), 2)}
 
 
-def static_tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
+def graph_tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
                        log=None) -> dict:
-    """What `choose_static_tree` chose and measured: depth, total_tokens, measured_speedup and
-    `calibrate_static`'s table (the GPU check prints it)."""
+    """What `choose_graph_tree` chose and measured: depth, total_tokens, measured_speedup and
+    `calibrate_graph`'s table (the GPU check prints it)."""
     def compute():
         from ..speculation.families.eagle import EagleProposer
 
         prompts = _calibration_prompts(tokenizer)
         with tqdm(total=len(calibration_depths(depth)) * len(prompts), desc="autotune", unit="run",
                   disable=log is None, leave=False) as bar:
-            calibration = calibrate_static(model, drafter, head, prompts, depth, top_k, bar=bar)
+            calibration = calibrate_graph(model, drafter, head, prompts, depth, top_k, bar=bar)
         best = pick(calibration["table"])
         ratio = confirm(model, tokenizer, EagleProposer(drafter, head=head, depth=best["depth"], top_k=top_k,
-                                                        total_tokens=best["total_tokens"]), prompts, static=True)
+                                                        total_tokens=best["total_tokens"]), prompts, graphs=True)
         chosen = (best["depth"], best["total_tokens"]) if ratio >= 1.0 else (0, 0)
         return {"depth": chosen[0], "total_tokens": chosen[1], "measured_speedup": round(ratio, 3),
                 **calibration}
@@ -555,10 +555,10 @@ def static_tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, 
     return chosen
 
 
-def choose_static_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
+def choose_graph_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
                        log=None) -> tuple[int, int]:
-    """(depth, total_tokens) for EAGLE-2's static steps on this device (see the module
+    """(depth, total_tokens) for EAGLE-2's graph steps on this device (see the module
     docstring), depth at most the one given; (0, 0) where no tree decodes faster than plain
-    decoding's static steps, measured side by side. Cached like `choose_tree`."""
-    chosen = static_tree_choice(model, drafter, head, tokenizer, depth, top_k, key, log)
+    decoding's graph steps, measured side by side. Cached like `choose_tree`."""
+    chosen = graph_tree_choice(model, drafter, head, tokenizer, depth, top_k, key, log)
     return int(chosen["depth"]), int(chosen["total_tokens"])

@@ -3,10 +3,10 @@
 The family builds its drafter first (its own module's parts), then the tuner sizes its tree
 over them, so a drafter is loaded once whatever is measured: a family that declares `sizes`
 has each measured against plain decoding (autotune.choose_size); EAGLE's tree is sized each
-step by the live rule (live_tree.py) from the tuner's prior, or chosen once where static steps
+step by the live rule (live_tree.py) from the tuner's prior, or chosen once where graph steps
 run, and so are a draft model's chain (the length that paid most when timed its prior) and
 Medusa's tree (the best of its ordered nodes each step; a prefix of that order where static
-steps run). Where no size beats plain decoding (a family's `sizes`, static steps) the
+steps run). Where no size beats plain decoding (a family's `sizes`, graph steps) the
 proposer is None (eagle+pld: prompt lookup alone), and the log says so.
 """
 
@@ -54,21 +54,21 @@ def _need_tokenizer(tokenizer) -> None:
 
 def _tuned_eagle(model, config: DraftConfig, model_name: str, tokenizer, log):
     """EAGLE-2's tree over the config's drafter: sized each step by the live rule, the tuner's
-    choice its prior; where an Engine runs static steps (a GPU), chosen once by their costs."""
-    from ..decoding.generate import static_by_default
-    from ..speculation.families.eagle import drafts_statically
+    choice its prior; where an Engine runs graph steps (a GPU), chosen once by their costs."""
+    from ..decoding.generate import graphs_by_default
+    from ..speculation.families.eagle import drafts_in_graphs
     from ..speculation.families.eagle_family import eagle_parts, tree_proposer
     from ..speculation.families.hybrid import EagleLookupProposer
     from ..speculation.families.pld import PromptLookupProposer
-    from .autotune import choose_static_tree, keep_calibration, tree_choice
+    from .autotune import choose_graph_tree, keep_calibration, tree_choice
 
     parts = eagle_parts(model, config, model_name, log)
     _need_tokenizer(tokenizer)
     kind = EagleLookupProposer if config.method == "eagle+pld" else None
     key = f"{model_name}|{weights_key(parts.path)}|{parts.head.name}|{parts.dtype}"
     depth = config.depth
-    if static_by_default(model) and drafts_statically(parts.head):
-        depth, total = choose_static_tree(model, parts.drafter, parts.head, tokenizer, depth=depth,
+    if graphs_by_default(model) and drafts_in_graphs(parts.head):
+        depth, total = choose_graph_tree(model, parts.drafter, parts.head, tokenizer, depth=depth,
                                           top_k=config.top_k, key=key, log=log)
         if not total:            # measured: no tree beats plain decoding on this device
             if config.method == "eagle+pld":
@@ -91,9 +91,9 @@ def _tuned_eagle(model, config: DraftConfig, model_name: str, tokenizer, log):
 def _tuned_medusa(model, config: DraftConfig, model_name: str, tokenizer, log):
     """Medusa's heads, their tree's nodes in the order verification accepted them: sized each
     step by the live rule (live_tree.py), the prefix that paid most when the machine was timed
-    its prior; where an Engine runs static steps (a GPU), that prefix, or plain decoding where
+    its prior; where an Engine runs graph steps (a GPU), that prefix, or plain decoding where
     none paid."""
-    from ..decoding.generate import static_by_default
+    from ..decoding.generate import graphs_by_default
     from ..speculation.families.medusa import MedusaProposer, medusa_parts
     from .autotune import choose_medusa_tree, forward_curve, keep_calibration
 
@@ -102,7 +102,7 @@ def _tuned_medusa(model, config: DraftConfig, model_name: str, tokenizer, log):
     key = f"{model_name}|medusa|{weights_key(path)}|{head.name}"
     choices, chosen = choose_medusa_tree(model, heads, head, tokenizer, key=key, log=log)
     total = int(chosen["size"])
-    if static_by_default(model):
+    if graphs_by_default(model):
         if not total:
             if log:
                 log("medusa: decoding plainly")

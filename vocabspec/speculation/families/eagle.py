@@ -35,7 +35,7 @@ from ...engine.kv_cache import DeviceKVCache, KVCache
 from ...engine.linear import Linear
 from ...engine.backend import Backend
 from ...engine.model import ARCH_FEATURES, Block, CustomAttention, ModelArgs
-from ..proposer import Proposer, StaticDrafting
+from ..proposer import Proposer, GraphDrafting
 from ..tree import Tree, TreeBuilder, chain, flatten
 
 _HF_NAMES = {  # our Block's parameter names -> EAGLE / Hugging Face names (q, k, v fused here)
@@ -276,7 +276,7 @@ class EagleDrafter(nn.Module):
         self.args = drafter_args(self.target.args, len(self.layers))
 
     def new_cache(self, max_len: int, on_device: bool = False) -> KVCache:
-        """A cache for this drafter; on_device: a DeviceKVCache (kv_cache.py) for static steps."""
+        """A cache for this drafter; on_device: a DeviceKVCache (kv_cache.py) for graph steps."""
         a = self.args
         if on_device:
             return DeviceKVCache(len(self.layers), a.n_kv_heads, a.head_dim, max_len,
@@ -550,8 +550,8 @@ def packed_head_ids(head):
     return head.draft_to_target if isinstance(head, StaticSubset) else None
 
 
-def drafts_statically(head) -> bool:
-    """Whether EAGLE-2 with this draft head can run as static steps (static_step.py): not with
+def drafts_in_graphs(head) -> bool:
+    """Whether EAGLE-2 with this draft head can run as graph steps (graph_step.py): not with
     SpecVocab, whose candidates need the drafted tokens on the host."""
     return not hasattr(head, "candidate_ids")
 
@@ -559,8 +559,8 @@ def drafts_statically(head) -> bool:
 class EagleProposer(HeadTimedDrafting, Proposer):
     """Grows an EAGLE-2 dynamic draft tree from the drafter's view of the accepted context,
     through its backend: the native engine's one-call reads and trees where the drafter and its
-    head run there (`NativeEagleDrafting`), else torch's (`TorchEagleDrafting`); static steps
-    draft through `static_form`'s `EagleStaticDrafting`. Timings (`time_breakdown`): the decoder
+    head run there (`NativeEagleDrafting`), else torch's (`TorchEagleDrafting`); graph steps
+    draft through `graph_form`'s `EagleGraphDrafting`. Timings (`time_breakdown`): the decoder
     layer with fc ("layer"), the head's matmuls, softmax and top-k, ranker (SpecVocab), and tree
     bookkeeping (the rest).
 
@@ -591,8 +591,8 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         self.max_tree_tokens = total_tokens
         self.cache = drafter.new_cache(self.target.args.max_seq_len + depth * top_k + 1)
         self._host_cache = self.cache
-        self._static_forms: dict[int, EagleStaticDrafting] = {}    # by target cache size
-        self._state_buffer = None        # static steps: last_state, updated in place
+        self._graph_forms: dict[int, EagleGraphDrafting] = {}    # by target cache size
+        self._state_buffer = None        # graph steps: last_state, updated in place
         self.taps = drafter.taps        # the engine then passes these layers' outputs too
         self._last_state = None
         self._unread: list[tuple[list[int], torch.Tensor]] = []   # accepted, not yet read
@@ -728,21 +728,21 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         return tree
 
     @property
-    def static(self) -> bool:
-        """Whether its static form can draft without reading the device back."""
-        return drafts_statically(self.head)
+    def graphs(self) -> bool:
+        """Whether its graph form can draft without reading the device back."""
+        return drafts_in_graphs(self.head)
 
-    def static_form(self, max_len: int | None) -> "EagleStaticDrafting | None":
+    def graph_form(self, max_len: int | None) -> "EagleGraphDrafting | None":
         self.read_pending()             # into the cache it was meant for
         if max_len is None:
             self.cache = self._host_cache
             return None
         if self.drafter.runtime.packed:
-            raise ValueError("static steps run on torch's kernels: this drafter drafts natively")
-        if max_len not in self._static_forms:
+            raise ValueError("graph steps run on torch's kernels: this drafter drafts natively")
+        if max_len not in self._graph_forms:
             cache = self.drafter.new_cache(max_len + self.depth * self.top_k + 1, on_device=True)
-            self._static_forms[max_len] = EagleStaticDrafting(self, cache)
-        form = self._static_forms[max_len]
+            self._graph_forms[max_len] = EagleGraphDrafting(self, cache)
+        form = self._graph_forms[max_len]
         self.cache = form.cache
         return form
 
@@ -813,14 +813,14 @@ class NativeEagleDrafting:
         return Tree.from_parents(tokens, parents, ranks, values)
 
 
-def static_tree_rows(depth: int, top_k: int, total_tokens: int) -> int:
-    """Rows of EAGLE-2's static tree, the root included: the kept nodes, at most what `top_k`
+def graph_tree_rows(depth: int, top_k: int, total_tokens: int) -> int:
+    """Rows of EAGLE-2's graph tree, the root included: the kept nodes, at most what `top_k`
     rows a level draft."""
     return min(total_tokens, top_k + depth * top_k * top_k) + 1
 
 
-class EagleStaticDrafting(StaticDrafting):
-    """EAGLE-2 in static steps (static_step.py): the drafter's cache on the device, its reads
+class EagleGraphDrafting(GraphDrafting):
+    """EAGLE-2 in graph steps (graph_step.py): the drafter's cache on the device, its reads
     and its tree as device work of fixed shapes; the proposer's head, drafter and state."""
 
     def __init__(self, proposer: EagleProposer, cache: DeviceKVCache):
@@ -829,7 +829,7 @@ class EagleStaticDrafting(StaticDrafting):
     @property
     def rows(self) -> int:
         p = self.proposer
-        return static_tree_rows(p.depth, p.top_k, p.total_tokens)
+        return graph_tree_rows(p.depth, p.top_k, p.total_tokens)
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.cache.length, self.proposer.last_state]
@@ -848,7 +848,7 @@ class EagleStaticDrafting(StaticDrafting):
         self.cache.settle(length)
 
     def propose(self, root: torch.Tensor) -> Tree:
-        """EAGLE-2's tree with static shapes and no read-back: `top_k` rows a level, no frontier
+        """EAGLE-2's tree with fixed shapes and no read-back: `top_k` rows a level, no frontier
         pruning, the same kept nodes as the proposer's `propose`."""
         p, cache = self.proposer, self.cache
         start = time.perf_counter()

@@ -18,9 +18,9 @@ tree, whose layer and head calls are then wasted time; the first step whose look
 falls short goes back to both. The drafter still reads every accepted token (in one read
 when its tree is next needed), so its state is current then.
 
-As static steps (static_step.py, a GPU's path) the lookup runs on the host between steps, as
-prompt lookup's own static steps do, and its path is grafted onto the drafter's static tree
-on the device (`static_step.graft`): every step verifies the tree's rows plus `num_draft`,
+As graph steps (graph_step.py, a GPU's path) the lookup runs on the host between steps, as
+prompt lookup's own graph steps do, and its path is grafted onto the drafter's graph tree
+on the device (`graph_step.graft`): every step verifies the tree's rows plus `num_draft`,
 the path's own rows invalid where the tree already holds them. Copy mode is a step of the
 path alone, a second captured shape.
 """
@@ -34,7 +34,7 @@ import torch
 from ..config import Family, register
 from .eagle import EagleProposer
 from .eagle_family import EAGLE_OPTIONS, eagle_names, eagle_parts, tree_proposer
-from ..proposer import StaticDrafting
+from ..proposer import GraphDrafting
 from .pld import PromptLookupProposer
 from ..tree import Tree, chain, graft
 
@@ -108,26 +108,26 @@ class EagleLookupProposer(EagleProposer):
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         super().reset(prompt_ids, prompt_hidden, first_token)
         self.lookup.reset(prompt_ids, prompt_hidden, first_token)
-        self._chain = list(self.lookup.drafted)       # staged by a static lookup, else []
+        self._chain = list(self.lookup.drafted)       # staged by a graph step's lookup, else []
         self._copying = False
 
-    def static_form(self, max_len: int | None) -> "HybridStaticDrafting | None":
-        tree_form = super().static_form(max_len)
-        path_form = self.lookup.static_form(max_len)
-        return HybridStaticDrafting(self, tree_form, path_form) if max_len is not None else None
+    def graph_form(self, max_len: int | None) -> "HybridGraphDrafting | None":
+        tree_form = super().graph_form(max_len)
+        path_form = self.lookup.graph_form(max_len)
+        return HybridGraphDrafting(self, tree_form, path_form) if max_len is not None else None
 
     def _count_lookup(self, seconds: float) -> None:
         self.timings["lookup"] = self.timings.get("lookup", 0.0) + seconds
         self.timings["total"] += seconds
 
 
-class HybridStaticDrafting(StaticDrafting):
-    """eagle+pld in static steps: the path alone while copying, else grafted onto the
+class HybridGraphDrafting(GraphDrafting):
+    """eagle+pld in graph steps: the path alone while copying, else grafted onto the
     drafter's tree, as device work (a captured graph replays the branch it was captured in: the
     two have different row counts, so different graphs). `grafted` counts the general loop's
     added nodes only."""
 
-    def __init__(self, proposer: EagleLookupProposer, tree_form: StaticDrafting, path_form: StaticDrafting):
+    def __init__(self, proposer: EagleLookupProposer, tree_form: GraphDrafting, path_form: GraphDrafting):
         self.proposer, self.tree_form, self.path_form = proposer, tree_form, path_form
         self.cache = tree_form.cache
 

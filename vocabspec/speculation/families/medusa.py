@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..config import BUNDLED_DRAFTERS, Family, default_vocab, head_files, register
 from ..vocab.heads import FullVocab, HeadTimedDrafting, float_rows, int8_rows, make_draft_vocab
 from ...engine.linear import Linear
-from ..proposer import Proposer, StaticDrafting
+from ..proposer import Proposer, GraphDrafting
 from ...engine.kv_cache import ancestor_mask
 from ..tree import Tree, chain
 
@@ -230,7 +230,7 @@ class TreeLayout:
 
 
 class MedusaProposer(HeadTimedDrafting, Proposer):
-    """Drafts Medusa's static tree from the target's feature at the last accepted token.
+    """Drafts Medusa's graph tree from the target's feature at the last accepted token.
     Timings: the heads' blocks, the LM head's phases, the tree (the rest)."""
 
     taps: tuple[int, ...] = ()
@@ -249,8 +249,8 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
         self.total_tokens = total
         self.max_tree_tokens = len(choices)
         self.feature = None
-        self._static = False              # drafting for static steps (static_step.py)
-        self._static_form = None
+        self._graphed = False              # drafting for graph steps (graph_step.py)
+        self._graph_form = None
         self._feature_buffer = None
         self._layouts: dict[int, TreeLayout] = {}
         self.device = target.device
@@ -276,8 +276,8 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
         return self._layouts[size]
 
     def live_sizing(self):
-        """As every proposer's, but never for static steps (their tree is the fixed layout)."""
-        return None if self._static else super().live_sizing()
+        """As every proposer's, but never for graph steps (their tree is the fixed layout)."""
+        return None if self._graphed else super().live_sizing()
 
     draft_forwards = 1      # drafting passes per step: the heads run once
 
@@ -307,7 +307,7 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
             self.sizing.start()
         self.head.see_tokens(list(prompt_ids) + [first_token], reset=True)
         self.feature = prompt_hidden[-1:]
-        if self._static:            # a captured step reads this very tensor
+        if self._graphed:            # a captured step reads this very tensor
             if self._feature_buffer is None:
                 self._feature_buffer = torch.empty_like(self.feature)
             self.feature = self._feature_buffer.copy_(self.feature)
@@ -347,24 +347,24 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
         return tree
 
     @property
-    def static(self) -> bool:
-        """Whether its static form drafts without reading the device back (SpecVocab's
+    def graphs(self) -> bool:
+        """Whether its graph form drafts without reading the device back (SpecVocab's
         candidate sets need drafted tokens on the host)."""
         return not hasattr(self.head, "candidate_ids")
 
-    def static_form(self, max_len: int | None) -> "MedusaStaticDrafting | None":
-        self._static = max_len is not None
-        if not self._static:
+    def graph_form(self, max_len: int | None) -> "MedusaGraphDrafting | None":
+        self._graphed = max_len is not None
+        if not self._graphed:
             return None
         self.layout()            # built before the first step, which must be like every other
         self.heads._fused()
-        if self._static_form is None:
-            self._static_form = MedusaStaticDrafting(self)
-        return self._static_form
+        if self._graph_form is None:
+            self._graph_form = MedusaGraphDrafting(self)
+        return self._graph_form
 
 
-class MedusaStaticDrafting(StaticDrafting):
-    """Medusa in static steps (static_step.py): the heads read the feature buffer the step
+class MedusaGraphDrafting(GraphDrafting):
+    """Medusa in graph steps (graph_step.py): the heads read the feature buffer the step
     updates, and the tree is the layout's, as device work."""
 
     def __init__(self, proposer: MedusaProposer):

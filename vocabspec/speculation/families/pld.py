@@ -13,7 +13,7 @@ import time
 import torch
 
 from ..config import Family, bench_names, register
-from ..proposer import Proposer, StaticDrafting
+from ..proposer import Proposer, GraphDrafting
 from ..tree import Tree, chain
 
 
@@ -36,15 +36,15 @@ class PromptLookupProposer(Proposer):
         # a match has a continuation); n-grams ending at or before _indexed are in it.
         self._latest: dict[tuple[int, ...], int] = {}
         self._indexed = 0
-        self._static = False
-        self.staged = self.staged_count = None     # static steps' staged path (k,), its drafts (0-dim)
+        self._graphed = False
+        self.staged = self.staged_count = None     # graph steps' staged path (k,), its drafts (0-dim)
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         self.context = list(prompt_ids) + [first_token]
         self.length = self.num_draft
         self.drafted = []
         self._latest, self._indexed = {}, 0
-        if self._static:
+        if self._graphed:
             self._stage()
 
     def reads_rows(self) -> bool:
@@ -80,16 +80,16 @@ class PromptLookupProposer(Proposer):
         self.seconds += time.perf_counter() - start
         return tree
 
-    # Static steps (static_step.StaticDecoder): the lookup runs on the host between steps and
+    # Graph steps (graph_step.GraphDecoder): the lookup runs on the host between steps and
     # its path goes to a device buffer of num_draft tokens, padded; the step reads the buffer.
-    static = True
+    graphs = True
 
-    def static_form(self, max_len: int | None) -> "LookupStaticDrafting | None":
+    def graph_form(self, max_len: int | None) -> "LookupGraphDrafting | None":
         if max_len is not None and self.staged is None:
             self.staged = torch.zeros(self.num_draft, dtype=torch.long, device=self.device)
             self.staged_count = torch.zeros((), dtype=torch.long, device=self.device)
-        self._static = max_len is not None
-        return LookupStaticDrafting(self) if self._static else None
+        self._graphed = max_len is not None
+        return LookupGraphDrafting(self) if self._graphed else None
 
     def _stage(self) -> None:
         start = time.perf_counter()
@@ -123,8 +123,8 @@ class PromptLookupProposer(Proposer):
         return []
 
 
-class LookupStaticDrafting(StaticDrafting):
-    """Prompt lookup in static steps: the path staged on the device between steps (padded to
+class LookupGraphDrafting(GraphDrafting):
+    """Prompt lookup in graph steps: the path staged on the device between steps (padded to
     num_draft tokens) as a chain; the next path is staged after each step's read-back."""
 
     def __init__(self, proposer: PromptLookupProposer):

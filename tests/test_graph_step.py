@@ -1,4 +1,4 @@
-"""Greedy steps a CUDA graph can capture (static_step.py), on the CPU: they emit plain
+"""Greedy steps a CUDA graph can capture (graph_step.py), on the CPU: they emit plain
 decoding's tokens in float32 on both models (Gemma's sliding window narrowed so that it cuts),
 every step of a generation runs the same operations on the same shapes and keeps its state in
 the same tensors (what replaying a captured graph needs), no operation reads the device back or
@@ -10,14 +10,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vocabspec.speculation.vocab.heads import make_draft_vocab
-from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer, EagleStaticDrafting
+from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer, EagleGraphDrafting
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.decoding.batch import Engine
 from vocabspec.speculation.families.hybrid import EagleLookupProposer
 from vocabspec.speculation.families.medusa import MedusaHeads, MedusaProposer, bundled_medusa_dir
 from vocabspec.speculation.families.pld import PromptLookupProposer
 from vocabspec.speculation.config import bundled_drafter_dir
-from vocabspec.decoding.static_step import StaticDecoder, count_read_backs
+from vocabspec.decoding.graph_step import GraphDecoder, count_read_backs
 
 from conftest import Loaded, loaded, spec_bench_prompts
 
@@ -57,26 +57,26 @@ def torch_smollm2():
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
 def torch_model(request, torch_smollm2):
-    # Gemma's window narrowed to 48: prompt and answer outgrow it, so the static cache's
+    # Gemma's window narrowed to 48: prompt and answer outgrow it, so the graph cache's
     # distance mask is what keeps old keys out.
     return torch_smollm2 if request.param == "smollm2" else TorchModel("gemma3", sliding_window=48)
 
 
-def test_static_steps_emit_plain_decoding(torch_model):
+def test_graph_steps_emit_plain_decoding(torch_model):
     model, tokenizer = torch_model.model, torch_model.tokenizer
     config = GenerationConfig(max_new_tokens=24)
     vanilla = Engine(model, tokenizer)
     proposers = torch_model.proposers()
     if torch_model.name != "smollm2":      # the graft is the model's business no more than the tree
         del proposers["eagle+pld"]
-    engines = {name: Engine(model, tokenizer, proposer, static=True, allow_inexact=True)
+    engines = {name: Engine(model, tokenizer, proposer, graphs=True, allow_inexact=True)
                for name, proposer in proposers.items()}
     mismatches, steps = [], {name: 0 for name in engines}
     for category, text in spec_bench_prompts()[::6]:
         ids = torch_model.prompt_ids(text[:600])
         want = vanilla.generate(ids, config).tokens
         for name, engine in engines.items():
-            assert engine.static
+            assert engine.graphs
             out = engine.generate(ids, config)
             # torch's kernels are not row-invariant (allowed explicitly); float32 ties that
             # close do not occur on these prompts.
@@ -84,7 +84,7 @@ def test_static_steps_emit_plain_decoding(torch_model):
                 mismatches.append((category, name))
             assert 1 + sum(s.accept_length for s in out.steps) >= len(out.tokens)
             steps[name] += len(out.steps)
-    assert not mismatches, f"static steps differ from plain decoding: {mismatches}"
+    assert not mismatches, f"graph steps differ from plain decoding: {mismatches}"
     # Every drafter saves steps over plain decoding's one token each.
     assert all(steps[name] < steps["plain"] for name in engines if name not in ("plain", "pld")), steps
 
@@ -119,9 +119,9 @@ class StepTrace(TorchDispatchMode):
 def test_every_step_runs_the_same_work_in_the_same_tensors(torch_smollm2, method, monkeypatch):
     model, tokenizer = torch_smollm2.model, torch_smollm2.tokenizer
     proposer = torch_smollm2.proposers()[method]
-    engine = Engine(model, tokenizer, proposer, static=True, allow_inexact=True)
+    engine = Engine(model, tokenizer, proposer, graphs=True, allow_inexact=True)
     traces, buffers, host_copies = {}, [], []
-    step = StaticDecoder._step
+    step = GraphDecoder._step
 
     def traced(decoder, draft):
         buffers.append([t.data_ptr() for t in decoder._state()] + [decoder.cache.keys.data_ptr()])
@@ -132,7 +132,7 @@ def test_every_step_runs_the_same_work_in_the_same_tensors(torch_smollm2, method
         host_copies.extend(trace.host_copies)
         return out
 
-    monkeypatch.setattr(StaticDecoder, "_step", traced)
+    monkeypatch.setattr(GraphDecoder, "_step", traced)
     ids = torch_smollm2.prompt_ids("one two three four five six seven one two three four five six")
     out = engine.generate(ids, GenerationConfig(max_new_tokens=16, stop_on_eos=False))
     assert len(out.steps) >= 4
@@ -154,9 +154,9 @@ def test_every_step_runs_the_same_work_in_the_same_tensors(torch_smollm2, method
     assert len(traces) == (2 if method == "eagle+pld" else 1), sorted(traces)
 
 
-def test_native_engine_refuses_static_steps(smollm2):
+def test_native_engine_refuses_graph_steps(smollm2):
     with pytest.raises(ValueError, match="torch's kernels"):
-        Engine(smollm2.model, smollm2.tokenizer, static=True)
+        Engine(smollm2.model, smollm2.tokenizer, graphs=True)
 
 
 def paths(tree_tokens, parents, ranks=None) -> dict[tuple[int, ...], int]:
@@ -171,7 +171,7 @@ def paths(tree_tokens, parents, ranks=None) -> dict[tuple[int, ...], int]:
     return out
 
 
-def test_static_tree_keeps_the_dynamic_trees_nodes(smollm2):
+def test_graph_tree_keeps_the_dynamic_trees_nodes(smollm2):
     model = smollm2.model
     drafter = EagleDrafter.load(bundled_drafter_dir("smollm2"), model)
     drafter.pack("bf16")
@@ -182,7 +182,7 @@ def test_static_tree_keeps_the_dynamic_trees_nodes(smollm2):
         Engine(model, smollm2.tokenizer, proposer).generate(ids, GenerationConfig(max_new_tokens=9))
         root = 42
         dynamic = proposer.propose(root)
-        static = EagleStaticDrafting(proposer, proposer.cache).propose(torch.tensor(root))   # over its cache
+        static = EagleGraphDrafting(proposer, proposer.cache).propose(torch.tensor(root))   # over its cache
         assert static.tokens.numel() == dynamic.tokens.numel() == total + 1
         # The same nodes with the same value ranks (what the autotuner reads from a step).
         assert paths(static.tokens.tolist(), static.parents.tolist(), static.ranks.tolist()) == \
@@ -273,7 +273,7 @@ def path_of(parents, node) -> list[int]:
 def test_one_read_back_per_step(torch_smollm2, method):
     model, smollm2 = torch_smollm2.model, torch_smollm2
     proposer = torch_smollm2.proposers()[method]
-    engine = Engine(model, smollm2.tokenizer, proposer, static=True, allow_inexact=True)
+    engine = Engine(model, smollm2.tokenizer, proposer, graphs=True, allow_inexact=True)
     ids = smollm2.prompt_ids("one two three four five six seven one two three four five six")
     config = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
     engine.generate(ids, config)                        # warm-up

@@ -2,8 +2,8 @@
 
 On a GPU every `.item()`, `.tolist()` or `bool(tensor)` waits for the device, and a forward
 that slices its KV cache by host-side lengths cannot be captured. Here a whole greedy step is
-one function of fixed-shape device tensors (`StaticDecoder`): the draft tree (tree.Tree, the
-one tree type, from the proposer's `StaticDrafting`: EAGLE-2's, Medusa's, prompt lookup's path
+one function of fixed-shape device tensors (`GraphDecoder`): the draft tree (tree.Tree, the
+one tree type, from the proposer's `GraphDrafting`: EAGLE-2's, Medusa's, prompt lookup's path
 padded to its longest, EAGLE-2's with that path grafted on, or the root alone), the target's
 forward over a `DeviceKVCache` (slots written at device positions, attention over every slot
 under a mask built on the device), verification, keeping the accepted path in both caches,
@@ -23,9 +23,9 @@ float32 ties apart on torch's kernels (not row-invariant), exactly on the row-in
 taken in the LM head's kernel, Transformer.greedy_tokens). Sampling
 takes the eager steps (generate.py), as does the native CPU engine, which keeps its own cache.
 
-`StaticBackend` is how the loop runs them: the backend of an `Engine` with static steps, over
+`GraphBackend` is how the loop runs them: the backend of an `Engine` with graph steps, over
 torch's backend (or the row-invariant kernels'). A greedy request gets a decoder's cache and a
-`StaticProposal` in place of its proposer (`prepare`); its step's span is its root, and the
+`GraphProposal` in place of its proposer (`prepare`); its step's span is its root, and the
 backend's `forward` runs the whole step on the device and hands the loop what was accepted
 (`RowSpan.settled`). Other requests (sampling, logprobs) step through the backend it wraps.
 """
@@ -48,7 +48,7 @@ from ..speculation.verify import verify_greedy
 log = logging.getLogger(__name__)
 
 
-class StaticDecoder:
+class GraphDecoder:
     """Greedy steps over a DeviceKVCache of `max_len` slots for one model and proposer (see the
     module docstring). `start` takes a generation's first token once its prompt is in the cache;
     each `step` verifies one tree and returns what the host needs. On CUDA each (tree size, drafting) step is captured as a CUDA graph
@@ -63,12 +63,12 @@ class StaticDecoder:
         self.cache = DeviceKVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_len,
                                    model.dtype, model.device)
         self.taps = proposer.taps if proposer is not None else ()
-        self.drafting = None     # the proposer's StaticDrafting, once `enter` has run
+        self.drafting = None     # the proposer's GraphDrafting, once `enter` has run
         self.root = torch.zeros(1, dtype=torch.long, device=model.device)
         self.capture = model.device.type == "cuda" and os.environ.get("VOCABSPEC_CUDA_GRAPHS", "1") != "0"
         self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_failures: dict[tuple[bool, int], str] = {}
-        self.draft_next = False  # whether the next step drafts (its request's StaticProposal says)
+        self.draft_next = False  # whether the next step drafts (its request's GraphProposal says)
 
     @property
     def length(self) -> int:
@@ -81,10 +81,10 @@ class StaticDecoder:
         self.root.fill_(token)
 
     def enter(self) -> int:
-        """A request's start: the proposer drafts in its static form for this decoder's cache
+        """A request's start: the proposer drafts in its graph form for this decoder's cache
         (the general loop may have had it since). Returns the largest step's rows."""
         if self.proposer is not None:
-            self.drafting = self.proposer.static_form(self.max_len)
+            self.drafting = self.proposer.graph_form(self.max_len)
         return self.rows(True)
 
     def rows(self, draft: bool) -> int:
@@ -98,7 +98,7 @@ class StaticDecoder:
         committed = self.length
         if committed + rows > self.max_len:
             raise ValueError(f"a step of {rows} rows after {committed} tokens overruns the "
-                             f"static cache's {self.max_len}")
+                             f"graph cache's {self.max_len}")
         key = (draft, rows)
         out = self._replay(key) if self.capture else None
         if out is None:
@@ -172,14 +172,14 @@ class StaticDecoder:
         return out
 
 
-class StaticProposal(Proposer):
-    """A greedy request's proposer on static steps: its drafting happens inside the decoder's
+class GraphProposal(Proposer):
+    """A greedy request's proposer on graph steps: its drafting happens inside the decoder's
     step, so a proposal is the root alone, marked to draft; the request's own proposer (if any)
-    drafts in its static form."""
+    drafts in its graph form."""
 
     drafts_on_device = True
 
-    def __init__(self, decoder: StaticDecoder, proposer: Proposer | None):
+    def __init__(self, decoder: GraphDecoder, proposer: Proposer | None):
         self.decoder, self.proposer = decoder, proposer
         self.taps = decoder.taps
         self.max_tree_tokens = decoder.enter() - 1
@@ -195,26 +195,26 @@ class StaticProposal(Proposer):
         return chain(root_token, [], device=self.decoder.root.device)
 
     def observe(self, accepted: list[int], hidden: torch.Tensor, next_token: int) -> None:
-        pass        # the decoder's step told the drafting (`StaticDrafting.observe`, `after`)
+        pass        # the decoder's step told the drafting (`GraphDrafting.observe`, `after`)
 
 
-class StaticBackend:
-    """Greedy steps as static steps over `inner` (torch's backend, or the row-invariant
+class GraphBackend:
+    """Greedy steps as graph steps over `inner` (torch's backend, or the row-invariant
     kernels'), for one `proposer` (module docstring): a Backend whose `prepare`, `forward` and
     `verify_greedy` are its own, everything else `inner`'s (the model it runs: its head, cache,
     prefill). The decoders keep a cache each, by size (`decoder`)."""
 
     def __init__(self, inner: Backend, proposer: Proposer | None):
         if not inner.device_steps:
-            raise ValueError("static steps run on torch's kernels (a GPU's path); the native "
+            raise ValueError("graph steps run on torch's kernels (a GPU's path); the native "
                              "engine keeps its own cache: load with backend='torch'")
         self.inner, self.proposer = inner, proposer
-        self.decoders: dict[int, StaticDecoder] = {}
+        self.decoders: dict[int, GraphDecoder] = {}
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def decoder(self, tokens: int) -> StaticDecoder:
+    def decoder(self, tokens: int) -> GraphDecoder:
         """The decoder with room for `tokens`, its cache's slots rounded up to a power of two
         (from 256) so that a few sizes, and their CUDA graphs, serve every request."""
         size = 256
@@ -222,25 +222,25 @@ class StaticBackend:
             size *= 2
         size = min(size, self.inner.args.max_seq_len)
         if size not in self.decoders:
-            self.decoders[size] = StaticDecoder(self.inner, self.proposer, size)
+            self.decoders[size] = GraphDecoder(self.inner, self.proposer, size)
         return self.decoders[size]
 
     def prepare(self, generation) -> None:
-        """A greedy request without logprobs runs static steps: a decoder's cache and a
-        StaticProposal (its proposer drafting in its static form); any other leaves the static
+        """A greedy request without logprobs runs graph steps: a decoder's cache and a
+        GraphProposal (its proposer drafting in its graph form); any other leaves the graph
         form for the general loop's."""
         proposer = generation.proposer
-        if proposer is not None and proposer.static:
-            proposer.static_form(None)
+        if proposer is not None and proposer.graphs:
+            proposer.graph_form(None)
         if not generation.verifies_greedily:
             return
         room = len(generation.prompt_ids) + generation.config.max_new_tokens + generation.tree_room
         decoder = self.decoder(room)
-        generation.proposer = StaticProposal(decoder, proposer)
+        generation.proposer = GraphProposal(decoder, proposer)
         generation.cache = decoder.cache
 
     def forward(self, rows: StepRows) -> StepRows:
-        """A static request's step whole (its span the root; what it accepted `settled`), or
+        """A graph request's step whole (its span the root; what it accepted `settled`), or
         `inner`'s forward."""
         span = rows.spans[0]
         decoder = next((d for d in self.decoders.values() if d.cache is span.cache), None)
