@@ -63,8 +63,8 @@ def llamacpp_peer(model: str, threads: int | None):
     `run` sends (the model's chat template for SmolLM2), the same GGUF file."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from llamacpp import LlamaCppTool
-    from vocabspec.engine.loading import resolve_model_path
-    from vocabspec.engine.tokenizer import load_tokenizer
+    from vocabspec.runtime.loading import resolve_model_path
+    from vocabspec.runtime.tokenizer import load_tokenizer
 
     path = resolve_model_path(model)
     tokenizer = load_tokenizer(path)

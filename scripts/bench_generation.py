@@ -22,7 +22,7 @@ from vocabspec.decoding.cost_curve import forward_seconds
 from vocabspec.decoding.batch import BatchLimits
 from vocabspec.cli import set_threads
 from vocabspec.decoding.generate import GenerationConfig
-from vocabspec.engine.loading import resolve_model_path
+from vocabspec.runtime.loading import resolve_model_path
 from vocabspec.training.train import TrainConfig, _distill_prompts
 
 

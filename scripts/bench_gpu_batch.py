@@ -4,7 +4,7 @@ same model at several batch sizes, and the server at many concurrent clients aga
 
 1. The batch job: --prompts requests (the package's prompts, cycled, as chat) of up to
    --new-tokens greedy tokens each, in --weights on torch's kernels with inexact answers allowed
-   (engine/torch_backend.py: one CUDA graph a step for every request's row), run as
+   (runtime/torch_backend.py: one CUDA graph a step for every request's row), run as
    `generate --input` runs them (serving/batch_job.run_job); answer tokens a second over the
    job's time, every prefill and graph capture included, and how many of a sample of answers
    served alone again differ; then the same job on the row-invariant kernels (--backend triton,
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_generation import load_transformers, transformers_speed  # noqa: E402
-from vocabspec.engine.loading import resolve_model_path  # noqa: E402
+from vocabspec.runtime.loading import resolve_model_path  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parents[1] / "vocabspec" / "data"
 

@@ -29,14 +29,14 @@ from pathlib import Path
 import torch
 
 import vocabspec
-from vocabspec.engine import native
+from vocabspec.runtime import native
 from vocabspec.benchmarks.bench import load_questions
-from vocabspec.engine.prompts import encode_conversation, stop_strings
+from vocabspec.runtime.prompts import encode_conversation, stop_strings
 
 NEIGHBOUR = """
 import sys, time, vocabspec
-from vocabspec.engine import native
-from vocabspec.engine.prompts import encode_conversation, stop_strings
+from vocabspec.runtime import native
+from vocabspec.runtime.prompts import encode_conversation, stop_strings
 native.set_threads(int(sys.argv[5]))
 lm = vocabspec.load(sys.argv[1], draft=sys.argv[2])
 ids = encode_conversation(lm.tokenizer, [("user", sys.argv[3])], answer_open=True)

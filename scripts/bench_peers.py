@@ -30,14 +30,14 @@ import torch
 
 from llamacpp import LlamaCppTool, decode_only
 from vocabspec.benchmarks.bench import BUILTIN_QUESTIONS
-from vocabspec.engine.formats import FORMATS
+from vocabspec.runtime.formats import FORMATS
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.decoding.batch import Engine
-from vocabspec.engine.loading import load_model, resolve_model_path
+from vocabspec.runtime.loading import load_model, resolve_model_path
 from vocabspec.speculation.config import DraftConfig
 from vocabspec.tuning.proposers import make_proposer
-from vocabspec.engine.tokenizer import load_tokenizer
-from vocabspec.engine.prompts import encode_conversation
+from vocabspec.runtime.tokenizer import load_tokenizer
+from vocabspec.runtime.prompts import encode_conversation
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 QUESTIONS = QUESTIONS if QUESTIONS.exists() else BUILTIN_QUESTIONS   # the project's own prompts

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 import machine_peaks
-from vocabspec.engine import native
-from vocabspec.engine.gguf_file import GGUFFile
-from vocabspec.engine.loading import load_model
+from vocabspec.runtime import native
+from vocabspec.runtime.gguf_file import GGUFFile
+from vocabspec.runtime.loading import load_model
 from vocabspec.decoding.batch import Engine
 from vocabspec.decoding.cost_curve import forward_seconds
 from vocabspec.decoding.generate import GenerationConfig

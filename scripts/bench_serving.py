@@ -20,10 +20,10 @@ import httpx
 
 from llamacpp import llama_cpp_bin
 from vocabspec.benchmarks.bench import load_questions
-from vocabspec.engine.loading import resolve_model_path
+from vocabspec.runtime.loading import resolve_model_path
 from vocabspec.serving.server import free_port
 from vocabspec.benchmarks.throughput import plot, prompts_for, report, run_throughput, sweep
-from vocabspec.engine.tokenizer import load_tokenizer
+from vocabspec.runtime.tokenizer import load_tokenizer
 
 
 def llama_server(path: Path, slots: int, window: int, threads: int):

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from vocabspec.engine.formats import FORMATS
+from vocabspec.runtime.formats import FORMATS
 
 from vocabspec.decoding.cost_curve import forward_seconds
-from vocabspec.engine.loading import load_model
+from vocabspec.runtime.loading import load_model
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from vocabspec.benchmarks.bench import BenchConfig, _machine, run_bench
 from vocabspec.training.eagle3_train import drafter_from_checkpoint
 from vocabspec.training.train import parse_token_counts
-from vocabspec.engine.loading import load_model
+from vocabspec.runtime.loading import load_model
 
 TREES = ("1x1", "3x3", "6x60")
 

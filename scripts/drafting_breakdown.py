@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from vocabspec.engine import native
-from vocabspec.engine.loading import load_model
+from vocabspec.runtime import native
+from vocabspec.runtime.loading import load_model
 from vocabspec.decoding.cost_curve import forward_seconds
 from vocabspec.speculation.vocab.heads import FullVocab, SpecVocab, StaticSubset
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer

@@ -20,9 +20,9 @@ import torch
 from vocabspec.benchmarks.bench import BUILTIN_QUESTIONS
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.decoding.batch import Engine
-from vocabspec.engine.loading import load_model
-from vocabspec.engine.prompts import encode_conversation
-from vocabspec.engine.tokenizer import load_tokenizer
+from vocabspec.runtime.loading import load_model
+from vocabspec.runtime.prompts import encode_conversation
+from vocabspec.runtime.tokenizer import load_tokenizer
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 QUESTIONS = QUESTIONS if QUESTIONS.exists() else BUILTIN_QUESTIONS   # the project's own prompts

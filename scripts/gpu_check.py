@@ -57,14 +57,14 @@ from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset  # noqa: E
 from vocabspec.decoding.generate import GenerationConfig  # noqa: E402
 from vocabspec.decoding.batch import Engine
 from vocabspec.speculation.families.hybrid import EagleLookupProposer  # noqa: E402
-from vocabspec.engine.kv_cache import DeviceKVCache  # noqa: E402
-from vocabspec.engine.loading import load_model  # noqa: E402
-from vocabspec.engine.model import ModelArgs, Transformer  # noqa: E402
+from vocabspec.runtime.kv_cache import DeviceKVCache  # noqa: E402
+from vocabspec.runtime.loading import load_model  # noqa: E402
+from vocabspec.runtime.model import ModelArgs, Transformer  # noqa: E402
 from vocabspec.speculation.families.pld import PromptLookupProposer  # noqa: E402
-from vocabspec.engine.prompts import encode_conversation  # noqa: E402
+from vocabspec.runtime.prompts import encode_conversation  # noqa: E402
 from vocabspec.decoding.graph_step import capture_graph, count_read_backs  # noqa: E402
 from vocabspec.speculation.vocab.token_map import load_token_map  # noqa: E402
-from vocabspec.engine.tokenizer import load_tokenizer  # noqa: E402
+from vocabspec.runtime.tokenizer import load_tokenizer  # noqa: E402
 
 DRAFTER = Path(__file__).resolve().parents[1] / "vocabspec" / "drafters" / "smollm2"
 
@@ -268,8 +268,8 @@ def linear_kernels(path: Path | None) -> dict:
     launches a layer on the kernels, unfused and fused. On a CPU the shapes are cut 64-fold."""
     import torch.nn.functional as F
 
-    from vocabspec.engine import kernels
-    from vocabspec.engine.launches import layer_launches
+    from vocabspec.runtime import kernels
+    from vocabspec.runtime.launches import layer_launches
 
     result = {"decision": {}, "us": {}}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -305,8 +305,8 @@ def epilogue_us(cut: int) -> dict:
     count: the QKV projection with rotary and the cache write (kernels.qkv_rope_cache) against
     the projection, model.apply_rope and index_copy_; the LM head's argmax
     (kernels.linear_argmax) against the head's logits and torch's argmax."""
-    from vocabspec.engine import kernels
-    from vocabspec.engine.model import apply_rope, rope_tables
+    from vocabspec.runtime import kernels
+    from vocabspec.runtime.model import apply_rope, rope_tables
 
     heads, groups, dim, k, vocab = 9, 3, max(64 // cut, 8), max(576 // cut, 16), max(49152 // cut, 64)
     generator = torch.Generator().manual_seed(0)
@@ -341,7 +341,7 @@ def attention_us(cut: int) -> dict:
     """Microseconds of the attention kernel, one head at a time with multiply-adds against a key
     group's heads on tensor cores, bfloat16, SmolLM2's heads over 512 cached keys (its head
     dimension and the keys cut `cut`-fold on a CPU), causal rows after them, per row count."""
-    from vocabspec.engine import kernels
+    from vocabspec.runtime import kernels
 
     heads, groups, dim, keys_seen = 9, 3, max(64 // cut, 8), max(512 // cut, 8)
     generator = torch.Generator().manual_seed(0)

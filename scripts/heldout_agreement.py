@@ -17,9 +17,9 @@ import json
 
 import torch
 
-from vocabspec.engine.loading import load_model
-from vocabspec.engine.prompts import encode_conversation
-from vocabspec.engine.tokenizer import load_tokenizer
+from vocabspec.runtime.loading import load_model
+from vocabspec.runtime.prompts import encode_conversation
+from vocabspec.runtime.tokenizer import load_tokenizer
 from vocabspec.speculation.families.eagle3 import Eagle3Drafter
 from vocabspec.speculation.config import bundled_eagle3_dir
 from vocabspec.training.eagle3_train import target_features

@@ -46,9 +46,9 @@ def proposer(target, tokenizer, model: str, method: str):
 
 
 def main() -> None:
-    from vocabspec.engine.loading import load_model
-    from vocabspec.engine.prompts import encode_conversation
-    from vocabspec.engine.tokenizer import load_tokenizer
+    from vocabspec.runtime.loading import load_model
+    from vocabspec.runtime.prompts import encode_conversation
+    from vocabspec.runtime.tokenizer import load_tokenizer
     from vocabspec.decoding.batch import Engine
     from vocabspec.decoding.generate import GenerationConfig
 

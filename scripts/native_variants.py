@@ -22,8 +22,8 @@ import torch
 
 from vocabspec.benchmarks.bench import _machine
 from vocabspec.decoding.cost_curve import forward_seconds
-from vocabspec.engine import native
-from vocabspec.engine.loading import load_model
+from vocabspec.runtime import native
+from vocabspec.runtime.loading import load_model
 
 
 def build(defines: str):

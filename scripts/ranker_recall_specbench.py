@@ -31,8 +31,8 @@ from vocabspec.speculation.config import bundled_drafter_dir
 from vocabspec.speculation.vocab.heads import make_draft_vocab
 from vocabspec.benchmarks.bench import load_questions
 from vocabspec.decoding.generate import GenerationConfig
-from vocabspec.engine.linear import linear
-from vocabspec.engine.prompts import encode_conversation
+from vocabspec.runtime.linear import linear
+from vocabspec.runtime.prompts import encode_conversation
 from vocabspec.training.ranker import hits_in_top
 from vocabspec.speculation.families.eagle import draft_states, features_of
 

@@ -15,7 +15,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from vocabspec.engine.files import cache_dir
+from vocabspec.runtime.files import cache_dir
 
 
 def spec_bench(work: Path, model: str) -> tuple[list[str], dict]:

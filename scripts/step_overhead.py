@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import vocabspec
-from vocabspec.engine import native
+from vocabspec.runtime import native
 
 HELDOUT = Path(vocabspec.__file__).resolve().parent / "data" / "heldout.jsonl"
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import vocabspec.speculation.families.eagle as drafter_module
 from vocabspec.serving.api import load
 from vocabspec.benchmarks.bench import BUILTIN_QUESTIONS, load_questions
-from vocabspec.engine.prompts import encode_conversation
+from vocabspec.runtime.prompts import encode_conversation
 from vocabspec.speculation.tree import TreeBuilder
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"

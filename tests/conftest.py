@@ -14,17 +14,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vocabspec.engine.loading import load_model
-from vocabspec.engine.model import ModelArgs, Transformer
-from vocabspec.engine.tokenizer import load_tokenizer
-from vocabspec.engine.torch_backend import TorchBackend
+from vocabspec.runtime.loading import load_model
+from vocabspec.runtime.model import ModelArgs, Transformer
+from vocabspec.runtime.tokenizer import load_tokenizer
+from vocabspec.runtime.torch_backend import TorchBackend
 
 # Two threads a test process, or the cores' share of each where pytest-xdist runs several. The
 # native engine's largest team is OpenMP's maximum at its first call: fixed first, at every core,
 # so that its thread tests run here and its governor shares the cores with the other worker.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
-    from vocabspec.engine import native
+    from vocabspec.runtime import native
 
     if native.available()[0]:
         native.threads()
@@ -151,8 +151,8 @@ def tiny_native(arch: str, seed: int, weights: str = "f32", scale: float = 0.3, 
     """A random model whose shapes the native engine takes (widths multiples of 32), on torch's
     backend (the reference) and on the native engine: (reference, native). scale: the weights'
     (a smaller one spreads the next-token distributions)."""
-    from vocabspec.engine import formats
-    from vocabspec.engine.native_backend import NativeBackend
+    from vocabspec.runtime import formats
+    from vocabspec.runtime.native_backend import NativeBackend
 
     shapes = dict(vocab_size=200, dim=64, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=96)
     args = tiny_args(arch, **{**shapes, **overrides})

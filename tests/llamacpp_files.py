@@ -80,7 +80,7 @@ def write_tiny_gguf(path: Path, vocab: Path, arch: str, chat_template: str | Non
     the vocabulary file's own, its embedding one row a token; `chat_template` replaces the
     file's template where given."""
     import gguf
-    from vocabspec.engine.vocab import read_metadata
+    from vocabspec.runtime.vocab import read_metadata
 
     meta = read_metadata(vocab)
     n = len(meta["tokenizer.ggml.tokens"])

@@ -19,8 +19,8 @@ import torch
 import vocabspec
 from vocabspec.decoding.batch import BatchEngine, BatchLimits, Busy, Engine, Stopped
 from vocabspec.decoding.generate import GenerationConfig
-from vocabspec.engine.loading import load_model
-from vocabspec.engine.step_rows import StepRows
+from vocabspec.runtime.loading import load_model
+from vocabspec.runtime.step_rows import StepRows
 from vocabspec.speculation.sampling import SamplingParams
 from vocabspec.speculation.tree import chain
 
@@ -40,7 +40,7 @@ def committed(model, context: list[int], max_len: int):
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 @pytest.mark.parametrize("weights", FORMATS)
 def test_batched_rows_have_the_bits_of_each_sequence_alone(name, weights):
-    from vocabspec.engine import native
+    from vocabspec.runtime import native
 
     if weights == "gguf-a8" and not native.has_int8():
         pytest.skip("gguf-a8 needs 8-bit dot products")

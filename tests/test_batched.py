@@ -1,4 +1,4 @@
-"""Many sequences in one forward (engine/batched.py) and EAGLE-3 trained a batch at a time
+"""Many sequences in one forward (runtime/slots.py) and EAGLE-3 trained a batch at a time
 (training/eagle3_train.py's train_batched, eagle3_device.py), on torch's CPU kernels: each sequence's rows
 get what a forward of its own gives them, and a batch's loss is the one-sequence loss."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_model, forward
-from vocabspec.engine.batched import SlotCache, forward_rows, greedy_answers, pad_rows
+from vocabspec.runtime.slots import SlotCache, forward_rows, greedy_answers, pad_rows
 from vocabspec.speculation.families.eagle3 import Eagle3Drafter
 from vocabspec.training.eagle3_train import batch_loss, length_batches, target_features
 from vocabspec.training.eagle3_train import StepAttention, sequence_loss
@@ -59,7 +59,7 @@ def test_greedy_answers_are_each_prompts_own_answer(smollm2):
     """Two slots for four prompts: finished answers leave, queued prompts take their slots,
     the live ones move down; every answer is the one decoding the prompt alone gives
     (float32 on torch's kernels), the end-of-sequence token that ended it kept."""
-    from vocabspec.engine.loading import load_model
+    from vocabspec.runtime.loading import load_model
 
     model, _ = load_model("smollm2", weights="f32", backend="torch", max_seq_len=256)
     texts = ["Say hi.", "What is 17 times 23?", "Name three primes.", "Why is the sky blue?"]

@@ -1,5 +1,5 @@
 """The batch engine's requests on torch's kernels as rows of one forward over a slot table
-(torch_backend.py, engine/batched.py), in float32 on the CPU: every greedy answer is the one plain
+(torch_backend.py, runtime/slots.py), in float32 on the CPU: every greedy answer is the one plain
 decoding of the request alone gives; every seeded sampled answer the one serving it alone
 draws, and the draws follow the target's distribution; slots are sized from free memory, a
 request that cannot fit is refused, and `generate --input --backend torch --allow-inexact`
@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from vocabspec.engine import batched, kernels
-from vocabspec.engine.kernel_backend import KernelBackend
+from vocabspec.runtime import kernels
+from vocabspec.runtime import slots as slot_forwards
+from vocabspec.runtime.kernel_backend import KernelBackend
 from vocabspec.decoding.batch import BatchEngine, BatchLimits, Engine
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.speculation.families.pld import PromptLookupProposer
@@ -96,8 +97,8 @@ def test_slots_fit_free_memory_and_a_request_that_cannot_fit_is_refused(monkeypa
     per-request step (answers exactly as alone), and a drafted request keeps it beside rows."""
     model = tiny_model("llama", seed=2)
     engine = Engine(model, allow_inexact=True)
-    per_slot = batched.SlotCache.bytes_per_slot(model, 32)
-    monkeypatch.setattr(batched, "free_memory", lambda device: 4 * per_slot + 1)
+    per_slot = slot_forwards.SlotCache.bytes_per_slot(model, 32)
+    monkeypatch.setattr(slot_forwards, "free_memory", lambda device: 4 * per_slot + 1)
     batch = BatchEngine(model, None, None, BatchLimits(max_batch=8, window=32), allow_inexact=True, thread=False)
     assert len(batch.slots) == 2
     prompts, config = prompts_of([4, 7, 5, 9, 3], seed=1), GenerationConfig(max_new_tokens=6)
@@ -105,7 +106,7 @@ def test_slots_fit_free_memory_and_a_request_that_cannot_fit_is_refused(monkeypa
         [engine.generate(p, config).tokens for p in prompts]
     with pytest.raises(ValueError, match="exceed the context window of 32 tokens"):
         batch.submit(list(range(6, 26)), GenerationConfig(max_new_tokens=20))
-    monkeypatch.setattr(batched, "free_memory", lambda device: per_slot)
+    monkeypatch.setattr(slot_forwards, "free_memory", lambda device: per_slot)
     with pytest.raises(ValueError, match=r"a slot of 32 positions needs .* MiB free on cpu holds none"):
         BatchEngine(model, None, None, BatchLimits(max_batch=8, window=32), allow_inexact=True, thread=False)
     monkeypatch.undo()
@@ -128,7 +129,7 @@ def test_generate_input_on_torch_runs_rows_together_and_records_the_alone_check(
     through batched rows, and the job's record and summary say how many answers served alone
     again differ (none, in float32)."""
     from vocabspec.cli import main
-    from vocabspec.engine.torch_backend import TorchBackend
+    from vocabspec.runtime.torch_backend import TorchBackend
 
     rows = []
     step = TorchBackend._forward_slots
@@ -157,8 +158,8 @@ def test_the_server_on_torch_steps_concurrent_requests_as_rows_together():
 
     import httpx
 
-    from vocabspec.engine.loading import resolve_model_path
-    from vocabspec.engine.tokenizer import load_tokenizer
+    from vocabspec.runtime.loading import resolve_model_path
+    from vocabspec.runtime.tokenizer import load_tokenizer
     from vocabspec.serving.api import LanguageModel
     from vocabspec.serving.server import HTTPThread, ServerLimits, create_app
 
@@ -197,10 +198,10 @@ def test_on_the_row_invariant_kernels_rows_are_each_requests_alone_bit_for_bit()
     steps of all three rows, every row's logits the bits of its request's own forward alone."""
     model = KernelBackend(tiny_model("gemma3", seed=4, n_layers=1, vocab_size=32, intermediate_size=32).module)
     prompts = prompts_of([3, 11, 8], seed=2, vocab=32)
-    cache = batched.SlotCache(model, slots=4, window=24)
+    cache = slot_forwards.SlotCache(model, slots=4, window=24)
     slots = torch.tensor([2, 0, 3])
-    logits = batched.prefill_slots(model, cache, prompts, slots=slots)
-    step = batched.DecodeStep(model, cache, head=False)
+    logits = slot_forwards.prefill_slots(model, cache, prompts, slots=slots)
+    step = slot_forwards.DecodeStep(model, cache, head=False)
     alone = [model.new_cache(24) for _ in prompts]
     tokens, positions = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
     for i, prompt in enumerate(prompts):
@@ -252,17 +253,17 @@ def test_on_the_row_invariant_kernels_a_tree_in_a_slot_has_the_bits_of_its_forwa
     hidden state is the bits of its request's forward alone, tree and commit included. The
     slot rows take the fused kernels a forward alone takes (the query/key norms, rotary and
     cache write in one kernel, each row's key written into its own slot)."""
-    from vocabspec.engine.kv_cache import ancestor_mask
+    from vocabspec.runtime.kv_cache import ancestor_mask
 
     fused = []
     write = kernels.head_norm_rope_cache
     monkeypatch.setattr(kernels, "head_norm_rope_cache", lambda *a, **kw: fused.append(a[0].shape[0]) or
                         write(*a, **kw))
     model = KernelBackend(tiny_model("gemma3", seed=4, n_layers=1, vocab_size=32, intermediate_size=32).module)
-    cache = batched.SlotCache(model, slots=3, window=24)
+    cache = slot_forwards.SlotCache(model, slots=3, window=24)
     plain = prompts_of([4, 9], seed=1, vocab=32)
-    logits = batched.prefill_slots(model, cache, plain, slots=torch.tensor([0, 2]))
-    drafted, own = batched.SlotSequence(cache, 1), model.new_cache(24)
+    logits = slot_forwards.prefill_slots(model, cache, plain, slots=torch.tensor([0, 2]))
+    drafted, own = slot_forwards.SlotSequence(cache, 1), model.new_cache(24)
     prompt = torch.tensor(prompts_of([7], seed=3, vocab=32)[0])
     for where in (drafted, own):
         h, _ = model.tree_forward(prompt, torch.arange(7), where)
@@ -274,8 +275,8 @@ def test_on_the_row_invariant_kernels_a_tree_in_a_slot_has_the_bits_of_its_forwa
     for tree_tokens, parents, depths, path in ((tree_tokens, parents, depths, [0, 2, 4]),
                                                (tree_tokens[:1], parents[:1], depths[:1], None)):
         mask = ancestor_mask(parents) if parents.numel() > 1 else None
-        tree = batched.SlotTree(model, drafted, tree_tokens, depths + drafted.length, mask)
-        hidden = batched.forward_with_trees(model, cache, tokens, positions, torch.tensor([0, 2]), [tree])
+        tree = slot_forwards.SlotTree(model, drafted, tree_tokens, depths + drafted.length, mask)
+        hidden = slot_forwards.forward_with_trees(model, cache, tokens, positions, torch.tensor([0, 2]), [tree])
         alone, _ = model.tree_forward(tree_tokens, depths + own.length, own, mask)
         assert torch.equal(hidden[2:], alone)
         for where in (drafted, own):
@@ -320,8 +321,8 @@ def test_drafted_trees_join_the_batched_step(monkeypatch, backend, arch):
     torch's (float32, `TreeRowsOnTorch`) because these rows round alike; Gemma's sliding window
     of 6 is passed by the tree rows."""
     shapes = []         # per step with trees: (plain rows, tree rows)
-    forward = batched.forward_with_trees
-    monkeypatch.setattr(batched, "forward_with_trees", lambda model, cache, tokens, *rest, **kw:
+    forward = slot_forwards.forward_with_trees
+    monkeypatch.setattr(slot_forwards, "forward_with_trees", lambda model, cache, tokens, *rest, **kw:
                         shapes.append((sum(t.rows == 1 for t in rest[2]), sum(t.rows for t in rest[2] if t.rows > 1)))
                         or forward(model, cache, tokens, *rest, **kw))
     model = tiny_model(arch, seed=3, n_layers=1, vocab_size=32, intermediate_size=32, max_seq_len=40)

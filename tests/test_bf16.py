@@ -12,7 +12,7 @@ import torch
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.decoding.batch import Engine
-from vocabspec.engine.loading import load_model
+from vocabspec.runtime.loading import load_model
 from vocabspec.speculation.families.pld import PromptLookupProposer
 
 from conftest import spec_bench_prompts, forward

@@ -11,11 +11,11 @@ import pytest
 
 import vocabspec
 from vocabspec import cli
-from vocabspec.engine.chat_template import ChatTemplate, ChatTemplateError
-from vocabspec.engine.loading import ModelLoadError, bundled_gguf
-from vocabspec.engine.prompts import encode_conversation
-from vocabspec.engine.tokenizer import load_tokenizer
-from vocabspec.engine.vocab import PARSED_ONLY_ON_REQUEST
+from vocabspec.runtime.chat_template import ChatTemplate, ChatTemplateError
+from vocabspec.runtime.loading import ModelLoadError, bundled_gguf
+from vocabspec.runtime.prompts import encode_conversation
+from vocabspec.runtime.tokenizer import load_tokenizer
+from vocabspec.runtime.vocab import PARSED_ONLY_ON_REQUEST
 
 from llamacpp_files import models_dir, template, vocab_file, write_tiny_gguf
 

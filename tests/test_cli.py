@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vocabspec.speculation.families.eagle import DrafterMismatch, EagleDrafter
-from vocabspec.engine.loading import ModelLoadError, load_model
+from vocabspec.runtime.loading import ModelLoadError, load_model
 
 from conftest import tiny_model
 

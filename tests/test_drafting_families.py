@@ -10,7 +10,7 @@ import pytest
 from vocabspec import cli
 from vocabspec.speculation import config as drafting_config
 from vocabspec.training import train
-from vocabspec.engine.files import cache_dir
+from vocabspec.runtime.files import cache_dir
 from vocabspec.speculation.families.pld import PromptLookupProposer
 from vocabspec.speculation.config import DraftConfig, Family, register
 from vocabspec.tuning.proposers import make_proposer

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 import vocabspec
 from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter, is_eagle3
-from vocabspec.engine.files import cache_dir
+from vocabspec.runtime.files import cache_dir
 
 from conftest import tiny_native, forward
 
@@ -138,7 +138,7 @@ def test_layouts_round_trip(tmp_path):
 @pytest.fixture(scope="module")
 def smollm2_eagle3(tmp_path_factory):
     """A random EAGLE-3 drafter for SmolLM2 in speculators' layout: 8k draft vocabulary."""
-    from vocabspec.engine.loading import load_model
+    from vocabspec.runtime.loading import load_model
 
     target, _ = load_model("smollm2")
     directory = tmp_path_factory.mktemp("eagle3-smollm2")
@@ -251,7 +251,7 @@ def test_eagle3_training_lowers_the_loss_resumes_and_saves_a_loadable_drafter(tm
     assert torch.equal(loaded.draft_ids, reference.draft_ids) and loaded.taps == taps
     # The last checkpoint holds the saved drafter (a run measured part of the way uses this), its
     # matrices written as the Q8_0 groups the engine drafts with.
-    from vocabspec.engine.formats import q8_0_float, q8_0_groups
+    from vocabspec.runtime.formats import q8_0_float, q8_0_groups
 
     checkpointed = eagle3_train.drafter_from_checkpoint(tmp_path / "checkpoint-eagle3.pt", target).state_dict()
     saved = loaded.state_dict()
@@ -316,7 +316,7 @@ def test_training_time_test_loss_on_a_gpu_is_the_cpus():
 
 def test_export_writes_an_eagle3_drafter_in_either_layout(smollm2_eagle3, tmp_path):
     from vocabspec.export import export
-    from vocabspec.engine.loading import load_model
+    from vocabspec.runtime.loading import load_model
 
     target, _ = load_model("smollm2")
     original = Eagle3Drafter.load(smollm2_eagle3, target, dtype=torch.bfloat16)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from vocabspec.cli import main
 from vocabspec.speculation.families.eagle import EagleDrafter
-from vocabspec.engine.formats import PackedWeight
+from vocabspec.runtime.formats import PackedWeight
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.decoding.batch import Engine
 from vocabspec.speculation.vocab.token_map import load_token_map, save_token_map

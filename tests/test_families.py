@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from vocabspec.decoding.generate import GenerationConfig  # noqa: E402
 from vocabspec.decoding.batch import Engine
-from vocabspec.engine.loading import ModelLoadError, load_model  # noqa: E402
+from vocabspec.runtime.loading import ModelLoadError, load_model  # noqa: E402
 
 SHAPE = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
@@ -60,7 +60,7 @@ def save_tiny(family: str, path, **extra):
 @pytest.mark.parametrize("backend", ["torch", "native"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_transformers(family, backend, tmp_path):
-    from vocabspec.engine import native
+    from vocabspec.runtime import native
 
     if backend == "native" and not native.available()[0]:
         pytest.skip(native.available()[1])
@@ -180,7 +180,7 @@ def test_drafting_pipeline_for_each_family(family, tmp_path):
 def test_a_family_that_differs_in_features_is_one_table_row(backend, tmp_path, monkeypatch):
     """A throwaway family, Llama with a GELU gate: one row of ARCH_FEATURES (and its name in
     the loader's table), and it matches transformers on both engines."""
-    from vocabspec.engine import loading, model, native
+    from vocabspec.runtime import loading, model, native
 
     if backend == "native" and not native.available()[0]:
         pytest.skip(native.available()[1])

@@ -12,7 +12,7 @@ import pytest
 
 import vocabspec
 from vocabspec import cli
-from vocabspec.engine.loading import bundled_gguf
+from vocabspec.runtime.loading import bundled_gguf
 from vocabspec.serving.server import HTTPThread, ServerLimits, create_app
 
 from llamacpp_files import template, vocab_file, write_tiny_gguf

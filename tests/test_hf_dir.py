@@ -9,7 +9,7 @@ from conftest import forward
 
 transformers = pytest.importorskip("transformers")
 
-from vocabspec.engine.loading import ModelLoadError, load_model  # noqa: E402
+from vocabspec.runtime.loading import ModelLoadError, load_model  # noqa: E402
 
 
 def make_checkpoint(arch, directory):
@@ -69,7 +69,7 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     """SmolLM2's tokenizer as transformers saves one, for the random checkpoints below."""
-    from vocabspec.engine.loading import bundled_gguf
+    from vocabspec.runtime.loading import bundled_gguf
 
     path = bundled_gguf("smollm2")
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -140,8 +140,8 @@ def test_a_path_that_is_no_model_gets_a_one_line_error(tmp_path, capsys):
 def test_a_model_directorys_tokenizer_tokenizes_as_its_gguf(tmp_path):
     # transformers writes SmolLM2's tokenizer (its GGUF's, which it converts right) to a
     # directory; read back from there it gives the GGUF's ids, special tokens and chat.
-    from vocabspec.engine.loading import bundled_gguf
-    from vocabspec.engine.tokenizer import load_tokenizer
+    from vocabspec.runtime.loading import bundled_gguf
+    from vocabspec.runtime.tokenizer import load_tokenizer
 
     path = bundled_gguf("smollm2")
     hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -6,8 +6,8 @@ kernel agrees with torch to float rounding. Tiny shapes: the interpreter is slow
 import pytest
 import torch
 
-from vocabspec.engine import kernels, native     # (conftest.py chooses Triton's interpreter on a CPU)
-from vocabspec.engine.kernel_backend import KernelBackend
+from vocabspec.runtime import kernels, native     # (conftest.py chooses Triton's interpreter on a CPU)
+from vocabspec.runtime.kernel_backend import KernelBackend
 
 pytestmark = pytest.mark.skipif(not kernels.available()[0], reason=kernels.available()[1])
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -164,7 +164,7 @@ def test_fusion_launches_fewer_kernels_a_layer():
     and the cache writes: 5 kernels, from 18 (12 before rotary and the cache write joined the
     QKV projection); Gemma's 10, from 27 (23)."""
     from conftest import tiny_module
-    from vocabspec.engine.launches import layer_launches
+    from vocabspec.runtime.launches import layer_launches
 
     counts = {}
     for arch in ("llama", "gemma3"):
@@ -191,7 +191,7 @@ def test_graph_steps_on_the_kernels_are_plain_decoding():
     from test_native import assert_trees_match_one_token_forwards
 
     from conftest import tiny_module
-    from vocabspec.engine.kv_cache import DeviceKVCache
+    from vocabspec.runtime.kv_cache import DeviceKVCache
     from vocabspec.decoding.batch import Engine
     from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
     from vocabspec.decoding.generate import GenerationConfig
@@ -237,7 +237,7 @@ def test_graph_steps_on_the_kernels_keep_accepted_drafts():
 def qkv_case(dtype, heads=4, groups=2, dim=16, k=24, rows=6):
     """A QKV projection's inputs: rows, weight, bias, norm gain, RoPE tables and each row's
     position and cache slot (a tree's: positions repeat, slots do not)."""
-    from vocabspec.engine.model import rope_tables
+    from vocabspec.runtime.model import rope_tables
 
     x, weight = rand(rows, k, dtype=dtype), rand((heads + 2 * groups) * dim, k, dtype=dtype, seed=1)
     bias, gain = rand(weight.shape[0], dtype=dtype, seed=2), rand(k, seed=3)
@@ -261,7 +261,7 @@ def test_qkv_rope_and_cache_write_in_one_kernel_against_the_unfused(dtype):
     cache's write: the same bits in float32 (in bfloat16 within a unit: the interpreter's casts
     to it truncate, torch's round to nearest); slots not written stay as they were. Its
     tensor-core tiling agrees to rounding."""
-    from vocabspec.engine.model import apply_rope
+    from vocabspec.runtime.model import apply_rope
 
     heads, groups, dim = 4, 2, 16
     x, weight, bias, gain, cos, sin, slots = qkv_case(dtype)
@@ -337,7 +337,7 @@ def test_the_graph_tuner_times_the_graph_steps_on_the_kernels(monkeypatch):
     (autotune.calibrate_graph, what choose_graph_tree picks from) times the steps a GPU would
     replay: graph steps on the kernels over a device cache (model.DeviceKernelPlan), trees and
     plain decoding alike, never torch's attention."""
-    import vocabspec.engine.model as model_module
+    import vocabspec.runtime.model as model_module
     import vocabspec.tuning.autotune as autotune
     from conftest import tiny_module
     from vocabspec.speculation.families.eagle import EagleDrafter
@@ -370,7 +370,7 @@ def test_query_key_norms_rotary_and_cache_write_in_one_kernel(dtype):
     """Gemma's query and key norms, rotary and the cache write after its QKV projection, in one
     kernel: the bits of `rms_norm` per head, then model.apply_rope, then the cache's write (in
     bfloat16 within a unit: the interpreter's casts truncate, torch's round); each row as alone."""
-    from vocabspec.engine.model import apply_rope
+    from vocabspec.runtime.model import apply_rope
 
     heads, groups, dim = 4, 2, 16
     x, weight, bias, gain, cos, sin, slots = qkv_case(dtype)

@@ -1,6 +1,6 @@
-"""The package's layers, one folder each: the engine (model, formats, cache, native engine)
+"""The package's layers, one folder each: the runtime (model, formats, caches, backends)
 imports no other part; speculation (the core: trees, verification, sampling, the proposer
-interface, the drafting config; the draft heads; the drafting families) only the engine;
+interface, the drafting config; the draft heads; the drafting families) only the runtime;
 decoding (the loop) those two; tuning (the timed tree sizes, the proposer a config builds)
 those three; serving (the server, the API) the four below it; training and benchmarking, which
 the core never imports, any of those but not each other. Inside speculation the families
@@ -19,13 +19,13 @@ PACKAGE = Path(vocabspec.__file__).parent
 # Each part and the parts it may import (besides itself). The root's modules (the CLI, export,
 # the package's __init__) are entry points: they may import any part.
 MAY_IMPORT = {
-    "engine": set(),
-    "speculation": {"engine"},
-    "decoding": {"engine", "speculation"},
-    "tuning": {"engine", "speculation", "decoding"},
-    "serving": {"engine", "speculation", "decoding", "tuning"},
-    "training": {"engine", "speculation", "decoding", "tuning", "serving"},
-    "benchmarks": {"engine", "speculation", "decoding", "tuning", "serving"},
+    "runtime": set(),
+    "speculation": {"runtime"},
+    "decoding": {"runtime", "speculation"},
+    "tuning": {"runtime", "speculation", "decoding"},
+    "serving": {"runtime", "speculation", "decoding", "tuning"},
+    "training": {"runtime", "speculation", "decoding", "tuning", "serving"},
+    "benchmarks": {"runtime", "speculation", "decoding", "tuning", "serving"},
 }
 FAMILIES = "speculation.families"
 ROOT_MODULES = 12          # at most, at the package's root
@@ -73,7 +73,7 @@ def test_the_root_holds_few_modules_and_every_module_a_part():
 
 def test_each_part_imports_only_the_parts_below_it():
     graph = imports()
-    assert {"engine.model", "decoding.generate", "speculation.families.eagle", "engine.native"} <= set(graph)
+    assert {"runtime.model", "decoding.generate", "speculation.families.eagle", "runtime.native"} <= set(graph)
     bad = sorted((m, d) for m in graph for d in graph[m]
                  if part(m) and part(d) != part(m) and part(d) not in MAY_IMPORT[part(m)])
     assert not bad, f"imports across the layers: {bad}"
@@ -117,5 +117,5 @@ def test_generation_loads_no_training_module():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = {m.split(".")[1] for m in eval(done.stdout.strip().splitlines()[-1])}
-    assert {"speculation", "engine", "serving"} <= loaded
+    assert {"speculation", "runtime", "serving"} <= loaded
     assert not loaded & {"training", "benchmarks"}, sorted(loaded)

@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vocabspec.engine import linear as linear_module
-from vocabspec.engine.linear import Linear, linear
+from vocabspec.runtime import linear as linear_module
+from vocabspec.runtime.linear import Linear, linear
 
 
 def _close(a, b, dtype):

@@ -8,8 +8,8 @@ from functools import lru_cache
 
 import pytest
 
-from vocabspec.engine.loading import ModelLoadError, bundled_gguf
-from vocabspec.engine.tokenizer import load_tokenizer
+from vocabspec.runtime.loading import ModelLoadError, bundled_gguf
+from vocabspec.runtime.tokenizer import load_tokenizer
 
 from llamacpp_files import models_dir, vectors, vocab_file
 

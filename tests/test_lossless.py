@@ -59,7 +59,7 @@ def native_drafter(drafter):
 
 @pytest.mark.parametrize("weights", ["gguf", "gguf-a8", "bf16", "f32"])
 def test_greedy_lossless_in_every_format(real_model, weights):
-    from vocabspec.engine.native import has_int8
+    from vocabspec.runtime.native import has_int8
 
     if real_model.model.weights == weights:
         pytest.skip("the default format runs the whole suite below")

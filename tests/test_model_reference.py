@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def ours(real_model):
-    from vocabspec.engine.loading import load_model
+    from vocabspec.runtime.loading import load_model
 
     return load_model(real_model.name, weights="f32")[0]
 
@@ -24,7 +24,7 @@ def reference(real_model):
     from safetensors.torch import load_model, save_model
     from transformers import AutoConfig
 
-    from vocabspec.engine.files import cache_dir, file_key, write_atomically
+    from vocabspec.runtime.files import cache_dir, file_key, write_atomically
 
     logging.set_verbosity_error()
     path = real_model.path

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from vocabspec.engine import formats, native
-from vocabspec.engine.kv_cache import DeviceKVCache
-from vocabspec.engine.loading import bundled_gguf, load_model
-from vocabspec.engine.model import ModelArgs
+from vocabspec.runtime import formats, native
+from vocabspec.runtime.kv_cache import DeviceKVCache
+from vocabspec.runtime.loading import bundled_gguf, load_model
+from vocabspec.runtime.model import ModelArgs
 from vocabspec.speculation.tree import TreeBuilder
 
 from conftest import tiny_args, tiny_native, forward
@@ -379,7 +379,7 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
 
 def test_one_call_greedy_verification_accepts_what_the_torch_verifier_accepts():
     from vocabspec.speculation.tree import chain, graft
-    from vocabspec.engine.backend import HEAD_ROWS
+    from vocabspec.runtime.backend import HEAD_ROWS
     from vocabspec.speculation.verify import greedy_verdict
 
     _, model = tiny_native("llama", seed=5)
@@ -419,7 +419,7 @@ def test_one_call_greedy_verification_accepts_what_the_torch_verifier_accepts():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])    # floats, or halves (GGUF formats)
 def test_the_cache_keeps_exactly_the_accepted_slots(dtype):
-    from vocabspec.engine.kv_cache import KVCache
+    from vocabspec.runtime.kv_cache import KVCache
 
     g = torch.Generator().manual_seed(3)
     for keep in ([0], [0, 1, 2], [0, 2, 5], [1, 3], [4], []):

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import tiny_native
-from vocabspec.engine import native
+from vocabspec.runtime import native
 from vocabspec.speculation.families.eagle import DrafterMismatch, EagleDrafter, EagleProposer
 from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter
 

@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from conftest import tiny_native, forward
-from vocabspec.engine import native
-from vocabspec.engine.step_rows import StepRows
+from vocabspec.runtime import native
+from vocabspec.runtime.step_rows import StepRows
 from vocabspec.decoding.batch import BatchEngine, BatchLimits, Engine
 from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer, NativeEagleDrafting

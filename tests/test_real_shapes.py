@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vocabspec.engine import native
-from vocabspec.engine.files import cache_dir
-from vocabspec.engine.loading import load_model
+from vocabspec.runtime import native
+from vocabspec.runtime.files import cache_dir
+from vocabspec.runtime.loading import load_model
 from vocabspec.decoding.batch import Engine
 from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
@@ -42,7 +42,7 @@ def target():
 
 def test_an_8b_wide_file_runs_from_its_blocks_in_its_own_size(target):
     model, path = target
-    from vocabspec.engine.formats import PackedWeight
+    from vocabspec.runtime.formats import PackedWeight
 
     types = {w.type for layer in model.stack.keep for w in layer.values() if isinstance(w, PackedWeight)}
     assert types == {"Q4_K", "Q6_K"} and model.packed_head.type == "Q6_K"

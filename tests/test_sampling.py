@@ -41,7 +41,7 @@ def sampling_target(seed: int, vocab: int, n_layers: int):
     """The tiny target: on the native engine where it runs here (exact by construction, as
     speculative sampling's equality with the target's distribution needs), else on torch's
     kernels in float32 (speculation then allowed explicitly: see `engine`)."""
-    from vocabspec.engine import native
+    from vocabspec.runtime import native
 
     if native.available()[0]:
         return tiny_native("llama", seed, vocab_size=vocab, n_layers=n_layers, scale=0.15)[1]

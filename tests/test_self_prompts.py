@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from vocabspec.engine import native
+from vocabspec.runtime import native
 
 import vocabspec.training.self_prompts as self_prompts
 from vocabspec.training.self_prompts import sample_user_prompts, self_prompt_ids, user_turn_opening
@@ -56,7 +56,7 @@ def test_the_draw_leaves_the_native_engine_every_core(smollm2, tmp_path):
     # fixed at the one torch thread the draw samples with (answers and features follow it).
     script = (
         "import sys, torch; from pathlib import Path\n"
-        "from vocabspec.engine import native\n"
+        "from vocabspec.runtime import native\n"
         "from vocabspec.training.self_prompts import sample_user_prompts\n"
         "torch.set_num_threads(2)\n"
         "sample_user_prompts(Path(sys.argv[1]), 0, 1, cache=Path(sys.argv[2]))\n"

@@ -155,8 +155,8 @@ def test_self_distilled_answers_are_the_engines_greedy_answers_with_their_end(tm
     token that ended an answer kept (a drafter learns to propose it), and the file saved."""
     from vocabspec.serving.api import load
     from vocabspec.decoding.generate import GenerationConfig
-    from vocabspec.engine.loading import resolve_model_path
-    from vocabspec.engine.prompts import encode_conversation
+    from vocabspec.runtime.loading import resolve_model_path
+    from vocabspec.runtime.prompts import encode_conversation
     from vocabspec.training.train import _generate_answers
 
     lm = load("smollm2")

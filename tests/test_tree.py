@@ -179,7 +179,7 @@ def test_pruned_frontier_builds_the_same_tree_with_fewer_rows():
 
 
 def test_ancestor_mask_is_each_nodes_path_whatever_the_roots_convention():
-    from vocabspec.engine.kv_cache import ancestor_mask
+    from vocabspec.runtime.kv_cache import ancestor_mask
 
     generator = torch.Generator().manual_seed(5)
     for n in (1, 2, 7, 40):

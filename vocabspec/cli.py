@@ -15,7 +15,7 @@ def set_threads(threads: int | None) -> None:
     if threads:
         import torch
 
-        from .engine import native
+        from .runtime import native
 
         torch.set_num_threads(threads)
         if native.available()[0]:
@@ -112,7 +112,7 @@ def field_option(parser: argparse.ArgumentParser, config: type, name: str, kind,
 
 
 def add_weight_args(parser: argparse.ArgumentParser) -> None:
-    from .engine.formats import FORMATS
+    from .runtime.formats import FORMATS
 
     parser.add_argument("--weights", default="auto", choices=["auto", *FORMATS],
                         help="the target's run-time weight format: gguf (the file's own quantized "
@@ -614,11 +614,11 @@ def cmd_bench(args) -> int:
 
 def cmd_vocab(args) -> int:
 
-    from .engine.loading import load_model
+    from .runtime.loading import load_model
     from .training.sharegpt import count_sharegpt
     from .speculation.vocab.token_map import (count_files, count_target_predictions, rank, save_eagle3,
                                               save_token_map)
-    from .engine.tokenizer import load_tokenizer
+    from .runtime.tokenizer import load_tokenizer
 
     model, path = load_model(args.model, max_seq_len=64)
     tokenizer = load_tokenizer(path)
@@ -683,7 +683,7 @@ def cmd_ranker(args) -> int:
 
     from .speculation.config import bundled_drafter_dir
     from .speculation.families.eagle import EagleDrafter
-    from .engine.loading import load_model
+    from .runtime.loading import load_model
     from .speculation.vocab.heads import load_ranker, save_ranker
     from .training.ranker import train_ranker
     from .training.train import TrainConfig, load_shards
@@ -867,7 +867,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from .speculation.families.eagle import DrafterMismatch
-    from .engine.loading import ModelLoadError
+    from .runtime.loading import ModelLoadError
 
     try:
         return COMMANDS[args.command](args)

@@ -30,7 +30,7 @@ def export(model: str, out: str | Path, draft_path: str | None = None, draft_voc
     from .speculation.vocab.heads import parse_draft_vocab
     from .speculation.families.eagle import EagleDrafter
     from .speculation.families.eagle3 import Eagle3Drafter, is_eagle3
-    from .engine.loading import load_model
+    from .runtime.loading import load_model
     from .speculation.vocab.token_map import load_token_map, save_eagle3, save_token_map
 
     target, _ = load_model(model, max_seq_len=64)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from ..decoding.generate import GenerationConfig
 from ..decoding.batch import Engine
-from ..engine.prompts import encode_conversation, stop_strings
+from ..runtime.prompts import encode_conversation, stop_strings
 from ..speculation.sampling import SamplingParams
 
 CATEGORY_ORDER = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
@@ -122,10 +122,10 @@ def build_methods(cfg: BenchConfig, log=print, trees: dict | None = None):
     from dataclasses import replace
 
     from ..decoding.generate import require_exact
-    from ..engine.loading import load_model
+    from ..runtime.loading import load_model
     from ..speculation.config import DraftConfig
     from ..tuning.proposers import make_proposer
-    from ..engine.tokenizer import load_tokenizer
+    from ..runtime.tokenizer import load_tokenizer
 
     configs = {name: DraftConfig.from_method(name, path=cfg.draft_path, depth=cfg.depth,
                                              top_k=cfg.tree_top_k, total_tokens=cfg.total_tokens)

@@ -192,7 +192,7 @@ def serve_while(lm, model_name: str, limits, work: Callable[..., dict]) -> dict:
 def prompts_for(tokenizer, questions: list[dict]) -> tuple[list, bool]:
     """Each question's first turn as the server takes it: chat messages for a chat model, the
     project's Question/Answer frame as text for a base model (then /v1/completions)."""
-    from ..engine.prompts import conversation_text, is_chat
+    from ..runtime.prompts import conversation_text, is_chat
 
     if is_chat(tokenizer):
         return [[{"role": "user", "content": q["turns"][0]}] for q in questions], True

@@ -60,9 +60,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..engine.backend import Backend
-from ..engine.step_rows import StepRows
-from ..engine.tokenizer import Tokenizer
+from ..runtime.backend import Backend
+from ..runtime.step_rows import StepRows
+from ..runtime.tokenizer import Tokenizer
 from .cost_curve import Costs
 from .generate import Generation, GenerationConfig, GenerationResult, Target, require_exact, graphs_by_default
 from ..speculation.proposer import Proposer
@@ -89,7 +89,7 @@ def check_prompt(model: Backend, prompt_ids: list[int], config: GenerationConfig
 def check_cache_fits(model: Backend, slots: int, window: int) -> None:
     """ValueError, with the numbers, where `slots` caches of `window` tokens do not fit the
     memory free now: a server meets its memory need when it starts, or says it cannot."""
-    from ..engine.loading import memory_available
+    from ..runtime.loading import memory_available
 
     need, have = model.memory.kv_per_token * window * slots, memory_available()
     if have is not None and need > have:

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..engine.step_rows import StepRows
+from ..runtime.step_rows import StepRows
 
 
 def forward_seconds(model, sizes, context: int = 256, repeats: int = 5,

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.backend import Backend
-from ..engine.step_rows import RowSpan, StepRows
-from ..engine.tokenizer import Tokenizer
+from ..runtime.backend import Backend
+from ..runtime.step_rows import RowSpan, StepRows
+from ..runtime.tokenizer import Tokenizer
 from ..speculation.proposer import DraftingFailed, Proposer
 from ..speculation.sampling import SamplingParams, greedy_token, make_generator, sample, target_probs
 from ..speculation.tree import Tree, chain
@@ -294,7 +294,7 @@ class Generation:
         device's tree is left unread: checking it would wait for the device.)"""
         if tree.tokens.device.type != "cpu":
             return
-        from ..engine.native import check_parents, check_range
+        from ..runtime.native import check_parents, check_range
 
         rows, room = tree.tokens.numel(), self.cache.max_len - self.cache.used
         if not 1 <= rows <= room or tree.parents.numel() != rows:

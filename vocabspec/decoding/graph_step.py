@@ -38,9 +38,9 @@ import os
 
 import torch
 
-from ..engine.backend import Backend
-from ..engine.kv_cache import DeviceKVCache
-from ..engine.step_rows import RowSpan, StepRows
+from ..runtime.backend import Backend
+from ..runtime.kv_cache import DeviceKVCache
+from ..runtime.step_rows import RowSpan, StepRows
 from ..speculation.proposer import Proposer
 from ..speculation.tree import Tree, chain
 from ..speculation.verify import verify_greedy

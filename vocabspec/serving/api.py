@@ -16,11 +16,11 @@ from dataclasses import fields
 
 from ..decoding.batch import BatchEngine, BatchLimits, Engine
 from ..decoding.generate import GenerationConfig, GenerationResult, require_exact
-from ..engine.loading import load_model
+from ..runtime.loading import load_model
 from ..speculation.config import DraftConfig
 from ..tuning.proposers import make_proposer
 from ..speculation.sampling import SamplingParams
-from ..engine.tokenizer import load_tokenizer
+from ..runtime.tokenizer import load_tokenizer
 
 DRAFT_FIELDS = {f.name for f in fields(DraftConfig)} - {"method"}
 

@@ -137,7 +137,7 @@ class DraftConfig:
                                  f"not {self.method}")
         if family.check is not None:
             family.check(self)
-        from ..engine.loading import WEIGHTS
+        from ..runtime.loading import WEIGHTS
 
         if self.draft_weights not in WEIGHTS:
             raise ValueError(f"unknown draft weight format {self.draft_weights!r} (choose from "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .tree import Tree
-from ..engine.backend import PREFILL_CHUNK  # noqa: F401  (the proposers' reads chunk prompts alike)
+from ..runtime.backend import PREFILL_CHUNK  # noqa: F401  (the proposers' reads chunk prompts alike)
 
 
 class Proposer:

@@ -25,7 +25,7 @@ from functools import cached_property
 
 import torch
 
-from ..engine.kv_cache import ancestor_mask
+from ..runtime.kv_cache import ancestor_mask
 
 
 @dataclass(eq=False)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import SamplingParams, target_probs
-from ..engine.kv_cache import ancestor_mask
-from ..engine.backend import HEAD_ROWS
+from ..runtime.kv_cache import ancestor_mask
+from ..runtime.backend import HEAD_ROWS
 from .tree import Tree
 
 

@@ -8,7 +8,7 @@ each batched on the device, inside a time budget.
 `export` tokenizes the recipe's prompts (ShareGPT first turns, task prompts, later turns, the
 training conversations and the held-out prompts: train.py's data stage) into one small file,
 so the GPU machine needs neither the ShareGPT package nor a tokenizer. `run` then:
-1. answers every prompt greedily, a thousand at a time (batched.greedy_answers), and keeps the
+1. answers every prompt greedily, a thousand at a time (slots.greedy_answers), and keeps the
    answers in OUT (answers-K.npz), so a later run, on any machine, can train on them again;
    `--self-prompts N` first draws up to N prompts the target writes itself (self_prompts.py) on
    the device, answered with the rest or after `--answers`' ones: data past ShareGPT's supply;
@@ -50,8 +50,8 @@ def unpack(flat: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
 
 def export_prompts(model: str, out: Path, recipe: dict) -> dict:
     """The recipe's prompts, tokenized, into `out` (.npz): prompts, conversations, heldout."""
-    from ..engine.loading import resolve_model_path
-    from ..engine.tokenizer import load_tokenizer
+    from ..runtime.loading import resolve_model_path
+    from ..runtime.tokenizer import load_tokenizer
     from .train import TrainConfig, _distill_prompts, prepare_sequences
 
     cfg = TrainConfig.of(model=model, drafter="eagle3", out=str(out.parent / (out.stem + "-work")), **recipe)
@@ -100,7 +100,7 @@ def read_answers(paths: list[Path]) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def run(args) -> dict:
-    from ..engine.loading import load_model
+    from ..runtime.loading import load_model
     from ..speculation.config import bundled_drafter_dir
     from .eagle3_train import draft_vocabulary, train_batched
 
@@ -167,7 +167,7 @@ def fitting_prompts(data: dict, room: int, log) -> None:
 def answer_prompts(target, todo: list[list[int]], args, started: float, report: dict, log) -> list:
     """The target's greedy answers to `todo` (None for those the answer share of the budget
     left unanswered), with their figures in report["answers"] and a progress line every 15 s."""
-    from ..engine.batched import greedy_answers
+    from ..runtime.slots import greedy_answers
 
     t = time.perf_counter()
     tick = {"last": t}
@@ -234,8 +234,8 @@ def drawn_prompts(args, out: Path, deadline: float, room: int, report: dict, log
     (self_prompts.py), seeds from --self-prompts-start on, drawn with the batch engine on the
     device until `deadline` (the rest are left for a later run), in the recipe's format and
     batched there (inexact, as its answers), framed and tokenized with the GGUF's own tokenizer."""
-    from ..engine.loading import resolve_model_path
-    from ..engine.tokenizer import load_tokenizer
+    from ..runtime.loading import resolve_model_path
+    from ..runtime.tokenizer import load_tokenizer
     from .self_prompts import sample_user_prompts, self_prompt_ids
 
     t = time.perf_counter()

@@ -21,7 +21,7 @@ Two loops share that loss:
   it draws them): right on a 2-core CPU, where one sequence keeps both cores busy;
 - `train_batched` takes many sequences a step, for a wide device (a GPU, eagle3_device.py, the
   device form of this recipe): sequences of similar length right-padded to (B, L), their
-  features from one batched forward (batched.forward_rows, causal within each sequence) with
+  features from one batched forward (slots.forward_rows, causal within each sequence) with
   the target's full-vocabulary choice at every position, and training-time test over the B x n
   rows at once (StepAttention over B blocks); padded rows carry no loss. Several drafters can
   train side by side on the same features, which is how the recipe compares two losses at one
@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..speculation.families.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layers
-from ..engine.backend import Backend
-from ..engine.batched import forward_rows, pad_rows
-from ..engine.model import CustomAttention
+from ..runtime.backend import Backend
+from ..runtime.slots import forward_rows, pad_rows
+from ..runtime.model import CustomAttention
 from .config import TrainConfig
 from .train import learning_rate
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..speculation.families.medusa import MedusaHeads
-from ..engine.backend import Backend
+from ..runtime.backend import Backend
 from .train import ship_dir, training_sets
 
 HEAD_DECAY = 0.8

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..engine import native
-from ..engine.prompts import conversation_text, encode_conversation, is_chat
+from ..runtime import native
+from ..runtime.prompts import conversation_text, encode_conversation, is_chat
 
 PLACEHOLDER = "\x00user message\x00"
 TEMPERATURE, TOP_P = 1.0, 0.95

@@ -65,7 +65,7 @@ def sharegpt_ids(tokenizer, limit: int | None = None, progress: bool = True) -> 
     """Each ShareGPT conversation as token ids, in the target's own prompt format."""
     from tqdm import tqdm
 
-    from ..engine.prompts import encode_conversation
+    from ..runtime.prompts import encode_conversation
 
     for index, (_, turns) in enumerate(tqdm(iter_conversations(), desc="counting ShareGPT",
                                             unit="conv", disable=not progress)):

@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..engine.files import load_torch_file
+from ..runtime.files import load_torch_file
 from .answers import read_answers, target_fingerprint, write_answers
 from ..speculation.families.eagle import EagleDrafter, checked_taps, draft_states, features_of
-from ..engine.backend import Backend
-from ..engine.prompts import encode_conversation
+from ..runtime.backend import Backend
+from ..runtime.prompts import encode_conversation
 from ..speculation.vocab.heads import load_ranker, save_ranker
 from .ranker import distillation_loss, starting_ranker, teacher
 from .ranker import recall as ranker_recall
@@ -280,7 +280,7 @@ def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]],
     from ..serving.api import load
     from ..decoding.batch import BatchLimits
     from ..decoding.generate import GenerationConfig
-    from ..engine.prompts import stop_strings
+    from ..runtime.prompts import stop_strings
 
     lm = load(str(model_path), device=cfg.device)
     config = GenerationConfig(max_new_tokens=cfg.data.distill_new_tokens, stop=stop_strings(lm.tokenizer))
@@ -778,8 +778,8 @@ def trainer_of(name: str):
 
 def run(cfg: TrainConfig, stages=("data", "features", "train"), ship: bool = False,
         log=print) -> dict:
-    from ..engine.loading import load_model, resolve_model_path
-    from ..engine.tokenizer import load_tokenizer
+    from ..runtime.loading import load_model, resolve_model_path
+    from ..runtime.tokenizer import load_tokenizer
 
     train_family = trainer_of(cfg.drafter)
     check_device(cfg, stages)

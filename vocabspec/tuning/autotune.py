@@ -52,7 +52,7 @@ from tqdm import tqdm
 from ..decoding.cost_curve import forward_seconds
 from .machine_load import BUSY_CORES, LoadMark, machine_is_quiet
 from ..speculation.proposer import Proposer
-from ..engine.linear import packing_enabled
+from ..runtime.linear import packing_enabled
 
 CANDIDATE_SIZES = tuple(range(1, 13)) + (16, 20, 24, 32)
 CANDIDATE_DEPTHS = (1, 2, 3, 4, 6)
@@ -151,7 +151,7 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
     from ..speculation.families.eagle import EagleProposer
     from ..decoding.generate import GenerationConfig
     from ..decoding.batch import Engine
-    from ..engine.prompts import encode_conversation
+    from ..runtime.prompts import encode_conversation
 
     largest = max(CANDIDATE_SIZES)
     prompts = [encode_conversation(tokenizer, [("user", q)], answer_open=True)
@@ -259,7 +259,7 @@ def keep_calibration(sizing, key: str) -> None:
     import atexit
     import weakref
 
-    from ..engine.files import cache_dir
+    from ..runtime.files import cache_dir
 
     path, full_key = cache_dir() / "autotune.json", f"calibration|{key}|v1"
     sizing.calibration.load(_load(path).get(full_key))
@@ -290,7 +290,7 @@ def _forward_key(model) -> str:
 def forward_curve(model, log=None) -> dict[int, float]:
     """Rows verified -> seconds of the forward (cost_curve.forward_seconds), timed once per
     model shape and machine and cached with the trees' choices."""
-    from ..engine.files import cache_dir
+    from ..runtime.files import cache_dir
 
     path, key = cache_dir() / "autotune.json", _forward_key(model)
     known = _load(path)
@@ -320,7 +320,7 @@ def tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
     """What `choose_tree` chose and measured (depth, total_tokens, measured_speedup and the
     calibration table), and the forward curve it read: rows verified -> seconds. The live
     sizing rule (live_tree.py) starts from both."""
-    from ..engine.files import cache_dir
+    from ..runtime.files import cache_dir
 
     forward = forward_curve(model, log)
     path = cache_dir() / "autotune.json"
@@ -392,13 +392,13 @@ def _smallest_close(speedups: dict) -> int:
 
 
 def _calibration_prompts(tokenizer):
-    from ..engine.prompts import encode_conversation
+    from ..runtime.prompts import encode_conversation
 
     return [encode_conversation(tokenizer, [("user", q)], answer_open=True) for q in CALIBRATION_QUESTIONS]
 
 
 def _cached(key: str, model, compute, log):
-    from ..engine.files import cache_dir
+    from ..runtime.files import cache_dir
 
     path = cache_dir() / "autotune.json"
     known = _load(path)

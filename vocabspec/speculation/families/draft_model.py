@@ -50,8 +50,8 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_args, draft_a
 def load_draft_model(spec: str, target, target_tokenizer=None, weights: str = "auto", room: int = 256):
     """The draft model `spec` (bundled name, GGUF file or HF directory) in `weights` (formats.py;
     auto: the fastest exact format here), positioned as far as the target plus `room` for trees."""
-    from ...engine.loading import load_model
-    from ...engine.tokenizer import load_tokenizer
+    from ...runtime.loading import load_model
+    from ...runtime.tokenizer import load_tokenizer
 
     draft, path = load_model(spec, weights=weights, device=target.device,
                              max_seq_len=target.args.max_seq_len + room)

@@ -31,10 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..vocab.heads import FullVocab, HeadTimedDrafting
-from ...engine.kv_cache import DeviceKVCache, KVCache
-from ...engine.linear import Linear
-from ...engine.backend import Backend
-from ...engine.model import ARCH_FEATURES, Block, CustomAttention, ModelArgs
+from ...runtime.kv_cache import DeviceKVCache, KVCache
+from ...runtime.linear import Linear
+from ...runtime.backend import Backend
+from ...runtime.model import ARCH_FEATURES, Block, CustomAttention, ModelArgs
 from ..proposer import Proposer, GraphDrafting
 from ..tree import Tree, TreeBuilder, chain, flatten
 
@@ -182,7 +182,7 @@ class EagleDrafter(nn.Module):
         weights (bf16 holds a bfloat16 checkpoint exactly; q8i: Q8_0 groups beside 8-bit
         activations), float32 activations, a native KV cache. What is drafted changes by
         rounding only; verification is untouched."""
-        from ...engine.formats import block_biases, block_linears
+        from ...runtime.formats import block_biases, block_linears
 
         if self.fuse is not None:
             raise ValueError("drafters with taps draft on torch's kernels")
@@ -292,7 +292,7 @@ class EagleDrafter(nn.Module):
         of bfloat16's bytes."""
         from safetensors.torch import save_file
 
-        from ...engine.formats import q8_0_groups
+        from ...runtime.formats import q8_0_groups
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -402,7 +402,7 @@ class EagleDrafter(nn.Module):
 def unpack_q8_0(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors with Q8_0 groups (`NAME` codes beside `NAME_scale`, see
     EagleDrafter.save) as float32 matrices; other tensors as they are."""
-    from ...engine.formats import q8_0_float
+    from ...runtime.formats import q8_0_float
 
     out = {}
     for name, tensor in state.items():
@@ -433,7 +433,7 @@ def _cat(*tensors):
 def packer(kind: str, target):
     """pack(weight, bias=None) -> a formats.PackedWeight in `kind` (q8i: Q8_0 groups beside
     8-bit activations; bf16 or f32), for a drafter beside `target` on the native engine."""
-    from ...engine.formats import pack_float, quantize_q8
+    from ...runtime.formats import pack_float, quantize_q8
 
     if target.drafter_format is None:
         raise ValueError(f"a drafter packs its weights to draft beside a target on the native engine; this "
@@ -445,7 +445,7 @@ def packer(kind: str, target):
 
 def packed_stack(args: ModelArgs, layers, packed: dict, rope: dict, first: dict | None = None):
     """A drafter's decoder layers (model.Block modules) as a native stack over `packed`."""
-    from ...engine.native_backend import block_norms, native_stack
+    from ...runtime.native_backend import block_norms, native_stack
 
     return native_stack(args, block_norms(layers), packed, rope, first)
 
@@ -496,7 +496,7 @@ class PackedLayers(TorchLayers):
     def native_drafter(self, head):
         """A NativeDrafter over the target's packed embedding, norm and `head`'s packed rows
         (None for a head that is not packed, or not of fixed rows)."""
-        from ...engine.native import NativeDrafter
+        from ...runtime.native import NativeDrafter
 
         ids = packed_head_ids(head)
         if ids is False:

@@ -39,9 +39,9 @@ import torch.nn as nn
 
 from .eagle import (DrafterMismatch, PackedLayers, TorchLayers, attention_mask, packed_head_ids, packed_stack,
                     packer, randomized, unpack_q8_0)
-from ...engine.kv_cache import DeviceKVCache, KVCache
-from ...engine.linear import Linear
-from ...engine.model import Block, ModelArgs, RMSNorm, rope_tables
+from ...runtime.kv_cache import DeviceKVCache, KVCache
+from ...runtime.linear import Linear
+from ...runtime.model import Block, ModelArgs, RMSNorm, rope_tables
 
 LAYOUTS = ("speculators", "sglang")
 
@@ -212,7 +212,7 @@ class Eagle3Drafter(nn.Module):
         fc, the layers and the draft head as `kind` weights (q8i: GGUF's Q8_0 groups beside
         8-bit activations), float32 activations, a native KV cache. What is drafted changes by
         rounding only; verification is untouched."""
-        from ...engine.formats import block_biases, block_linears, pack_float
+        from ...runtime.formats import block_biases, block_linears, pack_float
 
         c, a = self.config, self.args
         if not self.native_fits:
@@ -443,7 +443,7 @@ class Eagle3Drafter(nn.Module):
         and `vocabspec export` writes floats for other readers."""
         from safetensors.torch import save_file
 
-        from ...engine.formats import q8_0_groups
+        from ...runtime.formats import q8_0_groups
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -558,7 +558,7 @@ class Eagle3PackedLayers(PackedLayers):
         return d.norm(x) if d.config.norm_output else x
 
     def native_drafter(self, head):
-        from ...engine.native import NativeDrafter
+        from ...runtime.native import NativeDrafter
 
         ids = packed_head_ids(head)
         if ids is False:

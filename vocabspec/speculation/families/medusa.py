@@ -34,9 +34,9 @@ import torch.nn.functional as F
 
 from ..config import BUNDLED_DRAFTERS, Family, default_vocab, head_files, register
 from ..vocab.heads import FullVocab, HeadTimedDrafting, float_rows, int8_rows, make_draft_vocab
-from ...engine.linear import Linear
+from ...runtime.linear import Linear
 from ..proposer import Proposer, GraphDrafting
-from ...engine.kv_cache import ancestor_mask
+from ...runtime.kv_cache import ancestor_mask
 from ..tree import Tree, chain
 
 # Medusa's published tree for its 7B models (FasterDecoding/Medusa, medusa_choices.py,

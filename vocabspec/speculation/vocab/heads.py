@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ...engine.linear import linear
+from ...runtime.linear import linear
 
 
 class _Timed:

@@ -28,7 +28,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ...engine.files import load_torch_file
+from ...runtime.files import load_torch_file
 
 
 def rank(counts: Counter, vocab: int, fallback: Iterable[int] = ()) -> list[int]:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .batched import SlotCache, SlotTree, blocks_over_slots
+from .slots import SlotCache, SlotTree, blocks_over_slots
 from .kv_cache import DeviceKVCache, KVCache
 from .model import LayerPlan, ModelArgs, Transformer
 from .torch_backend import TorchBackend
@@ -35,7 +35,7 @@ KERNEL_TABLE_ELEMENTS = 2**31 - 1
 class Visibility:
     """What each new row attends to, as the row-invariant kernels read it (native.visibility's
     prefix, xoff, extra, on the device), and the sliding window where a layer has one. The
-    slots are a cache's `storage` (a KVCache's layer; batched.SlotRows' table of many)."""
+    slots are a cache's `storage` (a KVCache's layer; slots.SlotRows' table of many)."""
     prefix: torch.Tensor
     xoff: torch.Tensor
     extra: torch.Tensor
@@ -275,7 +275,7 @@ class KernelBackend(TorchBackend):
         return KernelPlan(self.args, sequence, positions, tree_mask, self.rope).masks["global"][0]
 
     def slot_forward(self, cache: SlotCache, tokens, positions, slots, trees, taps):
-        """batched.forward_with_trees on the kernels: plain rows, then each tree's, over `SlotRows`."""
+        """slots.forward_with_trees on the kernels: plain rows, then each tree's, over `SlotRows`."""
         device = tokens.device
         all_tokens = torch.cat([tokens, *(tree.tokens for tree in trees)])
         all_positions = torch.cat([positions, *(tree.positions for tree in trees)])
@@ -286,7 +286,7 @@ class KernelBackend(TorchBackend):
         return blocks_over_slots(self, self.embed_tokens(all_tokens), all_positions, rows, taps)
 
     def rows_forward(self, tokens, positions, cache, first_slot, context, taps, slots):
-        """batched.forward_rows on the kernels: with a slot table, the rows (B, n) flattened, each
+        """slots.forward_rows on the kernels: with a slot table, the rows (B, n) flattened, each
         layer over `SlotRows` (sequence b's rows in slot slots[b]); without one, torch's way."""
         if cache is None:
             return super().rows_forward(tokens, positions, cache, first_slot, context, taps, slots)

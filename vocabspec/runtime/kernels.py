@@ -305,7 +305,7 @@ if triton is not None:
         # The keys a query row sees, in position order: its `pre` prefix positions, then its own
         # entries extra[x0 : x0 + count - pre] (a tree's ancestors); a sliding layer starts at
         # `first` (positions pos - window + 1 .. pos). Slots count from the row's `start_slot`
-        # (its slot table's row, batched.SlotRows).
+        # (its slot table's row, slots.SlotRows).
         pre = tl.load(prefix + row)
         x0 = tl.load(xoff + row)
         count = pre + tl.load(xend + row) - x0
@@ -473,7 +473,7 @@ def cache_stride(keys: torch.Tensor, values: torch.Tensor) -> int:
     (groups, slots, D) that the kernels write in place: each slot's D values contiguous, slots
     side by side, the groups any whole number of slots apart, the same for keys and values
     (a KVCache's layer, or a SlotCache's table, whose group stride is a window while its slots
-    run on through every sequence's: batched.SlotCache.storage). ValueError otherwise."""
+    run on through every sequence's: slots.SlotCache.storage). ValueError otherwise."""
     G, T, D = keys.shape
     if values.shape != keys.shape or keys.stride()[1:] != (D, 1) or values.stride()[1:] != (D, 1) \
             or (G > 1 and (values.stride(0) != keys.stride(0) or keys.stride(0) % D)):
@@ -638,7 +638,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix:
     [0, prefix[r]) and then extra[xoff[r]:xend[r]] (xend: xoff[1:] unless given), in position
     order (its own last), as native.visibility describes a tree's rows; with a `window`, only
     its last `window` positions (`positions`: each row's). `base` (n,): each row's slots counted
-    from base[r] on (the slot table of many sequences, batched.SlotRows; None: from 0). keys and
+    from base[r] on (the slot table of many sequences, slots.SlotRows; None: from 0). keys and
     values are read in place wherever each slot's D values are contiguous (`cache_rows`).
     Returns (n, heads, D) in q's dtype. use_dot: a key group's heads scored and summed on
     tensor cores (`_attention_dot`), or one head at a time with multiply-adds (None: where

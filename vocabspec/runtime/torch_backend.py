@@ -2,7 +2,7 @@
 
 A step's spans run a forward each over their own KV caches, or, where a batch runs its requests'
 rows together (`caches(together=True)`: a GPU's batches), as rows of one forward over per-slot
-caches (batched.py): every span a tree or a prompt's chunk in its slot, and a step of plain
+caches (slots.py): every span a tree or a prompt's chunk in its slot, and a step of plain
 rows alone one captured decode step on a GPU. torch's kernels round a row differently with
 other rows beside it (SDPA's and the matmuls' reduction order follows the row count), so this
 backend is not exact: drafting on it needs inexact answers allowed, and so do rows together.
@@ -31,7 +31,7 @@ class TorchBackend(Backend):
         super().__init__(module.args)
         self.module = module
         self.engine = engine or f"torch's kernels on {module.device.type}"
-        self.decodes = {}       # batched.DecodeStep by slot table: a step of plain rows on a GPU
+        self.decodes = {}       # slots.DecodeStep by slot table: a step of plain rows on a GPU
 
     @property
     def device(self) -> torch.device:
@@ -81,7 +81,7 @@ class TorchBackend(Backend):
         return hidden, tapped[0] if taps else None
 
     def block(self, block, x, cos, sin, cache, mask) -> torch.Tensor:
-        """One decoder layer over rows `x` (batched.py runs a slot table's layers through it)."""
+        """One decoder layer over rows `x` (slots.py runs a slot table's layers through it)."""
         return block(x, cos, sin, cache, mask, 0)
 
     def slot_visibility(self, sequence, positions: torch.Tensor, tree_mask):
@@ -90,19 +90,19 @@ class TorchBackend(Backend):
         return None
 
     def slot_forward(self, cache, tokens, positions, slots, trees, taps):
-        """batched.forward_with_trees' forward on this backend."""
-        from .batched import forward_with_trees_on_torch
+        """slots.forward_with_trees' forward on this backend."""
+        from .slots import forward_with_trees_on_torch
 
         return forward_with_trees_on_torch(self, cache, tokens, positions, slots, trees, taps)
 
     def rows_forward(self, tokens, positions, cache, first_slot, context, taps, slots):
-        """batched.forward_rows on this backend."""
-        from .batched import forward_rows_on_torch
+        """slots.forward_rows on this backend."""
+        from .slots import forward_rows_on_torch
 
         return forward_rows_on_torch(self, tokens, positions, cache, first_slot, context, taps, slots)
 
     def forward(self, rows: StepRows) -> StepRows:
-        from .batched import SlotSequence
+        from .slots import SlotSequence
 
         tables = {id(span.cache.table) if isinstance(span.cache, SlotSequence) else None for span in rows.spans}
         if len(tables) == 1 and None not in tables:
@@ -133,10 +133,10 @@ class TorchBackend(Backend):
 
     def caches(self, count: int, window: int, together: bool = False) -> list:
         """With `together`, one slot table of as many slots of `window` tokens as half the free
-        memory holds (at most `count`), each slot a request's cache (batched.SlotSequence)."""
+        memory holds (at most `count`), each slot a request's cache (slots.SlotSequence)."""
         if not together:
             return super().caches(count, window)
-        from .batched import DecodeStep, SlotCache, SlotSequence
+        from .slots import DecodeStep, SlotCache, SlotSequence
 
         table = SlotCache.fitting(self, window, count)
         if self.device.type == "cuda":
@@ -147,7 +147,7 @@ class TorchBackend(Backend):
         """Every span as rows of one forward over the slot table: a step of plain rows alone
         as one decode step (a CUDA graph on a GPU), else each span a tree (`SlotTree`) of
         `forward_with_trees` (a causal chunk as the chain it is)."""
-        from .batched import SlotTree, forward_with_trees
+        from .slots import SlotTree, forward_with_trees
 
         spans, device = rows.spans, self.device
         decode = self.decodes.get(id(table))

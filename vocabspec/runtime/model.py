@@ -275,7 +275,7 @@ class Block(nn.Module):
 
     def after_attention(self, x, h):
         """The rest of the layer once attention's output `h` is known: its residual and the
-        MLP's (batched.forward_rows computes attention its own way and shares this)."""
+        MLP's (slots.forward_rows computes attention its own way and shares this)."""
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
