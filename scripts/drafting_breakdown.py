@@ -30,7 +30,7 @@ import torch
 from vocabspec.runtime import native
 from vocabspec.runtime.loading import load_model
 from vocabspec.decoding.cost_curve import forward_seconds
-from vocabspec.speculation.vocab.heads import FullVocab, SpecVocab, StaticSubset
+from vocabspec.speculation.vocab.draft_vocab import FullVocab, SpecVocab, StaticSubset
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
 from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter
 
@@ -107,7 +107,7 @@ def heads(model, eagle3) -> dict:
     down, vocab = torch.randn(rank, model.args.dim, generator=g), torch.randn(model.args.vocab_size, rank, generator=g)
     out["EAGLE-2"]["SpecVocab 2048"] = SpecVocab(model.head_weight.to(torch.bfloat16), down, vocab, candidates=2048,
                                                  context_tokens=0)
-    own = eagle3.draft_head("full")
+    own = eagle3.draft_vocab("full")
     out["EAGLE-3"]["own 32k"] = own
     for size in (16384, 8192):
         out["EAGLE-3"][f"own, FR {size // 1024}k"] = StaticSubset.of_rows(
@@ -149,7 +149,7 @@ def main():
             split = level_split(stack, cache.keys, cache.values, head.weight if spec is None else None,
                                 args.top_k, args.repeats, spec)
             total = split["layer_ms"] + split["head_ms"] + split["topk_ms"]     # a level (ranking: once a tree)
-            proposer = EagleProposer(drafter, head=head, depth=args.depth, top_k=args.top_k, total_tokens=n)
+            proposer = EagleProposer(drafter, draft_vocab=head, depth=args.depth, top_k=args.top_k, total_tokens=n)
             draft = step_seconds(model, proposer, args.repeats)
             tau = PAPER_TAU.get(name) if family == "EAGLE-2" else None
             row = {"drafter": family, "head": name, **{k: round(v, 2) for k, v in split.items()},

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vocabspec.tuning import autotune  # noqa: E402
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer  # noqa: E402
-from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset  # noqa: E402
+from vocabspec.speculation.vocab.draft_vocab import FullVocab, StaticSubset  # noqa: E402
 from vocabspec.decoding.generate import GenerationConfig  # noqa: E402
 from vocabspec.decoding.batch import Engine
 from vocabspec.speculation.families.hybrid import EagleLookupProposer  # noqa: E402
@@ -91,13 +91,13 @@ def methods(model, tuned: tuple[int, int] | None = None) -> dict:
     """The methods checked; with a `tuned` (depth, total_tokens), also EAGLE-2 FR 32k there."""
     drafter, full, fr = drafter_and_heads(model)
     out = {"plain": None, "pld": PromptLookupProposer(device=model.device),
-           "eagle2 5x48": EagleProposer(drafter, head=full, depth=5, top_k=8, total_tokens=48),
-           "eagle2+fr:32k 5x48": EagleProposer(drafter, head=fr, depth=5, top_k=8, total_tokens=48),
-           "eagle2+fr:32k+pld 5x48": EagleLookupProposer(drafter, head=fr, depth=5, top_k=8, total_tokens=48)}
+           "eagle2 5x48": EagleProposer(drafter, draft_vocab=full, depth=5, top_k=8, total_tokens=48),
+           "eagle2+fr:32k 5x48": EagleProposer(drafter, draft_vocab=fr, depth=5, top_k=8, total_tokens=48),
+           "eagle2+fr:32k+pld 5x48": EagleLookupProposer(drafter, draft_vocab=fr, depth=5, top_k=8, total_tokens=48)}
     if tuned is not None:
         depth, total = tuned
         out[f"eagle2+fr:32k {depth}x{total} (tuned)"] = EagleProposer(
-            drafter, head=fr, depth=depth, top_k=8, total_tokens=total)
+            drafter, draft_vocab=fr, depth=depth, top_k=8, total_tokens=total)
     return out
 
 
@@ -209,8 +209,8 @@ def check_kernels(path: Path, prompts: list[str], weights: str, new_tokens: int,
     ids = [encode_conversation(tokenizer, [("user", p)], answer_open=True) for p in prompts]
     drafter, _, fr = drafter_and_heads(model)
     proposers = {"plain": None, "pld": PromptLookupProposer(device=model.device),
-                 "eagle2+fr:32k 4x16": EagleProposer(drafter, head=fr, depth=4, top_k=8, total_tokens=16),
-                 "eagle2+fr:32k+pld 4x16": EagleLookupProposer(drafter, head=fr, depth=4, top_k=8, total_tokens=16)}
+                 "eagle2+fr:32k 4x16": EagleProposer(drafter, draft_vocab=fr, depth=4, top_k=8, total_tokens=16),
+                 "eagle2+fr:32k+pld 4x16": EagleLookupProposer(drafter, draft_vocab=fr, depth=4, top_k=8, total_tokens=16)}
     engines = {name: Engine(model, tokenizer, proposer, graphs=False) for name, proposer in proposers.items()}
     for engine in engines.values():                                  # warm-up: compiles the kernels
         engine.generate(ids[0], GenerationConfig(max_new_tokens=4))
@@ -230,7 +230,7 @@ def check_exact(path: Path, prompts: list[str], new_tokens: int, budget_s: float
     # The tuner's tree; where no tree beat plain decoding there, the best it measured.
     chosen = record if record["total_tokens"] else autotune.pick(record["table"])
     depth, total = chosen["depth"], chosen["total_tokens"]
-    tuned = EagleProposer(drafter, head=fr, depth=depth, top_k=8, total_tokens=total)
+    tuned = EagleProposer(drafter, draft_vocab=fr, depth=depth, top_k=8, total_tokens=total)
     label = "tuned" if record["total_tokens"] else "the tuner's best, slower than plain there"
     engines = {"exact plain": Engine(exact, tokenizer, None, graphs=True),
                f"exact eagle2+fr:32k {depth}x{total} ({label})": Engine(exact, tokenizer, tuned, graphs=True),
@@ -458,7 +458,7 @@ def drafting_cost(layers: int, steps: int = 20) -> dict:
         return round((time.perf_counter() - start) / steps * 1e3, 2)
 
     for name, head in heads.items():
-        proposer = EagleProposer(drafter, head=head, depth=5, top_k=8, total_tokens=48)
+        proposer = EagleProposer(drafter, draft_vocab=head, depth=5, top_k=8, total_tokens=48)
         form = proposer.graph_form(512)
         with torch.inference_mode():
             cache = DeviceKVCache(args.n_layers, args.n_kv_heads, args.head_dim, 512, model.dtype, model.device)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import vocabspec
 from vocabspec.speculation.config import bundled_drafter_dir
-from vocabspec.speculation.vocab.heads import make_draft_vocab
+from vocabspec.speculation.vocab.draft_vocab import make_draft_vocab
 from vocabspec.benchmarks.bench import load_questions
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.runtime.linear import linear
@@ -92,7 +92,7 @@ def main():
     lm = vocabspec.load(args.model, draft="eagle", path=args.draft_path or "eagle2", vocab="full", total_tokens=8,
                         backend="torch", allow_inexact=True)
     target, drafter = lm.engine.model, lm.engine.proposer.drafter
-    full_head = lm.engine.proposer.head.weight      # in the drafter's dtype, as it drafts
+    full_head = lm.engine.proposer.draft_vocab.weight      # in the drafter's dtype, as it drafts
     files = bundled_drafter_dir(args.model)
     ranker = make_draft_vocab("spec:2048", target.head_weight, files, ranker=args.ranker)
     def options(k: int) -> str:

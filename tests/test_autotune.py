@@ -69,7 +69,7 @@ def test_strategies_share_one_forward_timing_and_choices_are_cached(smollm2, tmp
     import json
 
     from vocabspec.tuning.autotune import choose_tree, pick
-    from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset
+    from vocabspec.speculation.vocab.draft_vocab import FullVocab, StaticSubset
     from vocabspec.speculation.families.eagle import EagleDrafter
 
     import vocabspec.tuning.autotune as autotune
@@ -193,7 +193,7 @@ def test_graph_tree_choice_is_measured_on_graph_steps_and_cached(torch_smollm2, 
 
     import vocabspec.tuning.autotune as autotune
     from vocabspec.tuning.autotune import choose_graph_tree, pick
-    from vocabspec.speculation.vocab.heads import StaticSubset
+    from vocabspec.speculation.vocab.draft_vocab import StaticSubset
     from vocabspec.speculation.families.eagle import EagleDrafter
     from vocabspec.speculation.config import bundled_drafter_dir
 
@@ -228,7 +228,7 @@ def test_inexact_engines_tune_and_graph_ones_tune_by_graph_steps(torch_smollm2, 
     where an Engine would run graph steps (CUDA), EAGLE's tree is chosen by the graph tuner."""
     import vocabspec.tuning.autotune as autotune
     import vocabspec.decoding.generate as generate
-    from vocabspec.speculation.vocab.heads import FullVocab
+    from vocabspec.speculation.vocab.draft_vocab import FullVocab
     from vocabspec.speculation.families.eagle import EagleDrafter
     from vocabspec.speculation.config import DraftConfig
     from vocabspec.tuning.proposers import make_proposer

@@ -262,7 +262,7 @@ def test_a_request_whose_drafting_fails_ends_alone():
     from dataclasses import replace as swap
 
     from conftest import tiny_native
-    from vocabspec.speculation.vocab.heads import FullVocab
+    from vocabspec.speculation.vocab.draft_vocab import FullVocab
     from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
     from vocabspec.speculation.proposer import DraftingFailed
 

@@ -6,7 +6,7 @@ vocabulary or tokenizer is refused by name. Sampling is checked in test_sampling
 import pytest
 
 from vocabspec.speculation.families.draft_model import DraftModelMismatch, DraftModelProposer, check_same_tokenizer
-from vocabspec.speculation.vocab.heads import make_draft_vocab
+from vocabspec.speculation.vocab.draft_vocab import make_draft_vocab
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.decoding.batch import Engine
 from vocabspec.speculation.config import DraftConfig, bundled_drafter_dir

@@ -4,9 +4,9 @@ an exact ranker reproduces the full head, files round-trip, bad files are refuse
 import pytest
 import torch
 
-from vocabspec.speculation.vocab.heads import (FullVocab, SpecVocab, StaticSubset, make_draft_vocab,
+from vocabspec.speculation.vocab.draft_vocab import (FullVocab, SpecVocab, StaticSubset, make_draft_vocab,
                                                parse_draft_vocab)
-from vocabspec.speculation.vocab.heads import load_ranker, save_ranker
+from vocabspec.speculation.vocab.draft_vocab import load_ranker, save_ranker
 from vocabspec.training.ranker import svd_init
 from vocabspec.speculation.vocab.token_map import (eagle3_tensors, load_successors, load_token_map, rank,
                                                    save_eagle3, save_successors, save_token_map, successor_lists)
@@ -168,7 +168,7 @@ def test_hits_in_top_counts_rows_whose_token_is_ranked_within_k():
 
 
 def test_two_pass_top_ids_find_the_same_scores_as_topk():
-    from vocabspec.speculation.vocab.heads import top_ids
+    from vocabspec.speculation.vocab.draft_vocab import top_ids
 
     generator = torch.Generator().manual_seed(0)
     # Sizes on both paths: two passes (262144 / 8 columns >= 16 k) and a plain top-k.
@@ -204,7 +204,7 @@ def test_spec_vocab_keeps_the_texts_own_tokens_among_its_candidates():
 
 
 def test_spec_options_are_named_parsed_and_checked(tmp_path):
-    from vocabspec.speculation.vocab.heads import DEFAULT_SUCCESSORS, SpecVocabOptions, spec_options
+    from vocabspec.speculation.vocab.draft_vocab import DEFAULT_SUCCESSORS, SpecVocabOptions, spec_options
 
     assert parse_draft_vocab("spec:2k,context=0") == ("spec", 2048)
     assert spec_options("spec:2048") == SpecVocabOptions()

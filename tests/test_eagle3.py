@@ -160,7 +160,7 @@ def test_eagle3_drafting_gives_plain_decodings_tokens(smollm2_eagle3, method, vo
         want = plain.generate(prompt, chat=True, max_new_tokens=40)
         got = drafted.generate(prompt, chat=True, max_new_tokens=40)
         assert got.tokens == want.tokens, f"{method} {vocab}: {prompt}"
-    assert drafted.engine.proposer.head.name.startswith(vocab.split(":")[0] if vocab != "full" else "eagle3")
+    assert drafted.engine.proposer.draft_vocab.name.startswith(vocab.split(":")[0] if vocab != "full" else "eagle3")
 
 
 # ---------------------------------------------------------------- training (eagle3_train.py)
@@ -333,7 +333,7 @@ def test_export_writes_an_eagle3_drafter_in_either_layout(smollm2_eagle3, tmp_pa
     # of the subset head over the full drafter, its weights within Q8_0's rounding.
     export("smollm2", tmp_path / "narrow", draft_path=str(smollm2_eagle3), draft_vocab="trim:2k", q8_0=True)
     narrow = Eagle3Drafter.load(tmp_path / "narrow", target, dtype=torch.float32)
-    subset = original.draft_head("trim:2k", Path(vocabspec.__file__).parent / "drafters" / "smollm2")
+    subset = original.draft_vocab("trim:2k", Path(vocabspec.__file__).parent / "drafters" / "smollm2")
     assert narrow.config.draft_vocab_size == subset.size == 2048
     assert torch.equal(narrow.draft_ids, subset.draft_to_target)
     torch.testing.assert_close(narrow.lm_head.weight, subset.weight.float(), atol=0.02, rtol=0.02)
@@ -357,7 +357,7 @@ def test_the_shipped_eagle3_drafter_is_smollm2s_default_and_gives_plain_decoding
     default = vocabspec.load("smollm2", draft="eagle", depth=4, top_k=8, total_tokens=16)
     eagle2 = vocabspec.load("smollm2", draft=DraftConfig.from_method("eagle2@4x16"))
     assert isinstance(default.engine.proposer.drafter, Eagle3Drafter)
-    assert default.engine.proposer.head.name.startswith("trim:")     # the shipped config's head
+    assert default.engine.proposer.draft_vocab.name.startswith("trim:")     # the shipped config's head
     assert not isinstance(eagle2.engine.proposer.drafter, Eagle3Drafter)
     for prompt in ["Write a Python function that reverses a string.", "Why do leaves change color?"]:
         want = plain.generate(prompt, chat=True, max_new_tokens=48)

@@ -120,7 +120,7 @@ def test_drafting_pipeline_for_each_family(family, tmp_path):
     steps, a VocabTrim token map from the target's predictions; speculative decoding with the
     trained drafter and that map gives plain decoding's tokens; the export loads back and
     reads as the family's Hugging Face config."""
-    from vocabspec.speculation.vocab.heads import make_draft_vocab
+    from vocabspec.speculation.vocab.draft_vocab import make_draft_vocab
     from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
     from vocabspec.export import export
     from vocabspec.speculation.vocab.token_map import count_target_predictions, rank, save_token_map
@@ -148,7 +148,7 @@ def test_drafting_pipeline_for_each_family(family, tmp_path):
     save_token_map(ranked[:64], tmp_path / "token_map_trim.pt")
     for vocab in ("full", "trim:64"):
         head = make_draft_vocab(vocab, model.head_weight, tmp_path)
-        proposer = EagleProposer(drafter, head=head, depth=4, top_k=4, total_tokens=12)
+        proposer = EagleProposer(drafter, draft_vocab=head, depth=4, top_k=4, total_tokens=12)
         # On torch's kernels (a family the native engine cannot run) float32 is not row-
         # invariant, so speculation is allowed explicitly; its output is still checked below.
         engine = Engine(model, proposer=proposer, allow_inexact=not model.exact)

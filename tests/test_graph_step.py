@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vocabspec.speculation.vocab.heads import make_draft_vocab
+from vocabspec.speculation.vocab.draft_vocab import make_draft_vocab
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer, EagleGraphDrafting
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.decoding.batch import Engine

@@ -1,6 +1,6 @@
 """The package's layers, one folder each: the runtime (model, formats, caches, backends)
 imports no other part; speculation (the core: trees, verification, sampling, the proposer
-interface, the drafting config; the draft heads; the drafting families) only the runtime;
+interface, the drafting config; the draft vocabularies; the drafting families) only the runtime;
 decoding (the loop) those two; tuning (the timed tree sizes, the proposer a config builds)
 those three; serving (the server, the API) the four below it; training and benchmarking, which
 the core never imports, any of those but not each other. Inside speculation the families
@@ -84,7 +84,7 @@ def test_the_core_and_the_loop_import_no_drafting_family():
     families = {m for m in graph if m.startswith(FAMILIES + ".")}
     assert {"speculation.families.eagle", "speculation.families.pld", "speculation.families.medusa"} <= families
     core = [m for m in graph if (part(m) == "speculation" and m not in families) or part(m) == "decoding"]
-    assert {"speculation.tree", "speculation.config", "speculation.vocab.heads", "decoding.batch"} <= set(core)
+    assert {"speculation.tree", "speculation.config", "speculation.vocab.draft_vocab", "decoding.batch"} <= set(core)
     bad = sorted((m, d) for m in core for d in graph[m] if d == FAMILIES or d.startswith(FAMILIES + "."))
     assert not bad, f"the core or the loop imports a drafting family: {bad}"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vocabspec.speculation.config import bundled_drafter_dir
-from vocabspec.speculation.vocab.heads import make_draft_vocab
+from vocabspec.speculation.vocab.draft_vocab import make_draft_vocab
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.decoding.batch import Engine
@@ -39,13 +39,13 @@ def proposers(target):
     packed = target.model.packed_head
     for vocab in ("full", "fr:8k", "trim:8k", "spec:1024"):
         head = make_draft_vocab(vocab, target.model.head_weight, files, packed_head=packed)
-        found[f"eagle-trained-{vocab}"] = EagleProposer(trained, head=head, **TREE[target.name])
+        found[f"eagle-trained-{vocab}"] = EagleProposer(trained, draft_vocab=head, **TREE[target.name])
     # Drafting in bfloat16 for the float32 target (the default on this CPU): the drafter
     # and its head round differently, verification does not.
     # Drafting on torch's kernels in bfloat16 for the target (the drafter's own dtype).
     narrow = EagleDrafter.load(files, target.model, dtype=torch.bfloat16)
     head = make_draft_vocab("fr:8k", target.model.head_weight, files, dtype=torch.bfloat16)
-    found["eagle-trained-bf16-fr:8k"] = EagleProposer(narrow, head=head, **TREE[target.name])
+    found["eagle-trained-bf16-fr:8k"] = EagleProposer(narrow, draft_vocab=head, **TREE[target.name])
     found["eagle-trained-full+pld"] = EagleLookupProposer(trained, **TREE[target.name])
     return found
 
@@ -83,9 +83,9 @@ def test_greedy_lossless_in_every_format(real_model, weights):
         # Prompt lookup alone and grafted onto the tree take turns: each runs on half the
         # categories in every format (both run on every category in the default format).
         engines = {
-            f"eagle-{vocabs[index % 4]}": EagleProposer(trained, head=heads[index % 4], **TREE[real_model.name]),
+            f"eagle-{vocabs[index % 4]}": EagleProposer(trained, draft_vocab=heads[index % 4], **TREE[real_model.name]),
             **({"pld": PromptLookupProposer()} if index % 2 else
-               {"eagle+pld": EagleLookupProposer(trained, head=heads[1], **TREE[real_model.name])}),
+               {"eagle+pld": EagleLookupProposer(trained, draft_vocab=heads[1], **TREE[real_model.name])}),
         }
         for name, proposer in engines.items():
             if Engine(model.model, model.tokenizer, proposer).generate(ids, config).tokens != reference:

@@ -6,7 +6,7 @@ refused by name. Sampling is checked in test_sampling.py."""
 import pytest
 import torch
 
-from vocabspec.speculation.vocab.heads import make_draft_vocab
+from vocabspec.speculation.vocab.draft_vocab import make_draft_vocab
 from vocabspec.decoding.generate import GenerationConfig
 from vocabspec.decoding.batch import Engine
 from vocabspec.speculation.families.medusa import (MEDUSA_63, MedusaHeads, MedusaMismatch, MedusaProposer,

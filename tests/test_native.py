@@ -319,7 +319,7 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
     subset), normed before the head or at the output, its residual normed or not."""
     from dataclasses import replace
 
-    from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset
+    from vocabspec.speculation.vocab.draft_vocab import FullVocab, StaticSubset
     from vocabspec.speculation.families.eagle import (EagleDrafter, EagleProposer, NativeEagleDrafting,
                                                       TorchEagleDrafting)
     from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter
@@ -343,14 +343,14 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
             drafter = Eagle3Drafter.random(target, variant, seed=1, dtype=torch.float32)
             drafter.draft_ids.copy_(torch.randperm(200, generator=g)[:150])
             drafter.pack("f32")
-            setups += [(drafter, drafter.draft_head("full"))]
+            setups += [(drafter, drafter.draft_vocab("full"))]
         keep = torch.randperm(150, generator=g)[:60]     # a subset of its rows, as fr:N and trim:N are
         setups += [(drafter, StaticSubset.of_rows(drafter.runtime.pack_rows(drafter.lm_head.weight[keep]),
                                                   drafter.draft_ids[keep], "fr:60"))]
     stopped_early = 0
     for drafter, head in setups:
         width = (len(drafter.taps) + 1) * a.dim      # the target's rows the drafter reads
-        proposer = EagleProposer(drafter, head=head, depth=4, top_k=5, total_tokens=12)
+        proposer = EagleProposer(drafter, draft_vocab=head, depth=4, top_k=5, total_tokens=12)
         assert isinstance(proposer.drafting, NativeEagleDrafting)
         reference_backend = TorchEagleDrafting(proposer)     # the same proposer's state, grown from Python
         context = torch.randint(0, 200, (30,), generator=g).tolist()

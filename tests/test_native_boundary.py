@@ -24,9 +24,9 @@ def target():
 def native_drafter(target):
     drafter = EagleDrafter.random(target, seed=1)
     drafter.pack("f32")
-    from vocabspec.speculation.vocab.heads import FullVocab
+    from vocabspec.speculation.vocab.draft_vocab import FullVocab
 
-    proposer = EagleProposer(drafter, head=FullVocab(target.packed_head), depth=3, top_k=4, total_tokens=8)
+    proposer = EagleProposer(drafter, draft_vocab=FullVocab(target.packed_head), depth=3, top_k=4, total_tokens=8)
     return proposer.drafting.native, drafter.new_cache(64)
 
 
@@ -158,7 +158,7 @@ def test_bad_eagle3_checkpoints_are_refused_naming_the_field(tmp_path, target):
     with pytest.raises(DrafterMismatch, match="unreadable"):
         Eagle3Drafter.load(tmp_path / "empty", target)
     with pytest.raises(ValueError, match="SpecVocab"):
-        Eagle3Drafter.load(good, target).draft_head("spec:64")
+        Eagle3Drafter.load(good, target).draft_vocab("spec:64")
 
 
 def test_eagle2_checkpoint_taps_past_the_depth_are_refused(tmp_path, target):

@@ -33,7 +33,7 @@ from conftest import tiny_native, forward
 from vocabspec.runtime import native
 from vocabspec.runtime.step_rows import StepRows
 from vocabspec.decoding.batch import BatchEngine, BatchLimits, Engine
-from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset
+from vocabspec.speculation.vocab.draft_vocab import FullVocab, StaticSubset
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer, NativeEagleDrafting
 from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter
 from vocabspec.decoding.generate import GenerationConfig
@@ -148,14 +148,14 @@ def draw_proposer(rng: random.Random, g: torch.Generator, model, favoured: list[
         drafter.pack(kind)
         rows = drafter.draft_ids.numel()
         if rng.random() < 0.7:
-            head = drafter.draft_head("full")
+            head = drafter.draft_vocab("full")
         else:                                 # a subset of its rows, as fr:N and trim:N are
             keep = torch.randperm(rows, generator=g)[:rng.randint(1, rows)]
             head = StaticSubset.of_rows(drafter.runtime.pack_rows(drafter.lm_head.weight[keep]),
                                         drafter.draft_ids[keep], f"fr:{keep.numel()}")
         what = (f"eagle3 taps={taps} vocab={rows}{' d2t' if mapped else ''} head={head.size} "
                 f"layers={config.n_layers} own_embed={drafter.embed is not None}")
-    proposer = EagleProposer(drafter, head=head, depth=depth, top_k=top_k, total_tokens=total)
+    proposer = EagleProposer(drafter, draft_vocab=head, depth=depth, top_k=top_k, total_tokens=total)
     assert isinstance(proposer.drafting, NativeEagleDrafting), what
     return proposer, f"{what} {kind} weights={style} tree=({depth}, {top_k}, {total})"
 

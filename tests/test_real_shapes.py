@@ -15,7 +15,7 @@ from vocabspec.runtime import native
 from vocabspec.runtime.files import cache_dir
 from vocabspec.runtime.loading import load_model
 from vocabspec.decoding.batch import Engine
-from vocabspec.speculation.vocab.heads import FullVocab, StaticSubset
+from vocabspec.speculation.vocab.draft_vocab import FullVocab, StaticSubset
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
 from vocabspec.speculation.families.eagle3 import Eagle3Config, Eagle3Drafter
 from vocabspec.decoding.generate import GenerationConfig
@@ -65,11 +65,11 @@ def drafters(model):
                           rope_base=a.rope_base, draft_vocab_size=32000, aux_layers=(1, 2), target_dim=a.dim)
     eagle3 = Eagle3Drafter.random(model, config, seed=2, dtype=torch.bfloat16)
     eagle3.pack("q8i" if native.has_int8() else "bf16")
-    return {"eagle-full": EagleProposer(eagle2, head=FullVocab(head), **TREE),
-            "eagle-fr:32k": EagleProposer(eagle2, head=subset, **TREE),
-            "eagle3": EagleProposer(eagle3, head=eagle3.draft_head("full"), **TREE),
+    return {"eagle-full": EagleProposer(eagle2, draft_vocab=FullVocab(head), **TREE),
+            "eagle-fr:32k": EagleProposer(eagle2, draft_vocab=subset, **TREE),
+            "eagle3": EagleProposer(eagle3, draft_vocab=eagle3.draft_vocab("full"), **TREE),
             "pld": PromptLookupProposer(),
-            "eagle+pld": EagleLookupProposer(eagle2, head=subset, **TREE)}
+            "eagle+pld": EagleLookupProposer(eagle2, draft_vocab=subset, **TREE)}
 
 
 def test_every_family_gives_plain_decodings_tokens_at_8b_widths(target):

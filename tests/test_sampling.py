@@ -19,7 +19,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from vocabspec.speculation.vocab.heads import FullVocab, SpecVocab, StaticSubset
+from vocabspec.speculation.vocab.draft_vocab import FullVocab, SpecVocab, StaticSubset
 from vocabspec.speculation.families.draft_model import DraftModelProposer
 from vocabspec.speculation.families.eagle import EagleDrafter, EagleProposer
 from vocabspec.decoding.generate import GenerationConfig
@@ -263,7 +263,7 @@ def deep_proposer(kind: str, model):
         drafter = Eagle3Drafter.random(model, config, seed=4, dtype=torch.float32)
         if model.drafter_format is not None:     # as the product drafts with a native target: natively
             drafter.pack("f32")
-        return EagleProposer(drafter, head=drafter.draft_head("full"), depth=1, top_k=2, total_tokens=4)
+        return EagleProposer(drafter, draft_vocab=drafter.draft_vocab("full"), depth=1, top_k=2, total_tokens=4)
     # depth=1: one expansion below the root's children, so trees reach depth 2.
     return EagleProposer(eagle_drafter(model, seed=2), head=full_head(model), depth=1, top_k=2, total_tokens=4)
 

@@ -80,7 +80,7 @@ def _float(text: str) -> float:
 
 def _token_list(text: str) -> str:
     """fr:N or trim:N: a token map's first N tokens."""
-    from .speculation.vocab.heads import parse_draft_vocab
+    from .speculation.vocab.draft_vocab import parse_draft_vocab
 
     try:
         kind, _ = parse_draft_vocab(text)
@@ -684,7 +684,7 @@ def cmd_ranker(args) -> int:
     from .speculation.config import bundled_drafter_dir
     from .speculation.families.eagle import EagleDrafter
     from .runtime.loading import load_model
-    from .speculation.vocab.heads import load_ranker, save_ranker
+    from .speculation.vocab.draft_vocab import load_ranker, save_ranker
     from .training.ranker import train_ranker
     from .training.train import TrainConfig, load_shards
 
@@ -850,12 +850,12 @@ def describe(lm, draft: str) -> str:
             return what + f"plain decoding: no {draft} tree beat it when this machine was timed]"
         return what + "plain decoding, no drafting (--draft eagle for EAGLE-2 speculative decoding)]"
     shape = engine.proposer.tree_shape
-    head = engine.proposer.head
+    draft_vocab = engine.proposer.draft_vocab
     tree = f", tree depth {shape[0]} x {shape[1]} tokens" if shape else ""
     if getattr(engine.proposer, "sizing", None) is not None:
         tree = f", tree sized each step from its confidence and this machine's costs (at most {shape[0]} deep, " \
                f"{shape[1]} tokens)"
-    vocab = f", draft head {head.name}" if head is not None else ""
+    vocab = f", draft vocabulary {draft_vocab.name}" if draft_vocab is not None else ""
     return what + f"{draft}{vocab}{tree}; output identical to plain decoding]"
 
 

@@ -27,7 +27,7 @@ import torch
 def export(model: str, out: str | Path, draft_path: str | None = None, draft_vocab: str | None = None,
            token_map: str | None = None, layout: str | None = None, q8_0: bool = False) -> list[Path]:
     from .speculation.config import bundled_drafter_dir
-    from .speculation.vocab.heads import parse_draft_vocab
+    from .speculation.vocab.draft_vocab import parse_draft_vocab
     from .speculation.families.eagle import EagleDrafter
     from .speculation.families.eagle3 import Eagle3Drafter, is_eagle3
     from .runtime.loading import load_model

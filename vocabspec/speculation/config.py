@@ -36,7 +36,7 @@ class Family:
     a config of total_tokens "auto" is sized first, tuning/proposers.py). bench(name): the DraftConfig fields
     a benchmark method name means (the name without /dtype and @tree), None where the name is
     not this family's; grammar: those names, for help and errors. argument: the field that
-    NAME:VALUE sets (model:NAME). head: drafts through a draft-vocabulary head (--draft-vocab
+    NAME:VALUE sets (model:NAME). draft_vocab: drafts through a draft vocabulary (--draft-vocab
     applies). check(config): its own refusals. sizes: the tree sizes the autotuner measures
     against plain decoding when total_tokens is "auto" (empty: the tuner's own rule for the
     family sizes it, as EAGLE-2's live rule, Medusa's ordered tree and a draft model's chain
@@ -51,7 +51,7 @@ class Family:
     bench: Callable[[str], dict | None]
     grammar: str
     argument: str | None = None
-    head: bool = False
+    draft_vocab: bool = False
     check: Callable | None = None
     sizes: tuple[int, ...] = ()
     trainer: str | None = None
@@ -117,16 +117,16 @@ class DraftConfig:
     draft_weights: str = "auto"      # the draft model's format (formats.py)
 
     def __post_init__(self):
-        from .vocab.heads import parse_draft_vocab
+        from .vocab.draft_vocab import parse_draft_vocab
 
         family = FAMILIES.get(self.method)
         if family is None:
             raise ValueError(f"unknown draft method {self.method!r} (choose from {draft_names()})")
         if self.vocab != "auto":
             parse_draft_vocab(self.vocab)
-            if not family.head and self.vocab != "full":
+            if not family.draft_vocab and self.vocab != "full":
                 raise ValueError(f"--draft-vocab {self.vocab} applies to a drafter's LM head (--draft "
-                                 f"{', '.join(f.display for f in FAMILIES.values() if f.head)}), "
+                                 f"{', '.join(f.display for f in FAMILIES.values() if f.draft_vocab)}), "
                                  f"not to --draft {self.method}")
         for other in {f.argument for f in FAMILIES.values() if f.argument}:
             owner = [f.display for f in FAMILIES.values() if f.argument == other]

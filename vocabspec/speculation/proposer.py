@@ -25,7 +25,7 @@ class Proposer:
     taps: tuple[int, ...] = ()
     timing_sync: bool = False   # time each phase after waiting for the device (a breakdown's cost)
     graphs: bool = False        # drafts greedy steps of fixed shapes: `graph_form` returns its drafting
-    head = None                 # its draft head (vocab/heads.py), if it drafts through one
+    draft_vocab = None          # its draft vocabulary (vocab/draft_vocab.py), if it drafts through one
     cache = None                # its own KV cache, if it keeps one
     draft_forwards: int | None = None   # drafting passes a step, where not its tree's depth + 1
     tree_shape: tuple[int, int] | None = None   # (depth, total tokens) of its tree, if sized so

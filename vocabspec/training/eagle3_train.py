@@ -52,7 +52,7 @@ LABELS = ("soft", "hard")
 
 def draft_vocabulary(spec: str, target: Backend, files: Path | None) -> torch.Tensor:
     """The draft vocabulary's target ids, from a bundled token map (fr:N or trim:N)."""
-    from ..speculation.vocab.heads import parse_draft_vocab
+    from ..speculation.vocab.draft_vocab import parse_draft_vocab
     from ..speculation.vocab.token_map import load_token_map
 
     kind, size = parse_draft_vocab(spec)

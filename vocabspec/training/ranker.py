@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..speculation.vocab.heads import load_ranker, save_ranker  # noqa: F401  (training writes what drafting reads)
+from ..speculation.vocab.draft_vocab import load_ranker, save_ranker  # noqa: F401  (training writes what drafting reads)
 from ..speculation.families.eagle import EagleDrafter, draft_states, features_of
 
 

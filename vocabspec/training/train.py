@@ -45,7 +45,7 @@ from .answers import read_answers, target_fingerprint, write_answers
 from ..speculation.families.eagle import EagleDrafter, checked_taps, draft_states, features_of
 from ..runtime.backend import Backend
 from ..runtime.prompts import encode_conversation
-from ..speculation.vocab.heads import load_ranker, save_ranker
+from ..speculation.vocab.draft_vocab import load_ranker, save_ranker
 from .ranker import distillation_loss, starting_ranker, teacher
 from .ranker import recall as ranker_recall
 from .config import TrainConfig

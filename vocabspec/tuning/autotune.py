@@ -146,7 +146,7 @@ def calibration_depths(depth: int) -> list[int]:
     return sorted({c for c in CANDIDATE_DEPTHS if c <= depth} | {depth})
 
 
-def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
+def calibrate(model, tokenizer, drafter, draft_vocab, depth: int, top_k: int,
               forwards: dict[int, float], bar=None) -> dict:
     from ..speculation.families.eagle import EagleProposer
     from ..decoding.generate import GenerationConfig
@@ -161,7 +161,7 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
     for d in calibration_depths(depth):
         if table and time.perf_counter() - started > BUDGET_SECONDS:
             break          # deeper trees cost more to calibrate than they are likely to win
-        proposer = EagleProposer(drafter, head=head, depth=d, top_k=top_k, total_tokens=largest)
+        proposer = EagleProposer(drafter, draft_vocab=draft_vocab, depth=d, top_k=top_k, total_tokens=largest)
         proposer.timing_sync = True          # drafting times must include the device's work
         timer = SizeTimer(proposer, CANDIDATE_SIZES, SIZE_TIMING_EVERY)
         engine = Engine(model, tokenizer, timer, allow_inexact=True)
@@ -179,7 +179,7 @@ def calibrate(model, tokenizer, drafter, head, depth: int, top_k: int,
                                  "draft_s": round(drafts[m], 5), "forward_s": round(forwards[m], 5),
                                  "tokens_per_s": round(tau / (drafts[m] + forwards[m]), 2)}
     best = pick(table)
-    ratio = confirm(model, tokenizer, EagleProposer(drafter, head=head, depth=best["depth"],
+    ratio = confirm(model, tokenizer, EagleProposer(drafter, draft_vocab=draft_vocab, depth=best["depth"],
                                                     top_k=top_k, total_tokens=best["total_tokens"]),
                     prompts)
     if ratio < 1.0:                          # drafting loses to plain decoding here
@@ -307,15 +307,15 @@ def forward_curve(model, log=None) -> dict[int, float]:
     return {int(n) + 1: t for n, t in known[key].items()}
 
 
-def choose_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
+def choose_tree(model, drafter, draft_vocab, tokenizer, depth: int, top_k: int, key: str,
                 log=None) -> tuple[int, int]:
     """(depth, total_tokens) for this machine, depth at most the one given; (0, 0) where no tree
     decodes faster than plain decoding (measured)."""
-    chosen, _ = tree_choice(model, drafter, head, tokenizer, depth, top_k, key, log)
+    chosen, _ = tree_choice(model, drafter, draft_vocab, tokenizer, depth, top_k, key, log)
     return int(chosen["depth"]), int(chosen["total_tokens"])
 
 
-def tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
+def tree_choice(model, drafter, draft_vocab, tokenizer, depth: int, top_k: int, key: str,
                 log=None) -> tuple[dict, dict[int, float]]:
     """What `choose_tree` chose and measured (depth, total_tokens, measured_speedup and the
     calibration table), and the forward curve it read: rows verified -> seconds. The live
@@ -334,7 +334,7 @@ def tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: st
         # Minutes on a small CPU: show where it is (no bar when the caller asked for silence).
         with tqdm(total=len(calibration_depths(depth)) * len(CALIBRATION_QUESTIONS), desc="autotune", unit="run",
                   disable=log is None, leave=False) as bar:
-            chosen = calibrate(model, tokenizer, drafter, head, depth, top_k, {n - 1: t for n, t in forward.items()},
+            chosen = calibrate(model, tokenizer, drafter, draft_vocab, depth, top_k, {n - 1: t for n, t in forward.items()},
                                bar)
         known = _load(path)
         known[full_key] = chosen
@@ -414,7 +414,7 @@ def _cached(key: str, model, compute, log):
     return known[full_key]
 
 
-def choose_medusa_tree(model, heads, head, tokenizer, key: str, log=None):
+def choose_medusa_tree(model, heads, draft_vocab, tokenizer, key: str, log=None):
     """(choices, chosen) for Medusa on this machine: the published 63-node tree's nodes ordered
     by how often verification accepted each on the calibration answers (a node is accepted only
     with its parent, so every prefix of that order is a tree, and it maximises the expected
@@ -428,7 +428,7 @@ def choose_medusa_tree(model, heads, head, tokenizer, key: str, log=None):
         from ..decoding.generate import GenerationConfig
         from ..decoding.batch import Engine
 
-        engine = Engine(model, tokenizer, MedusaProposer(model, heads, head, MEDUSA_63), allow_inexact=True)
+        engine = Engine(model, tokenizer, MedusaProposer(model, heads, draft_vocab, MEDUSA_63), allow_inexact=True)
         hits = [0] * len(MEDUSA_63)
         for ids in prompts:
             for step in engine.generate(ids, GenerationConfig(max_new_tokens=CALIBRATION_NEW_TOKENS)).steps:
@@ -440,7 +440,7 @@ def choose_medusa_tree(model, heads, head, tokenizer, key: str, log=None):
     ordered = _cached(f"{key}|medusa-order|v1", model, compute, log)
     choices = [tuple(c) for c in ordered["choices"]]
     chosen = size_choice(model, tokenizer, f"{key}|medusa", MEDUSA_SIZES,
-                         lambda m: MedusaProposer(model, heads, head, choices, total_tokens=m), log)
+                         lambda m: MedusaProposer(model, heads, draft_vocab, choices, total_tokens=m), log)
     return choices, chosen
 
 
@@ -487,7 +487,7 @@ def step_seconds(decoder, draft: bool, repeats: int | None = None) -> float:
     return statistics.median(times)
 
 
-def calibrate_graph(model, drafter, head, prompts, depth: int, top_k: int, sizes=None,
+def calibrate_graph(model, drafter, draft_vocab, prompts, depth: int, top_k: int, sizes=None,
                      new_tokens: int | None = None, bar=None) -> dict:
     """The table `choose_graph_tree` picks from: per depth, one graph generation of each
     prompt with the largest tree gives tau at every size (the accepted nodes' ranks), and its
@@ -501,7 +501,7 @@ def calibrate_graph(model, drafter, head, prompts, depth: int, top_k: int, sizes
     config = GenerationConfig(max_new_tokens=new_tokens or CALIBRATION_NEW_TOKENS)
     table, plain, loop = {}, [], []
     for d in calibration_depths(depth):
-        proposer = EagleProposer(drafter, head=head, depth=d, top_k=top_k, total_tokens=max(sizes))
+        proposer = EagleProposer(drafter, draft_vocab=draft_vocab, depth=d, top_k=top_k, total_tokens=max(sizes))
         largest = graph_tree_rows(d, top_k, max(sizes)) - 1       # a level drafts top_k rows at most
         engine = Engine(model, None, proposer, allow_inexact=True, graphs=True)
         steps, decoder = [], None
@@ -530,7 +530,7 @@ def calibrate_graph(model, drafter, head, prompts, depth: int, top_k: int, sizes
             "plain_tokens_per_s": round(1 / (plain_s + loop_s), 2)}
 
 
-def graph_tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
+def graph_tree_choice(model, drafter, draft_vocab, tokenizer, depth: int, top_k: int, key: str,
                        log=None) -> dict:
     """What `choose_graph_tree` chose and measured: depth, total_tokens, measured_speedup and
     `calibrate_graph`'s table (the GPU check prints it)."""
@@ -540,9 +540,9 @@ def graph_tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, k
         prompts = _calibration_prompts(tokenizer)
         with tqdm(total=len(calibration_depths(depth)) * len(prompts), desc="autotune", unit="run",
                   disable=log is None, leave=False) as bar:
-            calibration = calibrate_graph(model, drafter, head, prompts, depth, top_k, bar=bar)
+            calibration = calibrate_graph(model, drafter, draft_vocab, prompts, depth, top_k, bar=bar)
         best = pick(calibration["table"])
-        ratio = confirm(model, tokenizer, EagleProposer(drafter, head=head, depth=best["depth"], top_k=top_k,
+        ratio = confirm(model, tokenizer, EagleProposer(drafter, draft_vocab=draft_vocab, depth=best["depth"], top_k=top_k,
                                                         total_tokens=best["total_tokens"]), prompts, graphs=True)
         chosen = (best["depth"], best["total_tokens"]) if ratio >= 1.0 else (0, 0)
         return {"depth": chosen[0], "total_tokens": chosen[1], "measured_speedup": round(ratio, 3),
@@ -555,10 +555,10 @@ def graph_tree_choice(model, drafter, head, tokenizer, depth: int, top_k: int, k
     return chosen
 
 
-def choose_graph_tree(model, drafter, head, tokenizer, depth: int, top_k: int, key: str,
+def choose_graph_tree(model, drafter, draft_vocab, tokenizer, depth: int, top_k: int, key: str,
                        log=None) -> tuple[int, int]:
     """(depth, total_tokens) for EAGLE-2's graph steps on this device (see the module
     docstring), depth at most the one given; (0, 0) where no tree decodes faster than plain
     decoding's graph steps, measured side by side. Cached like `choose_tree`."""
-    chosen = graph_tree_choice(model, drafter, head, tokenizer, depth, top_k, key, log)
+    chosen = graph_tree_choice(model, drafter, draft_vocab, tokenizer, depth, top_k, key, log)
     return int(chosen["depth"]), int(chosen["total_tokens"])

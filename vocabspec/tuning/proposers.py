@@ -65,10 +65,10 @@ def _tuned_eagle(model, config: DraftConfig, model_name: str, tokenizer, log):
     parts = eagle_parts(model, config, model_name, log)
     _need_tokenizer(tokenizer)
     kind = EagleLookupProposer if config.method == "eagle+pld" else None
-    key = f"{model_name}|{weights_key(parts.path)}|{parts.head.name}|{parts.dtype}"
+    key = f"{model_name}|{weights_key(parts.path)}|{parts.draft_vocab.name}|{parts.dtype}"
     depth = config.depth
-    if graphs_by_default(model) and drafts_in_graphs(parts.head):
-        depth, total = choose_graph_tree(model, parts.drafter, parts.head, tokenizer, depth=depth,
+    if graphs_by_default(model) and drafts_in_graphs(parts.draft_vocab):
+        depth, total = choose_graph_tree(model, parts.drafter, parts.draft_vocab, tokenizer, depth=depth,
                                           top_k=config.top_k, key=key, log=log)
         if not total:            # measured: no tree beats plain decoding on this device
             if config.method == "eagle+pld":
@@ -81,7 +81,7 @@ def _tuned_eagle(model, config: DraftConfig, model_name: str, tokenizer, log):
         return tree_proposer(parts, config, depth, total, kind=kind)
     # Elsewhere each step sizes its tree: the tuner's choice is the prior, never a verdict;
     # depth and the sizing's `most` are the largest tree a step drafts.
-    chosen, forward = tree_choice(model, parts.drafter, parts.head, tokenizer, depth=depth, top_k=config.top_k,
+    chosen, forward = tree_choice(model, parts.drafter, parts.draft_vocab, tokenizer, depth=depth, top_k=config.top_k,
                                   key=key, log=log)
     sizing = sizing_prior(model, chosen, forward, depth)
     keep_calibration(sizing, key)
@@ -97,19 +97,19 @@ def _tuned_medusa(model, config: DraftConfig, model_name: str, tokenizer, log):
     from ..speculation.families.medusa import MedusaProposer, medusa_parts
     from .autotune import choose_medusa_tree, forward_curve, keep_calibration
 
-    heads, head, path = medusa_parts(model, config, model_name, log)
+    heads, draft_vocab, path = medusa_parts(model, config, model_name, log)
     _need_tokenizer(tokenizer)
-    key = f"{model_name}|medusa|{weights_key(path)}|{head.name}"
-    choices, chosen = choose_medusa_tree(model, heads, head, tokenizer, key=key, log=log)
+    key = f"{model_name}|medusa|{weights_key(path)}|{draft_vocab.name}"
+    choices, chosen = choose_medusa_tree(model, heads, draft_vocab, tokenizer, key=key, log=log)
     total = int(chosen["size"])
     if graphs_by_default(model):
         if not total:
             if log:
                 log("medusa: decoding plainly")
             return None
-        return MedusaProposer(model, heads, head, choices=choices, total_tokens=total)
+        return MedusaProposer(model, heads, draft_vocab, choices=choices, total_tokens=total)
     # A sampled request keeps a fixed tree: the tuned prefix, or the rule's own start where none paid.
-    proposer = MedusaProposer(model, heads, head, choices=choices, total_tokens=total or 3)
+    proposer = MedusaProposer(model, heads, draft_vocab, choices=choices, total_tokens=total or 3)
     most = len(choices)
     sizing = live_sizing(model, forward_curve(model, log), proposer.level_seconds(),
                          max(chosen["measured_speedup"].values(), default=1.0), total, max(map(len, choices)), most)
@@ -125,11 +125,11 @@ def _tuned_draft_model(model, config: DraftConfig, model_name: str, tokenizer, l
     from ..speculation.families.draft_model import DraftModelProposer, draft_model_parts
     from .autotune import CHAIN_LENGTHS, forward_curve, keep_calibration, size_choice
 
-    draft, head = draft_model_parts(model, config, model_name, tokenizer, log)
+    draft, draft_vocab = draft_model_parts(model, config, model_name, tokenizer, log)
     _need_tokenizer(tokenizer)
-    key = f"{model_name}|model|{config.draft_model}|{draft.weights}|{head.name}"
+    key = f"{model_name}|model|{config.draft_model}|{draft.weights}|{draft_vocab.name}"
     chosen = size_choice(model, tokenizer, key, CHAIN_LENGTHS,
-                         lambda n: DraftModelProposer(draft, head, depth=n, top_k=1, total_tokens=n), log=log)
+                         lambda n: DraftModelProposer(draft, draft_vocab, depth=n, top_k=1, total_tokens=n), log=log)
     most = max(CHAIN_LENGTHS)
     # A drafting level is one forward of the draft over the chain's one row (its head's pass).
     level = forward_seconds(draft, [0], repeats=3)[0]
@@ -137,7 +137,7 @@ def _tuned_draft_model(model, config: DraftConfig, model_name: str, tokenizer, l
     sizing = live_sizing(model, forward_curve(model, log), level, max(speedups, default=1.0), int(chosen["size"]),
                          most, most)
     keep_calibration(sizing, key)
-    proposer = DraftModelProposer(draft, head, depth=most, top_k=1, total_tokens=sizing.most)
+    proposer = DraftModelProposer(draft, draft_vocab, depth=most, top_k=1, total_tokens=sizing.most)
     proposer.sizing = sizing
     return proposer
 

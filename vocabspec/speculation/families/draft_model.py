@@ -8,7 +8,7 @@ nearly the same answers.
 
 The tree grows as EAGLE-2's does (tree.TreeBuilder: top-k children per node, the best
 `total_tokens` nodes kept); with top_k = 1 it is a chain. The draft's LM head is a draft-vocabulary
-strategy over its own head (vocab/heads.py): `trim:N` keeps the N tokens the target generates
+strategy over its own head (vocab/draft_vocab.py): `trim:N` keeps the N tokens the target generates
 most (VocabTrim), `fr:N` the N most frequent in a corpus (FR-Spec).
 
 The draft cache holds the committed text up to the last step's root; drafted nodes are pending
@@ -24,7 +24,7 @@ import time
 import torch
 
 from ..config import Family, head_files, register
-from ..vocab.heads import FullVocab, HeadTimedDrafting, make_draft_vocab
+from ..vocab.draft_vocab import FullVocab, VocabTimedDrafting, make_draft_vocab
 from ..proposer import PREFILL_CHUNK, Proposer
 from ..tree import Tree, TreeBuilder, chain
 
@@ -60,7 +60,7 @@ def load_draft_model(spec: str, target, target_tokenizer=None, weights: str = "a
     return draft
 
 
-class DraftModelProposer(HeadTimedDrafting, Proposer):
+class DraftModelProposer(VocabTimedDrafting, Proposer):
     """Grows a draft tree (a chain with top_k = 1) with an independent draft model. Timings: the
     draft's forwards ("model"), its head's phases, the tree (the rest).
 
@@ -73,15 +73,13 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
     taps: tuple[int, ...] = ()
     phases = ("model",)
 
-    def __init__(self, draft, head=None, depth: int = 6, top_k: int = 1,
+    def __init__(self, draft, draft_vocab=None, depth: int = 6, top_k: int = 1,
                  total_tokens: int = 6):
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise ValueError(f"need depth >= 1, top_k >= 1, total_tokens >= 1; got "
                              f"{depth}, {top_k}, {total_tokens}")
         self.draft = draft
-        if head is None:
-            head = FullVocab(draft.scoring_head)
-        self.head = head
+        self.draft_vocab = draft_vocab if draft_vocab is not None else FullVocab(draft.scoring_head)
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_tree_tokens = total_tokens
         self.cache = draft.new_cache()
@@ -103,13 +101,13 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
 
     def draft_parameters(self) -> int:
         """The draft's layers and the rows of its head (its embedding is a lookup)."""
-        return _layer_parameters(self.draft.args) + self.head.size * self.draft.args.dim
+        return _layer_parameters(self.draft.args) + self.draft_vocab.size * self.draft.args.dim
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         if self.sizing is not None:
             self.sizing.start()
         self.cache.reset()
-        self.head.see_tokens(list(prompt_ids) + [first_token], reset=True)
+        self.draft_vocab.see_tokens(list(prompt_ids) + [first_token], reset=True)
         # Not timed: the draft's pass over the prompt belongs with the prefill (as EAGLE's).
         device = self.draft.device
         with torch.inference_mode():
@@ -130,7 +128,7 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
         start = time.perf_counter()
         if self.live_sizing() is not None:
             self.sizing.observe(accepted)
-        self.head.see_tokens(list(accepted) + [next_token])
+        self.draft_vocab.see_tokens(list(accepted) + [next_token])
         if self.root_state is None:       # no proposal this step (near the window's end)
             self.todo += list(accepted)
             self.timings["total"] += time.perf_counter() - start
@@ -162,7 +160,7 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
         ids = torch.tensor(tokens, dtype=torch.long, device=self.draft.device)
         hidden, _ = self.draft.tree_forward(ids, positions, self.cache, mask)
         states = self.draft.norm(hidden)
-        if self.head.sync:
+        if self.draft_vocab.sync:
             torch.cuda.synchronize()
         self.timings["model"] += time.perf_counter() - start
         return states
@@ -208,13 +206,13 @@ class DraftModelProposer(HeadTimedDrafting, Proposer):
         device = self.draft.device
         base = self.cache.length          # the root sits at base - 1; depth d at base - 1 + d
         builder = TreeBuilder(root_token, self.top_k, total)
-        tokens, log_probs = self.head.top_k(self.root_state, self.top_k, [root_token], 0)
+        tokens, log_probs = self.draft_vocab.top_k(self.root_state, self.top_k, [root_token], 0)
         builder.add_children([0], tokens, log_probs)
 
         def expand(level, frontier, mask):
             read = [builder.token[n] for n in frontier]
             positions = torch.tensor([base - 1 + builder.depth[n] for n in frontier], device=device)
-            return self.head.top_k(self._forward(read, positions, mask), self.top_k, read, level)
+            return self.draft_vocab.top_k(self._forward(read, positions, mask), self.top_k, read, level)
 
         slot_of = builder.grow(depth - 1, expand, lambda: self.cache.pending, device, stop)
         tree = builder.build(device)
@@ -237,14 +235,14 @@ def draft_model_parts(model, config, model_name: str, tokenizer=None, log=None):
     vocab = "full" if config.vocab == "auto" else config.vocab
     # Token maps are the target's (the draft shares its tokenizer): VocabTrim's counts the
     # target's own generated text.
-    head = make_draft_vocab(vocab, draft.head_weight, head_files(config, model_name), config.token_map,
+    draft_vocab = make_draft_vocab(vocab, draft.head_weight, head_files(config, model_name), config.token_map,
                             None, packed_head=draft.packed_head)
-    return draft, head
+    return draft, draft_vocab
 
 
 def _build(model, config, model_name: str, tokenizer=None, log=None):
-    draft, head = draft_model_parts(model, config, model_name, tokenizer, log)
-    return DraftModelProposer(draft, head, depth=max(1, config.depth), top_k=config.top_k,
+    draft, draft_vocab = draft_model_parts(model, config, model_name, tokenizer, log)
+    return DraftModelProposer(draft, draft_vocab, depth=max(1, config.depth), top_k=config.top_k,
                               total_tokens=config.total_tokens)
 
 
@@ -264,4 +262,4 @@ def _check(config) -> None:
 register(Family("model", "an independent draft model sharing the target's tokenizer: a bundled name, "
                 "a .gguf file or a model directory",
                 frozenset({"vocab", "token_map", "depth", "top_k", "total_tokens", "draft_model", "draft_weights"}),
-                _build, _names, "model:NAME, model:NAME+HEAD", argument="draft_model", head=True, check=_check))
+                _build, _names, "model:NAME, model:NAME+VOCAB", argument="draft_model", draft_vocab=True, check=_check))

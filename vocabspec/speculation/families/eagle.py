@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..vocab.heads import FullVocab, HeadTimedDrafting
+from ..vocab.draft_vocab import FullVocab, VocabTimedDrafting
 from ...runtime.kv_cache import DeviceKVCache, KVCache
 from ...runtime.linear import Linear
 from ...runtime.backend import Backend
@@ -193,11 +193,11 @@ class EagleDrafter(nn.Module):
         self.__dict__["runtime"] = PackedLayers(self, pack(self.fc.weight, bias=self.fc.bias),
                                                 packed_stack(self.args, self.layers, packed, self.target.rope))
 
-    def native_drafter(self, head):
+    def native_drafter(self, draft_vocab):
         """Its reads and trees as native calls (native.NativeDrafter), where it and its draft
         head run on the native engine (a full or fixed-subset head over the target's packed
         rows); None elsewhere."""
-        return self.runtime.native_drafter(head)
+        return self.runtime.native_drafter(draft_vocab)
 
     @classmethod
     def random(cls, target: Backend, seed: int = 0, input_norm: bool = False,
@@ -465,7 +465,7 @@ class TorchLayers:
         w = self.drafter.fc.weight
         return KVCache(layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
 
-    def native_drafter(self, head):
+    def native_drafter(self, draft_vocab):
         return None
 
     def tree_drafting(self, proposer):
@@ -493,22 +493,22 @@ class PackedLayers(TorchLayers):
         return KVCache(layers, a.n_kv_heads, a.head_dim, max_len, torch.float32, self.drafter.fc.weight.device,
                        layout="native")
 
-    def native_drafter(self, head):
+    def native_drafter(self, draft_vocab):
         """A NativeDrafter over the target's packed embedding, norm and `head`'s packed rows
         (None for a head that is not packed, or not of fixed rows)."""
         from ...runtime.native import NativeDrafter
 
-        ids = packed_head_ids(head)
+        ids = packed_vocab_ids(draft_vocab)
         if ids is False:
             return None
         t = self.drafter.target
-        return NativeDrafter(self.fc, self.stack, head.weight, ids, t.embed_weight, t.embed_scale, t.norm.weight,
+        return NativeDrafter(self.fc, self.stack, draft_vocab.weight, ids, t.embed_weight, t.embed_scale, t.norm.weight,
                              t.args.norm_eps)
 
     def tree_drafting(self, proposer):
         """One native call a read and a tree (NativeEagleDrafting) where its head is packed and a
         level drafts at most 64 children a node; torch's loop over the packed layers elsewhere."""
-        calls = self.native_drafter(proposer.head) if proposer.top_k <= 64 else None
+        calls = self.native_drafter(proposer.draft_vocab) if proposer.top_k <= 64 else None
         return NativeEagleDrafting(proposer, calls) if calls is not None else TorchEagleDrafting(proposer)
 
 
@@ -539,24 +539,24 @@ def features_of(target: Backend, hidden: torch.Tensor) -> torch.Tensor:
 
 
 
-def packed_head_ids(head):
+def packed_vocab_ids(draft_vocab):
     """The target id of each row of a draft head packed for the native engine (None: the rows
     are the target's whole vocabulary in order); False for a head that is not packed or not of
     fixed rows (SpecVocab's)."""
-    from ..vocab.heads import StaticSubset
+    from ..vocab.draft_vocab import StaticSubset
 
-    if not isinstance(head, (FullVocab, StaticSubset)) or isinstance(head.weight, torch.Tensor):
+    if not isinstance(draft_vocab, (FullVocab, StaticSubset)) or isinstance(draft_vocab.weight, torch.Tensor):
         return False
-    return head.draft_to_target if isinstance(head, StaticSubset) else None
+    return draft_vocab.draft_to_target if isinstance(draft_vocab, StaticSubset) else None
 
 
-def drafts_in_graphs(head) -> bool:
+def drafts_in_graphs(draft_vocab) -> bool:
     """Whether EAGLE-2 with this draft head can run as graph steps (graph_step.py): not with
     SpecVocab, whose candidates need the drafted tokens on the host."""
-    return not hasattr(head, "candidate_ids")
+    return not hasattr(draft_vocab, "candidate_ids")
 
 
-class EagleProposer(HeadTimedDrafting, Proposer):
+class EagleProposer(VocabTimedDrafting, Proposer):
     """Grows an EAGLE-2 dynamic draft tree from the drafter's view of the accepted context,
     through its backend: the native engine's one-call reads and trees where the drafter and its
     head run there (`NativeEagleDrafting`), else torch's (`TorchEagleDrafting`); graph steps
@@ -579,14 +579,14 @@ class EagleProposer(HeadTimedDrafting, Proposer):
     READ_AFTER = 64
     DORMANT_CONTEXT = 32
 
-    def __init__(self, drafter: EagleDrafter, head=None, depth: int = 6, top_k: int = 10,
+    def __init__(self, drafter: EagleDrafter, draft_vocab=None, depth: int = 6, top_k: int = 10,
                  total_tokens: int = 60):
         if depth < 0 or top_k < 1 or total_tokens < 1:
             raise ValueError(f"need depth >= 0, top_k >= 1, total_tokens >= 1; got "
                              f"{depth}, {top_k}, {total_tokens}")
         self.drafter = drafter
         self.target = drafter.target
-        self.head = head or FullVocab(self.target.head_weight.to(drafter.fc.weight.dtype))
+        self.draft_vocab = draft_vocab or FullVocab(self.target.head_weight.to(drafter.fc.weight.dtype))
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_tree_tokens = total_tokens
         self.cache = drafter.new_cache(self.target.args.max_seq_len + depth * top_k + 1)
@@ -607,13 +607,13 @@ class EagleProposer(HeadTimedDrafting, Proposer):
     def draft_parameters(self) -> int:
         """The drafter's layer(s) and fc, the draft head's rows, and a ranker if any."""
         layer = sum(p.numel() for p in self.drafter.parameters())
-        extra = self.head.down.numel() + self.head.vocab_t.numel() if hasattr(self.head, "down") else 0
-        return layer + self.head.size * self.target.args.dim + extra
+        extra = self.draft_vocab.down.numel() + self.draft_vocab.vocab_t.numel() if hasattr(self.draft_vocab, "down") else 0
+        return layer + self.draft_vocab.size * self.target.args.dim + extra
 
     def step_layer(self, *args, **kwargs) -> torch.Tensor:
         start = time.perf_counter()
         out = self.drafter(*args, **kwargs)
-        if self.head.sync:
+        if self.draft_vocab.sync:
             torch.cuda.synchronize()
         self.timings["layer"] += time.perf_counter() - start
         return out
@@ -648,7 +648,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
             self.sizing.start()
         self._unread, self._unread_tokens = [], 0
         self.cache.reset()
-        self.head.see_tokens(prompt_ids + [first_token], reset=True)
+        self.draft_vocab.see_tokens(prompt_ids + [first_token], reset=True)
         # Not timed: the pass over the prompt belongs with the prefill, outside the drafting
         # time ("total") that the breakdown's parts must add up to.
         read, rows = prompt_ids[1:] + [first_token], prompt_hidden
@@ -664,7 +664,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
         start = time.perf_counter()
         if self.live_sizing() is not None:
             self.sizing.observe(accepted)
-        self.head.see_tokens(accepted + [next_token])
+        self.draft_vocab.see_tokens(accepted + [next_token])
         if hidden is None:      # rows it did not ask for (`reads_rows`): its context restarts after them
             self._unread, self._unread_tokens = [], 0
         else:
@@ -707,7 +707,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
     def top_tokens(self, states: torch.Tensor, tokens: list[int], level: int):
         """Each row's top tokens; `tokens`: the token each row has just read, `level`: the
         rows' tree level (0: the root)."""
-        return self.head.top_k(self.drafter.head_input(states), self.top_k, tokens, level)
+        return self.draft_vocab.top_k(self.drafter.head_input(states), self.top_k, tokens, level)
 
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
@@ -730,7 +730,7 @@ class EagleProposer(HeadTimedDrafting, Proposer):
     @property
     def graphs(self) -> bool:
         """Whether its graph form can draft without reading the device back."""
-        return drafts_in_graphs(self.head)
+        return drafts_in_graphs(self.draft_vocab)
 
     def graph_form(self, max_len: int | None) -> "EagleGraphDrafting | None":
         self.read_pending()             # into the cache it was meant for
@@ -844,7 +844,7 @@ class EagleGraphDrafting(GraphDrafting):
         p.last_state.copy_(states.index_select(0, (count - 1).view(1)))
 
     def after(self, accepted: list[int], next_token: int, length: int) -> None:
-        self.proposer.head.see_tokens(accepted + [next_token])
+        self.proposer.draft_vocab.see_tokens(accepted + [next_token])
         self.cache.settle(length)
 
     def propose(self, root: torch.Tensor) -> Tree:

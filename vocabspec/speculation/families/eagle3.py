@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .eagle import (DrafterMismatch, PackedLayers, TorchLayers, attention_mask, packed_head_ids, packed_stack,
+from .eagle import (DrafterMismatch, PackedLayers, TorchLayers, attention_mask, packed_vocab_ids, packed_stack,
                     packer, randomized, unpack_q8_0)
 from ...runtime.kv_cache import DeviceKVCache, KVCache
 from ...runtime.linear import Linear
@@ -249,10 +249,10 @@ class Eagle3Drafter(nn.Module):
             out[:, j * dim:(j + 1) * dim] += weight[:, k * dim:(k + 1) * dim]
         return out
 
-    def native_drafter(self, head):
+    def native_drafter(self, draft_vocab):
         """Its reads and trees as native calls (native.NativeDrafter) where it drafts on the
         native engine and `head` is packed; None elsewhere."""
-        return self.runtime.native_drafter(head)
+        return self.runtime.native_drafter(draft_vocab)
 
     # ------------------------------------------------------------ running
 
@@ -314,26 +314,26 @@ class Eagle3Drafter(nn.Module):
 
     def narrowed(self, spec: str, files: Path | None = None,
                  token_map: str | Path | None = None) -> "Eagle3Drafter":
-        """The drafter with the draft vocabulary `spec` (fr:N or trim:N, see `draft_head`) as
+        """The drafter with the draft vocabulary `spec` (fr:N or trim:N, see `draft_vocab`) as
         its own: the same drafts from a smaller head, to ship or export."""
         from dataclasses import replace
 
         if self.runtime.packed:
             raise ValueError("narrow a drafter before it drafts natively")
-        head = self.draft_head(spec, files, token_map)
-        narrow = Eagle3Drafter(self.target, replace(self.config, draft_vocab_size=head.size))
+        subset = self.draft_vocab(spec, files, token_map)
+        narrow = Eagle3Drafter(self.target, replace(self.config, draft_vocab_size=subset.size))
         # The checkpoint's own embedding (an nn.Embedding set at load, not a parameter the
         # narrow drafter is built with) goes across as the module, not through the state dict.
         state = {k: v for k, v in self.state_dict().items() if not k.startswith("embed.")}
-        narrow.load_state_dict(state | {"lm_head.weight": head.weight, "draft_ids": head.draft_to_target})
+        narrow.load_state_dict(state | {"lm_head.weight": subset.weight, "draft_ids": subset.draft_to_target})
         if self.embed is not None:
             narrow.embed = self.embed
         return narrow.to(self.fc.weight).eval().requires_grad_(False)
 
-    def draft_head(self, spec: str, files: Path | None = None, token_map: str | Path | None = None):
+    def draft_vocab(self, spec: str, files: Path | None = None, token_map: str | Path | None = None):
         """The draft head over the drafter's own vocabulary: `full` (all of it), or `fr:N` /
         `trim:N`: the token map's first N tokens that the drafter's vocabulary holds."""
-        from ..vocab.heads import StaticSubset, parse_draft_vocab
+        from ..vocab.draft_vocab import StaticSubset, parse_draft_vocab
         from ..vocab.token_map import load_token_map
 
         kind, size = parse_draft_vocab(spec)
@@ -557,15 +557,15 @@ class Eagle3PackedLayers(PackedLayers):
         cache.advance(tokens.shape[0])
         return d.norm(x) if d.config.norm_output else x
 
-    def native_drafter(self, head):
+    def native_drafter(self, draft_vocab):
         from ...runtime.native import NativeDrafter
 
-        ids = packed_head_ids(head)
+        ids = packed_vocab_ids(draft_vocab)
         if ids is False:
             return None
         d = self.drafter
         embed = self.embed or d.target.embed_weight
         norm = d.norm.weight
-        return NativeDrafter(self.fc, self.stack, head.weight, ids, embed, None, None, d.args.norm_eps, fused=True,
+        return NativeDrafter(self.fc, self.stack, draft_vocab.weight, ids, embed, None, None, d.args.norm_eps, fused=True,
                              head_norm=None if d.config.norm_output else norm,
                              out_norm=norm if d.config.norm_output else None)

@@ -21,14 +21,14 @@ class EagleParts:
     """What an EAGLE tree proposer drafts with: the drafter, its draft head, where it was read
     from (`path`, or "random") and the dtype it computes in on torch's kernels."""
     drafter: object
-    head: object
+    draft_vocab: object
     path: object
     dtype: object
 
 
 def eagle_parts(model, config: DraftConfig, model_name: str, log=None) -> EagleParts:
     """The drafter and head `config` names for the loaded target `model`."""
-    from ..vocab.heads import make_draft_vocab
+    from ..vocab.draft_vocab import make_draft_vocab
     from .eagle import EagleDrafter, draft_dtype
     from .eagle3 import Eagle3Drafter, is_eagle3
 
@@ -52,7 +52,7 @@ def eagle_parts(model, config: DraftConfig, model_name: str, log=None) -> EagleP
             _native_draft_dtype(config)
             drafter.pack(model.drafter_format)
         vocab = default_vocab(Path(path)) if config.vocab == "auto" else config.vocab
-        return EagleParts(drafter, drafter.draft_head(vocab, files, config.token_map), path, dtype)
+        return EagleParts(drafter, drafter.draft_vocab(vocab, files, config.token_map), path, dtype)
     drafter = EagleDrafter.random(model, dtype=dtype) if path == "random" else \
         EagleDrafter.load(path, model, dtype=dtype)
     vocab = default_vocab(files) if config.vocab == "auto" else config.vocab
@@ -66,9 +66,9 @@ def eagle_parts(model, config: DraftConfig, model_name: str, log=None) -> EagleP
         _native_draft_dtype(config)
         drafter.pack(model.drafter_format)
         packed_head = model.packed_head
-    head = make_draft_vocab(vocab, model.head_weight, files, config.token_map, config.ranker,
+    draft_vocab = make_draft_vocab(vocab, model.head_weight, files, config.token_map, config.ranker,
                             dtype=dtype, packed_head=packed_head)
-    return EagleParts(drafter, head, path, dtype)
+    return EagleParts(drafter, draft_vocab, path, dtype)
 
 
 def _native_draft_dtype(config: DraftConfig) -> None:
@@ -85,7 +85,7 @@ def tree_proposer(parts: EagleParts, config: DraftConfig, depth: int, total_toke
     each step's tree sized live, depth and total_tokens then the largest tree a step drafts."""
     if kind is None:
         from .eagle import EagleProposer as kind
-    proposer = kind(parts.drafter, head=parts.head, depth=depth, top_k=config.top_k, total_tokens=total_tokens)
+    proposer = kind(parts.drafter, draft_vocab=parts.draft_vocab, depth=depth, top_k=config.top_k, total_tokens=total_tokens)
     proposer.sizing = sizing
     return proposer
 
@@ -97,7 +97,7 @@ def build_eagle(model, config: DraftConfig, model_name: str, tokenizer=None, log
 
 def eagle_names(with_lookup: bool):
     """eagle (+pld): the model's default drafter and head, as --draft names them;
-    eagle2[+HEAD][+pld]: the bundled EAGLE-2 drafter."""
+    eagle2[+VOCAB][+pld]: the bundled EAGLE-2 drafter."""
     def parse(base: str) -> dict | None:
         if base == ("eagle+pld" if with_lookup else "eagle"):
             return {"vocab": "auto"}
@@ -121,9 +121,9 @@ def _eagle3_names(base: str) -> dict | None:
 
 EAGLE_OPTIONS = frozenset({"path", "vocab", "token_map", "ranker", "depth", "top_k", "total_tokens", "dtype"})
 register(Family("eagle", "EAGLE-2's dynamic tree", EAGLE_OPTIONS, build_eagle, eagle_names(False),
-                "eagle, eagle2, eagle2+HEAD (HEAD: fr:N, trim:N, spec:K...)", head=True,
+                "eagle, eagle2, eagle2+VOCAB (VOCAB: fr:N, trim:N, spec:K...)", draft_vocab=True,
                 trainer="vocabspec.training.train:train_eagle"))
 register(Family("eagle3", "EAGLE-3: three target layers fused, a draft vocabulary of its own (a checkpoint "
                 "in speculators' or SGLang's layout, --draft-path; `eagle` reads one too)",
-                EAGLE_OPTIONS - {"ranker"}, build_eagle, _eagle3_names, "eagle3, eagle3+HEAD (HEAD: fr:N, trim:N)",
-                head=True, trainer="vocabspec.training.eagle3_train:train_and_save"))
+                EAGLE_OPTIONS - {"ranker"}, build_eagle, _eagle3_names, "eagle3, eagle3+VOCAB (VOCAB: fr:N, trim:N)",
+                draft_vocab=True, trainer="vocabspec.training.eagle3_train:train_and_save"))

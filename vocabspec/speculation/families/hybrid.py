@@ -173,4 +173,4 @@ def build_eagle_lookup(model, config, model_name: str, tokenizer=None, log=None)
 
 
 register(Family("eagle+pld", "EAGLE-2's tree plus prompt lookup's path", EAGLE_OPTIONS, build_eagle_lookup,
-                eagle_names(True), "eagle+pld, eagle2+pld, eagle2+HEAD+pld", head=True))
+                eagle_names(True), "eagle+pld, eagle2+pld, eagle2+VOCAB+pld", draft_vocab=True))

@@ -5,7 +5,7 @@ last-layer hidden state after the final norm, the vector its LM head multiplies)
 accepted token, followed by an LM head: it predicts the token k + 1 places ahead, the target's
 own head having predicted the next one (the tree's root). Here every head reads through the
 target's LM head, frozen, as FR-Spec's Medusa experiments do, so a draft-vocabulary strategy
-(full, fr:N, trim:N, spec:K from vocab/heads.py) is the heads' LM head, and the heads store only
+(full, fr:N, trim:N, spec:K from vocab/draft_vocab.py) is the heads' LM head, and the heads store only
 their blocks. A block starts as zero (the head then repeats the target's next-token guess) and
 is trained on the target's features (train.py, `--drafter medusa`).
 
@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import BUNDLED_DRAFTERS, Family, default_vocab, head_files, register
-from ..vocab.heads import FullVocab, HeadTimedDrafting, float_rows, int8_rows, make_draft_vocab
+from ..vocab.draft_vocab import FullVocab, VocabTimedDrafting, float_rows, int8_rows, make_draft_vocab
 from ...runtime.linear import Linear
 from ..proposer import Proposer, GraphDrafting
 from ...runtime.kv_cache import ancestor_mask
@@ -229,14 +229,14 @@ class TreeLayout:
                     values=torch.tensor(values, dtype=torch.float64))
 
 
-class MedusaProposer(HeadTimedDrafting, Proposer):
+class MedusaProposer(VocabTimedDrafting, Proposer):
     """Drafts Medusa's graph tree from the target's feature at the last accepted token.
     Timings: the heads' blocks, the LM head's phases, the tree (the rest)."""
 
     taps: tuple[int, ...] = ()
     phases = ("blocks",)
 
-    def __init__(self, target, heads: MedusaHeads, head=None, choices=MEDUSA_63,
+    def __init__(self, target, heads: MedusaHeads, draft_vocab=None, choices=MEDUSA_63,
                  total_tokens: int | None = None):
         choices = check_choices(choices, heads.n_heads)
         total = len(choices) if total_tokens is None else total_tokens
@@ -244,7 +244,7 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
             raise ValueError(f"a Medusa tree of {total} nodes from {len(choices)} choices")
         self.target = target
         self.heads = heads
-        self.head = head or FullVocab(target.head_weight)
+        self.draft_vocab = draft_vocab or FullVocab(target.head_weight)
         self.choices = choices
         self.total_tokens = total
         self.max_tree_tokens = len(choices)
@@ -300,12 +300,12 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
 
     def draft_parameters(self) -> int:
         blocks = sum(p.numel() for p in self.heads.parameters())
-        return blocks + self.heads.n_heads * self.head.size * self.target.args.dim
+        return blocks + self.heads.n_heads * self.draft_vocab.size * self.target.args.dim
 
     def reset(self, prompt_ids, prompt_hidden, first_token) -> None:
         if self.live_sizing() is not None:
             self.sizing.start()
-        self.head.see_tokens(list(prompt_ids) + [first_token], reset=True)
+        self.draft_vocab.see_tokens(list(prompt_ids) + [first_token], reset=True)
         self.feature = prompt_hidden[-1:]
         if self._graphed:            # a captured step reads this very tensor
             if self._feature_buffer is None:
@@ -315,7 +315,7 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
     def observe(self, accepted, hidden, next_token) -> None:
         if self.live_sizing() is not None:
             self.sizing.observe(accepted)
-        self.head.see_tokens(list(accepted) + [next_token])
+        self.draft_vocab.see_tokens(list(accepted) + [next_token])
         self.feature = hidden[-1:]
 
     def _candidates(self, root_tokens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,11 +323,11 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
         log-probabilities."""
         start = time.perf_counter()
         states = self.heads(self.target.norm(self.feature.float()))[:, 0]      # (heads, dim)
-        if self.head.sync:
+        if self.draft_vocab.sync:
             torch.cuda.synchronize()
         self.timings["blocks"] += time.perf_counter() - start
         # Row k is head k + 1's: SpecVocab shares one candidate set per level (its `level`).
-        return self.head.top_k(states, TOP_K, root_tokens, 0)
+        return self.draft_vocab.top_k(states, TOP_K, root_tokens, 0)
 
     def propose(self, root_token: int) -> Tree:
         start = time.perf_counter()
@@ -350,7 +350,7 @@ class MedusaProposer(HeadTimedDrafting, Proposer):
     def graphs(self) -> bool:
         """Whether its graph form drafts without reading the device back (SpecVocab's
         candidate sets need drafted tokens on the host)."""
-        return not hasattr(self.head, "candidate_ids")
+        return not hasattr(self.draft_vocab, "candidate_ids")
 
     def graph_form(self, max_len: int | None) -> "MedusaGraphDrafting | None":
         self._graphed = max_len is not None
@@ -388,7 +388,7 @@ class MedusaGraphDrafting(GraphDrafting):
         self.proposer.feature.copy_(rows.index_select(0, (count - 1).view(1)))
 
     def after(self, accepted, next_token, length) -> None:
-        self.proposer.head.see_tokens(list(accepted) + [next_token])
+        self.proposer.draft_vocab.see_tokens(list(accepted) + [next_token])
 
 
 def bundled_medusa_dir(model_name: str) -> Path | None:
@@ -413,14 +413,14 @@ def medusa_parts(model, config, model_name: str, log=None):
         vocab = "full" if path == "random" else default_vocab(Path(path))
         if log:
             log(f"draft vocabulary: {vocab} (the Medusa heads' default; --draft-vocab to choose)")
-    head = make_draft_vocab(vocab, model.head_weight, head_files(config, model_name), config.token_map,
+    draft_vocab = make_draft_vocab(vocab, model.head_weight, head_files(config, model_name), config.token_map,
                             config.ranker, packed_head=model.packed_head)
-    return heads, head, path
+    return heads, draft_vocab, path
 
 
 def _build(model, config, model_name: str, tokenizer=None, log=None):
-    heads, head, _ = medusa_parts(model, config, model_name, log)
-    return MedusaProposer(model, heads, head, total_tokens=min(config.total_tokens, len(MEDUSA_63)))
+    heads, draft_vocab, _ = medusa_parts(model, config, model_name, log)
+    return MedusaProposer(model, heads, draft_vocab, total_tokens=min(config.total_tokens, len(MEDUSA_63)))
 
 
 def _names(base: str) -> dict | None:
@@ -431,5 +431,5 @@ def _names(base: str) -> dict | None:
 
 register(Family("medusa", "Medusa's heads and tree",
                 frozenset({"path", "vocab", "token_map", "ranker", "total_tokens"}), _build,
-                _names, "medusa, medusa+HEAD", head=True,
+                _names, "medusa, medusa+VOCAB", draft_vocab=True,
                 trainer="vocabspec.training.medusa_train:train_and_save"))

@@ -1,4 +1,4 @@
-"""Draft LM-head strategies: which vocabulary the drafter scores, and at what cost.
+"""Draft vocabularies: which tokens the drafter's LM head scores, and at what cost.
 
 A strategy turns normalised drafter states (rows, dim) into each row's top-k draft tokens
 (target vocabulary ids) with their log-probabilities. Verification never looks here: it always
@@ -58,8 +58,8 @@ class _Timed:
         committed tokens. Only a strategy that uses them (SpecVocab) keeps them."""
 
 
-class HeadTimedDrafting:
-    """Timing for a proposer that drafts through a draft-head strategy (`self.head`): its own
+class VocabTimedDrafting:
+    """Timing for a proposer that drafts through a draft vocabulary (`self.draft_vocab`): its own
     `phases` in `self.timings` beside "total", the head's, and the tree bookkeeping as what
     remains of the total. `self.device`: where it drafts (timings wait for an accelerator only
     when a breakdown is asked for, `timing_sync`)."""
@@ -69,23 +69,23 @@ class HeadTimedDrafting:
     def time_breakdown(self) -> dict[str, float]:
         """Seconds spent drafting since `reset_timings`, by phase (FR-Spec's Figure 6 split)."""
         parts = {k: v for k, v in self.timings.items() if k != "total"}
-        parts.update(self.head.timings)
+        parts.update(self.draft_vocab.timings)
         parts["tree"] = max(0.0, self.timings["total"] - sum(parts.values()))
         return parts
 
     def reset_timings(self) -> None:
         self.timings = {name: 0.0 for name in self.phases + ("total",)}
-        self.head.timings = {}
+        self.draft_vocab.timings = {}
 
     @property
     def timing_sync(self) -> bool:
         """Whether timings wait for the accelerator at each phase (only a breakdown needs it:
         otherwise drafting queues its work and never waits)."""
-        return self.head.sync
+        return self.draft_vocab.sync
 
     @timing_sync.setter
     def timing_sync(self, on: bool) -> None:
-        self.head.sync = bool(on) and self.device.type == "cuda"
+        self.draft_vocab.sync = bool(on) and self.device.type == "cuda"
 
 
 def head_logits(states: torch.Tensor, weight) -> torch.Tensor:
