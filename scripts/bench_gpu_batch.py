@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                         allow_inexact=True)
     device = torch.cuda.get_device_name() if options.device == "cuda" else options.device
     run = {"options": {**asdict(options), "out": str(options.out)}, "device": device,
-           "engine": lm.engine.model.engine, "load_seconds": round(time.perf_counter() - started, 1)}
+           "runs_on": lm.engine.model.runs_on, "load_seconds": round(time.perf_counter() - started, 1)}
     texts = cycled([q["turns"][0] for q in questions()], options.prompts)
     section(run, "batch_job", lambda: batch_job(lm, texts, options), deadline)
     if options.exact:      # the row-invariant kernels: no --allow-inexact, answers compared with alone

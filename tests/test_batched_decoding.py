@@ -144,7 +144,7 @@ def test_generate_input_on_torch_runs_rows_together_and_records_the_alone_check(
     assert rows and max(rows) == 2
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(line["index"] for line in lines) == [0, 1]
-    assert all("error" not in line and line["engine"].startswith("torch") for line in lines)
+    assert all("error" not in line and line["runs_on"].startswith("torch") for line in lines)
     record = json.loads((tmp_path / "answers.jsonl.job.json").read_text())
     assert record["alone_check"] == {"answers": 2, "differ": 0, "of": 2}
     assert "0 of 2 answers served alone again differ" in capsys.readouterr().err

@@ -58,8 +58,8 @@ def test_speculation_without_the_native_engine_is_refused_before_drafting(monkey
         vocabspec.load("smollm2", draft="eagle")
     assert "VOCABSPEC_NATIVE=0" in str(refused.value)
     lm = vocabspec.load("smollm2")
-    assert "torch's kernels" in lm.engine.model.engine
-    assert "VOCABSPEC_NATIVE=0" in lm.generate("Hi", max_new_tokens=2).engine
+    assert "torch's kernels" in lm.engine.model.runs_on
+    assert "VOCABSPEC_NATIVE=0" in lm.generate("Hi", max_new_tokens=2).runs_on
 
 
 def test_bf16_divergences_start_at_near_ties(smollm2):

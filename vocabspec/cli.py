@@ -844,7 +844,7 @@ def resident(lm, slots: int = 1, tokens: int | None = None) -> str:
 def describe(lm, draft: str) -> str:
     """One line on what decoding will do: the weights, what runs them, and the proposer."""
     engine = lm.engine
-    what = f"[{lm.name}, weights {engine.model.weights} on {engine.model.engine}: "
+    what = f"[{lm.name}, weights {engine.model.weights} on {engine.model.runs_on}: "
     if engine.proposer is None:
         if draft != "none":
             return what + f"plain decoding: no {draft} tree beat it when this machine was timed]"

@@ -97,7 +97,7 @@ class GenerationResult:
     steps: list[StepRecord] = field(default_factory=list)
     stop_reason: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)   # one per token, if asked
-    engine: str = ""         # what ran the target, and why (Backend.engine)
+    runs_on: str = ""        # what ran the target, and why (Backend.runs_on)
     eos_token: int = -1      # the end-of-sequence token that ended it (stop_reason "eos")
 
     @property
@@ -119,7 +119,7 @@ class GenerationResult:
             "text": self.text, "new_tokens": self.new_tokens, "prompt_tokens": self.prompt_tokens,
             "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2),
             "mean_accept_len": round(self.mean_accept_len, 3), "steps": len(self.steps),
-            "stop_reason": self.stop_reason, "engine": self.engine,
+            "stop_reason": self.stop_reason, "runs_on": self.runs_on,
             "draft_seconds": round(sum(s.draft_seconds for s in self.steps), 4),
             "verify_seconds": round(sum(s.verify_seconds for s in self.steps), 4),
             "forward_seconds": round(sum(s.forward_seconds for s in self.steps), 4),
@@ -184,7 +184,7 @@ def require_exact(model: Backend, allow_inexact: bool = False) -> None:
     if model.exact or allow_inexact:
         return
     raise ValueError(
-        f"speculative decoding with {model.weights} weights on {model.engine} is not exact: a "
+        f"speculative decoding with {model.weights} weights on {model.runs_on} is not exact: a "
         "tree forward rounds differently from one-token decoding, so the output could differ "
         "from plain decoding. Run on the native CPU engine, or pass --allow-inexact "
         "(allow_inexact=True) to accept that")
@@ -210,7 +210,7 @@ class Generation:
         self.config = config
         self.cache = cache
         self.proposer = proposer
-        self.result = GenerationResult(prompt_tokens=len(prompt_ids), engine=target.model.engine)
+        self.result = GenerationResult(prompt_tokens=len(prompt_ids), runs_on=target.model.runs_on)
         self.text = TextStream(target.tokenizer, live=stream)
         self.streamed = ""      # text already yielded; never retracted
         params = config.sampling

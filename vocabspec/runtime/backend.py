@@ -1,4 +1,4 @@
-"""What runs a target model: one object per engine, behind one interface the loop, the drafters
+"""What runs a target model: one object per backend, behind one interface the loop, the drafters
 and the tuner share.
 
 A `Backend` is chosen when the model loads (loading.load_model) and never asked which it is:
@@ -46,7 +46,7 @@ def greedy_walk(tokens: list[int], parents: list[int], best: list[int]) -> tuple
 
 class Backend:
     """The interface every backend implements (see the module docstring). Attributes:
-    `args` (model.ModelArgs), `engine` (what runs it, and why), `weights` (the run-time weight
+    `args` (model.ModelArgs), `runs_on` (what runs it, and why), `weights` (the run-time weight
     format), `exact` (whether a row's bits never depend on the rows beside it), `memory`
     (loading.MemoryNeed), `head_rows` (rows the LM head scores at a time for about one row's
     cost), `lock` (held by whoever steps it: its scratch serves one caller at a time),
@@ -54,7 +54,7 @@ class Backend:
     it; None elsewhere) and `drafter_format` (the format a drafter beside it packs its weights
     in, to draft on the same engine; None where drafters run on torch)."""
 
-    engine = ""
+    runs_on = ""
     weights = ""
     exact = False
     memory = None
@@ -207,4 +207,4 @@ class Backend:
         where they are its own (the graph decoder's, for a greedy request); nothing here."""
 
     def describe(self) -> str:
-        return f"{self.weights} weights on {self.engine}"
+        return f"{self.weights} weights on {self.runs_on}"

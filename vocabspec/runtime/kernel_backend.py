@@ -226,11 +226,11 @@ class KernelBackend(TorchBackend):
     slot_elements = KERNEL_TABLE_ELEMENTS
     context_bound = False   # a row's attention ends at its own position, whatever the context
 
-    def __init__(self, module: Transformer, engine: str = "", fused: bool = True):
+    def __init__(self, module: Transformer, runs_on: str = "", fused: bool = True):
         ok, why = kernels.available()
         if not ok:
             raise ValueError(f"the row-invariant kernels cannot run here: {why}")
-        super().__init__(module, engine or f"row-invariant Triton kernels on {module.device.type}")
+        super().__init__(module, runs_on or f"row-invariant Triton kernels on {module.device.type}")
         self.fused = fused
         # Which linear kernel runs here is decided now, once, not inside a captured step.
         kernels.dot_is_row_invariant(self.device, self.dtype)

@@ -478,23 +478,23 @@ def load_model(model: str, weights: str = "auto", device: str | torch.device = "
         args = gguf.args
     else:
         raise ModelLoadError(f"{path}: not a GGUF file or model directory")
-    engine, why = choose_backend(device, backend)
-    unfit = native_unfit(args) if engine == "native" else ""
+    chosen, why = choose_backend(device, backend)
+    unfit = native_unfit(args) if chosen == "native" else ""
     if unfit:
         if backend == "native":
             raise ModelLoadError(f"{path}: {unfit}")
-        engine, why = "torch", unfit
+        chosen, why = "torch", unfit
     if weights == "auto":
-        weights = auto_weights(engine, gguf is not None)
-    if weights.startswith("gguf") and engine != "native":
-        raise ModelLoadError(f"--weights {weights} runs on the native CPU engine, not used here "
+        weights = auto_weights(chosen, gguf is not None)
+    if weights.startswith("gguf") and chosen != "native":
+        raise ModelLoadError(f"--weights {weights} runs on the native CPU chosen, not used here "
                              f"({why}); use bf16 or f32")
     if weights.startswith("gguf") and gguf is None:
         raise ModelLoadError(f"{path}: --weights {weights} needs a GGUF file, not a model directory")
-    need = memory_need(args, weights, engine, gguf)
+    need = memory_need(args, weights, chosen, gguf)
     if device.type == "cpu":
         check_fits(path, need)
-    if engine == "native":
+    if chosen == "native":
         model = native_backend(gguf, state, path, args, weights, log)
     else:
         model = torch_backend(gguf, state, path, args, weights, device, backend, why)
@@ -560,11 +560,11 @@ def assign_state(net: Transformer, state: dict, path: Path, device: torch.device
         adopt(net, name, tensor.to(device))
 
 
-def auto_weights(engine: str, gguf: bool) -> str:
+def auto_weights(backend: str, gguf: bool) -> str:
     """The fastest exact format here: a GGUF's own blocks with 8-bit activations where the CPU
     has 8-bit dot products (AVX-512 VNNI, AVX2; as llama.cpp computes), else with float32 ones;
     f32 for other files and on torch's kernels."""
-    if engine != "native" or not gguf:
+    if backend != "native" or not gguf:
         return "f32"
     return "gguf-a8" if native.has_int8() else "gguf"
 
@@ -606,14 +606,14 @@ class MemoryNeed:
                 f"({slots} x {self.tokens} tokens)")
 
 
-def memory_need(args: ModelArgs, weights: str, engine: str, gguf: GGUFModel | None) -> MemoryNeed:
+def memory_need(args: ModelArgs, weights: str, backend: str, gguf: GGUFModel | None) -> MemoryNeed:
     kv = args.n_kv_heads * args.head_dim
     count = args.matrix_parameters
     if weights.startswith("gguf") and gguf is not None:
         size = gguf.packed_bytes()
     else:
         size = count * (2 if weights == "bf16" else 4)
-    element = 2 if weights.startswith("gguf") or (engine != "native" and weights == "bf16") else 4
+    element = 2 if weights.startswith("gguf") or (backend != "native" and weights == "bf16") else 4
     return MemoryNeed(size, args.n_layers * kv * 2 * element, args.max_seq_len)
 
 

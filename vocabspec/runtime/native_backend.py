@@ -87,7 +87,7 @@ class NativeBackend(Backend):
         # With 8-bit activations a drafter's weights go to Q8_0 groups too (lossy, for the
         # drafter only: it changes what is drafted, never what is accepted).
         self.drafter_format = "q8i" if weights == "gguf-a8" else "bf16"
-        self.engine = f"the native CPU engine ({isa()})"
+        self.runs_on = f"the native CPU engine ({isa()})"
         self._embed_struct, self._head_struct = self.embed_weight.struct(), self.packed_head.struct()
         self._work = torch.empty(0, dtype=torch.float32)
         self._float_head = None

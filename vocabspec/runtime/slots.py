@@ -62,7 +62,7 @@ class SlotCache:
         most = model.slot_elements
         if most is not None and slots * a.n_kv_heads * window * a.head_dim > most:
             raise ValueError(f"{slots} slots of {window} positions pass the {most} "
-                             f"elements a layer's keys may hold on {model.engine}")
+                             f"elements a layer's keys may hold on {model.runs_on}")
 
     @staticmethod
     def bytes_per_slot(model, window: int) -> int:

@@ -20,17 +20,17 @@ from .step_rows import StepRows
 
 
 class TorchBackend(Backend):
-    """`module` (a Transformer, its weights loaded) on torch's kernels; `engine`: what runs it,
+    """`module` (a Transformer, its weights loaded) on torch's kernels; `runs_on`: what runs it,
     and why (loading.load_model says)."""
 
     slot_elements: int | None = None    # the most elements a layer's slot table may hold (None: any)
     context_bound = True    # a decode step's attention reads its slots up to the step's context
     device_steps = True
 
-    def __init__(self, module: Transformer, engine: str = ""):
+    def __init__(self, module: Transformer, runs_on: str = ""):
         super().__init__(module.args)
         self.module = module
-        self.engine = engine or f"torch's kernels on {module.device.type}"
+        self.runs_on = runs_on or f"torch's kernels on {module.device.type}"
         self.decodes = {}       # slots.DecodeStep by slot table: a step of plain rows on a GPU
 
     @property
@@ -126,7 +126,7 @@ class TorchBackend(Backend):
 
     def check_together(self, allow_inexact: bool) -> None:
         if not allow_inexact:
-            raise ValueError(f"batched rows on {self.engine} round each row differently with "
+            raise ValueError(f"batched rows on {self.runs_on} round each row differently with "
                              "other rows beside it, so an answer could differ from serving it alone: "
                              "run on the row-invariant kernels (--backend triton), or allow inexact "
                              "answers (--allow-inexact, allow_inexact=True)")

@@ -116,7 +116,7 @@ def run(args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     target, _ = load_model(args.model, weights="bf16" if args.device == "cuda" else "f32", backend="torch",
                            device=args.device, max_seq_len=args.max_len + args.max_new_tokens + 8)
-    log(f"target loaded on {target.device}: {target.engine}")
+    log(f"target loaded on {target.device}: {target.runs_on}")
     data = read_prompts(Path(args.prompts))
     if args.limit:
         data = {k: v[:args.limit] for k, v in data.items()}

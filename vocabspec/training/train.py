@@ -265,7 +265,7 @@ def _generator_name(lm) -> str:
     from importlib.metadata import version
 
     model = lm.engine.model
-    return f"vocabspec {version('vocabspec')} batch engine, greedy, {model.weights} weights on {model.engine}"
+    return f"vocabspec {version('vocabspec')} batch engine, greedy, {model.weights} weights on {model.runs_on}"
 
 
 def _generate_answers(cfg: TrainConfig, model_path: Path, todo: list[list[int]], done: dict,

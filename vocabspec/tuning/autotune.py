@@ -200,7 +200,7 @@ def confirm(model, tokenizer, proposer, prompts, rounds: int = CONFIRM_ROUNDS, g
 def _cache_key(model, key: str) -> str:
     # The matmul path changes every timing, so it is part of what the choice depends on.
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else str(model.device)
-    return "|".join([key, model.weights, model.engine, device, str(torch.get_num_threads()),
+    return "|".join([key, model.weights, model.runs_on, device, str(torch.get_num_threads()),
                      "packed" if packing_enabled() else "plain",
                      torch.__version__, platform.processor() or platform.machine(),
                      str(os.cpu_count())])

@@ -437,7 +437,7 @@ def packer(kind: str, target):
 
     if target.drafter_format is None:
         raise ValueError(f"a drafter packs its weights to draft beside a target on the native engine; this "
-                         f"target runs on {target.engine}")
+                         f"target runs on {target.runs_on}")
     if kind == "q8i":
         return lambda w, bias=None: quantize_q8(w.float(), bias)
     return lambda w, bias=None: pack_float(w, kind, bias)
