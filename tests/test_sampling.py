@@ -120,7 +120,7 @@ def test_speculative_sampling_matches_target_distribution(params, head):
     # The subset case also drafts in bfloat16 for the float32 target: still exact.
     dtype = torch.bfloat16 if head == "subset" else None
     proposer = EagleProposer(eagle_drafter(model, seed=5, dtype=dtype),
-                             head=make_head(head, model), depth=2, top_k=3, total_tokens=6)
+                             draft_vocab=make_head(head, model), depth=2, top_k=3, total_tokens=6)
     # SpecVocab 6000 runs: its t1 case scores p = 0.0009 on seeds 0-2999 alone. That block is
     # an unlucky draw, not a bias: 270,000 runs on other seeds give p = 0.56 (BENCHMARKS.md).
     assert_samples_match(model, proposer, prompt, params, runs=6000 if head == "spec" else 3000)
@@ -135,7 +135,7 @@ def test_sampling_with_prompt_lookup_grafted_matches_target_distribution(params)
     """Prompt lookup's path is a deterministic candidate like the drafter's: still exact. The
     prompt holds every token twice, so every first token has a lookup continuation."""
     model = sampling_target(seed=3, vocab=VOCAB, n_layers=2)
-    proposer = EagleLookupProposer(eagle_drafter(model, seed=5), head=full_head(model), depth=2, top_k=3,
+    proposer = EagleLookupProposer(eagle_drafter(model, seed=5), draft_vocab=full_head(model), depth=2, top_k=3,
                                    total_tokens=6)
     assert_samples_match(model, proposer, list(range(VOCAB)) * 2, params)
     assert proposer.grafted > 0
@@ -265,7 +265,7 @@ def deep_proposer(kind: str, model):
             drafter.pack("f32")
         return EagleProposer(drafter, draft_vocab=drafter.draft_vocab("full"), depth=1, top_k=2, total_tokens=4)
     # depth=1: one expansion below the root's children, so trees reach depth 2.
-    return EagleProposer(eagle_drafter(model, seed=2), head=full_head(model), depth=1, top_k=2, total_tokens=4)
+    return EagleProposer(eagle_drafter(model, seed=2), draft_vocab=full_head(model), depth=1, top_k=2, total_tokens=4)
 
 
 @pytest.mark.parametrize("kind, params", [("eagle", SamplingParams(temperature=1.0)),
