@@ -243,7 +243,7 @@ def default_eagle_path(config: "DraftConfig", model_name: str) -> Path | None:
 
 
 def default_vocab(files: Path | None) -> str:
-    """The draft head a shipped drafter's config names as fastest for its model ("full" if
+    """The draft vocabulary a shipped drafter's config names as fastest for its model ("full" if
     none is named)."""
     if files is None or not (files / "config.json").exists():
         return "full"

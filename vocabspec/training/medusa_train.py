@@ -143,7 +143,7 @@ def train_and_save(cfg, target: Backend, split: dict, report: dict, ship: bool, 
         from ..speculation.config import default_vocab
 
         directory = ship_dir(cfg.model) / "medusa"
-        # The shipped heads' default draft head is a measured choice: keep it.
+        # The shipped heads' default draft vocabulary is a measured choice: keep it.
         keep = {"draft_vocab": default_vocab(directory)} if (directory / "config.json").exists() else {}
         heads.save(directory, target.args, extra={**keep, **extra})
         log(f"shipped to {directory}")

@@ -879,7 +879,7 @@ def train_eagle(cfg: TrainConfig, target: Backend, split: dict, report: dict, sh
         from ..speculation.config import default_vocab
 
         shipped = EagleDrafter.load(out / "drafter", target).to(torch.bfloat16)
-        # The shipped drafter's default draft head is a measured choice: keep it.
+        # The shipped drafter's default draft vocabulary is a measured choice: keep it.
         keep = {"draft_vocab": default_vocab(ship_dir(cfg.model))} if ship_dir(cfg.model).exists() else {}
         shipped.save(ship_dir(cfg.model), extra={**keep, **extra}, q8_0=True)
         if drafter.trained_ranker is not None:

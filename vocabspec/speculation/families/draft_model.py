@@ -227,8 +227,8 @@ def _layer_parameters(a) -> int:
 
 
 def draft_model_parts(model, config, model_name: str, tokenizer=None, log=None):
-    """(draft model, draft head): the independent draft model config.draft_model names, in
-    config.draft_weights, with the draft head config.vocab over its own LM head."""
+    """(draft model, draft vocabulary): the independent draft model config.draft_model names, in
+    config.draft_weights, with the draft vocabulary config.vocab over its own LM head."""
     draft = load_draft_model(config.draft_model, model, tokenizer, weights=config.draft_weights)
     if log:
         log(f"draft model: {config.draft_model} ({draft.weights}) drafting for the target ({model.weights})")

@@ -551,7 +551,7 @@ def packed_vocab_ids(draft_vocab):
 
 
 def drafts_in_graphs(draft_vocab) -> bool:
-    """Whether EAGLE-2 with this draft head can run as graph steps (graph_step.py): not with
+    """Whether EAGLE-2 with this draft vocabulary can run as graph steps (graph_step.py): not with
     SpecVocab, whose candidates need the drafted tokens on the host."""
     return not hasattr(draft_vocab, "candidate_ids")
 

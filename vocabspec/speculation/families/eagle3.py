@@ -331,7 +331,7 @@ class Eagle3Drafter(nn.Module):
         return narrow.to(self.fc.weight).eval().requires_grad_(False)
 
     def draft_vocab(self, spec: str, files: Path | None = None, token_map: str | Path | None = None):
-        """The draft head over the drafter's own vocabulary: `full` (all of it), or `fr:N` /
+        """The draft vocabulary over the drafter's own vocabulary: `full` (all of it), or `fr:N` /
         `trim:N`: the token map's first N tokens that the drafter's vocabulary holds."""
         from ..vocab.draft_vocab import StaticSubset, parse_draft_vocab
         from ..vocab.token_map import load_token_map

@@ -1,5 +1,5 @@
 """The EAGLE family's build: which drafter a config means (an EAGLE-2 checkpoint or an EAGLE-3
-one, in speculators' or SGLang's layout), its draft head, and the tree proposer over them; and
+one, in speculators' or SGLang's layout), its draft vocabulary, and the tree proposer over them; and
 the registrations of `eagle` and `eagle3` (`eagle+pld` is hybrid.py's).
 
 `eagle_parts` loads the drafter and its head; `tree_proposer` puts a tree on them. The tuner
@@ -18,7 +18,7 @@ from ..config import (EAGLE2, DraftConfig, Family, bundled_drafter_dir, default_
 
 @dataclass
 class EagleParts:
-    """What an EAGLE tree proposer drafts with: the drafter, its draft head, where it was read
+    """What an EAGLE tree proposer drafts with: the drafter, its draft vocabulary, where it was read
     from (`path`, or "random") and the dtype it computes in on torch's kernels."""
     drafter: object
     draft_vocab: object

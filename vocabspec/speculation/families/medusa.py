@@ -397,8 +397,8 @@ def bundled_medusa_dir(model_name: str) -> Path | None:
 
 
 def medusa_parts(model, config, model_name: str, log=None):
-    """(heads, draft head, path): the bundled Medusa heads or config.path's, on the target's
-    device, with the draft head config.vocab."""
+    """(heads, draft vocabulary, path): the bundled Medusa heads or config.path's, on the target's
+    device, with the draft vocabulary config.vocab."""
     path = config.path or bundled_medusa_dir(model_name)
     if path is None:
         raise ValueError(f"no Medusa heads are bundled for {model_name!r}: pass --draft-path DIR "
