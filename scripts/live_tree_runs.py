@@ -6,7 +6,8 @@ tree each step keeps against the drafter's confidence.
    then), and `--quiet-calls` times after they stop, on the same cache, alternating with as
    many on another cache tuned on the quiet machine; their medians side by side. Each call
    is a fresh process, as a user's; its tok/s and mean accepted length are the CLI's own.
-   Then a cache whose tuner entry is rewritten to "no tree pays" (0.81x): the quiet calls on it.
+   Then a cache whose tuner entry is rewritten to "no tree pays" (0.81x): calls on it alternate
+   with as many on the cache as tuned, medians side by side.
 2. Sizes: in one process, greedy `--draft eagle` over Spec-Bench's first turns (one a
    category), each drafted step's kept tree size against the confidence of the root's best
    child (a plot, sizes.png).
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -78,20 +80,27 @@ def busy_run(model: str, prompt: str, tokens: int, busy: int, quiet_calls: int) 
             "after_over_fresh": round(statistics.median(run["tok_s"] for run in after) / fresh_median, 3)}
 
 
-def verdict_run(model: str, prompt: str, tokens: int) -> dict:
+def verdict_run(model: str, prompt: str, tokens: int, calls: int) -> dict:
     """A cache whose tuner entry says no tree pays (0.81x, as a busy first call once cached):
-    the quiet calls after it, against the same cache as tuned."""
-    with tempfile.TemporaryDirectory() as cache:
-        tuned = call(model, prompt, tokens, Path(cache))
-        path = Path(cache) / "autotune.json"
+    calls on it alternate with as many on a copy of it as tuned, and their medians are compared."""
+    with tempfile.TemporaryDirectory() as tuned_cache, tempfile.TemporaryDirectory() as scratch:
+        call(model, prompt, tokens, Path(tuned_cache))                   # tunes, quiet
+        verdict_cache = Path(scratch) / "cache"
+        shutil.copytree(tuned_cache, verdict_cache)
+        path = verdict_cache / "autotune.json"
         known = json.loads(path.read_text())
         for entry in known.values():
             if "total_tokens" in entry:
                 entry.update(depth=0, total_tokens=0, measured_speedup=0.81)
         path.write_text(json.dumps(known))
-        after = [call(model, prompt, tokens, Path(cache)) for _ in range(2)]
+        after, tuned = [], []
+        for _ in range(calls):
+            after.append(call(model, prompt, tokens, verdict_cache))
+            tuned.append(call(model, prompt, tokens, Path(tuned_cache)))
     print(f"after a cached 0.81x verdict: {after} (as tuned: {tuned})", file=sys.stderr)
-    return {"as_tuned": tuned, "after_verdict": after, "after_over_tuned": round(after[-1]["tok_s"] / tuned["tok_s"], 3)}
+    tuned_median = statistics.median(run["tok_s"] for run in tuned)
+    return {"as_tuned": tuned, "after_verdict": after, "first_over_tuned": round(after[0]["tok_s"] / tuned_median, 3),
+            "after_over_tuned": round(statistics.median(run["tok_s"] for run in after) / tuned_median, 3)}
 
 
 def sizes_run(model: str, tokens: int, out: Path) -> dict:
@@ -136,7 +145,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     prompt = json.loads(HELDOUT.read_text().splitlines()[0])["turns"][0]
     result = {"model": args.model, "busy": busy_run(args.model, prompt, args.tokens, args.busy, args.quiet_calls),
-              "verdict": verdict_run(args.model, prompt, args.tokens),
+              "verdict": verdict_run(args.model, prompt, args.tokens, args.quiet_calls),
               "sizes": sizes_run(args.model, 128, args.out)}
     (args.out / f"live-tree-{args.model}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
