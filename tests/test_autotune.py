@@ -311,3 +311,34 @@ def test_other_processes_load_is_measured():
     spinner.wait()
     assert beside >= 0.6, beside              # a whole core's spinning, seen
     assert beside > own, (own, beside)
+
+
+def test_the_cache_keeps_only_entries_a_call_can_reach(tmp_path, monkeypatch):
+    """An entry whose key names a drafter's weights (config.weights_key) is dropped at the next
+    save once those weights are gone or changed (no call can make that key again: a deleted or
+    retrained drafter, a test's temporary one); entries without weights, and those of weights
+    as they are, stay."""
+    import json
+    import os
+
+    import vocabspec.tuning.autotune as autotune
+    from vocabspec.speculation.config import weights_key
+
+    monkeypatch.setenv("VOCABSPEC_CACHE", str(tmp_path / "cache"))
+    drafters = {}
+    for name in ("kept", "deleted", "retrained"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"weights")
+        drafters[name] = f"smollm2|{weights_key(tmp_path / name)}|full"
+    known = {key: {"depth": 1} for key in drafters.values()}
+    known["forward|llama-576|v10|gguf-a8"] = {"0": 0.003}
+    known[f"calibration|{drafters['deleted']}|v1"] = {"hits": []}
+    path = tmp_path / "cache" / "autotune.json"
+    path.parent.mkdir()
+    autotune._store(path, known)
+    assert set(json.loads(path.read_text())) == set(known)              # every entry reachable
+    (tmp_path / "deleted" / "model.safetensors").unlink()
+    retrained = tmp_path / "retrained" / "model.safetensors"
+    os.utime(retrained, (retrained.stat().st_atime, retrained.stat().st_mtime + 5))
+    autotune._store(path, json.loads(path.read_text()))
+    assert set(json.loads(path.read_text())) == {drafters["kept"], "forward|llama-576|v10|gguf-a8"}

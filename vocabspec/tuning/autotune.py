@@ -43,8 +43,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -213,9 +215,30 @@ def _load(path) -> dict:
         return {}
 
 
+# A drafter's weights in a key (config.weights_key): the file, its size and its mtime.
+_WEIGHTS_FIELD = re.compile(r"^(/.+):(\d+):(\d+)$")
+
+
+def _reachable(key: str) -> bool:
+    """Whether an entry can still be asked for: not when its key names a drafter's weights
+    that are gone or changed since (a retrained or deleted drafter, a test's temporary one),
+    whose key no call can make again."""
+    for field in key.split("|"):
+        named = _WEIGHTS_FIELD.match(field)
+        if named:
+            try:
+                stat = Path(named.group(1)).stat()
+            except OSError:
+                return False
+            return (stat.st_size, int(stat.st_mtime)) == (int(named.group(2)), int(named.group(3)))
+    return True
+
+
 def _store(path, known: dict) -> None:
+    """Replace the cache file whole (never torn), keeping only the entries a call can reach,
+    so that it does not grow with every drafter it has ever seen."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(known, indent=1))
+    tmp.write_text(json.dumps({key: entry for key, entry in known.items() if _reachable(key)}, indent=1))
     tmp.replace(path)
 
 
