@@ -32,6 +32,11 @@ def live_model(prior_speedup: float, fixed_costs: bool = False):
     sizing.keep_sizes = True
     if fixed_costs:
         sizing.costs.step = sizing.costs.read_took = sizing.costs.level_took = lambda *_: None
+        # A step's own growth and read are taken at those costs too, not at what the wall clock
+        # gave them (a host busy with other tests stretches them many times over).
+        choose = sizing.choose
+        sizing.choose = lambda tree, levels, grow_seconds, read_seconds=0.0, read_tokens=0: \
+            choose(tree, levels, levels * sizing.costs.draft_level, 0.0, read_tokens)
     lm.engine.proposer.sizing = sizing
     return lm, sizing
 
