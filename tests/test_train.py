@@ -409,14 +409,14 @@ def test_recipes_keep_their_answers_and_generate_what_is_missing(model):
     recipe names an archive, and generates into it the answers it lacks."""
     from pathlib import Path
 
-    from vocabspec.cli import build_parser
+    from vocabspec.cli import build_parser, train_config
 
     root = Path(__file__).resolve().parents[1]
     parser = build_parser()
     rounds = 0
     for argv in recipe_commands(root / "recipes" / f"{model}.sh"):
         args = parser.parse_args(["train", *argv])
-        cfg = TrainConfig.of(**{k: getattr(args, k) for k in TrainConfig.options() if hasattr(args, k)})
+        cfg = train_config(args)
         if cfg.data.self_distill or cfg.data.task_prompts:
             assert cfg.data.answers and cfg.data.generate_answers, f"a self-distilling round that would fail: {argv}"
             assert not (root / cfg.data.answers).is_relative_to(root / "data"), cfg.data.answers

@@ -194,6 +194,15 @@ def draft_config(args):
                                   dtype=args.draft_dtype, draft_weights=args.draft_weights)
 
 
+def train_config(args):
+    """The TrainConfig `vocabspec train`'s command line asks for (--out: runs/train-MODEL unless given)."""
+    from .training.config import TrainConfig
+
+    settings = {k: getattr(args, k) for k in TrainConfig.options() if hasattr(args, k)}
+    settings["out"] = args.out or f"runs/train-{args.model}"
+    return TrainConfig.of(**settings)
+
+
 def _labels(text: str) -> str:
     from .training.eagle3_train import LABELS
     if text not in LABELS:
@@ -713,7 +722,7 @@ def cmd_ranker(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .training.train import TrainConfig, parse_token_counts, run
+    from .training.train import parse_token_counts, run
 
     set_threads(args.threads)
     stages = tuple(s for s in args.stages.split(",") if s)
@@ -725,9 +734,7 @@ def cmd_train(args) -> int:
     parse_token_counts(args.snapshot_tokens)          # before hours of data and features
     if args.ttt_decay <= 0:
         raise ValueError(f"--ttt-decay weighs step k's loss by its k-th power: a positive number, not {args.ttt_decay}")
-    fields = {k: getattr(args, k) for k in TrainConfig.options() if hasattr(args, k)}
-    fields["out"] = args.out or f"runs/train-{args.model}"
-    run(TrainConfig.of(**fields), stages=stages, ship=args.ship)
+    run(train_config(args), stages=stages, ship=args.ship)
     return 0
 
 

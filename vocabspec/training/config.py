@@ -159,13 +159,11 @@ class TrainConfig:
         unknown = sorted(set(settings) - set(options))
         if unknown:
             raise TypeError(f"no training setting named {', '.join(unknown)}")
-        run = {k: v for k, v in settings.items() if options[k][2] is None}
-        groups: dict[str, dict] = {}
+        run, groups = {}, {group: {} for group in cls._groups()}
         for name, value in settings.items():
             _, attribute, group = options[name]
-            if group is not None:
-                groups.setdefault(group, {})[attribute] = value
-        return cls(**run, **{g: cls._groups()[g](**values) for g, values in groups.items()})
+            (run if group is None else groups[group])[attribute] = value
+        return cls(**run, **{group: kind(**groups[group]) for group, kind in cls._groups().items()})
 
     def settings(self) -> dict:
         """Every setting by its option name (what `of` takes)."""

@@ -45,7 +45,8 @@ from ..runtime.backend import Backend
 from ..runtime.slots import forward_rows, pad_rows
 from ..runtime.model import CustomAttention
 from .config import TrainConfig
-from .train import learning_rate
+from .train import (_atomic_save, epoch_batch, learning_rate, parse_taps, parse_token_counts, resumable,
+                    training_precision, training_sets)
 
 LABELS = ("soft", "hard")
 
@@ -260,8 +261,6 @@ def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> di
 
 
 def train(cfg, target: Backend, split: dict | None = None, log=print) -> Eagle3Drafter:
-    from .train import _atomic_save, epoch_batch, parse_token_counts, resumable, training_sets
-
     out = Path(cfg.out)
     train_set, heldout = training_sets(cfg, split)
     torch.manual_seed(cfg.seed)
@@ -311,7 +310,6 @@ def _starting_drafter(cfg, target: Backend) -> Eagle3Drafter:
     """--init's drafter, else a new one over cfg.eagle3.draft_vocab's vocabulary; ValueError where its
     taps are not the ones the features hold."""
     from ..speculation.config import bundled_drafter_dir
-    from .train import parse_taps
 
     ids = draft_vocabulary(cfg.eagle3.draft_vocab, target, bundled_drafter_dir(cfg.model))
     drafter = Eagle3Drafter.load(cfg.init, target, dtype=torch.float32) if cfg.init else \
@@ -326,8 +324,6 @@ def _starting_drafter(cfg, target: Backend) -> Eagle3Drafter:
 def _accumulated(cfg, drafter: Eagle3Drafter, train_set, batch: list[int]) -> tuple[list[dict], int]:
     """One optimizer step's gradients, accumulated over the sequences `batch` indexes (one
     without a position to train adds none); (each such sequence's figures, its tokens)."""
-    from .train import training_precision
-
     stats, tokens_seen = [], 0
     for i in batch:
         tokens, hidden, candidates, tapped = on_device(train_set[i], drafter.draft_ids.device)
@@ -369,8 +365,6 @@ class _Run:
 
     def keep_snapshots(self, snapshots: dict, out: Path, log) -> None:
         """The run as it stood after each of `snapshots`' token counts, once it has passed it."""
-        from .train import _atomic_save
-
         for label, count in snapshots.items():
             kept = out / f"checkpoint-eagle3-at-{label}.pt"
             if self.trained >= count and not kept.exists():
@@ -381,8 +375,6 @@ class _Run:
 def train_and_save(cfg, target: Backend, split: dict, report: dict, ship: bool, log) -> None:
     """EAGLE-3's trainer (train.train_eagle with --recipe eagle3): train, measure, save to
     `cfg.out`/drafter in speculators' layout."""
-    from .train import training_sets
-
     if ship:
         raise ValueError("--ship copies a drafter in the bundled EAGLE-2 layout; an EAGLE-3 drafter is "
                          "saved to --out/drafter (speculators' layout) and read with --draft-path")
