@@ -4,6 +4,8 @@ anywhere else, so nothing else would notice when a library change breaks them)."
 import json
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 
@@ -157,3 +159,25 @@ def test_native_variants_script_times_each_variant_in_turn():
     refused = subprocess.run([sys.executable, str(SCRIPTS / "native_variants.py"), "--variant", "a=-DX=1"],
                              capture_output=True, text=True, timeout=600)
     assert refused.returncode != 0 and "at least two" in refused.stderr
+
+
+def test_sizing_headroom_replays_steps_under_other_sizes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sizing_headroom", SCRIPTS / "sizing_headroom.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    # The on-path candidates' ranks, shallowest first: a path stops at the first one not kept.
+    sure = {"chances": [0.9, 0.5, 0.3], "path": [0, 2], "kept": 1, "seconds": 0.010}
+    lost = {"chances": [0.2, 0.1], "path": [], "kept": 0, "seconds": 0.008}
+    assert [script.accepted(sure, m) for m in range(4)] == [0, 1, 1, 2]
+    assert script.accepted(lost, 2) == 0
+    costs = lambda rows: 0.008 + 0.001 * (rows - 1)
+    steps, plain_seconds, plain_tokens = [sure, lost], 0.004, 1
+    # As run: its own tokens over its own time; another size changes only the rows' cost.
+    assert script.replay(steps, plain_seconds, plain_tokens, lambda s: s["kept"], costs) == pytest.approx(4 / 0.022)
+    assert script.replay(steps, plain_seconds, plain_tokens, lambda s: 3, costs) == pytest.approx(5 / 0.026)
+    fixed = [script.replay(steps, plain_seconds, plain_tokens, lambda s, m=m: m, costs) for m in range(4)]
+    best = script.hindsight(steps, plain_seconds, plain_tokens, costs)
+    # Knowing each outcome: the sure step keeps its path's three, the lost one the root alone.
+    assert best == pytest.approx(5 / 0.024) and best >= max(fixed)

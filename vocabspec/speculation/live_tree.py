@@ -84,8 +84,10 @@ KEEP_SEEN = 200.0         # observations a bin keeps from a previous run's calib
 SAVE_EVERY = 4096         # outcomes learned between saves of the calibration (and one at exit):
                           # a save rewrites the tuner's cache, milliseconds a small model's step
                           # should not pay every other request
-SLOPE_WEIGHT = 0.2        # the slope's: a drafted step is rarer than a plain one
-MOST_SLOPE = 4.0          # the slope stays within [1 / this, this] times the curve's
+SHAPE_WEIGHT = 0.01       # a row count's own cost over the curve's, learnt slowly: one step is
+                          # noisy, and a busy spell should move the scale, hardly the shape
+SHAPE_PRIOR = 4.0         # what a row count's price starts from counts as this many of its steps
+MOST_SHAPE = 4.0          # a row count's cost stays within [1 / this, this] times the curve's
 
 
 def confidence_bin(value: float, bins: int) -> int:
@@ -215,15 +217,16 @@ class TreeStop:
 
 
 class LiveCosts:
-    """c(rows): a step's forward and verification over `rows` rows, now. The tuner's curve
-    gives its shape, timed on forwards back to back; inside decoding, between the drafter's
-    calls, an extra row has been measured to cost up to twice the curve's. So c(rows) is the
-    curve's one-row cost plus `slope` times its extra rows' cost, all times the machine's
-    running scale: the scale a running mean of every step's log ratio (a busy spell raises
-    every size alike, a quiet one lowers them again), the slope a running mean of what each
-    step of more than one row showed its extra rows to cost. A drafting level's time is a
-    running mean, and so is the drafter's read of n tokens (`read`), a line fitted to its
-    reads."""
+    """c(rows): a step's forward and verification over `rows` rows, now. The tuner's curve,
+    timed on forwards back to back, is the prior; inside decoding, between the drafter's calls,
+    the rows cost otherwise (the drafter's work leaves the caches cold, and the 2- and 4-row
+    forwards are not the curve's distance apart), and one scalar slope on the curve's extra
+    rows, learnt from steps of several sizes, swung with their mix. So c(rows) is the curve
+    times a factor of that row count's own (`shape`: what its steps cost over the scaled curve,
+    their mean at first, then a slow running mean; a count not yet seen takes the nearest seen
+    one's), all times the machine's running scale (a running mean of every step's log ratio: a
+    busy spell raises every size alike, a quiet one lowers them again). A drafting level's time is a running
+    mean, and so is the drafter's read of n tokens (`read`), a line fitted to its reads."""
 
     def __init__(self, forward: dict[int, float], draft_level: float, head_pass: float = 0.0,
                  head_rows: int = 1 << 30):
@@ -231,7 +234,9 @@ class LiveCosts:
         self.rows = sorted(forward)
         self.curve = [forward[n] for n in self.rows]
         self.log_scale = 0.0
-        self.slope = 1.0
+        self.shape: dict[int, float] = {}   # rows -> log of its steps' cost over the scaled curve
+        self._seen: list[int] = []          # the row counts in `shape`, sorted
+        self._count: dict[int, float] = {}  # rows -> its steps seen, SHAPE_PRIOR counted
         self.draft_level = draft_level
         self._reads = [0.0] * 5         # running sums of 1, n, t, n n, n t over the reads
 
@@ -246,8 +251,12 @@ class LiveCosts:
         return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (rows - xs[-1])
 
     def _shape(self, rows: int) -> float:
-        one = self.prior(1)
-        return one + self.slope * (self.prior(rows) - one)
+        seen = self._seen
+        if not seen:
+            return self.prior(rows)
+        i = bisect.bisect_left(seen, rows)
+        near = seen[i] if i < len(seen) and (i == 0 or seen[i] - rows < rows - seen[i - 1]) else seen[i - 1]
+        return self.prior(rows) * math.exp(self.shape[near])
 
     def __call__(self, rows: int) -> float:
         return self._shape(rows) * math.exp(self.log_scale)
@@ -279,10 +288,13 @@ class LiveCosts:
         if seconds <= 0.0:
             return
         self.log_scale += WEIGHT * (math.log(seconds / self._shape(rows)) - self.log_scale)
-        extra = self.prior(rows) - self.prior(1)
-        if extra > 0.0:
-            shown = (seconds / math.exp(self.log_scale) - self.prior(1)) / extra
-            self.slope += SLOPE_WEIGHT * (min(MOST_SLOPE, max(1 / MOST_SLOPE, shown)) - self.slope)
+        shown = min(math.log(MOST_SHAPE), max(-math.log(MOST_SHAPE), math.log(seconds / self.prior(rows)) - self.log_scale))
+        if rows not in self.shape:      # from the nearest seen count's, as it was priced
+            self.shape[rows] = math.log(self._shape(rows) / self.prior(rows))
+            self._count[rows] = SHAPE_PRIOR
+            bisect.insort(self._seen, rows)
+        self._count[rows] += 1          # a mean of its steps at first, then a running one
+        self.shape[rows] += max(SHAPE_WEIGHT, 1.0 / self._count[rows]) * (shown - self.shape[rows])
 
 
 class LiveSizing:
