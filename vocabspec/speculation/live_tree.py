@@ -46,12 +46,13 @@ Each step:
   accepted over expected) moves the advantage that decides whether drafting pays, and a
   probe's wait.
 
-Costs: c(rows) is the tuner's measured forward curve, its extra rows' cost times a running
-slope (what drafted steps show an extra row costs inside decoding, against the curve's), times
-a running scale (every step's time, from one verification to the next less its drafting, over
-the model's at its rows, so a busy spell raises every size alike and a quiet one lowers them
-again); a drafting level's time is a running mean too, and so is the drafter's read of n
-accepted tokens, a line a + b n fitted to the reads it made.
+Costs: c(rows) is the tuner's measured forward curve times that row count's own factor (what
+its steps show it costs inside decoding, against the curve's: their mean, then a slow running
+mean; one slope over every count swung with the mix of sizes), times a running scale (every
+step's time, from one verification to the next less its drafting, over the model's at its rows,
+so a busy spell raises every size alike and a quiet one lowers them again); a drafting level's
+time is a running mean too, and so is the drafter's read of n accepted tokens, a line a + b n
+fitted to the reads it made.
 
 Exactness does not depend on any of it: any tree of the drafted nodes verifies exactly, and
 greedy verification gives plain decoding's tokens whatever its size. A sampled request keeps
@@ -85,7 +86,7 @@ SAVE_EVERY = 4096         # outcomes learned between saves of the calibration (a
                           # a save rewrites the tuner's cache, milliseconds a small model's step
                           # should not pay every other request
 SHAPE_WEIGHT = 0.01       # a row count's own cost over the curve's, learnt slowly: one step is
-                          # noisy, and a busy spell should move the scale, hardly the shape
+                          # noisy, and a busy spell should move the scale, hardly the factors
 SHAPE_PRIOR = 4.0         # what a row count's price starts from counts as this many of its steps
 MOST_SHAPE = 4.0          # a row count's cost stays within [1 / this, this] times the curve's
 
@@ -217,16 +218,17 @@ class TreeStop:
 
 
 class LiveCosts:
-    """c(rows): a step's forward and verification over `rows` rows, now. The tuner's curve,
-    timed on forwards back to back, is the prior; inside decoding, between the drafter's calls,
-    the rows cost otherwise (the drafter's work leaves the caches cold, and the 2- and 4-row
-    forwards are not the curve's distance apart), and one scalar slope on the curve's extra
-    rows, learnt from steps of several sizes, swung with their mix. So c(rows) is the curve
-    times a factor of that row count's own (`shape`: what its steps cost over the scaled curve,
+    """c(rows): a step's forward and verification over `rows` rows, now. The tuner's curve, timed
+    on forwards back to back, is the prior; inside decoding, between the drafter's calls, the
+    rows cost otherwise (the drafter's work leaves the caches cold, and the 2- and 4-row
+    forwards are not the curve's distance apart), and one slope on the curve's extra rows,
+    learnt from steps of several sizes, swung with their mix. So c(rows) is the curve times a
+    factor of that row count's own (`log_factor`: what its steps cost over the scaled curve,
     their mean at first, then a slow running mean; a count not yet seen takes the nearest seen
     one's), all times the machine's running scale (a running mean of every step's log ratio: a
-    busy spell raises every size alike, a quiet one lowers them again). A drafting level's time is a running
-    mean, and so is the drafter's read of n tokens (`read`), a line fitted to its reads."""
+    busy spell raises every size alike, a quiet one lowers them again). A drafting level's time
+    is a running mean, and so is the drafter's read of n tokens (`read`), a line fitted to its
+    reads."""
 
     def __init__(self, forward: dict[int, float], draft_level: float, head_pass: float = 0.0,
                  head_rows: int = 1 << 30):
@@ -234,8 +236,8 @@ class LiveCosts:
         self.rows = sorted(forward)
         self.curve = [forward[n] for n in self.rows]
         self.log_scale = 0.0
-        self.shape: dict[int, float] = {}   # rows -> log of its steps' cost over the scaled curve
-        self._seen: list[int] = []          # the row counts in `shape`, sorted
+        self.log_factor: dict[int, float] = {}  # rows -> log of its steps' cost over the scaled curve
+        self._seen: list[int] = []          # the row counts in `log_factor`, sorted
         self._count: dict[int, float] = {}  # rows -> its steps seen, SHAPE_PRIOR counted
         self.draft_level = draft_level
         self._reads = [0.0] * 5         # running sums of 1, n, t, n n, n t over the reads
@@ -256,7 +258,7 @@ class LiveCosts:
             return self.prior(rows)
         i = bisect.bisect_left(seen, rows)
         near = seen[i] if i < len(seen) and (i == 0 or seen[i] - rows < rows - seen[i - 1]) else seen[i - 1]
-        return self.prior(rows) * math.exp(self.shape[near])
+        return self.prior(rows) * math.exp(self.log_factor[near])
 
     def __call__(self, rows: int) -> float:
         return self._shape(rows) * math.exp(self.log_scale)
@@ -289,12 +291,12 @@ class LiveCosts:
             return
         self.log_scale += WEIGHT * (math.log(seconds / self._shape(rows)) - self.log_scale)
         shown = min(math.log(MOST_SHAPE), max(-math.log(MOST_SHAPE), math.log(seconds / self.prior(rows)) - self.log_scale))
-        if rows not in self.shape:      # from the nearest seen count's, as it was priced
-            self.shape[rows] = math.log(self._shape(rows) / self.prior(rows))
+        if rows not in self.log_factor:      # from the nearest seen count's, as it was priced
+            self.log_factor[rows] = math.log(self._shape(rows) / self.prior(rows))
             self._count[rows] = SHAPE_PRIOR
             bisect.insort(self._seen, rows)
         self._count[rows] += 1          # a mean of its steps at first, then a running one
-        self.shape[rows] += max(SHAPE_WEIGHT, 1.0 / self._count[rows]) * (shown - self.shape[rows])
+        self.log_factor[rows] += max(SHAPE_WEIGHT, 1.0 / self._count[rows]) * (shown - self.log_factor[rows])
 
 
 class LiveSizing:
