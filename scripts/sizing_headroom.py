@@ -52,10 +52,11 @@ def replay(steps: list[dict], plain_seconds: float, plain_tokens: int, pick, cos
 
 def hindsight(steps, plain_seconds, plain_tokens, costs) -> float:
     """The best run an oracle that knows each step's outcome reaches: per step the m maximising
-    tokens less `rate` times its rows' cost, the rate swept."""
+    tokens less `rate` times its rows' cost, the rate swept around the run's own."""
+    own = replay(steps, plain_seconds, plain_tokens, lambda s: s["kept"], costs)
     best = 0.0
-    for i in range(1, 400):
-        rate = i * 2.0      # tokens a second
+    for i in range(-60, 61):
+        rate = own * 1.03 ** i      # tokens a second
         pick = lambda s: max(range(len(s["chances"]) + 1),
                              key=lambda m: 1 + accepted(s, m) - rate * costs(1 + m))
         best = max(best, replay(steps, plain_seconds, plain_tokens, pick, costs))
