@@ -4,6 +4,7 @@ costs follow what the steps show; a tree cut to its best m nodes is the tree a d
 m nodes builds."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def live_model(prior_speedup: float, fixed_costs: bool = False):
         # A step's own growth and read are taken at those costs too, not at what the wall clock
         # gave them (a host busy with other tests stretches them many times over).
         choose = sizing.choose
-        sizing.choose = lambda tree, levels, grow_seconds, read_seconds=0.0, read_tokens=0: \
+        sizing.choose = lambda tree, levels, grow_seconds, read_seconds=0.0, read_tokens=0, started=None: \
             choose(tree, levels, levels * sizing.costs.draft_level, 0.0, read_tokens)
     lm.engine.proposer.sizing = sizing
     return lm, sizing
@@ -194,6 +195,23 @@ def test_a_probe_verifies_its_best_node_even_where_none_pays():
     steady = LiveSizing(CURVE, 0.0003, prior_speedup=2.0, total=0, most_depth=2, most=4)
     assert steady.plan()[0] and not steady._probing      # steady drafting: the root alone pays best
     assert steady.choose(unlikely, 1, 0.001).size == 0
+
+
+def test_a_proposals_time_past_its_growth_counts_as_drafting():
+    """What a proposal spends past its tree's growth and read (the choice, the trees'
+    conversions) is drafting's cost too: the same step, its proposal begun 20 ms before the
+    choice's end, shows drafting paying less than one timed from its growth alone."""
+    builder = TreeBuilder(1, 2, 2)
+    builder.add_children([0], torch.tensor([[5, 6]]), torch.tensor([[-0.1, -3.0]]))
+    sure = builder.build()
+    advantages = []
+    for started in (None, time.perf_counter() - 0.02):
+        sizing = LiveSizing(CURVE, 0.0003, prior_speedup=1.2, total=2, most_depth=2, most=4)
+        assert sizing.plan()[0]
+        sizing.choose(sure, 1, 0.0003, started=started)
+        sizing.observe([1, 5])
+        advantages.append(sizing.advantage)
+    assert advantages[1] < advantages[0] - 0.03, advantages
 
 
 def test_each_row_counts_cost_follows_what_its_steps_show():

@@ -402,12 +402,14 @@ class LiveSizing:
     # ---- after drafting
 
     def choose(self, tree: Tree, drafted_levels: int, grow_seconds: float, read_seconds: float = 0.0,
-               read_tokens: int = 0) -> Tree:
+               read_tokens: int = 0, started: float | None = None) -> Tree:
         """The best tree of `tree`'s drafts (see the module docstring), and the running means
         of drafting's costs and rate updated. `grow_seconds`: the tree's growth over
         `drafted_levels` levels; `read_seconds`: the drafter's read of `read_tokens` accepted
-        tokens before it."""
-        self._draft_seconds, self._grow_seconds = grow_seconds + read_seconds, grow_seconds
+        tokens before it; `started`: when the proposal began, where the proposer knows it (what
+        it spends past the growth and the read, this choice and its trees' conversions, is the
+        step's drafting too: a tenth of a millisecond that a small model's step of a few
+        pays)."""
         self.costs.read_took(read_tokens, read_seconds)
         if drafted_levels:
             self.costs.level_took(grow_seconds / drafted_levels)
@@ -425,6 +427,13 @@ class LiveSizing:
             # A probe verifies at least its best node: one that verifies nothing measures
             # nothing, and neither this request's acceptance nor the calibration could move.
             best_m, best_rate = 1, rates[0]
+        if self.keep_sizes:
+            first = max((math.exp(values[row]) for row in order if depths[row] == 1), default=0.0)
+            self.sizes.append((first, best_m))
+        self.tree = tree.best(best_m)
+        if started is not None:
+            grow_seconds = max(grow_seconds, time.perf_counter() - started - read_seconds)
+        self._draft_seconds, self._grow_seconds = grow_seconds + read_seconds, grow_seconds
         # The drafting is spent and does not enter the choice; it does enter the rate the step
         # expects, which sets the next step's stop and room: its growth, and the read of the
         # tokens it accepts as steady drafting would read them.
@@ -433,10 +442,6 @@ class LiveSizing:
         rate = gain / (gain / best_rate + grow_seconds + costs.read(gain))
         self.rate += WEIGHT * (rate - self.rate)
         self.total = max(2, min(self.most, best_m + 1))
-        if self.keep_sizes:
-            first = max((math.exp(values[row]) for row in order if depths[row] == 1), default=0.0)
-            self.sizes.append((first, best_m))
-        self.tree = tree.best(best_m)
         return self.tree
 
     def _rates(self, order: list[int], chances: list[float], drafting: float) -> list[float]:

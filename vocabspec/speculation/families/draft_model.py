@@ -178,7 +178,7 @@ class DraftModelProposer(VocabTimedDrafting, Proposer):
         tree = self._grow(root_token, depth, total, sizing.stop if sizing is not None else None)
         if sizing is not None:
             drafted = tree
-            tree = sizing.choose(tree, sizing.stop.levels, time.perf_counter() - grown, grown - start, caught_up)
+            tree = sizing.choose(tree, sizing.stop.levels, time.perf_counter() - grown, grown - start, caught_up, start)
             if tree is not drafted:       # nodes cut: the kept ones renumbered, in order
                 ranks = drafted.ranks.tolist()
                 row_of = {row: i for i, row in enumerate(

@@ -721,7 +721,7 @@ class EagleProposer(VocabTimedDrafting, Proposer):
                 self.read_pending()             # timed apart: see live_tree.LiveSizing.choose
                 grown = time.perf_counter()
                 tree = self.drafting.grow(root_token, depth, total, sizing.stop)
-                tree = sizing.choose(tree, sizing.stop.levels, time.perf_counter() - grown, grown - start, tokens)
+                tree = sizing.choose(tree, sizing.stop.levels, time.perf_counter() - grown, grown - start, tokens, start)
             else:
                 tree = chain(root_token, [], device=self.target.device)
         self.timings["total"] += time.perf_counter() - start

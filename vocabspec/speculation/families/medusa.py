@@ -342,7 +342,7 @@ class MedusaProposer(VocabTimedDrafting, Proposer):
         else:       # every node costs the one pass: the rule keeps the best that pay for their rows
             drafted = self.layout(min(sizing.most, len(self.choices))).valued_tree(root_token, ids.to(device),
                                                                                    log_probs)
-            tree = sizing.choose(drafted, 1, time.perf_counter() - start)
+            tree = sizing.choose(drafted, 1, time.perf_counter() - start, started=start)
         self.timings["total"] += time.perf_counter() - start
         return tree
 
