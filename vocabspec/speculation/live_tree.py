@@ -85,10 +85,10 @@ KEEP_SEEN = 200.0         # observations a bin keeps from a previous run's calib
 SAVE_EVERY = 4096         # outcomes learned between saves of the calibration (and one at exit):
                           # a save rewrites the tuner's cache, milliseconds a small model's step
                           # should not pay every other request
-SHAPE_WEIGHT = 0.01       # a row count's own cost over the curve's, learnt slowly: one step is
+FACTOR_WEIGHT = 0.01      # a row count's own cost over the curve's, learnt slowly: one step is
                           # noisy, and a busy spell should move the scale, hardly the factors
-SHAPE_PRIOR = 4.0         # what a row count's price starts from counts as this many of its steps
-MOST_SHAPE = 4.0          # a row count's cost stays within [1 / this, this] times the curve's
+FACTOR_PRIOR = 4.0        # what a row count's price starts from counts as this many of its steps
+MOST_FACTOR = 4.0         # a row count's cost stays within [1 / this, this] times the curve's
 
 
 def confidence_bin(value: float, bins: int) -> int:
@@ -238,7 +238,7 @@ class LiveCosts:
         self.log_scale = 0.0
         self.log_factor: dict[int, float] = {}  # rows -> log of its steps' cost over the scaled curve
         self._seen: list[int] = []          # the row counts in `log_factor`, sorted
-        self._count: dict[int, float] = {}  # rows -> its steps seen, SHAPE_PRIOR counted
+        self._count: dict[int, float] = {}  # rows -> its steps seen, FACTOR_PRIOR counted
         self.draft_level = draft_level
         self._reads = [0.0] * 5         # running sums of 1, n, t, n n, n t over the reads
 
@@ -290,13 +290,14 @@ class LiveCosts:
         if seconds <= 0.0:
             return
         self.log_scale += WEIGHT * (math.log(seconds / self._shape(rows)) - self.log_scale)
-        shown = min(math.log(MOST_SHAPE), max(-math.log(MOST_SHAPE), math.log(seconds / self.prior(rows)) - self.log_scale))
+        bound = math.log(MOST_FACTOR)
+        shown = min(bound, max(-bound, math.log(seconds / self.prior(rows)) - self.log_scale))
         if rows not in self.log_factor:      # from the nearest seen count's, as it was priced
             self.log_factor[rows] = math.log(self._shape(rows) / self.prior(rows))
-            self._count[rows] = SHAPE_PRIOR
+            self._count[rows] = FACTOR_PRIOR
             bisect.insort(self._seen, rows)
         self._count[rows] += 1          # a mean of its steps at first, then a running one
-        self.log_factor[rows] += max(SHAPE_WEIGHT, 1.0 / self._count[rows]) * (shown - self.log_factor[rows])
+        self.log_factor[rows] += max(FACTOR_WEIGHT, 1.0 / self._count[rows]) * (shown - self.log_factor[rows])
 
 
 class LiveSizing:
