@@ -133,7 +133,7 @@ def record(model: str, rounds: int) -> tuple[list[dict], float, int, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="a JSON file for the results")
     args = parser.parse_args()
     started = time.time()
