@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import vocabspec
-from vocabspec.speculation.live_tree import (KEEP_DRAFTING, MOST_PROBE_EVERY, PROBE_EVERY, Calibration, LiveCosts,
+from vocabspec.speculation.live_tree import (CHECK_BELOW, CHECK_EVERY, KEEP_DRAFTING, MOST_PROBE_EVERY, PROBE_EVERY, Calibration, LiveCosts,
                                             LiveSizing, path_rows)
 from vocabspec.speculation.tree import TreeBuilder
 
@@ -452,3 +452,32 @@ def test_a_drafting_stretch_outlasts_a_dip_and_a_plain_step_does_not_start_one()
     assert not sizing.drafts()
     sizing.advantage = 1.0
     assert sizing.drafts()
+
+
+def test_a_stretch_that_barely_pays_times_a_plain_step_now_and_then():
+    """Within a stretch whose advantage is below CHECK_BELOW, every CHECK_EVERY-th step is plain
+    and keeps the stretch: its time is what the 1-row count costs inside decoding (the factor the
+    stretch's drafted steps are weighed against). A stretch that pays well drafts every step."""
+    builder = TreeBuilder(1, 1, 1)
+    builder.add_children([0], torch.tensor([[5]]), torch.tensor([[-0.05]]))
+    sure = builder.build()
+
+    def steps(advantage, count):
+        sizing = LiveSizing(CURVE, 0.0003, prior_speedup=advantage, total=3, most_depth=2, most=4)
+        sizing.costs.read_took = sizing.costs.level_took = lambda *_: None
+        plain = []
+        for i in range(count):
+            sizing.advantage = advantage
+            if sizing.plan()[0]:
+                sizing.choose(sure, 1, 0.0003)
+                sizing.observe([1, 5])
+            else:
+                plain.append(i)
+                sizing.observe([1])
+            assert sizing.stretch
+        return plain, sizing
+
+    plain, sizing = steps((1.0 + CHECK_BELOW) / 2, 3 * (CHECK_EVERY + 1))
+    assert plain == [CHECK_EVERY, 2 * CHECK_EVERY + 1, 3 * CHECK_EVERY + 2], plain
+    assert 1 in sizing.costs.log_factor         # the 1-row count timed as decoding saw it
+    assert steps(CHECK_BELOW + 0.1, 3 * (CHECK_EVERY + 1))[0] == []

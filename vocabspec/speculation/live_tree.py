@@ -19,6 +19,10 @@ Each step:
   no tree pays on this machine probes cost little), and one that pays resets it.
   A request's first step is a probe too. A probe verifies at least its best node, so that
   what it measures (this request's acceptance, the calibration) can move.
+  Within a stretch whose advantage is below CHECK_BELOW, every CHECK_EVERY-th step is plain (a
+  check, the stretch kept): the speed a drafted step is weighed against is a 1-row step's
+  inside decoding, which a stretch never times otherwise (its nearest row count's factor
+  stands in), and on a long prompt where drafting barely pays that error decided it.
   At that longest wait the rule is `dormant`: the drafter reads only the last tokens before a
   probe (and of a prompt), so a drafter that does not pay here costs close to nothing.
 - While drafting: the tree grows a level only while that level may pay (`TreeStop`): its
@@ -81,6 +85,8 @@ WEIGHT = 0.1              # running means' weight of the latest step
 ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly,
 STEADY_WEIGHT = 0.04      # a step of a drafting stretch slowly (one step is a noisy sample)
 KEEP_DRAFTING = 0.93      # a stretch stops where the advantage falls below this; starts at 1
+CHECK_EVERY = 32          # drafted steps of a stretch between plain ones that time a 1-row step,
+CHECK_BELOW = 1.25        # while its advantage is below this (above, no error in c(1) flips it)
 KEEP_SEEN = 200.0         # observations a bin keeps from a previous run's calibration
 SAVE_EVERY = 4096         # outcomes learned between saves of the calibration (and one at exit):
                           # a save rewrites the tuner's cache, milliseconds a small model's step
@@ -318,6 +324,8 @@ class LiveSizing:
         self.rate = prior_speedup / self.costs(1)   # expected tokens a second of the trees kept
         self.total = max(1, min(total or 3, most))      # the nodes a step drafts to choose from
         self.plain_steps = 0
+        self.drafted_steps = 0                  # drafted steps since the last plain one
+        self._checking = False                  # whether this step is a stretch's plain check
         self.probe_every = PROBE_EVERY          # plain steps before a probe, while drafting does not pay
         self._probing = False                   # whether this step drafts as a probe
         self._drafting = False                  # whether this step drafted (`plan` said so)
@@ -360,9 +368,15 @@ class LiveSizing:
         return self.advantage >= (KEEP_DRAFTING if self.stretch else 1.0)
 
     def drafts(self) -> bool:
-        """Whether the next step drafts: where drafting has been paying, and every
-        `probe_every`-th step where it has not."""
-        return self.paying or self.plain_steps >= self.probe_every
+        """Whether the next step drafts: where drafting has been paying (but for a stretch's
+        plain checks), and every `probe_every`-th step where it has not."""
+        if self.paying:
+            return not self._checks()
+        return self.plain_steps >= self.probe_every
+
+    def _checks(self) -> bool:
+        """Whether the next step is a stretch's plain check (see the module docstring)."""
+        return self.stretch and self.advantage < CHECK_BELOW and self.drafted_steps >= CHECK_EVERY
 
     @property
     def dormant(self) -> bool:
@@ -376,8 +390,10 @@ class LiveSizing:
         its drafting and a row's forward counted; (0, 0): the root alone."""
         self.tree = None
         if not self.drafts():
+            self._checking = self.paying
             return 0, 0
         self.plain_steps = 0
+        self.drafted_steps += 1
         self._probing = not self.paying
         self._drafting = True
         costs = self.costs
@@ -492,7 +508,8 @@ class LiveSizing:
             self.stretch = not self._probing or self.advantage >= 1.0
             self._drafting, self._grow_seconds = False, 0.0
         else:
-            self.stretch = False
+            self.stretch = self.stretch and self._checking
+            self.drafted_steps, self._checking = 0, False
         if tree is not None and tree.size:
             self.plain_steps = 0
             on_path = path_rows(tree, accepted)
