@@ -232,11 +232,7 @@ class BatchEngine:
         ask or the backend batches so by default), or None (made when first used). A server
         meets its memory need when it starts, not under its first load."""
         model, limits = self.model, self.limits
-        together = limits.batched
-        if together is None:
-            together = model.together(self.allow_inexact)
-        elif together:
-            model.check_together(self.allow_inexact)
+        together = model.together(self.allow_inexact, limits.batched)
         self.together = together        # its requests' rows run as one forward over a slot table
         if together:
             caches = model.caches(limits.max_batch, limits.window, together=True)

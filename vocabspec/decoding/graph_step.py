@@ -256,8 +256,8 @@ class GraphBackend:
     def verify_greedy(self, rows: StepRows, spans: list[RowSpan]) -> None:
         self.inner.verify_greedy(rows, [span for span in spans if span.settled is None])
 
-    def together(self, allow_inexact: bool) -> bool:
-        return False
+    def together(self, allow_inexact: bool, asked: bool | None = None) -> bool:
+        return asked is not None and self.inner.together(allow_inexact, asked)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from .model import check_sequence
 from .step_rows import RowSpan, StepRows
 
 HEAD_ROWS = 4           # rows torch's kernels send through the LM head at a time (verify.TreeLogits)
@@ -83,7 +84,7 @@ class Backend:
     def scoring_head(self):
         """What a full draft head scores with: the head in the engine's own format where it has
         one (`packed_head`), else its floats."""
-        return self.head_weight
+        return self.head_weight if self.packed_head is None else self.packed_head
 
     def new_cache(self, max_len: int | None = None):
         raise NotImplementedError
@@ -131,36 +132,22 @@ class Backend:
             span.path, span.next_token = greedy_walk(span.tokens.tolist(), parents, best[first:first + span.rows])
             first += span.rows
 
-    def check_sequence(self, n: int, cache, taps: tuple[int, ...] = ()) -> None:
-        """ValueError unless `n` rows fit after `cache`'s slots, within the model's positions,
-        and `taps` are among its layers."""
-        if n < 1:
-            raise ValueError("forward needs at least one token")
-        # New tokens sit at positions past the cached ones, a tree's deepest at most n - 1
-        # further: checked on the host (reading positions back would wait for the device).
-        if cache.used + n > self.args.max_seq_len:
-            raise ValueError(f"positions up to {cache.used + n - 1} are beyond max_seq_len {self.args.max_seq_len}")
-        if any(not 0 <= t < self.args.n_layers for t in taps):
-            raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
-        cache.check_room(n)
-
     def check(self, rows: StepRows) -> None:
         """ValueError unless every span can run: after committed tokens, within the model's
         positions and its cache's room; taps among the model's layers."""
         for span in rows.spans:
             if span.cache.pending:
                 raise ValueError("a step's rows go after committed tokens: commit first")
-            self.check_sequence(span.rows, span.cache, rows.taps)
+            check_sequence(self.args, span.rows, span.cache, rows.taps)
 
-    def together(self, allow_inexact: bool) -> bool:
-        """Whether a batch runs its requests as rows of one forward over a slot table by default
-        (`caches(together=True)`); here never: a step is one call already."""
+    def together(self, allow_inexact: bool, asked: bool | None = None) -> bool:
+        """Whether a batch runs its requests as rows of one forward over a slot table
+        (`caches(together=True)`): as `asked`, or by default where None; ValueError where asked
+        and this backend may not. Here never: a step is one call already."""
+        if asked:
+            raise ValueError("batched rows run on torch's kernels or the row-invariant ones; the native "
+                             "engine steps every request's rows in one call already")
         return False
-
-    def check_together(self, allow_inexact: bool) -> None:
-        """ValueError where a batch may not run its rows together on this backend."""
-        raise ValueError("batched rows run on torch's kernels or the row-invariant ones; the native "
-                         "engine steps every request's rows in one call already")
 
     def caches(self, count: int, window: int, together: bool = False) -> list:
         """`count` KV caches of `window` tokens, for a batch's slots; together: where its

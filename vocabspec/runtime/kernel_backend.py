@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from . import kernels
 from .slots import SlotCache, SlotTree, blocks_over_slots
 from .kv_cache import DeviceKVCache, KVCache
-from .model import LayerPlan, ModelArgs, Transformer
+from .model import LayerPlan, ModelArgs, Transformer, check_sequence
 from .torch_backend import TorchBackend
 
 # kernels.attention addresses a key as (group * T + slot) * head_dim in 32-bit integers: on the
@@ -251,25 +251,13 @@ class KernelBackend(TorchBackend):
         return kernel_block(block, x, cos, sin, cache, mask, self.fused)
 
     def tree_forward(self, tokens, positions, cache, tree_mask=None, taps: tuple[int, ...] = ()):
-        n, args = tokens.shape[0], self.args
-        self.check_sequence(n, cache, taps)
-        x = self.embed_tokens(tokens)
+        check_sequence(self.args, tokens.shape[0], cache, taps)
         plan = (DeviceKernelPlan if isinstance(cache, DeviceKVCache) else KernelPlan)(
-            args, cache, positions, tree_mask, self.rope)
-        tapped = []
-        for i, layer in enumerate(self.module.layers):
-            cos, sin, seen, _ = plan.for_layer(args, i)
-            x = self.block(layer, x, cos, sin, cache, seen)
-            if i in taps:
-                tapped.append(x)
-        cache.advance(n)
-        return x, torch.cat(tapped, dim=-1) if taps else None
+            self.args, cache, positions, tree_mask, self.rope)
+        return self.module.run_layers(self.embed_tokens(tokens), plan, cache, taps, self.block)
 
-    def together(self, allow_inexact: bool) -> bool:
-        return True
-
-    def check_together(self, allow_inexact: bool) -> None:
-        pass
+    def together(self, allow_inexact: bool, asked: bool | None = None) -> bool:
+        return True if asked is None else asked
 
     def slot_visibility(self, sequence, positions: torch.Tensor, tree_mask):
         return KernelPlan(self.args, sequence, positions, tree_mask, self.rope).masks["global"][0]

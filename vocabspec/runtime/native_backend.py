@@ -18,7 +18,7 @@ import torch
 
 from .backend import Backend
 from .kv_cache import KVCache
-from .model import ModelArgs, RMSNorm, reference_rope
+from .model import ModelArgs, RMSNorm, check_sequence, reference_rope
 from .native import NativeStack, VerifyRequest, check_parents, check_range, isa, library
 from .step_rows import RowSpan, StepRows
 
@@ -32,17 +32,12 @@ def block_norms(blocks) -> dict[str, torch.Tensor]:
     norms = {}
     for i, block in enumerate(blocks):
         for name in LAYER_NORMS:
-            module = block.get_submodule(name) if _has(block, name) else None
+            module = block
+            for part in name.split("."):
+                module = getattr(module, part, None)
             if isinstance(module, RMSNorm):
                 norms[f"layers.{i}.{name}.weight"] = module.weight
     return norms
-
-
-def _has(module, name: str) -> bool:
-    try:
-        return module.get_submodule(name) is not None
-    except AttributeError:
-        return False
 
 
 def native_stack(args: ModelArgs, norms: dict[str, torch.Tensor], packed: dict, rope: dict,
@@ -91,10 +86,6 @@ class NativeBackend(Backend):
         self._embed_struct, self._head_struct = self.embed_weight.struct(), self.packed_head.struct()
         self._work = torch.empty(0, dtype=torch.float32)
         self._float_head = None
-
-    @property
-    def scoring_head(self):
-        return self.packed_head
 
     @property
     def head_rows(self) -> int:
@@ -162,7 +153,7 @@ class NativeBackend(Backend):
         return rows.set_outputs(x, tapped)
 
     def tree_forward(self, tokens, positions, cache, tree_mask=None, taps: tuple[int, ...] = ()):
-        self.check_sequence(tokens.numel(), cache, taps)
+        check_sequence(self.args, tokens.numel(), cache, taps)
         x = self.embed_tokens(tokens)
         tapped = self.stack.forward(x, positions, cache.keys, cache.values, cache.length, cache.pending, tree_mask,
                                     taps)

@@ -19,6 +19,12 @@ from .model import Transformer
 from .step_rows import StepRows
 
 
+def _of_module(name: str) -> property:
+    """The wrapped module's attribute `name`, read when asked (moving the module remakes its
+    RoPE tables)."""
+    return property(lambda self: getattr(self.module, name))
+
+
 class TorchBackend(Backend):
     """`module` (a Transformer, its weights loaded) on torch's kernels; `runs_on`: what runs it,
     and why (loading.load_model says)."""
@@ -33,42 +39,22 @@ class TorchBackend(Backend):
         self.runs_on = runs_on or f"torch's kernels on {module.device.type}"
         self.decodes = {}       # slots.DecodeStep by slot table: a step of plain rows on a GPU
 
-    @property
-    def device(self) -> torch.device:
-        return self.module.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.module.dtype
-
-    @property
-    def rope(self) -> dict:
-        return self.module.rope
-
-    @property
-    def norm(self) -> torch.nn.Module:
-        return self.module.norm
+    device = _of_module("device")
+    dtype = _of_module("dtype")
+    rope = _of_module("rope")
+    norm = _of_module("norm")
+    head_weight = _of_module("head_weight")
+    embed_tokens = _of_module("embed_tokens")
+    embedding_rows = _of_module("embed")
+    lm_head = _of_module("lm_head")
 
     @property
     def weights(self) -> str:
         return "torch-" + str(self.dtype).removeprefix("torch.")
 
-    @property
-    def head_weight(self) -> torch.Tensor:
-        return self.module.head_weight
-
     def new_cache(self, max_len: int | None = None) -> KVCache:
         a = self.args
         return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len or a.max_seq_len, self.dtype, self.device)
-
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.module.embed_tokens(tokens)
-
-    def embedding_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.module.embed(tokens)
-
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.module.lm_head(hidden)
 
     # ------------------------------------------------------------ a forward
 
@@ -119,17 +105,15 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------ rows together, over slots
 
-    def together(self, allow_inexact: bool) -> bool:
-        """Whether a batch runs its requests as rows of one forward by default: where inexact
-        answers are allowed (torch rounds a row differently beside other rows)."""
-        return allow_inexact
-
-    def check_together(self, allow_inexact: bool) -> None:
-        if not allow_inexact:
+    def together(self, allow_inexact: bool, asked: bool | None = None) -> bool:
+        """By default where inexact answers are allowed (torch rounds a row differently beside
+        other rows)."""
+        if asked and not allow_inexact:
             raise ValueError(f"batched rows on {self.runs_on} round each row differently with "
                              "other rows beside it, so an answer could differ from serving it alone: "
                              "run on the row-invariant kernels (--backend triton), or allow inexact "
                              "answers (--allow-inexact, allow_inexact=True)")
+        return allow_inexact if asked is None else asked
 
     def caches(self, count: int, window: int, together: bool = False) -> list:
         """With `together`, one slot table of as many slots of `window` tokens as half the free
