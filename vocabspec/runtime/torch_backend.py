@@ -16,6 +16,8 @@ import torch
 from .backend import Backend
 from .kv_cache import KVCache, ancestor_mask
 from .model import Transformer
+from .slots import (DecodeStep, SlotCache, SlotSequence, SlotTree, forward_rows_on_torch, forward_with_trees,
+                    forward_with_trees_on_torch)
 from .step_rows import StepRows
 
 
@@ -75,21 +77,10 @@ class TorchBackend(Backend):
         `tree_mask` as it is)."""
         return None
 
-    def slot_forward(self, cache, tokens, positions, slots, trees, taps):
-        """slots.forward_with_trees' forward on this backend."""
-        from .slots import forward_with_trees_on_torch
-
-        return forward_with_trees_on_torch(self, cache, tokens, positions, slots, trees, taps)
-
-    def rows_forward(self, tokens, positions, cache, first_slot, context, taps, slots):
-        """slots.forward_rows on this backend."""
-        from .slots import forward_rows_on_torch
-
-        return forward_rows_on_torch(self, tokens, positions, cache, first_slot, context, taps, slots)
+    slot_forward = forward_with_trees_on_torch      # slots.forward_with_trees' forward here
+    rows_forward = forward_rows_on_torch            # slots.forward_rows' here
 
     def forward(self, rows: StepRows) -> StepRows:
-        from .slots import SlotSequence
-
         tables = {id(span.cache.table) if isinstance(span.cache, SlotSequence) else None for span in rows.spans}
         if len(tables) == 1 and None not in tables:
             return self._forward_slots(rows, rows.spans[0].cache.table)
@@ -120,8 +111,6 @@ class TorchBackend(Backend):
         memory holds (at most `count`), each slot a request's cache (slots.SlotSequence)."""
         if not together:
             return super().caches(count, window)
-        from .slots import DecodeStep, SlotCache, SlotSequence
-
         table = SlotCache.fitting(self, window, count)
         if self.device.type == "cuda":
             self.decodes[id(table)] = DecodeStep(self, table, head=False)
@@ -131,8 +120,6 @@ class TorchBackend(Backend):
         """Every span as rows of one forward over the slot table: a step of plain rows alone
         as one decode step (a CUDA graph on a GPU), else each span a tree (`SlotTree`) of
         `forward_with_trees` (a causal chunk as the chain it is)."""
-        from .slots import SlotTree, forward_with_trees
-
         spans, device = rows.spans, self.device
         decode = self.decodes.get(id(table))
         if decode is not None and not rows.taps and all(span.rows == 1 for span in spans):
