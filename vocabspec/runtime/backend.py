@@ -121,16 +121,26 @@ class Backend:
 
     def verify_greedy(self, rows: StepRows, spans: list[RowSpan]) -> None:
         """Greedy verification of `spans` (trees of a forward `rows` has run): each span's
-        `path` and `next_token`. Here every row is scored; the native engine scores rows as
-        the walk reaches them."""
+        `path` and `next_token`."""
         if not spans:
             return
-        best = self.greedy_tokens(torch.cat([rows.hidden_of(span) for span in spans])).tolist()
-        first = 0
-        for span in spans:
-            parents = span.parents.tolist() if span.parents is not None else list(range(-1, span.rows - 1))
-            span.path, span.next_token = greedy_walk(span.tokens.tolist(), parents, best[first:first + span.rows])
-            first += span.rows
+        hidden = torch.cat([rows.hidden_of(span) for span in spans])
+        trees = [(span.tokens, span.parents if span.parents is not None else torch.arange(-1, span.rows - 1))
+                 for span in spans]
+        for span, (path, following) in zip(spans, self.verify_greedy_trees(hidden, trees)):
+            span.path, span.next_token = path, following
+
+    def verify_greedy_trees(self, hidden: torch.Tensor, trees: list[tuple[torch.Tensor, torch.Tensor]]
+                            ) -> list[tuple[list[int], int]]:
+        """Greedy verification of trees (tokens, parents) whose rows follow one another in
+        `hidden`: per tree, the accepted rows (root first) and the target's token after them.
+        Here every row is scored; the native engine scores rows as the walk reaches them."""
+        best = self.greedy_tokens(hidden).tolist()
+        verdicts, first = [], 0
+        for tokens, parents in trees:
+            verdicts.append(greedy_walk(tokens.tolist(), parents.tolist(), best[first:first + tokens.numel()]))
+            first += tokens.numel()
+        return verdicts
 
     def check(self, rows: StepRows) -> None:
         """ValueError unless every span can run: after committed tokens, within the model's

@@ -20,7 +20,7 @@ from .backend import Backend
 from .kv_cache import KVCache
 from .model import ModelArgs, RMSNorm, check_sequence, reference_rope
 from .native import NativeStack, VerifyRequest, check_parents, check_range, isa, library
-from .step_rows import RowSpan, StepRows
+from .step_rows import StepRows
 
 LAYER_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "attn.q_norm", "attn.k_norm")
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -160,21 +160,10 @@ class NativeBackend(Backend):
         cache.advance(tokens.numel())
         return x, tapped
 
-    def verify_greedy(self, rows: StepRows, spans: list[RowSpan]) -> None:
-        """Every span's greedy verdict in one call (`vs_verify_greedy`): the LM head scores rows
-        as verification reaches them, every tree's first `head_rows` in one pass over the head."""
-        if not spans:
-            return
-        hidden = torch.cat([rows.hidden_of(span) for span in spans])
-        trees = [(span.tokens, span.parents if span.parents is not None else torch.arange(-1, span.rows - 1))
-                 for span in spans]
-        for span, (path, following) in zip(spans, self.verify_greedy_trees(hidden, trees)):
-            span.path, span.next_token = path, following
-
     def verify_greedy_trees(self, hidden: torch.Tensor, trees: list[tuple[torch.Tensor, torch.Tensor]],
                             head_rows: int | None = None) -> list[tuple[list[int], int]]:
-        """Greedy verification of trees (tokens, parents) whose rows follow one another in
-        `hidden`: per tree, the accepted rows (root first) and the target's token after them."""
+        """Every tree's greedy verdict in one call (`vs_verify_greedy`): the LM head scores rows
+        as verification reaches them, every tree's first `head_rows` in one pass over the head."""
         head_rows = min(max(self.head_rows if head_rows is None else head_rows, 1), 64)
         hidden = hidden.to(torch.float32).contiguous()
         sizes = [t.numel() for t, _ in trees]
