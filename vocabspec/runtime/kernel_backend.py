@@ -244,7 +244,9 @@ class KernelBackend(TorchBackend):
     def tree_forward(self, tokens, positions, cache, tree_mask=None, taps: tuple[int, ...] = ()):
         check_sequence(self.args, tokens.shape[0], cache, taps)
         plan = KernelPlan(self.args, cache, positions, tree_mask, self.rope)
-        return self.module.run_layers(self.embed_tokens(tokens), plan, cache, taps, self.block)
+        out = self.module.run_layers(self.embed_tokens(tokens), plan, cache, taps, self.block)
+        cache.advance(tokens.shape[0])
+        return out
 
     def together(self, allow_inexact: bool, asked: bool | None = None) -> bool:
         return True if asked is None else asked

@@ -318,17 +318,12 @@ class AttentionPlan(LayerPlan):
         past = cache.length
         pending = cache.pending
         device = positions.device
-        self.rows = {}
-        for kind, (cos, sin) in rope.items():
-            self.rows[kind] = (cos[positions], sin[positions])
+        self.rows = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in rope.items()}
         if tree_mask is None and (n > 1 or pending):
             tree_mask = torch.cat([torch.ones(n, pending, dtype=torch.bool, device=device),
                                    torch.ones(n, n, dtype=torch.bool, device=device).tril()], dim=1)
-        if tree_mask is None:
-            global_mask = None
-        else:
-            global_mask = torch.cat([torch.ones(n, past, dtype=torch.bool, device=device),
-                                     tree_mask], dim=1)
+        global_mask = None if tree_mask is None else \
+            torch.cat([torch.ones(n, past, dtype=torch.bool, device=device), tree_mask], dim=1)
         self.masks = {"global": (global_mask, 0)}
         if any(args.is_sliding(i) for i in range(args.n_layers)):
             if pending:
@@ -478,19 +473,19 @@ class Transformer(nn.Module):
         plan = (DevicePlan if isinstance(cache, DeviceKVCache) else AttentionPlan)(
             self.args, cache, positions, tree_mask, self.rope)
         x, tapped = self.run_layers(self.embed_tokens(tokens), plan, cache, taps)
+        cache.advance(n)
         return (x, self.logits(x, logits_rows, all_logits), *([tapped] if taps else []))
 
     def run_layers(self, x: torch.Tensor, plan: LayerPlan, cache, taps: tuple[int, ...], block=None):
         """Rows `x` through every layer as `plan` shows them, each by its own forward or by
-        `block(layer, x, cos, sin, cache, mask)`, the cache advanced past them; (the last
-        layer's output, the taps' outputs side by side or None)."""
+        `block(layer, x, cos, sin, cache, mask)`; (the last layer's output, the taps' outputs
+        side by side or None)."""
         tapped = []
         for i, layer in enumerate(self.layers):
             cos, sin, mask, key_start = plan.for_layer(self.args, i)
             x = layer(x, cos, sin, cache, mask, key_start) if block is None else block(layer, x, cos, sin, cache, mask)
             if i in taps:
                 tapped.append(x)
-        cache.advance(x.shape[0])
         return x, torch.cat(tapped, dim=-1) if taps else None
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor | None, every: bool) -> torch.Tensor | None:
