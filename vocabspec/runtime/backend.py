@@ -202,6 +202,3 @@ class Backend:
     def prepare(self, generation) -> None:
         """Before a request's prefill: give it the cache and proposer this backend steps it with
         where they are its own (the graph decoder's, for a greedy request); nothing here."""
-
-    def describe(self) -> str:
-        return f"{self.weights} weights on {self.runs_on}"
