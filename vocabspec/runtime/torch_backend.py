@@ -16,8 +16,7 @@ import torch
 from .backend import Backend
 from .kv_cache import KVCache, ancestor_mask
 from .model import Transformer
-from .slots import (DecodeStep, SlotCache, SlotSequence, SlotTree, forward_rows_on_torch, forward_with_trees,
-                    forward_with_trees_on_torch)
+from .slots import DecodeStep, SlotCache, SlotSequence, SlotTree, forward_rows_on_torch, forward_with_trees_on_torch
 from .step_rows import StepRows
 
 
@@ -120,6 +119,8 @@ class TorchBackend(Backend):
         """Every span as rows of one forward over the slot table: a step of plain rows alone
         as one decode step (a CUDA graph on a GPU), else each span a tree (`SlotTree`) of
         `forward_with_trees` (a causal chunk as the chain it is)."""
+        from .slots import forward_with_trees     # looked up at each call, where tests watch it
+
         spans, device = rows.spans, self.device
         decode = self.decodes.get(id(table))
         if decode is not None and not rows.taps and all(span.rows == 1 for span in spans):
