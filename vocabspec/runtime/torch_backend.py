@@ -61,9 +61,7 @@ class TorchBackend(Backend):
 
     def tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, tree_mask=None,
                      taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One sequence's rows after `cache` (a KVCache, or a graph step's DeviceKVCache):
-        causal, or as `tree_mask` (n, pending + n) shows them; (hidden states, tapped outputs
-        or None)."""
+        """Backend.tree_forward over a KVCache or a graph step's DeviceKVCache."""
         hidden, _, *tapped = self.module(tokens, positions, cache, tree_mask=tree_mask, logits_rows=[], taps=taps)
         return hidden, tapped[0] if taps else None
 
