@@ -335,7 +335,7 @@ def test_linear_argmax_is_torch_argmax_of_the_linear_ties_included(dtype):
 def test_the_graph_tuner_times_the_graph_steps_on_the_kernels(monkeypatch):
     """Where the model runs on the kernels (--backend triton) the graph tuner
     (autotune.calibrate_graph, what choose_graph_tree picks from) times the steps a GPU would
-    replay: graph steps on the kernels over a device cache (model.DeviceKernelPlan), trees and
+    replay: graph steps on the kernels over a device cache (kernel_backend.KernelPlan), trees and
     plain decoding alike, never torch's attention."""
     import vocabspec.runtime.model as model_module
     import vocabspec.tuning.autotune as autotune

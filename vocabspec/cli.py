@@ -536,20 +536,26 @@ def _export_options(sub) -> None:
     export.add_argument("--out", required=True, help="output directory")
 
 
+def load_target(args):
+    """The model and drafter the model options ask for (serving.api.load), its notes on stderr."""
+    from .serving.api import load
+
+    return load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
+                max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
+                log=lambda message: print(message, file=sys.stderr))
+
+
 def cmd_serve(args) -> int:
     import os
     import traceback
 
-    from .serving.api import load
     from .serving.server import ServerFailed, ServerLimits, serve
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key is empty")
     set_threads(args.threads)
-    lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
-              max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
-              log=lambda message: print(message, file=sys.stderr))
+    lm = load_target(args)
     window = args.kv_tokens // args.max_batch if args.kv_tokens else 4096
     limits = ServerLimits(max_tokens_cap=args.max_tokens_cap, max_seconds=args.max_seconds,
                           max_queue=args.max_queue, max_batch=args.max_batch,
@@ -739,7 +745,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .serving.api import load
     from .speculation.sampling import SamplingParams
 
     set_threads(args.threads)
@@ -756,9 +761,7 @@ def cmd_generate(args) -> int:
         raise ValueError(f"{'--output' if args.output is not None else '--ordered'} applies to --input")
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
-    lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
-              max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
-              log=lambda message: print(message, file=sys.stderr))
+    lm = load_target(args)
     print(describe(lm, args.draft), file=sys.stderr)
     print(resident(lm), file=sys.stderr)
     generation = lm.stream(args.prompt, chat=args.chat, parse_special=None if args.chat else args.parse_special,
@@ -783,7 +786,6 @@ def cmd_generate(args) -> int:
 def generate_file(args) -> int:
     """--input: a batch job (serving/batch_job.py): every request of a JSONL file answered
     together, each answer's line written as it finishes; an --output file resumes."""
-    from .serving.api import load
     from .serving.batch_job import AnswerFile, Progress, StreamAnswers, read_requests, run_job, summary
 
     if args.progress_every < 0:
@@ -813,9 +815,7 @@ def generate_file(args) -> int:
         print(f"[{args.output} already holds all {len(requests)} requests, {failed_before} failed]",
               file=sys.stderr)
         return 1 if failed_before else 0
-    lm = load(args.model, draft=draft_config(args), weights=args.weights, device=args.device,
-              max_seq_len=args.max_seq_len, backend=args.backend, allow_inexact=args.allow_inexact,
-              log=lambda message: print(message, file=sys.stderr))
+    lm = load_target(args)
     print(describe(lm, args.draft), file=sys.stderr)
     print(resident(lm, slots=args.max_batch), file=sys.stderr)     # at most: each slot its window
     defaults = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -232,15 +232,10 @@ class BatchEngine:
         ask or the backend batches so by default), or None (made when first used). A server
         meets its memory need when it starts, not under its first load."""
         model, limits = self.model, self.limits
-        together = limits.batched
-        if together is None:
-            together = model.together(self.allow_inexact)
-        elif together:
-            model.check_together(self.allow_inexact)
+        together = model.together(self.allow_inexact, limits.batched)
         self.together = together        # its requests' rows run as one forward over a slot table
         if together:
-            caches = model.caches(limits.max_batch, limits.window, together=True)
-            return caches[:limits.max_batch]
+            return model.caches(limits.max_batch, limits.window, together=True)[:limits.max_batch]
         if not allocate:
             return [None] * limits.max_batch
         if model.memory is not None and model.device.type == "cpu":
@@ -517,22 +512,20 @@ class BatchEngine:
         request.done.set()
 
     def _stop(self, error: BaseException | None = None) -> None:
-        with self.stepping:
-            self._stop_all(error or Stopped("the batch engine stopped"))
-
-    def _stop_all(self, error: BaseException) -> None:
         """End every request with `error`: those decoding, those queued, and any between."""
-        for slot in self.slots:
-            self._end(slot, error)
-        while True:
-            try:
-                self._fail(self.waiting.get_nowait(), error)
-            except queue.Empty:
-                break
-        with self.unanswered_lock:
-            left = list(self.unanswered)
-        for request in left:
-            self._fail(request, error)
+        error = error or Stopped("the batch engine stopped")
+        with self.stepping:
+            for slot in self.slots:
+                self._end(slot, error)
+            while True:
+                try:
+                    self._fail(self.waiting.get_nowait(), error)
+                except queue.Empty:
+                    break
+            with self.unanswered_lock:
+                left = list(self.unanswered)
+            for request in left:
+                self._fail(request, error)
 
     def _fail(self, request: Request, error: BaseException) -> None:
         """Answer a request that holds no slot with `error`."""

@@ -254,11 +254,6 @@ class Generation:
         return self._emit([self.token], [logits[0]])
 
     @property
-    def done(self) -> bool:
-        """Whether the request has ended (a stop condition, cancelled, or out of time)."""
-        return self._stopped()
-
-    @property
     def can_draft(self) -> bool:
         """Whether this step may draft: a proposer, and room for its largest tree in the cache
         (near the end of the window a tree would not fit)."""
@@ -355,8 +350,9 @@ class Generation:
             return greedy_token(logits)
         return sample(target_probs(logits[None], params)[0], self.generator)
 
-    def _stopped(self) -> bool:
-        """Whether the generation ends here: a stop condition met, cancelled, or out of time."""
+    @property
+    def done(self) -> bool:
+        """Whether the request has ended (a stop condition, cancelled, or out of time)."""
         result, config = self.result, self.config
         if result.stop_reason:
             return True

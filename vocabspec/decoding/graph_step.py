@@ -19,7 +19,7 @@ order. Verification follows the target's argmax from the root: a node is accepte
 token is its parent's argmax and its parent is accepted; the next token is the argmax at the
 deepest accepted node (`verify.verify_greedy`, the eager steps' verifier too): plain decoding's output,
 float32 ties apart on torch's kernels (not row-invariant), exactly on the row-invariant ones
-(--backend triton: each row's keys listed on the device, model.DeviceKernelPlan; the argmax
+(--backend triton: each row's keys listed on the device, kernel_backend.KernelPlan; the argmax
 taken in the LM head's kernel, Transformer.greedy_tokens). Sampling
 takes the eager steps (generate.py), as does the native CPU engine, which keeps its own cache.
 
@@ -256,8 +256,8 @@ class GraphBackend:
     def verify_greedy(self, rows: StepRows, spans: list[RowSpan]) -> None:
         self.inner.verify_greedy(rows, [span for span in spans if span.settled is None])
 
-    def together(self, allow_inexact: bool) -> bool:
-        return False
+    def together(self, allow_inexact: bool, asked: bool | None = None) -> bool:
+        return asked is not None and self.inner.together(allow_inexact, asked)
 
 
 @contextlib.contextmanager

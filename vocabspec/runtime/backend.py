@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from .model import check_sequence
 from .step_rows import RowSpan, StepRows
 
 HEAD_ROWS = 4           # rows torch's kernels send through the LM head at a time (verify.TreeLogits)
@@ -83,7 +84,7 @@ class Backend:
     def scoring_head(self):
         """What a full draft head scores with: the head in the engine's own format where it has
         one (`packed_head`), else its floats."""
-        return self.head_weight
+        return self.head_weight if self.packed_head is None else self.packed_head
 
     def new_cache(self, max_len: int | None = None):
         raise NotImplementedError
@@ -120,29 +121,26 @@ class Backend:
 
     def verify_greedy(self, rows: StepRows, spans: list[RowSpan]) -> None:
         """Greedy verification of `spans` (trees of a forward `rows` has run): each span's
-        `path` and `next_token`. Here every row is scored; the native engine scores rows as
-        the walk reaches them."""
+        `path` and `next_token`."""
         if not spans:
             return
-        best = self.greedy_tokens(torch.cat([rows.hidden_of(span) for span in spans])).tolist()
-        first = 0
-        for span in spans:
-            parents = span.parents.tolist() if span.parents is not None else list(range(-1, span.rows - 1))
-            span.path, span.next_token = greedy_walk(span.tokens.tolist(), parents, best[first:first + span.rows])
-            first += span.rows
+        hidden = torch.cat([rows.hidden_of(span) for span in spans])
+        trees = [(span.tokens, span.parents if span.parents is not None else torch.arange(-1, span.rows - 1))
+                 for span in spans]
+        for span, (path, following) in zip(spans, self.verify_greedy_trees(hidden, trees)):
+            span.path, span.next_token = path, following
 
-    def check_sequence(self, n: int, cache, taps: tuple[int, ...] = ()) -> None:
-        """ValueError unless `n` rows fit after `cache`'s slots, within the model's positions,
-        and `taps` are among its layers."""
-        if n < 1:
-            raise ValueError("forward needs at least one token")
-        # New tokens sit at positions past the cached ones, a tree's deepest at most n - 1
-        # further: checked on the host (reading positions back would wait for the device).
-        if cache.used + n > self.args.max_seq_len:
-            raise ValueError(f"positions up to {cache.used + n - 1} are beyond max_seq_len {self.args.max_seq_len}")
-        if any(not 0 <= t < self.args.n_layers for t in taps):
-            raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
-        cache.check_room(n)
+    def verify_greedy_trees(self, hidden: torch.Tensor, trees: list[tuple[torch.Tensor, torch.Tensor]]
+                            ) -> list[tuple[list[int], int]]:
+        """Greedy verification of trees (tokens, parents) whose rows follow one another in
+        `hidden`: per tree, the accepted rows (root first) and the target's token after them.
+        Here every row is scored; the native engine scores rows as the walk reaches them."""
+        best = self.greedy_tokens(hidden).tolist()
+        verdicts, first = [], 0
+        for tokens, parents in trees:
+            verdicts.append(greedy_walk(tokens.tolist(), parents.tolist(), best[first:first + tokens.numel()]))
+            first += tokens.numel()
+        return verdicts
 
     def check(self, rows: StepRows) -> None:
         """ValueError unless every span can run: after committed tokens, within the model's
@@ -150,17 +148,16 @@ class Backend:
         for span in rows.spans:
             if span.cache.pending:
                 raise ValueError("a step's rows go after committed tokens: commit first")
-            self.check_sequence(span.rows, span.cache, rows.taps)
+            check_sequence(self.args, span.rows, span.cache, rows.taps)
 
-    def together(self, allow_inexact: bool) -> bool:
-        """Whether a batch runs its requests as rows of one forward over a slot table by default
-        (`caches(together=True)`); here never: a step is one call already."""
+    def together(self, allow_inexact: bool, asked: bool | None = None) -> bool:
+        """Whether a batch runs its requests as rows of one forward over a slot table
+        (`caches(together=True)`): as `asked`, or by default where None; ValueError where asked
+        and this backend may not. Here never: a step is one call already."""
+        if asked:
+            raise ValueError("batched rows run on torch's kernels or the row-invariant ones; the native "
+                             "engine steps every request's rows in one call already")
         return False
-
-    def check_together(self, allow_inexact: bool) -> None:
-        """ValueError where a batch may not run its rows together on this backend."""
-        raise ValueError("batched rows run on torch's kernels or the row-invariant ones; the native "
-                         "engine steps every request's rows in one call already")
 
     def caches(self, count: int, window: int, together: bool = False) -> list:
         """`count` KV caches of `window` tokens, for a batch's slots; together: where its
@@ -205,6 +202,3 @@ class Backend:
     def prepare(self, generation) -> None:
         """Before a request's prefill: give it the cache and proposer this backend steps it with
         where they are its own (the graph decoder's, for a greedy request); nothing here."""
-
-    def describe(self) -> str:
-        return f"{self.weights} weights on {self.runs_on}"

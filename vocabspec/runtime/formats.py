@@ -22,7 +22,7 @@ matrix needs a multiple of 32 columns (256 for the superblock types).
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -67,10 +67,6 @@ class PackedWeight:
     def struct(self) -> native.Weight:
         return native.Weight(type=TYPES[self.type], rows=self.rows, cols=self.cols, int8_acts=int(self.int8_acts),
                              data=self.data.data_ptr(), bias=native.ptr(self.bias))
-
-    def with_activations(self, int8: bool) -> "PackedWeight":
-        """The same weight (the same bytes) for products with 8-bit or float activations."""
-        return replace(self, int8_acts=bool(int8) and self.type not in FLOAT_TYPES)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (rows, cols) times the weight's transpose (+ bias): (rows, self.rows), float32."""

@@ -6,9 +6,9 @@ the kernels compute it (`kernel_block`), fused (each norm inside the projection 
 each residual in the epilogue of the projection before it where no norm comes between, rotary
 and the cache write inside the QKV projection, or with query/key norms in one kernel after it)
 or not (one kernel per operation, for timing the fusions). What each row attends to is a
-`Visibility`: the keys it sees as slot lists in position order (`KernelPlan` over a KVCache,
-`DeviceKernelPlan` over a graph step's device cache, `SlotRows` over a batch's slot table),
-so that a tree's row and its path's one-token row reduce over the same keys in the same order.
+`Visibility`: the keys it sees as slot lists in position order (`KernelPlan` over a KVCache
+or a graph step's device cache, `SlotRows` over a batch's slot table), so that a tree's row and
+its path's one-token row reduce over the same keys in the same order.
 Greedy verification takes each row's argmax inside the LM head's kernel (`linear_argmax`).
 """
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from . import kernels
 from .slots import SlotCache, SlotTree, blocks_over_slots
 from .kv_cache import DeviceKVCache, KVCache
-from .model import LayerPlan, ModelArgs, Transformer
+from .model import LayerPlan, ModelArgs, Transformer, check_sequence
 from .torch_backend import TorchBackend
 
 # kernels.attention addresses a key as (group * T + slot) * head_dim in 32-bit integers: on the
@@ -49,38 +49,29 @@ class Visibility:
 class KernelPlan(LayerPlan):
     """RoPE rows and visibility for one forward on the row-invariant kernels: the keys each row
     sees as slot lists in position order, so that a tree's row and its path's one-token row
-    reduce over the same keys in the same order, and the slot each row's key is written to."""
+    reduce over the same keys in the same order, and the slot each row's key is written to.
+    Over a DeviceKVCache (a graph step's) it is built on the device with fixed shapes: row r
+    sees the committed slots [0, length), then the pending and new slots it sees, listed in
+    slot order (position order: a tree's ancestors precede it) in its row of a (n, pending + n)
+    table."""
 
-    def __init__(self, args: ModelArgs, cache: KVCache, positions: torch.Tensor,
+    def __init__(self, args: ModelArgs, cache: KVCache | DeviceKVCache, positions: torch.Tensor,
                  tree_mask: torch.Tensor | None, rope: dict):
         from .native import visibility
 
         self.rows = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in rope.items()}
-        prefix, xoff, extra = (t.to(positions.device) for t in
-                               visibility(cache.length, cache.pending, positions.cpu(),
-                                          tree_mask.cpu() if tree_mask is not None else None))
-        slots = torch.arange(cache.used, cache.used + positions.shape[0], device=positions.device)
-        seen = Visibility(prefix, xoff, extra, positions, slots=slots)
-        self.masks = {"global": (seen, 0)}
-        if args.sliding_window is not None:
-            self.masks["local"] = (dataclasses.replace(seen, window=args.sliding_window), 0)
-
-
-class DeviceKernelPlan(LayerPlan):
-    """KernelPlan over a DeviceKVCache, built on the device with fixed shapes (a graph step's):
-    row r sees the committed slots [0, length), then the pending and new slots it sees, listed
-    in slot order (position order: a tree's ancestors precede it) in its row of a (n, pending +
-    n) table. A tree's row and its path's one-token row see the same keys in the same order, as
-    in KernelPlan."""
-
-    def __init__(self, args: ModelArgs, cache: DeviceKVCache, positions: torch.Tensor,
-                 tree_mask: torch.Tensor | None, rope: dict):
-        n = positions.shape[0]
-        self.rows = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in rope.items()}
-        fresh, count = cache.fresh_visibility(n, tree_mask)
-        xoff = torch.arange(n, device=positions.device) * fresh.shape[1]
-        prefix = cache.length.expand(n)
-        seen = Visibility(prefix, xoff, fresh.reshape(-1), positions, xend=xoff + count, slots=cache.slots)
+        n, device = positions.shape[0], positions.device
+        if isinstance(cache, DeviceKVCache):
+            fresh, count = cache.fresh_visibility(n, tree_mask)
+            xoff = torch.arange(n, device=device) * fresh.shape[1]
+            seen = Visibility(cache.length.expand(n), xoff, fresh.reshape(-1), positions, xend=xoff + count,
+                              slots=cache.slots)
+        else:
+            prefix, xoff, extra = (t.to(device) for t in
+                                   visibility(cache.length, cache.pending, positions.cpu(),
+                                              tree_mask.cpu() if tree_mask is not None else None))
+            slots = torch.arange(cache.used, cache.used + n, device=device)
+            seen = Visibility(prefix, xoff, extra, positions, slots=slots)
         self.masks = {"global": (seen, 0)}
         if args.sliding_window is not None:
             self.masks["local"] = (dataclasses.replace(seen, window=args.sliding_window), 0)
@@ -251,25 +242,14 @@ class KernelBackend(TorchBackend):
         return kernel_block(block, x, cos, sin, cache, mask, self.fused)
 
     def tree_forward(self, tokens, positions, cache, tree_mask=None, taps: tuple[int, ...] = ()):
-        n, args = tokens.shape[0], self.args
-        self.check_sequence(n, cache, taps)
-        x = self.embed_tokens(tokens)
-        plan = (DeviceKernelPlan if isinstance(cache, DeviceKVCache) else KernelPlan)(
-            args, cache, positions, tree_mask, self.rope)
-        tapped = []
-        for i, layer in enumerate(self.module.layers):
-            cos, sin, seen, _ = plan.for_layer(args, i)
-            x = self.block(layer, x, cos, sin, cache, seen)
-            if i in taps:
-                tapped.append(x)
-        cache.advance(n)
-        return x, torch.cat(tapped, dim=-1) if taps else None
+        check_sequence(self.args, tokens.shape[0], cache, taps)
+        plan = KernelPlan(self.args, cache, positions, tree_mask, self.rope)
+        out = self.module.run_layers(self.embed_tokens(tokens), plan, cache, taps, self.block)
+        cache.advance(tokens.shape[0])
+        return out
 
-    def together(self, allow_inexact: bool) -> bool:
-        return True
-
-    def check_together(self, allow_inexact: bool) -> None:
-        pass
+    def together(self, allow_inexact: bool, asked: bool | None = None) -> bool:
+        return True if asked is None else asked
 
     def slot_visibility(self, sequence, positions: torch.Tensor, tree_mask):
         return KernelPlan(self.args, sequence, positions, tree_mask, self.rope).masks["global"][0]

@@ -318,17 +318,12 @@ class AttentionPlan(LayerPlan):
         past = cache.length
         pending = cache.pending
         device = positions.device
-        self.rows = {}
-        for kind, (cos, sin) in rope.items():
-            self.rows[kind] = (cos[positions], sin[positions])
+        self.rows = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in rope.items()}
         if tree_mask is None and (n > 1 or pending):
             tree_mask = torch.cat([torch.ones(n, pending, dtype=torch.bool, device=device),
                                    torch.ones(n, n, dtype=torch.bool, device=device).tril()], dim=1)
-        if tree_mask is None:
-            global_mask = None
-        else:
-            global_mask = torch.cat([torch.ones(n, past, dtype=torch.bool, device=device),
-                                     tree_mask], dim=1)
+        global_mask = None if tree_mask is None else \
+            torch.cat([torch.ones(n, past, dtype=torch.bool, device=device), tree_mask], dim=1)
         self.masks = {"global": (global_mask, 0)}
         if any(args.is_sliding(i) for i in range(args.n_layers)):
             if pending:
@@ -365,6 +360,20 @@ class DevicePlan(LayerPlan):
                                  f"not fit the sliding window of {args.sliding_window}")
             near = (positions[:, None] - cache.slot_ids[None, :]) < args.sliding_window
             self.masks["local"] = (mask & near, 0)
+
+
+def check_sequence(args: ModelArgs, n: int, cache, taps: tuple[int, ...] = ()) -> None:
+    """ValueError unless `n` rows fit after `cache`'s slots, within the model's positions, and
+    `taps` are among its layers."""
+    if n < 1:
+        raise ValueError("forward needs at least one token")
+    # New tokens sit at positions past the cached ones, a tree's deepest at most n - 1
+    # further: checked on the host (reading positions back would wait for the device).
+    if cache.used + n > args.max_seq_len:
+        raise ValueError(f"positions up to {cache.used + n - 1} are beyond max_seq_len {args.max_seq_len}")
+    if any(not 0 <= t < args.n_layers for t in taps):
+        raise ValueError(f"taps {list(taps)}: the model has layers 0 to {args.n_layers - 1}")
+    cache.check_room(n)
 
 
 @contextmanager
@@ -456,31 +465,28 @@ class Transformer(nn.Module):
         outputs side by side (n, len(taps) * dim), the inputs of fused-feature drafters.
         """
         n = tokens.shape[0]
-        if n == 0:
-            raise ValueError("forward needs at least one token")
-        # New tokens sit at positions past the cached ones, a tree's deepest at most n - 1
-        # further: checked on the host (reading positions back would wait for the device).
-        if cache.used + n > self.args.max_seq_len:
-            raise ValueError(f"positions up to {cache.used + n - 1} are beyond "
-                             f"max_seq_len {self.args.max_seq_len}")
-        if any(not 0 <= t < self.args.n_layers for t in taps):
-            raise ValueError(f"taps {list(taps)}: the model has layers 0 to {self.args.n_layers - 1}")
-        cache.check_room(n)
+        check_sequence(self.args, n, cache, taps)
         if parents is not None:
             if cache.pending:
                 raise ValueError("a tree given by its parents sees every cached token: commit first")
             tree_mask = ancestor_mask(parents)
-        x = self.embed_tokens(tokens)
         plan = (DevicePlan if isinstance(cache, DeviceKVCache) else AttentionPlan)(
             self.args, cache, positions, tree_mask, self.rope)
+        x, tapped = self.run_layers(self.embed_tokens(tokens), plan, cache, taps)
+        cache.advance(n)
+        return (x, self.logits(x, logits_rows, all_logits), *([tapped] if taps else []))
+
+    def run_layers(self, x: torch.Tensor, plan: LayerPlan, cache, taps: tuple[int, ...], block=None):
+        """Rows `x` through every layer as `plan` shows them, each by its own forward or by
+        `block(layer, x, cos, sin, cache, mask)`; (the last layer's output, the taps' outputs
+        side by side or None)."""
         tapped = []
         for i, layer in enumerate(self.layers):
             cos, sin, mask, key_start = plan.for_layer(self.args, i)
-            x = layer(x, cos, sin, cache, mask, key_start)
+            x = layer(x, cos, sin, cache, mask, key_start) if block is None else block(layer, x, cos, sin, cache, mask)
             if i in taps:
                 tapped.append(x)
-        cache.advance(n)
-        return (x, self.logits(x, logits_rows, all_logits), *([torch.cat(tapped, dim=-1)] if taps else []))
+        return x, torch.cat(tapped, dim=-1) if taps else None
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor | None, every: bool) -> torch.Tensor | None:
         """`forward`'s logits: every row's, those of `rows` (None where empty), or the last's."""

@@ -18,9 +18,9 @@ import torch
 
 from .backend import Backend
 from .kv_cache import KVCache
-from .model import ModelArgs, RMSNorm, reference_rope
+from .model import ModelArgs, RMSNorm, check_sequence, reference_rope
 from .native import NativeStack, VerifyRequest, check_parents, check_range, isa, library
-from .step_rows import RowSpan, StepRows
+from .step_rows import StepRows
 
 LAYER_NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "attn.q_norm", "attn.k_norm")
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -32,17 +32,12 @@ def block_norms(blocks) -> dict[str, torch.Tensor]:
     norms = {}
     for i, block in enumerate(blocks):
         for name in LAYER_NORMS:
-            module = block.get_submodule(name) if _has(block, name) else None
+            module = block
+            for part in name.split("."):
+                module = getattr(module, part, None)
             if isinstance(module, RMSNorm):
                 norms[f"layers.{i}.{name}.weight"] = module.weight
     return norms
-
-
-def _has(module, name: str) -> bool:
-    try:
-        return module.get_submodule(name) is not None
-    except AttributeError:
-        return False
 
 
 def native_stack(args: ModelArgs, norms: dict[str, torch.Tensor], packed: dict, rope: dict,
@@ -91,10 +86,6 @@ class NativeBackend(Backend):
         self._embed_struct, self._head_struct = self.embed_weight.struct(), self.packed_head.struct()
         self._work = torch.empty(0, dtype=torch.float32)
         self._float_head = None
-
-    @property
-    def scoring_head(self):
-        return self.packed_head
 
     @property
     def head_rows(self) -> int:
@@ -162,28 +153,17 @@ class NativeBackend(Backend):
         return rows.set_outputs(x, tapped)
 
     def tree_forward(self, tokens, positions, cache, tree_mask=None, taps: tuple[int, ...] = ()):
-        self.check_sequence(tokens.numel(), cache, taps)
+        check_sequence(self.args, tokens.numel(), cache, taps)
         x = self.embed_tokens(tokens)
         tapped = self.stack.forward(x, positions, cache.keys, cache.values, cache.length, cache.pending, tree_mask,
                                     taps)
         cache.advance(tokens.numel())
         return x, tapped
 
-    def verify_greedy(self, rows: StepRows, spans: list[RowSpan]) -> None:
-        """Every span's greedy verdict in one call (`vs_verify_greedy`): the LM head scores rows
-        as verification reaches them, every tree's first `head_rows` in one pass over the head."""
-        if not spans:
-            return
-        hidden = torch.cat([rows.hidden_of(span) for span in spans])
-        trees = [(span.tokens, span.parents if span.parents is not None else torch.arange(-1, span.rows - 1))
-                 for span in spans]
-        for span, (path, following) in zip(spans, self.verify_greedy_trees(hidden, trees)):
-            span.path, span.next_token = path, following
-
     def verify_greedy_trees(self, hidden: torch.Tensor, trees: list[tuple[torch.Tensor, torch.Tensor]],
                             head_rows: int | None = None) -> list[tuple[list[int], int]]:
-        """Greedy verification of trees (tokens, parents) whose rows follow one another in
-        `hidden`: per tree, the accepted rows (root first) and the target's token after them."""
+        """Every tree's greedy verdict in one call (`vs_verify_greedy`): the LM head scores rows
+        as verification reaches them, every tree's first `head_rows` in one pass over the head."""
         head_rows = min(max(self.head_rows if head_rows is None else head_rows, 1), 64)
         hidden = hidden.to(torch.float32).contiguous()
         sizes = [t.numel() for t, _ in trees]

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
-from .model import CustomAttention, apply_rope
+from .model import CustomAttention, LayerPlan, apply_rope
 
 
 class SlotCache:
@@ -311,20 +311,14 @@ def blocks_over_slots(model, x: torch.Tensor, positions: torch.Tensor, rows, tap
     """The model's layers over flat rows x (N, dim) at `positions` (N,) written and read through
     `rows` (TreeRowsOnTorch, or kernel_backend.SlotRows), each layer the backend's `block`; the
     hidden states (N, dim), and with `taps` those layers' outputs (N, taps * dim)."""
-    args = model.args
-    rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in model.rope.items()}
-    attend = {0: rows.visibility(0)}
-    if args.sliding_window is not None:
-        attend[args.sliding_window] = rows.visibility(args.sliding_window)
-    tapped = []
-    for i, block in enumerate(model.module.layers):
-        cos, sin = rope["local" if args.is_sliding(i) and "local" in rope else "global"]
-        x = model.block(block, x, cos, sin, rows, attend[args.sliding_window if args.is_sliding(i) else 0])
-        if i in taps:
-            tapped.append(x)
-    if taps:
-        return x, torch.cat(tapped, dim=-1)
-    return x
+    window = model.args.sliding_window
+    plan = LayerPlan()
+    plan.rows = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in model.rope.items()}
+    plan.masks = {"global": (rows.visibility(0), 0)}
+    if window is not None:
+        plan.masks["local"] = (rows.visibility(window), 0)
+    x, tapped = model.module.run_layers(x, plan, rows, taps, model.block)
+    return (x, tapped) if taps else x
 
 
 def forward_with_trees(model, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,

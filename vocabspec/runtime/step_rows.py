@@ -21,15 +21,6 @@ from dataclasses import dataclass, field
 import torch
 
 
-def tree_depths(parents: list[int]) -> list[int]:
-    """Each row's depth below the root (parents: -1 for the root, each other row's parent an
-    earlier row)."""
-    depths = [0] * len(parents)
-    for row in range(1, len(parents)):
-        depths[row] = depths[parents[row]] + 1
-    return depths
-
-
 @dataclass(eq=False)
 class RowSpan:
     """One request's rows in a step."""
@@ -53,8 +44,11 @@ class RowSpan:
             base = self.cache.length
             if self.parents is None:
                 self.positions = torch.arange(base, base + self.tokens.numel(), device=self.tokens.device)
-            else:
-                depths = tree_depths(self.parents.tolist())
+            else:       # each row's depth below the root, after its parent's
+                parents = self.parents.tolist()
+                depths = [0] * len(parents)
+                for row in range(1, len(parents)):
+                    depths[row] = depths[parents[row]] + 1
                 self.positions = torch.tensor(depths, device=self.tokens.device) + base
 
     @property

@@ -16,7 +16,14 @@ import torch
 from .backend import Backend
 from .kv_cache import KVCache, ancestor_mask
 from .model import Transformer
+from .slots import DecodeStep, SlotCache, SlotSequence, SlotTree, forward_rows_on_torch, forward_with_trees_on_torch
 from .step_rows import StepRows
+
+
+def _of_module(name: str) -> property:
+    """The wrapped module's attribute `name`, read when asked (moving the module remakes its
+    RoPE tables)."""
+    return property(lambda self: getattr(self.module, name))
 
 
 class TorchBackend(Backend):
@@ -33,50 +40,28 @@ class TorchBackend(Backend):
         self.runs_on = runs_on or f"torch's kernels on {module.device.type}"
         self.decodes = {}       # slots.DecodeStep by slot table: a step of plain rows on a GPU
 
-    @property
-    def device(self) -> torch.device:
-        return self.module.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.module.dtype
-
-    @property
-    def rope(self) -> dict:
-        return self.module.rope
-
-    @property
-    def norm(self) -> torch.nn.Module:
-        return self.module.norm
+    device = _of_module("device")
+    dtype = _of_module("dtype")
+    rope = _of_module("rope")
+    norm = _of_module("norm")
+    head_weight = _of_module("head_weight")
+    embed_tokens = _of_module("embed_tokens")
+    embedding_rows = _of_module("embed")
+    lm_head = _of_module("lm_head")
 
     @property
     def weights(self) -> str:
         return "torch-" + str(self.dtype).removeprefix("torch.")
 
-    @property
-    def head_weight(self) -> torch.Tensor:
-        return self.module.head_weight
-
     def new_cache(self, max_len: int | None = None) -> KVCache:
         a = self.args
         return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len or a.max_seq_len, self.dtype, self.device)
-
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.module.embed_tokens(tokens)
-
-    def embedding_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.module.embed(tokens)
-
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.module.lm_head(hidden)
 
     # ------------------------------------------------------------ a forward
 
     def tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, tree_mask=None,
                      taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One sequence's rows after `cache` (a KVCache, or a graph step's DeviceKVCache):
-        causal, or as `tree_mask` (n, pending + n) shows them; (hidden states, tapped outputs
-        or None)."""
+        """Backend.tree_forward over a KVCache or a graph step's DeviceKVCache."""
         hidden, _, *tapped = self.module(tokens, positions, cache, tree_mask=tree_mask, logits_rows=[], taps=taps)
         return hidden, tapped[0] if taps else None
 
@@ -89,21 +74,10 @@ class TorchBackend(Backend):
         `tree_mask` as it is)."""
         return None
 
-    def slot_forward(self, cache, tokens, positions, slots, trees, taps):
-        """slots.forward_with_trees' forward on this backend."""
-        from .slots import forward_with_trees_on_torch
-
-        return forward_with_trees_on_torch(self, cache, tokens, positions, slots, trees, taps)
-
-    def rows_forward(self, tokens, positions, cache, first_slot, context, taps, slots):
-        """slots.forward_rows on this backend."""
-        from .slots import forward_rows_on_torch
-
-        return forward_rows_on_torch(self, tokens, positions, cache, first_slot, context, taps, slots)
+    slot_forward = forward_with_trees_on_torch      # slots.forward_with_trees' forward here
+    rows_forward = forward_rows_on_torch            # slots.forward_rows' here
 
     def forward(self, rows: StepRows) -> StepRows:
-        from .slots import SlotSequence
-
         tables = {id(span.cache.table) if isinstance(span.cache, SlotSequence) else None for span in rows.spans}
         if len(tables) == 1 and None not in tables:
             return self._forward_slots(rows, rows.spans[0].cache.table)
@@ -119,25 +93,21 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------ rows together, over slots
 
-    def together(self, allow_inexact: bool) -> bool:
-        """Whether a batch runs its requests as rows of one forward by default: where inexact
-        answers are allowed (torch rounds a row differently beside other rows)."""
-        return allow_inexact
-
-    def check_together(self, allow_inexact: bool) -> None:
-        if not allow_inexact:
+    def together(self, allow_inexact: bool, asked: bool | None = None) -> bool:
+        """By default where inexact answers are allowed (torch rounds a row differently beside
+        other rows)."""
+        if asked and not allow_inexact:
             raise ValueError(f"batched rows on {self.runs_on} round each row differently with "
                              "other rows beside it, so an answer could differ from serving it alone: "
                              "run on the row-invariant kernels (--backend triton), or allow inexact "
                              "answers (--allow-inexact, allow_inexact=True)")
+        return allow_inexact if asked is None else asked
 
     def caches(self, count: int, window: int, together: bool = False) -> list:
         """With `together`, one slot table of as many slots of `window` tokens as half the free
         memory holds (at most `count`), each slot a request's cache (slots.SlotSequence)."""
         if not together:
             return super().caches(count, window)
-        from .slots import DecodeStep, SlotCache, SlotSequence
-
         table = SlotCache.fitting(self, window, count)
         if self.device.type == "cuda":
             self.decodes[id(table)] = DecodeStep(self, table, head=False)
@@ -147,7 +117,7 @@ class TorchBackend(Backend):
         """Every span as rows of one forward over the slot table: a step of plain rows alone
         as one decode step (a CUDA graph on a GPU), else each span a tree (`SlotTree`) of
         `forward_with_trees` (a causal chunk as the chain it is)."""
-        from .slots import SlotTree, forward_with_trees
+        from .slots import forward_with_trees     # looked up at each call, where tests watch it
 
         spans, device = rows.spans, self.device
         decode = self.decodes.get(id(table))

@@ -173,32 +173,21 @@ def batch_loss(drafter: Eagle3Drafter, features: dict, steps: int, decay: float 
     vocabulary; step k weighs decay**k (normalized)."""
     if labels not in LABELS:
         raise ValueError(f"labels are {' or '.join(LABELS)}, not {labels!r}")
-    target = drafter.target
-    tokens, lengths = features["tokens"], features["lengths"]
-    b, width = tokens.shape
-    n = width - 1 - steps
+    target, device, ids = drafter.target, features["tokens"].device, drafter.draft_ids
+    n = features["tokens"].shape[1] - 1 - steps
     if n < 1:
         return None, {}
-    device = tokens.device
-    ids = drafter.draft_ids
-    rows_in = torch.arange(n, device=device)[None, :] < (lengths[:, None] - 1 - steps)       # (B, n)
-    inputs = torch.cat([features["tapped"], features["hidden"]], dim=-1)[:, :n].flatten(0, 1)
-    x = drafter.input_rows(inputs)
     with torch.no_grad(), torch.autocast(device.type, enabled=False):     # the teacher in float32
         teacher = F.linear(target.norm(features["hidden"].float()), target.head_weight[ids].float())
         in_draft = torch.zeros(target.args.vocab_size, dtype=torch.bool, device=device)
         in_draft[ids] = True
-    cache = StepKeys()
     weights = [decay ** k for k in range(steps)]
     loss, info = 0.0, {}
-    for k in range(steps):
-        positions = (torch.arange(n, device=device) + k).repeat(b)
-        states = drafter(tokens[:, 1 + k:1 + k + n].flatten(), x, positions, cache,
-                         tree_mask=StepAttention(k, sequences=b))
-        logits = drafter.lm_head(drafter.head_input(states)).float()
+    for k, rows_in, logits in _test_steps(drafter, features, steps):
+        logits = logits.float()
         target_logits = teacher[:, 1 + k:1 + k + n].flatten(0, 1)
         wanted = target_logits.argmax(-1)
-        keep = (in_draft[features["chosen"][:, 1 + k:1 + k + n]] & rows_in).flatten()
+        keep = in_draft[features["chosen"][:, 1 + k:1 + k + n]].flatten() & rows_in
         if labels == "soft":
             per_row = -(F.softmax(target_logits, -1) * F.log_softmax(logits, -1)).sum(-1)
         else:
@@ -207,8 +196,28 @@ def batch_loss(drafter: Eagle3Drafter, features: dict, steps: int, decay: float 
         with torch.no_grad():     # left on the device: reading it back would wait for the step
             hit = (logits.argmax(-1) == wanted) & keep
             info[f"acc{k + 1}"] = hit.sum() / keep.sum().clamp_min(1)
-        x = states
     return loss, info
+
+
+def _test_steps(drafter: Eagle3Drafter, features: dict, steps: int):
+    """The training-time test's steps over a batch (none where its sequences are too short):
+    per step k, which of the B n rows train (row i of a sequence reads its token i + 1 + k:
+    inside it) and the drafter's logits over its vocabulary at every row."""
+    tokens, lengths = features["tokens"], features["lengths"]
+    b, width = tokens.shape
+    n = width - 1 - steps
+    if n < 1:
+        return
+    device = tokens.device
+    rows_in = (torch.arange(n, device=device)[None, :] < (lengths[:, None] - 1 - steps)).flatten()
+    x = drafter.input_rows(torch.cat([features["tapped"], features["hidden"]], dim=-1)[:, :n].flatten(0, 1))
+    cache = StepKeys()
+    for k in range(steps):
+        positions = (torch.arange(n, device=device) + k).repeat(b)
+        states = drafter(tokens[:, 1 + k:1 + k + n].flatten(), x, positions, cache,
+                         tree_mask=StepAttention(k, sequences=b))
+        yield k, rows_in, drafter.lm_head(drafter.head_input(states))
+        x = states
 
 
 @torch.no_grad()
@@ -218,24 +227,11 @@ def agreement(drafter: Eagle3Drafter, batches: list[dict], steps: int) -> dict:
     acceptance a 1/1 tree would see on these sequences)."""
     hits, counts = [0] * steps, [0] * steps
     for features in batches:
-        tokens, lengths = features["tokens"], features["lengths"]
-        b, width = tokens.shape
-        n = width - 1 - steps
-        if n < 1:
-            continue
-        device = tokens.device
-        rows_in = (torch.arange(n, device=device)[None, :] < (lengths[:, None] - 1 - steps)).flatten()
-        x = drafter.input_rows(torch.cat([features["tapped"], features["hidden"]], dim=-1)[:, :n].flatten(0, 1))
-        cache = StepKeys()
-        for k in range(steps):
-            positions = (torch.arange(n, device=device) + k).repeat(b)
-            states = drafter(tokens[:, 1 + k:1 + k + n].flatten(), x, positions, cache,
-                             tree_mask=StepAttention(k, sequences=b))
-            guess = drafter.draft_ids[drafter.lm_head(drafter.head_input(states)).argmax(-1)]
-            right = guess == features["chosen"][:, 1 + k:1 + k + n].flatten()
+        n = features["tokens"].shape[1] - 1 - steps
+        for k, rows_in, logits in _test_steps(drafter, features, steps):
+            right = drafter.draft_ids[logits.argmax(-1)] == features["chosen"][:, 1 + k:1 + k + n].flatten()
             hits[k] += int((right & rows_in).sum())
             counts[k] += int(rows_in.sum())
-            x = states
     return {f"top1_step{k + 1}": round(hits[k] / max(counts[k], 1), 4) for k in range(steps)}
 
 
