@@ -12,7 +12,10 @@ Each step:
   KEEP_DRAFTING of it, its steps weighed lightly (STEADY_WEIGHT): one step's speed swings
   with its drafter's confidence (a step that keeps the root alone still paid its drafting),
   and a gate that turned on the last few steps' mean spent half a prompt the drafter guesses
-  well decoding plainly, waiting for probes.
+  well decoding plainly, waiting for probes. A request's first drafted steps weigh more, as a
+  mean of their own with the last verdict counted as REQUEST_STEPS steps: a prompt the drafter
+  cannot guess, after one it guessed well, drafted at a loss for half its answer while a
+  verdict from other text wore off.
   Where it has not been paying, a step drafts anyway after PROBE_EVERY plain ones, so a
   verdict reached on a busy machine, or on a stretch the drafter could not guess, is tried
   again; each probe that does not pay doubles that wait, up to MOST_PROBE_EVERY steps (where
@@ -21,8 +24,9 @@ Each step:
   what it measures (this request's acceptance, the calibration) can move.
   Within a stretch whose advantage is below CHECK_BELOW, every CHECK_EVERY-th step is plain (a
   check, the stretch kept): the speed a drafted step is weighed against is a 1-row step's
-  inside decoding, which a stretch never times otherwise (its nearest row count's factor
-  stands in), and on a long prompt where drafting barely pays that error decided it.
+  inside decoding, which a stretch never times otherwise (until then the curve's own 1-row
+  time stands in, times the running scale), and where drafting barely pays a few per cent of
+  error there decides it.
   At that longest wait the rule is `dormant`: the drafter reads only the last tokens before a
   probe (and of a prompt), so a drafter that does not pay here costs close to nothing.
 - While drafting: the tree grows a level only while that level may pay (`TreeStop`): its
@@ -83,7 +87,9 @@ PROBE_EVERY = 8           # plain steps between drafted probes where drafting ha
 MOST_PROBE_EVERY = 64     # doubled by each probe that does not pay, up to this
 WEIGHT = 0.1              # running means' weight of the latest step
 ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly,
-STEADY_WEIGHT = 0.04      # a step of a drafting stretch slowly (one step is a noisy sample)
+STEADY_WEIGHT = 0.04      # a step of a drafting stretch slowly (one step is a noisy sample),
+REQUEST_STEPS = 4         # but a request's n-th drafted step by at least 1 / (this + n): a new
+                          # prompt is new text, the last request's verdict worth this many steps
 KEEP_DRAFTING = 0.93      # a stretch stops where the advantage falls below this; starts at 1
 CHECK_EVERY = 32          # drafted steps of a stretch between plain ones that time a 1-row step,
 CHECK_BELOW = 1.25        # while its advantage is below this (above, no error in c(1) flips it)
@@ -260,7 +266,9 @@ class LiveCosts:
 
     def _shape(self, rows: int) -> float:
         seen = self._seen
-        if not seen:
+        if not seen or (rows == 1 and 1 not in self.log_factor):
+            # A plain step is what the curve timed (forwards back to back, no drafter between
+            # them): its factor starts at the curve's own, not a drafted count's.
             return self.prior(rows)
         i = bisect.bisect_left(seen, rows)
         near = seen[i] if i < len(seen) and (i == 0 or seen[i] - rows < rows - seen[i - 1]) else seen[i - 1]
@@ -331,7 +339,7 @@ class LiveSizing:
         self._drafting = False                  # whether this step drafted (`plan` said so)
         self._grow_seconds = 0.0
         self._expected = 0.0                    # the drafts this step's tree expects accepted
-        self._request = [0.0, 0.0]              # this request's drafts accepted, and expected
+        self._request = [0.0, 0.0, 0]           # this request's drafts accepted, expected; its drafted steps
         self.stop: TreeStop | None = None       # where this step's tree stops growing
         self.tree: Tree | None = None           # the tree verified this step (drafted nodes)
         self.extra_rows = 0                     # rows grafted onto it (prompt lookup's path)
@@ -351,7 +359,7 @@ class LiveSizing:
         the drafter guesses there is worth one probe, not a wait the last prompt set)."""
         self._observed, self.tree, self.extra_rows, self._draft_seconds = None, None, 0, 0.0
         self.plain_steps = max(self.plain_steps, self.probe_every)
-        self._request = [0.0, 0.0]
+        self._request = [0.0, 0.0, 0]
         if self._unsaved >= SAVE_EVERY:
             self.save()
 
@@ -503,8 +511,11 @@ class LiveSizing:
             speed = gain / (costs(rows) + self._grow_seconds + costs.read(gain)) * costs(1)
             if self._probing:    # a probe that paid resets the wait; one that did not doubles it
                 self.probe_every = PROBE_EVERY if speed > 1.0 else min(MOST_PROBE_EVERY, 2 * self.probe_every)
-            # A probe moves it quickly; a step of steady drafting, one outcome of many, less.
-            self.advantage += (ADVANTAGE_WEIGHT if self._probing else STEADY_WEIGHT) * (speed - self.advantage)
+            # A probe moves it quickly; a step of steady drafting, one outcome of many, less,
+            # but a request's first steps as a mean of its own (and the last verdict's).
+            request[2] += 1
+            steady = max(STEADY_WEIGHT, 1.0 / (REQUEST_STEPS + request[2]))
+            self.advantage += (ADVANTAGE_WEIGHT if self._probing else steady) * (speed - self.advantage)
             self.stretch = not self._probing or self.advantage >= 1.0
             self._drafting, self._grow_seconds = False, 0.0
         else:
