@@ -121,21 +121,13 @@ class Drafter(ctypes.Structure):
                 ("pad", ctypes.c_int32)]
 
 
-def _cpu_vendor() -> str:
+def _cpuinfo(prefix: str) -> str:
+    """/proc/cpuinfo's first line starting with `prefix` ("" if none; platform.processor()
+    where the file cannot be read). Its "flags" line keys the build."""
     try:
-        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("vendor_id")), "")
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(prefix)), "")
     except OSError:
         return platform.processor()
-
-
-def _cpu_key() -> str:
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "")
-    except OSError:
-        flags = platform.processor()
-    return flags
 
 
 # Every row's bits must not depend on the call: no contraction the source does not write, no
@@ -163,7 +155,7 @@ def _flags() -> list[str]:
     # The tiles' weight blocks for one row and for four (native_kernels.c): four each on an
     # Intel Xeon (AVX-512: Gemma's token 16% faster, an 8B's 4-row forward 1.22x one row
     # against 1.59x); one and two measured faster on AMD's Zen 4. No bit depends on them.
-    amd = _cpu_vendor() == "AuthenticAMD"
+    amd = _cpuinfo("vendor_id").partition(":")[2].strip() == "AuthenticAMD"
     for name, value in (("VS_NR_ONE", 1 if amd else 4), ("VS_NR_FOUR", 2 if amd else 4)):
         if not any(d.startswith(f"-D{name}") for d in defines):
             defines = [f"-D{name}={value}"] + defines
@@ -176,7 +168,7 @@ def isa() -> str:
     """The instruction set the engine compiles for here: avx512 or avx2 (RuntimeError if neither)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"the native engine needs an x86-64 CPU ({platform.machine()})")
-    flags = set(_cpu_key().split())
+    flags = set(_cpuinfo("flags").split())
     if {"avx512f", "avx512bw"} <= flags:
         return "avx512"
     if {"avx2", "fma", "f16c"} <= flags:
@@ -194,7 +186,7 @@ def _check_sanitizer_runtime() -> None:
 def _build(compiler: str) -> Path:
     flags = _flags()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + version.encode() + _cpu_key().encode()
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + version.encode() + _cpuinfo("flags").encode()
                          + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_dir() / f"native-{'sanitized-' if sanitized() else ''}{key}.so"
     if target.exists():
