@@ -255,23 +255,18 @@ def _test_weight(lib, type_id: int, raw: torch.Tensor, rows: int, cols: int, int
 def check_abi(lib) -> None:
     """native.h's structs against the ctypes mirrors here: every size and offset the library
     reports (vs_abi) must match, else RuntimeError naming the first that does not."""
-    want = [ctypes.sizeof(Weight), *(getattr(Weight, f).offset for f in ("type", "rows", "cols", "int8_acts", "data",
-                                                                          "bias")),
-            ctypes.sizeof(Layer), *(getattr(Layer, f).offset for f in ("wq", "w_down", "attn_norm", "hidden_norm", "cos",
-                                                                        "sin", "window", "norm_residual")),
-            ctypes.sizeof(Stack), *(getattr(Stack, f).offset for f in ("eps", "kv_half", "layers")),
-            ctypes.sizeof(Drafter), *(getattr(Drafter, f).offset for f in ("head", "embed", "head_ids", "out_norm",
-                                                                            "eps", "fused")),
-            ctypes.sizeof(TreeStop), *(getattr(TreeStop, f).offset for f in ("depths", "bins", "min_gain", "levels")),
-            ctypes.sizeof(TreeRequest), *(getattr(TreeRequest, f).offset for f in ("length", "root", "stop",
-                                                                                    "node_values", "att")),
-            ctypes.sizeof(Rows), *(getattr(Rows, f).offset for f in ("ntaps", "pos", "taps", "keys", "values",
-                                                                      "embeds", "tapped")),
-            ctypes.sizeof(VerifyRequest), *(getattr(VerifyRequest, f).offset for f in (
-                "head", "offsets", "paths", "work", "ntrees", "head_rows", "eps")),
-            ctypes.sizeof(ReadRequest), *(getattr(ReadRequest, f).offset for f in (
-                "stack", "keys", "length", "n", "tokens", "state", "att")),
-            ctypes.sizeof(Cache), *(getattr(Cache, f).offset for f in ("values", "layers", "slots", "half"))]
+    want = [n for struct, names in (
+        (Weight, ("type", "rows", "cols", "int8_acts", "data", "bias")),
+        (Layer, ("wq", "w_down", "attn_norm", "hidden_norm", "cos", "sin", "window", "norm_residual")),
+        (Stack, ("eps", "kv_half", "layers")),
+        (Drafter, ("head", "embed", "head_ids", "out_norm", "eps", "fused")),
+        (TreeStop, ("depths", "bins", "min_gain", "levels")),
+        (TreeRequest, ("length", "root", "stop", "node_values", "att")),
+        (Rows, ("ntaps", "pos", "taps", "keys", "values", "embeds", "tapped")),
+        (VerifyRequest, ("head", "offsets", "paths", "work", "ntrees", "head_rows", "eps")),
+        (ReadRequest, ("stack", "keys", "length", "n", "tokens", "state", "att")),
+        (Cache, ("values", "layers", "slots", "half")))
+        for n in (ctypes.sizeof(struct), *(getattr(struct, name).offset for name in names))]
     got = (ctypes.c_int64 * 128)()
     n = lib.vs_abi(got, 128)
     if n != len(want) or list(got[:n]) != want:
