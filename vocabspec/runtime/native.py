@@ -690,16 +690,14 @@ class NativeDrafter:
         check_range("draft head's target id", self.head_ids if self.head_ids is not None
                     else torch.tensor([head.rows - 1]), 0, embed.rows)
         floats = [None if t is None else t.detach().float().contiguous() for t in (norm, head_norm, out_norm)]
-        self.norm = floats[0]
         self.stack, self.keep = stack, (fc, head, embed, floats)
         self.struct = Drafter(fc=fc.struct(), head=head.struct(), embed=embed.struct(),
                               head_ids=ptr(self.head_ids), norm=ptr(floats[0]), head_norm=ptr(floats[1]),
                               out_norm=ptr(floats[2]), eps=eps, embed_scale=embed_scale or 0.0, fused=int(fused))
         self.input_width = fc.cols if fused else fc.rows     # floats of the target's rows read
         self.vocab = embed.rows
-        self.dim = fc.rows
         self.head_rows = head.rows
-        self.state = torch.zeros(self.dim)
+        self.state = torch.zeros(fc.rows)
         self._scratch = torch.empty(0)
         self._tree = None
 
