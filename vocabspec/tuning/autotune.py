@@ -153,11 +153,9 @@ def calibrate(model, tokenizer, drafter, draft_vocab, depth: int, top_k: int,
     from ..speculation.families.eagle import EagleProposer
     from ..decoding.generate import GenerationConfig
     from ..decoding.batch import Engine
-    from ..runtime.prompts import encode_conversation
 
     largest = max(CANDIDATE_SIZES)
-    prompts = [encode_conversation(tokenizer, [("user", q)], answer_open=True)
-               for q in CALIBRATION_QUESTIONS]
+    prompts = _calibration_prompts(tokenizer)
     table = {}
     started = time.perf_counter()
     for d in calibration_depths(depth):
@@ -184,10 +182,9 @@ def calibrate(model, tokenizer, drafter, draft_vocab, depth: int, top_k: int,
     ratio = confirm(model, tokenizer, EagleProposer(drafter, draft_vocab=draft_vocab, depth=best["depth"],
                                                     top_k=top_k, total_tokens=best["total_tokens"]),
                     prompts)
-    if ratio < 1.0:                          # drafting loses to plain decoding here
-        return {"depth": 0, "total_tokens": 0, "measured_speedup": round(ratio, 3), "table": table}
-    return {"depth": best["depth"], "total_tokens": best["total_tokens"],
-            "measured_speedup": round(ratio, 3), "table": table}
+    # (0, 0) where drafting loses to plain decoding here
+    chosen = (0, 0) if ratio < 1.0 else (best["depth"], best["total_tokens"])
+    return {"depth": chosen[0], "total_tokens": chosen[1], "measured_speedup": round(ratio, 3), "table": table}
 
 
 def confirm(model, tokenizer, proposer, prompts, rounds: int = CONFIRM_ROUNDS, graphs: bool | None = None) -> float:
