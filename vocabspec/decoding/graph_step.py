@@ -297,12 +297,9 @@ def count_read_backs():
     """Counts every call that hands a tensor's value to the host (tensor methods and
     torch.equal): the tests and the GPU check hold a step to one."""
     counts = {"n": 0}
-    patched = {}
-    names = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
-    for name in names:
-        original = getattr(torch.Tensor, name)
-        patched[name] = original
-
+    patched = {name: getattr(torch.Tensor, name)
+               for name in ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")}
+    for name, original in patched.items():
         def wrapper(self, *a, _original=original, **k):
             counts["n"] += 1
             return _original(self, *a, **k)

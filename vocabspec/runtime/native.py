@@ -121,21 +121,13 @@ class Drafter(ctypes.Structure):
                 ("pad", ctypes.c_int32)]
 
 
-def _cpu_vendor() -> str:
+def _cpuinfo(prefix: str) -> str:
+    """/proc/cpuinfo's first line starting with `prefix` ("" if none; platform.processor()
+    where the file cannot be read). Its "flags" line keys the build."""
     try:
-        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("vendor_id")), "")
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(prefix)), "")
     except OSError:
         return platform.processor()
-
-
-def _cpu_key() -> str:
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "")
-    except OSError:
-        flags = platform.processor()
-    return flags
 
 
 # Every row's bits must not depend on the call: no contraction the source does not write, no
@@ -163,7 +155,7 @@ def _flags() -> list[str]:
     # The tiles' weight blocks for one row and for four (native_kernels.c): four each on an
     # Intel Xeon (AVX-512: Gemma's token 16% faster, an 8B's 4-row forward 1.22x one row
     # against 1.59x); one and two measured faster on AMD's Zen 4. No bit depends on them.
-    amd = _cpu_vendor() == "AuthenticAMD"
+    amd = _cpuinfo("vendor_id").partition(":")[2].strip() == "AuthenticAMD"
     for name, value in (("VS_NR_ONE", 1 if amd else 4), ("VS_NR_FOUR", 2 if amd else 4)):
         if not any(d.startswith(f"-D{name}") for d in defines):
             defines = [f"-D{name}={value}"] + defines
@@ -176,7 +168,7 @@ def isa() -> str:
     """The instruction set the engine compiles for here: avx512 or avx2 (RuntimeError if neither)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"the native engine needs an x86-64 CPU ({platform.machine()})")
-    flags = set(_cpu_key().split())
+    flags = set(_cpuinfo("flags").split())
     if {"avx512f", "avx512bw"} <= flags:
         return "avx512"
     if {"avx2", "fma", "f16c"} <= flags:
@@ -194,7 +186,7 @@ def _check_sanitizer_runtime() -> None:
 def _build(compiler: str) -> Path:
     flags = _flags()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + version.encode() + _cpu_key().encode()
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + version.encode() + _cpuinfo("flags").encode()
                          + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_dir() / f"native-{'sanitized-' if sanitized() else ''}{key}.so"
     if target.exists():
@@ -263,23 +255,18 @@ def _test_weight(lib, type_id: int, raw: torch.Tensor, rows: int, cols: int, int
 def check_abi(lib) -> None:
     """native.h's structs against the ctypes mirrors here: every size and offset the library
     reports (vs_abi) must match, else RuntimeError naming the first that does not."""
-    want = [ctypes.sizeof(Weight), *(getattr(Weight, f).offset for f in ("type", "rows", "cols", "int8_acts", "data",
-                                                                          "bias")),
-            ctypes.sizeof(Layer), *(getattr(Layer, f).offset for f in ("wq", "w_down", "attn_norm", "hidden_norm", "cos",
-                                                                        "sin", "window", "norm_residual")),
-            ctypes.sizeof(Stack), *(getattr(Stack, f).offset for f in ("eps", "kv_half", "layers")),
-            ctypes.sizeof(Drafter), *(getattr(Drafter, f).offset for f in ("head", "embed", "head_ids", "out_norm",
-                                                                            "eps", "fused")),
-            ctypes.sizeof(TreeStop), *(getattr(TreeStop, f).offset for f in ("depths", "bins", "min_gain", "levels")),
-            ctypes.sizeof(TreeRequest), *(getattr(TreeRequest, f).offset for f in ("length", "root", "stop",
-                                                                                    "node_values", "att")),
-            ctypes.sizeof(Rows), *(getattr(Rows, f).offset for f in ("ntaps", "pos", "taps", "keys", "values",
-                                                                      "embeds", "tapped")),
-            ctypes.sizeof(VerifyRequest), *(getattr(VerifyRequest, f).offset for f in (
-                "head", "offsets", "paths", "work", "ntrees", "head_rows", "eps")),
-            ctypes.sizeof(ReadRequest), *(getattr(ReadRequest, f).offset for f in (
-                "stack", "keys", "length", "n", "tokens", "state", "att")),
-            ctypes.sizeof(Cache), *(getattr(Cache, f).offset for f in ("values", "layers", "slots", "half"))]
+    want = [n for struct, names in (
+        (Weight, ("type", "rows", "cols", "int8_acts", "data", "bias")),
+        (Layer, ("wq", "w_down", "attn_norm", "hidden_norm", "cos", "sin", "window", "norm_residual")),
+        (Stack, ("eps", "kv_half", "layers")),
+        (Drafter, ("head", "embed", "head_ids", "out_norm", "eps", "fused")),
+        (TreeStop, ("depths", "bins", "min_gain", "levels")),
+        (TreeRequest, ("length", "root", "stop", "node_values", "att")),
+        (Rows, ("ntaps", "pos", "taps", "keys", "values", "embeds", "tapped")),
+        (VerifyRequest, ("head", "offsets", "paths", "work", "ntrees", "head_rows", "eps")),
+        (ReadRequest, ("stack", "keys", "length", "n", "tokens", "state", "att")),
+        (Cache, ("values", "layers", "slots", "half")))
+        for n in (ctypes.sizeof(struct), *(getattr(struct, name).offset for name in names))]
     got = (ctypes.c_int64 * 128)()
     n = lib.vs_abi(got, 128)
     if n != len(want) or list(got[:n]) != want:
@@ -703,16 +690,14 @@ class NativeDrafter:
         check_range("draft head's target id", self.head_ids if self.head_ids is not None
                     else torch.tensor([head.rows - 1]), 0, embed.rows)
         floats = [None if t is None else t.detach().float().contiguous() for t in (norm, head_norm, out_norm)]
-        self.norm = floats[0]
         self.stack, self.keep = stack, (fc, head, embed, floats)
         self.struct = Drafter(fc=fc.struct(), head=head.struct(), embed=embed.struct(),
                               head_ids=ptr(self.head_ids), norm=ptr(floats[0]), head_norm=ptr(floats[1]),
                               out_norm=ptr(floats[2]), eps=eps, embed_scale=embed_scale or 0.0, fused=int(fused))
         self.input_width = fc.cols if fused else fc.rows     # floats of the target's rows read
         self.vocab = embed.rows
-        self.dim = fc.rows
         self.head_rows = head.rows
-        self.state = torch.zeros(self.dim)
+        self.state = torch.zeros(fc.rows)
         self._scratch = torch.empty(0)
         self._tree = None
 

@@ -81,16 +81,22 @@ def requests_hash(requests: list[dict]) -> str:
     return digest.hexdigest()
 
 
+def _write_record(record_path: Path, record: dict) -> None:
+    """Replace the job's record whole: never a half-written one."""
+    temporary = record_path.with_name(record_path.name + ".tmp")
+    temporary.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    os.replace(temporary, record_path)
+
+
 class AnswerFile:
     """The job's output file: the indices it records (answered or failed), and appending to it.
 
     `open` resumes it: a missing or empty file starts the job; else its record (`OUTPUT.job.json`)
     must name the same requests and options."""
 
-    def __init__(self, path: Path, recorded: dict[int, bool], tokens: int, discarded: int):
+    def __init__(self, path: Path, recorded: dict[int, bool], discarded: int):
         self.path = path
         self.recorded = recorded        # index -> whether that request failed
-        self.recorded_tokens = tokens   # answer tokens of the recorded lines
         self.discarded = discarded      # bytes of a half-written last line cut away
         self._out: TextIO | None = None
 
@@ -107,11 +113,9 @@ class AnswerFile:
             raise ValueError(f"--output {path} is a directory, not a file")
         if not path.exists() or path.stat().st_size == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = record_path.with_name(record_path.name + ".tmp")
-            temporary.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-            os.replace(temporary, record_path)      # never a half-written record
+            _write_record(record_path, record)
             path.write_bytes(b"")
-            return cls(path, {}, 0, 0)
+            return cls(path, {}, 0)
         if not record_path.is_file():
             raise ValueError(f"{path} holds lines but no {record_path.name} saying which requests "
                              f"they answer: name another --output, or move {path} away")
@@ -143,7 +147,7 @@ class AnswerFile:
         if discarded:
             with open(path, "r+b") as out:
                 out.truncate(complete)
-        recorded, tokens = {}, 0
+        recorded = {}
         for number, line in enumerate(data[:complete].decode("utf-8").splitlines(), 1):
             try:
                 item = json.loads(line)
@@ -156,8 +160,7 @@ class AnswerFile:
             if index in recorded:
                 raise ValueError(f"{path}:{number}: request {index} is answered twice")
             recorded[index] = "error" in item
-            tokens += item.get("new_tokens", 0)
-        return cls(path, recorded, tokens, discarded)
+        return cls(path, recorded, discarded)
 
     def note(self, key: str, value) -> None:
         """Add `key` to the job's record (replaced whole, never half-written): what a run
@@ -165,9 +168,7 @@ class AnswerFile:
         record_path = self.record_path(self.path)
         record = json.loads(record_path.read_text(encoding="utf-8"))
         record[key] = value
-        temporary = record_path.with_name(record_path.name + ".tmp")
-        temporary.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        os.replace(temporary, record_path)
+        _write_record(record_path, record)
 
     def write(self, line: dict) -> None:
         if self._out is None:
@@ -187,7 +188,7 @@ class StreamAnswers:
     """Answers to standard output (no --output): nothing to resume."""
 
     def __init__(self, out: TextIO):
-        self.out, self.recorded, self.recorded_tokens, self.discarded = out, {}, 0, 0
+        self.out, self.recorded, self.discarded = out, {}, 0
 
     def note(self, key: str, value) -> None:
         pass

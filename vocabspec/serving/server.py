@@ -356,60 +356,6 @@ class Server:
             raise BadRequest(str(exc), status=503) from exc
         return request.wait()
 
-    # ------------------------------------------------------------ responses
-
-    def usage(self, result: GenerationResult) -> dict:
-        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.new_tokens,
-                "total_tokens": result.prompt_tokens + result.new_tokens,
-                "speculative": {"mean_accept_len": round(result.mean_accept_len, 3),
-                                "steps": len(result.steps),
-                                "tokens_per_s": round(result.tokens_per_s, 2)}}
-
-    @staticmethod
-    def finish_reason(result: GenerationResult) -> str:
-        return "length" if result.stop_reason in ("length", "time") else "stop"
-
-    def logprobs_body(self, entries: list[TokenLogprob], chat: bool, offset: int = 0) -> dict:
-        """OpenAI's logprobs object: chat's {"content": [...]}, or the completions' lists
-        (text_offset counts characters from `offset`, where these tokens' text starts)."""
-        def text(token: int) -> str:
-            return self.lm.tokenizer.decode([token], skip_special_tokens=False)
-
-        if chat:
-            def item(token, logprob):
-                piece = text(token)
-                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
-            return {"content": [{**item(e.token, e.logprob),
-                                 "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
-        tokens = [text(e.token) for e in entries]
-        offsets = []
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
-                "text_offset": offsets}
-
-    def body(self, chat: bool, rid: str, created: int, text: str | None, result=None, delta=None,
-             logprobs: dict | None = None) -> dict:
-        kind = "chat.completion" if chat else "text_completion"
-        if delta is not None:
-            kind += ".chunk" if chat else ""
-        choice: dict = {"index": 0, "finish_reason": self.finish_reason(result) if result else None}
-        if chat:
-            if delta is not None:
-                choice["delta"] = delta
-            else:
-                choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text if text is not None else ""
-        choice["logprobs"] = logprobs
-        out = {"id": rid, "object": kind, "created": created, "model": self.model_name,
-               "choices": [choice]}
-        if result is not None:
-            out["usage"] = self.usage(result)
-        return out
-
 
 def failure(exc: Exception) -> BadRequest:
     """What a request whose generation raised is told: a refusal as it stands; 503 where the
@@ -555,14 +501,61 @@ class Reply:
     created: int
     logprobs: bool
 
-    def body(self, text: str | None, result=None, delta=None, logprobs: dict | None = None) -> dict:
-        return self.server.body(self.chat, self.rid, self.created, text, result, delta=delta, logprobs=logprobs)
+    @staticmethod
+    def usage(result: GenerationResult) -> dict:
+        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.new_tokens,
+                "total_tokens": result.prompt_tokens + result.new_tokens,
+                "speculative": {"mean_accept_len": round(result.mean_accept_len, 3),
+                                "steps": len(result.steps),
+                                "tokens_per_s": round(result.tokens_per_s, 2)}}
 
-    def logprobs_body(self, entries, offset: int = 0) -> dict | None:
-        """The logprobs of `entries` (None where the request asked for none)."""
+    @staticmethod
+    def finish_reason(result: GenerationResult) -> str:
+        return "length" if result.stop_reason in ("length", "time") else "stop"
+
+    def logprobs_body(self, entries: list[TokenLogprob], offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object of `entries` (None where the request asked for none): chat's
+        {"content": [...]}, or the completions' lists (text_offset counts characters from
+        `offset`, where these tokens' text starts)."""
         if not self.logprobs:
             return None
-        return self.server.logprobs_body(entries, self.chat, offset=offset)
+
+        def text(token: int) -> str:
+            return self.server.lm.tokenizer.decode([token], skip_special_tokens=False)
+
+        if self.chat:
+            def item(token, logprob):
+                piece = text(token)
+                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+            return {"content": [{**item(e.token, e.logprob),
+                                 "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+        tokens = [text(e.token) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def body(self, text: str | None, result=None, delta=None, logprobs: dict | None = None) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        if delta is not None:
+            kind += ".chunk" if self.chat else ""
+        choice: dict = {"index": 0, "finish_reason": self.finish_reason(result) if result else None}
+        if self.chat:
+            if delta is not None:
+                choice["delta"] = delta
+            else:
+                choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text if text is not None else ""
+        choice["logprobs"] = logprobs
+        out = {"id": self.rid, "object": kind, "created": self.created, "model": self.server.model_name,
+               "choices": [choice]}
+        if result is not None:
+            out["usage"] = self.usage(result)
+        return out
 
 
 async def answer_whole(reply: Reply, ids, params, cancel):

@@ -212,10 +212,6 @@ class DraftConfig:
                 return cls(method=family.name, **named)
         raise ValueError(f"unknown method {name!r} ({'; '.join(f.grammar for f in FAMILIES.values())})")
 
-    @property
-    def fixed_tree(self) -> bool:
-        return self.total_tokens != "auto"
-
 
 def bundled_drafter_dir(model: str) -> Path | None:
     path = BUNDLED_DRAFTERS / model

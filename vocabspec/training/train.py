@@ -621,9 +621,7 @@ def train_drafter(cfg: TrainConfig, target: Backend, split: dict | None = None, 
         groups.append({"params": list(ranker), "lr_scale": cfg.ranker.lr / cfg.optim.lr, "weight_decay": 0.0})
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(len(train_set) / cfg.optim.accumulate)
-    total = steps_per_epoch * cfg.optim.epochs
-    if cfg.optim.max_steps:
-        total = min(total, cfg.optim.max_steps)
+    total = min(steps_per_epoch * cfg.optim.epochs, cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs)
     checkpoint = out / "checkpoint.pt"
     step, history, seconds_before = _resumed(resumable(checkpoint, cfg, log), drafter, ranker, optimizer,
                                              total, log)
@@ -833,14 +831,13 @@ def check_device(cfg: TrainConfig, stages) -> None:
     try:
         device = torch.device(cfg.device)
     except RuntimeError:
-        raise ValueError(f"--device is cpu, cuda or cuda:N, not {cfg.device!r}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {cfg.device}: this torch sees no CUDA device")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {cfg.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif device.type != "cpu":
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
         raise ValueError(f"--device is cpu, cuda or cuda:N, not {cfg.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {cfg.device}: this torch sees no CUDA device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {cfg.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type != "cpu" and "train" in stages and cfg.drafter != "eagle3":
         raise ValueError(f"--device {cfg.device} trains --drafter eagle3; {cfg.drafter} trains on the "
                          "CPU (its data and features stages run on any device)")
@@ -857,13 +854,12 @@ def train_eagle(cfg: TrainConfig, target: Backend, split: dict, report: dict, sh
     """The EAGLE family's trainer (config.Family.trainer): train the drafter on the feature
     shards, measure it, save it to `cfg.out`/drafter, and with `ship` into the package."""
     out = Path(cfg.out)
-    t2 = time.perf_counter()
+    started = time.perf_counter()
     drafter = train_drafter(cfg, target, split, log=log)
     seconds = drafter.train_seconds
-    report["train_seconds"] = round(time.perf_counter() - t2 if seconds is None else seconds, 1)
+    report["train_seconds"] = round(time.perf_counter() - started if seconds is None else seconds, 1)
     heldout = training_sets(cfg, split)[1]
-    final = evaluate(drafter, heldout, steps=max(2, cfg.eagle.unroll))
-    report.update(final)
+    report.update(evaluate(drafter, heldout, steps=max(2, cfg.eagle.unroll)))
     report["tau_heldout_prompts"] = round(measure_tau(drafter, target,
                                                       split["heldout_prompts"][:4]), 3)
     log(json.dumps({k: v for k, v in report.items() if k != "config"}))

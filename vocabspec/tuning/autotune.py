@@ -153,11 +153,9 @@ def calibrate(model, tokenizer, drafter, draft_vocab, depth: int, top_k: int,
     from ..speculation.families.eagle import EagleProposer
     from ..decoding.generate import GenerationConfig
     from ..decoding.batch import Engine
-    from ..runtime.prompts import encode_conversation
 
     largest = max(CANDIDATE_SIZES)
-    prompts = [encode_conversation(tokenizer, [("user", q)], answer_open=True)
-               for q in CALIBRATION_QUESTIONS]
+    prompts = _calibration_prompts(tokenizer)
     table = {}
     started = time.perf_counter()
     for d in calibration_depths(depth):
@@ -184,10 +182,9 @@ def calibrate(model, tokenizer, drafter, draft_vocab, depth: int, top_k: int,
     ratio = confirm(model, tokenizer, EagleProposer(drafter, draft_vocab=draft_vocab, depth=best["depth"],
                                                     top_k=top_k, total_tokens=best["total_tokens"]),
                     prompts)
-    if ratio < 1.0:                          # drafting loses to plain decoding here
-        return {"depth": 0, "total_tokens": 0, "measured_speedup": round(ratio, 3), "table": table}
-    return {"depth": best["depth"], "total_tokens": best["total_tokens"],
-            "measured_speedup": round(ratio, 3), "table": table}
+    # (0, 0) where drafting loses to plain decoding here
+    chosen = (0, 0) if ratio < 1.0 else (best["depth"], best["total_tokens"])
+    return {"depth": chosen[0], "total_tokens": chosen[1], "measured_speedup": round(ratio, 3), "table": table}
 
 
 def confirm(model, tokenizer, proposer, prompts, rounds: int = CONFIRM_ROUNDS, graphs: bool | None = None) -> float:
@@ -300,34 +297,23 @@ def keep_calibration(sizing, key: str) -> None:
     atexit.register(lambda: alive() is not None and alive().save())
 
 
-def _forward_key(model) -> str:
-    """The forward curve's cache key: its time depends on the model's shapes, not on its
-    weights or drafter; a plain step's forward (0 drafted) is timed too, the live rule weighing
-    every tree against it."""
+def forward_curve(model, log=None) -> dict[int, float]:
+    """Rows verified -> seconds of the forward (cost_curve.forward_seconds), timed once per
+    model shape and machine and cached with the trees' choices: its time depends on the model's
+    shapes, not on its weights or drafter; a plain step's forward (0 drafted) is timed too, the
+    live rule weighing every tree against it."""
     args = model.args
     shape = f"{args.arch}-{args.dim}-{args.n_layers}-{args.n_heads}-{args.n_kv_heads}-" \
             f"{args.head_dim}-{args.intermediate_size}-{args.vocab_size}"
-    return _cache_key(model, f"forward|{shape}|v10")
 
-
-def forward_curve(model, log=None) -> dict[int, float]:
-    """Rows verified -> seconds of the forward (cost_curve.forward_seconds), timed once per
-    model shape and machine and cached with the trees' choices."""
-    from ..runtime.files import cache_dir
-
-    path, key = cache_dir() / "autotune.json", _forward_key(model)
-    known = _load(path)
-    _retime_if_busy(path, known, (key,), log)
-    if key not in known:
-        mark = LoadMark()
+    def compute():
         with tqdm(total=(FORWARD_REPEATS + 1) * (len(CANDIDATE_SIZES) + 1), desc="forward curve", unit="run",
                   disable=log is None, leave=False) as bar:
             timed = forward_seconds(model, (0,) + tuple(CANDIDATE_SIZES), repeats=FORWARD_REPEATS, bar=bar)
-        known = _load(path)
-        known[key] = {str(n): t for n, t in timed.items()}
-        _store(path, known)
-        _mark_busy(path, (key,), mark.others())
-    return {int(n) + 1: t for n, t in known[key].items()}
+        return {str(n): t for n, t in timed.items()}
+
+    timed = _cached(f"forward|{shape}|v10", model, compute, log, what=None)
+    return {int(n) + 1: t for n, t in timed.items()}
 
 
 def choose_tree(model, drafter, draft_vocab, tokenizer, depth: int, top_k: int, key: str,
@@ -343,27 +329,16 @@ def tree_choice(model, drafter, draft_vocab, tokenizer, depth: int, top_k: int, 
     """What `choose_tree` chose and measured (depth, total_tokens, measured_speedup and the
     calibration table), and the forward curve it read: rows verified -> seconds. The live
     sizing rule (live_tree.py) starts from both."""
-    from ..runtime.files import cache_dir
-
     forward = forward_curve(model, log)
-    path = cache_dir() / "autotune.json"
-    known = _load(path)
-    full_key = _cache_key(model, f"{key}|{depth}|{top_k}|v16")
-    _retime_if_busy(path, known, (full_key,), log)
-    if full_key not in known:
-        if log:
-            log("choosing the draft tree size for this machine (once; cached)...")
-        mark = LoadMark()
+
+    def compute():
         # Minutes on a small CPU: show where it is (no bar when the caller asked for silence).
         with tqdm(total=len(calibration_depths(depth)) * len(CALIBRATION_QUESTIONS), desc="autotune", unit="run",
                   disable=log is None, leave=False) as bar:
-            chosen = calibrate(model, tokenizer, drafter, draft_vocab, depth, top_k, {n - 1: t for n, t in forward.items()},
-                               bar)
-        known = _load(path)
-        known[full_key] = chosen
-        _store(path, known)
-        _mark_busy(path, (full_key,), mark.others())
-    chosen = known[full_key]
+            return calibrate(model, tokenizer, drafter, draft_vocab, depth, top_k,
+                             {n - 1: t for n, t in forward.items()}, bar)
+
+    chosen = _cached(f"{key}|{depth}|{top_k}|v16", model, compute, log, what="draft tree size")
     if log and not chosen["total_tokens"]:
         log(f"no draft tree beat plain decoding when this machine was timed (the best measured "
             f"{chosen.get('measured_speedup', 0):.2f}x)")
@@ -420,7 +395,9 @@ def _calibration_prompts(tokenizer):
     return [encode_conversation(tokenizer, [("user", q)], answer_open=True) for q in CALIBRATION_QUESTIONS]
 
 
-def _cached(key: str, model, compute, log):
+def _cached(key: str, model, compute, log, what: str | None = "draft size"):
+    """The cache's entry for `key` on this machine: `compute()`'s, stored once (and again where
+    it was timed beside other work and the machine is quiet now); the log names `what` is chosen."""
     from ..runtime.files import cache_dir
 
     path = cache_dir() / "autotune.json"
@@ -428,10 +405,12 @@ def _cached(key: str, model, compute, log):
     full_key = _cache_key(model, key)
     _retime_if_busy(path, known, (full_key,), log)
     if full_key not in known:
-        if log:
-            log("choosing the draft size for this machine (once; cached)...")
+        if log and what:
+            log(f"choosing the {what} for this machine (once; cached)...")
         mark = LoadMark()
-        known[full_key] = compute()
+        entry = compute()
+        known = _load(path)      # what was stored meanwhile (the forward curve, another process's) stays
+        known[full_key] = entry
         _store(path, known)
         _mark_busy(path, (full_key,), mark.others())
     return known[full_key]

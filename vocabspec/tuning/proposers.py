@@ -30,7 +30,6 @@ def make_proposer(model, config: DraftConfig, model_name: str, tokenizer=None, l
         from .autotune import choose_size
 
         _need_tokenizer(tokenizer)
-
         size = choose_size(model, tokenizer, f"{model_name}|{family.name}|{config}", family.sizes,
                            lambda n: family.build(model, replace(config, total_tokens=n), model_name,
                                                   tokenizer, None), log=log)
@@ -110,9 +109,9 @@ def _tuned_medusa(model, config: DraftConfig, model_name: str, tokenizer, log):
         return MedusaProposer(model, heads, draft_vocab, choices=choices, total_tokens=total)
     # A sampled request keeps a fixed tree: the tuned prefix, or the rule's own start where none paid.
     proposer = MedusaProposer(model, heads, draft_vocab, choices=choices, total_tokens=total or 3)
-    most = len(choices)
     sizing = live_sizing(model, forward_curve(model, log), proposer.level_seconds(),
-                         max(chosen["measured_speedup"].values(), default=1.0), total, max(map(len, choices)), most)
+                         max(chosen["measured_speedup"].values(), default=1.0), total, max(map(len, choices)),
+                         len(choices))
     keep_calibration(sizing, key)
     proposer.sizing = sizing
     return proposer
@@ -133,9 +132,8 @@ def _tuned_draft_model(model, config: DraftConfig, model_name: str, tokenizer, l
     most = max(CHAIN_LENGTHS)
     # A drafting level is one forward of the draft over the chain's one row (its head's pass).
     level = forward_seconds(draft, [0], repeats=3)[0]
-    speedups = chosen["measured_speedup"].values()
-    sizing = live_sizing(model, forward_curve(model, log), level, max(speedups, default=1.0), int(chosen["size"]),
-                         most, most)
+    sizing = live_sizing(model, forward_curve(model, log), level, max(chosen["measured_speedup"].values(), default=1.0),
+                         int(chosen["size"]), most, most)
     keep_calibration(sizing, key)
     proposer = DraftModelProposer(draft, draft_vocab, depth=most, top_k=1, total_tokens=sizing.most)
     proposer.sizing = sizing

@@ -152,7 +152,24 @@ def randomized(drafter: nn.Module, target: Backend, seed: int, dtype: torch.dtyp
     return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
 
 
-class EagleDrafter(nn.Module):
+class RuntimeDrafter(nn.Module):
+    """What EAGLE-2's and EAGLE-3's drafters share: their `runtime` (TorchLayers, or a packed
+    form on the native engine) runs their layers and holds their caches."""
+
+    def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
+        """The drafter's states (n, dim) for (token, feature) pairs: what the head scores (after
+        `head_input`) and what a draft step below reads as its feature."""
+        return self.runtime.forward(tokens, features, positions, cache, tree_mask)
+
+    def new_cache(self, max_len: int, on_device: bool = False) -> KVCache:
+        """A cache for this drafter; on_device: a DeviceKVCache (kv_cache.py) for graph steps."""
+        a, w = self.args, self.fc.weight
+        if on_device:
+            return DeviceKVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
+        return self.runtime.new_cache(a, max_len)
+
+
+class EagleDrafter(RuntimeDrafter):
     def __init__(self, target: Backend, input_norm: bool = False, taps: tuple[int, ...] = (),
                  n_layers: int = 1):
         super().__init__()
@@ -192,12 +209,6 @@ class EagleDrafter(nn.Module):
                   for name, w in block_linears(self.args, self.layers).items()}
         self.__dict__["runtime"] = PackedLayers(self, pack(self.fc.weight, bias=self.fc.bias),
                                                 packed_stack(self.args, self.layers, packed, self.target.rope))
-
-    def native_drafter(self, draft_vocab):
-        """Its reads and trees as native calls (native.NativeDrafter), where it and its draft
-        head run on the native engine (a full or fixed-subset head over the target's packed
-        rows); None elsewhere."""
-        return self.runtime.native_drafter(draft_vocab)
 
     @classmethod
     def random(cls, target: Backend, seed: int = 0, input_norm: bool = False,
@@ -243,10 +254,6 @@ class EagleDrafter(nn.Module):
         reads features after its final norm)."""
         return states
 
-    def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
-        """Predicted next features (n, dim) for (token, feature) pairs."""
-        return self.runtime.forward(tokens, features, positions, cache, tree_mask)
-
     def torch_forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
         """`forward` on torch's modules."""
         dtype = self.fc.weight.dtype
@@ -274,14 +281,6 @@ class EagleDrafter(nn.Module):
                     param.zero_()
         self.layers.append(layer)
         self.args = drafter_args(self.target.args, len(self.layers))
-
-    def new_cache(self, max_len: int, on_device: bool = False) -> KVCache:
-        """A cache for this drafter; on_device: a DeviceKVCache (kv_cache.py) for graph steps."""
-        a = self.args
-        if on_device:
-            return DeviceKVCache(len(self.layers), a.n_kv_heads, a.head_dim, max_len,
-                                 self.fc.weight.dtype, self.fc.weight.device)
-        return self.runtime.new_cache(len(self.layers), a, max_len)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -461,12 +460,9 @@ class TorchLayers:
     def forward(self, tokens, features, positions, cache, tree_mask=None):
         return self.drafter.torch_forward(tokens, features, positions, cache, tree_mask)
 
-    def new_cache(self, layers: int, a: ModelArgs, max_len: int) -> KVCache:
+    def new_cache(self, a: ModelArgs, max_len: int) -> KVCache:
         w = self.drafter.fc.weight
-        return KVCache(layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
-
-    def native_drafter(self, draft_vocab):
-        return None
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
 
     def tree_drafting(self, proposer):
         """How `proposer` reads and grows trees with this drafter (its `drafting`)."""
@@ -489,8 +485,8 @@ class PackedLayers(TorchLayers):
         cache.advance(tokens.shape[0])
         return x
 
-    def new_cache(self, layers: int, a: ModelArgs, max_len: int) -> KVCache:
-        return KVCache(layers, a.n_kv_heads, a.head_dim, max_len, torch.float32, self.drafter.fc.weight.device,
+    def new_cache(self, a: ModelArgs, max_len: int) -> KVCache:
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, torch.float32, self.drafter.fc.weight.device,
                        layout="native")
 
     def native_drafter(self, draft_vocab):

@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .eagle import (DrafterMismatch, PackedLayers, TorchLayers, attention_mask, packed_vocab_ids, packed_stack,
-                    packer, randomized, unpack_q8_0)
-from ...runtime.kv_cache import DeviceKVCache, KVCache
+from .eagle import (DrafterMismatch, PackedLayers, RuntimeDrafter, TorchLayers, attention_mask, packed_vocab_ids,
+                    packed_stack, packer, randomized, unpack_q8_0)
+from ...runtime.kv_cache import KVCache
 from ...runtime.linear import Linear
 from ...runtime.model import Block, ModelArgs, RMSNorm, rope_tables
 
@@ -150,10 +150,9 @@ def is_eagle3(directory: str | Path) -> bool:
         any("Eagle3" in a for a in config.get("architectures") or [])
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(RuntimeDrafter):
     """An EAGLE-3 drafter for `target`; the interface of drafter.EagleDrafter that
-    drafter.EagleProposer drafts with (forward, input_rows, head_input, new_cache, taps,
-    native_drafter)."""
+    drafter.EagleProposer drafts with (forward, input_rows, head_input, new_cache, taps)."""
 
     def __init__(self, target, config: Eagle3Config):
         super().__init__()
@@ -249,11 +248,6 @@ class Eagle3Drafter(nn.Module):
             out[:, j * dim:(j + 1) * dim] += weight[:, k * dim:(k + 1) * dim]
         return out
 
-    def native_drafter(self, draft_vocab):
-        """Its reads and trees as native calls (native.NativeDrafter) where it drafts on the
-        native engine and `head` is packed; None elsewhere."""
-        return self.runtime.native_drafter(draft_vocab)
-
     # ------------------------------------------------------------ running
 
     def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -285,11 +279,6 @@ class Eagle3Drafter(nn.Module):
         """What the draft head scores: the drafter's output through its final norm."""
         return states if self.config.norm_output else self.norm(states)
 
-    def forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
-        """The layers' outputs (n, dim) for (token, feature) pairs: what the head scores (after
-        `head_input`) and what a draft step below reads as its feature."""
-        return self.runtime.forward(tokens, features, positions, cache, tree_mask)
-
     def torch_forward(self, tokens, features, positions, cache: KVCache, tree_mask=None):
         """`forward` on torch's modules."""
         dtype = self.fc.weight.dtype
@@ -305,12 +294,6 @@ class Eagle3Drafter(nn.Module):
             x = layer(x, cos, sin, cache, mask, 0)
         cache.advance(tokens.shape[0])
         return self.norm(x) if self.config.norm_output else x
-
-    def new_cache(self, max_len: int, on_device: bool = False) -> KVCache:
-        a, w = self.args, self.fc.weight
-        if on_device:
-            return DeviceKVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, w.dtype, w.device)
-        return self.runtime.new_cache(a.n_layers, a, max_len)
 
     def narrowed(self, spec: str, files: Path | None = None,
                  token_map: str | Path | None = None) -> "Eagle3Drafter":

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import (EAGLE2, DraftConfig, Family, bundled_drafter_dir, default_eagle_path, default_vocab,
-                      head_files, register)
+from ..config import EAGLE2, DraftConfig, Family, default_eagle_path, default_vocab, head_files, register
 
 
 @dataclass
@@ -34,8 +33,6 @@ def eagle_parts(model, config: DraftConfig, model_name: str, log=None) -> EagleP
 
     dtype = draft_dtype(model, config.dtype)
     path = config.path if config.path not in (None, EAGLE2) else default_eagle_path(config, model_name)
-    if config.path == EAGLE2:
-        path = bundled_drafter_dir(model_name)
     if path is None:
         raise ValueError(f"no drafter is bundled for {model_name!r}: pass --draft-path DIR "
                          "(an EAGLE checkpoint directory)")
@@ -90,9 +87,11 @@ def tree_proposer(parts: EagleParts, config: DraftConfig, depth: int, total_toke
     return proposer
 
 
-def build_eagle(model, config: DraftConfig, model_name: str, tokenizer=None, log=None):
-    """EAGLE-2's tree (eagle, eagle3) over the drafter `config` names, the tree fixed."""
-    return tree_proposer(eagle_parts(model, config, model_name, log), config, config.depth, config.total_tokens)
+def build_eagle(model, config: DraftConfig, model_name: str, tokenizer=None, log=None, kind=None):
+    """EAGLE-2's tree (eagle, eagle3; a `kind` of EagleProposer: tree_proposer) over the drafter
+    `config` names, the tree fixed."""
+    return tree_proposer(eagle_parts(model, config, model_name, log), config, config.depth, config.total_tokens,
+                         kind=kind)
 
 
 def eagle_names(with_lookup: bool):

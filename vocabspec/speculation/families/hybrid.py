@@ -28,12 +28,13 @@ path alone, a second captured shape.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
 from ..config import Family, register
 from .eagle import EagleProposer
-from .eagle_family import EAGLE_OPTIONS, eagle_names, eagle_parts, tree_proposer
+from .eagle_family import EAGLE_OPTIONS, build_eagle, eagle_names
 from ..proposer import GraphDrafting
 from .pld import PromptLookupProposer
 from ..tree import Tree, chain, graft
@@ -166,11 +167,6 @@ class HybridGraphDrafting(GraphDrafting):
             p.copy_steps += 1
 
 
-def build_eagle_lookup(model, config, model_name: str, tokenizer=None, log=None):
-    """EAGLE-2's tree with prompt lookup's path grafted on, the tree fixed."""
-    return tree_proposer(eagle_parts(model, config, model_name, log), config, config.depth, config.total_tokens,
-                         kind=EagleLookupProposer)
-
-
-register(Family("eagle+pld", "EAGLE-2's tree plus prompt lookup's path", EAGLE_OPTIONS, build_eagle_lookup,
-                eagle_names(True), "eagle+pld, eagle2+pld, eagle2+VOCAB+pld", draft_vocab=True))
+register(Family("eagle+pld", "EAGLE-2's tree plus prompt lookup's path", EAGLE_OPTIONS,
+                partial(build_eagle, kind=EagleLookupProposer), eagle_names(True),
+                "eagle+pld, eagle2+pld, eagle2+VOCAB+pld", draft_vocab=True))
