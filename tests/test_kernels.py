@@ -347,7 +347,7 @@ def test_the_graph_tuner_times_the_graph_steps_on_the_kernels(monkeypatch):
 
     def torch_attention(*_):
         raise AssertionError("a step on torch's attention")
-    monkeypatch.setattr(model_module.DevicePlan, "__init__", torch_attention)
+    monkeypatch.setattr(model_module.AttentionPlan, "__init__", torch_attention)
     timed, step_seconds = [], autotune.step_seconds
 
     def counted(decoder, draft, repeats=None):

@@ -310,22 +310,36 @@ class LayerPlan:
 
 
 class AttentionPlan(LayerPlan):
-    """Masks and RoPE rows for one forward, shared by all layers of the same kind."""
+    """Masks and RoPE rows for one forward, shared by all layers of the same kind.
 
-    def __init__(self, args: ModelArgs, cache: KVCache, positions: torch.Tensor,
+    Over a DeviceKVCache every layer reads the whole cache under a mask built on the device
+    (committed slots, then the tree's), sliding layers also by distance (a committed slot's
+    index is its position; a fresh slot's index is at least its position, so a tree shorter
+    than the window is never cut; causal rows sit at their positions)."""
+
+    def __init__(self, args: ModelArgs, cache: KVCache | DeviceKVCache, positions: torch.Tensor,
                  tree_mask: torch.Tensor | None, rope: dict):
-        n = positions.shape[0]
-        past = cache.length
-        pending = cache.pending
-        device = positions.device
+        n, pending, device = positions.shape[0], cache.pending, positions.device
+        sliding = any(args.is_sliding(i) for i in range(args.n_layers))
         self.rows = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in rope.items()}
+        if isinstance(cache, DeviceKVCache):
+            mask = cache.begin(n, tree_mask)
+            self.masks = {"global": (mask, 0)}
+            if sliding:
+                if tree_mask is not None and pending + n > args.sliding_window:
+                    raise ValueError(f"a tree of {pending + n} fresh slots does "
+                                     f"not fit the sliding window of {args.sliding_window}")
+                near = (positions[:, None] - cache.slot_ids[None, :]) < args.sliding_window
+                self.masks["local"] = (mask & near, 0)
+            return
+        past = cache.length
         if tree_mask is None and (n > 1 or pending):
             tree_mask = torch.cat([torch.ones(n, pending, dtype=torch.bool, device=device),
                                    torch.ones(n, n, dtype=torch.bool, device=device).tril()], dim=1)
         global_mask = None if tree_mask is None else \
             torch.cat([torch.ones(n, past, dtype=torch.bool, device=device), tree_mask], dim=1)
         self.masks = {"global": (global_mask, 0)}
-        if any(args.is_sliding(i) for i in range(args.n_layers)):
+        if sliding:
             if pending:
                 raise NotImplementedError("sliding-window layers need an empty pending block")
             window = args.sliding_window
@@ -341,25 +355,6 @@ class AttentionPlan(LayerPlan):
                 base = global_mask[:, key_start:] if global_mask is not None else True
                 local_mask = in_window & base
             self.masks["local"] = (local_mask, key_start)
-
-
-class DevicePlan(LayerPlan):
-    """AttentionPlan over a DeviceKVCache: every layer reads the whole cache under a mask built
-    on the device (committed slots, then the tree's), sliding layers also by distance (a
-    committed slot's index is its position; a fresh slot's index is at least its position, so a
-    tree shorter than the window is never cut; causal rows sit at their positions)."""
-
-    def __init__(self, args: ModelArgs, cache: DeviceKVCache, positions: torch.Tensor,
-                 tree_mask: torch.Tensor | None, rope: dict):
-        self.rows = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in rope.items()}
-        mask = cache.begin(positions.shape[0], tree_mask)
-        self.masks = {"global": (mask, 0)}
-        if any(args.is_sliding(i) for i in range(args.n_layers)):
-            if tree_mask is not None and cache.pending + positions.shape[0] > args.sliding_window:
-                raise ValueError(f"a tree of {cache.pending + positions.shape[0]} fresh slots does "
-                                 f"not fit the sliding window of {args.sliding_window}")
-            near = (positions[:, None] - cache.slot_ids[None, :]) < args.sliding_window
-            self.masks["local"] = (mask & near, 0)
 
 
 def check_sequence(args: ModelArgs, n: int, cache, taps: tuple[int, ...] = ()) -> None:
@@ -470,8 +465,7 @@ class Transformer(nn.Module):
             if cache.pending:
                 raise ValueError("a tree given by its parents sees every cached token: commit first")
             tree_mask = ancestor_mask(parents)
-        plan = (DevicePlan if isinstance(cache, DeviceKVCache) else AttentionPlan)(
-            self.args, cache, positions, tree_mask, self.rope)
+        plan = AttentionPlan(self.args, cache, positions, tree_mask, self.rope)
         x, tapped = self.run_layers(self.embed_tokens(tokens), plan, cache, taps)
         cache.advance(n)
         return (x, self.logits(x, logits_rows, all_logits), *([tapped] if taps else []))
