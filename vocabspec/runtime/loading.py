@@ -71,52 +71,51 @@ def resolve_model_path(model: str) -> Path:
 
 # ---------------------------------------------------------------- GGUF
 
-def _gguf_field(reader, key, default=None):
-    return reader.field(key, default)
-
-
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")   # Mistral's GGUFs say llama
 
 
 def _args_from_gguf(reader, path: Path) -> ModelArgs:
-    arch = _gguf_field(reader, "general.architecture")
+    arch = reader.field("general.architecture")
     if arch not in GGUF_ARCHS:
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported ({', '.join(GGUF_ARCHS)})")
 
+    def meta(key, default=None):
+        return reader.field(f"{arch}.{key}", default)
+
     def need(key):
-        value = _gguf_field(reader, f"{arch}.{key}")
+        value = meta(key)
         if value is None:
             raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
     dim = int(need("embedding_length"))
     n_heads = int(need("attention.head_count"))
-    head_dim = int(_gguf_field(reader, f"{arch}.attention.key_length", dim // n_heads))
+    head_dim = int(meta("attention.key_length", dim // n_heads))
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
-    vocab = int(np.prod([int(d) for d in embed.shape[1:]]))     # the embedding's rows
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    vocab = rows_of(embed)
+    eos = reader.field("tokenizer.ggml.eos_token_id")
     context = int(need("context_length"))
     args = ModelArgs(
         arch=arch, vocab_size=vocab, dim=dim, n_layers=int(need("block_count")),
-        n_heads=n_heads, n_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        n_heads=n_heads, n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
         head_dim=head_dim, intermediate_size=int(need("feed_forward_length")),
         norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_base=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_base=float(meta("rope.freq_base", 10000.0)),
         max_seq_len=context, context_length=context,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=reader.field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(eos)] if eos is not None else [],
     )
     features = args.features
-    window = _gguf_field(reader, f"{arch}.attention.sliding_window", 512 if features.window_pattern else None)
+    window = meta("attention.sliding_window", 512 if features.window_pattern else None)
     if window is not None:              # Gemma 3's pattern of layers, or every layer (Mistral)
         args.sliding_window = int(window)
     if features.query_scalar:
         args.query_pre_attn_scalar = float(head_dim)
     if features.local_rope:
         args.rope_local_base = 10000.0
-    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type")
+    scaling = meta("rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise ModelLoadError(f"{path}: RoPE scaling {scaling!r} is not supported (linear, or "

@@ -395,9 +395,7 @@ def forward_rows_on_torch(model, tokens: torch.Tensor, positions: torch.Tensor, 
         x = block.after_attention(x, attn.wo(out.transpose(1, 2).reshape(b, n, attn.q_size)))
         if i in taps:
             tapped.append(x)
-    if taps:
-        return x, torch.cat(tapped, dim=-1)
-    return x
+    return (x, torch.cat(tapped, dim=-1)) if taps else x
 
 
 def pad_rows(sequences: list[list[int]], device, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
