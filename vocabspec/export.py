@@ -26,6 +26,7 @@ import torch
 
 def export(model: str, out: str | Path, draft_path: str | None = None, draft_vocab: str | None = None,
            token_map: str | None = None, layout: str | None = None, q8_0: bool = False) -> list[Path]:
+    from safetensors.torch import load_file
     from .speculation.config import bundled_drafter_dir
     from .speculation.vocab.draft_vocab import parse_draft_vocab
     from .speculation.families.eagle import EagleDrafter
@@ -57,7 +58,7 @@ def export(model: str, out: str | Path, draft_path: str | None = None, draft_voc
                          "reading the last-layer feature alone")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = _tensors(source)
+    tensors = load_file(str(source / "model.safetensors"))
     # A drafter shipped as Q8_0 groups exports as bfloat16 (what EAGLE's readers take).
     weights_dtype = torch.bfloat16 if any(k.endswith("_scale") for k in tensors) else \
         next(iter(tensors.values())).dtype
@@ -80,9 +81,3 @@ def export(model: str, out: str | Path, draft_path: str | None = None, draft_voc
         save_eagle3(ids, target.args.vocab_size, out / "d2t_t2d.safetensors")
         written += [out / "token_map.pt", out / "d2t_t2d.safetensors"]
     return written
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(directory / "model.safetensors"))
