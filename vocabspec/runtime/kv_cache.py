@@ -102,16 +102,18 @@ class KVCache:
                 cache_keep(self.keys, self.values, self.length, keep)
             self.length += len(keep)
         else:
-            keep = torch.as_tensor(keep, dtype=torch.long, device=self.keys.device)
+            keep = torch.as_tensor(keep, dtype=torch.long, device=self.storage(0)[0].device)
             n_keep = int(keep.numel())
             same = skip_kept_prefix and torch.equal(keep, torch.arange(n_keep, device=keep.device))
             if n_keep and not same:
-                src = keep + self.length
-                dst = slice(self.length, self.length + n_keep)
-                self.keys[:, :, :, dst] = self.keys[:, :, :, src]
-                self.values[:, :, :, dst] = self.values[:, :, :, src]
+                self.move(keep + self.length, slice(self.length, self.length + n_keep))
             self.length += n_keep
         self.pending = 0
+
+    def move(self, source: torch.Tensor, target: slice) -> None:
+        """Copy every layer's slots `source` to `target` (the torch layout)."""
+        self.keys[:, :, :, target] = self.keys[:, :, :, source]
+        self.values[:, :, :, target] = self.values[:, :, :, source]
 
     def discard(self) -> None:
         """Forget all pending slots."""

@@ -174,19 +174,9 @@ class SlotSequence(KVCache):
         """The slot's keys and values of `layer` (kv heads, window, head dim), in place."""
         return self.table.keys[layer][self.slot], self.table.values[layer][self.slot]
 
-    def commit(self, keep: torch.Tensor | list[int] | None = None, skip_kept_prefix: bool = True) -> None:
-        if keep is None:
-            self.length += self.pending
-        else:
-            keep = torch.as_tensor(keep, dtype=torch.long, device=self.table.keys[0].device)
-            n_keep = int(keep.numel())
-            same = skip_kept_prefix and torch.equal(keep, torch.arange(n_keep, device=keep.device))
-            if n_keep and not same:
-                source, target = keep + self.length, slice(self.length, self.length + n_keep)
-                for table in (*self.table.keys, *self.table.values):
-                    table[self.slot, :, target] = table[self.slot, :, source]
-            self.length += n_keep
-        self.pending = 0
+    def move(self, source: torch.Tensor, target: slice) -> None:
+        for table in (*self.table.keys, *self.table.values):
+            table[self.slot, :, target] = table[self.slot, :, source]
 
 
 class SlotTree:
