@@ -53,6 +53,15 @@ class _Timed:
         self._tick("topk", since)
         return top.indices, log_probs
 
+    def _head_top(self, states: torch.Tensor, k: int):
+        """Each row's top k rows of the head `self.weight` and their log-probabilities."""
+        start = time.perf_counter()
+        if not isinstance(self.weight, torch.Tensor):      # native: one fused call
+            indices, log_probs = self.weight.topk(states, k)
+            self._tick("head", start)
+            return indices, log_probs
+        return self._top(head_logits(states, self.weight), k, self._tick("head", start))
+
     def see_tokens(self, tokens: list[int], reset: bool = False) -> None:
         """The text's tokens as they become known: the prompt (reset=True), then each step's
         committed tokens. Only a strategy that uses them (SpecVocab) keeps them."""
@@ -109,13 +118,7 @@ class FullVocab(_Timed):
         """Each row's top k tokens and log-probabilities; `tokens`: the token each row of
         states has just read, `level`: the rows' tree level, 0 for the root (only SpecVocab
         uses them)."""
-        start = time.perf_counter()
-        if not isinstance(self.weight, torch.Tensor):      # native: one fused call
-            ids, log_probs = self.weight.topk(states, k)
-            self._tick("head", start)
-            return ids, log_probs
-        logits = head_logits(states, self.weight)
-        return self._top(logits, k, self._tick("head", start))
+        return self._head_top(states, k)
 
 
 class StaticSubset(_Timed):
@@ -153,13 +156,7 @@ class StaticSubset(_Timed):
 
     def top_k(self, states: torch.Tensor, k: int, tokens: list[int] | None = None,
               level: int | None = None):
-        start = time.perf_counter()
-        if not isinstance(self.weight, torch.Tensor):      # native: one fused call
-            indices, log_probs = self.weight.topk(states, k)
-            self._tick("head", start)
-            return self.draft_to_target[indices], log_probs
-        logits = head_logits(states, self.weight)
-        indices, log_probs = self._top(logits, k, self._tick("head", start))
+        indices, log_probs = self._head_top(states, k)
         return self.draft_to_target[indices], log_probs
 
 
