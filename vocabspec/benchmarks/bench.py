@@ -230,9 +230,8 @@ def _answer(cfg: BenchConfig, run: MethodRun, q: dict, tokenizer, config, bar) -
         stats["seconds"] += result.seconds
         stats["steps"] += len(lengths)
         stats["accepted"] += sum(lengths)
-        stats["draft_seconds"] += sum(s.draft_seconds for s in result.steps)
-        stats["verify_seconds"] += sum(s.verify_seconds for s in result.steps)
-        stats["forward_seconds"] += sum(s.forward_seconds for s in result.steps)
+        for key in ("draft_seconds", "verify_seconds", "forward_seconds"):
+            stats[key] += sum(getattr(s, key) for s in result.steps)
         stats["prefill_seconds"] += result.prefill_seconds
         copy.append((copy_fraction(ids, result.tokens), result.new_tokens))
         bar.update(1)
