@@ -552,8 +552,7 @@ class Stream:
 
     @property
     def result(self) -> GenerationResult | None:
-        generation = self.request.generation
-        return self.request.result or (generation.result if generation is not None else None)
+        return self.request.result or (self.generation.result if self.generation is not None else None)
 
 
 class Engine(BatchEngine):
