@@ -144,10 +144,7 @@ def pack_blocks(type_name: str, raw, rows: int, cols: int, order: np.ndarray | N
     """A GGUF tensor's rows (raw: a (rows, row bytes) uint8 array, a memory map's view read in
     place) packed in C, straight from its blocks; `order`: the file rows to take, in order
     (Llama's q and k rows un-interleaved); `out`: where to write (a view of a cache file)."""
-    if type_name not in TYPES:
-        raise UnsupportedType(f"GGUF type {type_name} is not one the native engine computes with "
-                              f"({', '.join(TYPES)})")
-    size = packed_bytes(type_name, rows, cols)
+    size = packed_bytes(type_name, rows, cols)       # UnsupportedType for a type it cannot pack
     row_bytes = gguf_row_bytes(type_name, cols)
     raw = np.asarray(raw)
     if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != row_bytes or not raw.flags.c_contiguous:
