@@ -621,7 +621,9 @@ def train_drafter(cfg: TrainConfig, target: Backend, split: dict | None = None, 
         groups.append({"params": list(ranker), "lr_scale": cfg.ranker.lr / cfg.optim.lr, "weight_decay": 0.0})
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(len(train_set) / cfg.optim.accumulate)
-    total = min(steps_per_epoch * cfg.optim.epochs, cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs)
+    total = steps_per_epoch * cfg.optim.epochs
+    if cfg.optim.max_steps:
+        total = min(total, cfg.optim.max_steps)
     checkpoint = out / "checkpoint.pt"
     step, history, seconds_before = _resumed(resumable(checkpoint, cfg, log), drafter, ranker, optimizer,
                                              total, log)
