@@ -32,7 +32,7 @@ def live_model(prior_speedup: float, fixed_costs: bool = False):
                         most_depth=4, most=8)
     sizing.keep_sizes = True
     if fixed_costs:
-        sizing.costs.step = sizing.costs.read_took = sizing.costs.level_took = lambda *_: None
+        sizing.costs.step = sizing.costs.read_took = sizing.costs.grew = lambda *_: None
         # A step's own growth and read are taken at those costs too, not at what the wall clock
         # gave them (a host busy with other tests stretches them many times over).
         choose = sizing.choose
@@ -354,14 +354,44 @@ def test_a_tree_stops_growing_where_its_frontier_cannot_pay():
     calibration = Calibration(max_depth=2)
     stop = TreeStop(calibration.table(), 0.55)
     log = torch.log(torch.tensor([0.33, 0.12, 0.97, 0.62, 0.42], dtype=torch.float64)).tolist()
-    assert not stop.pays([1, 1], log[:2])            # the raw prior's bins: 0.35 + 0.15 < 0.55
-    assert stop.pays([1, 1, 1], log[:3])             # and a sure node's 0.95
-    assert stop.pays([7], [log[3]]) and not stop.pays([7], [log[4]])   # depth 7: depth 2's bins
+    assert stop.width([1, 1], log[:2]) == 0          # the raw prior's bins: 0.35 + 0.15 < 0.55
+    assert stop.width([1, 1, 1], log[:3]) == 3       # and a sure node's 0.95
+    assert stop.width([7], [log[3]]) == 1 and stop.width([7], [log[4]]) == 0   # depth 7: depth 2's bins
     # A tree as large as it keeps: each node adds only what its chance exceeds the node it would
     # push out (0.65 at depth 1): 0.95 - 0.65 = 0.3 < 0.55, and a less likely node adds nothing.
-    assert not stop.pays([1, 1, 1], log[:3], displaced=(1, log[3]))
-    assert stop.pays([1, 1], [log[2], log[2]], displaced=(1, log[3]))     # 2 x 0.3
-    assert not stop.pays([1, 1, 1, 1], [log[2], log[4], log[4], log[4]], displaced=(1, log[3]))
+    assert stop.width([1, 1, 1], log[:3], displaced=(1, log[3])) == 0
+    assert stop.width([1, 1], [log[2], log[2]], displaced=(1, log[3])) == 2     # 2 x 0.3
+    assert stop.width([1, 1, 1, 1], [log[2], log[4], log[4], log[4]], displaced=(1, log[3])) == 0
+
+
+def test_a_level_expands_only_the_frontier_nodes_whose_rows_pay():
+    """With a price on each node's row, a level expands the frontier's first w nodes, w the
+    best of what they add less that price each, and none where even that misses min_gain."""
+    from vocabspec.speculation.live_tree import TreeStop
+
+    table = Calibration(max_depth=2).table()
+    frontier = torch.log(torch.tensor([0.97, 0.62, 0.33, 0.12], dtype=torch.float64)).tolist()  # 0.95 .. 0.15
+    depths = [1] * 4
+    assert TreeStop(table, 0.2, node_cost=0.3).width(depths, frontier) == 3     # 0.65 + 0.35 + 0.05
+    assert TreeStop(table, 0.2, node_cost=0.4).width(depths, frontier) == 2     # 0.55 + 0.25, then -0.05
+    assert TreeStop(table, 0.9, node_cost=0.4).width(depths, frontier) == 0     # 0.8 < 0.9
+    assert TreeStop(table, 0.2, node_cost=1.0).width(depths, frontier) == 0     # no node pays its row
+
+
+def test_drafting_is_priced_by_its_levels_and_rows():
+    """LiveCosts.drafting: the line c + a levels + b rows through the trees grown; trees whose
+    rows only follow their levels, c + a levels and nothing a row."""
+    from vocabspec.speculation.live_tree import LiveCosts
+
+    costs = LiveCosts(CURVE, draft_level=0.001)
+    assert costs.drafting() == pytest.approx((0.001, 0.0))
+    for levels, rows in [(1, 1), (2, 4), (3, 5), (2, 2), (4, 10), (3, 9)] * 100:
+        costs.grew(levels, rows, 0.0001 + 0.0002 * levels + 0.00005 * rows)
+    assert costs.drafting() == pytest.approx((0.0002, 0.00005), rel=1e-3)
+    alike = LiveCosts(CURVE, draft_level=0.001)      # one row a level: t = c + a L
+    for levels in [1, 2, 3] * 200:
+        alike.grew(levels, levels, 0.0002 + 0.0003 * levels)
+    assert alike.drafting() == pytest.approx((0.0003, 0.0), rel=1e-3)
 
 
 def test_a_full_trees_cut_node_is_the_one_its_build_would_drop_first():
@@ -464,7 +494,7 @@ def test_a_stretch_that_barely_pays_times_a_plain_step_now_and_then():
 
     def steps(advantage, count):
         sizing = LiveSizing(CURVE, 0.0003, prior_speedup=advantage, total=3, most_depth=2, most=4)
-        sizing.costs.read_took = sizing.costs.level_took = lambda *_: None
+        sizing.costs.read_took = sizing.costs.grew = lambda *_: None
         plain = []
         for i in range(count):
             sizing.advantage = advantage
@@ -494,7 +524,7 @@ def test_a_prompt_the_drafter_cannot_guess_stops_drafting_soon_after_one_it_gues
 
     def steps_until_plain(steady_only):
         sizing = LiveSizing(CURVE, 0.0003, prior_speedup=1.5, total=3, most_depth=2, most=4)
-        sizing.costs.step = sizing.costs.read_took = sizing.costs.level_took = lambda *_: None
+        sizing.costs.step = sizing.costs.read_took = sizing.costs.grew = lambda *_: None
         sizing.stretch = True
         sizing.start()
         for step in range(400):

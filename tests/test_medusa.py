@@ -116,7 +116,7 @@ def test_medusa_sized_live_gives_plain_decodings_tokens(real_model):
     curve = {n: 0.004 + 0.0004 * n for n in range(1, 34)}      # fixed costs: the rule, not the host
     proposer.sizing = sizing = LiveSizing(curve, draft_level=0.0003, prior_speedup=1.2, total=3,
                                           most_depth=4, most=16)
-    sizing.costs.step = sizing.costs.read_took = sizing.costs.level_took = lambda *_: None
+    sizing.costs.step = sizing.costs.read_took = sizing.costs.grew = lambda *_: None
     sizing.keep_sizes = True
     engine = Engine(real_model.model, real_model.tokenizer, proposer)
     accepted = 0

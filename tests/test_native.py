@@ -303,7 +303,11 @@ def _stops():
     # Chances halving with depth, alike in every confidence bin: the sums are exact in C and in
     # Python, so where a tree stops depends on its frontiers' sizes, never on a rounding.
     table = torch.tensor([[0.5 ** d] * 10 for d in range(5)], dtype=torch.float64)
-    return [None, TreeStop(table, 0.6), TreeStop(table, 1.2)]
+    # And a node above the lowest confidence bin (of a random drafter's, a few) eight times as
+    # likely, with a price on each node's row: a level then expands only its frontier's first
+    # nodes, those whose chance pays, alike too.
+    rising = torch.tensor([[1 / 16] + [1 / 2] * 9] * 5, dtype=torch.float64)
+    return [None, TreeStop(table, 0.6), TreeStop(table, 1.2), TreeStop(rising, 0.25, node_cost=0.125)]
 
 
 STOPS = _stops()
@@ -347,7 +351,7 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
         keep = torch.randperm(150, generator=g)[:60]     # a subset of its rows, as fr:N and trim:N are
         setups += [(drafter, StaticSubset.of_rows(drafter.runtime.pack_rows(drafter.lm_head.weight[keep]),
                                                   drafter.draft_ids[keep], "fr:60"))]
-    stopped_early = 0
+    stopped_early = narrowed = 0
     for drafter, head in setups:
         width = (len(drafter.taps) + 1) * a.dim      # the target's rows the drafter reads
         proposer = EagleProposer(drafter, draft_vocab=head, depth=4, top_k=5, total_tokens=12)
@@ -361,12 +365,15 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
                 proposer.depth, proposer.top_k, proposer.total_tokens = depth, top_k, total
                 shape = (proposer.depth, proposer.total_tokens)
                 fast = proposer.drafting.grow(7, *shape, stop)
-                fast_levels = stop.levels if stop is not None else None
+                fast_drafted = (stop.levels, stop.rows) if stop is not None else None
                 reference = reference_backend.grow(7, *shape, stop)
                 if stop is not None:
-                    # the levels drafted, which price a level: alike, and never below the kept depth
-                    assert fast_levels == stop.levels and fast.max_depth <= stop.levels <= depth + 1
-                    stopped_early += fast.max_depth < proposer.drafting.grow(7, *shape).max_depth
+                    # the levels and rows drafted, which price drafting: alike, and never below
+                    # the kept depth
+                    assert fast_drafted == (stop.levels, stop.rows) and fast.max_depth <= stop.levels <= depth + 1
+                    whole = proposer.drafting.grow(7, *shape)
+                    stopped_early += fast.max_depth < whole.max_depth
+                    narrowed += stop.node_cost > 0 and fast.max_depth == whole.max_depth > 1 and fast.size < whole.size
                 assert torch.equal(fast.tokens, reference.tokens), (head.name, step, depth, top_k, total, stop)
                 assert torch.equal(fast.parents, reference.parents)
                 assert fast.children == reference.children and torch.equal(fast.ranks, reference.ranks)
@@ -375,6 +382,7 @@ def test_native_draft_trees_are_the_reference_trees(arch, family):
             accepted = torch.randint(0, 200, (1 + step,), generator=g).tolist()
             proposer.observe(accepted, torch.randn(1 + step, width, generator=g), step)
     assert stopped_early        # the live rule's stop cut some trees short, alike in C and Python
+    assert narrowed             # and kept some levels narrower than the frontier
 
 
 def test_one_call_greedy_verification_accepts_what_the_torch_verifier_accepts():

@@ -92,7 +92,8 @@ int64_t vs_abi(int64_t *out, int64_t cap) {
         sizeof(vs_drafter), offsetof(vs_drafter, head), offsetof(vs_drafter, embed), offsetof(vs_drafter, head_ids),
         offsetof(vs_drafter, out_norm), offsetof(vs_drafter, eps), offsetof(vs_drafter, fused),
         sizeof(vs_tree_stop), offsetof(vs_tree_stop, depths), offsetof(vs_tree_stop, bins),
-        offsetof(vs_tree_stop, min_gain), offsetof(vs_tree_stop, levels),
+        offsetof(vs_tree_stop, min_gain), offsetof(vs_tree_stop, node_cost), offsetof(vs_tree_stop, levels),
+        offsetof(vs_tree_stop, rows),
         sizeof(vs_tree_request), offsetof(vs_tree_request, length), offsetof(vs_tree_request, root),
         offsetof(vs_tree_request, stop), offsetof(vs_tree_request, node_values), offsetof(vs_tree_request, att),
         sizeof(vs_rows), offsetof(vs_rows, ntaps), offsetof(vs_rows, pos), offsetof(vs_rows, taps),
@@ -1103,26 +1104,29 @@ static int32_t eagle_tree_cut_node(eagle_tree *t, int64_t total_tokens) {
     return t->order[total_tokens - 1];
 }
 
-/* Whether the next level may pay (vs_tree_stop; NULL: every level is drafted). A child's chance
-   is never above its parent's, and siblings' chances sum to at most their parent's (one of
-   them at most is on the path): the m frontier nodes' summed chances bound what their children
-   can add. Where the tree already holds total_tokens nodes, a child kept pushes out the node
-   ranked last, so each frontier node can add at most its chance less that node's. Summed in
-   frontier order, as live_tree.TreeStop sums them. */
-static int eagle_tree_level_pays(const vs_tree_stop *stop, eagle_tree *t, int64_t m, int64_t total_tokens) {
-    if (stop == NULL) return 1;
+/* How many of the m frontier nodes the next level expands (vs_tree_stop; NULL: all of them).
+   A child's chance is never above its parent's, and siblings' chances sum to at most their
+   parent's (one of them at most is on the path): a frontier node's chance bounds what its
+   children can add. Where the tree already holds total_tokens nodes, a child kept pushes out
+   the node ranked last, so each can add at most its chance less that node's. The first w nodes
+   (frontier order), w the best sum of what they add less node_cost each, where that sum
+   reaches min_gain; else 0. Summed in frontier order, as live_tree.TreeStop sums them. */
+static int64_t eagle_tree_level_width(const vs_tree_stop *stop, eagle_tree *t, int64_t m, int64_t total_tokens) {
+    if (stop == NULL) return m;
     double displaced = 0.0;
     if (t->count - 1 >= total_tokens) {
         const int32_t cut = eagle_tree_cut_node(t, total_tokens);
         displaced = stop_chance(stop, t->dep[cut], t->val[cut]);
     }
-    double gain = 0.0;
+    double gain = 0.0, best = 0.0;
+    int64_t width = 0;
     for (int64_t r = 0; r < m; r++) {
         const int32_t node = t->front[r];
         const double more = stop_chance(stop, t->dep[node], t->val[node]) - displaced;
-        if (more > 0.0) gain += more;
+        gain += (more > 0.0 ? more : 0.0) - stop->node_cost;
+        if (gain > best) best = gain, width = r + 1;
     }
-    return gain >= stop->min_gain;
+    return width > 0 && best >= stop->min_gain ? width : 0;
 }
 
 /* Grow the tree of request `r` (native.h's vs_tree_request) from its `state` over the drafter's
@@ -1152,13 +1156,15 @@ int64_t vs_eagle_tree(const vs_tree_request *r) {
     t.n_front = 1;
     t.front[0] = 0;
     t.row_of[0] = 0;
+    if (stop) stop->rows = 0;
     for (int64_t level = 0; level <= depth; level++) {
         const int32_t newest_lo = (int32_t)t.count;
         eagle_tree_children(d, s, &t, top_k, head_logits);
-        if (stop) stop->levels = level + 1;
+        if (stop) stop->levels = level + 1, stop->rows += t.n_front;
         if (level == depth) break;
-        const int64_t m = eagle_tree_next_front(&t, top_k, total_tokens, newest_lo);
-        if (m == 0 || !eagle_tree_level_pays(stop, &t, m, total_tokens)) break;
+        const int64_t m = eagle_tree_level_width(stop, &t, eagle_tree_next_front(&t, top_k, total_tokens, newest_lo),
+                                                 total_tokens);
+        if (m == 0) break;
         eagle_tree_expand(d, s, &t, m, r->keys, r->values, r->length, r->work, r->att);
     }
     const int64_t kept = eagle_tree_place(&t, depth, total_tokens);

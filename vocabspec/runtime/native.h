@@ -165,19 +165,21 @@ typedef struct {
 void vs_drafter_read(const vs_read_request *r);
 int64_t vs_drafter_read_scratch(const vs_drafter *d, int64_t n);
 int64_t vs_tree_capacity(int64_t top_k, int64_t depth);
-/* When EAGLE-2's tree stops growing (the live tree-size rule, live_tree.py): the next level is
-   drafted only while its frontier's summed chances to be on the accepted path, chance[depth *
-   bins + bin] with bin = min(bins - 1, (int)(exp(value) * bins)) and depth capped at depths - 1,
-   each less the chance of the node ranked total_tokens-th where the tree holds more (a child
-   kept pushes it out; a node's negative remainder counts 0), reach min_gain (expected tokens:
-   what a level's drafting and rows cost, at the rule's rate).
-   levels (written by vs_eagle_tree): the levels it drafted, the root's children counted, so the
-   rule prices a level by what was drafted, not by the depth it kept. */
+/* How far EAGLE-2's tree grows (the live tree-size rule, live_tree.py). A node's chance to be on
+   the accepted path is chance[depth * bins + bin], bin = min(bins - 1, (int)(exp(value) * bins)),
+   depth capped at depths - 1; what expanding a frontier node can add is its chance less that of
+   the node ranked total_tokens-th where the tree holds more (a child kept pushes it out; a
+   negative remainder counts 0). Each level expands the frontier's first w nodes (value order),
+   w maximising the sum of what they add less node_cost each, and only where that sum reaches
+   min_gain; none: the tree stops (expected tokens: what a node's row and drafting, and a
+   level's own drafting, cost at the rule's rate).
+   levels, rows (written by vs_eagle_tree): the levels it drafted, the root's children counted,
+   and the rows its head scored over them, so the rule prices drafting by what was drafted. */
 typedef struct {
     const double *chance;
     int64_t depths, bins;
-    double min_gain;
-    int64_t levels;
+    double min_gain, node_cost;
+    int64_t levels, rows;
 } vs_tree_stop;
 
 /* One EAGLE-2 tree (vs_eagle_tree): the drafter and its stack, its cache of `length` committed

@@ -74,7 +74,8 @@ class Stack(ctypes.Structure):
 
 class TreeStop(ctypes.Structure):
     _fields_ = [("chance", ctypes.c_void_p), ("depths", ctypes.c_int64), ("bins", ctypes.c_int64),
-                ("min_gain", ctypes.c_double), ("levels", ctypes.c_int64)]
+                ("min_gain", ctypes.c_double), ("node_cost", ctypes.c_double), ("levels", ctypes.c_int64),
+                ("rows", ctypes.c_int64)]
 
 
 class TreeRequest(ctypes.Structure):
@@ -260,7 +261,7 @@ def check_abi(lib) -> None:
         (Layer, ("wq", "w_down", "attn_norm", "hidden_norm", "cos", "sin", "window", "norm_residual")),
         (Stack, ("eps", "kv_half", "layers")),
         (Drafter, ("head", "embed", "head_ids", "out_norm", "eps", "fused")),
-        (TreeStop, ("depths", "bins", "min_gain", "levels")),
+        (TreeStop, ("depths", "bins", "min_gain", "node_cost", "levels", "rows")),
         (TreeRequest, ("length", "root", "stop", "node_values", "att")),
         (Rows, ("ntaps", "pos", "taps", "keys", "values", "embeds", "tapped")),
         (VerifyRequest, ("head", "offsets", "paths", "work", "ntrees", "head_rows", "eps")),
@@ -461,7 +462,7 @@ def _tree_stop(stop) -> TreeStop | None:
     if table.dtype != torch.float64 or not table.is_contiguous() or table.dim() != 2:
         raise ValueError("a tree stop's chances are a contiguous float64 (depths, bins) table")
     return TreeStop(chance=table.data_ptr(), depths=table.shape[0], bins=table.shape[1],
-                    min_gain=float(stop.min_gain))
+                    min_gain=float(stop.min_gain), node_cost=float(stop.node_cost))
 
 
 def tree_visibility(parents: torch.Tensor, start: int, base: int):
@@ -765,7 +766,7 @@ class NativeDrafter:
             att=self.stack.scratch.data_ptr())
         n = lib.vs_eagle_tree(ctypes.byref(request))
         if c_stop is not None:
-            stop.levels = c_stop.levels
+            stop.levels, stop.rows = c_stop.levels, c_stop.rows
         if n < 1:
             raise RuntimeError(f"the native drafter built a tree with a node whose parent it did not keep "
                                f"(top_k {top_k}, depth {depth}, total_tokens {total_tokens})")

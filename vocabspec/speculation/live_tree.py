@@ -29,12 +29,13 @@ Each step:
   error there decides it.
   At that longest wait the rule is `dormant`: the drafter reads only the last tokens before a
   probe (and of a prompt), so a drafter that does not pay here costs close to nothing.
-- While drafting: the tree grows a level only while that level may pay (`TreeStop`): its
-  frontier's summed calibrated chances, each less the chance of the node a new one would push
-  out of a tree already as large as it keeps (a bound on what the level's nodes can add),
-  reach what the level's drafting and a row's forward cost at the rate the last steps
-  expected. A sure drafter drafts deep, a lost one stops after its first level, and a level
-  that could only trade a kept node for one about as likely is not drafted.
+- While drafting: a level expands only the frontier nodes that may pay (`TreeStop`): each
+  node's calibrated chance, less the chance of the node a new one would push out of a tree
+  already as large as it keeps (a bound on what its children can add), against what its row
+  costs to draft and to verify, and the nodes together against the level's own drafting, all
+  at the rate the last steps expected. A sure drafter drafts deep, a lost one stops after its
+  first level, a level holds only the nodes whose children could pay, and a level that could
+  only trade a kept node for one about as likely is not drafted.
 - After drafting (a tree of up to `most` nodes): its nodes in value order (EAGLE-2's
   reranking: the best m nodes are a tree), each with its calibrated chance to be on the
   accepted path. The tree kept is the m that maximises expected tokens per second,
@@ -58,9 +59,9 @@ Costs: c(rows) is the tuner's measured forward curve times that row count's own 
 its steps show it costs inside decoding, against the curve's: their mean, then a slow running
 mean; one slope over every count swung with the mix of sizes), times a running scale (every
 step's time, from one verification to the next less its drafting, over the model's at its rows,
-so a busy spell raises every size alike and a quiet one lowers them again); a drafting level's
-time is a running mean too, and so is the drafter's read of n accepted tokens, a line a + b n
-fitted to the reads it made.
+so a busy spell raises every size alike and a quiet one lowers them again); drafting a tree of L
+levels over R rows costs a line c + a L + b R fitted to the trees grown, and the drafter's read
+of n accepted tokens a line a + b n fitted to the reads it made.
 
 Exactness does not depend on any of it: any tree of the drafted nodes verifies exactly, and
 greedy verification gives plain decoding's tokens whatever its size. A sampled request keeps
@@ -86,6 +87,7 @@ REQUEST_PRIOR = 2.0       # drafts a request's acceptance ratio starts from, as 
 PROBE_EVERY = 8           # plain steps between drafted probes where drafting has not paid,
 MOST_PROBE_EVERY = 64     # doubled by each probe that does not pay, up to this
 WEIGHT = 0.1              # running means' weight of the latest step
+GROWTH_WEIGHT = 0.02      # the drafting cost line's: a fit to one tree in ten swings with each
 ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly,
 STEADY_WEIGHT = 0.04      # a step of a drafting stretch slowly (one step is a noisy sample),
 REQUEST_STEPS = 4         # but a request's n-th drafted step by at least 1 / (this + n): a new
@@ -101,6 +103,7 @@ FACTOR_WEIGHT = 0.01      # a row count's own cost over the curve's, learnt slow
                           # noisy, and a busy spell should move the scale, hardly the factors
 FACTOR_PRIOR = 4.0        # what a row count's price starts from counts as this many of its steps
 MOST_FACTOR = 4.0         # a row count's cost stays within [1 / this, this] times the curve's
+LOG_MOST_FACTOR = math.log(MOST_FACTOR)
 
 
 def confidence_bin(value: float, bins: int) -> int:
@@ -196,33 +199,37 @@ class PathChances:
 
 
 class TreeStop:
-    """Where a step's EAGLE-2 tree stops growing (native.h's vs_tree_stop): the next level is
-    drafted only while what its nodes can add reaches `min_gain` expected tokens, what the
-    level's drafting and a row cost at the rule's rate. A child's chance to be on the accepted
-    path is never above its parent's, and siblings' chances sum to at most their parent's, so
-    the frontier's summed chances bound it; where the tree already holds the nodes it keeps, a
-    child kept pushes out the last of them, and each frontier node can add at most its chance
-    less that node's. The tree's builder sets `levels`: the levels it drafted, the root's
-    children counted."""
+    """How far a step's EAGLE-2 tree grows (native.h's vs_tree_stop): each level expands the
+    first w nodes of its frontier (value order), w maximising what they can add less
+    `node_cost` each, and only where that reaches `min_gain` (expected tokens: a node's row and
+    drafting, and a level's own drafting, at the rule's rate); w = 0 ends the tree. A child's
+    chance to be on the accepted path is never above its parent's, and siblings' chances sum to
+    at most their parent's, so a frontier node's chance bounds what its children can add; where
+    the tree already holds the nodes it keeps, a child kept pushes out the last of them, and each
+    can add at most its chance less that node's. Pricing each node's row keeps a level from
+    drafting nodes whose children could not pay for theirs, the rows whole levels were dropped
+    for. The tree's builder sets `levels` and `rows`: the levels it drafted, the root's children
+    counted, and the rows its head scored over them."""
 
-    def __init__(self, table: torch.Tensor, min_gain: float):
-        self.table, self.min_gain = table, min_gain
-        self.levels = 0
+    def __init__(self, table: torch.Tensor, min_gain: float, node_cost: float = 0.0):
+        self.table, self.min_gain, self.node_cost = table, min_gain, node_cost
+        self.levels = self.rows = 0
         self._rows = None                   # the table on the host, read where Python grows the tree
 
-    def pays(self, depths: list[int], values: list[float], displaced: tuple[int, float] | None = None) -> bool:
-        """Whether the frontier of these nodes (depths, values, in frontier order) is worth a
-        level, `displaced` the (depth, value) of the node a new one would push out (None: room
-        is left); summed in that order, as native.c's eagle_tree_level_pays sums it."""
+    def width(self, depths: list[int], values: list[float], displaced: tuple[int, float] | None = None) -> int:
+        """How many of the frontier's nodes (depths, values, in frontier order) the next level
+        expands, `displaced` the (depth, value) of the node a new one would push out (None: room
+        is left); summed in that order, as native.c's eagle_tree_level_width sums it."""
         if self._rows is None:
             self._rows = self.table.tolist()
         floor = self._chance(*displaced) if displaced else 0.0
-        gain = 0.0
-        for depth, value in zip(depths, values):
+        gain, best, width = 0.0, 0.0, 0
+        for r, (depth, value) in enumerate(zip(depths, values)):
             more = self._chance(depth, value) - floor
-            if more > 0.0:
-                gain += more
-        return gain >= self.min_gain
+            gain += (more if more > 0.0 else 0.0) - self.node_cost
+            if gain > best:
+                best, width = gain, r + 1
+        return width if width and best >= self.min_gain else 0
 
     def _chance(self, depth: int, value: float) -> float:
         rows = self._rows
@@ -238,24 +245,33 @@ class LiveCosts:
     factor of that row count's own (`log_factor`: what its steps cost over the scaled curve,
     their mean at first, then a slow running mean; a count not yet seen takes the nearest seen
     one's), all times the machine's running scale (a running mean of every step's log ratio: a
-    busy spell raises every size alike, a quiet one lowers them again). A drafting level's time
-    is a running mean, and so is the drafter's read of n tokens (`read`), a line fitted to its
-    reads."""
+    busy spell raises every size alike, a quiet one lowers them again). Drafting is a line over
+    a tree's levels and rows (`drafting`), and the drafter's read of n tokens (`read`) a line
+    over n, each fitted to what was drafted and read."""
 
     def __init__(self, forward: dict[int, float], draft_level: float, head_pass: float = 0.0,
                  head_rows: int = 1 << 30):
         self.head_pass, self.head_rows = head_pass, head_rows     # a second head pass, its rows
         self.rows = sorted(forward)
         self.curve = [forward[n] for n in self.rows]
-        self.log_scale = 0.0
+        # Read a few dozen times a step: the curve at each row count, the scale and the factors
+        # kept as their values too, not their logs.
+        self._priors = [self._curve_at(n) for n in range(2 * self.rows[-1] + 2)]
+        self.log_scale, self._scale = 0.0, 1.0
         self.log_factor: dict[int, float] = {}  # rows -> log of its steps' cost over the scaled curve
+        self._factor: dict[int, float] = {}     # rows -> exp(log_factor)
         self._seen: list[int] = []          # the row counts in `log_factor`, sorted
         self._count: dict[int, float] = {}  # rows -> its steps seen, FACTOR_PRIOR counted
-        self.draft_level = draft_level
+        # Running sums of 1, L, R, t, L L, L R, R R, L t, R t over the trees grown (L levels, R
+        # rows, t seconds), started as one tree of one level and row at the tuner's time.
+        self._growth = [1.0, 1.0, 1.0, draft_level, 1.0, 1.0, 1.0, draft_level, draft_level]
         self._reads = [0.0] * 5         # running sums of 1, n, t, n n, n t over the reads
 
     def prior(self, rows: int) -> float:
         """The tuner's curve at `rows`, linear between its sizes and beyond its largest."""
+        return self._priors[rows] if rows < len(self._priors) else self._curve_at(rows)
+
+    def _curve_at(self, rows: int) -> float:
         xs, ys = self.rows, self.curve
         if rows <= xs[0] or len(xs) == 1:
             return ys[0]
@@ -265,17 +281,20 @@ class LiveCosts:
         return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (rows - xs[-1])
 
     def _shape(self, rows: int) -> float:
+        factor = self._factor.get(rows)
+        if factor is not None:
+            return self.prior(rows) * factor
         seen = self._seen
-        if not seen or (rows == 1 and 1 not in self.log_factor):
+        if not seen or rows == 1:
             # A plain step is what the curve timed (forwards back to back, no drafter between
             # them): its factor starts at the curve's own, not a drafted count's.
             return self.prior(rows)
         i = bisect.bisect_left(seen, rows)
         near = seen[i] if i < len(seen) and (i == 0 or seen[i] - rows < rows - seen[i - 1]) else seen[i - 1]
-        return self.prior(rows) * math.exp(self.log_factor[near])
+        return self.prior(rows) * self._factor[near]
 
     def __call__(self, rows: int) -> float:
-        return self._shape(rows) * math.exp(self.log_scale)
+        return self._shape(rows) * self._scale
 
     def read(self, tokens: float) -> float:
         """Seconds the drafter's read of `tokens` tokens takes: the fitted line, or while its
@@ -289,9 +308,36 @@ class LiveCosts:
         slope = max(0.0, (ones * nt - n * t) / spread)
         return max(0.0, (t - slope * n) / ones + slope * tokens)
 
-    def level_took(self, seconds: float) -> None:
-        """A drafting level took `seconds`."""
-        self.draft_level += WEIGHT * (seconds - self.draft_level)
+    def drafting(self) -> tuple[float, float]:
+        """(a drafting level's seconds, a drafted row's): the line t = c + a L + b R fitted to
+        the trees grown (c, what any tree costs, is spent before a level is weighed). A level
+        runs the drafter and its head once over its frontier's rows, and a wide level costs
+        more than a narrow one (the head's rows are most of it). Where the trees' rows have
+        not varied apart from their levels, or that fit is not a cost, t = c + a L, nothing a
+        row; where their levels have not varied either, a level's mean time."""
+        _, l, r, t, ll, lr, rr, lt, rt = (v / self._growth[0] for v in self._growth)   # means
+        var_l, var_r, cov = ll - l * l, rr - r * r, lr - l * r
+        cov_lt, cov_rt = lt - l * t, rt - r * t
+        det = var_l * var_r - cov * cov
+        if var_l > 0.0 and var_r > 0.0 and det > 0.01 * var_l * var_r:
+            a, b = (var_r * cov_lt - cov * cov_rt) / det, (var_l * cov_rt - cov * cov_lt) / det
+            if a >= 0.0 and b >= 0.0:
+                return a, b
+        if var_l > 1e-6 * ll and cov_lt >= 0.0:
+            return cov_lt / var_l, 0.0
+        return lt / ll, 0.0
+
+    @property
+    def draft_level(self) -> float:
+        return self.drafting()[0]
+
+    def grew(self, levels: int, rows: int, seconds: float) -> None:
+        """A tree grew `levels` levels over `rows` rows in `seconds`."""
+        if levels > 0 and seconds > 0.0:
+            values = (1.0, levels, rows, seconds, levels * levels, levels * rows, rows * rows,
+                      levels * seconds, rows * seconds)
+            for i, value in enumerate(values):
+                self._growth[i] += GROWTH_WEIGHT * (value - self._growth[i])
 
     def read_took(self, tokens: int, seconds: float) -> None:
         """The drafter read `tokens` tokens in `seconds`."""
@@ -303,15 +349,17 @@ class LiveCosts:
         """A step's forward and verification over `rows` rows took `seconds`."""
         if seconds <= 0.0:
             return
+        prior = self.prior(rows)
         self.log_scale += WEIGHT * (math.log(seconds / self._shape(rows)) - self.log_scale)
-        bound = math.log(MOST_FACTOR)
-        shown = min(bound, max(-bound, math.log(seconds / self.prior(rows)) - self.log_scale))
+        self._scale = math.exp(self.log_scale)
+        shown = min(LOG_MOST_FACTOR, max(-LOG_MOST_FACTOR, math.log(seconds / prior) - self.log_scale))
         if rows not in self.log_factor:      # from the nearest seen count's, as it was priced
-            self.log_factor[rows] = math.log(self._shape(rows) / self.prior(rows))
+            self.log_factor[rows] = math.log(self._shape(rows) / prior)
             self._count[rows] = FACTOR_PRIOR
             bisect.insort(self._seen, rows)
         self._count[rows] += 1          # a mean of its steps at first, then a running one
         self.log_factor[rows] += max(FACTOR_WEIGHT, 1.0 / self._count[rows]) * (shown - self.log_factor[rows])
+        self._factor[rows] = math.exp(self.log_factor[rows])
 
 
 class LiveSizing:
@@ -406,7 +454,8 @@ class LiveSizing:
         self._drafting = True
         costs = self.costs
         row = (costs(1 + self.total) - costs(1)) / self.total
-        self.stop = TreeStop(self.calibration.table(), self.rate * (costs.draft_level + row))
+        level, drafted_row = costs.drafting()
+        self.stop = TreeStop(self.calibration.table(), self.rate * level, self.rate * (drafted_row + row))
         return self.most_depth, self.total
 
     def next_size(self) -> int:
@@ -437,7 +486,8 @@ class LiveSizing:
         pays)."""
         self.costs.read_took(read_tokens, read_seconds)
         if drafted_levels:
-            self.costs.level_took(grow_seconds / drafted_levels)
+            rows = self.stop.rows if self.stop is not None and self.stop.rows else drafted_levels
+            self.costs.grew(drafted_levels, rows, grow_seconds)
         ranks, values, depths = tree.ranks.tolist(), tree.values.tolist(), tree.depths.tolist()
         order = sorted(range(1, len(ranks)), key=ranks.__getitem__)
         chance = self.calibration.chance

@@ -291,17 +291,19 @@ class TreeBuilder:
         cache does (EAGLE's drafter, a draft model): `expand(level, frontier, mask)` runs the
         frontier's nodes (mask: `frontier_mask`'s, over `pending()` slots before them) and
         returns each row's top children (tokens, log_probs). `stop` (live_tree.TreeStop, or
-        None): a level is drafted only where `stop.pays(its frontier's depths, values,
-        cut_node())`; its `levels` is set to the levels drafted, the root's children counted.
+        None): a level expands only its frontier's first `stop.width(their depths, values,
+        cut_node())` nodes, and none ends the tree; its `levels` and `rows` are set to the
+        levels drafted and the rows they scored, the root's children counted.
         Returns the pending slot of every expanded node."""
         slot_of: dict[int, int] = {}
         if stop is not None:
-            stop.levels = 1                 # the root's children, drafted before the tree grows
+            stop.levels, stop.rows = 1, 1       # the root's children, drafted before the tree grows
         for level in range(1, levels + 1):
             frontier = self.frontier()
-            if not frontier or (stop is not None and not stop.pays([self.depth[n] for n in frontier],
-                                                                   [self.value[n] for n in frontier],
-                                                                   self.cut_node())):
+            if frontier and stop is not None:
+                frontier = frontier[:stop.width([self.depth[n] for n in frontier],
+                                                [self.value[n] for n in frontier], self.cut_node())]
+            if not frontier:
                 break
             n_pending = pending()
             mask = self.frontier_mask(frontier, slot_of, n_pending, device)
@@ -310,7 +312,7 @@ class TreeBuilder:
                 slot_of[node] = n_pending + row
             self.add_children(frontier, tokens, log_probs)
             if stop is not None:
-                stop.levels = level + 1
+                stop.levels, stop.rows = level + 1, stop.rows + len(frontier)
         return slot_of
 
     def frontier_mask(self, frontier: list[int], slot_of: dict[int, int], pending: int,
