@@ -529,7 +529,7 @@ def test_a_prompt_the_drafter_cannot_guess_stops_drafting_soon_after_one_it_gues
         sizing.start()
         for step in range(400):
             if steady_only:
-                sizing._request[2] = 10 ** 9
+                sizing._request_steps = 10 ** 9
             if not sizing.paying:
                 return step
             if sizing.plan()[0]:             # else a plain check (CHECK_EVERY)

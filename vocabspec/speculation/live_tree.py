@@ -387,7 +387,8 @@ class LiveSizing:
         self._drafting = False                  # whether this step drafted (`plan` said so)
         self._grow_seconds = 0.0
         self._expected = 0.0                    # the drafts this step's tree expects accepted
-        self._request = [0.0, 0.0, 0]           # this request's drafts accepted, expected; its drafted steps
+        self._accepted = self._expected_sum = 0.0   # this request's drafts accepted, and expected
+        self._request_steps = 0                 # this request's drafted steps
         self.stop: TreeStop | None = None       # where this step's tree stops growing
         self.tree: Tree | None = None           # the tree verified this step (drafted nodes)
         self.extra_rows = 0                     # rows grafted onto it (prompt lookup's path)
@@ -407,7 +408,8 @@ class LiveSizing:
         the drafter guesses there is worth one probe, not a wait the last prompt set)."""
         self._observed, self.tree, self.extra_rows, self._draft_seconds = None, None, 0, 0.0
         self.plain_steps = max(self.plain_steps, self.probe_every)
-        self._request = [0.0, 0.0, 0]
+        self._accepted = self._expected_sum = 0.0
+        self._request_steps = 0
         if self._unsaved >= SAVE_EVERY:
             self.save()
 
@@ -554,17 +556,17 @@ class LiveSizing:
         if step is not None:
             self.costs.step(rows, step)
         if self._drafting:       # what it expects, as this request has been accepting, at what it costs now
-            costs, request = self.costs, self._request
-            request[0] += len(accepted) - 1
-            request[1] += self._expected
-            gain = 1.0 + self._expected * (request[0] + REQUEST_PRIOR) / (request[1] + REQUEST_PRIOR)
+            costs = self.costs
+            self._accepted += len(accepted) - 1
+            self._expected_sum += self._expected
+            gain = 1.0 + self._expected * (self._accepted + REQUEST_PRIOR) / (self._expected_sum + REQUEST_PRIOR)
             speed = gain / (costs(rows) + self._grow_seconds + costs.read(gain)) * costs(1)
             if self._probing:    # a probe that paid resets the wait; one that did not doubles it
                 self.probe_every = PROBE_EVERY if speed > 1.0 else min(MOST_PROBE_EVERY, 2 * self.probe_every)
             # A probe moves it quickly; a step of steady drafting, one outcome of many, less,
             # but a request's first steps as a mean of its own (and the last verdict's).
-            request[2] += 1
-            steady = max(STEADY_WEIGHT, 1.0 / (REQUEST_STEPS + request[2]))
+            self._request_steps += 1
+            steady = max(STEADY_WEIGHT, 1.0 / (REQUEST_STEPS + self._request_steps))
             self.advantage += (ADVANTAGE_WEIGHT if self._probing else steady) * (speed - self.advantage)
             self.stretch = not self._probing or self.advantage >= 1.0
             self._drafting, self._grow_seconds = False, 0.0
