@@ -487,7 +487,8 @@ def test_a_drafting_stretch_outlasts_a_dip_and_a_plain_step_does_not_start_one()
 def test_a_stretch_that_barely_pays_times_a_plain_step_now_and_then():
     """Within a stretch whose advantage is below CHECK_BELOW, every CHECK_EVERY-th step is plain
     and keeps the stretch: its time is what the 1-row count costs inside decoding (the factor the
-    stretch's drafted steps are weighed against). A stretch that pays well drafts every step."""
+    stretch's drafted steps are weighed against), with no prompt lookup path grafted on it. A
+    stretch that pays well drafts every step."""
     builder = TreeBuilder(1, 1, 1)
     builder.add_children([0], torch.tensor([[5]]), torch.tensor([[-0.05]]))
     sure = builder.build()
@@ -498,10 +499,14 @@ def test_a_stretch_that_barely_pays_times_a_plain_step_now_and_then():
         plain = []
         for i in range(count):
             sizing.advantage = advantage
+            sizing.path.learn(4, 4)             # a grafted path that is always right
+            grafted = sizing.path_rows(4)       # prompt lookup's rows: none on a plain check
             if sizing.plan()[0]:
+                assert grafted
                 sizing.choose(sure, 1, 0.0003)
                 sizing.observe([1, 5])
             else:
+                assert not grafted
                 plain.append(i)
                 sizing.observe([1])
             assert sizing.stretch

@@ -467,7 +467,10 @@ class LiveSizing:
     def path_rows(self, length: int) -> int:
         """How many of a grafted path's `length` tokens to verify: while each one's chance to be
         right with those before it (`path`, measured) pays for its row at the rule's rate, the
-        rows counted after the tree this step may keep."""
+        rows counted after the tree this step may keep; none on a stretch's plain check, which
+        times a 1-row step."""
+        if self.paying and self._checks():
+            return 0
         costs, rows, kept = self.costs, 1 + (self.total if self.drafts() else 0), 0
         for chance in self.path.chances(length):
             if chance < self.rate * (costs(rows + 1) - costs(rows)):
