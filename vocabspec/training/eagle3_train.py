@@ -31,22 +31,19 @@ Two loops share that loss:
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from ..speculation.families.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layers
 from ..runtime.backend import Backend
 from ..runtime.slots import forward_rows, pad_rows
 from ..runtime.model import CustomAttention
 from .config import TrainConfig
-from .train import (_atomic_save, epoch_batch, learning_rate, parse_taps, parse_token_counts, resumable,
-                    training_precision, training_sets)
+from .train import learning_rate, parse_taps, parse_token_counts, train_loop, training_sets
 
 LABELS = ("soft", "hard")
 
@@ -81,6 +78,11 @@ def new_drafter(target: Backend, ids: torch.Tensor, seed: int) -> Eagle3Drafter:
         drafter.lm_head.weight.copy_(target.head_weight[ids.to(target.head_weight.device)].float())
         drafter.norm.weight.copy_(target.norm.weight.float())
     return drafter
+
+
+def starting_drafter(target: Backend, ids: torch.Tensor, init: str, seed: int) -> Eagle3Drafter:
+    """The drafter at `init` (a directory; float32), else a new one over the draft vocabulary `ids`."""
+    return Eagle3Drafter.load(init, target, dtype=torch.float32) if init else new_drafter(target, ids, seed)
 
 
 def drafter_from_checkpoint(path: Path, target: Backend) -> Eagle3Drafter:
@@ -257,49 +259,34 @@ def evaluate(drafter: Eagle3Drafter, heldout, steps: int, limit: int = 48) -> di
 
 
 def train(cfg, target: Backend, split: dict | None = None, log=print) -> Eagle3Drafter:
-    out = Path(cfg.out)
-    train_set, heldout = training_sets(cfg, split)
-    torch.manual_seed(cfg.seed)
-    drafter = _starting_drafter(cfg, target)
-    drafter.train().requires_grad_(True)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                                  betas=(0.9, 0.95))
-    steps_per_epoch = math.ceil(len(train_set) / cfg.optim.accumulate)
-    total = min(steps_per_epoch * cfg.optim.epochs, cfg.optim.max_steps or steps_per_epoch * cfg.optim.epochs)
-    run = _Run(cfg, drafter, optimizer)
-    checkpoint = out / "checkpoint-eagle3.pt"
-    snapshots = parse_token_counts(cfg.eagle3.snapshot_tokens)
-    run.resume(resumable(checkpoint, cfg, log), total, log)
-    run.started, tokens_seen = time.perf_counter(), 0
-    bar = tqdm(total=total, initial=run.step, desc="training (EAGLE-3)", unit="step")
-    while run.step < total:
-        batch = epoch_batch(cfg, run.step, steps_per_epoch, len(train_set))
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(run.step, total, cfg.optim.lr, cfg.optim.warmup_steps)
-        optimizer.zero_grad(set_to_none=True)
-        stats, tokens = _accumulated(cfg, drafter, train_set, batch)
-        tokens_seen += tokens
-        run.trained += tokens
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        run.step += 1
-        run.keep_snapshots(snapshots, out, log)
-        if stats:
-            mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
-            bar.set_postfix(loss=f"{mean['loss']:.3f}", acc1=f"{mean['acc1']:.3f}",
-                            tok_s=f"{tokens_seen / (time.perf_counter() - run.started):.0f}")
-        bar.update(1)
-        if run.step % cfg.optim.checkpoint_every == 0 or run.step == total:
-            drafter.eval()
-            metrics = {"step": run.step, **evaluate(drafter, heldout, cfg.eagle3.ttt_steps)}
-            drafter.train()
-            run.history.append(metrics)
-            log(json.dumps(metrics))
-            _atomic_save(run.state(), checkpoint)
-    bar.close()
-    drafter.eval().requires_grad_(False)
-    drafter.train_seconds = torch.load(checkpoint, map_location="cpu")["seconds"] if checkpoint.exists() else None
-    return drafter
+    return train_loop(cfg, target, split, Eagle3Training, log).drafter
+
+
+class Eagle3Training:
+    """EAGLE-3's part in train.train_loop (as train.EagleTraining is EAGLE-2's): the drafter,
+    the training-time-test loss of a sequence on the drafter's device, the held-out agreement a
+    checkpoint records, and snapshots after cfg.eagle3.snapshot_tokens tokens."""
+
+    checkpoint, desc, ranker = "checkpoint-eagle3.pt", "training (EAGLE-3)", None
+
+    def __init__(self, cfg, target: Backend, train_set, heldout):
+        self.cfg, self.heldout = cfg, heldout
+        self.drafter = _starting_drafter(cfg, target).train().requires_grad_(True)
+        self.groups = [{"params": list(self.drafter.parameters())}]
+        self.snapshots = parse_token_counts(cfg.eagle3.snapshot_tokens)
+
+    def loss(self, row, generator=None) -> tuple:
+        e3 = self.cfg.eagle3
+        loss, info = sequence_loss(self.drafter, *on_device(row, self.drafter.draft_ids.device), e3.ttt_steps,
+                                   e3.ttt_decay, e3.labels)
+        return loss, info if loss is None else info | {"loss": float(loss.detach())}
+
+    @staticmethod
+    def postfix(mean: dict) -> dict:
+        return {"loss": f"{mean['loss']:.3f}", "acc1": f"{mean['acc1']:.3f}"}
+
+    def measured(self, mean: dict) -> dict:
+        return evaluate(self.drafter, self.heldout, self.cfg.eagle3.ttt_steps)
 
 
 def _starting_drafter(cfg, target: Backend) -> Eagle3Drafter:
@@ -308,64 +295,12 @@ def _starting_drafter(cfg, target: Backend) -> Eagle3Drafter:
     from ..speculation.config import bundled_drafter_dir
 
     ids = draft_vocabulary(cfg.eagle3.draft_vocab, target, bundled_drafter_dir(cfg.model))
-    drafter = Eagle3Drafter.load(cfg.init, target, dtype=torch.float32) if cfg.init else \
-        new_drafter(target, ids, cfg.seed)
+    drafter = starting_drafter(target, ids, cfg.init, cfg.seed)
     if tuple(parse_taps(cfg.features.taps)) != drafter.taps:
         raise ValueError(f"the drafter fuses the target's taps {list(drafter.taps)}; the features hold "
                          f"{cfg.features.taps or 'none'}: run the features stage with --taps "
                          f"{','.join(map(str, drafter.taps))}")
     return drafter
-
-
-def _accumulated(cfg, drafter: Eagle3Drafter, train_set, batch: list[int]) -> tuple[list[dict], int]:
-    """One optimizer step's gradients, accumulated over the sequences `batch` indexes (one
-    without a position to train adds none); (each such sequence's figures, its tokens)."""
-    stats, tokens_seen = [], 0
-    for i in batch:
-        tokens, hidden, candidates, tapped = on_device(train_set[i], drafter.draft_ids.device)
-        with training_precision(cfg):
-            loss, info = sequence_loss(drafter, tokens, hidden, candidates, tapped, cfg.eagle3.ttt_steps,
-                                       cfg.eagle3.ttt_decay, cfg.eagle3.labels)
-        if loss is None:
-            continue
-        (loss / len(batch)).backward()
-        stats.append(info | {"loss": float(loss.detach())})
-        tokens_seen += tokens.numel()
-    return stats, tokens_seen
-
-
-class _Run:
-    """Where an EAGLE-3 training run stands, as its checkpoints record it: the drafter and its
-    optimizer, the step, the held-out history, the training seconds and tokens over every part
-    of the run (resumed ones included)."""
-
-    def __init__(self, cfg, drafter: Eagle3Drafter, optimizer):
-        self.cfg, self.drafter, self.optimizer = cfg, drafter, optimizer
-        self.step, self.history, self.seconds_before, self.trained = 0, [], 0.0, 0
-        self.started = time.perf_counter()
-
-    def resume(self, state: dict | None, total: int, log) -> None:
-        """Continue from checkpoint `state` (None: start afresh)."""
-        if state is None:
-            return
-        self.drafter.load_state_dict(state["drafter"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.history, self.seconds_before = state["step"], state["history"], state["seconds"]
-        self.trained = state.get("tokens", 0)
-        log(f"resuming from step {self.step}/{total}")
-
-    def state(self, with_optimizer=True) -> dict:
-        return {"drafter": self.drafter.state_dict(), "step": self.step, "history": self.history,
-                "config": self.cfg.record(), "seconds": self.seconds_before + time.perf_counter() - self.started,
-                "tokens": self.trained, **({"optimizer": self.optimizer.state_dict()} if with_optimizer else {})}
-
-    def keep_snapshots(self, snapshots: dict, out: Path, log) -> None:
-        """The run as it stood after each of `snapshots`' token counts, once it has passed it."""
-        for label, count in snapshots.items():
-            kept = out / f"checkpoint-eagle3-at-{label}.pt"
-            if self.trained >= count and not kept.exists():
-                _atomic_save(self.state(with_optimizer=False), kept)
-                log(f"kept the drafter after {self.trained} tokens (step {self.step}) in {kept.name}")
 
 
 def train_and_save(cfg, target: Backend, split: dict, report: dict, ship: bool, log) -> None:

@@ -609,65 +609,152 @@ def training_sets(cfg: TrainConfig, split: dict | None) -> tuple:
     return train_set, load_shards(cfg, "heldout")
 
 
-def train_drafter(cfg: TrainConfig, target: Backend, split: dict | None = None, log=print) -> EagleDrafter:
-    out = Path(cfg.out)
+def train_loop(cfg: TrainConfig, target: Backend, split: dict | None, kind, log=print):
+    """The training loop of every EAGLE drafter kind; returns `kind(cfg, target, train_set,
+    heldout)`, the kind's part (EagleTraining's), its drafter trained.
+
+    Each optimizer step reads its share of the epoch's shuffle (`epoch_batch`) at the
+    scheduled learning rate (`learning_rate`, times a parameter group's "lr_scale"), its
+    gradients accumulated over those sequences' losses, each group's clipped. Every
+    checkpoint_every steps the drafter is measured on the held-out data and the run is saved
+    to OUT/`kind.checkpoint`, where a later run of the same settings resumes (`resumable`)."""
     train_set, heldout = training_sets(cfg, split)
     torch.manual_seed(cfg.seed)
-    std = feature_std(target, train_set)
-    drafter = _starting_drafter(cfg, target, std).float().train().requires_grad_(True)
-    ranker = _start_ranker(cfg, target) if cfg.ranker.weight > 0 else None
-    groups = [{"params": list(drafter.parameters()), "lr_scale": 1.0}]
-    if ranker is not None:
-        groups.append({"params": list(ranker), "lr_scale": cfg.ranker.lr / cfg.optim.lr, "weight_decay": 0.0})
-    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
+    trainee = kind(cfg, target, train_set, heldout)
+    drafter, run = trainee.drafter, _Run(cfg, trainee)
+    optimizer = run.optimizer
     steps_per_epoch = math.ceil(len(train_set) / cfg.optim.accumulate)
     total = steps_per_epoch * cfg.optim.epochs
     if cfg.optim.max_steps:
         total = min(total, cfg.optim.max_steps)
-    checkpoint = out / "checkpoint.pt"
-    step, history, seconds_before = _resumed(resumable(checkpoint, cfg, log), drafter, ranker, optimizer,
-                                             total, log)
-    generator = torch.Generator().manual_seed(cfg.seed + step)
-    started = time.perf_counter()
-    tokens_seen = 0
-    bar = tqdm(total=total, initial=step, desc="training", unit="step")
-    while step < total:
-        batch = epoch_batch(cfg, step, steps_per_epoch, len(train_set))
+    run.resume(total, log)
+    generator = torch.Generator().manual_seed(cfg.seed + run.step)     # the losses' random draws
+    resumed_tokens, mean = run.trained, {}
+    bar = tqdm(total=total, initial=run.step, desc=trainee.desc, unit="step")
+    while run.step < total:
+        batch = epoch_batch(cfg, run.step, steps_per_epoch, len(train_set))
+        rate = learning_rate(run.step, total, cfg.optim.lr, cfg.optim.warmup_steps)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, total, cfg.optim.lr, cfg.optim.warmup_steps) * group["lr_scale"]
+            group["lr"] = rate * group.get("lr_scale", 1.0)
         optimizer.zero_grad(set_to_none=True)
         stats = []
         for i in batch:
-            tokens, hidden, candidates, tapped = train_set[i]
+            row = train_set[i]
             with training_precision(cfg):
-                loss, info = sequence_loss(drafter, tokens, hidden, candidates, cfg, std, generator,
-                                           ranker, tapped)
+                loss, info = trainee.loss(row, generator)
+            if loss is None:            # a sequence without a position to train adds none
+                continue
             (loss / len(batch)).backward()
             stats.append(info)
-            tokens_seen += tokens.numel()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.optim.grad_clip)
-        if ranker is not None:
-            torch.nn.utils.clip_grad_norm_(ranker, cfg.optim.grad_clip)
+            run.trained += row[0].numel()
+        for group in optimizer.param_groups:
+            torch.nn.utils.clip_grad_norm_(group["params"], cfg.optim.grad_clip)
         optimizer.step()
-        step += 1
-        mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
-        bar.set_postfix(acc=f"{mean['accuracy']:.3f}", cls=f"{mean['classification']:.2f}",
-                        reg=f"{mean['regression']:.3f}",
-                        tok_s=f"{tokens_seen / (time.perf_counter() - started):.0f}")
+        run.step += 1
+        run.keep_snapshots(log)
+        if stats:
+            mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+            bar.set_postfix(**trainee.postfix(mean),
+                            tok_s=f"{(run.trained - resumed_tokens) / (time.perf_counter() - run.started):.0f}")
         bar.update(1)
-        if step % cfg.optim.checkpoint_every == 0 or step == total:
-            history.append(_measured(cfg, drafter, ranker, heldout, step, mean))
-            log(json.dumps(history[-1]))
-            _atomic_save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
-                          "ranker": [t.detach() for t in ranker] if ranker is not None else None,
-                          "step": step, "history": history, "config": cfg.record(),
-                          "seconds": seconds_before + time.perf_counter() - started}, checkpoint)
+        if run.step % cfg.optim.checkpoint_every == 0 or run.step == total:
+            drafter.eval()
+            run.history.append({"step": run.step, **trainee.measured(mean)})
+            drafter.train()
+            log(json.dumps(run.history[-1]))
+            _atomic_save(run.state(), run.checkpoint)
     bar.close()
     drafter.eval().requires_grad_(False)
     # Training time over every part of this run (resumed runs included).
-    drafter.train_seconds = torch.load(checkpoint).get("seconds") if checkpoint.exists() else None
-    drafter.trained_ranker = tuple(t.detach() for t in ranker) if ranker is not None else None
-    return drafter
+    drafter.train_seconds = torch.load(run.checkpoint, map_location="cpu").get("seconds") \
+        if run.checkpoint.exists() else None
+    drafter.trained_ranker = tuple(t.detach() for t in trainee.ranker) if trainee.ranker is not None else None
+    return trainee
+
+
+class _Run:
+    """Where a training run stands, as its checkpoint (OUT/`trainee.checkpoint`) records it:
+    the drafter, its optimizer (AdamW over the trainee's parameter groups) and the ranker where
+    one trains with it, the step, the held-out history, the training seconds and tokens over
+    every part of the run (resumed ones included)."""
+
+    def __init__(self, cfg: TrainConfig, trainee):
+        self.cfg, self.trainee, self.checkpoint = cfg, trainee, Path(cfg.out) / trainee.checkpoint
+        self.optimizer = torch.optim.AdamW(trainee.groups, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                           betas=(0.9, 0.95))
+        self.step, self.history, self.seconds_before, self.trained = 0, [], 0.0, 0
+
+    def resume(self, total: int, log) -> None:
+        """Continue from the checkpoint where it is this run's (`resumable`), else start afresh;
+        this part's clock starts."""
+        state = resumable(self.checkpoint, self.cfg, log)
+        if state is not None:
+            self.trainee.drafter.load_state_dict(state["drafter"])
+            if self.trainee.ranker is not None:
+                with torch.no_grad():
+                    for param, saved in zip(self.trainee.ranker, state["ranker"]):
+                        param.copy_(saved)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step, self.history = state["step"], state["history"]
+            self.seconds_before, self.trained = state.get("seconds", 0.0), state.get("tokens", 0)
+            log(f"resuming from step {self.step}/{total}")
+        self.started = time.perf_counter()
+
+    def state(self, with_optimizer=True) -> dict:
+        ranker = self.trainee.ranker
+        return {"drafter": self.trainee.drafter.state_dict(), "step": self.step, "history": self.history,
+                "ranker": [t.detach() for t in ranker] if ranker is not None else None, "config": self.cfg.record(),
+                "seconds": self.seconds_before + time.perf_counter() - self.started, "tokens": self.trained,
+                **({"optimizer": self.optimizer.state_dict()} if with_optimizer else {})}
+
+    def keep_snapshots(self, log) -> None:
+        """The run as it stood after each of the kind's snapshot token counts, once it has
+        passed it (CHECKPOINT-at-COUNT.pt, without the optimizer)."""
+        for label, count in self.trainee.snapshots.items():
+            kept = self.checkpoint.with_name(f"{self.checkpoint.stem}-at-{label}.pt")
+            if self.trained >= count and not kept.exists():
+                _atomic_save(self.state(with_optimizer=False), kept)
+                log(f"kept the drafter after {self.trained} tokens (step {self.step}) in {kept.name}")
+
+
+class EagleTraining:
+    """EAGLE-2's part in `train_loop`: the drafter and SpecVocab's ranker where one trains with
+    it (None: none; its own parameter group), the loss of a sequence, the figures a checkpoint
+    records. Other kinds (eagle3_train.Eagle3Training) provide the same."""
+
+    checkpoint, desc, snapshots = "checkpoint.pt", "training", {}
+
+    def __init__(self, cfg: TrainConfig, target: Backend, train_set, heldout):
+        self.cfg, self.heldout = cfg, heldout
+        self.std = feature_std(target, train_set)
+        self.drafter = _starting_drafter(cfg, target, self.std).float().train().requires_grad_(True)
+        self.ranker = _start_ranker(cfg, target) if cfg.ranker.weight > 0 else None
+        self.groups = [{"params": list(self.drafter.parameters()), "lr_scale": 1.0}]
+        if self.ranker is not None:
+            self.groups.append({"params": list(self.ranker), "lr_scale": cfg.ranker.lr / cfg.optim.lr,
+                                "weight_decay": 0.0})
+
+    def loss(self, row, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        tokens, hidden, candidates, tapped = row
+        return sequence_loss(self.drafter, tokens, hidden, candidates, self.cfg, self.std, generator,
+                             self.ranker, tapped)
+
+    @staticmethod
+    def postfix(mean: dict) -> dict:
+        return {"acc": f"{mean['accuracy']:.3f}", "cls": f"{mean['classification']:.2f}",
+                "reg": f"{mean['regression']:.3f}"}
+
+    def measured(self, mean: dict) -> dict:
+        """A checkpoint's figures: the training batch's means and the held-out ones (the
+        ranker's recall too where one trains)."""
+        metrics = {"train": mean, **evaluate(self.drafter, self.heldout, steps=max(2, self.cfg.eagle.unroll))}
+        if self.ranker is not None:
+            metrics["ranker"] = ranker_recall(self.drafter, *(t.detach() for t in self.ranker), self.heldout[:16])
+        return metrics
+
+
+def train_drafter(cfg: TrainConfig, target: Backend, split: dict | None = None, log=print) -> EagleDrafter:
+    return train_loop(cfg, target, split, EagleTraining, log).drafter
 
 
 def epoch_batch(cfg: TrainConfig, step: int, steps_per_epoch: int, size: int) -> list[int]:
@@ -702,33 +789,6 @@ def _starting_drafter(cfg: TrainConfig, target: Backend, std: torch.Tensor) -> E
         if taps:                # fc's start is scaled to the last-layer feature it first sees
             drafter.add_taps(taps)
     return drafter
-
-
-def _resumed(state: dict | None, drafter: EagleDrafter, ranker, optimizer, total: int, log) -> tuple:
-    """(step, history, seconds) of a run resumed from checkpoint `state`, its drafter, ranker
-    and optimizer loaded from it; (0, [], 0.0) where there is none."""
-    if state is None:
-        return 0, [], 0.0
-    drafter.load_state_dict(state["drafter"])
-    if ranker is not None:
-        with torch.no_grad():
-            for param, saved in zip(ranker, state["ranker"]):
-                param.copy_(saved)
-    optimizer.load_state_dict(state["optimizer"])
-    step, history = state["step"], state["history"]
-    log(f"resuming from step {step}/{total}")
-    return step, history, state.get("seconds", 0.0)
-
-
-def _measured(cfg: TrainConfig, drafter: EagleDrafter, ranker, heldout, step: int, mean: dict) -> dict:
-    """A checkpoint's metrics: the training batch's means and the held-out figures (the
-    ranker's recall too where one trains)."""
-    drafter.eval()
-    metrics = {"step": step, "train": mean, **evaluate(drafter, heldout, steps=max(2, cfg.eagle.unroll))}
-    if ranker is not None:
-        metrics["ranker"] = ranker_recall(drafter, *(t.detach() for t in ranker), heldout[:16])
-    drafter.train()
-    return metrics
 
 
 def _start_ranker(cfg: TrainConfig, target: Backend) -> tuple[torch.Tensor, torch.Tensor]:
