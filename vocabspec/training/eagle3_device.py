@@ -202,18 +202,12 @@ def training_sequences(data: dict, prompts: list[list[int]], answers: list, max_
 
 def starting_drafters(args, target, ids) -> dict:
     """{labels: (drafter, labels)} for each label kind of --labels: --init's drafter, or a new
-    one over the draft vocabulary `ids`, in float32 on the target's device."""
-    from ..speculation.families.eagle3 import Eagle3Drafter
-    from .eagle3_train import new_drafter
+    one over the draft vocabulary `ids` (eagle3_train.starting_drafter), on the target's device."""
+    from .eagle3_train import starting_drafter
 
-    drafters = {}
-    for labels in args.labels.split(","):
-        if args.init:
-            drafter = Eagle3Drafter.load(args.init, target, dtype=torch.float32)
-        else:
-            drafter = new_drafter(target, ids.to(target.device), args.seed)
-        drafters[labels] = (drafter.to(target.device, torch.float32), labels)
-    return drafters
+    ids = ids.to(target.device)
+    return {labels: (starting_drafter(target, ids, args.init, args.seed).to(target.device, torch.float32), labels)
+            for labels in args.labels.split(",")}
 
 
 def save_drafters(args, out: Path, drafters: dict, points: list[dict], device: str) -> None:
