@@ -62,7 +62,8 @@ from vocabspec.runtime.loading import load_model  # noqa: E402
 from vocabspec.runtime.model import ModelArgs, Transformer  # noqa: E402
 from vocabspec.speculation.families.pld import PromptLookupProposer  # noqa: E402
 from vocabspec.runtime.prompts import encode_conversation  # noqa: E402
-from vocabspec.decoding.graph_step import capture_graph, count_read_backs  # noqa: E402
+from vocabspec.decoding.graph_step import count_read_backs  # noqa: E402
+from vocabspec.runtime.cuda_graph import capture_graph  # noqa: E402
 from vocabspec.speculation.vocab.token_map import load_token_map  # noqa: E402
 from vocabspec.runtime.tokenizer import load_tokenizer  # noqa: E402
 

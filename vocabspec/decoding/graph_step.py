@@ -39,6 +39,7 @@ import os
 import torch
 
 from ..runtime.backend import Backend
+from ..runtime.cuda_graph import capture_graph, kept_state
 from ..runtime.kv_cache import DeviceKVCache
 from ..runtime.step_rows import RowSpan, StepRows
 from ..speculation.proposer import Proposer
@@ -258,38 +259,6 @@ class GraphBackend:
 
     def together(self, allow_inexact: bool, asked: bool | None = None) -> bool:
         return asked is not None and self.inner.together(allow_inexact, asked)
-
-
-@contextlib.contextmanager
-def kept_state(state: list[torch.Tensor], caches: list[DeviceKVCache]):
-    """Leaves the device tensors `state` and the caches' host counts as the block found them."""
-    saved = [t.clone() for t in state]
-    hosts = [(c, c.bound, c.pending) for c in caches]
-    try:
-        yield
-    finally:
-        for tensor, value in zip(state, saved):
-            tensor.copy_(value)
-        for cache, bound, pending in hosts:
-            cache.bound, cache.pending = bound, pending
-
-
-def capture_graph(fn, state: list[torch.Tensor], caches: list[DeviceKVCache], warmup: int = 2):
-    """(graph, output): `fn` (device work that updates `state` in place) captured as a CUDA
-    graph after `warmup` runs on a side stream. The warm-up runs and the capture leave `state`
-    and the caches' host counts as they found them (what they wrote to cache slots past the
-    committed ones is never read)."""
-    with kept_state(state, caches):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        return graph, out
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
+from .cuda_graph import capture_graph
 from .kv_cache import KVCache
 from .model import CustomAttention, LayerPlan, apply_rope
 
@@ -447,18 +448,6 @@ class DecodeStep:
         hidden = forward_rows(self.model, tokens, positions, self.cache, context=context)[:, 0]
         return self.model.greedy_tokens(hidden) if self.head else hidden
 
-    def _capture(self, context: int):
-        # The warm-up run writes the keys and values the step will write: harmless.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._step(self.tokens, self.positions, context)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._step(self.tokens, self.positions, context)
-        return graph, out
-
     def rows(self, live: int) -> int:
         return self.cache.slots if self.graphed else live
 
@@ -474,7 +463,9 @@ class DecodeStep:
         self.positions[:, 0].copy_(positions)
         if context not in self.graphs:
             try:
-                self.graphs[context] = self._capture(context)
+                # One warm-up run: it writes the keys and values the step will write, harmless.
+                self.graphs[context] = capture_graph(lambda: self._step(self.tokens, self.positions, context),
+                                                     warmup=1, pool=self.pool)
             except RuntimeError as exc:     # a build that cannot capture this step: run eagerly
                 warnings.warn(f"decode steps run eagerly: capturing one failed ({exc})")
                 self.graphed = False
