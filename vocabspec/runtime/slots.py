@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from .cuda_graph import capture_graph
 from .kv_cache import KVCache
-from .model import CustomAttention, LayerPlan, apply_rope
+from .model import CustomAttention, LayerPlan
 
 
 class SlotCache:
@@ -349,27 +349,20 @@ def forward_rows(model, tokens: torch.Tensor, positions: torch.Tensor,
 
 def forward_rows_on_torch(model, tokens: torch.Tensor, positions: torch.Tensor, cache: SlotCache | None,
                           first_slot: int, context: int, taps: tuple[int, ...], slots: torch.Tensor | None):
-    """`forward_rows` on torch's kernels (TorchBackend.rows_forward)."""
-    args = model.args
+    """`forward_rows` on torch's kernels (TorchBackend.rows_forward): the model's layers, each
+    layer's attention over the slots its own way (B sequences of n rows, flattened for the
+    projections and rotary as one sequence's rows are)."""
     b, n = tokens.shape
     decode = cache is not None and n == 1 and context > 0
-    x = model.embed_tokens(tokens)
-    rope = {kind: tuple(t[positions].unsqueeze(1) for t in tables)          # (B, 1, n, D)
-            for kind, tables in model.rope.items()}
-    tapped = []
-    for i, block in enumerate(model.module.layers):
-        cos, sin = rope["local" if args.is_sliding(i) and "local" in rope else "global"]
-        window = args.sliding_window if args.is_sliding(i) else 0
-        attn = block.attn
-        qkv = attn.wqkv(block.attn_norm(x))
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q = q.view(b, n, args.n_heads, args.head_dim)
-        k = k.view(b, n, args.n_kv_heads, args.head_dim)
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.view(b, n, args.n_kv_heads, args.head_dim).transpose(1, 2)
+    flat = positions.reshape(-1)
+    plan = LayerPlan()
+    plan.rows = {kind: (cos[flat], sin[flat]) for kind, (cos, sin) in model.rope.items()}
+    plan.masks = {"global": (0, 0), "local": (model.args.sliding_window, 0)}     # each kind's window
+
+    def layer(block, x, cos, sin, _, window):
+        attn, i = block.attn, block.attn.layer
+        q, k, v = (t[0].unflatten(1, (b, n)).transpose(0, 1)              # (B, heads, n, D)
+                   for t in attn.rotate(attn.wqkv(block.attn_norm(x)).reshape(b * n, -1), cos, sin))
         if decode:
             rows = torch.arange(b, device=x.device)
             where = positions[:, 0]
@@ -383,10 +376,10 @@ def forward_rows_on_torch(model, tokens: torch.Tensor, positions: torch.Tensor, 
                 cache.keys[i][where, :, :n] = k
                 cache.values[i][where, :, :n] = v
             out = _attend_new(q, k, v, attn.scale, window)
-        x = block.after_attention(x, attn.wo(out.transpose(1, 2).reshape(b, n, attn.q_size)))
-        if i in taps:
-            tapped.append(x)
-    return (x, torch.cat(tapped, dim=-1)) if taps else x
+        return block.after_attention(x, attn.wo(out.transpose(1, 2).reshape(b, n, attn.q_size)))
+
+    x, tapped = model.module.run_layers(model.embed_tokens(tokens), plan, cache, taps, layer)
+    return (x, tapped) if taps else x
 
 
 def pad_rows(sequences: list[list[int]], device, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
