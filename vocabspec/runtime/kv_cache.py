@@ -65,11 +65,16 @@ class KVCache:
 
         Each layer calls this once per forward; the pending count moves on in `advance`.
         """
+        keys, values = self.layer_tensors(layer)
         start = self.length + self.pending
         end = start + new_keys.shape[2]
-        self.keys[layer, :, :, start:end] = new_keys
-        self.values[layer, :, :, start:end] = new_values
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        keys[:, :, start:end] = new_keys
+        values[:, :, start:end] = new_values
+        return keys[:, :, :end], values[:, :, :end]
+
+    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A torch-layout layer's keys and values (1, kv heads, slots, head_dim), in place."""
+        return self.keys[layer], self.values[layer]
 
     def storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A torch-layout layer's keys and values as (kv heads, slots, head_dim), contiguous
@@ -77,7 +82,8 @@ class KVCache:
         in place (kernels.qkv_rope_cache, kernels.attention)."""
         if self.layout != "torch":
             raise ValueError("the kernels read the torch layout")
-        return self.keys[layer, 0], self.values[layer, 0]
+        keys, values = self.layer_tensors(layer)
+        return keys[0], values[0]
 
     def advance(self, n_new: int) -> None:
         """Count the tokens of the forward that just ran as pending."""

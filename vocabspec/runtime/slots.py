@@ -163,17 +163,10 @@ class SlotSequence(KVCache):
         self.layout, self.max_len = "torch", cache.window
         self.length = self.pending = 0
 
-    def write(self, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor):
-        start = self.length + self.pending
-        end = start + new_keys.shape[2]
-        keys, values = self.table.keys[layer], self.table.values[layer]
-        keys[self.slot, :, start:end] = new_keys[0]
-        values[self.slot, :, start:end] = new_values[0]
-        return keys[self.slot:self.slot + 1, :, :end], values[self.slot:self.slot + 1, :, :end]
-
-    def storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slot's keys and values of `layer` (kv heads, window, head dim), in place."""
-        return self.table.keys[layer][self.slot], self.table.values[layer][self.slot]
+    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's keys and values of `layer` (1, kv heads, window, head dim), in place."""
+        where = slice(self.slot, self.slot + 1)
+        return self.table.keys[layer][where], self.table.values[layer][where]
 
     def move(self, source: torch.Tensor, target: slice) -> None:
         for table in (*self.table.keys, *self.table.values):
