@@ -429,6 +429,17 @@ def _tiling(x: torch.Tensor, use_dot: bool) -> dict:
     return dict(UPCAST=upcast, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiles)
 
 
+def _product(x: torch.Tensor, weight: torch.Tensor, use_dot: bool | None, columns: int | None = None):
+    """What a launch of a product kernel over x (M, K) and weight needs: (x and weight
+    contiguous, whether it takes the tensor-core kernel (None: `_use_dot`), its tiling, its
+    grid over x's rows and `columns` (weight's rows by default))."""
+    x, weight = x.contiguous(), weight.contiguous()
+    use_dot = _use_dot(x) if use_dot is None else use_dot
+    tiles = _tiling(x, use_dot)
+    columns = weight.shape[0] if columns is None else columns
+    return x, weight, use_dot, tiles, (triton.cdiv(x.shape[0], tiles["BM"]), triton.cdiv(columns, tiles["BN"]))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
            use_dot: bool | None = None) -> torch.Tensor:
@@ -437,13 +448,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (M, N), it is added to the result. use_dot: the tensor-core kernel or not (None: where it
     proved row-invariant)."""
     _need()
-    x, weight = x.contiguous(), weight.contiguous()
-    M, K = x.shape
-    N = weight.shape[0]
-    use_dot = _use_dot(x) if use_dot is None else use_dot
+    x, weight, use_dot, tiles, grid = _product(x, weight, use_dot)
+    (M, K), N = x.shape, weight.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    tiles = _tiling(x, use_dot)
-    grid = (triton.cdiv(M, tiles["BM"]), triton.cdiv(N, tiles["BN"]))
     _launch(_linear, grid, x, weight, bias if bias is not None else weight,
             residual.contiguous() if residual is not None else y, norm if norm is not None else weight, y,
             M, N, K, eps, bias is not None, residual is not None, norm is not None, use_dot, **tiles)
@@ -456,13 +463,9 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, activation: int, *, norm
     projection in one kernel: activation SILU or GELU (tanh form); `norm`: as in `linear`.
     Returns (M, H) in x's dtype."""
     _need()
-    x, weight = x.contiguous(), weight.contiguous()
-    M, K = x.shape
-    H = weight.shape[0] // 2
-    use_dot = _use_dot(x) if use_dot is None else use_dot
+    (M, K), H = x.shape, weight.shape[0] // 2
+    x, weight, use_dot, tiles, grid = _product(x, weight, use_dot, H)
     y = torch.empty(M, H, dtype=x.dtype, device=x.device)
-    tiles = _tiling(x, use_dot)
-    grid = (triton.cdiv(M, tiles["BM"]), triton.cdiv(H, tiles["BN"]))
     _launch(_gated_linear, grid, x, weight, norm if norm is not None else weight, y, M, H, K, eps,
             norm is not None, activation, use_dot, **tiles)
     return y
@@ -504,16 +507,13 @@ def qkv_rope_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     (M, heads, D) in x's dtype. Each output element is `linear`'s, rounded as the unfused
     projection stores it, then rotated: row-invariant as `linear` is."""
     _need()
-    x, weight = x.contiguous(), weight.contiguous()
     M, K = x.shape
     G, _, D = keys.shape
     if weight.shape[0] != (heads + 2 * G) * D or D % 2:
         raise ValueError(f"a QKV weight of {weight.shape[0]} rows for {heads} heads and {G} groups of {D}")
     T = cache_stride(keys, values)
-    use_dot = _use_dot(x) if use_dot is None else use_dot
+    x, weight, use_dot, tiles, grid = _product(x, weight, use_dot, (heads + 2 * G) * D // 2)
     q = torch.empty(M, heads, D, dtype=x.dtype, device=x.device)
-    tiles = _tiling(x, use_dot)
-    grid = (triton.cdiv(M, tiles["BM"]), triton.cdiv((heads + 2 * G) * D // 2, tiles["BN"]))
     _launch(_qkv_rope_cache, grid, x, weight, bias if bias is not None else weight,
             norm if norm is not None else weight, cos.contiguous(), sin.contiguous(), slots.contiguous(), q,
             keys, values, M, K, heads, G, D, T, eps, bias is not None, norm is not None, use_dot, **tiles)
@@ -615,12 +615,8 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, *, norm: torch.Tensor |
     kernel then takes, per row, the first tile holding the largest of them, tiles in column
     order. Two launches, whatever the vocabulary."""
     _need()
-    x, weight = x.contiguous(), weight.contiguous()
-    M, K = x.shape
-    N = weight.shape[0]
-    use_dot = _use_dot(x) if use_dot is None else use_dot
-    tiles = _tiling(x, use_dot)
-    grid = (triton.cdiv(M, tiles["BM"]), triton.cdiv(N, tiles["BN"]))
+    x, weight, use_dot, tiles, grid = _product(x, weight, use_dot)
+    (M, K), N = x.shape, weight.shape[0]
     top = torch.empty(M, grid[1], dtype=torch.float32, device=x.device)
     at = torch.empty(M, grid[1], dtype=torch.int32, device=x.device)
     _launch(_linear_tile_argmax, grid, x, weight, norm if norm is not None else weight, top, at, M, N, K, eps,
