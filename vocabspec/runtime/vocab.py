@@ -129,11 +129,8 @@ def _parse_metadata(data: mmap.mmap) -> dict:
 
 
 def _string(data: mmap.mmap, offset: int) -> tuple[str, int]:
-    size, = struct.unpack_from("<Q", data, offset)
-    end = offset + 8 + size
-    if end > len(data):
-        raise ValueError("metadata runs past the end of the file")
-    return data[offset + 8:end].decode("utf-8"), end
+    (text,), end = _strings(data, offset, 1)
+    return text, end
 
 
 def _strings(data: mmap.mmap, offset: int, n: int) -> tuple[list[str], int]:
