@@ -396,20 +396,15 @@ def prefill_slots(model, cache: SlotCache, prompts: list[list[int]],
     return model.lm_head(hidden[torch.arange(len(prompts), device=device), lengths - 1])
 
 
-def prefill_groups(lengths: list[int], most_tokens: int) -> list[int]:
-    """How many of the prompts, taken in order, each padded prefill holds: as many as keep
+def prefill_group(lengths: list[int], most_tokens: int) -> int:
+    """How many of the prompts, taken in order, the next padded prefill holds: as many as keep
     the longest one so far times their count within `most_tokens` (at least one), which bounds
     a prefill's activations."""
-    sizes, start = [], 0
-    while start < len(lengths):
-        longest, count = lengths[start], 1
-        while start + count < len(lengths) and \
-                max(longest, lengths[start + count]) * (count + 1) <= most_tokens:
-            longest = max(longest, lengths[start + count])
-            count += 1
-        sizes.append(count)
-        start += count
-    return sizes
+    longest, count = lengths[0], 1
+    while count < len(lengths) and max(longest, lengths[count]) * (count + 1) <= most_tokens:
+        longest = max(longest, lengths[count])
+        count += 1
+    return count
 
 
 class DecodeStep:
@@ -530,7 +525,7 @@ class _GreedyBatch:
         prompts, n = self.prompts, self.n
         while self.queue and len(self.live) < n and (deadline is None or time.perf_counter() < deadline):
             room = [len(prompts[i]) for i in itertools.islice(self.queue, n - len(self.live))]
-            take = [self.queue.popleft() for _ in range(prefill_groups(room, prefill_tokens)[0])]
+            take = [self.queue.popleft() for _ in range(prefill_group(room, prefill_tokens))]
             first_slot, k = len(self.live), len(take)
             first = prefill_slots(self.model, self.cache, [prompts[i] for i in take],
                                   first_slot=first_slot).argmax(-1)
