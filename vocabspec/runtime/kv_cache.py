@@ -89,12 +89,12 @@ class KVCache:
         """Count the tokens of the forward that just ran as pending."""
         self.pending += n_new
 
-    def commit(self, keep: torch.Tensor | list[int] | None = None, skip_kept_prefix: bool = True) -> None:
+    def commit(self, keep: torch.Tensor | list[int] | None = None) -> None:
         """Keep the pending slots listed in `keep` (indices into the pending block, in order).
 
-        `keep=None` keeps every pending slot, which is what plain decoding wants.
-        skip_kept_prefix: copy nothing when `keep` is 0, 1, 2, ... (asking costs a read-back of
-        `keep`; a step that stays on the device copies instead).
+        `keep=None` keeps every pending slot, which is what plain decoding wants. Nothing is
+        copied when `keep` is 0, 1, 2, ... (asking costs a read-back of `keep`; a step that
+        stays on the device keeps through DeviceKVCache.keep, which copies instead).
         """
         if keep is None:
             self.length += self.pending
@@ -110,7 +110,7 @@ class KVCache:
         else:
             keep = torch.as_tensor(keep, dtype=torch.long, device=self.storage(0)[0].device)
             n_keep = int(keep.numel())
-            same = skip_kept_prefix and torch.equal(keep, torch.arange(n_keep, device=keep.device))
+            same = torch.equal(keep, torch.arange(n_keep, device=keep.device))
             if n_keep and not same:
                 self.move(keep + self.length, slice(self.length, self.length + n_keep))
             self.length += n_keep
@@ -201,7 +201,7 @@ class DeviceKVCache(KVCache):
         self.values[layer].index_copy_(2, self.slots, new_values)
         return self.keys[layer], self.values[layer]
 
-    def commit(self, keep=None, skip_kept_prefix: bool = True) -> None:
+    def commit(self, keep=None) -> None:
         """Keep every pending slot (a prompt, a drafter's read); `keep` rows: see `keep`."""
         if keep is not None:
             raise ValueError("a device cache keeps rows with `keep(rows, count)`")
