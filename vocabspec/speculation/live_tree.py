@@ -88,6 +88,7 @@ PROBE_EVERY = 8           # plain steps between drafted probes where drafting ha
 MOST_PROBE_EVERY = 64     # doubled by each probe that does not pay, up to this
 WEIGHT = 0.1              # running means' weight of the latest step
 GROWTH_WEIGHT = 0.02      # the drafting cost line's: a fit to one tree in ten swings with each
+GROWTH_FIT_AFTER = 20     # trees grown before the line is fitted (a level's mean time until then)
 ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly,
 STEADY_WEIGHT = 0.04      # a step of a drafting stretch slowly (one step is a noisy sample),
 REQUEST_STEPS = 4         # but a request's n-th drafted step by at least 1 / (this + n): a new
@@ -265,6 +266,7 @@ class LiveCosts:
         # Running sums of 1, L, R, t, L L, L R, R R, L t, R t over the trees grown (L levels, R
         # rows, t seconds), started as one tree of one level and row at the tuner's time.
         self._growth = [1.0, 1.0, 1.0, draft_level, 1.0, 1.0, 1.0, draft_level, draft_level]
+        self._trees = 0
         self._reads = [0.0] * 5         # running sums of 1, n, t, n n, n t over the reads
 
     def prior(self, rows: int) -> float:
@@ -314,8 +316,11 @@ class LiveCosts:
         runs the drafter and its head once over its frontier's rows, and a wide level costs
         more than a narrow one (the head's rows are most of it). Where the trees' rows have
         not varied apart from their levels, or that fit is not a cost, t = c + a L, nothing a
-        row; where their levels have not varied either, a level's mean time."""
+        row; where their levels have not varied either, or too few trees have grown to fit a
+        line to, a level's mean time."""
         _, l, r, t, ll, lr, rr, lt, rt = (v / self._growth[0] for v in self._growth)   # means
+        if self._trees < GROWTH_FIT_AFTER:
+            return lt / ll, 0.0
         var_l, var_r, cov = ll - l * l, rr - r * r, lr - l * r
         cov_lt, cov_rt = lt - l * t, rt - r * t
         det = var_l * var_r - cov * cov
@@ -334,6 +339,7 @@ class LiveCosts:
     def grew(self, levels: int, rows: int, seconds: float) -> None:
         """A tree grew `levels` levels over `rows` rows in `seconds`."""
         if levels > 0 and seconds > 0.0:
+            self._trees += 1
             values = (1.0, levels, rows, seconds, levels * levels, levels * rows, rows * rows,
                       levels * seconds, rows * seconds)
             for i, value in enumerate(values):
