@@ -111,6 +111,15 @@ def field_option(parser: argparse.ArgumentParser, config: type, name: str, kind,
         parser.add_argument(flag, type=kind, default=default, help=text, **extra)
 
 
+def config_of(config: type, args, **given):
+    """The dataclass `config` from the options named as its fields (see field_option), the
+    fields no option sets at their defaults, and `given` in place of options."""
+    from dataclasses import fields
+
+    return config(**{f.name: getattr(args, f.name) for f in fields(config)
+                     if f.name not in given and hasattr(args, f.name)}, **given)
+
+
 def add_weight_args(parser: argparse.ArgumentParser) -> None:
     from .runtime.formats import FORMATS
 
@@ -452,6 +461,7 @@ def _ranker_options(sub) -> None:
 
 
 def _bench_options(sub) -> None:
+    from .benchmarks.bench import BenchConfig
     from .speculation.config import FAMILIES
 
     bench = sub.add_parser("bench", help="Spec-Bench: every method side by side, with plots")
@@ -471,17 +481,16 @@ def _bench_options(sub) -> None:
                             "p50/p95 latency and answers differing from alone per method")
     bench.add_argument("--requests-per-client", type=_positive_int, default=4,
                        help="with --throughput: answers per client at each concurrency")
-    bench.add_argument("--max-new-tokens", type=_positive_int, default=1024, help="new tokens per turn")
-    bench.add_argument("--per-category", type=_positive_int, default=None,
-                       help="questions per category (default: all 480)")
-    bench.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (mismatches are counted)")
-    bench.add_argument("--seed", type=int, default=0, help="sampling seed")
+    field_option(bench, BenchConfig, "max_new_tokens", _positive_int, "new tokens per turn")
+    field_option(bench, BenchConfig, "per_category", _positive_int, "questions per category (default: all 480)")
+    field_option(bench, BenchConfig, "temperature", _float, "0 = greedy (mismatches are counted)")
+    field_option(bench, BenchConfig, "seed", int, "sampling seed")
     add_weight_args(bench)
     _threads_option(bench)
     add_draft_args(bench, method=False)
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
-    bench.add_argument("--resume", action="store_true",
-                       help="keep the questions an interrupted run in --out finished (same settings)")
+    field_option(bench, BenchConfig, "resume", bool, "keep the questions an interrupted run in --out finished "
+                 "(same settings)")
 
 
 def _serve_options(sub) -> None:
@@ -557,10 +566,7 @@ def cmd_serve(args) -> int:
     set_threads(args.threads)
     lm = load_target(args)
     window = args.kv_tokens // args.max_batch if args.kv_tokens else 4096
-    limits = ServerLimits(max_tokens_cap=args.max_tokens_cap, max_seconds=args.max_seconds,
-                          max_queue=args.max_queue, max_batch=args.max_batch,
-                          window=min(window, lm.engine.model.args.max_seq_len),
-                          api_key=api_key, allowed_origins=args.allowed_origins, docs=args.docs)
+    limits = config_of(ServerLimits, args, window=min(window, lm.engine.model.args.max_seq_len), api_key=api_key)
     print(resident(lm, slots=limits.max_batch, tokens=limits.window), file=sys.stderr)
     try:
         serve(lm, args.model, host=args.host, port=args.port, limits=limits)
@@ -610,13 +616,8 @@ def cmd_bench(args) -> int:
         print((out / "report.md").read_text())
         print(f"[report, tables and plots in {out}/]", file=sys.stderr)
         return 0
-    cfg = BenchConfig(questions=args.questions, model=args.model, methods=methods,
-                      out=args.out or f"runs/bench-{args.model}", max_new_tokens=args.max_new_tokens,
-                      per_category=args.per_category, temperature=args.temperature, seed=args.seed,
-                      weights=args.weights, backend=args.backend, device=args.device,
-                      allow_inexact=args.allow_inexact, depth=args.depth, tree_top_k=args.tree_top_k,
-                      total_tokens=args.total_tokens, warmup=not args.no_warmup,
-                      draft_path=args.draft_path, resume=args.resume)
+    cfg = config_of(BenchConfig, args, methods=methods, out=args.out or f"runs/bench-{args.model}",
+                    warmup=not args.no_warmup)
     summary = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
     print((Path(cfg.out) / "report.md").read_text())
     print(f"[report, answers, tables and plots in {cfg.out}/]", file=sys.stderr)
@@ -749,7 +750,7 @@ def cmd_generate(args) -> int:
 
     set_threads(args.threads)
     # Validate cheap things before spending seconds on loading the model.
-    SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    config_of(SamplingParams, args)
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give a prompt or --input FILE.jsonl (not both)")
     if args.chat and not args.parse_special:
