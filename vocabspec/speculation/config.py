@@ -270,6 +270,12 @@ def bench_names(*names: str, vocab: str = "full"):
     return lambda base: {"vocab": vocab} if base in names else None
 
 
+def vocab_names(name: str):
+    """A family's benchmark names NAME (the full head) and NAME+VOCAB."""
+    return lambda base: {"vocab": "full"} if base == name else \
+        {"vocab": base[len(name) + 1:]} if base.startswith(name + "+") else None
+
+
 def _plain(model, config, model_name, tokenizer=None, log=None):
     return None
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import EAGLE2, DraftConfig, Family, default_eagle_path, default_vocab, head_files, register
+from ..config import (EAGLE2, DraftConfig, Family, default_eagle_path, default_vocab, head_files, register,
+                      vocab_names)
 
 
 @dataclass
@@ -97,25 +98,16 @@ def build_eagle(model, config: DraftConfig, model_name: str, tokenizer=None, log
 def eagle_names(with_lookup: bool):
     """eagle (+pld): the model's default drafter and head, as --draft names them;
     eagle2[+VOCAB][+pld]: the bundled EAGLE-2 drafter."""
+    suffix = "+pld" if with_lookup else ""
+
     def parse(base: str) -> dict | None:
-        if base == ("eagle+pld" if with_lookup else "eagle"):
+        if base == "eagle" + suffix:
             return {"vocab": "auto"}
-        if not base.startswith("eagle2"):
+        if base.endswith("+pld") != with_lookup:
             return None
-        rest = base[len("eagle2"):]
-        if rest.endswith("+pld") != with_lookup:
-            return None
-        rest = rest[:-len("+pld")] if with_lookup else rest
-        if rest == "":
-            return {"vocab": "full", "path": EAGLE2}
-        return {"vocab": rest[1:], "path": EAGLE2} if rest.startswith("+") else None
+        named = vocab_names("eagle2")(base.removesuffix(suffix))
+        return named and {**named, "path": EAGLE2}
     return parse
-
-
-def _eagle3_names(base: str) -> dict | None:
-    if base == "eagle3":
-        return {"vocab": "full"}
-    return {"vocab": base[len("eagle3+"):]} if base.startswith("eagle3+") else None
 
 
 EAGLE_OPTIONS = frozenset({"path", "vocab", "token_map", "ranker", "depth", "top_k", "total_tokens", "dtype"})
@@ -124,5 +116,5 @@ register(Family("eagle", "EAGLE-2's dynamic tree", EAGLE_OPTIONS, build_eagle, e
                 trainer="vocabspec.training.train:train_eagle"))
 register(Family("eagle3", "EAGLE-3: three target layers fused, a draft vocabulary of its own (a checkpoint "
                 "in speculators' or SGLang's layout, --draft-path; `eagle` reads one too)",
-                EAGLE_OPTIONS - {"ranker"}, build_eagle, _eagle3_names, "eagle3, eagle3+VOCAB (VOCAB: fr:N, trim:N)",
+                EAGLE_OPTIONS - {"ranker"}, build_eagle, vocab_names("eagle3"), "eagle3, eagle3+VOCAB (VOCAB: fr:N, trim:N)",
                 draft_vocab=True, trainer="vocabspec.training.eagle3_train:train_and_save"))

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import BUNDLED_DRAFTERS, Family, default_vocab, head_files, register
+from ..config import BUNDLED_DRAFTERS, Family, default_vocab, head_files, register, vocab_names
 from ..vocab.draft_vocab import FullVocab, VocabTimedDrafting, float_rows, int8_rows, make_draft_vocab
 from ...runtime.linear import Linear
 from ..proposer import Proposer, GraphDrafting
@@ -423,13 +423,7 @@ def _build(model, config, model_name: str, tokenizer=None, log=None):
     return MedusaProposer(model, heads, draft_vocab, total_tokens=min(config.total_tokens, len(MEDUSA_63)))
 
 
-def _names(base: str) -> dict | None:
-    if base == "medusa":
-        return {"vocab": "full"}
-    return {"vocab": base[len("medusa+"):]} if base.startswith("medusa+") else None
-
-
 register(Family("medusa", "Medusa's heads and tree",
                 frozenset({"path", "vocab", "token_map", "ranker", "total_tokens"}), _build,
-                _names, "medusa, medusa+VOCAB", draft_vocab=True,
+                vocab_names("medusa"), "medusa, medusa+VOCAB", draft_vocab=True,
                 trainer="vocabspec.training.medusa_train:train_and_save"))
