@@ -336,27 +336,12 @@ class EagleDrafter(RuntimeDrafter):
     def load(cls, directory: str | Path, target: Backend,
              dtype: torch.dtype | None = None) -> "EagleDrafter":
         """A checkpoint for `target`, computing in `dtype` (default: the target's)."""
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        config_path, weights_path = directory / "config.json", directory / "model.safetensors"
-        for path in (config_path, weights_path):
-            if not path.exists():
-                raise DrafterMismatch(f"drafter {directory}: missing {path.name}")
-        try:
-            config = json.loads(config_path.read_text())
-            state = unpack_q8_0(load_file(str(weights_path)))
-        except Exception as exc:
-            raise DrafterMismatch(f"drafter {directory}: unreadable checkpoint ({exc})") from exc
-        ta = target.args
+        directory, ta = Path(directory), target.args
+        config, state = read_checkpoint(directory, "drafter", DrafterMismatch, ta)
         n_layers = config.get("num_hidden_layers", 1)
         if not isinstance(n_layers, int) or not 1 <= n_layers <= ta.n_layers:
             raise DrafterMismatch(f"drafter {directory}: num_hidden_layers={n_layers!r}, need "
                                   f"1 to {ta.n_layers} (the target's depth)")
-        for key, want in (("hidden_size", ta.dim), ("vocab_size", ta.vocab_size)):
-            if config.get(key) != want:
-                raise DrafterMismatch(f"drafter {directory}: {key}={config.get(key)} but the "
-                                      f"target model has {want}")
         arch = config.get("vocabspec", {}).get("arch", "llama")
         if arch != ta.arch:
             raise DrafterMismatch(f"drafter {directory} is for a {arch} target, not {ta.arch}")
@@ -396,6 +381,26 @@ class EagleDrafter(RuntimeDrafter):
         except RuntimeError as exc:
             raise DrafterMismatch(f"drafter {directory}: tensor shapes do not fit the target ({exc})") from exc
         return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
+
+
+def read_checkpoint(directory: Path, what: str, error: type, target_args: ModelArgs):
+    """(config, tensors) of `directory`'s config.json and model.safetensors (Q8_0 groups as
+    floats: unpack_q8_0), refused as `error` naming `what` where either is missing or
+    unreadable, or the config's hidden_size or vocab_size is not its target's."""
+    from safetensors.torch import load_file
+
+    for name in ("config.json", "model.safetensors"):
+        if not (directory / name).exists():
+            raise error(f"{what} {directory}: missing {name}")
+    try:
+        config = json.loads((directory / "config.json").read_text())
+        tensors = unpack_q8_0(load_file(str(directory / "model.safetensors")))
+    except Exception as exc:
+        raise error(f"{what} {directory}: unreadable checkpoint ({exc})") from exc
+    for key, want in (("hidden_size", target_args.dim), ("vocab_size", target_args.vocab_size)):
+        if config.get(key) != want:
+            raise error(f"{what} {directory}: {key}={config.get(key)} but the target model has {want}")
+    return config, tensors
 
 
 def unpack_q8_0(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

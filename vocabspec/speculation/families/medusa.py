@@ -145,21 +145,10 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, target_args) -> "MedusaHeads":
-        from safetensors.torch import load_file
+        from .eagle import read_checkpoint
 
         directory = Path(directory)
-        for name in ("config.json", "model.safetensors"):
-            if not (directory / name).exists():
-                raise MedusaMismatch(f"Medusa heads {directory}: missing {name}")
-        try:
-            config = json.loads((directory / "config.json").read_text())
-            tensors = load_file(str(directory / "model.safetensors"))
-        except Exception as exc:
-            raise MedusaMismatch(f"Medusa heads {directory}: unreadable ({exc})") from exc
-        for key, want in (("hidden_size", target_args.dim), ("vocab_size", target_args.vocab_size)):
-            if config.get(key) != want:
-                raise MedusaMismatch(f"Medusa heads {directory}: {key}={config.get(key)} but the "
-                                     f"target model has {want}")
+        config, tensors = read_checkpoint(directory, "Medusa heads", MedusaMismatch, target_args)
         arch = config.get("vocabspec", {}).get("arch")
         if arch != target_args.arch:
             raise MedusaMismatch(f"Medusa heads {directory} are for a {arch} target, not {target_args.arch}")
