@@ -92,6 +92,18 @@ def hf_config(a: ModelArgs) -> dict:
     return config
 
 
+def unfused(a: ModelArgs, layer: Block, prefix: str) -> dict[str, torch.Tensor]:
+    """A layer's fused q/k/v and gate/up matrices as Hugging Face's separate ones (views), under
+    `prefix`."""
+    sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
+    state = {}
+    for kind in ("weight", "bias") if a.qkv_bias else ("weight",):
+        for name, part in zip("qkv", getattr(layer.attn.wqkv, kind).split(sizes)):
+            state[prefix + f"self_attn.{name}_proj.{kind}"] = part
+    gate, up = layer.mlp.w_gate_up.weight.split(a.intermediate_size)
+    return state | {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up}
+
+
 class DrafterMismatch(ValueError):
     """A drafter that does not fit its target model."""
 
@@ -319,14 +331,7 @@ class EagleDrafter(RuntimeDrafter):
         names = _hf_names(a.arch)
         for index, layer in enumerate(self.layers):
             prefix = f"layers.{index}."
-            sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
-            for kind in ("weight", "bias") if a.qkv_bias else ("weight",):
-                q, k, v = getattr(layer.attn.wqkv, kind).split(sizes)
-                state.update({prefix + f"self_attn.q_proj.{kind}": q,
-                              prefix + f"self_attn.k_proj.{kind}": k,
-                              prefix + f"self_attn.v_proj.{kind}": v})
-            gate, up = layer.mlp.w_gate_up.weight.split(a.intermediate_size)
-            state.update({prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up})
+            state |= unfused(a, layer, prefix)
             for ours, param in layer.state_dict().items():
                 if ours in names:
                     state[prefix + names[ours]] = param

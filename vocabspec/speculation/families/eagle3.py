@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from .eagle import (DrafterMismatch, PackedLayers, RuntimeDrafter, TorchLayers, attention_mask, packed_vocab_ids,
-                    packed_stack, packer, randomized, unpack_q8_0)
+                    packed_stack, packer, randomized, unfused, unpack_q8_0)
 from ...runtime.kv_cache import KVCache
 from ...runtime.linear import Linear
 from ...runtime.model import Block, ModelArgs, RMSNorm, rope_tables
@@ -366,18 +366,12 @@ class Eagle3Drafter(RuntimeDrafter):
         state.update({"d2t": d2t, "t2d": t2d})
         if self.embed is not None:
             state["embed_tokens.weight"] = self.embed.weight
-        sizes = [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
         for index, layer in enumerate(self.layers):
             prefix = ("midlayer." if index == 0 else f"additional_layers.{index - 1}.") \
                 if layout == "sglang" else f"layers.{index}."
-            for kind in ("weight", "bias") if a.qkv_bias else ("weight",):
-                for name, part in zip("qkv", getattr(layer.attn.wqkv, kind).split(sizes)):
-                    state[prefix + f"self_attn.{name}_proj.{kind}"] = part
-            gate, up = layer.mlp.w_gate_up.weight.split(a.intermediate_size)
-            state |= {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
-                      prefix + "mlp.down_proj.weight": layer.mlp.w_down.weight,
-                      prefix + "self_attn.o_proj.weight": layer.attn.wo.weight,
-                      prefix + "post_attention_layernorm.weight": layer.mlp_norm.weight}
+            state |= unfused(a, layer, prefix) | {prefix + "mlp.down_proj.weight": layer.mlp.w_down.weight,
+                                                  prefix + "self_attn.o_proj.weight": layer.attn.wo.weight,
+                                                  prefix + "post_attention_layernorm.weight": layer.mlp_norm.weight}
             if layer.attn.q_norm is not None:
                 state |= {prefix + "self_attn.q_norm.weight": layer.attn.q_norm.weight,
                           prefix + "self_attn.k_norm.weight": layer.attn.k_norm.weight}
