@@ -359,32 +359,19 @@ class EagleDrafter(RuntimeDrafter):
                           n_layers=n_layers)
         except DrafterMismatch as exc:
             raise DrafterMismatch(f"drafter {directory}: {exc}") from exc
-        a = drafter.args
-        ours = {"fc.weight": state.get("fc.weight"), "fc.bias": state.get("fc.bias")}
-        if taps:
-            ours["fuse.weight"] = state.get("fuse.weight")
-        if ours["fc.bias"] is None:
-            ours["fc.bias"] = torch.zeros(a.dim)
-        names = _hf_names(a.arch)
-        for index, layer in enumerate(drafter.layers):
-            get = lambda name: state.get(f"layers.{index}." + name)  # noqa: E731,B023
-            mine = f"layers.{index}."
-            for kind in ("weight", "bias") if a.qkv_bias else ("weight",):
-                ours[mine + f"attn.wqkv.{kind}"] = _cat(get(f"self_attn.q_proj.{kind}"),
-                                                        get(f"self_attn.k_proj.{kind}"),
-                                                        get(f"self_attn.v_proj.{kind}"))
-            ours[mine + "mlp.w_gate_up.weight"] = _cat(get("mlp.gate_proj.weight"),
-                                                       get("mlp.up_proj.weight"))
-            for name in layer.state_dict():
-                if name in names:
-                    ours[mine + name] = get(names[name])
-        missing = [k for k, v in ours.items() if v is None]
+        # The checkpoint's tensors into the drafter's own, through the views its writer names
+        # (eagle_state_dict: q/k/v and gate/up as parts of the fused matrices).
+        mine = drafter.eagle_state_dict()
+        state.setdefault("fc.bias", torch.zeros(drafter.args.dim))     # EAGLE-1/2 may have none
+        missing = [name for name in mine if name not in state]
         if missing:
             raise DrafterMismatch(f"drafter {directory}: tensors missing: {', '.join(missing)}")
-        try:
-            drafter.load_state_dict(ours, strict=True)
-        except RuntimeError as exc:
-            raise DrafterMismatch(f"drafter {directory}: tensor shapes do not fit the target ({exc})") from exc
+        with torch.no_grad():
+            for name, view in mine.items():
+                if state[name].shape != view.shape:
+                    raise DrafterMismatch(f"drafter {directory}: tensor shapes do not fit the target ({name} of "
+                                          f"shape {tuple(state[name].shape)}, the target needs {tuple(view.shape)})")
+                view.copy_(state[name])
         return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
 
 
@@ -431,10 +418,6 @@ def checked_taps(taps, target: Backend) -> tuple[int, ...]:
         raise DrafterMismatch(f"taps {list(taps)}: a drafter can fuse layers 0 to "
                               f"{target.args.n_layers - 2} (the last layer's feature is always read)")
     return taps
-
-
-def _cat(*tensors):
-    return None if any(t is None for t in tensors) else torch.cat(tensors)
 
 
 # ---------------------------------------------------------------- how a drafter runs
