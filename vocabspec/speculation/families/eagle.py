@@ -483,16 +483,18 @@ class PackedLayers(TorchLayers):
                        layout="native")
 
     def native_drafter(self, draft_vocab):
-        """A NativeDrafter over the target's packed embedding, norm and `head`'s packed rows
-        (None for a head that is not packed, or not of fixed rows)."""
+        """A NativeDrafter over the packed layers and the head's packed rows (None for a head
+        that is not packed, or not of fixed rows), with `native_parts`."""
         from ...runtime.native import NativeDrafter
 
         ids = packed_vocab_ids(draft_vocab)
-        if ids is False:
-            return None
+        return None if ids is False else NativeDrafter(self.fc, self.stack, draft_vocab.weight, ids,
+                                                       **self.native_parts())
+
+    def native_parts(self) -> dict:
+        """NativeDrafter's embedding and norms: the target's packed embedding and final norm."""
         t = self.drafter.target
-        return NativeDrafter(self.fc, self.stack, draft_vocab.weight, ids, t.embed_weight, t.embed_scale, t.norm.weight,
-                             t.args.norm_eps)
+        return dict(embed=t.embed_weight, embed_scale=t.embed_scale, norm=t.norm.weight, eps=t.args.norm_eps)
 
     def tree_drafting(self, proposer):
         """One native call a read and a tree (NativeEagleDrafting) where its head is packed and a

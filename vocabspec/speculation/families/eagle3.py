@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .eagle import (DrafterMismatch, PackedLayers, RuntimeDrafter, TorchLayers, attention_mask, packed_vocab_ids,
-                    packed_stack, packer, randomized, unfused, unpack_q8_0)
+from .eagle import (DrafterMismatch, PackedLayers, RuntimeDrafter, TorchLayers, attention_mask, packed_stack, packer,
+                    randomized, unfused, unpack_q8_0)
 from ...runtime.kv_cache import KVCache
 from ...runtime.linear import Linear
 from ...runtime.model import Block, ModelArgs, RMSNorm, rope_tables
@@ -534,15 +534,11 @@ class Eagle3PackedLayers(PackedLayers):
         cache.advance(tokens.shape[0])
         return d.norm(x) if d.config.norm_output else x
 
-    def native_drafter(self, draft_vocab):
-        from ...runtime.native import NativeDrafter
-
-        ids = packed_vocab_ids(draft_vocab)
-        if ids is False:
-            return None
+    def native_parts(self) -> dict:
+        """Its own embedding (else the target's, unscaled), its final norm on the head's input or
+        on its output (`norm_output`), and a first layer that reads the embeddings."""
         d = self.drafter
-        embed = self.embed or d.target.embed_weight
         norm = d.norm.weight
-        return NativeDrafter(self.fc, self.stack, draft_vocab.weight, ids, embed, None, None, d.args.norm_eps, fused=True,
-                             head_norm=None if d.config.norm_output else norm,
-                             out_norm=norm if d.config.norm_output else None)
+        return dict(embed=self.embed or d.target.embed_weight, embed_scale=None, norm=None, eps=d.args.norm_eps,
+                    fused=True, head_norm=None if d.config.norm_output else norm,
+                    out_norm=norm if d.config.norm_output else None)
