@@ -607,12 +607,11 @@ def cmd_bench(args) -> int:
             raise ValueError(f"--throughput takes client counts, e.g. 1,2,4,8, not {args.throughput!r}") from None
         if not concurrencies or min(concurrencies) < 1:
             raise ValueError("--throughput takes positive client counts")
-        run_throughput(args.model, list(methods), concurrencies, args.out or f"runs/throughput-{args.model}",
-                       questions=args.questions, per_category=args.per_category or 1,
-                       max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                       requests_per_client=args.requests_per_client, weights=args.weights,
-                       log=lambda m: print(m, file=sys.stderr))
         out = Path(args.out or f"runs/throughput-{args.model}")
+        run_throughput(args.model, list(methods), concurrencies, str(out), questions=args.questions,
+                       per_category=args.per_category or 1, max_tokens=args.max_new_tokens,
+                       temperature=args.temperature, seed=args.seed, requests_per_client=args.requests_per_client,
+                       weights=args.weights, log=lambda m: print(m, file=sys.stderr))
         print((out / "report.md").read_text())
         print(f"[report, tables and plots in {out}/]", file=sys.stderr)
         return 0
@@ -636,6 +635,8 @@ def cmd_vocab(args) -> int:
                                               save_token_map)
     from .runtime.tokenizer import load_tokenizer
 
+    if args.source == "files" and not args.files:
+        raise ValueError("--source files needs --files PATH ...")
     model, path = load_model(args.model, max_seq_len=64)
     tokenizer = load_tokenizer(path)
     vocab = model.args.vocab_size
@@ -649,8 +650,6 @@ def cmd_vocab(args) -> int:
         counts = count_target_predictions(features)
         fallback = rank(count_sharegpt(tokenizer), vocab)   # corpus order for unseen tokens
     elif args.source == "files":
-        if not args.files:
-            raise ValueError("--source files needs --files PATH ...")
         counts, fallback = count_files(tokenizer, args.files), []
     else:
         raise ValueError(f"unknown source {args.source!r} (sharegpt, target, files)")
@@ -678,8 +677,6 @@ def _write_successors(args, tokenizer, vocab: int) -> int:
 
     if args.source not in ("sharegpt", "files"):
         raise ValueError("--successors counts a corpus: --source sharegpt or files")
-    if args.source == "files" and not args.files:
-        raise ValueError("--source files needs --files PATH ...")
     texts = list(file_ids(tokenizer, args.files))
     if args.source == "sharegpt":
         texts += list(sharegpt_ids(tokenizer))
