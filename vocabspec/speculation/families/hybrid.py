@@ -36,7 +36,7 @@ from ..config import Family, register
 from .eagle import EagleProposer
 from .eagle_family import EAGLE_OPTIONS, build_eagle, eagle_names
 from ..proposer import GraphDrafting
-from .pld import PromptLookupProposer
+from .pld import PromptLookupProposer, followed
 from ..tree import Tree, chain, graft
 
 
@@ -62,14 +62,10 @@ class EagleLookupProposer(EagleProposer):
     def _follow(self, accepted: list[int]) -> None:
         """Copy mode on when the step accepted at least `copy_after` tokens of the path; the
         path's outcome learned where the live rule scores it."""
-        followed = 0
-        for drafted, token in zip(self._chain, accepted[1:]):
-            if drafted != token:
-                break
-            followed += 1
-        self._copying = followed >= self.copy_after
+        taken = followed(self._chain, accepted)
+        self._copying = taken >= self.copy_after
         if self._chain and self.live_sizing() is not None:
-            self.sizing.path.learn(len(self._chain), followed)
+            self.sizing.path.learn(len(self._chain), taken)
 
     def next_tree_tokens(self) -> int:
         """The next proposal's drafts at most: the lookup path (a cheap lookup) plus, outside

@@ -17,6 +17,12 @@ from ..proposer import Proposer, GraphDrafting
 from ..tree import Tree, chain
 
 
+def followed(path: list[int], accepted: list[int]) -> int:
+    """How many of a drafted `path`'s tokens a step accepted (`accepted`: the root first)."""
+    return next((i for i, (drafted, token) in enumerate(zip(path, accepted[1:])) if drafted != token),
+                min(len(path), len(accepted) - 1))
+
+
 class PromptLookupProposer(Proposer):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_draft: int = 10,
                  device: torch.device | str = "cpu"):
@@ -53,12 +59,8 @@ class PromptLookupProposer(Proposer):
     def observe(self, accepted, hidden, next_token) -> None:
         self.context.extend(accepted[1:] + [next_token])
         if self.drafted:
-            # The drafted tokens the step accepted (in a hybrid tree the accepted path may
-            # leave the lookup's).
-            taken = 0
-            while taken < min(len(self.drafted), len(accepted) - 1) and \
-                    self.drafted[taken] == accepted[1 + taken]:
-                taken += 1
+            # In a hybrid tree the accepted path may leave the lookup's.
+            taken = followed(self.drafted, accepted)
             self.length = min(self.num_draft, 2 * self.length) if taken == len(self.drafted) \
                 else taken + 1
         self.drafted = []
