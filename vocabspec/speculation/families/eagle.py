@@ -173,6 +173,18 @@ class RuntimeDrafter(nn.Module):
         `head_input`) and what a draft step below reads as its feature."""
         return self.runtime.forward(tokens, features, positions, cache, tree_mask)
 
+    def packed_layers(self, kind: str, rope: dict, first: dict | None = None):
+        """(pack, stack): `packer(kind)` for the drafter's other matrices, and its decoder layers
+        as a native stack of `kind` weights over `rope` (`first`: what its first layer reads
+        besides, native_stack's)."""
+        from ...runtime.formats import block_biases, block_linears
+        from ...runtime.native_backend import block_norms, native_stack
+
+        pack = packer(kind, self.target)
+        biases = block_biases(self.args, self.layers)
+        packed = {name: pack(w, bias=biases.get(name)) for name, w in block_linears(self.args, self.layers).items()}
+        return pack, native_stack(self.args, block_norms(self.layers), packed, rope, first)
+
     def new_cache(self, max_len: int, on_device: bool = False) -> KVCache:
         """A cache for this drafter; on_device: a DeviceKVCache (kv_cache.py) for graph steps."""
         a, w = self.args, self.fc.weight
@@ -211,16 +223,10 @@ class EagleDrafter(RuntimeDrafter):
         weights (bf16 holds a bfloat16 checkpoint exactly; q8i: Q8_0 groups beside 8-bit
         activations), float32 activations, a native KV cache. What is drafted changes by
         rounding only; verification is untouched."""
-        from ...runtime.formats import block_biases, block_linears
-
         if self.fuse is not None:
             raise ValueError("drafters with taps draft on torch's kernels")
-        pack = packer(kind, self.target)
-        biases = block_biases(self.args, self.layers)
-        packed = {name: pack(w, bias=biases.get(name))
-                  for name, w in block_linears(self.args, self.layers).items()}
-        self.__dict__["runtime"] = PackedLayers(self, pack(self.fc.weight, bias=self.fc.bias),
-                                                packed_stack(self.args, self.layers, packed, self.target.rope))
+        pack, stack = self.packed_layers(kind, self.target.rope)
+        self.__dict__["runtime"] = PackedLayers(self, pack(self.fc.weight, bias=self.fc.bias), stack)
 
     @classmethod
     def random(cls, target: Backend, seed: int = 0, input_norm: bool = False,
@@ -433,13 +439,6 @@ def packer(kind: str, target):
     if kind == "q8i":
         return lambda w, bias=None: quantize_q8(w.float(), bias)
     return lambda w, bias=None: pack_float(w, kind, bias)
-
-
-def packed_stack(args: ModelArgs, layers, packed: dict, rope: dict, first: dict | None = None):
-    """A drafter's decoder layers (model.Block modules) as a native stack over `packed`."""
-    from ...runtime.native_backend import block_norms, native_stack
-
-    return native_stack(args, block_norms(layers), packed, rope, first)
 
 
 class TorchLayers:

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .eagle import (DrafterMismatch, PackedLayers, RuntimeDrafter, TorchLayers, attention_mask, packed_stack, packer,
-                    randomized, unfused, unpack_q8_0)
+from .eagle import (DrafterMismatch, PackedLayers, RuntimeDrafter, TorchLayers, attention_mask, randomized,
+                    unfused, unpack_q8_0)
 from ...runtime.kv_cache import KVCache
 from ...runtime.linear import Linear
 from ...runtime.model import Block, ModelArgs, RMSNorm, rope_tables
@@ -211,24 +211,21 @@ class Eagle3Drafter(RuntimeDrafter):
         fc, the layers and the draft head as `kind` weights (q8i: GGUF's Q8_0 groups beside
         8-bit activations), float32 activations, a native KV cache. What is drafted changes by
         rounding only; verification is untouched."""
-        from ...runtime.formats import block_biases, block_linears, pack_float
+        from ...runtime.formats import pack_float
 
         c, a = self.config, self.args
         if not self.native_fits:
             raise ValueError("EAGLE-3 drafters that norm fc's inputs (fc_norm, norm_before_fc) draft on "
                              "torch's kernels")
-        pack = packer(kind, self.target)
-        biases = block_biases(a, self.layers)
-        packed = {name: pack(w, bias=biases.get(name)) for name, w in block_linears(a, self.layers).items()}
         rope = {"global": tuple(t.float().contiguous() for t in
                                 rope_tables(a.head_dim, a.rope_base, a.max_seq_len + 256, a.rope_scaling))}
         first = {"attn_norm": self.embed_norm.weight.detach().float().contiguous(),
                  "hidden_norm": self.hidden_norm.weight.detach().float().contiguous(),
                  "norm_residual": c.norm_before_residual}
+        pack, stack = self.packed_layers(kind, rope, first)
         fc_bias = None if self.fc.bias is None else self.fc.bias.detach().float()
         embed = None if self.embed is None else pack_float(self.embed.weight, "bf16")
-        self.__dict__["runtime"] = Eagle3PackedLayers(self, pack(self._fc_over_rows(), bias=fc_bias),
-                                                      packed_stack(a, self.layers, packed, rope, first), pack, embed)
+        self.__dict__["runtime"] = Eagle3PackedLayers(self, pack(self._fc_over_rows(), bias=fc_bias), stack, pack, embed)
 
     @property
     def native_fits(self) -> bool:
