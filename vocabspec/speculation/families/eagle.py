@@ -372,12 +372,7 @@ class EagleDrafter(RuntimeDrafter):
         missing = [name for name in mine if name not in state]
         if missing:
             raise DrafterMismatch(f"drafter {directory}: tensors missing: {', '.join(missing)}")
-        with torch.no_grad():
-            for name, view in mine.items():
-                if state[name].shape != view.shape:
-                    raise DrafterMismatch(f"drafter {directory}: tensor shapes do not fit the target ({name} of "
-                                          f"shape {tuple(state[name].shape)}, the target needs {tuple(view.shape)})")
-                view.copy_(state[name])
+        copy_checkpoint(mine, state, f"drafter {directory}: tensor shapes do not fit the target")
         return drafter.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
 
 
@@ -399,6 +394,17 @@ def read_checkpoint(directory: Path, what: str, error: type, target_args: ModelA
         if config.get(key) != want:
             raise error(f"{what} {directory}: {key}={config.get(key)} but the target model has {want}")
     return config, tensors
+
+
+def copy_checkpoint(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], where: str) -> None:
+    """A checkpoint's `state` into a drafter's `tensors` (views of its own, by the checkpoint's
+    names), each of the same shape, else DrafterMismatch (`where`: the message's start)."""
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if tuple(state[name].shape) != tuple(tensor.shape):
+                raise DrafterMismatch(f"{where}: {name} has shape {tuple(state[name].shape)}, the config gives "
+                                      f"{tuple(tensor.shape)}")
+            tensor.copy_(state[name].to(tensor.dtype))
 
 
 def unpack_q8_0(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

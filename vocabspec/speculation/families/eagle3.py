@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .eagle import (DrafterMismatch, PackedLayers, RuntimeDrafter, TorchLayers, attention_mask, randomized,
-                    unfused, unpack_q8_0)
+from .eagle import (DrafterMismatch, PackedLayers, RuntimeDrafter, TorchLayers, attention_mask, copy_checkpoint,
+                    randomized, unfused, unpack_q8_0)
 from ...runtime.kv_cache import KVCache
 from ...runtime.linear import Linear
 from ...runtime.model import Block, ModelArgs, RMSNorm, rope_tables
@@ -483,17 +483,10 @@ class Eagle3Drafter(RuntimeDrafter):
                 raise DrafterMismatch(f"EAGLE-3 drafter {directory}: embed_tokens of shape {tuple(table.shape)}, "
                                       f"the target needs ({target.args.vocab_size}, {parsed.dim})")
             drafter.embed = nn.Embedding(*table.shape)
-        with torch.no_grad():
-            for name, param in mine.items():
-                if name in ("d2t", "t2d"):
-                    continue
-                if tuple(state[name].shape) != tuple(param.shape):
-                    raise DrafterMismatch(f"EAGLE-3 drafter {directory}: {name} has shape "
-                                          f"{tuple(state[name].shape)}, the config gives {tuple(param.shape)}")
-                param.copy_(state[name].to(param.dtype))
-            if drafter.embed is not None:
-                drafter.embed.weight.copy_(state["embed_tokens.weight"].float())
-            drafter.draft_ids.copy_(ids)
+            mine["embed_tokens.weight"] = drafter.embed.weight
+        copy_checkpoint({k: v for k, v in mine.items() if k not in ("d2t", "t2d")}, state,
+                        f"EAGLE-3 drafter {directory}")
+        drafter.draft_ids.copy_(ids)
         dtype = dtype or (target.dtype if target.dtype in (torch.float32, torch.bfloat16, torch.float16)
                           else torch.float32)
         return drafter.to(device=target.device, dtype=dtype).eval().requires_grad_(False)
