@@ -38,11 +38,13 @@ Each step:
   only trade a kept node for one about as likely is not drafted.
 - After drafting (a tree of up to `most` nodes): its nodes in value order (EAGLE-2's
   reranking: the best m nodes are a tree), each with its calibrated chance to be on the
-  accepted path. The tree kept is the m that maximises expected tokens per second,
-  (1 + sum of the first m chances) / (c(1 + m) + a second head pass's chance times its cost),
-  m = 0 (the root alone) included. The drafting is spent by then, so it does not enter this
-  choice; it enters the rate the step expects, which sets the next step's stop and room
-  (m + 1 nodes). What a drafted step costs is its tree's growth plus the drafter's read of
+  accepted path. The tree kept is the m that maximises the step's expected tokens per second,
+  (1 + sum of the first m chances) / (c(1 + m) + a second head pass's chance times its cost
+  + the step's drafting), m = 0 (the root alone) included. The drafting is spent by then, but
+  it is part of the step whatever m is: weighed without it, a row had to pay at a rate no step
+  reaches, and the trees kept were smaller than the speed of whole steps wants. The rate the
+  step expects sets the next step's stop and room (m + 2 nodes). What a drafted step costs
+  is its tree's growth plus the drafter's read of
   the tokens it accepts, as a step of steady drafting reads them (from the reads' running
   cost line): a probe after a run of plain steps reads them all at once, a catch-up that
   steady drafting would not pay, and charging it to the probe would keep a drafter that pays
@@ -504,8 +506,11 @@ class LiveSizing:
         chance = self.calibration.chance
         chances = [chance(depths[row], values[row]) for row in order]
         costs = self.costs
-        rates = self._rates(order, chances, 0.0)
-        best_m, best_rate = 0, 1.0 / costs(1 + self.extra_rows)
+        # What the step spent drafting is spent, but it is part of every choice's step: a
+        # choice weighed without it weighs rows against a rate the step cannot reach, and keeps
+        # nodes only where they pay more than they do.
+        rates = self._rates(order, chances, grow_seconds)
+        best_m, best_rate = 0, 1.0 / (costs(1 + self.extra_rows) + grow_seconds + costs.read(1.0))
         for m, rate in enumerate(rates, 1):
             if rate > best_rate:
                 best_m, best_rate = m, rate
@@ -517,22 +522,26 @@ class LiveSizing:
             first = max((math.exp(values[row]) for row in order if depths[row] == 1), default=0.0)
             self.sizes.append((first, best_m))
         self.tree = tree.best(best_m)
+        grown = grow_seconds
         if started is not None:
             grow_seconds = max(grow_seconds, time.perf_counter() - started - read_seconds)
         self._draft_seconds, self._grow_seconds = grow_seconds + read_seconds, grow_seconds
-        # The drafting is spent and does not enter the choice; it does enter the rate the step
-        # expects, which sets the next step's stop and room: its growth, and the read of the
-        # tokens it accepts as steady drafting would read them.
+        # The rate the step expects sets the next step's stop and room: its growth and this
+        # choice, and the read of the tokens it accepts as steady drafting would read them.
         self._expected = sum(chances[:best_m])
         gain = 1.0 + self._expected
-        rate = gain / (gain / best_rate + grow_seconds + costs.read(gain))
+        rate = gain / (gain / best_rate + grow_seconds - grown)
         self.rate += WEIGHT * (rate - self.rate)
-        self.total = max(2, min(self.most, best_m + 1))
+        # The next step drafts room for two nodes more than this one kept: a forward's cost is
+        # not convex in its rows (on the native engine 3 rows can cost more than 4), and room
+        # for one more would offer a tree that kept one node only the dearer next size.
+        self.total = max(2, min(self.most, best_m + 2))
         return self.tree
 
     def _rates(self, order: list[int], chances: list[float], drafting: float) -> list[float]:
         """Expected tokens per second of the trees of the first 1, 2, ... nodes of `order` (rows
-        in value order, with their chances), `drafting` seconds on top. Greedy verification
+        in value order, with their chances), `drafting` seconds on top and the drafter's read of
+        the tokens each expects accepted, as steady drafting reads them. Greedy verification
         scores the head over a tree's first `head_rows` rows; a path that goes past them costs
         another pass (on Gemma's 262k-row head a quarter of a step): the chance of that is
         the summed chances of the kept nodes placed past the first pass."""
@@ -544,7 +553,7 @@ class LiveSizing:
             gain += p
             bisect.insort(kept, row)        # the kept tree's rows keep the drafted tree's order
             second = min(1.0, sum(chance_of[r] for r in kept[first - 1:])) if m >= first else 0.0
-            rates.append(gain / (costs(1 + m + extra) + drafting + second * costs.head_pass))
+            rates.append(gain / (costs(1 + m + extra) + drafting + costs.read(gain) + second * costs.head_pass))
         return rates
 
     # ---- after verification
