@@ -43,7 +43,7 @@ from ..runtime.backend import Backend
 from ..runtime.slots import forward_rows, pad_rows
 from ..runtime.model import CustomAttention
 from .config import TrainConfig
-from .train import learning_rate, parse_taps, parse_token_counts, train_loop, training_sets
+from .train import learning_rate, parse_taps, parse_token_counts, train_loop
 
 LABELS = ("soft", "hard")
 
@@ -310,9 +310,10 @@ def train_and_save(cfg, target: Backend, split: dict, report: dict, ship: bool, 
         raise ValueError("--ship copies a drafter in the bundled EAGLE-2 layout; an EAGLE-3 drafter is "
                          "saved to --out/drafter (speculators' layout) and read with --draft-path")
     started = time.perf_counter()
-    drafter = train(cfg, target, split, log=log)
+    trainee = train_loop(cfg, target, split, Eagle3Training, log)     # its held-out set loaded once
+    drafter = trainee.drafter
     report["train_seconds"] = round(drafter.train_seconds or time.perf_counter() - started, 1)
-    report.update(evaluate(drafter, training_sets(cfg, split)[1], max(2, cfg.eagle3.ttt_steps)))
+    report.update(evaluate(drafter, trainee.heldout, max(2, cfg.eagle3.ttt_steps)))
     log(json.dumps({k: v for k, v in report.items() if k != "config"}))
     # In the form the engine drafts with and the shipped drafters take (Q8_0 groups), as the
     # device recipe writes its own: what is measured is what would be committed.

@@ -917,10 +917,9 @@ def train_eagle(cfg: TrainConfig, target: Backend, split: dict, report: dict, sh
     shards, measure it, save it to `cfg.out`/drafter, and with `ship` into the package."""
     out = Path(cfg.out)
     started = time.perf_counter()
-    drafter = train_drafter(cfg, target, split, log=log)
-    seconds = drafter.train_seconds
+    trainee = train_loop(cfg, target, split, EagleTraining, log)      # its held-out set loaded once
+    drafter, heldout, seconds = trainee.drafter, trainee.heldout, trainee.drafter.train_seconds
     report["train_seconds"] = round(time.perf_counter() - started if seconds is None else seconds, 1)
-    heldout = training_sets(cfg, split)[1]
     report.update(evaluate(drafter, heldout, steps=max(2, cfg.eagle.unroll)))
     report["tau_heldout_prompts"] = round(measure_tau(drafter, target,
                                                       split["heldout_prompts"][:4]), 3)
