@@ -37,7 +37,7 @@ def live_model(prior_speedup: float, fixed_costs: bool = False):
         # gave them (a host busy with other tests stretches them many times over).
         choose = sizing.choose
         sizing.choose = lambda tree, levels, grow_seconds, read_seconds=0.0, read_tokens=0, started=None: \
-            choose(tree, levels, levels * sizing.costs.draft_level, 0.0, read_tokens)
+            choose(tree, levels, levels * sizing.costs.drafting()[0], 0.0, read_tokens)
     lm.engine.proposer.sizing = sizing
     return lm, sizing
 

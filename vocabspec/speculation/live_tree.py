@@ -334,10 +334,6 @@ class LiveCosts:
             return cov_lt / var_l, 0.0
         return lt / ll, 0.0
 
-    @property
-    def draft_level(self) -> float:
-        return self.drafting()[0]
-
     def grew(self, levels: int, rows: int, seconds: float) -> None:
         """A tree grew `levels` levels over `rows` rows in `seconds`."""
         if levels > 0 and seconds > 0.0:
