@@ -386,27 +386,34 @@ def ptr(t: torch.Tensor | None) -> int | None:
 
 def check_range(what: str, values: torch.Tensor, low: int, high: int) -> None:
     """ValueError naming the first of `values` outside [low, high)."""
-    if values.numel() == 0:
+    flat = values.reshape(-1)
+    if flat.numel() == 0:
         return
-    bad = (values < low) | (values >= high)
-    if bool(bad.any()):
-        value = int(values.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]])
+    # A step's few indices are checked as a list: torch's comparisons cost microseconds a call,
+    # and a step makes several.
+    least, most = (min(items := flat.tolist()), max(items)) if flat.numel() <= 256 else map(int, torch.aminmax(flat))
+    if least < low or most >= high:
+        value = next(v for v in flat.tolist() if not low <= v < high)
+        raise ValueError(f"{what} {value} is outside [{low}, {high})")
+
+
+def check_index(what: str, value: int, low: int, high: int) -> None:
+    """ValueError where the index `value` is outside [low, high)."""
+    if not low <= value < high:
         raise ValueError(f"{what} {value} is outside [{low}, {high})")
 
 
 def check_parents(what: str, parents: torch.Tensor) -> None:
     """A tree's parents (-1 for the root at row 0, every other row's parent an earlier row):
     ValueError naming the first row that breaks it."""
-    n = parents.numel()
-    if n == 0:
+    rows = parents.tolist()
+    if not rows:
         raise ValueError(f"{what}: a tree has at least its root")
-    if int(parents[0]) != -1:
-        raise ValueError(f"{what}: row 0 is the root (parent -1), not a child of {int(parents[0])}")
-    rows = torch.arange(n, dtype=parents.dtype)
-    bad = (parents[1:] < 0) | (parents[1:] >= rows[1:])
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0]) + 1
-        raise ValueError(f"{what}: row {row}'s parent {int(parents[row])} is not an earlier row")
+    if rows[0] != -1:
+        raise ValueError(f"{what}: row 0 is the root (parent -1), not a child of {rows[0]}")
+    for row, parent in enumerate(rows):
+        if row and not 0 <= parent < row:
+            raise ValueError(f"{what}: row {row}'s parent {parent} is not an earlier row")
 
 
 def check_count(what: str, value: int, low: int, high: int | None = None) -> None:
@@ -720,7 +727,7 @@ class NativeDrafter:
                              f"not {tuple(hidden.shape)}")
         ids = torch.tensor(tokens, dtype=torch.int64)
         check_range("token id", ids, 0, self.vocab)
-        check_range("position", torch.tensor([length + n - 1]), 0, self.stack.positions)
+        check_index("position", length + n - 1, 0, self.stack.positions)
         need = lib.vs_drafter_read_scratch(ctypes.byref(self.struct), n)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
@@ -743,8 +750,8 @@ class NativeDrafter:
         check_count("tree depth", depth, 0)
         check_count("total_tokens", total_tokens, 1)
         check_count("the drafter's committed length", length, 0)
-        check_range("root token id", torch.tensor([root]), 0, self.vocab)
-        check_range("position", torch.tensor([length - 1 + depth]), 0, self.stack.positions)
+        check_index("root token id", root, 0, self.vocab)
+        check_index("position", length - 1 + depth, 0, self.stack.positions)
         slots = self.stack.check_cache(keys, values)
         if length + depth * top_k > slots:
             raise ValueError(f"the drafter's cache holds {slots} slots, {length + depth * top_k} needed")
