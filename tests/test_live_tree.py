@@ -126,10 +126,11 @@ def test_a_verdict_that_drafting_loses_is_probed_again():
     assert gaps == sorted(gaps) and gaps[0] == 2 * PROBE_EVERY and gaps[-1] == MOST_PROBE_EVERY, gaps
 
 
-def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
+def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_is_followed_by_another():
     """Where no tree pays, each probe doubles the plain steps before the next (to
     MOST_PROBE_EVERY); a probe whose tree paid (what it accepted, at what its rows and drafting
-    cost) brings the wait back to PROBE_EVERY."""
+    cost) is followed by another at the next step, and one that does not pay after it waits
+    PROBE_EVERY steps or more."""
     builder = TreeBuilder(1, 1, 1)
     builder.add_children([0], torch.tensor([[5]]), torch.tensor([[-0.05]]))
     sure = builder.build()                   # one node the drafter is 95% sure of
@@ -157,7 +158,7 @@ def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
     assert waits == [2 * PROBE_EVERY, 4 * PROBE_EVERY, MOST_PROBE_EVERY, MOST_PROBE_EVERY, MOST_PROBE_EVERY,
                      MOST_PROBE_EVERY]
     assert gaps[0] == PROBE_EVERY and all(wait - 1 <= gap <= wait for wait, gap in zip(waits, gaps[1:])), gaps
-    # Free drafting of a likely node that is accepted pays: the wait is PROBE_EVERY again (a
+    # Free drafting of a likely node that is accepted pays: the next step probes again (a
     # fresh rule at the longest wait, its calibration and costs untouched by the probes above).
     # Where this request's sure nodes keep being wrong, its probes stop paying: what it accepted
     # of what it expected scales what the next expects, and the waits grow again.
@@ -166,7 +167,9 @@ def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
     assert sizing.plan()[0]
     sizing.choose(sure, 1, 0.002)           # drafting that pays only where the node is right
     sizing.observe([1, 5])
-    assert sizing.probe_every == PROBE_EVERY
+    assert sizing.probe_every == 0 and sizing.plan()[0] and sizing._probing
+    sizing.choose(sure, 1, 0.002)
+    sizing.observe([1, 5])
     waits = []
     for _ in range(6):
         sizing.plain_steps = sizing.probe_every
@@ -175,6 +178,27 @@ def test_probes_that_do_not_pay_wait_longer_and_one_that_pays_resets_the_wait():
         sizing.observe([1])
         waits.append(sizing.probe_every)
     assert waits[-1] > waits[0] and waits[-1] >= 4 * PROBE_EVERY, waits
+    assert min(wait for wait in waits if wait) >= PROBE_EVERY, waits
+
+
+def test_a_request_starts_from_the_typical_advantage_not_the_last_requests():
+    """A new prompt is new text: a request starts from the advantage the last few requests
+    closed on (a running mean, the tuner's prior its start), not from the last one's alone, so
+    a request the drafter guessed badly leaves the next one drafting from its first step, and
+    several leave it probing."""
+    sizing = LiveSizing(CURVE, 0.0003, prior_speedup=1.3, total=3, most_depth=2, most=4)
+    sizing.start()
+    assert sizing.advantage == 1.3 and sizing.plan()[0] and not sizing._probing
+    sizing.observe([1])
+    sizing.advantage = 0.5                   # the drafter guessed this request badly
+    sizing.start()
+    assert 1.0 < sizing.advantage < 1.3 and sizing.drafts() and not sizing.stretch
+    for _ in range(3):                       # three more such requests
+        assert sizing.plan()[0]
+        sizing.observe([1])
+        sizing.advantage = 0.5
+        sizing.start()
+    assert sizing.advantage < 1.0 and sizing.plan()[0] and sizing._probing    # its first step probes
 
 
 def test_a_probe_verifies_its_best_node_even_where_none_pays():
@@ -430,7 +454,7 @@ def test_a_probe_is_charged_the_read_steady_drafting_makes_not_its_catch_up():
         assert sizing.plan()[0]
         sizing.choose(sure, 1, 0.0002, read_seconds, 2 if name == "steady" else 40)
         sizing.observe([1, 5])               # its node accepted
-        paid[name] = sizing.probe_every == PROBE_EVERY
+        paid[name] = sizing.probe_every == 0      # another probe follows at once
     assert paid == {"steady": True, "catch-up": True}
     # Charged whole, the catch-up read would have sunk the probe.
     sizing = LiveSizing(CURVE, 0.0003, prior_speedup=0.5, total=0, most_depth=2, most=4)
@@ -471,7 +495,7 @@ def test_a_drafting_stretch_outlasts_a_dip_and_a_plain_step_does_not_start_one()
     assert sizing.plan()[0] and not sizing._probing
     assert sizing.choose(unlikely, 1, 0.0005).size == 0
     sizing.observe([1])
-    assert sizing.stretch and 1.0 < sizing.advantage < 1.05 and sizing.drafts()
+    assert sizing.stretch and KEEP_DRAFTING < sizing.advantage < 1.05 and sizing.drafts()
     sizing.advantage = (KEEP_DRAFTING + 1.0) / 2
     assert sizing.drafts() and not sizing.dormant
     sizing.advantage = KEEP_DRAFTING - 0.01

@@ -12,14 +12,18 @@ Each step:
   KEEP_DRAFTING of it, its steps weighed lightly (STEADY_WEIGHT): one step's speed swings
   with its drafter's confidence (a step that keeps the root alone still paid its drafting),
   and a gate that turned on the last few steps' mean spent half a prompt the drafter guesses
-  well decoding plainly, waiting for probes. A request's first drafted steps weigh more, as a
-  mean of their own with the last verdict counted as REQUEST_STEPS steps: a prompt the drafter
-  cannot guess, after one it guessed well, drafted at a loss for half its answer while a
-  verdict from other text wore off.
+  well decoding plainly, waiting for probes. A request starts from the drafter's typical
+  advantage (a running mean of the last requests' closing ones, the tuner's speedup its start),
+  not the last request's: a prompt the drafter guessed badly says little of the next. Its
+  first drafted steps weigh more, as a mean of their own with that start counted as
+  REQUEST_STEPS steps: a prompt the drafter cannot guess, after one it guessed well, drafted at
+  a loss for half its answer while a verdict from other text wore off.
   Where it has not been paying, a step drafts anyway after PROBE_EVERY plain ones, so a
   verdict reached on a busy machine, or on a stretch the drafter could not guess, is tried
   again; each probe that does not pay doubles that wait, up to MOST_PROBE_EVERY steps (where
-  no tree pays on this machine probes cost little), and one that pays resets it.
+  no tree pays on this machine probes cost little), and one that pays is followed by another
+  at the next step (text the drafter guesses drafts after two or three probes, not after
+  PROBE_EVERY plain steps for each).
   A request's first step is a probe too. A probe verifies at least its best node, so that
   what it measures (this request's acceptance, the calibration) can move.
   Within a stretch whose advantage is below CHECK_BELOW, every CHECK_EVERY-th step is plain (a
@@ -57,6 +61,10 @@ Each step:
   accepted over expected) moves the advantage that decides whether drafting pays, and a
   probe's wait.
 
+Each prior (the tuner's curve, its drafting level, the rate its speedup sets) counts as one
+observation: a mean of the first steps, then a running one, so that figures the tuner took on
+a busy machine wear off within a few steps of a quiet one.
+
 Costs: c(rows) is the tuner's measured forward curve times that row count's own factor (what
 its steps show it costs inside decoding, against the curve's: their mean, then a slow running
 mean; one slope over every count swung with the mix of sizes), times a running scale (every
@@ -93,8 +101,10 @@ GROWTH_WEIGHT = 0.02      # the drafting cost line's: a fit to one tree in ten s
 GROWTH_FIT_AFTER = 20     # trees grown before the line is fitted (a level's mean time until then)
 ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly,
 STEADY_WEIGHT = 0.04      # a step of a drafting stretch slowly (one step is a noisy sample),
-REQUEST_STEPS = 4         # but a request's n-th drafted step by at least 1 / (this + n): a new
+REQUEST_STEPS = 2         # but a request's n-th drafted step by at least 1 / (this + n): a new
                           # prompt is new text, the last request's verdict worth this many steps
+TYPICAL_WEIGHT = 0.25     # a request's closing advantage in the drafter's typical one (a new
+                          # request's start): a mean of the last few requests, not the last alone
 KEEP_DRAFTING = 0.93      # a stretch stops where the advantage falls below this; starts at 1
 CHECK_EVERY = 32          # drafted steps of a stretch between plain ones that time a 1-row step,
 CHECK_BELOW = 1.25        # while its advantage is below this (above, no error in c(1) flips it)
@@ -261,6 +271,7 @@ class LiveCosts:
         # kept as their values too, not their logs.
         self._priors = [self._curve_at(n) for n in range(2 * self.rows[-1] + 2)]
         self.log_scale, self._scale = 0.0, 1.0
+        self._steps = 0                     # steps timed
         self.log_factor: dict[int, float] = {}  # rows -> log of its steps' cost over the scaled curve
         self._factor: dict[int, float] = {}     # rows -> exp(log_factor)
         self._seen: list[int] = []          # the row counts in `log_factor`, sorted
@@ -340,8 +351,11 @@ class LiveCosts:
             self._trees += 1
             values = (1.0, levels, rows, seconds, levels * levels, levels * rows, rows * rows,
                       levels * seconds, rows * seconds)
+            # The prior counts as one tree: a mean of the trees grown at first (a prior the
+            # tuner timed on a busy machine wears off in a few trees), then a running one.
+            weight = max(GROWTH_WEIGHT, 1.0 / (1 + self._trees))
             for i, value in enumerate(values):
-                self._growth[i] += GROWTH_WEIGHT * (value - self._growth[i])
+                self._growth[i] += weight * (value - self._growth[i])
 
     def read_took(self, tokens: int, seconds: float) -> None:
         """The drafter read `tokens` tokens in `seconds`."""
@@ -354,7 +368,8 @@ class LiveCosts:
         if seconds <= 0.0:
             return
         prior = self.prior(rows)
-        self.log_scale += WEIGHT * (math.log(seconds / self._shape(rows)) - self.log_scale)
+        self._steps += 1        # the curve counts as one step: a mean of the first ones, then running
+        self.log_scale += max(WEIGHT, 1.0 / (1 + self._steps)) * (math.log(seconds / self._shape(rows)) - self.log_scale)
         self._scale = math.exp(self.log_scale)
         shown = min(LOG_MOST_FACTOR, max(-LOG_MOST_FACTOR, math.log(seconds / prior) - self.log_scale))
         if rows not in self.log_factor:      # from the nearest seen count's, as it was priced
@@ -380,8 +395,10 @@ class LiveSizing:
         self.calibration = Calibration(most_depth)
         self.most_depth, self.most = most_depth, most
         self.advantage = prior_speedup          # drafted steps' speed over plain's, running
+        self.typical = prior_speedup            # the advantage a request starts from
         self.stretch = False                    # whether the last step drafted as a stretch's step
         self.rate = prior_speedup / self.costs(1)   # expected tokens a second of the trees kept
+        self._chosen = 0                        # trees chosen (the rate's prior counts as one)
         self.total = max(1, min(total or 3, most))      # the nodes a step drafts to choose from
         self.plain_steps = 0
         self.drafted_steps = 0                  # drafted steps since the last plain one
@@ -412,6 +429,9 @@ class LiveSizing:
         the drafter guesses there is worth one probe, not a wait the last prompt set)."""
         self._observed, self.tree, self.extra_rows, self._draft_seconds = None, None, 0, 0.0
         self.plain_steps = max(self.plain_steps, self.probe_every)
+        if self._request_steps:     # the last request's verdict joins the typical one it started from
+            self.typical += TYPICAL_WEIGHT * (self.advantage - self.typical)
+        self.advantage, self.stretch = self.typical, False
         self._accepted = self._expected_sum = 0.0
         self._request_steps = 0
         if self._unsaved >= SAVE_EVERY:
@@ -527,7 +547,8 @@ class LiveSizing:
         self._expected = sum(chances[:best_m])
         gain = 1.0 + self._expected
         rate = gain / (gain / best_rate + grow_seconds - grown)
-        self.rate += WEIGHT * (rate - self.rate)
+        self._chosen += 1
+        self.rate += max(WEIGHT, 1.0 / (1 + self._chosen)) * (rate - self.rate)
         # The next step drafts room for two nodes more than this one kept: a forward's cost is
         # not convex in its rows (on the native engine 3 rows can cost more than 4), and room
         # for one more would offer a tree that kept one node only the dearer next size.
@@ -575,8 +596,8 @@ class LiveSizing:
             self._expected_sum += self._expected
             gain = 1.0 + self._expected * (self._accepted + REQUEST_PRIOR) / (self._expected_sum + REQUEST_PRIOR)
             speed = gain / (costs(rows) + self._grow_seconds + costs.read(gain)) * costs(1)
-            if self._probing:    # a probe that paid resets the wait; one that did not doubles it
-                self.probe_every = PROBE_EVERY if speed > 1.0 else min(MOST_PROBE_EVERY, 2 * self.probe_every)
+            if self._probing:    # a probe that paid is followed by another; one that did not waits
+                self.probe_every = 0 if speed > 1.0 else min(MOST_PROBE_EVERY, max(PROBE_EVERY, 2 * self.probe_every))
             # A probe moves it quickly; a step of steady drafting, one outcome of many, less,
             # but a request's first steps as a mean of its own (and the last verdict's).
             self._request_steps += 1
