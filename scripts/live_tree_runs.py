@@ -6,6 +6,9 @@ tree each step keeps against the drafter's confidence.
    then), and `--quiet-calls` times after they stop, on the same cache, alternating with as
    many on another cache tuned on the quiet machine; their medians side by side. Each call
    is a fresh process, as a user's; its tok/s and mean accepted length are the CLI's own.
+   The whole sequence runs `--repeats` times on new caches (one call's tok/s swings several
+   per cent between processes, and the first quiet call is one call): each repeat's ratios
+   and their medians.
    Then a cache whose tuner entry is rewritten to "no tree pays" (0.81x): calls on it alternate
    with as many on the cache as tuned, medians side by side.
 2. Sizes: in one process, greedy `--draft eagle` over Spec-Bench's first turns (one a
@@ -140,11 +143,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--busy", type=int, default=2, help="spinning processes beside the first call")
     parser.add_argument("--quiet-calls", type=int, default=4, help="calls on each cache, alternating")
+    parser.add_argument("--repeats", type=int, default=3, help="busy sequences, each on new caches")
     parser.add_argument("--out", type=Path, default=Path("runs/live-tree"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     prompt = json.loads(HELDOUT.read_text().splitlines()[0])["turns"][0]
-    result = {"model": args.model, "busy": busy_run(args.model, prompt, args.tokens, args.busy, args.quiet_calls),
+    runs = [busy_run(args.model, prompt, args.tokens, args.busy, args.quiet_calls) for _ in range(args.repeats)]
+    busy = {"runs": runs, **{key: statistics.median(run[key] for run in runs)
+                             for key in ("first_over_fresh", "after_over_fresh")}}
+    result = {"model": args.model, "busy": busy,
               "verdict": verdict_run(args.model, prompt, args.tokens, args.quiet_calls),
               "sizes": sizes_run(args.model, 128, args.out)}
     (args.out / f"live-tree-{args.model}.json").write_text(json.dumps(result, indent=1))
