@@ -87,8 +87,8 @@ ALWAYS vi iq4_table(void) {
 }
 
 /* Tiles: MR rows of x by NR blocks of weights, MR * NR chains at a time: four rows by one block,
-   two by two, or one row by four blocks (AVX2, with half the registers: one block). The
-   tiling changes no lane's operations. */
+   three or two by two, or one row by four blocks (AVX2, with half the registers: one block).
+   The tiling changes no lane's operations. */
 #if VS_AVX512
 #define QTILE_N 4
 /* A lone row (decoding) takes VS_NR_ONE blocks a tile, four rows VS_NR_FOUR: four each on
@@ -101,7 +101,7 @@ ALWAYS vi iq4_table(void) {
 #ifndef VS_NR_FOUR
 #define VS_NR_FOUR 2
 #endif
-#define NR_OF(MR) ((MR) >= 4 ? VS_NR_FOUR : (MR) == 2 ? 2 : VS_NR_ONE)
+#define NR_OF(MR) ((MR) >= 3 ? VS_NR_FOUR : (MR) == 2 ? 2 : VS_NR_ONE)
 #else
 #define QTILE_N 1
 #define NR_OF(MR) 1
@@ -387,7 +387,12 @@ ALWAYS void any_tile(const int T, const int A8, const int MR, const int NR, cons
     else qtile_f(T, MR, NR, w, b0, a, m0, y, ldy);
 }
 
-/* Blocks [b0, b1) for all M rows: tiles of four rows, then two, then one. */
+/* Blocks [b0, b1) for all M rows: tiles of four rows, then three, two or one. Three rows are
+   one tile, not two and one: a tile reads its weights once, and the two passes made a 3-row
+   forward (a step's root and two drafts) cost more than a 4-row one. VS_MR3=0: two and one. */
+#ifndef VS_MR3
+#define VS_MR3 1
+#endif
 ALWAYS void blocks_rows(const int T, const int A8, const vs_weight *w, int64_t b0, int64_t b1, const acts *a,
                         int64_t M, float *y, int64_t ldy) {
     /* Float activations over quantized weights (the gguf format, not the default) take fewer
@@ -407,6 +412,10 @@ ALWAYS void blocks_rows(const int T, const int A8, const vs_weight *w, int64_t b
         return;
     }
     for (; m + 4 <= M; m += 4) TILES(4, NR_OF(4))
+    if (VS_MR3 && M - m == 3) {
+        TILES(3, NR_OF(3))
+        m += 3;
+    }
     if (M - m >= 2) {
         TILES(2, NR_OF(2))
         m += 2;
