@@ -387,16 +387,17 @@ ALWAYS void any_tile(const int T, const int A8, const int MR, const int NR, cons
     else qtile_f(T, MR, NR, w, b0, a, m0, y, ldy);
 }
 
-/* Blocks [b0, b1) for all M rows: tiles of four rows, then three, two or one. Three rows are
-   one tile, not two and one: a tile reads its weights once, and the two passes made a 3-row
-   forward (a step's root and two drafts) cost more than a 4-row one. VS_MR3=0: two and one. */
-#ifndef VS_MR3
-#define VS_MR3 1
+/* Blocks [b0, b1) for all M rows: tiles of four rows, then one tile for the two or three left
+   (a tile reads its weights once: as two tiles, a 3-row forward, a step's root and two drafts,
+   cost more than a 4-row one), then one. VS_TAIL=0: three rows as two and one, and float
+   activations' two or three rows one by one. */
+#ifndef VS_TAIL
+#define VS_TAIL 1
 #endif
 ALWAYS void blocks_rows(const int T, const int A8, const vs_weight *w, int64_t b0, int64_t b1, const acts *a,
                         int64_t M, float *y, int64_t ldy) {
     /* Float activations over quantized weights (the gguf format, not the default) take fewer
-       tile shapes: four rows or one, a block at a time (half the code to compile). */
+       tile shapes: a block at a time (less code to compile). */
     const int few = !A8 && !t_float(T);
     int64_t m = 0;
 #define TILES(MR, NR)                                                                              \
@@ -408,11 +409,19 @@ ALWAYS void blocks_rows(const int T, const int A8, const vs_weight *w, int64_t b
     }
     if (few) {
         for (; m + 4 <= M; m += 4) TILES(4, 1)
+        if (VS_TAIL && M - m == 3) {
+            TILES(3, 1)
+            m += 3;
+        }
+        if (VS_TAIL && M - m == 2) {
+            TILES(2, 1)
+            m += 2;
+        }
         for (; m < M; m++) TILES(1, 1)
         return;
     }
     for (; m + 4 <= M; m += 4) TILES(4, NR_OF(4))
-    if (VS_MR3 && M - m == 3) {
+    if (VS_TAIL && M - m == 3) {
         TILES(3, NR_OF(3))
         m += 3;
     }
