@@ -17,7 +17,10 @@ Each step:
   not the last request's: a prompt the drafter guessed badly says little of the next. Its
   first drafted steps weigh more, as a mean of their own with that start counted as
   REQUEST_STEPS steps: a prompt the drafter cannot guess, after one it guessed well, drafted at
-  a loss for half its answer while a verdict from other text wore off.
+  a loss for half its answer while a verdict from other text wore off. A step of steady drafting
+  sets it to this request's speed as it stands (its drafted steps' drafts at the accepted over
+  expected ratio it has now, over their costs, older steps fading) against that start: a mean
+  of speeds each taken at its own step's ratio kept the first steps' optimism long after.
   Where it has not been paying, a step drafts anyway after PROBE_EVERY plain ones, so a
   verdict reached on a busy machine, or on a stretch the drafter could not guess, is tried
   again; each probe that does not pay doubles that wait, up to MOST_PROBE_EVERY steps (where
@@ -100,7 +103,7 @@ WEIGHT = 0.1              # running means' weight of the latest step
 GROWTH_WEIGHT = 0.02      # the drafting cost line's: a fit to one tree in ten swings with each
 GROWTH_FIT_AFTER = 20     # trees grown before the line is fitted (a level's mean time until then)
 ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly,
-STEADY_WEIGHT = 0.04      # a step of a drafting stretch slowly (one step is a noisy sample),
+STEADY_WEIGHT = 0.04      # a request's older drafted steps fade by this a step (one step is a noisy sample),
 REQUEST_STEPS = 2         # but a request's n-th drafted step by at least 1 / (this + n): a new
                           # prompt is new text, the last request's verdict worth this many steps
 TYPICAL_WEIGHT = 0.25     # a request's closing advantage in the drafter's typical one (a new
@@ -410,6 +413,7 @@ class LiveSizing:
         self._expected = 0.0                    # the drafts this step's tree expects accepted
         self._accepted = self._expected_sum = 0.0   # this request's drafts accepted, and expected
         self._request_steps = 0                 # this request's drafted steps
+        self._request_weight = self._request_cost = 0.0     # and, fading, their count and plain steps' cost
         self.stop: TreeStop | None = None       # where this step's tree stops growing
         self.tree: Tree | None = None           # the tree verified this step (drafted nodes)
         self.extra_rows = 0                     # rows grafted onto it (prompt lookup's path)
@@ -432,7 +436,7 @@ class LiveSizing:
         if self._request_steps:     # the last request's verdict joins the typical one it started from
             self.typical += TYPICAL_WEIGHT * (self.advantage - self.typical)
         self.advantage, self.stretch = self.typical, False
-        self._accepted = self._expected_sum = 0.0
+        self._accepted = self._expected_sum = self._request_weight = self._request_cost = 0.0
         self._request_steps = 0
         if self._unsaved >= SAVE_EVERY:
             self.save()
@@ -592,17 +596,29 @@ class LiveSizing:
             self.costs.step(rows, step)
         if self._drafting:       # what it expects, as this request has been accepting, at what it costs now
             costs = self.costs
-            self._accepted += len(accepted) - 1
-            self._expected_sum += self._expected
-            gain = 1.0 + self._expected * (self._accepted + REQUEST_PRIOR) / (self._expected_sum + REQUEST_PRIOR)
-            speed = gain / (costs(rows) + self._grow_seconds + costs.read(gain)) * costs(1)
-            if self._probing:    # a probe that paid is followed by another; one that did not waits
-                self.probe_every = 0 if speed > 1.0 else min(MOST_PROBE_EVERY, max(PROBE_EVERY, 2 * self.probe_every))
-            # A probe moves it quickly; a step of steady drafting, one outcome of many, less,
-            # but a request's first steps as a mean of its own (and the last verdict's).
+            # This request's drafted steps, the older ones fading (by STEADY_WEIGHT a step): the
+            # drafts they accepted and expected, and what they cost in plain steps.
+            fade = 1.0 - STEADY_WEIGHT
+            self._accepted = fade * self._accepted + len(accepted) - 1
+            self._expected_sum = fade * self._expected_sum + self._expected
+            ratio = (self._accepted + REQUEST_PRIOR) / (self._expected_sum + REQUEST_PRIOR)
+            gain = 1.0 + self._expected * ratio
+            cost = (costs(rows) + self._grow_seconds + costs.read(gain)) / costs(1)
             self._request_steps += 1
-            steady = max(STEADY_WEIGHT, 1.0 / (REQUEST_STEPS + self._request_steps))
-            self.advantage += (ADVANTAGE_WEIGHT if self._probing else steady) * (speed - self.advantage)
+            self._request_weight = fade * self._request_weight + 1.0
+            self._request_cost = fade * self._request_cost + cost
+            if self._probing:    # a probe that paid is followed by another; one that did not waits
+                speed = gain / cost
+                self.probe_every = 0 if speed > 1.0 else min(MOST_PROBE_EVERY, max(PROBE_EVERY, 2 * self.probe_every))
+                self.advantage += ADVANTAGE_WEIGHT * (speed - self.advantage)      # moved quickly
+            else:
+                # A step of steady drafting: this request's speed as it stands, its steps' drafts
+                # at the ratio it has now over their costs, against the start counted as
+                # REQUEST_STEPS steps. (A mean of speeds each taken at its own step's ratio kept
+                # the first steps' optimism long after the ratio had fallen.)
+                n = self._request_weight
+                request = (n + ratio * self._expected_sum) / self._request_cost
+                self.advantage = (REQUEST_STEPS * self.typical + n * request) / (REQUEST_STEPS + n)
             self.stretch = not self._probing or self.advantage >= 1.0
             self._drafting, self._grow_seconds = False, 0.0
         else:
