@@ -102,10 +102,10 @@ MOST_PROBE_EVERY = 64     # doubled by each probe that does not pay, up to this
 WEIGHT = 0.1              # running means' weight of the latest step
 GROWTH_WEIGHT = 0.02      # the drafting cost line's: a fit to one tree in ten swings with each
 GROWTH_FIT_AFTER = 20     # trees grown before the line is fitted (a level's mean time until then)
-ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly,
-STEADY_WEIGHT = 0.04      # a request's older drafted steps fade by this a step (one step is a noisy sample),
-REQUEST_STEPS = 2         # but a request's n-th drafted step by at least 1 / (this + n): a new
-                          # prompt is new text, the last request's verdict worth this many steps
+ADVANTAGE_WEIGHT = 0.3    # the drafting advantage's: a probe moves it quickly; steady steps
+STEADY_WEIGHT = 0.04      # weigh their request's drafted steps, older ones fading by this a step,
+REQUEST_STEPS = 2         # against the request's start counted as this many steps (a new prompt
+                          # is new text: what other text said is worth a couple of its steps)
 TYPICAL_WEIGHT = 0.25     # a request's closing advantage in the drafter's typical one (a new
                           # request's start): a mean of the last few requests, not the last alone
 KEEP_DRAFTING = 0.93      # a stretch stops where the advantage falls below this; starts at 1
