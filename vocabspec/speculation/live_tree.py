@@ -372,7 +372,8 @@ class LiveCosts:
             return
         prior = self.prior(rows)
         self._steps += 1        # the curve counts as one step: a mean of the first ones, then running
-        self.log_scale += max(WEIGHT, 1.0 / (1 + self._steps)) * (math.log(seconds / self._shape(rows)) - self.log_scale)
+        weight = max(WEIGHT, 1.0 / (1 + self._steps))
+        self.log_scale += weight * (math.log(seconds / self._shape(rows)) - self.log_scale)
         self._scale = math.exp(self.log_scale)
         shown = min(LOG_MOST_FACTOR, max(-LOG_MOST_FACTOR, math.log(seconds / prior) - self.log_scale))
         if rows not in self.log_factor:      # from the nearest seen count's, as it was priced
@@ -412,8 +413,8 @@ class LiveSizing:
         self._grow_seconds = 0.0
         self._expected = 0.0                    # the drafts this step's tree expects accepted
         self._accepted = self._expected_sum = 0.0   # this request's drafts accepted, and expected
-        self._request_steps = 0                 # this request's drafted steps
-        self._request_weight = self._request_cost = 0.0     # and, fading, their count and plain steps' cost
+        # This request's drafted steps, fading: their count and their cost in plain steps.
+        self._request_weight = self._request_cost = 0.0
         self.stop: TreeStop | None = None       # where this step's tree stops growing
         self.tree: Tree | None = None           # the tree verified this step (drafted nodes)
         self.extra_rows = 0                     # rows grafted onto it (prompt lookup's path)
@@ -433,11 +434,10 @@ class LiveSizing:
         the drafter guesses there is worth one probe, not a wait the last prompt set)."""
         self._observed, self.tree, self.extra_rows, self._draft_seconds = None, None, 0, 0.0
         self.plain_steps = max(self.plain_steps, self.probe_every)
-        if self._request_steps:     # the last request's verdict joins the typical one it started from
+        if self._request_weight:    # the last request drafted: its verdict joins the typical one it started from
             self.typical += TYPICAL_WEIGHT * (self.advantage - self.typical)
         self.advantage, self.stretch = self.typical, False
         self._accepted = self._expected_sum = self._request_weight = self._request_cost = 0.0
-        self._request_steps = 0
         if self._unsaved >= SAVE_EVERY:
             self.save()
 
@@ -604,7 +604,6 @@ class LiveSizing:
             ratio = (self._accepted + REQUEST_PRIOR) / (self._expected_sum + REQUEST_PRIOR)
             gain = 1.0 + self._expected * ratio
             cost = (costs(rows) + self._grow_seconds + costs.read(gain)) / costs(1)
-            self._request_steps += 1
             self._request_weight = fade * self._request_weight + 1.0
             self._request_cost = fade * self._request_cost + cost
             if self._probing:    # a probe that paid is followed by another; one that did not waits
