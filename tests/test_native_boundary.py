@@ -83,7 +83,7 @@ def test_drafter_calls_refuse_out_of_range_values(target):
     with pytest.raises(ValueError, match="1 to 64 children"):
         drafter.tree(cache.keys, cache.values, 2, 5, 65, 3, 8)
     tokens, parents, _, _ = drafter.tree(cache.keys, cache.values, 2, 5, 4, 3, 8)
-    assert tokens.numel() == 9 and int(parents[0]) == -1
+    assert len(tokens) == 9 and parents[0] == -1
 
 
 def test_a_native_drafter_whose_head_ids_leave_the_embedding_is_refused(target):

@@ -297,7 +297,8 @@ class Generation:
                              f"has room for {room} rows, and each needs a parent")
         # On lists (a fifth of the tensor checks' cost, about 10 us a step); the tensor checks
         # name what is wrong.
-        tokens, parents, vocab = tree.tokens.tolist(), tree.parents.tolist(), self.target.model.args.vocab_size
+        host, vocab = tree.rows(), self.target.model.args.vocab_size
+        tokens, parents = host.tokens, host.parents
         if tokens[0] != self.token:
             raise ValueError(f"the tree's root is {tokens[0]}, not the step's token {self.token}")
         if min(tokens) < 0 or max(tokens) >= vocab:
@@ -318,13 +319,13 @@ class Generation:
         verdict, logits = self._verdict(rows, span, tree)
         self.cache.commit(verdict.path)
         t2 = time.perf_counter()
-        tokens = tree.tokens.tolist()
-        accepted = [tokens[node] for node in verdict.path]
+        host = tree.rows()
+        accepted = [host.tokens[node] for node in verdict.path]
         if self.proposer is not None:
             read = proposer_rows(rows, span, self.taps, verdict.path) if self.reads_rows else None
             self.proposer.observe(accepted, read, verdict.next_token)
         t3 = time.perf_counter()
-        ranks = tuple(tree.ranks[verdict.path[1:]].tolist()) if tree.ranks is not None and len(verdict.path) > 1 else ()
+        ranks = tuple(host.ranks[node] for node in verdict.path[1:]) if host.ranks is not None else ()
         self.result.steps.append(StepRecord(len(verdict.path), tree.size, (t1 - self._t0) + (t3 - t2), t2 - t1,
                                             ranks, forward_seconds=forwarded - t1, deepest_row=verdict.path[-1]))
         self.token = verdict.next_token

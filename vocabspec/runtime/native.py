@@ -739,10 +739,10 @@ class NativeDrafter:
         lib.vs_drafter_read(ctypes.byref(request))
 
     def tree(self, keys: torch.Tensor, values: torch.Tensor, length: int, root: int, top_k: int, depth: int,
-             total_tokens: int, stop=None) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
+             total_tokens: int, stop=None) -> tuple[list[int], list[int], list[int], list[float]]:
         """EAGLE-2's tree from `state` over a cache of `length` committed slots: (tokens,
-        parents, value ranks, values), flattened with the root first (values: float64, each
-        node's log path confidence, the root's 0). `stop` (live_tree.TreeStop, or None): where
+        parents, value ranks, values) as lists (the step's host work reads them), flattened with
+        the root first (values: each node's log path confidence, the root's 0). `stop` (live_tree.TreeStop, or None): where
         it stops growing before `depth`."""
         lib = library()
         if not 1 <= top_k <= 64:
@@ -777,4 +777,4 @@ class NativeDrafter:
         if n < 1:
             raise RuntimeError(f"the native drafter built a tree with a node whose parent it did not keep "
                                f"(top_k {top_k}, depth {depth}, total_tokens {total_tokens})")
-        return tokens[:n].clone(), parents[:n].clone(), ranks[1:n].tolist(), node_values[:n].clone()
+        return tokens[:n].tolist(), parents[:n].tolist(), ranks[1:n].tolist(), node_values[:n].tolist()

@@ -521,7 +521,8 @@ class LiveSizing:
         if drafted_levels:
             rows = self.stop.rows if self.stop is not None and self.stop.rows else drafted_levels
             self.costs.grew(drafted_levels, rows, grow_seconds)
-        ranks, values, depths = tree.ranks.tolist(), tree.values.tolist(), tree.depths.tolist()
+        host = tree.rows()
+        ranks, values, depths = host.ranks, host.values, host.depths
         order = sorted(range(1, len(ranks)), key=ranks.__getitem__)
         chance = self.calibration.chance
         chances = [chance(depths[row], values[row]) for row in order]
@@ -625,9 +626,8 @@ class LiveSizing:
             self.drafted_steps, self._checking = 0, False
         if tree is not None and tree.size:
             self.plain_steps = 0
-            on_path = path_rows(tree, accepted)
-            depths, values = tree.depths.tolist()[1:], tree.values.tolist()[1:]
-            self.calibration.learn(depths, values, [row in on_path for row in range(1, tree.size + 1)])
+            on_path, host = path_rows(tree, accepted), tree.rows()
+            self.calibration.learn(host.depths[1:], host.values[1:], [row in on_path for row in range(1, tree.size + 1)])
             self._unsaved += tree.size
         else:
             self.plain_steps += 1
@@ -637,7 +637,7 @@ class LiveSizing:
 
 def path_rows(tree: Tree, accepted: list[int]) -> set[int]:
     """The tree's rows on the accepted path (tokens after the root, followed from the root)."""
-    children, tokens = tree.children, tree.tokens.tolist()
+    children, tokens = tree.children, tree.rows().tokens
     row, rows = 0, set()
     for token in accepted[1:]:
         row = next((child for child in children[row] if tokens[child] == token), None)

@@ -20,7 +20,7 @@ top-k children each; finally all drafted nodes are reranked by value and the bes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -42,6 +42,9 @@ class Tree:
     # Each node's value (float64, host): the log of the product of the drafter's confidences
     # along its path, 0 for the root (EAGLE-2's trees; the live sizing rule reads it).
     values: torch.Tensor | None = None
+    # The same rows as lists, made when first asked for (`rows`); not copied by `replace`, whose
+    # changed tensors it would not follow.
+    host: "TreeRows | None" = field(default=None, init=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -49,18 +52,25 @@ class Tree:
         return self.tokens.numel() - 1
 
     @classmethod
-    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor,
-                     ranks: list[int] | None = None, values: torch.Tensor | None = None) -> "Tree":
+    def from_parents(cls, tokens: list[int] | torch.Tensor, parents: list[int] | torch.Tensor,
+                     ranks: list[int] | None = None, values: list[float] | torch.Tensor | None = None,
+                     device: torch.device | None = None) -> "Tree":
         """A tree built on the host (the native drafter's): tokens and parents (-1 for the root,
         each node's parent before it), the drafts' value ranks, the nodes' values."""
-        parent_list = parents.tolist()
-        depths = [0] * len(parent_list)
-        for node in range(1, len(parent_list)):
-            depths[node] = depths[parent_list[node]] + 1
-        device = tokens.device
-        return cls(tokens, parents.to(device), torch.tensor(depths, dtype=torch.long, device=device),
-                   max(depths), ranks=torch.tensor([-1] + list(ranks), dtype=torch.long, device=device)
-                   if ranks is not None else None, values=values)
+        tokens, parents = _listed(tokens), _listed(parents)
+        depths = [0] * len(parents)
+        for node in range(1, len(parents)):
+            depths[node] = depths[parents[node]] + 1
+        return TreeRows(tokens, parents, depths, [-1] + list(ranks) if ranks is not None else None,
+                        _listed(values) if values is not None else None).tree(device)
+
+    def rows(self) -> "TreeRows":
+        """Its rows as host lists (read back once, where it was not built from them)."""
+        if self.host is None:
+            self.host = TreeRows(self.tokens.tolist(), self.parents.tolist(), self.depths.tolist(),
+                                 self.ranks.tolist() if self.ranks is not None else None,
+                                 self.values.tolist() if self.values is not None else None)
+        return self.host
 
     def attention_mask(self) -> torch.Tensor:
         """(rows, rows) bool: row i sees row j iff j is i or one of its ancestors."""
@@ -74,7 +84,7 @@ class Tree:
     @cached_property
     def children(self) -> list[list[int]]:
         """Each row's children, in row order (the drafter's most confident first), on the host."""
-        parents = self.parents.tolist()
+        parents = self.rows().parents
         children: list[list[int]] = [[] for _ in parents]
         for node in range(1, len(parents)):
             children[parents[node]].append(node)
@@ -82,7 +92,7 @@ class Tree:
 
     def path_to(self, node: int) -> list[int]:
         """The rows from the root to `node`."""
-        path, parents = [], self.parents.tolist()
+        path, parents = [], self.rows().parents
         while node != -1:
             path.append(node)
             node = parents[node]
@@ -111,18 +121,45 @@ class Tree:
     def best(self, size: int) -> "Tree":
         """The tree of its `size` most valuable drafts (value rank < size): exactly the tree a
         drafter told to keep `size` nodes builds (a node's ancestors rank before it), in the
-        same row order. Needs ranks on the host."""
+        same row order. Built from its host rows (`rows`); needs ranks."""
         if size >= self.size:
             return self
-        ranks, parents, depths = self.ranks.tolist(), self.parents.tolist(), self.depths.tolist()
+        return self.rows().best(size).tree(self.tokens.device)
+
+
+@dataclass(eq=False)
+class TreeRows:
+    """A tree's rows on the host, as lists (`Tree`'s fields, row for row): what a step's host
+    work reads (the live rule's choice, greedy verification's children, the path accepted), kept
+    beside the tensors so that it reads none of them back."""
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    ranks: list[int] | None = None
+    values: list[float] | None = None
+
+    def best(self, size: int) -> "TreeRows":
+        """The rows of its `size` most valuable drafts (see `Tree.best`), in the same order."""
+        ranks, parents, values = self.ranks, self.parents, self.values
         rows = [0] + [row for row in range(1, len(ranks)) if ranks[row] < size]
-        row_of = {row: i for i, row in enumerate(rows)}       # on lists: a step's host work
-        index = torch.tensor(rows, dtype=torch.long)
-        device = self.tokens.device
-        on_device = index.to(device)
-        kept_parents = torch.tensor([-1] + [row_of[parents[row]] for row in rows[1:]], dtype=torch.long, device=device)
-        return Tree(self.tokens[on_device], kept_parents, self.depths[on_device], max(depths[row] for row in rows),
-                    ranks=self.ranks[on_device], values=self.values[index] if self.values is not None else None)
+        row_of = {row: i for i, row in enumerate(rows)}
+        return TreeRows([self.tokens[row] for row in rows], [-1] + [row_of[parents[row]] for row in rows[1:]],
+                        [self.depths[row] for row in rows], [ranks[row] for row in rows],
+                        None if values is None else [values[row] for row in rows])
+
+    def tree(self, device: torch.device | None = None) -> Tree:
+        """The tree of these rows, its tensors on `device` (values on the host)."""
+        tree = Tree(torch.tensor(self.tokens, dtype=torch.long, device=device),
+                    torch.tensor(self.parents, dtype=torch.long, device=device),
+                    torch.tensor(self.depths, dtype=torch.long, device=device), max(self.depths),
+                    ranks=None if self.ranks is None else torch.tensor(self.ranks, dtype=torch.long, device=device),
+                    values=None if self.values is None else torch.tensor(self.values, dtype=torch.float64))
+        tree.host = self
+        return tree
+
+
+def _listed(values) -> list:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
 
 # A path's parents and depths by its rows and device, shared by every chain of that length (a
@@ -143,8 +180,11 @@ def chain(root: int | torch.Tensor, tokens: list[int] | torch.Tensor, count: tor
             depths = torch.arange(n, device=device)
             shape = _PATH_SHAPES[(n, device)] = (depths - 1, depths)
         parents, depths = shape
-        return Tree(torch.tensor([root, *tokens], dtype=torch.long, device=device), parents, depths, n - 1,
+        tree = Tree(torch.tensor([root, *tokens], dtype=torch.long, device=device), parents, depths, n - 1,
                     ranks=parents)
+        listed = list(range(-1, n - 1))
+        tree.host = TreeRows([root, *tokens], listed, list(range(n)), listed)
+        return tree
     root = torch.as_tensor(root, dtype=torch.long, device=device).view(1)
     device = root.device
     tokens = torch.as_tensor(tokens, dtype=torch.long, device=device)
@@ -348,8 +388,5 @@ class TreeBuilder:
         parents = [-1] + [flat_index[self.parent[i]] for i in order[1:]]
         depths = [self.depth[i] for i in order]
         ranks = [-1] + [rank_of[i] for i in order[1:]]
-        return Tree(tokens=torch.tensor([self.token[i] for i in order], dtype=torch.long, device=device),
-                    parents=torch.tensor(parents, dtype=torch.long, device=device),
-                    depths=torch.tensor(depths, dtype=torch.long, device=device), max_depth=max(depths),
-                    ranks=torch.tensor(ranks, dtype=torch.long, device=device),
-                    values=torch.tensor([self.value[i] for i in order], dtype=torch.float64))
+        return TreeRows([self.token[i] for i in order], parents, depths, ranks,
+                        [self.value[i] for i in order]).tree(device)

@@ -119,7 +119,7 @@ def greedy_verdict(tree: Tree, logits: torch.Tensor) -> Verdict:
 
 def verify_sampling(tree: Tree, logits, params: SamplingParams,
                     generator: torch.Generator) -> Verdict:
-    tokens = tree.tokens.tolist()
+    tokens = tree.rows().tokens
     node, path = 0, [0]
     while True:
         probs = target_probs(logits[node][None], params)[0]

@@ -806,7 +806,7 @@ class NativeEagleDrafting:
         tokens, parents, ranks, values = self.native.tree(cache.keys, cache.values, cache.length, root_token,
                                                           p.top_k, depth, total_tokens, stop)
         p.timings["native"] += time.perf_counter() - start
-        return Tree.from_parents(tokens, parents, ranks, values)
+        return Tree.from_parents(tokens, parents, ranks, values, p.target.device)
 
 
 def graph_tree_rows(depth: int, top_k: int, total_tokens: int) -> int:
