@@ -65,10 +65,12 @@ class Tree:
                         _listed(values) if values is not None else None).tree(device)
 
     def rows(self) -> "TreeRows":
-        """Its rows as host lists (read back once, where it was not built from them)."""
+        """Its rows as host lists (read back once, in one transfer from a device, where it was
+        not built from them)."""
         if self.host is None:
-            self.host = TreeRows(self.tokens.tolist(), self.parents.tolist(), self.depths.tolist(),
-                                 self.ranks.tolist() if self.ranks is not None else None,
+            fields = [self.tokens, self.parents, self.depths] + ([self.ranks] if self.ranks is not None else [])
+            listed = torch.stack([f.to(self.tokens.device, torch.long) for f in fields]).tolist()
+            self.host = TreeRows(*listed[:3], listed[3] if self.ranks is not None else None,
                                  self.values.tolist() if self.values is not None else None)
         return self.host
 
