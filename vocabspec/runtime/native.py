@@ -742,8 +742,8 @@ class NativeDrafter:
              total_tokens: int, stop=None) -> tuple[list[int], list[int], list[int], list[float]]:
         """EAGLE-2's tree from `state` over a cache of `length` committed slots: (tokens,
         parents, value ranks, values) as lists (the step's host work reads them), flattened with
-        the root first (values: each node's log path confidence, the root's 0). `stop` (live_tree.TreeStop, or None): where
-        it stops growing before `depth`."""
+        the root first (values: each node's log path confidence, the root's 0). `stop`
+        (live_tree.TreeStop, or None): where it stops growing before `depth`."""
         lib = library()
         if not 1 <= top_k <= 64:
             raise ValueError(f"the native drafter expands 1 to 64 children a node, not {top_k}")

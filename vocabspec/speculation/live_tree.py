@@ -627,7 +627,8 @@ class LiveSizing:
         if tree is not None and tree.size:
             self.plain_steps = 0
             on_path, host = path_rows(tree, accepted), tree.rows()
-            self.calibration.learn(host.depths[1:], host.values[1:], [row in on_path for row in range(1, tree.size + 1)])
+            self.calibration.learn(host.depths[1:], host.values[1:],
+                                   [row in on_path for row in range(1, tree.size + 1)])
             self._unsaved += tree.size
         else:
             self.plain_steps += 1

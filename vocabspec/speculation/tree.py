@@ -4,9 +4,11 @@ tree.
 A `Tree` is a handful of tensors on the model's device: tokens, parents and depths, flattened
 with the root (the last sampled token, not yet in the target's cache) at row 0, -1 as its
 parent and every other node's parent at a smaller row. Graph steps (graph_step.py) build,
-graft and verify it as device work of fixed shapes that a CUDA graph holds; what only the host
-needs, each node's children in row order (sampling verification tries them so) and a node's
-path, is derived from the tensors when asked. A fixed-shape tree may carry rows that hold no
+graft and verify it as device work of fixed shapes that a CUDA graph holds. What the host
+reads (a step's checks and verdict, the live rule's choice, each node's children in row order,
+which sampling verification tries in turn) comes from its rows as lists (`TreeRows`): kept
+beside the tensors where the tree was built on the host, else read back once when first asked
+for. A fixed-shape tree may carry rows that hold no
 draft (a lookup path's padding, or the part of it the tree already has): `valid` marks the
 others, and the eager loop drops them (`Tree.compact`), where padding would only cost rows.
 
