@@ -166,9 +166,10 @@ def _listed(values) -> list:
     return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
 
-# A path's parents and depths by its rows and device, shared by every chain of that length (a
-# batch of plain decoding steps makes one a row a step): nothing writes into a tree's tensors.
-_PATH_SHAPES: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+# A path's parents and depths by its rows and device, as tensors and as lists, shared by every
+# chain of that length (a batch of plain decoding steps makes one a row a step): nothing writes
+# into a tree's tensors or its rows' lists.
+_PATH_SHAPES: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, list[int], list[int]]] = {}
 
 
 def chain(root: int | torch.Tensor, tokens: list[int] | torch.Tensor, count: torch.Tensor | None = None,
@@ -182,12 +183,11 @@ def chain(root: int | torch.Tensor, tokens: list[int] | torch.Tensor, count: tor
         shape = _PATH_SHAPES.get((n, device))
         if shape is None:
             depths = torch.arange(n, device=device)
-            shape = _PATH_SHAPES[(n, device)] = (depths - 1, depths)
-        parents, depths = shape
+            shape = _PATH_SHAPES[(n, device)] = (depths - 1, depths, list(range(-1, n - 1)), list(range(n)))
+        parents, depths, parent_list, depth_list = shape
         tree = Tree(torch.tensor([root, *tokens], dtype=torch.long, device=device), parents, depths, n - 1,
                     ranks=parents)
-        listed = list(range(-1, n - 1))
-        tree.host = TreeRows([root, *tokens], listed, list(range(n)), listed)
+        tree.host = TreeRows([root, *tokens], parent_list, depth_list, parent_list)
         return tree
     root = torch.as_tensor(root, dtype=torch.long, device=device).view(1)
     device = root.device
