@@ -21,6 +21,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+def depths_of(parents: list[int]) -> list[int]:
+    """Each row's depth below the root of a tree given by its parents (-1 for the root, each
+    row's parent before it)."""
+    depths = [0] * len(parents)
+    for row in range(1, len(parents)):
+        depths[row] = depths[parents[row]] + 1
+    return depths
+
+
 @dataclass(eq=False)
 class RowSpan:
     """One request's rows in a step."""
@@ -44,12 +53,8 @@ class RowSpan:
             base = self.cache.length
             if self.parents is None:
                 self.positions = torch.arange(base, base + self.tokens.numel(), device=self.tokens.device)
-            else:       # each row's depth below the root, after its parent's
-                parents = self.parents.tolist()
-                depths = [0] * len(parents)
-                for row in range(1, len(parents)):
-                    depths[row] = depths[parents[row]] + 1
-                self.positions = torch.tensor(depths, device=self.tokens.device) + base
+            else:
+                self.positions = torch.tensor(depths_of(self.parents.tolist()), device=self.tokens.device) + base
 
     @property
     def rows(self) -> int:

@@ -28,6 +28,7 @@ from functools import cached_property
 import torch
 
 from ..runtime.kv_cache import ancestor_mask
+from ..runtime.step_rows import depths_of
 
 
 @dataclass(eq=False)
@@ -60,10 +61,7 @@ class Tree:
         """A tree built on the host (the native drafter's): tokens and parents (-1 for the root,
         each node's parent before it), the drafts' value ranks, the nodes' values."""
         tokens, parents = _listed(tokens), _listed(parents)
-        depths = [0] * len(parents)
-        for node in range(1, len(parents)):
-            depths[node] = depths[parents[node]] + 1
-        return TreeRows(tokens, parents, depths, [-1] + list(ranks) if ranks is not None else None,
+        return TreeRows(tokens, parents, depths_of(parents), [-1] + list(ranks) if ranks is not None else None,
                         _listed(values) if values is not None else None).tree(device)
 
     def rows(self) -> "TreeRows":
