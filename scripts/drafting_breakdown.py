@@ -59,9 +59,11 @@ def level_split(stack, keys, values, head, rows: int, repeats: int, spec: SpecVo
     softmax with top-k, in ms. SpecVocab: its ranking, once a tree at the root (`rank`), and
     a level's exact head over the root's candidates."""
     x = torch.randn(rows, stack.dim)
-    parents = torch.tensor([-1] + [0] * (rows - 1))
+    positions = torch.tensor([CONTEXT] + [CONTEXT + 1] * (rows - 1))
+    sees = torch.eye(rows, dtype=torch.bool)
+    sees[:, 0] = True                   # the root and itself
     embeds = x if stack.reads_embeds else None
-    layer = timed(lambda: stack.forward(x.clone(), None, keys, values, CONTEXT, 0, parents=parents, embeds=embeds),
+    layer = timed(lambda: stack.forward(x.clone(), positions, keys, values, CONTEXT, 0, sees, embeds=embeds),
                   repeats)
     if spec is not None:
         spec.timings = {}

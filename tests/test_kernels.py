@@ -52,7 +52,9 @@ def test_tree_attention_rows_are_the_one_token_rows_of_their_paths(use_dot):
     heads, groups, dim, slots, start = 4, 2, 16, 96, 40
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 5, 6])          # a tree of 9 rows after 40 slots
     n = parents.numel()
-    positions, prefix, xoff, extra = native.tree_visibility(parents, start, start)
+    positions, ends, listed = native.tree_visibility(parents.tolist(), start, start)
+    positions, extra = torch.tensor(positions), torch.tensor(listed, dtype=torch.int32)
+    prefix, xoff = torch.full((n,), start, dtype=torch.int32), torch.tensor([0] + ends, dtype=torch.int32)
     keys, values, q = rand(groups, slots, dim, seed=6), rand(groups, slots, dim, seed=7), rand(n, heads, dim, seed=8)
     tree = kernels.attention(q, keys, values, prefix.to(DEVICE), xoff.to(DEVICE), extra.to(DEVICE), 0.25,
                              use_dot=use_dot)

@@ -645,26 +645,6 @@ void vs_linear_topk(const vs_weight *w, const float *x, int64_t M, int64_t k, fl
    the target: the root (the last committed token) first, then depth by depth; node i's
    parent is smaller than i. */
 
-/* What tree row r of n sees when the tree goes into a cache after `start` slots (committed and
-   pending): slots [0, start), then its ancestors' slots and its own in position order; its
-   position is base + its depth (base: the root's position). parents[0] < 0. */
-void vs_tree_visibility(const int64_t *parents, int64_t n, int64_t start, int64_t base, int32_t *pos,
-                        int32_t *prefix, int32_t *xoff, int32_t *extra) {
-    int64_t used = 0;
-    xoff[0] = 0;
-    for (int64_t r = 0; r < n; r++) {
-        int64_t depth = 0;
-        for (int64_t a = parents[r]; a >= 0; a = parents[a]) depth++;
-        pos[r] = (int32_t)(base + depth);
-        prefix[r] = (int32_t)start;
-        int64_t at = used + depth; /* ancestors fill [used, used + depth), deepest last */
-        extra[at] = (int32_t)(start + r);
-        for (int64_t a = parents[r]; a >= 0; a = parents[a]) extra[--at] = (int32_t)(start + a);
-        used += depth + 1;
-        xoff[r + 1] = (int32_t)used;
-    }
-}
-
 /* Keep the pending slots keep[0..nkeep) of every layer (native.h). */
 void vs_cache_keep(const vs_cache *c, int64_t length, const int64_t *keep, int64_t nkeep) {
     const int64_t size = c->half ? 2 : 4;    /* bytes an element */

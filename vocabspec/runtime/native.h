@@ -114,8 +114,6 @@ typedef struct {
 void vs_stack_forward_rows(const vs_stack *s, float *x, const vs_rows *rows, float *work, float *scratch);
 
 /* speculative steps */
-void vs_tree_visibility(const int64_t *parents, int64_t n, int64_t start, int64_t base, int32_t *pos,
-                        int32_t *prefix, int32_t *xoff, int32_t *extra);
 
 /* One sequence's cache in the layout drawn above: keys (layers x n_kv x slots/16 x head_dim x 16)
    and values (layers x n_kv x slots x head_dim), IEEE halves (half) or floats. */

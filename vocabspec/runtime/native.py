@@ -47,79 +47,61 @@ SOURCES = [SOURCE, KERNELS] + [SOURCE.with_name(name) for name in (
 
 _lib = None
 _error: str | None = None
+P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float   # the structs' fields
 
 
 class Weight(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int32), ("rows", ctypes.c_int32), ("cols", ctypes.c_int32),
-                ("int8_acts", ctypes.c_int32), ("data", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+    _fields_ = [("type", I32), ("rows", I32), ("cols", I32), ("int8_acts", I32), ("data", P), ("bias", P)]
 
 
 class Layer(ctypes.Structure):
-    _fields_ = [("wq", Weight), ("wk", Weight), ("wv", Weight), ("wo", Weight),
-                ("w_gate", Weight), ("w_up", Weight), ("w_down", Weight),
-                ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
-                ("post_attn_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("hidden_norm", ctypes.c_void_p),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("window", ctypes.c_int32), ("norm_residual", ctypes.c_int32)]
+    _fields_ = [*((name, Weight) for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")),
+                *((name, P) for name in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm",
+                                         "k_norm", "hidden_norm", "cos", "sin")),
+                ("window", I32), ("norm_residual", I32)]
 
 
 class Stack(ctypes.Structure):
-    _fields_ = [("dim", ctypes.c_int32), ("n_heads", ctypes.c_int32), ("n_kv", ctypes.c_int32),
-                ("head_dim", ctypes.c_int32), ("hidden", ctypes.c_int32), ("max_len", ctypes.c_int32),
-                ("n_layers", ctypes.c_int32), ("act", ctypes.c_int32), ("eps", ctypes.c_float),
-                ("attn_scale", ctypes.c_float), ("kv_half", ctypes.c_int32), ("pad", ctypes.c_int32),
-                ("layers", ctypes.POINTER(Layer))]
+    _fields_ = [*((name, I32) for name in ("dim", "n_heads", "n_kv", "head_dim", "hidden", "max_len", "n_layers",
+                                           "act")),
+                ("eps", F32), ("attn_scale", F32), ("kv_half", I32), ("pad", I32), ("layers", ctypes.POINTER(Layer))]
 
 
 class TreeStop(ctypes.Structure):
-    _fields_ = [("chance", ctypes.c_void_p), ("depths", ctypes.c_int64), ("bins", ctypes.c_int64),
-                ("min_gain", ctypes.c_double), ("node_cost", ctypes.c_double), ("levels", ctypes.c_int64),
-                ("rows", ctypes.c_int64)]
+    _fields_ = [("chance", P), ("depths", I64), ("bins", I64), ("min_gain", ctypes.c_double),
+                ("node_cost", ctypes.c_double), ("levels", I64), ("rows", I64)]
 
 
 class TreeRequest(ctypes.Structure):
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    _fields_ = [("drafter", p), ("stack", p), ("keys", p), ("values", p), ("length", i64), ("state", p),
-                ("root", i64), ("top_k", i64), ("depth", i64), ("total_tokens", i64), ("stop", p),
-                ("tokens", p), ("parents", p), ("ranks", p), ("node_values", p), ("head_logits", p), ("work", p),
-                ("att", p)]
-    del p, i64
+    _fields_ = [("drafter", P), ("stack", P), ("keys", P), ("values", P), ("length", I64), ("state", P),
+                ("root", I64), ("top_k", I64), ("depth", I64), ("total_tokens", I64), ("stop", P),
+                ("tokens", P), ("parents", P), ("ranks", P), ("node_values", P), ("head_logits", P), ("work", P),
+                ("att", P)]
 
 
 class Rows(ctypes.Structure):
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    _fields_ = [("n", i64), ("ntaps", i64), ("pos", p), ("prefix", p), ("xoff", p), ("extra", p), ("slot", p),
-                ("taps", p), ("keys", p), ("values", p), ("embeds", p), ("tapped", p)]
-    del p, i64
+    _fields_ = [("n", I64), ("ntaps", I64), ("pos", P), ("prefix", P), ("xoff", P), ("extra", P), ("slot", P),
+                ("taps", P), ("keys", P), ("values", P), ("embeds", P), ("tapped", P)]
 
 
 class VerifyRequest(ctypes.Structure):
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    _fields_ = [("norm", p), ("head", p), ("hidden", p), ("offsets", p), ("tokens", p), ("parents", p),
-                ("paths", p), ("counts", p), ("next", p), ("work", p), ("ntrees", i64), ("head_rows", i64),
-                ("eps", ctypes.c_float), ("pad", ctypes.c_int32)]
-    del p, i64
+    _fields_ = [("norm", P), ("head", P), ("hidden", P), ("offsets", P), ("tokens", P), ("parents", P),
+                ("paths", P), ("counts", P), ("next", P), ("work", P), ("ntrees", I64), ("head_rows", I64),
+                ("eps", F32), ("pad", I32)]
 
 
 class ReadRequest(ctypes.Structure):
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    _fields_ = [("drafter", p), ("stack", p), ("keys", p), ("values", p), ("length", i64), ("n", i64),
-                ("tokens", p), ("hidden", p), ("state", p), ("scratch", p), ("work", p), ("att", p)]
-    del p, i64
+    _fields_ = [("drafter", P), ("stack", P), ("keys", P), ("values", P), ("length", I64), ("n", I64),
+                ("tokens", P), ("hidden", P), ("state", P), ("scratch", P), ("work", P), ("att", P)]
 
 
 class Cache(ctypes.Structure):
-    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("layers", ctypes.c_int64),
-                ("n_kv", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("slots", ctypes.c_int64),
-                ("half", ctypes.c_int64)]
+    _fields_ = [("keys", P), ("values", P), *((name, I64) for name in ("layers", "n_kv", "head_dim", "slots", "half"))]
 
 
 class Drafter(ctypes.Structure):
-    _fields_ = [("fc", Weight), ("head", Weight), ("embed", Weight), ("head_ids", ctypes.c_void_p),
-                ("norm", ctypes.c_void_p), ("head_norm", ctypes.c_void_p), ("out_norm", ctypes.c_void_p),
-                ("eps", ctypes.c_float), ("embed_scale", ctypes.c_float), ("fused", ctypes.c_int32),
-                ("pad", ctypes.c_int32)]
+    _fields_ = [("fc", Weight), ("head", Weight), ("embed", Weight), ("head_ids", P), ("norm", P), ("head_norm", P),
+                ("out_norm", P), ("eps", F32), ("embed_scale", F32), ("fused", I32), ("pad", I32)]
 
 
 def _cpuinfo(prefix: str) -> str:
@@ -277,35 +259,33 @@ def check_abi(lib) -> None:
 
 
 def _declare(lib):
-    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.vs_linear.argtypes = [ctypes.POINTER(Weight), p, i64, p]
+    lib.vs_linear.argtypes = [ctypes.POINTER(Weight), P, I64, P]
     lib.vs_has_int8.restype = ctypes.c_int
     lib.vs_tile_rows.restype = ctypes.c_int
-    lib.vs_linear_topk.argtypes = [ctypes.POINTER(Weight), p, i64, i64, p, p, p]
-    lib.vs_dequant_rows.argtypes = [ctypes.POINTER(Weight), i64, i64, p]
-    lib.vs_take_rows.argtypes = [ctypes.POINTER(Weight), p, i64, p]
-    lib.vs_packed_bytes.argtypes = [ctypes.c_int32, i64, i64]
-    lib.vs_packed_bytes.restype = i64
-    lib.vs_pack.argtypes = [ctypes.c_int32, p, i64, i64, i64, p, p]
-    lib.vs_abi.argtypes = [p, i64]
-    lib.vs_abi.restype = i64
-    lib.vs_embed.argtypes = [ctypes.POINTER(Weight), p, i64, f32, p]
-    lib.vs_head.argtypes = [p, f32, ctypes.POINTER(Weight), p, i64, p, p]
-    lib.vs_stack_work.argtypes = [ctypes.POINTER(Stack), i64]
-    lib.vs_stack_work.restype = i64
+    lib.vs_linear_topk.argtypes = [ctypes.POINTER(Weight), P, I64, I64, P, P, P]
+    lib.vs_dequant_rows.argtypes = [ctypes.POINTER(Weight), I64, I64, P]
+    lib.vs_take_rows.argtypes = [ctypes.POINTER(Weight), P, I64, P]
+    lib.vs_packed_bytes.argtypes = [ctypes.c_int32, I64, I64]
+    lib.vs_packed_bytes.restype = I64
+    lib.vs_pack.argtypes = [ctypes.c_int32, P, I64, I64, I64, P, P]
+    lib.vs_abi.argtypes = [P, I64]
+    lib.vs_abi.restype = I64
+    lib.vs_embed.argtypes = [ctypes.POINTER(Weight), P, I64, F32, P]
+    lib.vs_head.argtypes = [P, F32, ctypes.POINTER(Weight), P, I64, P, P]
+    lib.vs_stack_work.argtypes = [ctypes.POINTER(Stack), I64]
+    lib.vs_stack_work.restype = I64
     lib.vs_attention_scratch.argtypes = [ctypes.POINTER(Stack)]
-    lib.vs_attention_scratch.restype = i64
-    lib.vs_tree_visibility.argtypes = [p, i64, i64, i64, p, p, p, p]
-    lib.vs_cache_keep.argtypes = [ctypes.POINTER(Cache), i64, p, i64]
-    lib.vs_stack_forward_rows.argtypes = [ctypes.POINTER(Stack), p, ctypes.POINTER(Rows), p, p]
+    lib.vs_attention_scratch.restype = I64
+    lib.vs_cache_keep.argtypes = [ctypes.POINTER(Cache), I64, P, I64]
+    lib.vs_stack_forward_rows.argtypes = [ctypes.POINTER(Stack), P, ctypes.POINTER(Rows), P, P]
     lib.vs_verify_greedy.argtypes = [ctypes.POINTER(VerifyRequest)]
     lib.vs_drafter_read.argtypes = [ctypes.POINTER(ReadRequest)]
-    lib.vs_drafter_read_scratch.argtypes = [ctypes.POINTER(Drafter), i64]
-    lib.vs_drafter_read_scratch.restype = i64
-    lib.vs_tree_capacity.argtypes = [i64, i64]
-    lib.vs_tree_capacity.restype = i64
+    lib.vs_drafter_read_scratch.argtypes = [ctypes.POINTER(Drafter), I64]
+    lib.vs_drafter_read_scratch.restype = I64
+    lib.vs_tree_capacity.argtypes = [I64, I64]
+    lib.vs_tree_capacity.restype = I64
     lib.vs_eagle_tree.argtypes = [ctypes.POINTER(TreeRequest)]
-    lib.vs_eagle_tree.restype = i64
+    lib.vs_eagle_tree.restype = I64
     lib.vs_set_threads.argtypes = [ctypes.c_int]
     lib.vs_threads.restype = ctypes.c_int
     lib.vs_threads_observe.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_double]
@@ -406,7 +386,7 @@ def check_index(what: str, value: int, low: int, high: int) -> None:
 def check_parents(what: str, parents: torch.Tensor) -> None:
     """A tree's parents (-1 for the root at row 0, every other row's parent an earlier row):
     ValueError naming the first row that breaks it."""
-    rows = parents.tolist()
+    rows = parents.tolist() if isinstance(parents, torch.Tensor) else parents
     if not rows:
         raise ValueError(f"{what}: a tree has at least its root")
     if rows[0] != -1:
@@ -423,12 +403,9 @@ def check_count(what: str, value: int, low: int, high: int | None = None) -> Non
 
 
 def visibility(length: int, pending: int, positions: torch.Tensor, tree_mask: torch.Tensor | None):
-    """What each new row attends to, as native.c reads it: (prefix, xoff, extra), int32.
-
-    Row r sees cache slots [0, prefix[r]) and then the slots extra[xoff[r]:xoff[r + 1]], in
-    position order, its own slot last. Without a tree mask the rows are causal after every
-    pending slot; with one (n, pending + n), row r sees the slots the mask marks.
-    """
+    """What each new row attends to, as native.c reads it (native.h's drawing): (prefix, xoff,
+    extra), int32. Without a tree mask the rows are causal after every pending slot; with one
+    (n, pending + n), row r sees the slots the mask marks."""
     n = positions.shape[0]
     pos = positions.to(torch.int64)
     if tree_mask is None:
@@ -472,21 +449,20 @@ def _tree_stop(stop) -> TreeStop | None:
                     min_gain=float(stop.min_gain), node_cost=float(stop.node_cost))
 
 
-def tree_visibility(parents: torch.Tensor, start: int, base: int):
-    """(positions, prefix, xoff, extra), int32, for a tree's rows (parents (n,), -1 for the
-    root) written after `start` cache slots with the root at position `base`: each row sees
-    the slots before, its ancestors' and its own (see `visibility`)."""
-    parents = parents.to(torch.int64).contiguous()
+def tree_visibility(parents: list[int], start: int, base: int) -> tuple[list[int], list[int], list[int]]:
+    """A tree's rows (parents: -1 for the root, each other row's an earlier row) written after
+    `start` cache slots with the root at position `base`, as native.h draws visibility with
+    every row's prefix `start`: (positions, where each row's slots end in extra, extra). Each
+    row sees its ancestors' slots, then its own."""
     check_parents("tree", parents)
-    check_count("the tree's first slot", start, 0)
-    n = parents.numel()
-    pos, prefix, xoff = (torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32),
-                         torch.empty(n + 1, dtype=torch.int32))
-    depth_bound = n * (n + 1) // 2
-    extra = torch.empty(max(depth_bound, 1), dtype=torch.int32)
-    library().vs_tree_visibility(parents.data_ptr(), n, start, base, pos.data_ptr(), prefix.data_ptr(),
-                                 xoff.data_ptr(), extra.data_ptr())
-    return pos, prefix, xoff, extra
+    paths, pos, ends, extra = [], [], [], []
+    for row, parent in enumerate(parents):
+        path = (paths[parent] if row else []) + [start + row]
+        paths.append(path)
+        pos.append(base + len(path) - 1)
+        extra += path
+        ends.append(len(extra))
+    return pos, ends, extra
 
 
 class NativeStack:
@@ -552,15 +528,13 @@ class NativeStack:
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
                 length: int, pending: int, tree_mask: torch.Tensor | None = None,
-                taps: tuple[int, ...] = (), parents: torch.Tensor | None = None,
-                embeds: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run x (n, dim), float32, in place through the layers; the new keys and values go to
-        the slots after the `length` committed and `pending` uncommitted ones. What each row
-        sees: `tree_mask` (see `visibility`), or a tree's `parents` (n,) (-1 for its root, whose
-        position is length + pending; positions are then its rows' depths after it), or
-        causally. `embeds` (n, dim): the rows' token embeddings, for a stack whose first layer
-        reads them (EAGLE-3's). Returns the `taps` layers' outputs side by side (n,
-        len(taps) * dim), or None."""
+                taps: tuple[int, ...] = (), embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run x (n, dim), float32, in place through the layers of one sequence (a drafter's
+        tree growing level by level); the new keys and values go to the slots after the
+        `length` committed and `pending` uncommitted ones. What each row sees: `tree_mask`
+        (see `visibility`), or causally. `embeds` (n, dim): the rows' token embeddings, for a
+        stack whose first layer reads them (EAGLE-3's). Returns the `taps` layers' outputs side
+        by side (n, len(taps) * dim), or None."""
         n = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dim:
             raise ValueError("native forward needs contiguous float32 rows of the model width")
@@ -572,26 +546,22 @@ class NativeStack:
         check_count("the cache's pending slots", pending, 0)
         if length + pending + n > slots:
             raise ValueError(f"sequence would reach {length + pending + n} tokens, beyond the cache's {slots}")
-        if parents is not None:
-            if parents.numel() != n:
-                raise ValueError(f"{parents.numel()} parents for {n} rows")
-            pos32, prefix, xoff, extra = tree_visibility(parents, length + pending, length + pending)
-        else:
-            if positions is None or positions.numel() != n:
-                raise ValueError(f"{n} rows need {n} positions")
-            prefix, xoff, extra = visibility(length, pending, positions, tree_mask)
-            pos32 = positions.to(torch.int32).contiguous()
+        if positions is None or positions.numel() != n:
+            raise ValueError(f"{n} rows need {n} positions")
+        prefix, xoff, extra = visibility(length, pending, positions, tree_mask)
+        pos32 = positions.to(torch.int32).contiguous()
         slot = torch.arange(length + pending, length + pending + n, dtype=torch.int32)
         return self._run(x, pos32, prefix, xoff, extra, torch.full((n,), keys.data_ptr(), dtype=torch.int64),
                          torch.full((n,), values.data_ptr(), dtype=torch.int64), slot, slots, taps,
                          embeds if self.reads_embeds else None)
 
     def forward_rows(self, x: torch.Tensor, parts: list[tuple], taps: tuple[int, ...] = ()) -> torch.Tensor | None:
-        """Rows of several sequences in one call, each part over a cache of its own: parts are
+        """A step's rows in one call, each part a sequence over a cache of its own: parts are
         (keys, values, length, parents or None, rows), their rows following one another in x;
-        a part's rows go after its `length` committed slots as a tree (`parents`, see
-        `forward`) or causally. Every row gets the bits it gets in a call of its own part.
-        Returns the taps' outputs as `forward` does."""
+        a part's rows go after its `length` committed slots, causally or as a tree (`parents`
+        (rows,), -1 for its root at position `length`, each row at its depth after it). Every
+        row gets the bits it gets in a call of its own part. Returns the taps' outputs as
+        `forward` does."""
         n = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.dim:
             raise ValueError("native forward needs contiguous float32 rows of the model width")
@@ -603,7 +573,7 @@ class NativeStack:
         if len(slots) != 1:
             raise ValueError("the caches of one call must have the same size")
         slots = slots.pop()
-        # Built as lists, one tensor each at the end: a batch of plain steps is a part per row.
+        # Built as lists, two tensors at the end: a batch of plain steps is a part per row.
         pos, prefix, xoff, extra, keys_at, values_at, slot = [], [], [0], [], [], [], []
         for keys, values, length, parents, rows in parts:
             check_count("a part's committed length", length, 0)
@@ -612,24 +582,22 @@ class NativeStack:
                 raise ValueError(f"{parents.numel()} parents for a part of {rows} rows")
             if length + rows > slots:
                 raise ValueError(f"sequence would reach {length + rows} tokens, beyond the cache's {slots}")
-            seen = len(extra)         # extra slots listed so far
             if parents is not None:
-                p, f, o, e = tree_visibility(parents, length, length)
-                o = o.tolist()
-                pos += p.tolist()
-                prefix += f.tolist()
-                xoff += [seen + end for end in o[1:]]
-                extra += e[:o[-1]].tolist()
+                p, ends, seen = tree_visibility(parents.tolist(), length, length)
+                pos += p
+                prefix += [length] * rows
+                xoff += [len(extra) + end for end in ends]
+                extra += seen
             else:                     # causal: each row sees the slots up to its own
                 pos += range(length, length + rows)
                 prefix += range(length + 1, length + rows + 1)
-                xoff += [seen] * rows
+                xoff += [len(extra)] * rows
             keys_at += [keys.data_ptr()] * rows
             values_at += [values.data_ptr()] * rows
             slot += range(length, length + rows)
-        pos32, prefix, xoff, extra, slot = (torch.tensor(t, dtype=torch.int32)
-                                            for t in (pos, prefix, xoff, extra or [0], slot))
-        keys_at, values_at = torch.tensor(keys_at, dtype=torch.int64), torch.tensor(values_at, dtype=torch.int64)
+        ints = torch.tensor(pos + prefix + xoff + slot + (extra or [0]), dtype=torch.int32)
+        pos32, prefix, xoff, slot, extra = ints.split([n, n, n + 1, n, max(len(extra), 1)])
+        keys_at, values_at = torch.tensor(keys_at + values_at, dtype=torch.int64).split(n)
         return self._run(x, pos32, prefix, xoff, extra, keys_at, values_at, slot, slots, taps, None)
 
     def _run(self, x, pos32, prefix, xoff, extra, keys_at, values_at, slot, slots: int, taps: tuple[int, ...],
@@ -669,15 +637,13 @@ def cache_keep(keys: torch.Tensor, values: torch.Tensor, length: int, keep: list
 
 class NativeDrafter:
     """An EAGLE drafter on the native engine, a read of committed tokens and a whole draft tree
-    in one call each (native.c's `vs_drafter_read`, `vs_eagle_tree`; tree.TreeBuilder is the
-    reference the tree follows). fc and the stack are the drafter's; head: its draft head as a
-    PackedWeight over the target's rows `head_ids` (None: all of them); embed, embed_scale:
-    the embedding the drafter reads.
-    - EAGLE-2: norm, eps: the target's final norm (features are the target's hidden states
-      through it); fc reads (embedding, feature).
-    - EAGLE-3 (`fused`): fc fuses the target's tapped rows (fc.cols wide, the engine's order);
-      the stack's first layer reads the embeddings; head_norm: the final norm the head reads
-      the states through, or out_norm: the one that makes the outputs states."""
+    in one call each (`vs_drafter_read`, `vs_eagle_tree`; tree.TreeBuilder is the reference the
+    tree follows). fc and the stack are the drafter's; head: its draft head over the target's
+    rows `head_ids` (None: all); embed, embed_scale: the embedding it reads. EAGLE-2: norm, eps:
+    the target's final norm its features go through; fc reads (embedding, feature). EAGLE-3
+    (`fused`): fc fuses the target's tapped rows; the stack's first layer reads the embeddings;
+    head_norm: the norm the head reads the states through, or out_norm: the one that makes the
+    outputs states."""
 
     def __init__(self, fc, stack: NativeStack, head, head_ids: torch.Tensor | None, embed,
                  embed_scale: float | None, norm: torch.Tensor | None, eps: float, fused: bool = False,

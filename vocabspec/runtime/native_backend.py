@@ -136,18 +136,12 @@ class NativeBackend(Backend):
             self._work = torch.empty(floats, dtype=torch.float32)
 
     def forward(self, rows: StepRows) -> StepRows:
-        """One native call over every span: a lone span through `NativeStack.forward`, several
-        through its `forward_rows` (every row the bits of a call of its own span)."""
-        spans, taps = rows.spans, rows.taps
+        """One native call over every span (`NativeStack.forward_rows`: every row the bits of a
+        call of its own span)."""
+        spans = rows.spans
         x = self.embed_tokens(torch.cat([span.tokens for span in spans]) if len(spans) > 1 else spans[0].tokens)
-        if len(spans) == 1:
-            span = spans[0]
-            cache = span.cache
-            tapped = self.stack.forward(x, span.positions, cache.keys, cache.values, cache.length, cache.pending,
-                                        taps=taps, parents=span.parents)
-        else:
-            tapped = self.stack.forward_rows(x, [(span.cache.keys, span.cache.values, span.cache.length,
-                                                  span.parents, span.rows) for span in spans], taps)
+        tapped = self.stack.forward_rows(x, [(span.cache.keys, span.cache.values, span.cache.length, span.parents,
+                                              span.rows) for span in spans], rows.taps)
         for span in spans:
             span.cache.advance(span.rows)
         return rows.set_outputs(x, tapped)
