@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from vocabspec.runtime.loading import load_model
+from vocabspec.runtime.kv_cache import ancestor_mask
 from vocabspec.runtime.model import ModelArgs, Transformer
 from vocabspec.runtime.tokenizer import load_tokenizer
 from vocabspec.runtime.torch_backend import TorchBackend
@@ -109,13 +110,16 @@ def tiny_args(arch: str, **overrides) -> ModelArgs:
 
 def forward(model, tokens, positions, cache, tree_mask=None, logits_rows=None, all_logits=False, taps=(),
             parents=None):
-    """The reference model's one-sequence forward (model.Transformer.forward: its arguments and
-    its (hidden, logits[, tapped])) on a backend too: its `tree_forward`, or a StepRows of one
-    tree where `parents` are given, and its LM head over the rows asked for."""
+    """One sequence's forward, (hidden, logits[, tapped]), on the reference model or a backend:
+    its `tree_forward`, or a StepRows of one tree where `parents` are given (the reference model
+    takes their ancestor mask), then its LM head over the rows asked for (`logits_rows`, every
+    row with `all_logits`, else the last)."""
     if isinstance(model, Transformer):
-        return model(tokens, positions, cache, tree_mask=tree_mask, logits_rows=logits_rows, all_logits=all_logits,
-                     taps=taps, parents=parents)
-    if parents is not None:
+        if parents is not None:
+            assert not cache.pending, "a tree given by its parents sees every cached token"
+            tree_mask = ancestor_mask(parents)
+        hidden, tapped = model(tokens, positions, cache, tree_mask, taps)
+    elif parents is not None:
         rows = model.run(tokens, cache, taps, parents)
         hidden, tapped = rows.hidden, rows.tapped
     else:

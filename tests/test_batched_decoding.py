@@ -83,8 +83,8 @@ def test_sampled_first_tokens_follow_the_targets_distribution():
                for s in range(400)]
     batch = BatchEngine(model, None, None, BatchLimits(max_batch=400, window=16), allow_inexact=True, thread=False)
     firsts = [r.tokens[0] for r in batch.generate([prompt] * 400, configs)]
-    _, logits = model.module(torch.tensor(prompt), torch.arange(len(prompt)), model.new_cache(16))
-    probs = target_probs(logits, params)[0]
+    hidden, _ = model.module(torch.tensor(prompt), torch.arange(len(prompt)), model.new_cache(16))
+    probs = target_probs(model.lm_head(hidden[-1:]), params)[0]
     counts = torch.bincount(torch.tensor(firsts), minlength=probs.numel()).float() / 400
     assert 0.5 * float((counts - probs).abs().sum()) < 0.2
     assert len(set(firsts)) > 5

@@ -178,7 +178,7 @@ class GGUFModel:
         self.norms = {"norm.weight": self.small("output_norm.weight")}
         for i in range(args.n_layers):
             for ours, gguf_name in NORM_NAMES.items():
-                if ours in ("attn_norm", "mlp_norm") or (ours.startswith("attn.") and args.qk_norm) or \
+                if ours in ("attn_norm", "mlp_norm") or (ours.startswith("attn.") and args.features.qk_norm) or \
                         (ours.startswith("post") and args.features.sandwich_norms):
                     self.norms[f"layers.{i}.{ours}.weight"] = self.small(f"blk.{i}.{gguf_name}.weight")
         self.biases = {}
@@ -346,7 +346,7 @@ def load_hf_dir(path: Path, max_seq_len: int | None = None):
                                                     take(p + "mlp.up_proj.weight")])
         sd[o + "mlp.w_down.weight"] = take(p + "mlp.down_proj.weight")
         sd[o + "attn_norm.weight"] = take(p + "input_layernorm.weight") + norm_shift
-        if args.qk_norm:
+        if args.features.qk_norm:
             sd[o + "attn.q_norm.weight"] = take(p + "self_attn.q_norm.weight") + norm_shift
             sd[o + "attn.k_norm.weight"] = take(p + "self_attn.k_norm.weight") + norm_shift
         if args.features.sandwich_norms:

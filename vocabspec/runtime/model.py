@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kv_cache import DeviceKVCache, KVCache, ancestor_mask
+from .kv_cache import DeviceKVCache, KVCache
 from .linear import Linear, linear
 
 
@@ -103,10 +103,6 @@ class ModelArgs:
         if self.layer_types is not None and (len(self.layer_types) != self.n_layers
                                              or set(self.layer_types) - {"sliding", "full"}):
             raise ValueError(f"layer_types must give 'sliding' or 'full' for each of {self.n_layers} layers")
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.features.qk_norm
 
     @property
     def matrix_parameters(self) -> int:
@@ -198,7 +194,7 @@ class Attention(nn.Module):
         self.kv_size = args.n_kv_heads * args.head_dim
         self.wqkv = Linear(args.dim, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.wo = Linear(self.q_size, args.dim, bias=False)
-        if args.qk_norm:
+        if args.features.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         else:
@@ -445,30 +441,20 @@ class Transformer(nn.Module):
         return self.embed.weight if self.output is None else self.output.weight
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                tree_mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None,
-                all_logits: bool = False, taps: tuple[int, ...] = (), parents: torch.Tensor | None = None):
-        """Run `tokens` (n,) at `positions` (n,) after the committed cache.
+                tree_mask: torch.Tensor | None = None, taps: tuple[int, ...] = ()):
+        """Run `tokens` (n,) at `positions` (n,) after the cache's committed and pending slots.
 
-        tree_mask (n, pending + n): which pending and new tokens each new token sees
-        (default: all pending ones and the new ones causally). parents (n,): the new tokens as a
-        flattened tree after every cached token (-1 for its root), each seeing its ancestors,
-        instead of a mask (`positions` then being the root's plus each node's depth).
-        Logits are computed for `logits_rows` (indices; empty: none, and logits is None),
-        for every row if `all_logits`, else for the last row only. The cache holds the new
-        tokens as pending until `cache.commit`. Returns (hidden (n, dim) before the final
-        norm, logits (m, vocab)), and with `taps` (layer indices) a third item: those layers'
-        outputs side by side (n, len(taps) * dim), the inputs of fused-feature drafters.
+        tree_mask (n, pending + n): which pending and new tokens each new token sees (default:
+        all pending ones and the new ones causally). The cache holds the new tokens as pending
+        until `cache.commit`. Returns (hidden (n, dim) before the final norm, the `taps` layers'
+        outputs side by side (n, len(taps) * dim) or None): the inputs of drafters; `lm_head`
+        scores the rows a caller wants.
         """
-        n = tokens.shape[0]
-        check_sequence(self.args, n, cache, taps)
-        if parents is not None:
-            if cache.pending:
-                raise ValueError("a tree given by its parents sees every cached token: commit first")
-            tree_mask = ancestor_mask(parents)
+        check_sequence(self.args, tokens.shape[0], cache, taps)
         plan = AttentionPlan(self.args, cache, positions, tree_mask, self.rope)
         x, tapped = self.run_layers(self.embed_tokens(tokens), plan, cache, taps)
-        cache.advance(n)
-        return (x, self.logits(x, logits_rows, all_logits), *([tapped] if taps else []))
+        cache.advance(tokens.shape[0])
+        return x, tapped
 
     def run_layers(self, x: torch.Tensor, plan: LayerPlan, cache, taps: tuple[int, ...], block=None):
         """Rows `x` through every layer as `plan` shows them, each by its own forward or by
@@ -481,11 +467,3 @@ class Transformer(nn.Module):
             if i in taps:
                 tapped.append(x)
         return x, torch.cat(tapped, dim=-1) if taps else None
-
-    def logits(self, x: torch.Tensor, rows: torch.Tensor | None, every: bool) -> torch.Tensor | None:
-        """`forward`'s logits: every row's, those of `rows` (None where empty), or the last's."""
-        if every:
-            return self.lm_head(x)
-        if rows is not None:
-            return self.lm_head(x[rows]) if len(rows) else None
-        return self.lm_head(x[-1:])

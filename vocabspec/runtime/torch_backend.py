@@ -62,8 +62,7 @@ class TorchBackend(Backend):
     def tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, tree_mask=None,
                      taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Backend.tree_forward over a KVCache or a graph step's DeviceKVCache."""
-        hidden, _, *tapped = self.module(tokens, positions, cache, tree_mask=tree_mask, logits_rows=[], taps=taps)
-        return hidden, tapped[0] if taps else None
+        return self.module(tokens, positions, cache, tree_mask, taps)
 
     def block(self, block, x, cos, sin, cache, mask) -> torch.Tensor:
         """One decoder layer over rows `x` (slots.py runs a slot table's layers through it)."""
