@@ -1,22 +1,13 @@
 """The decoding loop: continuous batching, each answer bit-identical to serving it alone.
 
-Every request is stepped here, by one step: each running request proposes its tree (drafted by
-its own proposer, or its root alone for plain decoding), the trees are laid out as one
-`StepRows`, the backend runs them in one forward (each over the request's own KV cache), greedy
-requests are verified in one call (`Backend.verify_greedy`), and each request then verifies the
-rest, commits and streams (`Generation.finish`). A request joins with its prompt's prefill (the
-joining prompts' chunks share forwards, `Backend.prefill`) and leaves between steps. On the
-native engine a row's bits never depend on the rows beside it, and a request's cache, proposer
-and sampling generator are its own: its tokens are exactly those it gets served alone, whatever
-else runs. The batch changes when tokens arrive, never which. On torch's kernels the backend
-runs each request's rows in turn, or, where rows may run together (`BatchLimits.batched`: on the
-row-invariant kernels, exact; on torch's with inexact answers allowed), as rows of one forward
-over a slot table (torch_backend.py).
-
-A single request (`Engine.stream`, `Engine.generate`) is a batch of one: an `Engine` is a
-one-slot `BatchEngine` stepped on the caller's thread, drafting at every step its proposer can.
-On CUDA that request's greedy steps run as graph steps captured as CUDA graphs: its backend is
-then a `GraphBackend` (graph_step.py).
+Every step is one path: each running request proposes its tree (drafted by its own proposer, or
+its root alone for plain decoding), the trees are laid out as one `StepRows`, the backend runs
+them in one forward (each over the request's own KV cache), greedy requests are verified in one
+call (`Backend.verify_greedy`), and each request then verifies the rest, commits and streams
+(`Generation.finish`). A request joins with its prompt's prefill (`Backend.prefill`) and leaves
+between steps. On the native engine a row's bits never depend on the rows beside it, and a
+request's cache, proposer and sampling generator are its own: its tokens are exactly those it
+gets served alone, whatever else runs. A single request is a batch of one (`Engine`).
 
 The steps run on one thread: the engine's own (`thread=True`), or the caller's, through `run`
 (`thread=False`). The second is the fast one on a CPU: OpenMP (libgomp) throttles a parallel
@@ -25,29 +16,21 @@ layer's parallel region then waits on the kernel instead of spinning: on 2 cores
 another thread costs about 4x. So `serve` answers HTTP on a thread of its own and steps the
 batch on the main thread, and `generate` steps it on the calling thread.
 
-The engine has `max_batch` slots, each a KV cache of `window` tokens and a proposer built once;
-a request takes a free slot (prefilled when it joins), or waits in a queue of at most
-`max_waiting`; past that, `submit` refuses (`Busy`). A cancelled request leaves at the next
-step. Whatever a request's own part of a step raises (its generation or sampling generator
-cannot be made, its proposer fails or drafts a tree that cannot be verified, its verification
-or delivery fails) ends that request alone with the error (`_isolated`, the one handler), and
-the others step on; a failure of the shared forward ends the step's requests. Should the loop
-itself fail, every request not yet answered gets the error and the engine stops (`run`): nobody
-waits for an answer that will not come.
+Whatever a request's own part of a step raises ends that request alone (`_isolated`, the one
+handler) and the others step on; a failure of the shared forward ends the step's requests;
+should the loop itself fail, every request not yet answered gets the error (`run`).
 
 The draft budget follows the batch and the cost curve. A step of B requests over R rows yields
 B tokens plus the drafts accepted, in the time of a forward of R rows, c(R), measured on this
-machine when the engine starts (cost_curve.py), with the LM head's own cost per row scored
-(a plain request scores one, a tree up to the head's first pass, and a second pass at the rate
-its slot's paths have left the first). A greedy request's tree of d rows (its proposer's next
-proposal, where it can say cheaply; else its largest) joins the step only if it raises the
-step's tokens per second: (B + G + g) / c(R + d) > (B + G) / c(R), with g the drafts its slot
-has been accepting per drafted step (a running mean, from a prior of 0.5) and G those of the
-trees already in. On a CPU, where each row costs a share
-of a forward, a lone request drafts and a full batch decodes plainly; on a GPU, where rows are
-nearly free, every request drafts. A greedy request's tokens are the same either way; a sampled
-one always drafts as it would alone, so that its random draws, and its tokens, are those of
-serving it alone. `BatchLimits.tree_rows` caps the rows instead (None: the cost rule).
+machine when the engine starts (cost_curve.py), with the LM head's own cost per row scored (a
+plain request scores one, a tree up to the head's first pass, and a second pass at the rate its
+slot's paths have left the first). A greedy request's tree of d rows (its proposer's next
+proposal) joins the step only if it raises the step's tokens per second: (B + G + g) / c(R + d)
+> (B + G) / c(R), with g the drafts its slot has been accepting per drafted step (a running
+mean) and G those of the trees already in. On a CPU a lone request drafts and a full batch
+decodes plainly; on a GPU, where rows are nearly free, every request drafts. A sampled request
+always drafts as it would alone, so that its random draws, and its tokens, are those of serving
+it alone. `BatchLimits.tree_rows` caps the rows instead (None: the cost rule).
 """
 
 from __future__ import annotations
@@ -121,14 +104,11 @@ class BatchLimits:
     batched: bool | None = None
 
     def __post_init__(self):
-        for name in ("max_batch", "window"):
+        for name, least in (("max_batch", 1), ("window", 1), ("max_waiting", 0), ("tree_rows", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) or self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be an integer >= 0, got {self.max_waiting!r}")
-        if self.tree_rows is not None and (not isinstance(self.tree_rows, int) or self.tree_rows < 1):
-            raise ValueError(f"tree_rows must be a positive integer or None, got {self.tree_rows!r}")
+            if (value is not None or name != "tree_rows") and \
+                    (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 @dataclass(eq=False)           # each request is itself (BatchEngine.unanswered holds them)
@@ -199,6 +179,7 @@ class BatchEngine:
                              f"{model.args.max_seq_len}")
         self.model, self.allow_inexact = model, allow_inexact
         self.target = Target.of(model, tokenizer)
+        self.tokenizer, self.eos_ids, self.max_len = self.target.tokenizer, self.target.eos_ids, self.limits.window
         caches = self._caches(allocate)
         proposers = [make_proposer() if make_proposer else None for _ in caches]
         if any(p is not None for p in proposers):
@@ -241,18 +222,6 @@ class BatchEngine:
         if model.memory is not None and model.device.type == "cpu":
             check_cache_fits(model, limits.max_batch, limits.window)
         return model.caches(limits.max_batch, limits.window)
-
-    @property
-    def tokenizer(self) -> Tokenizer | None:
-        return self.target.tokenizer
-
-    @property
-    def eos_ids(self) -> frozenset:
-        return self.target.eos_ids
-
-    @property
-    def max_len(self) -> int:
-        return self.limits.window
 
     # ---------------------------------------------------------------- requests
 

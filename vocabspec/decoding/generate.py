@@ -282,11 +282,10 @@ class Generation:
                         tree.positions(self.cache.used), owner=owner)
 
     def _check_tree(self, tree: Tree) -> None:
-        """ValueError unless a proposed tree on the host can be verified: rooted at the token
-        the step continues from, its drafts in the vocabulary, each parent an earlier row,
-        within the cache's room. Checked here, the tree belonging to this request,
-        it fails only this request; inside the shared forward it would fail every one. (A
-        device's tree is left unread: checking it would wait for the device.)"""
+        """ValueError unless a proposed tree on the host can be verified: rooted at the step's
+        token, its drafts in the vocabulary, each parent an earlier row, within the cache's
+        room. Checked here, it fails only this request; inside the shared forward it would fail
+        every one. (A device's tree is left unread: checking it would wait for the device.)"""
         if tree.tokens.device.type != "cpu":
             return
         from ..runtime.native import check_parents, check_range

@@ -23,11 +23,9 @@ float32 ties apart on torch's kernels (not row-invariant), exactly on the row-in
 taken in the LM head's kernel, Transformer.greedy_tokens). Sampling
 takes the eager steps (generate.py), as does the native CPU engine, which keeps its own cache.
 
-`GraphBackend` is how the loop runs them: the backend of an `Engine` with graph steps, over
-torch's backend (or the row-invariant kernels'). A greedy request gets a decoder's cache and a
-`GraphProposal` in place of its proposer (`prepare`); its step's span is its root, and the
-backend's `forward` runs the whole step on the device and hands the loop what was accepted
-(`RowSpan.settled`). Other requests (sampling, logprobs) step through the backend it wraps.
+`GraphBackend` is how the loop runs them: the backend of an `Engine` with graph steps, whose
+`forward` runs a greedy request's whole step on the device and hands the loop what was
+accepted (`RowSpan.settled`).
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ log = logging.getLogger(__name__)
 
 class GraphDecoder:
     """Greedy steps over a DeviceKVCache of `max_len` slots for one model and proposer (see the
-    module docstring). `start` takes a generation's first token once its prompt is in the cache;
-    each `step` verifies one tree and returns what the host needs. On CUDA each (tree size, drafting) step is captured as a CUDA graph
+    module docstring). On CUDA each (drafting, tree size) step is captured as a CUDA graph
     after two warm-up runs and replayed; if capture fails the step runs eagerly, and
     `graph_failures` says why (VOCABSPEC_CUDA_GRAPHS=0 turns capture off)."""
 

@@ -6,10 +6,9 @@ the kernels compute it (`kernel_block`), fused (each norm inside the projection 
 each residual in the epilogue of the projection before it where no norm comes between, rotary
 and the cache write inside the QKV projection, or with query/key norms in one kernel after it)
 or not (one kernel per operation, for timing the fusions). What each row attends to is a
-`Visibility`: the keys it sees as slot lists in position order (`KernelPlan` over a KVCache
-or a graph step's device cache, `SlotRows` over a batch's slot table), so that a tree's row and
-its path's one-token row reduce over the same keys in the same order.
-Greedy verification takes each row's argmax inside the LM head's kernel (`linear_argmax`).
+`Visibility` (native.h's drawing), so that a tree's row and its path's one-token row reduce
+over the same keys in the same order. Greedy verification takes each row's argmax inside the
+LM head's kernel (`linear_argmax`).
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ KERNEL_TABLE_ELEMENTS = 2**31 - 1
 
 @dataclass
 class Visibility:
-    """What each new row attends to, as the row-invariant kernels read it (native.visibility's
-    prefix, xoff, extra, on the device), and the sliding window where a layer has one. The
-    slots are a cache's `storage` (a KVCache's layer; slots.SlotRows' table of many)."""
+    """What each new row attends to (native.h's drawing, on the device) in a cache's `storage`,
+    and the sliding window where a layer has one."""
     prefix: torch.Tensor
     xoff: torch.Tensor
     extra: torch.Tensor
@@ -47,13 +45,9 @@ class Visibility:
 
 
 class KernelPlan(LayerPlan):
-    """RoPE rows and visibility for one forward on the row-invariant kernels: the keys each row
-    sees as slot lists in position order, so that a tree's row and its path's one-token row
-    reduce over the same keys in the same order, and the slot each row's key is written to.
-    Over a DeviceKVCache (a graph step's) it is built on the device with fixed shapes: row r
-    sees the committed slots [0, length), then the pending and new slots it sees, listed in
-    slot order (position order: a tree's ancestors precede it) in its row of a (n, pending + n)
-    table."""
+    """RoPE rows and each row's `Visibility` for one forward on the row-invariant kernels, and
+    the slot each row's key is written to. Over a DeviceKVCache (a graph step's) it is built on
+    the device with fixed shapes (`DeviceKVCache.fresh_visibility`)."""
 
     def __init__(self, args: ModelArgs, cache: KVCache | DeviceKVCache, positions: torch.Tensor,
                  tree_mask: torch.Tensor | None, rope: dict):
@@ -78,22 +72,13 @@ class KernelPlan(LayerPlan):
 
 
 class SlotRows:
-    """One forward's rows over a SlotCache on the row-invariant kernels, each row (N of them) at
-    its position in its slot: the cache the model's `Attention` writes its keys and values into
-    and reads them from (`storage`; `write` where the projection is not fused), and what each
-    row sees (`visibility`: a Visibility per kind of layer), as a forward over a KVCache of
-    its own has them.
-
-    Row r's slot starts at `base` in the table (SlotCache.storage); its key goes to the slot
-    `base + place` (its position, for a plain row) and it reads its slot's positions 0 to its
-    own (prefix = position + 1, from its base): the list a forward of its request alone gives
-    the same row (its cache's positions 0 to its own), reduced in the same chunks by the same
-    fused kernels: the same bits.
-
-    After those plain rows come the `trees` (SlotTree), each drafted request's rows: written at
-    their places in its slot (after its committed keys, as into its own KVCache), they see the
-    keys a forward of the request alone shows them (its KernelPlan's visibility, from its slot's
-    base)."""
+    """One forward's rows over a SlotCache on the row-invariant kernels, as a forward over a
+    KVCache of its own has them: where each row writes (`storage`, or `write` where the
+    projection is not fused) and what it sees (`visibility`). Row r's slot starts at `base` in
+    the table; its key goes to `base + place` and it reads its slot's positions 0 to its own:
+    the list a forward of its request alone gives the same row, reduced in the same chunks by
+    the same kernels, so the same bits. After the plain rows come the `trees` (SlotTree), each
+    seeing what a forward of its request alone shows it (its KernelPlan's), from its base."""
 
     def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor,
                  places: torch.Tensor | None = None, trees: list[SlotTree] = ()):

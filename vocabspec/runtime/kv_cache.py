@@ -7,10 +7,7 @@ keeps the chosen pending slots (the accepted path), packing them right after the
 prefix, and forgets the rest. Nothing here allocates during decoding.
 
 Two layouts: "torch" (layers, 1, kv heads, slots, head_dim), which torch's attention reads,
-and "native" (native.c), where keys are (layers, kv heads, slots / 16, head_dim, 16): blocks of
-16 keys, each dimension's 16 values side by side, so that a vector holds one dimension of 16 keys
-and scoring reads a block front to back; values are (layers, kv heads, slots, head_dim). Its
-slots are rounded up to whole blocks.
+and "native" (native.h's drawing: keys in blocks of 16 slots, the slots rounded up to them).
 
 `DeviceKVCache` is the same cache with its committed length kept on the device: writes go to
 device-computed slots (`index_copy_`), attention reads every slot under a mask built on the

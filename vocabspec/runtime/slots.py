@@ -5,33 +5,20 @@ batched prefill and decode steps, and greedy answers to thousands of prompts at 
 sequences through each weight once, which is what a GPU needs to be busy: a SmolLM2 step of
 one row and of a thousand rows cost about the same time there.
 
-Layout: each layer's keys and values are one tensor (slots, kv heads, window, head dim);
-slot s holds one sequence, its position p at index p. Chosen over pages because every
-sequence here has a window fixed up front (a training answer's prompt plus its new tokens),
-so a slot wastes at most its unused tail, a step's attention reads each slot's keys as one
-strided batched product with no page table, and a finished sequence's slot is refilled by
-moving the live ones down (`compact`), never by a gather at every step. The number of slots
-is sized from the device's free memory (`SlotCache.fitting`). The batch engine's plain-decoding
-requests step here too (torch_backend.py: a batch of rows together), each request in a slot of its own, and
-so do drafted requests, a slot each as their KV cache (`SlotSequence`), their trees rows of the
-same forward (`SlotTree`, `forward_with_trees`).
+Layout: each layer's keys and values are one tensor (slots, kv heads, window, head dim); slot
+s holds one sequence, its position p at index p. Chosen over pages because every sequence here
+has a window fixed up front, so a slot wastes at most its unused tail, a step's attention reads
+each slot's keys as one strided batched product with no page table, and a finished sequence's
+slot is refilled by moving the live ones down (`compact`), never by a gather at every step. The
+batch engine's requests step here too, each in a slot of its own (`SlotSequence`), their trees
+rows of the same forward (`SlotTree`, `forward_with_trees`).
 
-Rows of different sequences never mix: every product is row-wise and attention reads only
-the row's own slot, masked to its own positions. torch's kernels do not promise that a row
-gets the same bits whatever the other rows are, so answers from here are the target's greedy
-answers up to that rounding (training data, batch jobs with --allow-inexact).
-
-This is the slot machinery of torch's backends (torch_backend.py, kernel_backend.py): each
-function takes the backend, whose `block` runs a layer, `slot_forward` a step over the table
-and `slot_visibility` what a tree's rows see. On the row-invariant kernels (`KernelBackend`,
-`--backend triton`) the rows are exact: each layer is the same fused kernels a one-request
-forward runs, over the slot table as one cache (`SlotRows`: `storage` and a `Visibility` whose slots
-and base put each row's keys and reads in its own slot): the QKV projection writes each row's
-key and value into its slot (kernels.qkv_rope_cache), and kernels.attention reduces a row's
-keys in position order in fixed chunks whatever else is in the call. A row here then has the
-bits of the same token in a forward of its request alone, in a prefill (padding rows included:
-they only add rows, each reading its own slot up to its own position) and in a decode step
-alike.
+Rows of different sequences never mix: every product is row-wise and attention reads only the
+row's own slot, masked to its own positions. torch's kernels do not promise that a row gets the
+same bits whatever the other rows are, so answers from here are the target's greedy answers up
+to that rounding (training data, batch jobs with --allow-inexact). On the row-invariant kernels
+(kernel_backend.SlotRows) they are exact. Each function takes the backend, whose `block` runs
+a layer, `slot_forward` a step over the table and `slot_visibility` what a tree's rows see.
 """
 
 from __future__ import annotations
@@ -151,12 +138,9 @@ def _attend_cached(q, keys, values, positions, scale, window):
 
 
 class SlotSequence(KVCache):
-    """Slot `slot` of a SlotCache seen as one request's KVCache (the torch layout's rules): its
-    committed keys at [0, length), a forward's new ones pending after them, `commit` keeping
-    the accepted ones by moving them down inside the slot. A drafted request keeps its keys
-    here, so that its prefill runs alone through `Transformer.forward` (its proposer reads the
-    prompt's hidden states; on the fused kernels the QKV projection writes into the slot, its
-    `storage`) and its trees join the batch's steps (`SlotTree`)."""
+    """Slot `slot` of a SlotCache seen as one request's KVCache (the torch layout's rules), so
+    that its prefill runs alone through `Transformer.forward` (its proposer reads the prompt's
+    hidden states) and its trees join the batch's steps (`SlotTree`)."""
 
     def __init__(self, cache: SlotCache, slot: int):
         self.table, self.slot = cache, slot
@@ -174,14 +158,10 @@ class SlotSequence(KVCache):
 
 
 class SlotTree:
-    """A drafted request's rows in a step over a SlotCache: its tree (or its root alone, with
-    no `tree_mask`) after the keys its `sequence` holds, written at the places after them in
-    row order (its pending slots, as in a KVCache of its own), at `positions` (the root's plus
-    each row's depth). `seen` (a Visibility): the keys each row attends to in its slot, the
-    KernelPlan a forward of its request alone builds (model.py), so that its rows reduce over
-    the same keys in the same order: the same bits (SlotRows counts them from the slot's base,
-    the sliding layers' window added as the plan adds it). On torch's kernels (`seen` None) its
-    rows see what `tree_mask` (ancestors, None for a root alone) shows (`TreeRowsOnTorch`)."""
+    """A request's rows in a step over a SlotCache: its tree (or its root alone, with no
+    `tree_mask`) written after the keys its `sequence` holds, in row order, at `positions`.
+    `seen`: what each row attends to, as a forward of its request alone has it (the backend's
+    `slot_visibility`; None on torch's kernels, where `tree_mask` shows it)."""
 
     def __init__(self, model, sequence: SlotSequence, tokens: torch.Tensor,
                  positions: torch.Tensor, tree_mask: torch.Tensor | None):
@@ -199,15 +179,11 @@ class SlotTree:
 
 class TreeRowsOnTorch(CustomAttention):
     """`forward_with_trees`' rows on torch's kernels: first one row per slot 0..b-1 (a plain
-    row, a drafted request's tree root, or an idle slot's row, `live` False, which writes
-    nowhere: its slot may hold a request that is not in this step), then each tree's other
-    rows. Each live row's key goes to its slot at its place (`write`); the slot rows attend as a
-    decode step's rows do (`_attend_cached`, over a view of the table's first b slots), and each
-    tree's other rows over their own slot up to the tree's end (a view: no slot's keys are
-    copied), masked to the committed keys, the root and their ancestors. A layer's attention is
-    then one batched product plus one per branching tree, the projections and MLPs one over
-    every row. torch rounds a row differently with other rows beside it, so its answers are
-    alone's up to that rounding (--allow-inexact)."""
+    row, a tree's root, or an idle slot's row, `live` False, which writes nowhere), then each
+    tree's other rows. The slot rows attend as a decode step's rows do (`_attend_cached`), and
+    each tree's other rows over a view of their own slot, masked to the committed keys and
+    their ancestors: one batched product plus one per branching tree. torch rounds a row
+    differently with other rows beside it (--allow-inexact)."""
 
     def __init__(self, cache: SlotCache, b: int, live: torch.Tensor, positions: torch.Tensor,
                  trees: list[SlotTree], window: int = 0, context: int = 0):
@@ -307,14 +283,10 @@ def blocks_over_slots(model, x: torch.Tensor, positions: torch.Tensor, rows, tap
 
 def forward_with_trees(model, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
                        slots: torch.Tensor, trees: list[SlotTree], taps: tuple[int, ...] = ()):
-    """One forward of plain rows (tokens, positions, slots: (P,),
-    each a request's next token at its position in its slot) and drafted requests' trees
-    (`SlotTree`), every row through each weight once (the backend's `slot_forward`). Each tree's
-    rows are left in its slot after its committed keys (its request's cache commits the accepted
-    path). Returns the hidden states before the final norm of all P + sum(tree rows) rows in
-    that order (N, dim), and with `taps` those layers' outputs (N, len(taps) * dim). On the
-    row-invariant kernels every row has the bits of its token in a forward of its request alone
-    (its tree's, for a drafted request); on torch's kernels, up to rounding (`TreeRowsOnTorch`)."""
+    """One forward (the backend's `slot_forward`) of plain rows (tokens, positions, slots: (P,))
+    and requests' trees (`SlotTree`, left pending in their slots); the hidden states before the
+    final norm of all P + sum(tree rows) rows in that order (N, dim), and with `taps` those
+    layers' outputs (N, len(taps) * dim)."""
     out = model.slot_forward(cache, tokens, positions, slots, trees, taps)
     for tree in trees:
         tree.sequence.advance(tree.rows)
@@ -324,19 +296,12 @@ def forward_with_trees(model, cache: SlotCache, tokens: torch.Tensor, positions:
 def forward_rows(model, tokens: torch.Tensor, positions: torch.Tensor,
                  cache: SlotCache | None = None, first_slot: int = 0, context: int = 0,
                  taps: tuple[int, ...] = (), slots: torch.Tensor | None = None):
-    """Hidden states before the final norm (B, n, dim) of B sequences' rows.
-
-    Two kinds of call:
-    - prefill (n >= 1, positions 0..n-1 in every row, right-padded): each sequence's rows see
-      its own causally; with `cache`, their keys and values fill slots first_slot..+B (or the
-      slots listed in `slots` (B,), wherever they lie);
-    - decode (n == 1, `cache`): row b at positions[b, 0], after its slot's cached positions,
-      in slot b; `context` bounds every row's position + 1 (known on the host, so the device
-      is never asked).
-    With `taps`, also those layers' outputs side by side (B, n, len(taps) * dim).
-    On the row-invariant kernels with a cache each row has the bits of its token in a forward
-    of its sequence alone (kernel_backend.SlotRows); `context` is then not needed. The
-    backend's `rows_forward` runs it."""
+    """Hidden states before the final norm (B, n, dim) of B sequences' rows (the backend's
+    `rows_forward`), and with `taps` those layers' outputs (B, n, len(taps) * dim):
+    - prefill (positions 0..n-1 in every row, right-padded): each sequence's rows see its own
+      causally; with `cache`, they fill slots first_slot..+B (or those listed in `slots`);
+    - decode (n == 1, `cache`): row b at positions[b, 0] in slot b, after its cached positions;
+      `context` bounds every row's position + 1 (known on the host: the device is never asked)."""
     return model.rows_forward(tokens, positions, cache, first_slot, context, taps, slots)
 
 
