@@ -11,6 +11,10 @@ the rows it would verify (the rule's cost curve, as it stood at the end):
 
 - `fixed m`: the m best candidates every step;
 - `rule`: the rule's own choice (the measured run, replayed: the check that replay and run agree);
+- `confident`: per step the m that maximises the calibrated chances' expected drafts less an
+  exchange rate times the rows' cost, the rate the one that maximises the whole run's speed
+  (chosen in hindsight, and free of the rule's own costs: the most any rule that sizes a tree
+  from the drafter's calibrated confidence can reach on these candidates);
 - `hindsight`: per step the m that an oracle knowing the outcome would keep, its exchange rate
   of rows for tokens the one that maximises the whole run's speed (no rule can reach it: its
   gap over `rule` is what knowing the outcome is worth, the part confidence cannot give).
@@ -50,17 +54,26 @@ def replay(steps: list[dict], plain_seconds: float, plain_tokens: int, pick, cos
     return tokens / seconds
 
 
-def hindsight(steps, plain_seconds, plain_tokens, costs) -> float:
-    """The best run an oracle that knows each step's outcome reaches: per step the m maximising
-    tokens less `rate` times its rows' cost, the rate swept around the run's own."""
+def best_rate(steps, plain_seconds, plain_tokens, costs, gain) -> float:
+    """The best run when each step keeps the m maximising gain(step, m) less `rate` times its
+    rows' cost, the rate swept around the run's own."""
     own = replay(steps, plain_seconds, plain_tokens, lambda s: s["kept"], costs)
     best = 0.0
     for i in range(-60, 61):
         rate = own * 1.03 ** i      # tokens a second
-        pick = lambda s: max(range(len(s["chances"]) + 1),
-                             key=lambda m: 1 + accepted(s, m) - rate * costs(1 + m))
+        pick = lambda s: max(range(len(s["chances"]) + 1), key=lambda m: gain(s, m) - rate * costs(1 + m))
         best = max(best, replay(steps, plain_seconds, plain_tokens, pick, costs))
     return best
+
+
+def hindsight(steps, plain_seconds, plain_tokens, costs) -> float:
+    """The best run an oracle that knows each step's outcome reaches."""
+    return best_rate(steps, plain_seconds, plain_tokens, costs, accepted)
+
+
+def confident(steps, plain_seconds, plain_tokens, costs) -> float:
+    """The best run a rule reaches that keeps, per step, the m best for the calibrated chances."""
+    return best_rate(steps, plain_seconds, plain_tokens, costs, lambda s, m: sum(s["chances"][:m]))
 
 
 def record(model: str, rounds: int) -> tuple[list[dict], float, int, object]:
@@ -142,14 +155,16 @@ def main() -> None:
     fixed = {m: replay(steps, plain_seconds, plain_tokens, lambda s, m=m: m, costs) for m in range(most + 1)}
     rule = replay(steps, plain_seconds, plain_tokens, lambda s: s["kept"], costs)
     oracle = hindsight(steps, plain_seconds, plain_tokens, costs)
+    expected = confident(steps, plain_seconds, plain_tokens, costs)
     best_m = max(fixed, key=fixed.get)
     calibration = [{"m": m, "predicted": round(sum(sum(s["chances"][:m]) for s in steps) / len(steps), 3),
                     "outcomes": round(sum(accepted(s, m) for s in steps) / len(steps), 3)} for m in range(most + 1)]
     result = {"model": args.model, "rounds": args.rounds, "drafted_steps": len(steps),
               "row_ms": {n: round(costs(n) * 1e3, 3) for n in range(1, most + 2)},
-              "tok_s": {"rule": round(rule, 1), "hindsight": round(oracle, 1),
+              "tok_s": {"rule": round(rule, 1), "confident": round(expected, 1), "hindsight": round(oracle, 1),
                         **{f"fixed {m}": round(v, 1) for m, v in fixed.items()}},
               "rule_over_best_fixed": round(rule / fixed[best_m], 3), "best_fixed": best_m,
+              "confident_over_best_fixed": round(expected / fixed[best_m], 3),
               "hindsight_over_best_fixed": round(oracle / fixed[best_m], 3), "calibration": calibration,
               "seconds": round(time.time() - started)}
     print(json.dumps({k: v for k, v in result.items() if k != "calibration"}, indent=1))
