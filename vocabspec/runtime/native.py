@@ -383,7 +383,7 @@ def check_index(what: str, value: int, low: int, high: int) -> None:
         raise ValueError(f"{what} {value} is outside [{low}, {high})")
 
 
-def check_parents(what: str, parents: torch.Tensor) -> None:
+def check_parents(what: str, parents: torch.Tensor | list[int]) -> None:
     """A tree's parents (-1 for the root at row 0, every other row's parent an earlier row):
     ValueError naming the first row that breaks it."""
     rows = parents.tolist() if isinstance(parents, torch.Tensor) else parents
