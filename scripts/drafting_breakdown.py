@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from vocabspec.runtime import native
+from vocabspec.runtime.kv_cache import ancestor_mask
 from vocabspec.runtime.loading import load_model
 from vocabspec.decoding.cost_curve import forward_seconds
 from vocabspec.speculation.vocab.draft_vocab import FullVocab, SpecVocab, StaticSubset
@@ -59,9 +60,8 @@ def level_split(stack, keys, values, head, rows: int, repeats: int, spec: SpecVo
     softmax with top-k, in ms. SpecVocab: its ranking, once a tree at the root (`rank`), and
     a level's exact head over the root's candidates."""
     x = torch.randn(rows, stack.dim)
-    positions = torch.tensor([CONTEXT] + [CONTEXT + 1] * (rows - 1))
-    sees = torch.eye(rows, dtype=torch.bool)
-    sees[:, 0] = True                   # the root and itself
+    parents = torch.tensor([-1] + [0] * (rows - 1))      # the root and its children
+    positions, sees = CONTEXT + (parents >= 0).long(), ancestor_mask(parents)
     embeds = x if stack.reads_embeds else None
     layer = timed(lambda: stack.forward(x.clone(), positions, keys, values, CONTEXT, 0, sees, embeds=embeds),
                   repeats)
